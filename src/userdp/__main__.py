@@ -1,0 +1,5 @@
+import sys
+
+from userdp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""The ``userdp`` command. Each sub-command lives in its own module under ``userdp.cli`` and
+exposes ``register(subparsers)``; this module only wires them together and turns
+:class:`userdp.errors.UserError` into one line on stderr and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from userdp import __version__
+from userdp.errors import UserError
+
+# Module names under userdp.cli, in the order they appear in `userdp --help`.
+COMMAND_MODULES = [
+    "train",
+    "pretrain",
+    "evaluate",
+    "report",
+    "plan",
+    "account",
+    "calibrate",
+    "data",
+    "experiment",
+]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (naming the argument) and exit status 2."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse API
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(
+        prog="userdp",
+        description="Fine-tune language models with user-level differential privacy.",
+    )
+    parser.add_argument("--version", action="version", version=f"userdp {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"userdp.cli.{name}")
+        except ModuleNotFoundError as exc:  # a command not built yet
+            if exc.name == f"userdp.cli.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UserError as exc:
+        print(f"userdp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("userdp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
