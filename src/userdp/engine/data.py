@@ -1,0 +1,122 @@
+"""What the engine trains on: users, not rows (docs/ARCHITECTURE.md §2).
+
+The engine asks a :class:`UserData` for three things only: how many records each user has,
+a batch of given (user, record) pairs (ELS: one record per unit), and up to G records of each
+of some users, drawn fresh (ULS / FedAvg: one user per unit). Everything about where records
+come from (files, a tokenized store, synthetic draws) stays behind this contract.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from userdp.errors import UserError
+
+Batch = dict[str, torch.Tensor]
+
+
+class UserData:
+    """A user-partitioned dataset: user u holds ``sizes()[u] >= 1`` records.
+
+    Subclasses implement :meth:`sizes` and :meth:`gather`; :meth:`draw_records` has a default
+    (uniformly at random without replacement, fresh every call) that selection strategies
+    override (longest, random chunk, ...).
+    """
+
+    num_users: int
+
+    def sizes(self) -> np.ndarray:
+        """int64 array [num_users]: records held by each user (every entry >= 1)."""
+        raise NotImplementedError
+
+    def gather(self, users: np.ndarray, records: np.ndarray) -> Batch:
+        """Batch of the records ``(users[i], records[i])``; every tensor has leading dim len(users)."""
+        raise NotImplementedError
+
+    def draw_records(
+        self, users: np.ndarray, group_size: int, rng: np.random.Generator
+    ) -> tuple[Batch, torch.Tensor]:
+        """Up to ``group_size`` records of each user in ``users``, drawn fresh.
+
+        Returns the batch with tensors shaped ``[len(users), G, ...]`` and a float mask
+        ``[len(users), G]`` (1 = real record, 0 = padding). Padding slots repeat a real record
+        of the same user (so the model sees valid inputs) and are masked out of the loss.
+        """
+        users = np.asarray(users, dtype=np.int64)
+        g = int(group_size)
+        if g < 1:
+            raise UserError(f"group size G must be >= 1, got {group_size}")
+        sizes = self.sizes()[users]
+        m = len(users)
+        rec = np.zeros((m, g), dtype=np.int64)
+        mask = np.zeros((m, g), dtype=np.float32)
+        for i, n in enumerate(sizes):  # numpy-only bookkeeping; gradients are vmapped elsewhere
+            n = int(n)
+            if n <= g:
+                rec[i, :n] = np.arange(n)
+                rec[i, n:] = 0
+                mask[i, :n] = 1.0
+            else:
+                rec[i] = rng.choice(n, size=g, replace=False)
+                mask[i] = 1.0
+        flat = self.gather(np.repeat(users, g), rec.reshape(-1))
+        batch = {k: v.reshape(m, g, *v.shape[1:]) for k, v in flat.items()}
+        return batch, torch.from_numpy(mask)
+
+    def __len__(self) -> int:
+        return int(self.num_users)
+
+
+class TensorUserData(UserData):
+    """In-memory user data: ``tensors`` hold all records, contiguous by user.
+
+    User u's records are rows ``offsets[u]:offsets[u+1]`` of every tensor; ``offsets`` has
+    ``num_users + 1`` non-decreasing entries starting at 0 and ending at the row count, and no
+    user may be empty.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], offsets: np.ndarray):
+        if not tensors:
+            raise UserError("TensorUserData needs at least one tensor")
+        offsets = np.asarray(offsets, dtype=np.int64)
+        if offsets.ndim != 1 or len(offsets) < 2 or offsets[0] != 0:
+            raise UserError("TensorUserData: offsets must be 1-D, start at 0 and hold num_users + 1 entries")
+        n_rows = {k: int(v.shape[0]) for k, v in tensors.items()}
+        if len(set(n_rows.values())) != 1:
+            raise UserError(f"TensorUserData: tensors differ in their number of rows: {n_rows}")
+        total = next(iter(n_rows.values()))
+        if offsets[-1] != total:
+            raise UserError(f"TensorUserData: offsets end at {offsets[-1]} but the tensors hold {total} rows")
+        sizes = np.diff(offsets)
+        if (sizes < 1).any():
+            bad = int(np.flatnonzero(sizes < 1)[0])
+            raise UserError(f"TensorUserData: user {bad} has no records (offsets must be strictly increasing)")
+        self.tensors = dict(tensors)
+        self.offsets = offsets
+        self._sizes = sizes
+        self.num_users = len(sizes)
+
+    @classmethod
+    def from_user_ids(cls, tensors: Mapping[str, torch.Tensor], user_ids) -> "TensorUserData":
+        """Build from per-row user ids (any hashable values); rows are regrouped by user."""
+        ids = np.asarray(user_ids)
+        _, inverse = np.unique(ids, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")
+        counts = np.bincount(inverse)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        idx = torch.from_numpy(order)
+        return cls({k: v[idx] for k, v in tensors.items()}, offsets)
+
+    def sizes(self) -> np.ndarray:
+        return self._sizes
+
+    def gather(self, users: np.ndarray, records: np.ndarray) -> Batch:
+        users = np.asarray(users, dtype=np.int64)
+        records = np.asarray(records, dtype=np.int64)
+        if users.shape != records.shape:
+            raise ValueError("gather: users and records must have the same shape")
+        idx = torch.from_numpy(self.offsets[users] + records)
+        return {k: v[idx] for k, v in self.tensors.items()}
