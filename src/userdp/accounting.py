@@ -1,0 +1,593 @@
+"""User-level privacy accounting: one ``dp_accounting`` DpEvent per training step.
+
+The only thing training tells accounting is a DpEvent (see docs/ARCHITECTURE.md §1):
+
+* ELS step (example-level sampling at rate p, at most G records per user): a mixture of
+  Gaussians whose sensitivity is Binomial(G, p) in units of the clip norm (SPEC §4.3).
+  For G = 1 this is exactly the Poisson-subsampled Gaussian, and we return that event.
+* ULS / DP-FedAvg / DP-FedSGD step: the Poisson-subsampled Gaussian at the user rate q.
+* Fixed-size cohorts drawn without replacement: ``SampledWithoutReplacementDpEvent``,
+  accounted with RDP under **replace-one** adjacency (SPEC §4.5).
+* No amplification (shuffled fixed batches): a Gaussian of sensitivity G every step.
+
+Backends: PLD (default, tight, pessimistic discretization) and RDP (fast; the choice for tiny
+δ). dp_accounting 0.6 has no RDP for ``MixtureOfGaussiansDpEvent``; we compute it here by
+numerical integration of the Rényi divergence of the dominating pair in both directions.
+
+Calibration (:func:`calibrate_noise_multiplier`) returns a noise multiplier that is never
+below the true one: every evaluation it relies on is a pessimistic PLD (an upper bound on
+ε), and the returned σ is one at which such an evaluation met the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import dp_accounting
+import numpy as np
+from dp_accounting import dp_event as dpe
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+from scipy import stats
+from scipy.special import logsumexp
+
+from userdp.errors import UserError
+
+NeighborRel = dp_accounting.NeighboringRelation
+
+__all__ = [
+    "ACCOUNTANTS",
+    "Mechanism",
+    "els_step_event",
+    "uls_step_event",
+    "fixed_cohort_step_event",
+    "no_amplification_step_event",
+    "compose",
+    "epsilon",
+    "delta",
+    "calibrate_noise_multiplier",
+    "max_steps",
+    "default_delta",
+    "adjacency",
+    "event_to_dict",
+    "event_to_json",
+    "moments_accountant_epsilon",
+    "rdp_orders",
+]
+
+ACCOUNTANTS = ("pld", "rdp")
+#: dp_accounting's default PLD discretization; what reported guarantees use.
+PLD_INTERVAL = 1e-4
+#: RDP orders used by the RDP backend (dp_accounting's defaults).
+RDP_ORDERS = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
+#: Largest noise multiplier calibration will consider.
+SIGMA_MAX = 1e4
+
+
+# ----------------------------------------------------------------------------------- checks
+def _check_positive(name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"{name} must be a positive number (got {value})")
+    return value
+
+
+def _check_rate(name: str, value: float) -> float:
+    value = float(value)
+    if not (0.0 < value <= 1.0):
+        raise UserError(f"{name} must be in (0, 1] (got {value})")
+    return value
+
+
+def _check_int(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or int(value) != value or int(value) < minimum:
+        raise UserError(f"{name} must be an integer >= {minimum} (got {value})")
+    return int(value)
+
+
+def _check_delta(value: float) -> float:
+    value = float(value)
+    if not (0.0 < value < 1.0):
+        raise UserError(f"delta must be in (0, 1) (got {value})")
+    return value
+
+
+def _check_accountant(accountant: str) -> str:
+    if accountant not in ACCOUNTANTS:
+        raise UserError(f"accountant must be one of {', '.join(ACCOUNTANTS)} (got {accountant!r})")
+    return accountant
+
+
+# ----------------------------------------------------------------------------------- events
+def binomial_sensitivity(group_size: int, sampling_rate: float) -> tuple[list[float], list[float]]:
+    """Support and pmf of K ~ Binomial(G, p): how many of a user's G records a step samples."""
+    ks = np.arange(group_size + 1)
+    probs = stats.binom.pmf(ks, group_size, sampling_rate)
+    return [float(k) for k in ks], [float(x) for x in probs]
+
+
+def els_step_event(noise_multiplier: float, sampling_rate: float, group_size: int) -> dpe.DpEvent:
+    """One ELS step: Gaussian noise σ, sensitivity K ~ Binomial(G, p) (SPEC §4.3).
+
+    G = 1 returns exactly ``PoissonSampledDpEvent(p, GaussianDpEvent(σ))``.
+    """
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    p = _check_rate("sampling_rate", sampling_rate)
+    g = _check_int("group_size", group_size)
+    if g == 1:
+        return dpe.PoissonSampledDpEvent(p, dpe.GaussianDpEvent(sigma))
+    sens, probs = binomial_sensitivity(g, p)
+    return dpe.MixtureOfGaussiansDpEvent(sigma, sens, probs)
+
+
+def uls_step_event(noise_multiplier: float, sampling_rate: float) -> dpe.DpEvent:
+    """One ULS / DP-FedAvg / DP-FedSGD step: users Poisson-sampled at rate q, Gaussian noise σ."""
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    q = _check_rate("sampling_rate", sampling_rate)
+    return dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma))
+
+
+def fixed_cohort_step_event(noise_multiplier: float, num_users: int, cohort_size: int) -> dpe.DpEvent:
+    """A fixed-size cohort of m users drawn without replacement from N (replace-one, RDP only)."""
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    n = _check_int("num_users", num_users)
+    m = _check_int("cohort_size", cohort_size)
+    if m > n:
+        raise UserError(f"cohort_size ({m}) must not exceed num_users ({n})")
+    return dpe.SampledWithoutReplacementDpEvent(n, m, dpe.GaussianDpEvent(sigma))
+
+
+def no_amplification_step_event(noise_multiplier: float, group_size: int = 1) -> dpe.DpEvent:
+    """What holds when sampling gives no amplification (e.g. shuffled fixed batches).
+
+    A user's G records may all land in one batch, so the sensitivity is G·C: the Gaussian
+    mechanism with noise multiplier σ/G.
+    """
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    g = _check_int("group_size", group_size)
+    return dpe.GaussianDpEvent(sigma / g)
+
+
+def compose(step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:
+    """T-fold self-composition of one step's event."""
+    t = _check_int("steps", steps)
+    return dpe.SelfComposedDpEvent(step_event, t)
+
+
+def default_delta(num_users: int) -> tuple[float, str]:
+    """δ = N^-1.1 with N the number of users (SPEC §4.7), and a sentence saying so."""
+    n = _check_int("num_users", num_users, minimum=2)
+    return float(n) ** -1.1, f"delta = N^-1.1 with N = {n} users"
+
+
+# ----------------------------------------------------------------------------------- event walk
+def _contains(event: dpe.DpEvent, cls: type) -> bool:
+    if isinstance(event, cls):
+        return True
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        return _contains(event.event, cls)
+    if isinstance(event, dpe.ComposedDpEvent):
+        return any(_contains(e, cls) for e in event.events)
+    if isinstance(event, (dpe.PoissonSampledDpEvent, dpe.SampledWithoutReplacementDpEvent)):
+        return _contains(event.event, cls)
+    return False
+
+
+def adjacency(event: dpe.DpEvent) -> str:
+    """The neighbouring relation under which the event is accounted.
+
+    ``"replace_one"`` when the event samples without replacement (fixed-size cohorts), else
+    ``"add_or_remove_one"`` (add or remove all of one user's data).
+    """
+    wor = _contains(event, dpe.SampledWithoutReplacementDpEvent)
+    poisson = _contains(event, dpe.PoissonSampledDpEvent) or _contains(
+        event, dpe.MixtureOfGaussiansDpEvent
+    )
+    if wor and poisson:
+        raise UserError(
+            "cannot compose fixed-size cohorts (replace-one) with Poisson-sampled steps "
+            "(add-or-remove) in one guarantee"
+        )
+    return "replace_one" if wor else "add_or_remove_one"
+
+
+def _relation(event: dpe.DpEvent) -> NeighborRel:
+    return NeighborRel.REPLACE_ONE if adjacency(event) == "replace_one" else NeighborRel.ADD_OR_REMOVE_ONE
+
+
+def event_to_dict(event: dpe.DpEvent) -> dict[str, Any]:
+    """JSON-ready form of a DpEvent, via dp_accounting's ``to_named_tuple`` serialization."""
+
+    def convert(value: Any) -> Any:
+        if hasattr(value, "_asdict"):
+            return {k: convert(v) for k, v in value._asdict().items() if k != "module_name"}
+        if isinstance(value, (list, tuple)):
+            return [convert(v) for v in value]
+        if isinstance(value, (np.floating, np.integer)):
+            return value.item()
+        return value
+
+    return convert(event.to_named_tuple())
+
+
+def event_to_json(event: dpe.DpEvent) -> str:
+    return json.dumps(event_to_dict(event), sort_keys=True)
+
+
+# ----------------------------------------------------------------------------------- RDP of MoG
+def rdp_orders() -> tuple[float, ...]:
+    return RDP_ORDERS
+
+
+def _mog_log_ratio(x: np.ndarray, sigma: float, sens: np.ndarray, log_w: np.ndarray) -> np.ndarray:
+    """L(x) = log P(x)/Q(x) for P = Σ w_k N(s_k, σ²), Q = N(0, σ²)."""
+    z = log_w[None, :] + (np.outer(x, sens) - 0.5 * sens[None, :] ** 2) / sigma**2
+    return logsumexp(z, axis=1)
+
+
+def _log_integral(logf: Callable[[np.ndarray], np.ndarray], lo: float, hi: float, scale: float) -> float:
+    """log ∫ exp(logf(x)) dx over [lo, hi] for a smooth integrand whose features are ≳ scale wide."""
+    coarse = np.linspace(lo, hi, 4001)
+    v = logf(coarse)
+    vmax = float(np.max(v))
+    if not math.isfinite(vmax):
+        return vmax
+    keep = np.nonzero(v > vmax - 60.0)[0]
+    a = coarse[max(keep[0] - 1, 0)]
+    b = coarse[min(keep[-1] + 1, len(coarse) - 1)]
+    n = int(min(max((b - a) / (scale / 40.0), 2001), 400001))
+    fine = np.linspace(a, b, n)
+    fv = logf(fine)
+    m = float(np.max(fv))
+    return m + math.log(np.trapezoid(np.exp(fv - m), fine))
+
+
+def mog_rdp(sigma: float, sensitivities: Sequence[float], probs: Sequence[float],
+            orders: Sequence[float] = RDP_ORDERS) -> np.ndarray:
+    """RDP of one Mixture-of-Gaussians step: max(D_α(P‖Q), D_α(Q‖P)) per order, by quadrature."""
+    sens = np.asarray(sensitivities, dtype=float)
+    w = np.asarray(probs, dtype=float)
+    keep = w > 0
+    sens, w = sens[keep], w[keep]
+    log_w = np.log(w / w.sum())
+    smax = float(sens.max())
+    out = np.empty(len(orders))
+    log_norm = -0.5 * math.log(2 * math.pi) - math.log(sigma)
+    for i, a in enumerate(orders):
+        a = float(a)
+
+        def f_pq(x, a=a):  # E_Q[exp(α L)]
+            return a * _mog_log_ratio(x, sigma, sens, log_w) - 0.5 * (x / sigma) ** 2 + log_norm
+
+        def f_qp(x, a=a):  # E_P[(Q/P)^α] = E_Q[exp((1-α) L)]
+            return (1 - a) * _mog_log_ratio(x, sigma, sens, log_w) - 0.5 * (x / sigma) ** 2 + log_norm
+
+        lo, hi = -40.0 * sigma - smax, a * smax + 40.0 * sigma
+        d1 = _log_integral(f_pq, lo, hi, sigma) / (a - 1)
+        d2 = _log_integral(f_qp, -40.0 * sigma - smax, smax + 40.0 * sigma, sigma) / (a - 1)
+        out[i] = max(d1, d2, 0.0)
+    return out
+
+
+def _rdp_vector(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -> np.ndarray:
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        return event.count * _rdp_vector(event.event, orders, relation)
+    if isinstance(event, dpe.ComposedDpEvent):
+        return sum((_rdp_vector(e, orders, relation) for e in event.events), np.zeros(len(orders)))
+    if isinstance(event, dpe.MixtureOfGaussiansDpEvent):
+        return _mog_rdp_cached(float(event.standard_deviation), tuple(event.sensitivities),
+                               tuple(event.sampling_probs), tuple(orders))
+    acc = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
+    try:
+        acc.compose(event)
+    except dp_accounting.UnsupportedEventError as exc:
+        raise UserError(f"the RDP accountant cannot account this event: {exc}") from None
+    return np.asarray(acc.rdp, dtype=float)
+
+
+_MOG_RDP_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
+
+
+def _mog_rdp_cached(sigma, sens, probs, orders) -> np.ndarray:
+    key = (sigma, sens, probs, orders)
+    if key not in _MOG_RDP_CACHE:
+        _MOG_RDP_CACHE[key] = mog_rdp(sigma, sens, probs, orders)
+        while len(_MOG_RDP_CACHE) > 256:
+            _MOG_RDP_CACHE.popitem(last=False)
+    return _MOG_RDP_CACHE[key]
+
+
+# ----------------------------------------------------------------------------------- PLD
+_PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_PLD_CACHE_SIZE = 64
+
+
+def _pld(event: dpe.DpEvent, interval: float):
+    """A composed PLD accountant for the event (LRU-cached by the event's parameters)."""
+    key = (repr(event), float(interval))
+    acc = _PLD_CACHE.get(key)
+    if acc is not None:
+        _PLD_CACHE.move_to_end(key)
+        return acc
+    if _contains(event, dpe.SampledWithoutReplacementDpEvent):
+        raise UserError(
+            "fixed-size cohorts (sampling without replacement) are accounted with RDP under "
+            "replace-one adjacency: use accountant='rdp'"
+        )
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
+    try:
+        acc.compose(event)
+    except dp_accounting.UnsupportedEventError as exc:
+        raise UserError(f"the PLD accountant cannot account this event: {exc}") from None
+    _PLD_CACHE[key] = acc
+    while len(_PLD_CACHE) > _PLD_CACHE_SIZE:
+        _PLD_CACHE.popitem(last=False)
+    return acc
+
+
+def _rdp(event: dpe.DpEvent, orders: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    orders_arr = np.asarray(orders if orders is not None else RDP_ORDERS, dtype=float)
+    return orders_arr, _rdp_vector(event, orders_arr, _relation(event))
+
+
+def epsilon(event: dpe.DpEvent, delta: float, accountant: str = "pld", *,
+            value_discretization_interval: float = PLD_INTERVAL,
+            orders: Sequence[float] | None = None) -> float:
+    """ε of the event at δ. PLD is pessimistic (an upper bound up to float error)."""
+    _check_delta(delta)
+    _check_accountant(accountant)
+    if accountant == "pld":
+        return float(_pld(event, value_discretization_interval).get_epsilon(delta))
+    o, r = _rdp(event, orders)
+    return float(rdp_lib.compute_epsilon(o, r, delta)[0])
+
+
+def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,
+          value_discretization_interval: float = PLD_INTERVAL,
+          orders: Sequence[float] | None = None) -> float:
+    """δ of the event at ε."""
+    eps = float(epsilon)
+    if not (eps > 0 and math.isfinite(eps)):
+        raise UserError(f"epsilon must be a positive number (got {epsilon})")
+    _check_accountant(accountant)
+    if accountant == "pld":
+        return float(_pld(event, value_discretization_interval).get_delta(eps))
+    o, r = _rdp(event, orders)
+    return float(rdp_lib.compute_delta(o, r, eps)[0])
+
+
+def moments_accountant_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
+                               delta: float) -> float:
+    """The legacy moments accountant of [S2] (SPEC §4.6): integer orders 2..33 and the
+    classical conversion ε = min_α T·RDP(α) + ln(1/δ)/(α−1). For reproduction only."""
+    orders = np.arange(2, 34, dtype=float)
+    acc = rdp_lib.RdpAccountant(orders=list(orders))
+    acc.compose(compose(uls_step_event(noise_multiplier, sampling_rate), steps))
+    return float(np.min(acc.rdp + math.log(1 / _check_delta(delta)) / (orders - 1)))
+
+
+# ----------------------------------------------------------------------------------- max_steps
+def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, accountant: str = "pld",
+              *, limit: int = 10**7) -> int:
+    """Largest T with ε(T steps) ≤ epsilon (0 if even one step exceeds; ``limit`` if reached)."""
+    eps_target = float(epsilon)
+    if not (eps_target > 0):
+        raise UserError(f"epsilon must be a positive number (got {epsilon})")
+    _check_delta(delta)
+
+    def ok(t: int) -> bool:
+        return globals()["epsilon"](compose(step_event, t), delta, accountant) <= eps_target
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo = hi
+        if hi >= limit:
+            return limit
+        hi = min(hi * 2, limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+# ----------------------------------------------------------------------------------- calibration
+def _initial_guess(make_step_event: Callable[[float], dpe.DpEvent], steps: int, eps: float,
+                   dlt: float) -> float | None:
+    """A cheap estimate of the answer from RDP of a Poisson-subsampled Gaussian.
+
+    For ELS, Conjecture 1 (SPEC §4.11) says σ_ELS ≤ G·σ_ULS, and it is close in practice.
+    Only used to place the search; never trusted for the answer.
+    """
+    try:
+        ev = make_step_event(1.0)
+    except UserError:
+        return None
+    if isinstance(ev, dpe.MixtureOfGaussiansDpEvent):
+        sens = np.asarray(ev.sensitivities, float)
+        w = np.asarray(ev.sampling_probs, float)
+        g = float(sens.max())
+        p = float(np.dot(sens, w) / g)
+        scale = g / float(ev.standard_deviation)
+    elif isinstance(ev, dpe.PoissonSampledDpEvent) and isinstance(ev.event, dpe.GaussianDpEvent):
+        p, scale = float(ev.sampling_probability), 1.0 / float(ev.event.noise_multiplier)
+    else:
+        return None
+    lo, hi = 1e-2, SIGMA_MAX
+
+    def eps_rdp(s):
+        acc = rdp_lib.RdpAccountant()
+        acc.compose(dpe.SelfComposedDpEvent(dpe.PoissonSampledDpEvent(p, dpe.GaussianDpEvent(s)), steps))
+        return acc.get_epsilon(dlt)
+
+    if eps_rdp(hi) > eps:
+        return None
+    for _ in range(40):
+        mid = math.sqrt(lo * hi)
+        if eps_rdp(mid) > eps:
+            lo = mid
+        else:
+            hi = mid
+        if hi / lo < 1.01:
+            break
+    return hi * scale
+
+
+def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], steps: int,
+                               epsilon: float, delta: float, accountant: str = "pld", *,
+                               rtol: float = 0.005, sigma_max: float = SIGMA_MAX,
+                               orders: Sequence[float] | None = None) -> float:
+    """Smallest noise multiplier whose T-step composition is (ε, δ)-DP, never below the truth.
+
+    The answer σ satisfies ε(σ) ≤ target under a pessimistic evaluation (PLD with pessimistic
+    discretization, or RDP, both upper bounds on ε), so σ ≥ σ_true; and the search stops when
+    the failing and passing σ are within ``rtol`` of each other.
+
+    PLD speed: evaluations at small σ are the slow ones, so the search never goes far below
+    the answer. It brackets from a cheap RDP estimate with a coarse (1e-2) PLD, narrows with
+    a 1e-3 PLD and finishes at 2e-4 on the last bracket; all are pessimistic.
+    """
+    eps = float(epsilon)
+    if not (eps > 0 and math.isfinite(eps)):
+        raise UserError(f"epsilon must be a positive number (got {epsilon})")
+    dlt = _check_delta(delta)
+    t = _check_int("steps", steps)
+    _check_accountant(accountant)
+
+    if accountant == "rdp":
+        def eps_at(s: float, level: int = 0) -> float:
+            return globals()["epsilon"](compose(make_step_event(s), t), dlt, "rdp", orders=orders)
+        levels = [0]
+    else:
+        intervals = [1e-2, 1e-3, 2e-4]
+
+        def eps_at(s: float, level: int = 0) -> float:
+            return globals()["epsilon"](compose(make_step_event(s), t), dlt, "pld",
+                                        value_discretization_interval=intervals[level])
+        levels = [0, 1, 2]
+
+    # 1. Bracket at the coarsest level, moving from a cheap guess (large σ is cheap).
+    guess = _initial_guess(make_step_event, t, eps, dlt) or 1.0
+    guess = min(max(guess, 1e-3), sigma_max)
+    lo_s, hi_s = None, None
+    s = guess
+    if eps_at(s, levels[0]) <= eps:
+        hi_s = s
+        while lo_s is None:
+            s2 = s / 1.25
+            if s2 < 1e-3:
+                lo_s = 0.0
+                break
+            if eps_at(s2, levels[0]) <= eps:
+                hi_s = s = s2
+            else:
+                lo_s = s2
+    else:
+        lo_s = s
+        while hi_s is None:
+            s2 = min(s * 1.5, sigma_max)
+            if eps_at(s2, levels[0]) <= eps:
+                hi_s = s2
+            elif s2 >= sigma_max:
+                raise UserError(
+                    f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
+                    f"up to {sigma_max:g} in {t} steps"
+                )
+            else:
+                lo_s = s = s2
+
+    # 2. Refine level by level. A σ that passes at a coarser (more pessimistic) level passes at
+    # a finer one, so hi stays valid; lo is re-checked at the finer level.
+    for li, level in enumerate(levels):
+        if li > 0 and lo_s > 0:
+            # hi passed at a coarser (more pessimistic) level; lo failed there but may pass
+            # here, so step it down until it fails at this level too.
+            while lo_s > 1e-3 and eps_at(lo_s, level) <= eps:
+                hi_s, lo_s = lo_s, lo_s / 1.1
+        tol = rtol if li == len(levels) - 1 else max(rtol, 0.02 / (li + 1))
+        while lo_s <= 0 or hi_s / lo_s > 1 + tol:
+            mid = math.sqrt(lo_s * hi_s) if lo_s > 0 else hi_s / 2
+            if eps_at(mid, level) <= eps:
+                hi_s = mid
+            else:
+                lo_s = mid
+    return float(hi_s)
+
+
+# ----------------------------------------------------------------------------------- mechanism
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """A training run's mechanism, as the privacy report records it.
+
+    kind: ``els`` | ``uls`` | ``fixed_cohort`` | ``no_amplification``.
+    ``sampling_rate`` is p (ELS, records) or q (ULS, users); fixed cohorts give
+    ``num_users`` and ``cohort_size`` instead.
+    """
+
+    kind: str
+    noise_multiplier: float
+    steps: int
+    sampling_rate: float | None = None
+    group_size: int = 1
+    num_users: int | None = None
+    cohort_size: int | None = None
+
+    KINDS = ("els", "uls", "fixed_cohort", "no_amplification")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise UserError(f"mechanism kind must be one of {', '.join(self.KINDS)} (got {self.kind!r})")
+        self.step_event()  # validates the parameters
+        _check_int("steps", self.steps)
+
+    def step_event(self, noise_multiplier: float | None = None) -> dpe.DpEvent:
+        z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        if self.kind == "els":
+            return els_step_event(z, self._rate(), self.group_size)
+        if self.kind == "uls":
+            return uls_step_event(z, self._rate())
+        if self.kind == "fixed_cohort":
+            if self.num_users is None or self.cohort_size is None:
+                raise UserError("a fixed_cohort mechanism needs num_users and cohort_size")
+            return fixed_cohort_step_event(z, self.num_users, self.cohort_size)
+        return no_amplification_step_event(z, self.group_size)
+
+    def _rate(self) -> float:
+        if self.sampling_rate is None:
+            raise UserError(f"a {self.kind} mechanism needs sampling_rate")
+        return self.sampling_rate
+
+    def event(self) -> dpe.DpEvent:
+        return compose(self.step_event(), self.steps)
+
+    @property
+    def adjacency(self) -> str:
+        return adjacency(self.step_event())
+
+    def epsilon(self, delta: float, accountant: str = "pld") -> float:
+        return epsilon(self.event(), delta, accountant)
+
+    def delta(self, epsilon_: float, accountant: str = "pld") -> float:
+        return delta(self.event(), epsilon_, accountant)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["adjacency"] = self.adjacency
+        d["step_event"] = event_to_dict(self.step_event())
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Mechanism":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
