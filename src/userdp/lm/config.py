@@ -1,0 +1,351 @@
+"""The ``userdp train`` configuration: a YAML file validated into frozen dataclasses.
+
+Every key is declared here; an unknown key is refused with its dotted name, a wrong type names
+the key, the expected type and the value. ``--set a.b=value`` overrides (value parsed as YAML)
+use the same dotted names. The embedded default lives in ``userdp/configs/default.yaml``;
+a user's file is layered over it, then the ``--set`` overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from userdp.errors import UserError
+
+
+def _choice(*options: str, default: str) -> Any:
+    return field(default=default, metadata={"choices": options})
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the private records come from and how users are split."""
+
+    source: str = _choice("shakespeare", "stackexchange", "jsonl", "csv", default="shakespeare")
+    path: Optional[str] = None            # file or folder for stackexchange/jsonl/csv
+    sites: Optional[tuple[str, ...]] = None  # stackexchange: sites to fine-tune on (default: main sites)
+    public_sites: Optional[tuple[str, ...]] = None  # stackexchange: declared-public sites (meta)
+    public_plays: int = 4                 # shakespeare: whole plays held out as public text
+    user_field: str = "user"              # jsonl/csv
+    text_field: str = "text"              # jsonl/csv
+    public_path: Optional[str] = None     # jsonl/csv/txt of declared-public text (pretraining)
+    max_users: Optional[int] = None       # keep at most this many users (seeded choice), for quick runs
+    heldout_users: float = 0.1            # fraction (< 1) or count (>= 1) of users held out for eval
+    max_eval_users: Optional[int] = 200   # cap on the held-out users evaluated (seeded choice)
+    min_records: int = 1                  # users with fewer records are dropped (counted)
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    path: Optional[str] = None            # a saved tokenizer (tokenizer.json or a HF folder)
+    vocab_size: int = 2048                # BPE trained on the declared-public text
+    seq_len: int = 64                     # tokens per record (longer records are truncated)
+    declared_public: bool = False         # the tokenizer at `path` saw only public text
+    trained_on_private: bool = False      # set when the tokenizer saw the training records
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    enabled: bool = False
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: Optional[tuple[str, ...]] = None
+    save_adapter: bool = False            # save the adapter instead of the merged model
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Non-private pretraining on declared-public text (cached by content)."""
+
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 30
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: Optional[str] = "tiny"        # tiny | small | base (GPT-2 style), or null with path
+    path: Optional[str] = None            # local model directory (AutoModelForCausalLM)
+    pretrain: bool = True                 # preset: pretrain on the public text first (cached)
+    pretraining: PretrainConfig = PretrainConfig()
+    lora: LoraConfig = LoraConfig()
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    epsilon: float = 3.0
+    delta: Optional[float] = None         # null: N^-1.1 with N = training users
+    accountant: str = _choice("pld", "rdp", default="pld")
+    sampler: str = _choice("poisson", "shuffle", default="poisson")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    algorithm: str = _choice("uls", "els", "fedavg", "nonprivate", default="uls")
+    steps: int = 200
+    cohort_size: float = 64.0             # expected units per step (q = cohort / units)
+    group_size: int = 8                   # G: records per user (ULS average / ELS cap)
+    clip_norm: float = 1.0
+    clipping: str = _choice("flat", "per_layer", "normalized", default="flat")
+    optimizer: str = _choice("sgd", "adam", "adafactor", default="adam")
+    lr: float = 1e-3
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    local_steps: int = 1                  # fedavg: local SGD steps per user
+    local_lr: float = 0.1                 # fedavg
+    selection: str = _choice("random", "longest", "shortest", "random_chunk",
+                             "highest_ppl", "lowest_ppl", default="random")
+    chunk_size: int = 8                   # vmap chunk (units per vectorised call)
+    seed: int = 0
+    checkpoint_every: int = 50
+    allow_cohort_shortfall: bool = False
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    batch_size: int = 64
+    before: bool = True                   # evaluate the starting model too
+    personalize: bool = False
+    personalize_lr: float = 0.05
+    personalize_epochs: int = 4
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: Optional[str] = None             # default runs/<timestamp> under the cwd
+    plot: bool = True
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    training: TrainingConfig = TrainingConfig()
+    eval: EvalConfig = EvalConfig()
+    output: OutputConfig = OutputConfig()
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"{where}: {key} must be a mapping, got {value!r}")
+        return _build(tp, value, key, where)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{where}: {key} must be a list, got {value!r}")
+        inner = typing.get_args(tp)[0]
+        return tuple(_coerce(v, inner, f"{key}[{i}]", where) for i, v in enumerate(value))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{where}: {key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise UserError(f"{where}: {key} must be an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where}: {key} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise UserError(f"{where}: {key} must be a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported config type {tp}")  # pragma: no cover
+
+
+def _build(cls, raw: dict, prefix: str, where: str):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = [k for k in fields if k.startswith(str(key)[:3])]
+            hint = f" (did you mean {', '.join(close)}?)" if close else f" (known keys: {', '.join(fields)})"
+            raise UserError(f"{where}: unknown key {dotted!r}{hint}")
+        v = _coerce(value, hints[key], dotted, where)
+        choices = fields[key].metadata.get("choices")
+        if choices and v not in choices:
+            raise UserError(f"{where}: {dotted} must be one of {', '.join(choices)}, got {v!r}")
+        kwargs[key] = v
+    return cls(**kwargs)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def default_yaml_text() -> str:
+    return resources.files("userdp").joinpath("configs/default.yaml").read_text()
+
+
+def load_yaml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config: {path} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise UserError(f"config: {path}{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise UserError(f"config: {path}: the top level must be a mapping of sections")
+    return raw
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise UserError(f"--set {text!r}: expected key=value with a dotted key, e.g. training.steps=100")
+    key, value = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise UserError(f"--set {text!r}: empty key")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError:
+        parsed = value
+    return key.split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    out = _merge({}, raw)
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        cls = RunConfig
+        for i, part in enumerate(parts[:-1]):
+            names = {f.name for f in dataclasses.fields(cls)}
+            if part not in names:
+                raise UserError(f"--set {text}: unknown key {'.'.join(parts[: i + 1])!r} "
+                                f"(known keys: {', '.join(sorted(names))})")
+            sub = typing.get_type_hints(cls)[part]
+            if not dataclasses.is_dataclass(sub):
+                raise UserError(f"--set {text}: {'.'.join(parts[: i + 1])} is not a section")
+            cls = sub
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set {text}: {'.'.join(parts[: i + 1])} is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def from_dict(raw: dict, where: str = "config") -> RunConfig:
+    cfg = _build(RunConfig, raw, "", where)
+    validate(cfg, where)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Default YAML, layered with ``path`` (if given), then ``--set`` overrides; validated."""
+    base = yaml.safe_load(default_yaml_text()) or {}
+    where = "config (embedded default)"
+    if path is not None:
+        user = load_yaml(path)
+        # validate the user's file on its own first so that errors name it
+        _build(RunConfig, user, "", f"config {path}")
+        base = _merge(base, user)
+        where = f"config {path}"
+    if overrides:
+        base = apply_overrides(base, overrides)
+        where = f"{where} with --set"
+    return from_dict(base, where)
+
+
+def validate(cfg: RunConfig, where: str = "config") -> None:
+    """Cross-field checks (types and choices are checked while building)."""
+    def bad(msg):
+        raise UserError(f"{where}: {msg}")
+
+    p, t, d, m, tok = cfg.privacy, cfg.training, cfg.data, cfg.model, cfg.tokenizer
+    if t.algorithm != "nonprivate" and not p.epsilon > 0:
+        bad(f"privacy.epsilon must be > 0, got {p.epsilon}")
+    if p.delta is not None and not 0 < p.delta < 1:
+        bad(f"privacy.delta must be in (0, 1), got {p.delta}")
+    if t.steps < 1:
+        bad(f"training.steps must be >= 1, got {t.steps}")
+    if t.cohort_size <= 0:
+        bad(f"training.cohort_size must be > 0, got {t.cohort_size}")
+    if t.group_size < 1:
+        bad(f"training.group_size must be >= 1, got {t.group_size}")
+    if t.clip_norm <= 0:
+        bad(f"training.clip_norm must be > 0, got {t.clip_norm}")
+    if t.lr <= 0:
+        bad(f"training.lr must be > 0, got {t.lr}")
+    if tok.seq_len < 4:
+        bad(f"tokenizer.seq_len must be >= 4, got {tok.seq_len}")
+    if d.heldout_users <= 0:
+        bad(f"data.heldout_users must be > 0, got {d.heldout_users}")
+    if m.preset is None and m.path is None:
+        bad("model: give model.preset (tiny, small, base) or model.path (a local directory)")
+    if d.source in ("jsonl", "csv", "stackexchange") and not d.path:
+        bad(f"data.path is required for data.source = {d.source}")
+    if tok.path and tok.trained_on_private and not tok.declared_public:
+        bad("tokenizer: a tokenizer trained on the private training records leaks them "
+            "(SPEC §8.4); train it on public text or set tokenizer.declared_public: true if "
+            "that text is public")
+    if t.checkpoint_every < 1:
+        bad(f"training.checkpoint_every must be >= 1, got {t.checkpoint_every}")
+
+
+def to_dict(cfg) -> dict:
+    d = dataclasses.asdict(cfg)
+
+    def fix(x):
+        if isinstance(x, dict):
+            return {k: fix(v) for k, v in x.items()}
+        if isinstance(x, tuple):
+            return [fix(v) for v in x]
+        return x
+
+    return fix(d)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

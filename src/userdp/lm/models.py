@@ -1,0 +1,292 @@
+"""Causal language models the DP engine can train: presets, local checkpoints, LoRA, the loss.
+
+Everything here is local: a preset is built from a ``GPT2Config`` (random weights, then
+pretrained by ``userdp pretrain`` on public text) and any other model comes from a local
+directory through ``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)``.
+Nothing is fetched from a hub.
+
+Two things make a Hugging Face causal LM usable with the engine's vmapped per-unit gradients
+(see ../shared/SHARP_EDGES.md):
+
+* attention is forced to ``"eager"`` (SDPA has no vmap batching rule on CPU);
+* the loss never passes an ``attention_mask`` through the model (transformers' masking code
+  branches on the mask's values, which vmap cannot trace). Padding is on the right, so no real
+  token attends to a later pad, and the loss ignores targets equal to ``-100``.
+
+Dropout is switched off (``p = 0``): random masks under ``vmap`` would need a randomness mode
+and would make each unit's gradient depend on the RNG state of the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from userdp.errors import UserError
+
+IGNORE_INDEX = -100
+
+# Small GPT-2-style presets sized for CPUs. The vocabulary and context come from the tokenizer
+# and the run's sequence length.
+PRESETS: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4},
+    "small": {"n_layer": 4, "n_embd": 256, "n_head": 4},
+    "base": {"n_layer": 6, "n_embd": 384, "n_head": 6},
+}
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def _no_dropout(model: nn.Module) -> nn.Module:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
+                    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout",
+                    "attention_dropout", "hidden_dropout"):
+            if isinstance(getattr(cfg, key, None), float):
+                setattr(cfg, key, 0.0)
+    return model
+
+
+def _force_eager(model: nn.Module) -> nn.Module:
+    cfg = getattr(model, "config", None)
+    if cfg is not None:
+        if hasattr(model, "set_attn_implementation"):
+            try:
+                model.set_attn_implementation("eager")
+            except Exception:  # noqa: BLE001 - older/other models: fall back to the attribute
+                cfg._attn_implementation = "eager"
+        else:
+            cfg._attn_implementation = "eager"
+    return model
+
+
+def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None, seed: int = 0) -> nn.Module:
+    """A randomly initialised GPT-2-style model of the named size (``tiny``, ``small``, ``base``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _quiet_transformers()
+    if name not in PRESETS:
+        raise UserError(f"model.preset: unknown preset {name!r} (choose one of {', '.join(PRESETS)})")
+    if vocab_size < 2:
+        raise UserError(f"model: vocabulary size must be at least 2, got {vocab_size}")
+    cfg = GPT2Config(vocab_size=int(vocab_size), n_positions=int(n_positions),
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                     pad_token_id=pad_token_id, **PRESETS[name])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(cfg)
+    return _force_eager(_no_dropout(model))
+
+
+def load_local(path: str | os.PathLike) -> nn.Module:
+    """Load a causal LM from a local directory (never the hub), eager attention, no dropout.
+
+    A directory holding a LoRA adapter (``adapter_config.json``) is loaded onto its base model
+    (which must also be local) and merged.
+    """
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"model.path: {path} is not a directory (models are loaded from local "
+                        "directories only; nothing is downloaded)")
+    if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
+        from peft import PeftModel
+
+        base = json.loads((p / "adapter_config.json").read_text())["base_model_name_or_path"]
+        base_model = load_local(base)
+        model = PeftModel.from_pretrained(base_model, str(p), local_files_only=True)
+        return _force_eager(_no_dropout(model.merge_and_unload()))
+    if not (p / "config.json").is_file():
+        raise UserError(f"model.path: {path} holds no config.json (expected a model saved with "
+                        "save_pretrained, or a userdp run's model/ directory)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True,
+                                                     attn_implementation="eager")
+    except (OSError, ValueError) as exc:
+        raise UserError(f"model.path: cannot load a causal LM from {path}: {exc}") from None
+    return _force_eager(_no_dropout(model))
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] | None = None  # None: the attention projections
+
+
+def default_lora_targets(model: nn.Module) -> list[str]:
+    """Attention projections of common causal LMs (GPT-2's fused ``c_attn``, Llama's ``q/v_proj``)."""
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    for candidates in (["c_attn"], ["q_proj", "v_proj"], ["query_key_value"], ["Wqkv"]):
+        if all(c in names for c in candidates):
+            return candidates
+    raise UserError("model.lora.target_modules: cannot guess the attention projections of this "
+                    "model; name them explicitly")
+
+
+def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
+    """Wrap ``model`` with LoRA adapters (peft); only the adapters are trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    if spec.rank < 1:
+        raise UserError(f"model.lora.rank must be >= 1, got {spec.rank}")
+    targets = list(spec.target_modules) if spec.target_modules else default_lora_targets(model)
+    present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise UserError(f"model.lora.target_modules: {missing} not found in the model "
+                        f"(modules include {sorted(present)[:12]})")
+    fan_in_fan_out = type(model).__name__.startswith("GPT2")  # GPT-2's Conv1D stores W transposed
+    cfg = LoraConfig(r=int(spec.rank), lora_alpha=float(spec.alpha), target_modules=targets,
+                     lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                     fan_in_fan_out=fan_in_fan_out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(model, cfg)
+
+
+def is_lora(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, PeftModel)
+
+
+def merged(model: nn.Module) -> nn.Module:
+    """The plain transformers model: LoRA adapters merged into the weights (a copy)."""
+    import copy
+
+    if is_lora(model):
+        return copy.deepcopy(model).merge_and_unload()
+    return model
+
+
+def num_trainable(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# ---------------------------------------------------------------------------------------
+# The linter (SPEC §8.4): modules that mix records within a batch
+
+
+def lint_model(model: nn.Module) -> None:
+    """Refuse components that mix records within a batch (BatchNorm in training mode, SPEC §8.4).
+
+    The check itself is the engine's (``userdp.engine.per_unit.lint_model``, which the engine
+    also runs before training); the LM jobs call it up front so a bad model is refused before
+    any pretraining or data preparation.
+    """
+    from userdp.engine.per_unit import lint_model as engine_lint
+
+    engine_lint(model)
+
+
+# ---------------------------------------------------------------------------------------
+# The loss (engine contract: loss_fn(model, batch) -> Tensor[n], vmappable)
+
+
+def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-record next-token cross-entropy, averaged over the record's target tokens.
+
+    ``batch["input_ids"]`` is ``[n, L]`` (right-padded); ``batch["labels"]`` is ``[n, L]`` with
+    ``-100`` where no loss is taken (padding, or a prompt). Labels are *not* shifted by the
+    caller: position t predicts ``labels[t+1]`` as in Hugging Face. No attention mask is passed
+    to the model (see the module docstring). A record with no target token has loss 0.
+    Vmappable: no data-dependent Python control flow.
+    """
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels", input_ids)
+    logits = model(input_ids=input_ids).logits  # [n, L, V]
+    logits = logits[..., :-1, :]
+    targets = labels[..., 1:]
+    valid = targets != IGNORE_INDEX
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+    logp = F.log_softmax(logits.float(), dim=-1)
+    nll = -torch.gather(logp, -1, safe_targets.unsqueeze(-1)).squeeze(-1)
+    nll = nll * valid.to(nll.dtype)
+    count = valid.to(nll.dtype).sum(-1)
+    return nll.sum(-1) / count.clamp(min=1.0)
+
+
+def token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed NLL and target-token count per record (for token-weighted evaluation)."""
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels", input_ids)
+    logits = model(input_ids=input_ids).logits[..., :-1, :]
+    targets = labels[..., 1:]
+    valid = targets != IGNORE_INDEX
+    safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
+    logp = F.log_softmax(logits.float(), dim=-1)
+    nll = -torch.gather(logp, -1, safe_targets.unsqueeze(-1)).squeeze(-1) * valid
+    return nll.sum(-1), valid.sum(-1)
+
+
+# ---------------------------------------------------------------------------------------
+# Saving
+
+
+def save_model(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
+               adapter: bool = False) -> Path:
+    """Save a model ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads (LoRA merged), or,
+    with ``adapter=True`` and a LoRA model, the adapter only (peft format)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if adapter and is_lora(model):
+        model.save_pretrained(str(out))
+    else:
+        plain = merged(model)
+        plain.save_pretrained(str(out), safe_serialization=True)
+    if tokenizer is not None:
+        hf_tokenizer(tokenizer).save_pretrained(str(out))
+    return out
+
+
+def hf_tokenizer(tokenizer):
+    """A transformers tokenizer for a ``tokenizers.Tokenizer`` (or pass one through)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        specials = {}
+        vocab = tokenizer.get_vocab()
+        for key, cands in (("eos_token", ["<|endoftext|>", "</s>", "<eos>"]),
+                           ("pad_token", ["<pad>", "<|pad|>"]),
+                           ("bos_token", ["<s>", "<bos>", "<|endoftext|>"]),
+                           ("unk_token", ["<unk>"])):
+            for c in cands:
+                if c in vocab:
+                    specials[key] = c
+                    break
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **specials)
+    return tokenizer
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def trainable_names(model: nn.Module) -> Sequence[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]

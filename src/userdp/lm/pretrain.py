@@ -1,0 +1,132 @@
+"""Non-private pretraining on text declared public (the paper's recipe: public pretraining,
+then private fine-tuning). Produces a local directory that ``userdp train`` accepts as
+``model.path`` and that ``AutoModelForCausalLM.from_pretrained`` loads, with its tokenizer.
+
+The text is tokenized, joined with an end-of-text token and cut into blocks of ``seq_len``
+tokens (standard LM packing); AdamW with linear warm-up and cosine decay. This touches only
+the public text: nothing here is accounted, and nothing here may see private records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from userdp.errors import UserError
+from userdp.lm import models
+
+
+def cache_root() -> Path:
+    """``$USERDP_CACHE`` or ``~/.cache/userdp``."""
+    env = os.environ.get("USERDP_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "userdp"
+
+
+def fingerprint(*parts) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, (list, tuple)):
+            for x in p:
+                h.update(str(x).encode("utf-8", "replace"))
+                h.update(b"\x00")
+        else:
+            h.update(json.dumps(p, sort_keys=True, default=str).encode())
+        h.update(b"\x01")
+    return h.hexdigest()[:16]
+
+
+def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int | None) -> torch.Tensor:
+    """Concatenate documents (separated by ``eos_id``) and cut into ``[n, seq_len]`` blocks."""
+    flat: list[int] = []
+    for ids in token_lists:
+        flat.extend(ids)
+        if eos_id is not None:
+            flat.append(eos_id)
+    n = len(flat) // seq_len
+    if n < 1:
+        raise UserError(f"pretrain: the public text holds {len(flat)} tokens, fewer than one "
+                        f"block of {seq_len}")
+    return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_size: int,
+             lr: float, warmup: int = 0, seed: int = 0, weight_decay: float = 0.01,
+             progress: bool = True, desc: str = "pretrain", log=None) -> list[float]:
+    """Plain (non-private) LM training on packed blocks; returns the loss per step."""
+    if steps < 1:
+        raise UserError(f"pretrain: steps must be >= 1, got {steps}")
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if warmup and step < warmup:
+            return lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    model.train()
+    losses = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, leave=False)
+    t0 = time.time()
+    for step in range(steps):
+        idx = torch.randint(0, blocks.shape[0], (min(batch_size, blocks.shape[0]),), generator=gen)
+        x = blocks[idx]
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        loss = models.causal_lm_loss(model, {"input_ids": x, "labels": x}).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(float(loss))
+        if bar is not None:
+            bar.update(1)
+            tok_s = (step + 1) * x.numel() / max(1e-9, time.time() - t0)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:.0f}")
+        if log is not None:
+            log(step, losses[-1])
+    if bar is not None:
+        bar.close()
+    model.eval()
+    return losses
+
+
+def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq_len: int = 64,
+                   steps: int = 600, batch_size: int = 32, lr: float = 3e-3, warmup: int = 30,
+                   seed: int = 0, base_model: str | None = None, progress: bool = True):
+    """Build (preset) or load (``base_model``) a causal LM and train it on public ``texts``."""
+    from userdp.lm.tokenization import encode_texts, special_ids
+
+    ids = encode_texts(tokenizer, texts)
+    sp = special_ids(tokenizer)
+    blocks = pack(ids, seq_len, sp.get("eos"))
+    if base_model:
+        model = models.load_local(base_model)
+    else:
+        model = models.build_preset(preset, vocab_size=tokenizer.get_vocab_size(),
+                                    n_positions=max(seq_len, 128), bos_token_id=sp.get("eos"),
+                                    eos_token_id=sp.get("eos"), pad_token_id=sp.get("pad"),
+                                    seed=seed)
+    losses = train_lm(model, blocks, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
+                      seed=seed, progress=progress)
+    return model, {"blocks": int(blocks.shape[0]), "tokens": int(blocks.numel()),
+                   "final_loss": float(np.mean(losses[-20:])), "steps": steps}
+
+
+def save_pretrained(model, tokenizer, out_dir: str | Path, info: dict) -> Path:
+    out = models.save_model(model, out_dir, tokenizer)
+    (out / "userdp_pretrain.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    return out

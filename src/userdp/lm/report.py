@@ -1,0 +1,273 @@
+"""The privacy statement of a run (SPEC §8.3), as JSON (``privacy.json``) and Markdown.
+
+``privacy_record(...)`` builds the dictionary the training job saves as ``privacy.json`` at
+the end of a run (and at each checkpoint); ``build_report(run_dir)`` reads it back with the
+resolved config and metrics and returns the full statement; ``render_markdown`` prints it.
+Every field of the §8.3 checklist is present and non-empty; values that do not apply say so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any
+
+from userdp.errors import UserError
+from userdp.lm.run_dir import RunDir, existing_run_dir, write_json_atomic
+
+SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "
+           "clips each sampled user's update, and releases only the noised sum")
+ADJACENCY = ("add/remove one user: the two datasets differ in all records of one user "
+             "(ADD_OR_REMOVE_ONE in dp_accounting)")
+COVERAGE = ("every step of training: the mechanism's output is the full sequence of noised "
+            "aggregated updates, so every checkpoint and the final model are covered by the same "
+            "(epsilon, delta) (post-processing)")
+
+TIERS = [
+    (1.0, 1, "Tier 1 (epsilon <= 1): strong protection"),
+    (10.0, 2, "Tier 2 (epsilon <= 10): reasonable; the common target for ML models"),
+    (math.inf, 3, "Tier 3 (epsilon > 10): weak; release needs additional measures (empirical "
+                  "auditing, demonstrated robustness to attacks, or removal of sensitive data)"),
+]
+
+
+def epsilon_tier(eps: float | None) -> dict:
+    """SPEC §8.2 tier of an epsilon (user-level unit, add/remove adjacency assumed)."""
+    if eps is None or not math.isfinite(eps):
+        return {"tier": None, "meaning": "no differential-privacy guarantee (non-private training)",
+                "context": "e^10 = 22,026"}
+    for bound, tier, meaning in TIERS:
+        if eps <= bound:
+            return {"tier": tier, "meaning": meaning,
+                    "context": (f"an adversary's odds about any one user's participation change by "
+                                f"at most a factor e^{eps:.3g} = {math.exp(min(eps, 700)):.4g} "
+                                "(except with probability delta); for comparison e^10 = 22,026")}
+    raise AssertionError  # pragma: no cover
+
+
+def event_to_json(event: Any) -> Any:
+    """A DpEvent as JSON (dp_accounting's named-tuple form, via userdp.accounting); dicts pass."""
+    if event is None or isinstance(event, dict):
+        return event
+    from userdp.accounting import event_to_dict
+
+    return event_to_dict(event)
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for name in ("userdp", "torch", "dp-accounting", "transformers", "peft", "tokenizers", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+SAMPLER_TEXT = {
+    "poisson_users": "Poisson sampling of users: each user joins each step independently with "
+                     "probability q (variable cohort size)",
+    "poisson_examples": "Poisson sampling of records: each of a user's (at most G) records joins "
+                        "each step independently with probability q",
+    "shuffle_fixed_batches": "shuffled fixed-size batches (no proven amplification)",
+    "none": "no sampling (full participation)",
+}
+
+
+def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
+                   sampler_used: str, epsilon_spent: float | None, epsilon_target: float | None,
+                   delta: float | None, delta_rule: str, noise_multiplier: float | None,
+                   sampling_rate: float | None, steps_taken: int, steps_planned: int,
+                   clip_norm: float | None, group_size: int | None, num_users: int,
+                   num_records: int, expected_cohort: float | None, clipping: str,
+                   dp_event: Any = None, epsilon_no_amplification: float | None = None,
+                   not_accounted: list[str] | None = None, tokenizer_note: str = "",
+                   pretraining_note: str = "", selection: str = "random",
+                   seq_len: int | None = None, extra: dict | None = None) -> dict:
+    """The data behind the privacy statement; saved as ``privacy.json``."""
+    private = algorithm != "nonprivate"
+    unit = {"els": "user (ELS: at most G records per user; per-record clipping; the user-level "
+                   "guarantee comes from the mixture-of-Gaussians accountant)",
+            "uls": "user (ULS: a sampled user's gradient averaged over up to G records, clipped once)",
+            "fedavg": "user (DP-FedAvg: a sampled user's model delta after local SGD, clipped once)",
+            "nonprivate": "none (non-private training)"}[algorithm]
+    unit += (f"; each record is at most {seq_len} tokens; features and labels (all text) are "
+             "protected") if seq_len else ""
+    met = sampler_assumed == sampler_used
+    assumptions = []
+    if private:
+        assumptions.append(f"sampling: {SAMPLER_TEXT.get(sampler_assumed, sampler_assumed)}")
+        assumptions.append("noise: Gaussian with standard deviation sigma*C on the sum of clipped "
+                           "unit updates, drawn once per step from torch's generator (not a cryptographically secure RNG; "
+                           "floating-point effects are not accounted)")
+        if algorithm == "els":
+            assumptions.append(f"each user contributes at most G = {group_size} records (enforced "
+                               "when the user store is built)")
+        assumptions.append(f"the number of users N = {num_users} is public (used in q and delta)")
+    not_acc = list(not_accounted or [])
+    not_acc.append("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
+                   "them are not accounted; tune on public data or account per SPEC §4.10")
+    if tokenizer_note:
+        not_acc.append(tokenizer_note)
+    if pretraining_note:
+        not_acc.append(pretraining_note)
+    if selection in ("highest_ppl", "lowest_ppl"):
+        not_acc.append("perplexity-based record selection used the pretrained model on the private "
+                       "records (a non-private data touch)")
+    rec = {
+        "private": private,
+        "setting": SETTING if private else "none (non-private training)",
+        "data_accesses_covered": ("training only (the sequence of noised aggregated updates); "
+                                  "held-out-user evaluation uses users excluded from training")
+        if private else "none",
+        "mechanism_output": COVERAGE if private else "none",
+        "unit": unit,
+        "adjacency": ADJACENCY if private else "none",
+        "algorithm": algorithm,
+        "accountant": {"pld": "PLD (privacy-loss distributions, dp_accounting; add/remove)",
+                       "rdp": "RDP (Renyi DP, dp_accounting; add/remove)"}.get(accountant, accountant)
+        + (" with a mixture-of-Gaussians step event (Binomial(G, q) sensitivity)" if algorithm == "els" else ""),
+        "assumptions": assumptions or ["none"],
+        "sampler_assumed": sampler_assumed,
+        "sampler_used": sampler_used,
+        "assumptions_met": bool(met) if private else None,
+        "epsilon": epsilon_spent,
+        "epsilon_target": epsilon_target,
+        "delta": delta,
+        "delta_rule": delta_rule,
+        "epsilon_no_amplification": epsilon_no_amplification,
+        "tuning_guarantee": "not accounted (see not_accounted); the statement covers the final "
+                            "training run only",
+        "noise_multiplier": noise_multiplier,
+        "sampling_rate": sampling_rate,
+        "expected_cohort": expected_cohort,
+        "steps_taken": steps_taken,
+        "steps_planned": steps_planned,
+        "clip_norm": clip_norm,
+        "clipping": clipping,
+        "group_size": group_size,
+        "selection": selection,
+        "num_users": num_users,
+        "num_records": num_records,
+        "not_accounted": not_acc,
+        "library_versions": library_versions(),
+        "dp_event": event_to_json(dp_event) if dp_event is not None else None,
+        "tier": epsilon_tier(epsilon_spent if private else None),
+        "transparency": ("open-source userdp; accounting by Google's dp_accounting; per-unit "
+                         "gradients by torch.func (vmap)"),
+    }
+    if extra:
+        rec.update(extra)
+    return rec
+
+
+REQUIRED = ["setting", "data_accesses_covered", "mechanism_output", "unit", "adjacency",
+            "accountant", "assumptions", "sampler_used", "assumptions_met", "epsilon", "delta",
+            "delta_rule", "tuning_guarantee", "noise_multiplier", "sampling_rate", "steps_taken",
+            "clip_norm", "group_size", "not_accounted", "library_versions", "dp_event", "tier",
+            "transparency"]
+
+
+def build_report(run_dir: str | Path) -> dict:
+    rd = existing_run_dir(run_dir)
+    if not rd.privacy.is_file():
+        raise UserError(f"{run_dir}: no privacy.json yet (the run has not taken a step)")
+    rec = json.loads(rd.privacy.read_text())
+    state = rd.read_state()
+    ev = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
+    rec = dict(rec)
+    rec["run_dir"] = str(rd.root)
+    rec["status"] = state.get("status", "unknown")
+    rec["evaluation"] = ev
+    return rec
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render_markdown(rep: dict) -> str:
+    L = []
+    private = rep.get("private", True)
+    L.append(f"# Privacy statement — {rep.get('run_dir', '')}")
+    L.append("")
+    if private:
+        L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
+                 f"({_fmt(rep['epsilon'])}, {_fmt(rep['delta'])})-differential privacy "
+                 f"under add/remove-one-user adjacency — {rep['tier']['meaning']}.")
+    else:
+        L.append("**No differential-privacy guarantee**: this run trained without noise.")
+    L.append("")
+    L.append("## 1. Setting")
+    L.append(f"- {rep['setting']}")
+    L.append("## 2. Instantiation of the definition")
+    L.append(f"- (a) data accesses covered: {rep['data_accesses_covered']}")
+    L.append(f"- (b) mechanism output: {rep['mechanism_output']}")
+    L.append(f"- (c) unit of privacy: {rep['unit']}")
+    L.append(f"- (d) adjacency: {rep['adjacency']}")
+    L.append("## 3. Accounting")
+    L.append(f"- (a) accountant: {rep['accountant']}")
+    L.append("- (b) assumptions:")
+    for a in rep["assumptions"]:
+        L.append(f"  - {a}")
+    met = rep.get("assumptions_met")
+    L.append(f"  - sampler assumed: `{rep.get('sampler_assumed')}`; sampler used: "
+             f"`{rep['sampler_used']}` — assumptions met: "
+             f"{'yes' if met else ('n/a' if met is None else 'NO')}")
+    if met is False:
+        L.append(f"  - **Mismatch**: the accountant assumed Poisson sampling but training used "
+                 f"`{rep['sampler_used']}`. Guarantee without amplification: epsilon = "
+                 f"{_fmt(rep.get('epsilon_no_amplification'))}.")
+    L.append(f"- (c) final model: epsilon = {_fmt(rep['epsilon'])} (target "
+             f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
+             f"({rep['delta_rule']})")
+    L.append(f"- (c) tuning process: {rep['tuning_guarantee']}")
+    L.append("- Not accounted:")
+    for n in rep["not_accounted"]:
+        L.append(f"  - {n}")
+    L.append("## 4. Parameters")
+    L.append("| quantity | value |")
+    L.append("|---|---|")
+    for key, label in [("algorithm", "algorithm"), ("noise_multiplier", "noise multiplier sigma"),
+                       ("sampling_rate", "sampling rate q"), ("expected_cohort", "expected units per step"),
+                       ("steps_taken", "steps T taken"), ("steps_planned", "steps planned"),
+                       ("clip_norm", "clip norm C"), ("clipping", "clipping"),
+                       ("group_size", "group size G"), ("selection", "record selection"),
+                       ("num_users", "training users N"), ("num_records", "training records")]:
+        L.append(f"| {label} | {_fmt(rep.get(key))} |")
+    L.append("## 5. Tier (SPEC §8.2)")
+    t = rep["tier"]
+    L.append(f"- {t['meaning']}. {t['context']}.")
+    L.append("## 6. Transparency")
+    L.append(f"- {rep['transparency']}")
+    L.append("- library versions: " + ", ".join(f"{k} {v}" for k, v in rep["library_versions"].items()))
+    L.append("- DpEvent of the whole run (dp_accounting):")
+    L.append("```json")
+    L.append(json.dumps(rep["dp_event"]))
+    L.append("```")
+    ev = rep.get("evaluation") or {}
+    if ev:
+        L.append("## 7. Held-out-user evaluation")
+        for k in ("before", "after"):
+            if k in ev and ev[k]:
+                L.append(f"- {k}: loss {_fmt(ev[k].get('loss'))}, perplexity "
+                         f"{_fmt(ev[k].get('perplexity'))} (token-weighted); per-user mean loss "
+                         f"{_fmt(ev[k].get('user_loss'))} over {ev[k].get('num_users')} users")
+    return "\n".join(L) + "\n"
+
+
+def write_report(run_dir: str | Path) -> tuple[dict, str]:
+    rep = build_report(run_dir)
+    md = render_markdown(rep)
+    rd = RunDir(Path(run_dir))
+    rd.report_md.write_text(md)
+    write_json_atomic(rd.report_json, rep)
+    return rep, md

@@ -1,0 +1,174 @@
+"""The layout of a ``userdp train`` run directory (one place, so every job agrees on it).
+
+```
+<run>/
+  config.yaml          the resolved configuration (defaults + file + --set)
+  metrics.jsonl        one JSON object per step: step, loss, epsilon, frac_clipped, tokens_per_s, ...
+  eval.json            held-out-user loss and perplexity before and after
+  checkpoints/         engine checkpoints (safetensors + the privacy ledger)
+  tokenizer/           the tokenizer used (trained on declared-public text)
+  model/               the final model: AutoModelForCausalLM.from_pretrained(<run>/model)
+  adapter/             the LoRA adapter (only with model.lora.save_adapter)
+  privacy.json         the privacy statement's data (SPEC §8.3)
+  report.md, report.json   written by `userdp report`
+  curves.png           loss and epsilon against step
+  state.json           job state: split, counts, status (running/interrupted/done)
+```
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from userdp.errors import UserError
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def eval(self) -> Path:
+        return self.root / "eval.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def adapter(self) -> Path:
+        return self.root / "adapter"
+
+    @property
+    def privacy(self) -> Path:
+        return self.root / "privacy.json"
+
+    @property
+    def report_md(self) -> Path:
+        return self.root / "report.md"
+
+    @property
+    def report_json(self) -> Path:
+        return self.root / "report.json"
+
+    @property
+    def curves(self) -> Path:
+        return self.root / "curves.png"
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state.json"
+
+    def read_state(self) -> dict:
+        if not self.state.is_file():
+            return {}
+        return json.loads(self.state.read_text())
+
+    def write_state(self, **updates) -> dict:
+        state = self.read_state()
+        state.update(updates)
+        write_json_atomic(self.state, state)
+        return state
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics.is_file():
+            return []
+        rows = []
+        for line in self.metrics.read_text().splitlines():
+            line = line.strip()
+            if line:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:  # a torn last line after a crash
+                    continue
+        return rows
+
+
+def new_run_dir(output: str | os.PathLike | None) -> RunDir:
+    """``output`` if given (created; must be empty or absent), else ``runs/<UTC timestamp>``."""
+    if output is None:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        root = Path.cwd() / "runs" / stamp
+        i = 1
+        while root.exists():
+            root = Path.cwd() / "runs" / f"{stamp}-{i}"
+            i += 1
+    else:
+        root = Path(output)
+        if root.exists() and any(root.iterdir()):
+            raise UserError(f"--output {output}: directory exists and is not empty "
+                            "(use --resume to continue a run)")
+    root.mkdir(parents=True, exist_ok=True)
+    return RunDir(root)
+
+
+def existing_run_dir(path: str | os.PathLike) -> RunDir:
+    root = Path(path)
+    if not (root / "config.yaml").is_file():
+        raise UserError(f"{path}: not a userdp run directory (no config.yaml)")
+    return RunDir(root)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(o):
+    try:
+        import numpy as np
+
+        if isinstance(o, np.generic):
+            return o.item()
+        if isinstance(o, np.ndarray):
+            return o.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def plot_curves(metrics: list[dict], out: Path) -> Path | None:
+    """PNG with the training loss and the epsilon spent against step."""
+    if not metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m["step"] for m in metrics]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a1.plot(steps, [m.get("loss") for m in metrics], lw=1)
+    a1.set_xlabel("step")
+    a1.set_ylabel("training loss (mean over sampled units)")
+    if any(m.get("epsilon") is not None for m in metrics):
+        a2.plot(steps, [m.get("epsilon") for m in metrics], color="C3")
+    a2.set_xlabel("step")
+    a2.set_ylabel("epsilon spent")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

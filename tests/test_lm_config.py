@@ -1,0 +1,79 @@
+"""`userdp train` configuration: defaults, unknown keys, wrong types, --set overrides."""
+
+import pytest
+
+from userdp.errors import UserError
+from userdp.lm import config as C
+
+
+def test_embedded_default_is_the_shakespeare_uls_eps3_job():
+    cfg = C.load_config()
+    assert cfg.data.source == "shakespeare"
+    assert cfg.training.algorithm == "uls"
+    assert cfg.privacy.epsilon == 3.0
+    assert cfg.privacy.delta is None  # N^-1.1
+    assert cfg.model.preset and cfg.model.pretrain
+
+
+def test_unknown_key_in_file_is_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  stepz: 10\n")
+    with pytest.raises(UserError, match=r"c.yaml.*unknown key 'training.stepz'"):
+        C.load_config(f)
+    f.write_text("trainin:\n  steps: 10\n")
+    with pytest.raises(UserError, match="unknown key 'trainin'"):
+        C.load_config(f)
+
+
+def test_wrong_type_and_choice_are_named(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  steps: ten\n")
+    with pytest.raises(UserError, match="training.steps must be an integer"):
+        C.load_config(f)
+    f.write_text("training:\n  algorithm: dpsgd\n")
+    with pytest.raises(UserError, match="training.algorithm must be one of"):
+        C.load_config(f)
+    f.write_text("model:\n  lora: 3\n")
+    with pytest.raises(UserError, match="model.lora must be a mapping"):
+        C.load_config(f)
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  steps: 10\n  lr: [1,\n")
+    with pytest.raises(UserError, match="line"):
+        C.load_config(f)
+
+
+def test_set_overrides_dotted_keys_parse_yaml_values(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  steps: 10\n")
+    cfg = C.load_config(f, ["training.steps=25", "model.lora.enabled=true",
+                            "model.lora.target_modules=[c_attn]", "privacy.delta=1e-6"])
+    assert cfg.training.steps == 25
+    assert cfg.model.lora.enabled is True
+    assert cfg.model.lora.target_modules == ("c_attn",)
+    assert cfg.privacy.delta == 1e-6
+    with pytest.raises(UserError, match="unknown key 'training.stepz'"):
+        C.load_config(None, ["training.stepz=3"])
+    with pytest.raises(UserError, match="key=value"):
+        C.load_config(None, ["training.steps"])
+    with pytest.raises(UserError, match="unknown key 'nosuch'"):
+        C.load_config(None, ["nosuch.x=1"])
+
+
+def test_cross_field_checks():
+    with pytest.raises(UserError, match="privacy.epsilon must be > 0"):
+        C.load_config(None, ["privacy.epsilon=0"])
+    with pytest.raises(UserError, match="data.path is required"):
+        C.load_config(None, ["data.source=jsonl"])
+    with pytest.raises(UserError, match="trained on the private"):
+        C.load_config(None, ["tokenizer.path=/x", "tokenizer.trained_on_private=true"])
+
+
+def test_dump_round_trips():
+    import yaml
+
+    cfg = C.load_config(None, ["model.lora.target_modules=[c_attn]"])
+    again = C.from_dict(yaml.safe_load(C.dump_yaml(cfg)))
+    assert again == cfg
