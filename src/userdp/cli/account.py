@@ -1,0 +1,206 @@
+"""``userdp account``: the user-level (ε, δ) of a mechanism run for T steps.
+
+    userdp account --mechanism {els,uls} --noise-multiplier Z
+                   (--sampling-rate Q | --users N --cohort-size M) --steps T
+                   [--group-size G] [--delta D] [--accountant {pld,rdp}]
+                   [--count-noise-stddev S] [--fixed-cohort] [--json]
+
+Shared argument handling for ``userdp calibrate`` lives here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from userdp import accounting, adaptive_clipping
+from userdp.errors import UserError
+
+
+# ------------------------------------------------------------------ argparse value types
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def rate(text: str) -> float:
+    value = _number(text)
+    if not (0 < value <= 1):
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def open_unit(text: str) -> float:
+    value = _number(text)
+    if not (0 < value < 1):
+        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def add_mechanism_arguments(p: argparse.ArgumentParser) -> None:
+    """Arguments common to ``account`` and ``calibrate`` (everything but ε / σ)."""
+    p.add_argument("--mechanism", required=True, choices=["els", "uls"],
+                   help="els: example-level sampling (records Poisson-sampled at rate q, at most "
+                        "G per user); uls: user-level sampling (users Poisson-sampled at rate q; "
+                        "also DP-FedAvg / DP-FedSGD)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--sampling-rate", type=rate, metavar="Q",
+                     help="sampling probability: of each record (els) or each user (uls)")
+    src.add_argument("--users", type=positive_int, metavar="N",
+                     help="number of users N; with --cohort-size M the rate is M/N (for els each "
+                          "record is sampled with probability M/N, the compute of a uls cohort "
+                          "of M users). Also sets the default delta N^-1.1")
+    p.add_argument("--cohort-size", type=positive_int, metavar="M",
+                   help="expected users per step (with --users)")
+    p.add_argument("--fixed-cohort", action="store_true",
+                   help="uls only: cohorts of exactly M users drawn without replacement "
+                        "(replace-one adjacency, RDP accountant) instead of Poisson sampling")
+    p.add_argument("--steps", type=positive_int, required=True, metavar="T",
+                   help="number of training steps (rounds)")
+    p.add_argument("--group-size", type=positive_int, default=1, metavar="G",
+                   help="at most G records per user (default 1)")
+    p.add_argument("--delta", type=open_unit, metavar="D",
+                   help="target delta; default N^-1.1 when --users is given, else required")
+    p.add_argument("--accountant", choices=list(accounting.ACCOUNTANTS), default=None,
+                   help="pld (default; tight) or rdp (fast, for tiny delta). Fixed cohorts "
+                        "always use rdp")
+    p.add_argument("--count-noise-stddev", type=positive_float, metavar="S",
+                   help="adaptive clipping: std of the noise on the clipped-count (sigma_b). "
+                        "The noise multiplier is then the effective one (Andrew et al. Thm 1) "
+                        "and the update gets (z^-2 - (2S)^-2)^-1/2")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate the combination of arguments; return the mechanism's fixed parts."""
+    out: dict[str, Any] = {"mechanism": args.mechanism, "group_size": args.group_size,
+                           "steps": args.steps}
+    if args.users is not None:
+        if args.cohort_size is None:
+            raise UserError("--users needs --cohort-size (or give --sampling-rate instead)")
+        if args.cohort_size > args.users:
+            raise UserError(f"--cohort-size ({args.cohort_size}) must not exceed --users ({args.users})")
+        out["users"], out["cohort_size"] = args.users, args.cohort_size
+        out["sampling_rate"] = args.cohort_size / args.users
+    else:
+        if args.cohort_size is not None:
+            raise UserError("--cohort-size needs --users (the rate is cohort size / users)")
+        out["sampling_rate"] = args.sampling_rate
+    if args.fixed_cohort:
+        if args.mechanism != "uls":
+            raise UserError("--fixed-cohort applies to --mechanism uls only")
+        if args.users is None:
+            raise UserError("--fixed-cohort needs --users and --cohort-size")
+        if args.accountant == "pld":
+            raise UserError("--accountant pld cannot account --fixed-cohort "
+                            "(sampling without replacement): use --accountant rdp")
+        out["sampling"] = "fixed_cohort_without_replacement"
+        out["accountant"] = "rdp"
+    else:
+        out["sampling"] = "poisson"
+        out["accountant"] = args.accountant or "pld"
+    if args.delta is not None:
+        out["delta"], out["delta_rule"] = args.delta, "delta given by --delta"
+    elif args.users is not None:
+        out["delta"], out["delta_rule"] = accounting.default_delta(args.users)
+    else:
+        raise UserError("--delta is required unless --users is given (then it defaults to N^-1.1)")
+    out["adjacency"] = ("replace_one_user" if out["sampling"] != "poisson"
+                        else "add_or_remove_one_user")
+    return out
+
+
+def step_event_factory(m: dict[str, Any]):
+    """σ -> the step's DpEvent for the resolved mechanism."""
+    if m["sampling"] != "poisson":
+        return lambda z: accounting.fixed_cohort_step_event(z, m["users"], m["cohort_size"])
+    if m["mechanism"] == "els":
+        return lambda z: accounting.els_step_event(z, m["sampling_rate"], m["group_size"])
+    return lambda z: accounting.uls_step_event(z, m["sampling_rate"])
+
+
+def split_noise(m: dict[str, Any], effective_z: float, count_stddev: float | None) -> None:
+    m["noise_multiplier"] = effective_z
+    if count_stddev is not None:
+        m["count_noise_stddev"] = count_stddev
+        try:
+            m["update_noise_multiplier"] = adaptive_clipping.update_noise_multiplier(
+                effective_z, count_stddev)
+        except UserError:
+            raise UserError(
+                f"--count-noise-stddev {count_stddev:g} is too small: adaptive clipping needs "
+                f"2*S > noise multiplier {effective_z:.6g}") from None
+
+
+def describe(m: dict[str, Any]) -> str:
+    unit = "records" if m["mechanism"] == "els" else "users"
+    if m["sampling"] == "poisson":
+        sampling = f"Poisson sampling of {unit} at rate {m['sampling_rate']:.6g}"
+    else:
+        sampling = (f"fixed cohorts of {m['cohort_size']} of {m['users']} users without "
+                    f"replacement")
+    parts = [
+        f"User-level ({m['epsilon']:.4g}, {m['delta']:.3g})-DP",
+        f"for {m['mechanism'].upper()} with G={m['group_size']}, noise multiplier "
+        f"{m['noise_multiplier']:.6g}, T={m['steps']} steps, {sampling};",
+        f"adjacency: {m['adjacency'].replace('_', ' ')} (all of one user's data);",
+        f"accountant: {m['accountant'].upper()}; {m['delta_rule']}.",
+    ]
+    if "update_noise_multiplier" in m:
+        parts.append(f"Adaptive clipping: count noise stddev {m['count_noise_stddev']:g}, "
+                     f"update noise multiplier {m['update_noise_multiplier']:.6g} "
+                     f"(effective {m['noise_multiplier']:.6g}).")
+    return " ".join(parts)
+
+
+def emit(m: dict[str, Any], as_json: bool, text: str) -> None:
+    if as_json:
+        print(json.dumps(m, sort_keys=True))
+    else:
+        print(text)
+
+
+# ------------------------------------------------------------------ the command
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "account", help="user-level (epsilon, delta) of ELS / ULS / DP-FedAvg training",
+        description="Compute the user-level privacy guarantee of T steps of ELS or ULS "
+                    "(DP-FedAvg) training with a given noise multiplier.")
+    p.add_argument("--noise-multiplier", type=positive_float, required=True, metavar="Z",
+                   help="noise std / clip norm (with --count-noise-stddev: the effective one)")
+    add_mechanism_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    m = resolve(args)
+    split_noise(m, args.noise_multiplier, args.count_noise_stddev)
+    event = accounting.compose(step_event_factory(m)(args.noise_multiplier), m["steps"])
+    m["epsilon"] = accounting.epsilon(event, m["delta"], m["accountant"])
+    m["step_event"] = accounting.event_to_dict(event.event)
+    emit(m, args.json, describe(m))
+    return 0
