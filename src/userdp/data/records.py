@@ -20,7 +20,8 @@ OTHER_POST_TYPE = "stackexchange_other_post_types"
 PUBLIC_PLAYS = "shakespeare_speeches_in_public_plays"
 
 # Which reasons count users (the rest count records/rows).
-USER_REASONS = {USERS_WITHOUT_RECORDS}
+ONE_RECORD_USERS = "cc_news_users_with_one_record"
+USER_REASONS = {USERS_WITHOUT_RECORDS, ONE_RECORD_USERS}
 
 MAX_EXAMPLES = 3
 
