@@ -400,60 +400,88 @@ def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, accountant:
 
 
 # ----------------------------------------------------------------------------------- calibration
+def _gdp_delta(eps: float, mu: float) -> float:
+    """δ(ε) of μ-GDP (Dong, Roth, Su): Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2)."""
+    return float(stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2))
+
+
+def _step_mixture(ev: dpe.DpEvent) -> tuple[np.ndarray, np.ndarray, float] | None:
+    """(sensitivities, probabilities, σ) of a Poisson-Gaussian / MoG / WOR-Gaussian step."""
+    if isinstance(ev, dpe.MixtureOfGaussiansDpEvent):
+        return (np.asarray(ev.sensitivities, float), np.asarray(ev.sampling_probs, float),
+                float(ev.standard_deviation))
+    if isinstance(ev, dpe.PoissonSampledDpEvent) and isinstance(ev.event, dpe.GaussianDpEvent):
+        q = float(ev.sampling_probability)
+        return np.array([0.0, 1.0]), np.array([1 - q, q]), float(ev.event.noise_multiplier)
+    if isinstance(ev, dpe.SampledWithoutReplacementDpEvent) and isinstance(ev.event, dpe.GaussianDpEvent):
+        q = ev.sample_size / ev.source_dataset_size  # replace-one: sensitivity 2
+        return np.array([0.0, 2.0]), np.array([1 - q, q]), float(ev.event.noise_multiplier)
+    if isinstance(ev, dpe.GaussianDpEvent):
+        return np.array([1.0]), np.array([1.0]), float(ev.noise_multiplier)
+    return None
+
+
 def _initial_guess(make_step_event: Callable[[float], dpe.DpEvent], steps: int, eps: float,
                    dlt: float) -> float | None:
-    """A cheap estimate of the answer from RDP of a Poisson-subsampled Gaussian.
+    """A cheap estimate of the answer from the central limit theorem of composition.
 
-    For ELS, Conjecture 1 (SPEC §4.11) says σ_ELS ≤ G·σ_ULS, and it is close in practice.
-    Only used to place the search; never trusted for the answer.
+    T steps of a mixture P = Σ w_k N(s_k, σ²) against Q = N(0, σ²) are close to μ-GDP with
+    μ² = T·χ²(P‖Q), χ² = Σ_{k,k'} w_k w_k' e^{s_k s_k'/σ²} − 1. Only used to place the
+    search (microseconds); never trusted for the answer.
     """
     try:
-        ev = make_step_event(1.0)
+        mix = _step_mixture(make_step_event(1.0))
     except UserError:
         return None
-    if isinstance(ev, dpe.MixtureOfGaussiansDpEvent):
-        sens = np.asarray(ev.sensitivities, float)
-        w = np.asarray(ev.sampling_probs, float)
-        g = float(sens.max())
-        p = float(np.dot(sens, w) / g)
-        scale = g / float(ev.standard_deviation)
-    elif isinstance(ev, dpe.PoissonSampledDpEvent) and isinstance(ev.event, dpe.GaussianDpEvent):
-        p, scale = float(ev.sampling_probability), 1.0 / float(ev.event.noise_multiplier)
-    else:
+    if mix is None:
         return None
-    lo, hi = 1e-2, SIGMA_MAX
+    sens, w, sigma1 = mix
+    keep = w > 0
+    sens, log_w = sens[keep], np.log(w[keep])
+    outer = np.add.outer(log_w, log_w)
+    prod = np.outer(sens, sens)
 
-    def eps_rdp(s):
-        acc = rdp_lib.RdpAccountant()
-        acc.compose(dpe.SelfComposedDpEvent(dpe.PoissonSampledDpEvent(p, dpe.GaussianDpEvent(s)), steps))
-        return acc.get_epsilon(dlt)
+    def chi2(s: float) -> float:
+        return float(np.expm1(logsumexp(outer + prod / s**2)))
 
-    if eps_rdp(hi) > eps:
+    lo, hi = 1e-3, 1e3  # μ bracket
+    if _gdp_delta(eps, hi) < dlt:
         return None
-    for _ in range(40):
+    for _ in range(60):
         mid = math.sqrt(lo * hi)
-        if eps_rdp(mid) > eps:
-            lo = mid
-        else:
+        if _gdp_delta(eps, mid) > dlt:
             hi = mid
-        if hi / lo < 1.01:
-            break
-    return hi * scale
+        else:
+            lo = mid
+    target_chi2 = lo**2 / steps
+    lo_s, hi_s = 1e-2, SIGMA_MAX
+    if chi2(hi_s) > target_chi2:
+        return None
+    for _ in range(60):
+        mid = math.sqrt(lo_s * hi_s)
+        if chi2(mid) > target_chi2:
+            lo_s = mid
+        else:
+            hi_s = mid
+    return hi_s / sigma1  # the factory maps z to an event std of z * sigma1
 
 
 def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], steps: int,
                                epsilon: float, delta: float, accountant: str = "pld", *,
-                               rtol: float = 0.005, sigma_max: float = SIGMA_MAX,
+                               rtol: float = 0.004, sigma_max: float = SIGMA_MAX,
+                               value_discretization_interval: float = 1e-3,
                                orders: Sequence[float] | None = None) -> float:
     """Smallest noise multiplier whose T-step composition is (ε, δ)-DP, never below the truth.
 
-    The answer σ satisfies ε(σ) ≤ target under a pessimistic evaluation (PLD with pessimistic
-    discretization, or RDP, both upper bounds on ε), so σ ≥ σ_true; and the search stops when
-    the failing and passing σ are within ``rtol`` of each other.
+    Returns σ such that an upper bound on ε(σ) meets the target (PLD with pessimistic
+    discretization at ``value_discretization_interval``, default 1e-3, or RDP): so σ ≥ the
+    true σ. It stops when some σ' < σ with σ/σ' ≤ 1 + ``rtol`` fails the same evaluation.
+    With 1e-3 discretization the answer is within about 0.3% of what a 1e-4 PLD gives (the
+    pessimism of the coarser grid); see benchmarks/bench_accounting.py.
 
-    PLD speed: evaluations at small σ are the slow ones, so the search never goes far below
-    the answer. It brackets from a cheap RDP estimate with a coarse (1e-2) PLD, narrows with
-    a 1e-3 PLD and finishes at 2e-4 on the last bracket; all are pessimistic.
+    Speed: PLD evaluations at small σ are the slow ones, so the search never steps far below
+    a σ it has seen: it starts from a central-limit (μ-GDP) estimate and runs a safeguarded
+    secant on log ε against log σ, aiming just either side of the root.
     """
     eps = float(epsilon)
     if not (eps > 0 and math.isfinite(eps)):
@@ -461,65 +489,56 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
     dlt = _check_delta(delta)
     t = _check_int("steps", steps)
     _check_accountant(accountant)
+    log_target = math.log(eps)
 
-    if accountant == "rdp":
-        def eps_at(s: float, level: int = 0) -> float:
-            return globals()["epsilon"](compose(make_step_event(s), t), dlt, "rdp", orders=orders)
-        levels = [0]
-    else:
-        intervals = [1e-2, 1e-3, 2e-4]
+    def f(s: float) -> float:
+        ev = compose(make_step_event(s), t)
+        if accountant == "rdp":
+            e = globals()["epsilon"](ev, dlt, "rdp", orders=orders)
+        else:
+            e = globals()["epsilon"](ev, dlt, "pld", value_discretization_interval=value_discretization_interval)
+        if e <= 0:
+            return -50.0
+        if not math.isfinite(e):
+            return 50.0
+        return math.log(e) - log_target
 
-        def eps_at(s: float, level: int = 0) -> float:
-            return globals()["epsilon"](compose(make_step_event(s), t), dlt, "pld",
-                                        value_discretization_interval=intervals[level])
-        levels = [0, 1, 2]
-
-    # 1. Bracket at the coarsest level, moving from a cheap guess (large σ is cheap).
-    guess = _initial_guess(make_step_event, t, eps, dlt) or 1.0
-    guess = min(max(guess, 1e-3), sigma_max)
-    lo_s, hi_s = None, None
-    s = guess
-    if eps_at(s, levels[0]) <= eps:
-        hi_s = s
-        while lo_s is None:
-            s2 = s / 1.25
-            if s2 < 1e-3:
-                lo_s = 0.0
-                break
-            if eps_at(s2, levels[0]) <= eps:
-                hi_s = s = s2
-            else:
-                lo_s = s2
-    else:
-        lo_s = s
-        while hi_s is None:
-            s2 = min(s * 1.5, sigma_max)
-            if eps_at(s2, levels[0]) <= eps:
-                hi_s = s2
-            elif s2 >= sigma_max:
-                raise UserError(
-                    f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
-                    f"up to {sigma_max:g} in {t} steps"
-                )
-            else:
-                lo_s = s = s2
-
-    # 2. Refine level by level. A σ that passes at a coarser (more pessimistic) level passes at
-    # a finer one, so hi stays valid; lo is re-checked at the finer level.
-    for li, level in enumerate(levels):
-        if li > 0 and lo_s > 0:
-            # hi passed at a coarser (more pessimistic) level; lo failed there but may pass
-            # here, so step it down until it fails at this level too.
-            while lo_s > 1e-3 and eps_at(lo_s, level) <= eps:
-                hi_s, lo_s = lo_s, lo_s / 1.1
-        tol = rtol if li == len(levels) - 1 else max(rtol, 0.02 / (li + 1))
-        while lo_s <= 0 or hi_s / lo_s > 1 + tol:
-            mid = math.sqrt(lo_s * hi_s) if lo_s > 0 else hi_s / 2
-            if eps_at(mid, level) <= eps:
-                hi_s = mid
-            else:
-                lo_s = mid
-    return float(hi_s)
+    guess = _initial_guess(make_step_event, t, eps, dlt)
+    s = min(max(guess if guess else 1.0, 1e-3), sigma_max)
+    pts: list[tuple[float, float]] = []
+    for _ in range(60):
+        pts.append((s, f(s)))
+        passes = [p for p in pts if p[1] <= 0]
+        fails = [p for p in pts if p[1] > 0]
+        hi = min(p[0] for p in passes) if passes else None
+        lo = max(p[0] for p in fails) if fails else None
+        if hi is not None and lo is not None and hi <= lo * (1 + rtol):
+            return float(hi)
+        if hi is None and lo >= sigma_max:
+            raise UserError(
+                f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
+                f"up to {sigma_max:g} in {t} steps")
+        # secant on (log σ, f) through the two points nearest the root; slope -1 as fallback
+        near = sorted(pts, key=lambda p: abs(p[1]))[:2]
+        slope = -1.0
+        if len(near) == 2 and near[0][0] != near[1][0] and abs(near[0][1]) < 50 and abs(near[1][1]) < 50:
+            sl = (near[0][1] - near[1][1]) / (math.log(near[0][0]) - math.log(near[1][0]))
+            if -20.0 < sl < -0.05:
+                slope = sl
+        r = math.exp(math.log(near[0][0]) - max(min(near[0][1], 5.0), -5.0) / slope)
+        step = rtol / 3
+        if hi is None:  # no passing σ yet: aim just above the root, but grow at most 3x
+            s = min(max(r * (1 + step), lo * (1 + step)), lo * 3, sigma_max)
+        elif lo is None:  # no failing σ yet: aim just below, never far below a σ seen
+            s = max(min(r * (1 - step), hi / (1 + step)), hi / 1.5)
+            if s < 1e-3:
+                return float(hi)
+        else:
+            r = min(max(r, lo), hi)
+            s = r * (1 + step) if hi / r > r / lo else r * (1 - step)
+            if not (lo * (1 + 1e-9) < s < hi * (1 - 1e-9)) or hi / s < 1 + rtol / 10 or s / lo < 1 + rtol / 10:
+                s = math.sqrt(lo * hi)
+    raise RuntimeError("calibration did not converge")  # pragma: no cover
 
 
 # ----------------------------------------------------------------------------------- mechanism
