@@ -1,0 +1,204 @@
+"""``userdp experiment {mean-estimation, variance}``: the synthetic experiments of SPEC §7.1-7.2."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from userdp.errors import UserError
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return vals
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return vals
+
+
+def _quiet_absl() -> None:
+    # dp_accounting's RDP code logs convergence warnings for orders it then excludes; they are
+    # not actionable for the user of an experiment.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+
+
+def _plot_dir(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--plot {path}: cannot create the directory ({exc.strerror})") from None
+    return p
+
+
+# ----------------------------------------------------------------------------------- variance
+
+def _run_variance(args: argparse.Namespace) -> int:
+    from userdp.experiments import variance
+
+    _quiet_absl()
+    cfg = variance.VarianceConfig(
+        num_users=args.users, max_group_size=args.max_group_size,
+        els_group_size=args.els_group_size, compute_budget=args.compute_budget, steps=args.steps,
+        delta=args.delta, epsilons=args.epsilons, cohort_sizes=args.cohort_sizes,
+        accountant=args.accountant)
+    if args.quick:  # the extreme epsilons and every other cohort size (small T is *slower*:
+        # smaller sigma makes the PLD costlier, so T is left alone)
+        eps = cfg.epsilons if len(cfg.epsilons) <= 2 else (cfg.epsilons[0], cfg.epsilons[-1])
+        ms = cfg.resolved_cohort_sizes()
+        ms = tuple(sorted(set(ms[::2]) | {ms[-1]}))
+        cfg = dataclasses.replace(cfg, epsilons=tuple(eps), cohort_sizes=ms)
+    plot_dir = _plot_dir(args.plot)
+    cfg.validate()
+    progress = None
+    if not args.json:
+        print(f"# variance comparison (SPEC §7.1): N={cfg.num_users} G_max={cfg.max_group_size} "
+              f"G_ELS={cfg.els_group_size} B={cfg.compute_budget} T={cfg.steps} delta={cfg.delta:g} "
+              f"accountant={cfg.accountant}", flush=True)
+    rows = variance.run(cfg, progress=progress)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1))
+    else:
+        print(variance.format_table(rows))
+    if plot_dir is not None:
+        out = plot_dir / "variance_ratio.png"
+        variance.plot(rows, out)
+        print(f"wrote {out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _add_variance(sub) -> None:
+    p = sub.add_parser(
+        "variance", help="ELS vs ULS noise variance for a compute budget (SPEC §7.1, Fig 2/9)",
+        description="Var_ULS/Var_ELS = (G_ULS L_G sigma_ULS / (L sigma_ELS))^2 over epsilon and "
+                    "cohort size M (G_ULS = B/M), for L_G = 1 and L_G = 1/sqrt(G).")
+    p.add_argument("--users", type=int, default=10_000, help="N users (default 10000)")
+    p.add_argument("--max-group-size", type=int, default=64, help="G_max records per user (default 64)")
+    p.add_argument("--els-group-size", type=int, default=16, help="G_ELS (default 16)")
+    p.add_argument("--compute-budget", type=int, default=1024, help="B gradients per step (default 1024)")
+    p.add_argument("--steps", type=int, default=1000, help="T (default 1000)")
+    p.add_argument("--delta", type=float, default=1e-6, help="delta (default 1e-6)")
+    p.add_argument("--epsilons", type=_floats, default=(1.0, 2.0, 4.0, 8.0, 16.0),
+                   help="comma-separated epsilons (default 1,2,4,8,16)")
+    p.add_argument("--cohort-sizes", type=_ints, default=None,
+                   help="comma-separated M values (default: powers of 2 from B/G_max to min(B, N))")
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--quick", action="store_true", help="T <= 200 and every other epsilon")
+    p.add_argument("--plot", metavar="DIR", help="write variance_ratio.png into DIR")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    p.set_defaults(func=_run_variance)
+
+
+# ---------------------------------------------------------------------------- mean estimation
+
+def _run_mean_estimation(args: argparse.Namespace) -> int:
+    from userdp.experiments import mean_estimation as me
+
+    _quiet_absl()
+    base = me.MeanEstimationConfig(
+        dimension=args.dimension, num_users=args.users, records_per_user=args.records_per_user,
+        heavy_tailed=args.heavy_tailed, heavy_tail_sigma=args.heavy_tail_sigma,
+        population_scale=args.population_scale, between_user_std=args.between_user_std,
+        within_user_variance=args.within_user_variance, compute_budget=args.compute_budget,
+        epsilon=args.epsilon, delta=args.delta, steps=args.steps,
+        els_group_size=args.els_group_size, uls_group_sizes=args.uls_group_sizes,
+        learning_rates=args.learning_rates, clip_norms=args.clip_norms, trials=args.trials,
+        seed=args.seed, accountant=args.accountant)
+    sweeps = {
+        "within_user_variance": args.sweep_within_user_variance,
+        "compute_budget": args.sweep_compute_budget,
+        "epsilon": args.sweep_epsilon,
+    }
+    if args.quick:
+        base, sweeps = me.quick_settings(base, sweeps)
+    plot_dir = _plot_dir(args.plot)
+    base.validate()
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (
+        lambda msg: print(msg, flush=True))
+    t0 = time.time()
+    rows = me.run_study(base, sweeps, log=log if args.verbose else None)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=1))
+    else:
+        print(me.format_table(rows))
+        print(f"# {len(rows)} rows in {time.time() - t0:.1f} s")
+    if plot_dir is not None:
+        for out in me.plot(rows, base, sweeps, plot_dir):
+            log(f"wrote {out}")
+    return 0
+
+
+def _add_mean_estimation(sub) -> None:
+    from userdp.experiments.mean_estimation import MeanEstimationConfig as D
+
+    p = sub.add_parser(
+        "mean-estimation", help="ELS vs ULS on synthetic mean estimation (SPEC §7.2, Fig 3)",
+        description="Each user's records are N(mu_u, sigma_w^2 I) around a user mean mu_u near the "
+                    "population mean mu; theta is trained through userdp.engine.train with loss "
+                    "1/2||theta - x||^2 under user-level (eps, delta)-DP; the reported loss is "
+                    "||theta_T - mu||^2, best over the lr x clip sweep, mean over trials. The base "
+                    "setting is run once per value of each --sweep-* list (one knob at a time).")
+    p.add_argument("--dimension", type=int, default=D.dimension)
+    p.add_argument("--users", type=int, default=D.num_users)
+    p.add_argument("--records-per-user", type=int, default=D.records_per_user,
+                   help="records per user (the median when --heavy-tailed)")
+    p.add_argument("--heavy-tailed", action="store_true",
+                   help="log-normal records per user with median --records-per-user")
+    p.add_argument("--heavy-tail-sigma", type=float, default=D.heavy_tail_sigma)
+    p.add_argument("--population-scale", type=float, default=D.population_scale)
+    p.add_argument("--between-user-std", type=float, default=D.between_user_std)
+    p.add_argument("--within-user-variance", type=float, default=D.within_user_variance)
+    p.add_argument("--compute-budget", type=int, default=D.compute_budget,
+                   help="B: expected gradients per step")
+    p.add_argument("--epsilon", type=float, default=D.epsilon)
+    p.add_argument("--delta", type=float, default=None, help="default N^-1.1")
+    p.add_argument("--steps", type=int, default=D.steps)
+    p.add_argument("--els-group-size", type=int, default=None,
+                   help="G_ELS (default: median records per user)")
+    p.add_argument("--uls-group-sizes", type=_ints, default=D.uls_group_sizes)
+    p.add_argument("--learning-rates", type=_floats, default=D.learning_rates)
+    p.add_argument("--clip-norms", type=_floats, default=D.clip_norms)
+    p.add_argument("--trials", type=int, default=D.trials)
+    p.add_argument("--seed", type=int, default=D.seed)
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--sweep-within-user-variance", type=_floats, default=(0.1, 1.0, 10.0))
+    p.add_argument("--sweep-compute-budget", type=_ints, default=(64, 256, 1024))
+    p.add_argument("--sweep-epsilon", type=_floats, default=(0.5, 2.0, 8.0))
+    p.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
+    p.add_argument("--plot", metavar="DIR", help="write one PNG per swept knob into DIR")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    p.add_argument("--verbose", action="store_true", help="log each setting as it finishes")
+    p.set_defaults(func=_run_mean_estimation)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("experiment", help="synthetic experiments (SPEC §7.1, §7.2)",
+                              description="Synthetic experiments comparing ELS and ULS.")
+    sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
+    _add_mean_estimation(sub)
+    _add_variance(sub)
+
+    def _no_experiment(args):
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=_no_experiment)
