@@ -54,6 +54,10 @@ class _TextExtractor(html.parser.HTMLParser):
         if tag in _BLOCK:
             self.parts.append("\n")
 
+    def handle_startendtag(self, tag, attrs):  # <br/>: one line break, not two
+        if tag in _BLOCK:
+            self.parts.append("\n")
+
     def handle_data(self, data):
         self.parts.append(data)
 
