@@ -1,0 +1,183 @@
+"""Clipping strategies (SPEC §3.1, §3.9) as frozen dataclasses, plus the primitives.
+
+Per-unit updates arrive as a list of tensors, one per trainable parameter tensor, each with a
+leading unit dimension [m, ...]. A strategy turns them into per-unit scale factors; the clipped
+sum is then ``sum_i factor_i * update_i`` (never materializing the clipped copies).
+
+* :class:`FlatClip` — ``pi(g, C)`` on the concatenation of all tensors.
+* :class:`PerLayerClip` — ``pi(g_j, S_j)`` per tensor j; default ``S_j = S/sqrt(m)`` so the
+  total bound ``sqrt(sum S_j^2)`` is S.
+* ``normalized=True`` (De et al. 2022) — each unit contributes ``pi(g, C)/C`` (norm <= 1): the
+  sensitivity is 1 and the noise std on the sum is sigma, so the learning rate and C decouple.
+* :class:`AdaptiveClip` — flat clipping whose C follows the gamma-quantile of the unclipped
+  norms by the geometric update ``C <- C exp(-eta_C (b~ - gamma))`` with a noised count b~
+  (Andrew et al.). The count's noise ``sigma_b`` (default m/20, m = expected units per step)
+  is accounted through the Theorem-1 split (userdp.adaptive_clipping).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from userdp.errors import UserError
+
+_TINY = 1e-12
+
+
+def project(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
+    """``pi(x, S) = x * min(1, S/||x||)``: norm <= S, identity below S, pi(0) = 0 (no 0/0)."""
+    norm = torch.linalg.vector_norm(x)
+    return x * torch.clamp(bound / torch.clamp(norm, min=_TINY), max=1.0)
+
+
+def per_tensor_norms(updates: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[m, L]: the L2 norm of each unit's slice of each tensor."""
+    return torch.stack([torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1) for u in updates], dim=1)
+
+
+def _factor(norms: torch.Tensor, bound) -> torch.Tensor:
+    return torch.clamp(bound / torch.clamp(norms, min=_TINY), max=1.0)
+
+
+@dataclass(frozen=True)
+class FlatClip:
+    """Clip each unit's whole update to L2 norm ``norm`` (SPEC §3.1, flat)."""
+
+    norm: float
+    normalized: bool = False
+
+    def __post_init__(self):
+        if not (self.norm > 0 and math.isfinite(self.norm)):
+            raise UserError(f"clip norm must be a positive number, got {self.norm}")
+
+    @property
+    def adaptive(self) -> bool:
+        return False
+
+    def initial_state(self) -> dict:
+        return {"clip_norm": float(self.norm)}
+
+    def sensitivity(self, state: dict) -> float:
+        """Bound on one unit's contribution to the sum (1 when normalized)."""
+        return 1.0 if self.normalized else float(state["clip_norm"])
+
+    def factors(self, updates: Sequence[torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-unit, per-tensor scale factors [m, L] and the unclipped flat norms [m]."""
+        tn = per_tensor_norms(updates)
+        flat = torch.sqrt((tn**2).sum(dim=1))
+        c = float(state["clip_norm"])
+        f = _factor(flat, c)
+        if self.normalized:
+            f = f / c
+        return f.unsqueeze(1).expand(-1, len(updates)), flat
+
+
+@dataclass(frozen=True)
+class PerLayerClip:
+    """Clip tensor j of each unit's update to ``S_j`` (SPEC §3.1, per-layer).
+
+    ``layer_norms`` gives the S_j explicitly (one per trainable tensor, in parameter order);
+    by default ``S_j = norm / sqrt(m)``. The total bound is ``sqrt(sum_j S_j^2)``.
+    """
+
+    norm: float
+    layer_norms: Optional[tuple[float, ...]] = None
+    normalized: bool = False
+
+    def __post_init__(self):
+        if not (self.norm > 0 and math.isfinite(self.norm)):
+            raise UserError(f"clip norm must be a positive number, got {self.norm}")
+
+    @property
+    def adaptive(self) -> bool:
+        return False
+
+    def bounds(self, num_tensors: int) -> list[float]:
+        if self.layer_norms is None:
+            return [self.norm / math.sqrt(num_tensors)] * num_tensors
+        if len(self.layer_norms) != num_tensors:
+            raise UserError(
+                f"per-layer clipping: {len(self.layer_norms)} layer norms given for {num_tensors} trainable tensors"
+            )
+        return [float(s) for s in self.layer_norms]
+
+    def initial_state(self) -> dict:
+        return {"clip_norm": float(self.norm)}
+
+    def total_bound(self, num_tensors: int) -> float:
+        return math.sqrt(sum(s * s for s in self.bounds(num_tensors)))
+
+    def sensitivity(self, state: dict, num_tensors: int | None = None) -> float:
+        if self.normalized:
+            return 1.0
+        return self.total_bound(num_tensors) if num_tensors is not None else float(self.norm)
+
+    def factors(self, updates: Sequence[torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        tn = per_tensor_norms(updates)
+        b = torch.tensor(self.bounds(len(updates)), dtype=tn.dtype, device=tn.device)
+        f = _factor(tn, b)
+        if self.normalized:
+            f = f / self.total_bound(len(updates))
+        return f, torch.sqrt((tn**2).sum(dim=1))
+
+
+@dataclass(frozen=True)
+class AdaptiveClip:
+    """Adaptive quantile clipping, geometric update (SPEC §3.9; Andrew et al. defaults).
+
+    ``count_stddev`` is sigma_b; None means m/20 with m the expected units per step.
+    ``geometric=False`` uses the linear update ``C <- C - eta_C (b~ - gamma)``.
+    """
+
+    initial_norm: float = 0.1
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_stddev: Optional[float] = None
+    geometric: bool = True
+    normalized: bool = False  # not supported: the quantile tracks C, normalizing removes it
+
+    def __post_init__(self):
+        if not self.initial_norm > 0:
+            raise UserError(f"adaptive clipping: initial clip norm C0 must be > 0, got {self.initial_norm}")
+        if not 0.0 < self.target_quantile < 1.0:
+            raise UserError(f"adaptive clipping: target quantile must lie in (0, 1), got {self.target_quantile}")
+        if not self.learning_rate > 0:
+            raise UserError(f"adaptive clipping: learning rate eta_C must be > 0, got {self.learning_rate}")
+        if self.normalized:
+            raise UserError("adaptive clipping cannot be normalized (normalizing removes the clip norm)")
+
+    @property
+    def adaptive(self) -> bool:
+        return True
+
+    def resolved_count_stddev(self, expected_units: float) -> float:
+        return float(self.count_stddev) if self.count_stddev is not None else expected_units / 20.0
+
+    def initial_state(self) -> dict:
+        return {"clip_norm": float(self.initial_norm)}
+
+    def sensitivity(self, state: dict) -> float:
+        return float(state["clip_norm"])
+
+    def factors(self, updates, state):
+        tn = per_tensor_norms(updates)
+        flat = torch.sqrt((tn**2).sum(dim=1))
+        f = _factor(flat, float(state["clip_norm"]))
+        return f.unsqueeze(1).expand(-1, len(updates)), flat
+
+    def update(self, state: dict, noisy_fraction_unclipped: float) -> dict:
+        """One quantile step from the privatized fraction b~ of units with norm <= C."""
+        c = float(state["clip_norm"])
+        err = noisy_fraction_unclipped - self.target_quantile
+        if self.geometric:
+            c = c * math.exp(-self.learning_rate * err)
+        else:
+            c = max(c - self.learning_rate * err, _TINY)
+        return {"clip_norm": c}
+
+
+ClipStrategy = FlatClip | PerLayerClip | AdaptiveClip

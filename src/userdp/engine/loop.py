@@ -1,0 +1,399 @@
+"""The one DP training loop over privacy units, and its entry point :func:`train`.
+
+Each step: sample units -> per-unit update (vmapped, chunked) -> clip -> sum -> [all-reduce]
+-> Gaussian noise N(0, (sigma*C)^2) on the SUM, drawn once -> divide by a public constant ->
+optimizer. ELS, ULS and FedAvg differ only in their :mod:`~userdp.engine.algorithms` dataclass.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from userdp import accounting
+from userdp.adaptive_clipping import update_noise_multiplier
+from userdp.engine import checkpoint as ckpt
+from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
+from userdp.engine.algorithms import ELS, ULS, FedAvg, UnitTable
+from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
+from userdp.engine.data import UserData
+from userdp.engine.distributed import LocalCombiner
+from userdp.engine.ledger import PrivacyLedger
+from userdp.engine.noise import gaussian_like, gaussian_scalar
+from userdp.engine.optimizers import SGD, Adafactor, Adam
+from userdp.engine.per_unit import PerUnit, fedavg_epoch_batches
+from userdp.engine.sampling import bucket_size, get_sampler
+from userdp.errors import BudgetExceededError, UserError
+
+SAMPLER_MODE = {("poisson", "record"): "poisson_examples", ("poisson", "user"): "poisson_users",
+                ("fixed_size", "record"): "fixed_size_wor", ("fixed_size", "user"): "fixed_size_wor",
+                ("shuffle", "record"): "shuffle_fixed_batches", ("shuffle", "user"): "shuffle_fixed_batches"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a run (and its guarantee).
+
+    Give either ``noise_multiplier`` (sigma; with adaptive clipping this is the *effective*
+    multiplier the accountant sees, and the update's z_Delta is derived by the Theorem-1 split),
+    or ``target_epsilon`` (with ``steps``) to calibrate sigma. With both, sigma is used and the
+    run stops before epsilon would pass the target. ``noise_multiplier=0`` is a non-private run
+    (epsilon = inf; refused together with a target). ``delta`` None -> N^-1.1.
+    ``sampling``: "poisson" (default, as accounted), or on explicit request "fixed_size"
+    (without replacement, replace-one, RDP) or "shuffle" (fixed batches; no amplification).
+    """
+
+    algorithm: ELS | ULS | FedAvg
+    steps: int
+    clipping: FlatClip | PerLayerClip | AdaptiveClip = FlatClip(1.0)
+    optimizer: SGD | Adam | Adafactor = SGD(0.1)
+    noise_multiplier: Optional[float] = None
+    target_epsilon: Optional[float] = None
+    delta: Optional[float] = None
+    accountant: str = "pld"
+    sampling: str = "poisson"
+    denominator: FixedDenominator | ClippedDenominator = FixedDenominator()
+    chunk_size: int = 64
+    seed: Optional[int] = None
+    checkpoint_every: int = 0
+    track_epsilon: bool = True
+
+    def __post_init__(self):
+        if int(self.steps) != self.steps or self.steps < 1:
+            raise UserError(f"steps must be an integer >= 1, got {self.steps}")
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise UserError("give a noise_multiplier or a target_epsilon to calibrate one")
+        if self.noise_multiplier is not None and self.noise_multiplier < 0:
+            raise UserError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if self.noise_multiplier == 0 and self.target_epsilon is not None:
+            raise UserError("noise_multiplier=0 is non-private: it cannot meet a target epsilon")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise UserError(f"target_epsilon must be > 0, got {self.target_epsilon}")
+        if self.chunk_size < 1:
+            raise UserError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        get_sampler(self.sampling)
+        if self.sampling == "fixed_size" and self.accountant != "rdp":
+            raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
+        if isinstance(self.denominator, ClippedDenominator) and isinstance(self.clipping, AdaptiveClip):
+            raise UserError("adaptive clipping uses the fixed denominator")
+
+
+@dataclass
+class TrainResult:
+    steps: int  # steps applied to the parameters
+    epsilon: float
+    delta: float
+    noise_multiplier: float  # what the accountant sees (effective, with adaptive clipping)
+    update_noise_multiplier: float  # z_Delta applied to the update sum
+    clip_norm: float
+    stopped: str  # "completed" | "budget"
+    record: dict
+    history: list = field(default_factory=list)
+
+
+def _cfg_dict(obj) -> Any:
+    if is_dataclass(obj):
+        d = {"type": type(obj).__name__}
+        d.update({k: _cfg_dict(v) for k, v in asdict(obj).items()})
+        return d
+    if isinstance(obj, (list, tuple)):
+        return [_cfg_dict(v) for v in obj]
+    return obj
+
+
+def _seeds(seed: Optional[int]):
+    ss = np.random.SeedSequence(seed)  # None -> os entropy
+    a, b, c = ss.spawn(3)
+    return (np.random.default_rng(a), int(b.generate_state(1, np.uint64)[0] >> 1),
+            int(c.generate_state(1, np.uint64)[0] >> 1))
+
+
+class _Run:
+    """State of one training run (kept small: everything here is saved in a checkpoint)."""
+
+    def __init__(self, model, data, loss_fn, cfg: TrainConfig, checkpoint_dir, combiner):
+        if not isinstance(data, UserData):
+            raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
+        self.model, self.data, self.cfg = model, data, cfg
+        self.algo = cfg.algorithm
+        self.combiner = combiner or LocalCombiner()
+        self.per_unit = PerUnit(model, loss_fn, self.algo)
+        self.params = self.per_unit.params
+        self.device = self.params[0].device
+        self.dir = checkpoint_dir
+        self.seeded = cfg.seed is not None
+        self.rng, noise_seed, torch_seed = _seeds(cfg.seed)
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(noise_seed)
+        if self.seeded:
+            torch.manual_seed(torch_seed)  # dropout etc. inside the model
+        self.table: UnitTable = self.algo.units(data, self.rng)
+        self.n_units = len(self.table)
+        self.rate = self.algo.sampling_rate
+        kind = "record" if isinstance(self.algo, ELS) else "user"
+        self.sampler = get_sampler(cfg.sampling)
+        self.sampler_mode = SAMPLER_MODE[(cfg.sampling, kind)]
+        self.sampler_state: dict = {}
+        # expected units / weight per step: the public denominator
+        if cfg.sampling == "poisson":
+            self.expected_units = self.rate * self.n_units
+        else:
+            self.expected_units = float(self.algo.cohort_size(self.table))
+        tw = float(self.table.weights.sum()) if self.table.weights is not None else float(self.n_units)
+        self.expected_weight = self.expected_units * tw / self.n_units
+        self.delta, self.delta_rule = (cfg.delta, "given") if cfg.delta is not None else accounting.default_delta(data.num_users)
+        self._calibrate()
+        self.ledger = PrivacyLedger(self.step_event, self.delta, target_epsilon=cfg.target_epsilon,
+                                    accountant=cfg.accountant, safe_steps=self.safe_steps, journal_dir=self.dir)
+        self.clip_state = cfg.clipping.initial_state()
+        self.optimizer = cfg.optimizer.build(self.params)
+        self.step = 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ privacy setup
+    def _event(self, sigma):
+        return self.algo.step_event(sigma, self.cfg.sampling, self.table, self.data.num_users)
+
+    def _calibrate(self):
+        cfg = self.cfg
+        self.safe_steps = None
+        if cfg.noise_multiplier is not None:
+            z = float(cfg.noise_multiplier)
+        else:
+            z = accounting.calibrate_noise_multiplier(self._event, cfg.steps, cfg.target_epsilon,
+                                                      self.delta, cfg.accountant)
+            self.safe_steps = cfg.steps  # calibration guarantees eps(steps) <= target
+        self.noise_multiplier = z
+        self.count_stddev = None
+        if isinstance(cfg.clipping, AdaptiveClip) and z > 0:
+            self.count_stddev = cfg.clipping.resolved_count_stddev(self.expected_units)
+            self.update_z = update_noise_multiplier(z, self.count_stddev)
+        else:
+            if isinstance(cfg.clipping, AdaptiveClip):
+                self.count_stddev = 0.0
+            self.update_z = z
+        self.step_event = self._event(z) if z > 0 else None
+
+    def _sensitivity(self) -> float:
+        c = self.cfg.clipping
+        if isinstance(c, PerLayerClip):
+            return c.sensitivity(self.clip_state, len(self.params))
+        return c.sensitivity(self.clip_state)
+
+    # ------------------------------------------------------------------ one step
+    def _pad(self, batch, mask, b):
+        k = mask.shape[0]
+        if b == k:
+            return batch, mask
+        idx = torch.cat([torch.arange(k), torch.zeros(b - k, dtype=torch.long)])
+        batch = {n: v[idx] for n, v in batch.items()}
+        mask = torch.cat([mask, torch.zeros(b - k, *mask.shape[1:], dtype=mask.dtype)])
+        return batch, mask
+
+    def clipped_sum(self, ids: np.ndarray):
+        """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise."""
+        cfg, algo = self.cfg, self.algo
+        sums = [torch.zeros_like(p) for p in self.params]
+        stats = torch.zeros(5, dtype=torch.float64)  # units, centered count, loss, clipped, weight
+        c_now = float(self.clip_state["clip_norm"])
+        for s in range(0, len(ids), cfg.chunk_size):
+            cid = ids[s : s + cfg.chunk_size]
+            k = len(cid)
+            b = bucket_size(k, cfg.chunk_size)
+            batch, mask = algo.load(self.data, self.table, cid, self.rng)
+            if algo.update_kind == "local_sgd":
+                batch, mask = fedavg_epoch_batches(batch, mask, algo.local_epochs, self.rng)
+            batch, mask = self._pad(batch, mask, b)
+            batch = {n: v.to(self.device) for n, v in batch.items()}
+            mask = mask.to(self.device, dtype=self.params[0].dtype)
+            valid = torch.zeros(b, dtype=self.params[0].dtype, device=self.device)
+            valid[:k] = 1.0
+            w = valid.clone()
+            if self.table.weights is not None:
+                w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
+            updates, losses = self.per_unit(batch, mask)
+            f, norms = cfg.clipping.factors(updates, self.clip_state)
+            f = f * w.unsqueeze(1)
+            for j, u in enumerate(updates):
+                sums[j] += torch.tensordot(f[:, j], u, dims=1)
+            unclipped = (norms <= c_now).to(valid.dtype)
+            stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses.detach() * valid).sum(),
+                                  ((1 - unclipped) * valid).sum(), w.sum()]).double().cpu()
+        return sums, stats
+
+    def run_step(self):
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self.ledger.record_step()  # before anything of this step can be seen
+        ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
+        mine = ids[self.combiner.rank :: self.combiner.world_size]
+        sums, stats = self.clipped_sum(mine)
+        # ---- the only cross-process combination: the clipped sum and its statistics
+        combined = self.combiner.all_reduce_sum(sums + [stats.to(self.device)])
+        sums, stats = combined[:-1], combined[-1].double().cpu()
+        n_units, centered, loss_sum, n_clipped, weight = stats.tolist()
+        # ---- noise on the sum, drawn once per step for the whole sum (on the main rank)
+        std_sum = self.update_z * self._sensitivity()
+        den, est_std = cfg.denominator.scales(self.expected_weight, weight, std_sum)
+        noise = gaussian_like(sums, est_std, self.gen) if std_sum > 0 else [torch.zeros_like(s) for s in sums]
+        count_noise = torch.tensor([gaussian_scalar(self.count_stddev, self.gen) if self.count_stddev else 0.0],
+                                   dtype=sums[0].dtype, device=self.device)
+        bc = self.combiner.broadcast_from_main(noise + [count_noise])
+        noise, count_noise = bc[:-1], float(bc[-1])
+        # ---- divide by the public constant, hand to the optimizer
+        self.optimizer.zero_grad(set_to_none=True)
+        for p, s, z in zip(self.params, sums, noise):
+            p.grad = (s / den + z).to(p.dtype)
+        self.optimizer.step()
+        self.step += 1
+        metrics = {"step": self.step, "loss": loss_sum / max(n_units, 1.0), "units": int(n_units),
+                   "fraction_clipped": n_clipped / max(n_units, 1.0),
+                   "clip_norm": float(self.clip_state["clip_norm"])}
+        if isinstance(cfg.clipping, AdaptiveClip):
+            noisy = 0.5 + (centered + count_noise) / self.expected_units
+            metrics["noisy_fraction_unclipped"] = noisy
+            self.clip_state = cfg.clipping.update(self.clip_state, noisy)
+        dt = time.perf_counter() - t0
+        metrics["step_time"] = dt
+        metrics["units_per_s"] = n_units / dt if dt > 0 else float("nan")
+        if cfg.track_epsilon:
+            metrics["epsilon_spent"] = self.ledger.epsilon_upper_bound()
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        st = {"step": self.step, "ledger": self.ledger.state_dict(),
+              "params": [p.detach().cpu() for p in self.params], "param_names": self.per_unit.names,
+              "buffers": {n: b.detach().cpu() for n, b in self.model.named_buffers()},
+              "optimizer": self.optimizer.state_dict(), "clip_state": dict(self.clip_state),
+              "table_users": torch.from_numpy(self.table.users),
+              "table_records": torch.from_numpy(self.table.records) if self.table.records is not None else None,
+              "seeded": self.seeded, "config": repr(self.cfg), "history": self.history}
+        if self.seeded:  # unseeded random states are secret: never written
+            st["numpy_rng"] = self.rng.bit_generator.state
+            st["noise_rng"] = self.gen.get_state()
+            st["torch_rng"] = torch.get_rng_state()
+            perm = self.sampler_state.get("perm")
+            st["sampler"] = {"epoch": self.sampler_state.get("epoch"),
+                             "perm": torch.from_numpy(perm) if perm is not None else None}
+        return st
+
+    def save(self):
+        if self.dir:
+            ckpt.save(self.dir, self.state())
+
+    def restore(self, st: dict):
+        if st["config"] != repr(self.cfg):
+            raise UserError(f"cannot resume from {ckpt.path(self.dir)}: it was written with a different config")
+        if st["param_names"] != self.per_unit.names:
+            raise UserError(f"cannot resume from {ckpt.path(self.dir)}: the model's trainable parameters differ")
+        with torch.no_grad():
+            for p, v in zip(self.params, st["params"]):
+                p.copy_(v.to(p.device))
+            bufs = dict(self.model.named_buffers())
+            for n, v in st["buffers"].items():
+                bufs[n].copy_(v.to(bufs[n].device))
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.clip_state = dict(st["clip_state"])
+        users = st["table_users"].numpy()
+        recs = st["table_records"].numpy() if st["table_records"] is not None else None
+        self.table = UnitTable(users, recs, self.table.weights)
+        self.step = int(st["step"])
+        self.history = list(st["history"])
+        if st["seeded"]:
+            self.rng.bit_generator.state = st["numpy_rng"]
+            self.gen.set_state(st["noise_rng"])
+            torch.set_rng_state(st["torch_rng"])
+            s = st["sampler"]
+            if s["epoch"] is not None:
+                self.sampler_state = {"epoch": s["epoch"], "perm": s["perm"].numpy()}
+        self.ledger.load_state_dict(st["ledger"], replayable=st["seeded"])
+
+    # ------------------------------------------------------------------ the record
+    def record(self) -> dict:
+        cfg = self.cfg
+        eps = self.ledger.epsilon()
+        rec = {
+            "algorithm": _cfg_dict(self.algo), "unit": "record" if isinstance(self.algo, ELS) else "user",
+            "num_users": int(self.data.num_users), "num_units": int(self.n_units),
+            "expected_units_per_step": self.expected_units, "denominator": self.expected_weight,
+            "denominator_kind": cfg.denominator.name, "sampler_mode": self.sampler_mode,
+            "noise_multiplier": self.noise_multiplier, "update_noise_multiplier": self.update_z,
+            "count_noise_stddev": self.count_stddev, "clipping": _cfg_dict(cfg.clipping),
+            "final_clip_norm": float(self.clip_state["clip_norm"]), "optimizer": _cfg_dict(cfg.optimizer),
+            "accountant": cfg.accountant, "steps_applied": self.step, "steps_accounted": self.ledger.spent,
+            "steps_lost_to_crashes": self.ledger.lost_steps, "epsilon": eps, "delta": self.delta,
+            "delta_rule": self.delta_rule, "target_epsilon": cfg.target_epsilon,
+            "calibrated": cfg.noise_multiplier is None,
+            "step_event": accounting.event_to_dict(self.step_event) if self.step_event is not None else None,
+            "adjacency": accounting.adjacency(self.step_event) if self.step_event is not None else None,
+            "seeded": self.seeded,
+            "randomness": ("seeded by the user (seed given): reproducible; the guarantee holds only against "
+                           "parties who do not know the seed") if self.seeded else
+                          "sampling and noise seeded from the operating system's entropy",
+        }
+        if self.step_event is None:
+            rec["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
+        elif cfg.sampling != "poisson":
+            g = self.algo.group_sensitivity
+            no_amp = accounting.no_amplification_step_event(self.noise_multiplier, g)
+            rec["epsilon_no_amplification"] = (accounting.epsilon(accounting.compose(no_amp, self.ledger.spent),
+                                                                  self.delta, "pld") if self.ledger.spent else 0.0)
+            if cfg.sampling == "shuffle":
+                rec["sampling_warning"] = ("training used shuffled fixed batches but epsilon assumes Poisson "
+                                           "sampling; without amplification the guarantee is epsilon_no_amplification")
+            else:
+                rec["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
+                                           "adjacency (RDP); epsilon_no_amplification holds without amplification")
+        return rec
+
+
+def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *,
+          checkpoint_dir: Optional[str] = None, resume: bool = False,
+          callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None) -> TrainResult:
+    """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
+
+    ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable). Each callback
+    receives the step's metrics dict (step, loss, units, fraction_clipped, clip_norm,
+    step_time, units_per_s, epsilon_spent — a cheap upper bound). ``loss`` and
+    ``fraction_clipped`` are computed on private data and are NOT privatized: for the data
+    holder's monitoring only. ``checkpoint_dir`` with ``checkpoint_every`` > 0 writes atomic
+    checkpoints (also at the end); ``resume=True`` continues from one.
+    """
+    if checkpoint_dir and not resume and (ckpt.exists(checkpoint_dir)):
+        raise UserError(f"{checkpoint_dir} already holds a checkpoint: pass resume=True to continue it, "
+                        "or use an empty directory")
+    if resume and not checkpoint_dir:
+        raise UserError("resume=True needs a checkpoint_dir")
+    if checkpoint_dir:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    run = _Run(model, data, loss_fn, config, checkpoint_dir, combiner)
+    if resume and ckpt.exists(checkpoint_dir):
+        run.restore(ckpt.load(checkpoint_dir))
+    stopped = "completed"
+    while run.step < config.steps:
+        try:
+            m = run.run_step()
+        except BudgetExceededError:
+            stopped = "budget"
+            break
+        run.history.append(m)
+        for cb in callbacks:
+            cb(m)
+        if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
+            run.save()
+    if checkpoint_dir:
+        run.save()
+    rec = run.record()
+    rec["stopped"] = stopped
+    return TrainResult(steps=run.step, epsilon=rec["epsilon"], delta=run.delta,
+                       noise_multiplier=run.noise_multiplier, update_noise_multiplier=run.update_z,
+                       clip_norm=float(run.clip_state["clip_norm"]), stopped=stopped, record=rec,
+                       history=run.history)

@@ -1,0 +1,72 @@
+"""Optimizers that consume only the privatized gradient (post-processing, SPEC §3.10).
+
+Frozen dataclasses that build a ``torch.optim`` optimizer. The engine writes the privatized
+estimate into ``p.grad`` and calls ``step()``; nothing else about the data reaches them.
+For FedAvg the estimate is the averaged pseudo-gradient ``theta0 - theta_local``, so
+``SGD(lr=1)`` is plain FedAvg and ``SGD(lr=eta_s, momentum=beta)`` is server momentum
+(FedAvgM; ``dampening=beta`` gives the (1-beta) form of Andrew et al.).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from userdp.errors import UserError
+
+
+def _lr(lr):
+    if not lr > 0:
+        raise UserError(f"learning rate must be > 0, got {lr}")
+
+
+@dataclass(frozen=True)
+class SGD:
+    lr: float = 0.1
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        _lr(self.lr)
+
+    def build(self, params) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
+                               nesterov=self.nesterov, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class Adam:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled: bool = False  # True -> AdamW
+
+    def __post_init__(self):
+        _lr(self.lr)
+
+    def build(self, params):
+        cls = torch.optim.AdamW if self.decoupled else torch.optim.Adam
+        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+
+
+@dataclass(frozen=True)
+class Adafactor:
+    lr: float = 1e-2
+    beta2_decay: float = -0.8
+    eps: tuple[Optional[float], float] = (None, 1e-3)
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        _lr(self.lr)
+
+    def build(self, params):
+        return torch.optim.Adafactor(params, lr=self.lr, beta2_decay=self.beta2_decay, eps=self.eps,
+                                     weight_decay=self.weight_decay)
+
+
+Optimizer = SGD | Adam | Adafactor
