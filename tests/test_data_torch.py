@@ -1,0 +1,87 @@
+"""The engine adapter: UserData over a tokenized store; random chunk draws fresh windows."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from userdp.data import build_store, open_source
+from userdp.data.tokenize import PublicText, tokenize_store, train_bpe
+from userdp.data.torch_data import RandomChunkUserData, TokenizedUserData
+from userdp.engine.data import UserData
+from userdp.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_bpe(PublicText(["abc def ghi jkl"] * 20, description="letters"), vocab_size=280, min_frequency=1)
+
+
+@pytest.fixture
+def store(tmp_path):
+    rows = [{"user": "long", "text": " ".join(f"w{i}" for i in range(200))}]
+    rows += [{"user": "short", "text": "abc"}, {"user": "short", "text": "def ghi"}]
+    rows += [{"user": "mid", "text": f"abc def {i}"} for i in range(5)]
+    p = tmp_path / "a.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return build_store(open_source(str(p)), tmp_path / "s").store
+
+
+def test_gather_pads_and_masks_labels(store, tok):
+    ts = tokenize_store(store, tok, 12, mode="truncate")
+    ud = TokenizedUserData(ts)
+    assert isinstance(ud, UserData) and ud.num_users == 3
+    assert np.array_equal(ud.sizes(), store.sizes())
+    users = np.arange(3)
+    b = ud.gather(users, np.zeros(3, dtype=np.int64))
+    assert b["input_ids"].dtype == torch.long and b["input_ids"].shape == (3, 12)
+    for k, u in enumerate(users):
+        seq = ts.sequence(ts.user_offsets[u])
+        n = len(seq)
+        assert b["input_ids"][k, :n].tolist() == seq.tolist()
+        assert (b["labels"][k, :n] == b["input_ids"][k, :n]).all()
+        assert (b["labels"][k, n:] == -100).all() and (b["input_ids"][k, n:] == ts.pad_id).all()
+    batch, mask = ud.draw_records(users, 3, np.random.default_rng(0))
+    assert batch["input_ids"].shape == (3, 3, 12) and mask.shape == (3, 3)
+    assert mask.sum(1).tolist() == np.minimum(store.sizes(), 3).tolist()
+    with pytest.raises(IndexError):
+        ud.gather(np.array([0]), np.array([99]))
+
+
+def test_random_chunk_windows_are_fresh_uniform_slices(store, tok):
+    L = 16
+    ts = tokenize_store(store, tok, L, mode="full")
+    ud = RandomChunkUserData(ts)
+    u = store.user_index()["long"]
+    stream = ts.user_stream(u)
+    T = len(stream)
+    assert T > 4 * L
+    windows = np.lib.stride_tricks.sliding_window_view(stream, L)
+    rng = np.random.default_rng(0)
+    starts = []
+    for _ in range(400):
+        batch, mask = ud.draw_records(np.array([u]), 2, rng)
+        assert mask.tolist() == [[1.0, 1.0]]
+        for g in range(2):
+            w = batch["input_ids"][0, g].numpy()
+            hits = np.flatnonzero((windows == w).all(1))
+            assert len(hits)  # a contiguous window of the user's stream
+            starts.append(hits[0])
+    starts = np.array(starts)
+    span = T - L + 1
+    # uniform offsets: mean and spread match a discrete uniform on [0, span)
+    assert abs(starts.mean() - (span - 1) / 2) < 4 * np.sqrt((span**2 - 1) / 12 / len(starts))
+    assert len(np.unique(starts)) > span // 3
+    # a user with fewer tokens than L: one (padded) window, other slots masked
+    s = store.user_index()["short"]
+    batch, mask = ud.draw_records(np.array([s]), 3, rng)
+    assert mask.tolist() == [[1.0, 0.0, 0.0]]
+    n = len(ts.user_stream(s))
+    assert batch["input_ids"][0, 0, :n].tolist() == ts.user_stream(s).tolist()
+    assert (batch["labels"][0, 0, n:] == -100).all()
+
+
+def test_random_chunk_needs_whole_streams(store, tok):
+    with pytest.raises(UserError, match="full"):
+        RandomChunkUserData(tokenize_store(store, tok, 8, mode="truncate"))
