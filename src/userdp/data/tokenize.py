@@ -38,7 +38,7 @@ from userdp.errors import UserError
 MODES = ("truncate", "pack", "full")
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>")
-ENCODE_BLOCK = 16_384
+ENCODE_BLOCK = 4_096
 
 
 def load_tokenizer(path):
