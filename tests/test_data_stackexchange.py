@@ -90,6 +90,8 @@ def test_html_to_text():
     assert html_to_text("plain   text") == "plain text"
 
 
+@pytest.mark.shared_data
+@pytest.mark.slow
 def test_shared_dump_near_measured_counts(tmp_path, shared_data):
     res = build_store(open_source(str(shared_data / "stackexchange")), tmp_path / "s")
     st = res.store
