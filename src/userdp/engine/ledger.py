@@ -42,6 +42,7 @@ class PrivacyLedger:
         self._max_steps: Optional[int] = None
         self._grid_ratio = grid_ratio
         self._grid: dict[int, float] = {}
+        self._rdp1 = None
         self._journal = os.path.join(journal_dir, JOURNAL) if journal_dir else None
         self.private = step_event is not None
 
@@ -98,13 +99,27 @@ class PrivacyLedger:
         while g < t:
             g = max(g + 1, int(math.ceil(g * self._grid_ratio)))
         if g not in self._grid:
-            kw = {"value_discretization_interval": 1e-3} if self.accountant == "pld" else {}
-            self._grid[g] = accounting.epsilon(accounting.compose(self.step_event, g), self.delta,
-                                               self.accountant, **kw)
+            self._grid[g] = self._cheap_epsilon(g)
         eps = self._grid[g]
         if self.target_epsilon is not None and self._safe is not None and t <= self._safe:
             eps = min(eps, self.target_epsilon)
         return eps
+
+    def _cheap_epsilon(self, t: int) -> float:
+        if self.accountant == "rdp":
+            # RDP composes additively: one step's RDP vector, computed once, scaled by t
+            if self._rdp1 is None:
+                try:
+                    self._rdp1 = accounting._rdp(self.step_event)
+                except AttributeError:  # accounting changed: fall back to the public path
+                    self._rdp1 = False
+            if self._rdp1 is not False:
+                from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+                orders, rdp = self._rdp1
+                return float(rdp_lib.compute_epsilon(orders, t * rdp, self.delta)[0])
+            return accounting.epsilon(accounting.compose(self.step_event, t), self.delta, "rdp")
+        return accounting.epsilon(accounting.compose(self.step_event, t), self.delta, "pld",
+                                  value_discretization_interval=1e-3)
 
     # ---------------------------------------------------------------- persistence
     def state_dict(self) -> dict:

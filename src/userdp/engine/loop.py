@@ -209,7 +209,12 @@ class _Run:
             b = bucket_size(k, cfg.chunk_size)
             batch, mask = algo.load(self.data, self.table, cid, self.rng)
             if algo.update_kind == "local_sgd":
-                batch, mask = fedavg_epoch_batches(batch, mask, algo.local_epochs, self.rng)
+                if (algo.local_batch_size or algo.group_size) >= mask.shape[1]:  # full batch: order moot
+                    e = algo.local_epochs
+                    batch = {n: v.unsqueeze(1).expand(v.shape[0], e, *v.shape[1:]) for n, v in batch.items()}
+                    mask = mask.unsqueeze(1).expand(-1, e, -1)
+                else:
+                    batch, mask = fedavg_epoch_batches(batch, mask, algo.local_epochs, self.rng)
             batch, mask = self._pad(batch, mask, b)
             batch = {n: v.to(self.device) for n, v in batch.items()}
             mask = mask.to(self.device, dtype=self.params[0].dtype)
