@@ -74,6 +74,10 @@ def test_records_users_and_counted_drops(tmp_path, dump):
 def test_single_site_folder(tmp_path, dump):
     st = build_store(open_source(str(dump / "beta")), tmp_path / "s").store
     assert sorted(st.user_ids) == ["account:1000", "beta:78"]
+    st = build_store(open_source(str(dump), sites=("beta",)), tmp_path / "s2").store
+    assert sorted(st.user_ids) == ["account:1000", "beta:78"]
+    with pytest.raises(UserError, match="no site gamma"):
+        open_source(str(dump), sites=("gamma",))
 
 
 def test_malformed_xml_fails_with_file_and_line(tmp_path):

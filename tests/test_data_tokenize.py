@@ -8,7 +8,14 @@ import pytest
 import userdp.data.tokenize as tokmod
 from userdp.data import build_store, open_source
 from userdp.data.selection import bound_contributions
-from userdp.data.tokenize import PublicText, load_tokenizer, tokenize_store, tokenizer_fingerprint, train_bpe
+from userdp.data.tokenize import (
+    PublicText,
+    load_tokenizer,
+    record_token_lengths,
+    tokenize_store,
+    tokenizer_fingerprint,
+    train_bpe,
+)
 from userdp.errors import UserError
 
 PUBLIC = ["the quick brown fox jumps over the lazy dog", "a public sentence about foxes and dogs"] * 50
@@ -84,3 +91,14 @@ def test_modes_and_cache(store, tok, tmp_path, monkeypatch):
     assert len(keys) == 5
     with pytest.raises(UserError, match="mode"):
         tokenize_store(store, tok, L, mode="chunky")
+
+
+def test_token_lengths_drive_longest_selection(store, tok, tmp_path):
+    lens = record_token_lengths(store, tok, cache_dir=tmp_path)
+    assert len(lens) == store.num_records
+    u = 0
+    texts = store.texts(u)
+    ref = [len(tok.encode(t, add_special_tokens=False).ids) for t in texts]
+    assert lens[store.offsets[u]:store.offsets[u + 1]].tolist() == ref
+    sub = bound_contributions(store, 1, "longest", scores=lens)
+    assert lens[store.offsets[u] + sub.records_of(0)[0]] == max(ref)

@@ -19,6 +19,7 @@ def _add_source_args(p) -> None:
     p.add_argument("--date-field", default=None, help="optional field holding the record's date")
     p.add_argument("--split", default=None, help="split of a saved Hugging Face DatasetDict")
     p.add_argument("--public-plays", default="", help="shakespeare: comma-separated plays set aside as public text")
+    p.add_argument("--sites", default="", help="stackexchange: comma-separated site folders to read (default: all)")
     p.add_argument("--shards", type=int, default=None, help="number of hash shards for the out-of-core build")
 
 
@@ -31,7 +32,8 @@ def _open_store(args, out_dir):
         return UserStore(src_path)
     plays = tuple(p for p in args.public_plays.split(",") if p.strip())
     source = open_source(args.source, args.format, user_field=args.user_field, text_field=args.text_field,
-                         date_field=args.date_field, split=args.split, public_plays=plays)
+                         date_field=args.date_field, split=args.split, public_plays=plays,
+                         sites=tuple(x for x in args.sites.split(",") if x.strip()))
     return build_store(source, out_dir, num_shards=args.shards, overwrite=getattr(args, "overwrite", False)).store
 
 

@@ -93,6 +93,7 @@ def open_source(
     date_field: Optional[str] = None,
     split: Optional[str] = None,
     public_plays: tuple[str, ...] = (),
+    sites: tuple[str, ...] = (),
 ):
     """Open ``source`` (a path, or ``shakespeare``) as a streaming record source."""
     fmt = format or detect_format(source)
@@ -108,7 +109,7 @@ def open_source(
     if fmt == "stackexchange":
         from userdp.data.stackexchange import StackExchangeSource
 
-        return StackExchangeSource(path)
+        return StackExchangeSource(path, sites=sites)
     fields = dict(user_field=user_field, text_field=text_field, date_field=date_field)
     if fmt == "jsonl":
         return JsonlSource(path, **fields)

@@ -116,9 +116,16 @@ class StackExchangeSource:
     kind = "stackexchange"
     has_dates = True
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sites=()):
         self.path = Path(path)
         self.sites = find_sites(self.path)
+        wanted = [x.strip() for x in sites if x.strip()]
+        if wanted:
+            names = {p.name: p for p in self.sites}
+            unknown = [w for w in wanted if w not in names]
+            if unknown:
+                raise UserError(f"{self.path}: no site {', '.join(unknown)} (sites: {', '.join(names)})")
+            self.sites = [names[w] for w in wanted]
         self.drops = DropReport()
         self.size_hint = sum(f.stat().st_size for s in self.sites for f in s.glob("*.xml"))
         self.description = f"stackexchange {self.path} ({len(self.sites)} site{'s' if len(self.sites) != 1 else ''})"

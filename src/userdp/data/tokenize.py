@@ -296,3 +296,12 @@ def tokenize_store(
     ts.from_cache = False
     ts.seconds = time.perf_counter() - t0
     return ts
+
+
+def record_token_lengths(store: UserStore, tokenizer, *, cache_dir=None) -> np.ndarray:
+    """int64 [num_records]: tokens per store record (no EOS), for longest/shortest selection.
+
+    Reuses (and fills) the ``full`` tokenization cache of the whole store.
+    """
+    ts = tokenize_store(store, tokenizer, 2**30, mode="full", add_eos=False, cache_dir=cache_dir)
+    return ts.seq_lengths().astype(np.int64)
