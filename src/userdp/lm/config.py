@@ -32,14 +32,15 @@ class DataConfig:
     path: Optional[str] = None            # file or folder for stackexchange/jsonl/csv
     sites: Optional[tuple[str, ...]] = None  # stackexchange: sites to fine-tune on (default: main sites)
     public_sites: Optional[tuple[str, ...]] = None  # stackexchange: declared-public sites (meta)
-    public_plays: int = 4                 # shakespeare: whole plays held out as public text
+    public_plays: tuple[str, ...] = ("hamlet", "macbeth", "the-tempest", "twelfth-night")
+    #                                     shakespeare: whole plays set aside as public text
     user_field: str = "user"              # jsonl/csv
     text_field: str = "text"              # jsonl/csv
     public_path: Optional[str] = None     # jsonl/csv/txt of declared-public text (pretraining)
     max_users: Optional[int] = None       # keep at most this many users (seeded choice), for quick runs
-    heldout_users: float = 0.1            # fraction (< 1) or count (>= 1) of users held out for eval
+    heldout_users: float = 0.1            # fraction of users held out (whole) for evaluation
     max_eval_users: Optional[int] = 200   # cap on the held-out users evaluated (seeded choice)
-    min_records: int = 1                  # users with fewer records are dropped (counted)
+    split_seed: int = 0                   # which users are held out (and max_users choice)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class TokenizerConfig:
     seq_len: int = 64                     # tokens per record (longer records are truncated)
     declared_public: bool = False         # the tokenizer at `path` saw only public text
     trained_on_private: bool = False      # set when the tokenizer saw the training records
+    #  A tokenizer from `path` (or from a model directory not made by `userdp pretrain`) must be
+    #  declared public: its training text is outside the DP guarantee (SPEC §8.4).
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,7 @@ class ModelConfig:
 class PrivacyConfig:
     epsilon: float = 3.0
     delta: Optional[float] = None         # null: N^-1.1 with N = training users
+    noise_multiplier: Optional[float] = None  # fixed sigma instead of calibrating to epsilon
     accountant: str = _choice("pld", "rdp", default="pld")
     sampler: str = _choice("poisson", "shuffle", default="poisson")
 
@@ -105,8 +109,8 @@ class TrainingConfig:
     selection: str = _choice("random", "longest", "shortest", "random_chunk",
                              "highest_ppl", "lowest_ppl", default="random")
     chunk_size: int = 8                   # vmap chunk (units per vectorised call)
-    seed: int = 0
-    checkpoint_every: int = 50
+    seed: Optional[int] = None            # null: sampling and noise from OS entropy (secret)
+    checkpoint_every: int = 25
     allow_cohort_shortfall: bool = False
 
 
@@ -320,8 +324,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"training.lr must be > 0, got {t.lr}")
     if tok.seq_len < 4:
         bad(f"tokenizer.seq_len must be >= 4, got {tok.seq_len}")
-    if d.heldout_users <= 0:
-        bad(f"data.heldout_users must be > 0, got {d.heldout_users}")
+    if not 0 < d.heldout_users < 1:
+        bad(f"data.heldout_users must be a fraction in (0, 1), got {d.heldout_users}")
     if m.preset is None and m.path is None:
         bad("model: give model.preset (tiny, small, base) or model.path (a local directory)")
     if d.source in ("jsonl", "csv", "stackexchange") and not d.path:
@@ -330,6 +334,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad("tokenizer: a tokenizer trained on the private training records leaks them "
             "(SPEC §8.4); train it on public text or set tokenizer.declared_public: true if "
             "that text is public")
+    if p.noise_multiplier is not None and p.noise_multiplier <= 0:
+        bad(f"privacy.noise_multiplier must be > 0 (use training.algorithm: nonprivate for no "
+            f"noise), got {p.noise_multiplier}")
     if t.checkpoint_every < 1:
         bad(f"training.checkpoint_every must be >= 1, got {t.checkpoint_every}")
 

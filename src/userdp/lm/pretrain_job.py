@@ -1,0 +1,59 @@
+"""The ``userdp pretrain`` job: public text -> BPE tokenizer + pretrained preset -> a model folder."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from userdp.errors import UserError
+from userdp.lm.pretrain import pretrain_model, save_pretrained
+
+
+def public_texts(args) -> tuple[list[str], str]:
+    if args.public_text:
+        if not args.declare_public:
+            raise UserError("--public-text: pass --declare-public to state that this text is public "
+                            "(pretraining is not private; it must not contain the users' records)")
+        from userdp.lm.finetune import _read_public_file
+
+        return _read_public_file(args.public_text, args.text_field), f"declared-public file {args.public_text}"
+    if args.stackexchange:
+        if not args.declare_public:
+            raise UserError("--stackexchange: pass --declare-public to state that these sites are public")
+        from userdp.lm.finetune import _stackexchange_source, _cached_store
+        from userdp.lm.pretrain import fingerprint
+        from userdp.lm.finetune import _file_sig
+
+        sites = tuple(s for s in (args.sites or "").split(",") if s) or None
+        src = _stackexchange_source(args.stackexchange, sites, public=True)
+        key = "se-" + fingerprint(_file_sig(Path(args.stackexchange)), [s.name for s in src.sites])
+        store = _cached_store(src, key, lambda m: None)
+        texts = [t for _, b in store.iter_text_batches() for t in b if t]
+        return texts, f"Stack Exchange sites {', '.join(s.name for s in src.sites)} declared public"
+    from userdp.data.shakespeare import public_text
+
+    plays = [p for p in (args.plays or "hamlet,macbeth,the-tempest,twelfth-night").split(",") if p]
+    return public_text(plays), f"the whole plays {', '.join(plays)}"
+
+
+def pretrain_job(args) -> dict:
+    from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
+
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--output {out}: directory exists and is not empty")
+    texts, desc = public_texts(args)
+    if not texts:
+        raise UserError(f"no public text found ({desc})")
+    if args.base_model:
+        tok = load_tokenizer(args.base_model)
+    else:
+        tok = train_bpe(PublicText(texts, description=desc), args.vocab_size)
+    t0 = time.time()
+    model, info = pretrain_model(texts, tok, preset=args.preset, seq_len=args.seq_len, steps=args.steps,
+                                 batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                                 base_model=args.base_model)
+    info.update(public_text=desc, seconds=round(time.time() - t0, 1), preset=args.preset,
+                vocab_size=tok.get_vocab_size(), seq_len=args.seq_len, output=str(out))
+    save_pretrained(model, tok, out, info)
+    return info
