@@ -54,6 +54,7 @@ def test_missing_user_field_names_file_line_and_field(tmp_path):
     p = write_jsonl(tmp_path / "a.jsonl", rows)
     with pytest.raises(UserError, match=r"a\.jsonl:line 4: missing user field 'user'.*author"):
         build(tmp_path, open_source(str(p)))
+    assert not (tmp_path / "store").exists()  # no half-built store left behind
 
 
 def test_missing_text_field_and_custom_fields(tmp_path):

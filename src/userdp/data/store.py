@@ -186,12 +186,16 @@ def build_store(
         with pa.OSFile(str(out / "users.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("user_id", pa.string())])) as w:
             w.write_table(pa.table({"user_id": ids}), max_chunksize=CHUNK_ROWS)
         np.save(out / "offsets.npy", offsets)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # no half-built store left behind
+        raise
     finally:
         for w in writers:
             if w is not None:
                 w.close()
         shutil.rmtree(tmp, ignore_errors=True)
     if len(ids) == 0:
+        shutil.rmtree(out, ignore_errors=True)
         raise UserError(f"{getattr(source, 'description', source)}: no records left (" + "; ".join(drops.lines()) + ")")
     meta = {
         "format_version": FORMAT_VERSION,
