@@ -1,0 +1,82 @@
+"""Calibration: never below the true sigma, at most 1% above; Conjecture 1; max_steps."""
+
+import math
+
+import dp_accounting
+import pytest
+from dp_accounting.pld import pld_privacy_accountant
+
+from userdp import accounting as A
+from userdp.errors import UserError
+
+
+def test_uls_calibration_matches_dp_accounting_and_is_pessimistic():
+    q, T, eps, delta = 0.01, 100, 0.3, 1e-5
+    make = lambda z: A.uls_step_event(z, q)  # noqa: E731
+    ours = A.calibrate_noise_multiplier(make, T, eps, delta)
+    ref = dp_accounting.calibrate_dp_mechanism(
+        pld_privacy_accountant.PLDAccountant, lambda z: A.compose(make(z), T), eps, delta,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(0.8 * ours, 1.2 * ours), tol=1e-4)
+    assert ref <= ours <= 1.01 * ref
+    assert A.epsilon(A.compose(make(ours), T), delta) <= eps  # at dp_accounting's default PLD
+
+
+def test_els_calibration_is_within_one_percent_above_fine_pld():
+    q, G, T, eps, delta = 0.02, 16, 100, 0.5, 1e-6
+    make = lambda z: A.els_step_event(z, q, G)  # noqa: E731
+    sigma = A.calibrate_noise_multiplier(make, T, eps, delta)
+    fine = lambda z: A.epsilon(A.compose(make(z), T), delta)  # noqa: E731  (1e-4, pessimistic)
+    assert fine(sigma) <= eps  # never below the (fine) true sigma
+    assert fine(sigma / 1.01) > eps  # and less than 1% above it
+
+
+def test_rdp_calibration():
+    q, T, eps, delta = 0.05, 200, 2.0, 1e-8
+    make = lambda z: A.uls_step_event(z, q)  # noqa: E731
+    sigma = A.calibrate_noise_multiplier(make, T, eps, delta, accountant="rdp")
+    rdp = lambda z: A.epsilon(A.compose(make(z), T), delta, "rdp")  # noqa: E731
+    assert rdp(sigma) <= eps < rdp(sigma / 1.005)
+
+
+def test_fixed_cohort_calibration_reproduces_andrew_z():
+    # SPEC A5 SHAKESPEARE: T=1200, m=510 of 1e6, z=0.510 gives eps 4.982 ~ (5, n^-1.1)
+    n = 10**6
+    make = lambda z: A.fixed_cohort_step_event(z, n, 510)  # noqa: E731
+    sigma = A.calibrate_noise_multiplier(make, 1200, 5.0, n**-1.1, accountant="rdp")
+    assert A.epsilon(A.compose(make(sigma), 1200), n**-1.1, "rdp") <= 5.0
+    assert 0.500 < sigma <= 0.510 * 1.01
+
+
+@pytest.mark.parametrize("G", [4, 16])
+def test_conjecture1_els_sigma_at_most_G_times_uls(G):
+    q, T, eps, delta = 0.01, 1000, 2.0, 1e-6
+    s_uls = A.calibrate_noise_multiplier(lambda z: A.uls_step_event(z, q), T, eps, delta)
+    s_els = A.calibrate_noise_multiplier(lambda z: A.els_step_event(z, q, G), T, eps, delta)
+    assert s_uls < s_els <= G * s_uls
+
+
+def test_unreachable_epsilon_is_a_user_error():
+    with pytest.raises(UserError, match="not reachable"):
+        A.calibrate_noise_multiplier(lambda z: A.uls_step_event(z, 1.0), 10, 1e-9, 1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [dict(epsilon=0.0, delta=1e-6, steps=10), dict(epsilon=-1, delta=1e-6, steps=10),
+                                    dict(epsilon=1.0, delta=0.0, steps=10), dict(epsilon=1.0, delta=1.0, steps=10),
+                                    dict(epsilon=1.0, delta=1e-6, steps=0), dict(epsilon=math.inf, delta=1e-6, steps=1)])
+def test_calibration_bad_input(kwargs):
+    with pytest.raises(UserError):
+        A.calibrate_noise_multiplier(lambda z: A.uls_step_event(z, 0.1), **kwargs)
+
+
+def test_calibration_cache_makes_repeat_cheap():
+    make = lambda z: A.uls_step_event(z, 0.02)  # noqa: E731
+    a = A.calibrate_noise_multiplier(make, 300, 1.5, 1e-6)
+    calls = []
+    orig = A._pld
+    try:
+        A._pld = lambda ev, iv: calls.append(1) or orig(ev, iv)
+        b = A.calibrate_noise_multiplier(make, 300, 1.5, 1e-6)
+    finally:
+        A._pld = orig
+    assert a == b and calls  # same answer, served from the LRU cache of composed PLDs
+    assert all(key in A._PLD_CACHE for key in [(repr(A.compose(make(a), 300)), 1e-3)])
