@@ -135,7 +135,8 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (
         lambda msg: print(msg, flush=True))
     t0 = time.time()
-    rows = me.run_study(base, sweeps, log=log if args.verbose else None)
+    rows = me.run_study(base, sweeps, noise_multiplier=args.noise_multiplier,
+                        log=log if args.verbose else None)
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=1))
     else:
@@ -180,6 +181,9 @@ def _add_mean_estimation(sub) -> None:
     p.add_argument("--trials", type=int, default=D.trials)
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--noise-multiplier", type=float, default=None,
+                   help="use this sigma instead of calibrating to (epsilon, delta); 0 = non-private "
+                        "reference (the rows' epsilon_spent then says inf)")
     p.add_argument("--sweep-within-user-variance", type=_floats, default=(0.1, 1.0, 10.0))
     p.add_argument("--sweep-compute-budget", type=_ints, default=(64, 256, 1024))
     p.add_argument("--sweep-epsilon", type=_floats, default=(0.5, 2.0, 8.0))
