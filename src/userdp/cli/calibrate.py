@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--epsilon {args.epsilon:g}: {exc}") from None
     split_noise(m, z, args.count_noise_stddev)
     m["epsilon"] = args.epsilon
-    m["calibration"] = ("smallest noise multiplier (to 0.5%) whose pessimistic "
+    m["calibration"] = ("smallest noise multiplier (to 0.4%) whose pessimistic "
                         f"{m['accountant'].upper()} epsilon meets the target")
     emit(m, args.json, describe(m).replace("User-level", "Calibrated: user-level", 1))
     return 0

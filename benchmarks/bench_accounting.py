@@ -1,0 +1,76 @@
+"""Calibration speed: userdp.accounting against dp_accounting.calibrate_dp_mechanism.
+
+    python benchmarks/bench_accounting.py           # full: includes dp_accounting's default
+                                                    # calibration (~100 s or more)
+    python benchmarks/bench_accounting.py --quick   # skips that baseline
+
+Task (issue 2 item 4): σ for ELS with G = 64, q = 0.01, T = 10,000, ε = 3, δ = 1e-6, from a
+cold cache (after imports). Target: < 2 s, σ within 1% above the σ a fine PLD
+(value_discretization_interval = 1e-4) gives, and never below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+
+from userdp import accounting as A
+
+G, Q, T, EPS, DELTA = 64, 0.01, 10_000, 3.0, 1e-6
+
+
+def make_event(sigma: float):
+    return A.compose(A.els_step_event(sigma, Q, G), T)
+
+
+def fine_epsilon(sigma: float) -> float:
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    acc.compose(make_event(sigma))
+    return acc.get_epsilon(DELTA)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="skip dp_accounting's default calibration")
+    args = ap.parse_args()
+
+    A._PLD_CACHE.clear()
+    A._MOG_RDP_CACHE.clear()
+    t0 = time.perf_counter()
+    ours = A.calibrate_noise_multiplier(lambda s: A.els_step_event(s, Q, G), T, EPS, DELTA)
+    t_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    A.calibrate_noise_multiplier(lambda s: A.els_step_event(s, Q, G), T, EPS, DELTA)
+    t_warm = time.perf_counter() - t0
+    print(f"ELS G={G} q={Q} T={T} eps={EPS} delta={DELTA}")
+    print(f"userdp calibrate_noise_multiplier (cold cache): sigma = {ours:.4f}   {t_ours:.2f} s")
+    print(f"userdp calibrate_noise_multiplier (warm cache): {t_warm:.3f} s")
+
+    # The fine reference: the sigma at which a 1e-4 PLD reaches eps, to 1e-4 relative.
+    t0 = time.perf_counter()
+    fine = dp_accounting.calibrate_dp_mechanism(
+        lambda: pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4),
+        make_event, EPS, DELTA,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(0.97 * ours, ours), tol=1e-4 * ours)
+    t_fine = time.perf_counter() - t0
+    eps_at_ours = fine_epsilon(ours)
+    print(f"fine PLD (1e-4) sigma = {fine:.4f}  (bracketed search, {t_fine:.1f} s)")
+    print(f"ours / fine = {ours / fine:.5f}  (target: 1.0000 .. 1.0100)")
+    print(f"fine-PLD epsilon at our sigma = {eps_at_ours:.5f}  (must be <= {EPS})")
+    ok = 1.0 <= ours / fine * (1 + 1e-4) and ours / fine <= 1.01 and eps_at_ours <= EPS and t_ours < 2.0
+    print(f"target met: {ok}")
+
+    if not args.quick:
+        t0 = time.perf_counter()
+        base = dp_accounting.calibrate_dp_mechanism(pld_privacy_accountant.PLDAccountant, make_event,
+                                                    EPS, DELTA)
+        t_base = time.perf_counter() - t0
+        print(f"dp_accounting.calibrate_dp_mechanism (default PLD): sigma = {base:.4f}   {t_base:.1f} s")
+        print(f"speed-up: {t_base / t_ours:.0f}x   sigma ours / dp_accounting = {ours / base:.5f}")
+
+
+if __name__ == "__main__":
+    main()
