@@ -334,13 +334,13 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[s
     delta = p.delta if p.delta is not None else A.default_delta(num_users)[0]
     ev = (A.els_step_event(p.noise_multiplier, rate, t.group_size) if t.algorithm == "els"
           else A.uls_step_event(p.noise_multiplier, rate))
-    fit = A.max_steps(ev, p.epsilon, delta, p.accountant, limit=max(t.steps, 1))
-    if fit < t.steps:
+    eps = A.epsilon(A.compose(ev, t.steps), delta, p.accountant)
+    if eps > p.epsilon:
         raise UserError(
-            f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {rate:.4g}, "
-            f"only {fit} of the configured {t.steps} steps fit in epsilon = {p.epsilon} at "
-            f"delta = {delta:.3g}; lower training.steps, raise the noise, or drop "
-            "privacy.noise_multiplier to calibrate it")
+            f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {rate:.4g}, the "
+            f"configured {t.steps} steps spend epsilon = {eps:.3g} > the target {p.epsilon} at "
+            f"delta = {delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
+            "to calibrate sigma to the target")
     return None
 
 
@@ -461,6 +461,8 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     log(f"run directory: {rd.root}")
     prep = prepare_data(cfg, log)
+    n_units = _num_units(cfg, prep.train_subset)
+    check_budget(cfg, prep.train_subset.num_users, n_units)
     tok, model, notes = get_tokenizer_and_model(cfg, prep, log, progress)
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
@@ -468,8 +470,6 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     model.train()
     models.lint_model(model)
     train_data, eval_data = _build_datasets(cfg, prep, tok, log)
-    n_units = _num_units(cfg, train_data)
-    check_budget(cfg, train_data.num_users, n_units)
     ecfg = engine_config(cfg, n_units)
     models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
 

@@ -91,7 +91,7 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if bar is not None:
             bar.update(1)
             tok_s = (step + 1) * x.numel() / max(1e-9, time.time() - t0)

@@ -1,0 +1,179 @@
+"""End to end: `userdp train` on tiny data, the run directory, resume, evaluate, report, refusals."""
+
+import json
+import random
+
+import pytest
+
+from userdp.cli import main as cli
+
+WORDS = ("the king is dead long live the queen my lord I pray you speak of love and war "
+         "to be or not to be that is the question whether tis nobler in the mind").split()
+
+
+def _text(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    """Data, public text and config, shared by the module (so is the store/pretraining cache)."""
+    tmp_path = tmp_path_factory.mktemp("lm_e2e")
+    rng = random.Random(0)
+    data = tmp_path / "users.jsonl"
+    with open(data, "w") as f:
+        for u in range(40):
+            for _ in range(1 + u % 5):
+                f.write(json.dumps({"user": f"u{u}", "text": _text(rng, rng.randint(3, 14))}) + "\n")
+    public = tmp_path / "public.txt"
+    public.write_text("\n\n".join(_text(rng, 20) for _ in range(60)))
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(f"""
+data:
+  source: jsonl
+  path: {data}
+  public_path: {public}
+  heldout_users: 0.2
+tokenizer:
+  vocab_size: 300
+  seq_len: 16
+model:
+  preset: tiny
+  pretraining:
+    steps: 6
+    batch_size: 8
+privacy:
+  epsilon: 8.0
+training:
+  algorithm: uls
+  steps: 4
+  cohort_size: 8
+  group_size: 2
+  lr: 0.001
+  checkpoint_every: 1
+  seed: 3
+""")
+    return tmp_path, cfg
+
+
+@pytest.fixture
+def tiny(tiny_files, tmp_path, monkeypatch):
+    shared, cfg = tiny_files
+    monkeypatch.setenv("USERDP_CACHE", str(shared / "cache"))
+    return tmp_path, cfg
+
+
+@pytest.mark.slow
+def test_train_run_directory_reload_report_evaluate(tiny, capsys):
+    tmp, cfg = tiny
+    out = tmp / "run"
+    assert cli(["train", str(cfg), "--output", str(out), "--json", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(lines[-1])
+    for key in ("run_dir", "perplexity_before", "perplexity_after", "epsilon", "delta", "algorithm"):
+        assert summary[key] is not None, key
+    assert summary["algorithm"] == "uls"
+    for name in ("config.yaml", "metrics.jsonl", "privacy.json", "curves.png", "eval.json",
+                 "checkpoints/checkpoint.pt", "checkpoints/model.safetensors",
+                 "checkpoints/ledger_journal.jsonl", "model/config.json", "model/tokenizer.json"):
+        assert (out / name).is_file(), name
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"loss", "epsilon", "fraction_clipped", "tokens_per_s"} <= set(r)
+    assert rows[-1]["epsilon"] >= rows[0]["epsilon"] > 0
+    priv = json.loads((out / "privacy.json").read_text())
+    assert 0 < priv["epsilon"] <= 8.0
+    assert priv["steps_taken"] == 4
+    assert priv["sampler_used"] == priv["sampler_assumed"] == "poisson_users"
+    # the model reloads with plain transformers and scores text
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out / "model", local_files_only=True)
+    ids = torch.tensor([tok("to be or not to be")["input_ids"]])
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
+    # report: every checklist field non-empty, Markdown and JSON written
+    from userdp.lm.report import REQUIRED
+
+    assert cli(["report", str(out), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    for key in REQUIRED:
+        assert rep.get(key) not in (None, "", [], {}), key
+    assert (out / "report.md").is_file()
+    # evaluate the run on its held-out users (same split) and personalize
+    assert cli(["evaluate", str(out), "--json", "--personalize"]) == 0
+    ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(ev["heldout"]["perplexity"] - summary["perplexity_after"]) < 1e-3 * summary["perplexity_after"]
+    assert ev["personalization"]["users"] >= 1
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_with_the_same_ledger(tiny, monkeypatch, capsys):
+    tmp, cfg = tiny
+    out = tmp / "run"
+    import userdp.lm.finetune as F
+
+    real = F._save_weights
+
+    def boom(model, rd, step, eps):
+        real(model, rd, step, eps)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(F, "_save_weights", boom)
+    assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
+    state = json.loads((out / "state.json").read_text())
+    assert state["status"] == "interrupted"
+    assert not (out / "privacy.json").exists()
+    monkeypatch.setattr(F, "_save_weights", real)
+    assert cli(["train", "--resume", str(out), "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 4
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    priv = json.loads((out / "privacy.json").read_text())
+    # step 2 began before the interrupt: seeded, so it is replayed and counted once
+    assert priv["steps_taken"] == 4
+    assert priv["epsilon"] <= 8.0
+    assert cli(["train", "--resume", str(out)]) == 2  # a finished run is not resumed
+    assert "already finished" in capsys.readouterr().err
+
+
+def test_unknown_key_and_bad_type_are_one_line_errors(tiny, capsys):
+    tmp, cfg = tiny
+    assert cli(["train", str(cfg), "--set", "training.stepz=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "training.stepz" in err
+    assert cli(["train", str(cfg), "--set", "training.cohort_size=many"]) == 2
+    assert "training.cohort_size must be a number" in capsys.readouterr().err
+
+
+def test_refuses_undeclared_tokenizer(tiny, capsys):
+    tmp, cfg = tiny
+    fake = tmp / "tok.json"
+    fake.write_text("{}")
+    assert cli(["train", str(cfg), "--set", f"tokenizer.path={fake}", "--output", str(tmp / "r1")]) == 2
+    assert "declared_public" in capsys.readouterr().err
+
+
+def test_refuses_steps_beyond_the_budget(tiny, capsys):
+    tmp, cfg = tiny
+    rc = cli(["train", str(cfg), "--set", "privacy.noise_multiplier=0.3", "--set", "training.steps=400",
+              "--set", "privacy.epsilon=1", "--set", "privacy.accountant=rdp", "--output", str(tmp / "r2"), "--no-progress"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "spend epsilon" in err and "> the target 1" in err
+
+
+def test_refuses_batchnorm_model(tmp_path, capsys):
+    import torch
+    from torch import nn
+
+    from userdp.errors import UserError
+    from userdp.lm import models
+
+    net = nn.Sequential(nn.Embedding(10, 4), nn.BatchNorm1d(4))
+    with pytest.raises(UserError, match="BatchNorm"):
+        models.lint_model(net)
