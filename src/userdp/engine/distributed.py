@@ -44,20 +44,25 @@ class TorchDistributedCombiner:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
 
-    def all_reduce_sum(self, tensors):
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
+    @staticmethod
+    def _flat(tensors):
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else tensors[0].dtype
+        return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+
+    @staticmethod
+    def _split(flat, tensors):
         out, i = [], 0
-        for t in tensors:
-            out.append(flat[i : i + t.numel()].view_as(t))
+        for t in tensors:  # each back to its own dtype and shape
+            out.append(flat[i : i + t.numel()].to(t.dtype).view_as(t))
             i += t.numel()
         return out
 
+    def all_reduce_sum(self, tensors):
+        flat = self._flat(tensors)
+        self._dist.all_reduce(flat, op=self._dist.ReduceOp.SUM, group=self.group)
+        return self._split(flat, tensors)
+
     def broadcast_from_main(self, tensors):
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = self._flat(tensors)
         self._dist.broadcast(flat, src=0, group=self.group)
-        out, i = [], 0
-        for t in tensors:
-            out.append(flat[i : i + t.numel()].view_as(t))
-            i += t.numel()
-        return out
+        return self._split(flat, tensors)

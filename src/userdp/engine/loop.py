@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import time
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -108,11 +109,20 @@ def _cfg_dict(obj) -> Any:
     return obj
 
 
-def _seeds(seed: Optional[int]):
-    ss = np.random.SeedSequence(seed)  # None -> os entropy
-    a, b, c = ss.spawn(3)
-    return (np.random.default_rng(a), int(b.generate_state(1, np.uint64)[0] >> 1),
-            int(c.generate_state(1, np.uint64)[0] >> 1))
+def _seeds(seed: Optional[int], combiner):
+    """(sampling rng, data rng, noise seed, torch seed). Unseeded: os entropy, drawn on the main
+    rank and shared, so that every rank samples the same cohort."""
+    if seed is None:
+        entropy = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        if combiner.world_size > 1:
+            entropy = combiner.broadcast_from_main([entropy])[0]
+        seed_material = int(entropy.item())
+    else:
+        seed_material = int(seed)
+    a, b, c, d = np.random.SeedSequence(seed_material).spawn(4)
+    data_rng = np.random.default_rng(np.random.SeedSequence([seed_material, 1 + combiner.rank]))
+    return (np.random.default_rng(a), data_rng, int(c.generate_state(1, np.uint64)[0] >> 1),
+            int(d.generate_state(1, np.uint64)[0] >> 1))
 
 
 class _Run:
@@ -129,7 +139,8 @@ class _Run:
         self.device = self.params[0].device
         self.dir = checkpoint_dir
         self.seeded = cfg.seed is not None
-        self.rng, noise_seed, torch_seed = _seeds(cfg.seed)
+        # two generators: the cohort (identical on every rank) and data loading (per rank)
+        self.rng, self.data_rng, noise_seed, torch_seed = _seeds(cfg.seed, self.combiner)
         self.gen = torch.Generator(device=self.device)
         self.gen.manual_seed(noise_seed)
         if self.seeded:
@@ -207,14 +218,14 @@ class _Run:
             cid = ids[s : s + cfg.chunk_size]
             k = len(cid)
             b = bucket_size(k, cfg.chunk_size)
-            batch, mask = algo.load(self.data, self.table, cid, self.rng)
+            batch, mask = algo.load(self.data, self.table, cid, self.data_rng)
             if algo.update_kind == "local_sgd":
                 if (algo.local_batch_size or algo.group_size) >= mask.shape[1]:  # full batch: order moot
                     e = algo.local_epochs
                     batch = {n: v.unsqueeze(1).expand(v.shape[0], e, *v.shape[1:]) for n, v in batch.items()}
                     mask = mask.unsqueeze(1).expand(-1, e, -1)
                 else:
-                    batch, mask = fedavg_epoch_batches(batch, mask, algo.local_epochs, self.rng)
+                    batch, mask = fedavg_epoch_batches(batch, mask, algo.local_epochs, self.data_rng)
             batch, mask = self._pad(batch, mask, b)
             batch = {n: v.to(self.device) for n, v in batch.items()}
             mask = mask.to(self.device, dtype=self.params[0].dtype)
@@ -283,6 +294,7 @@ class _Run:
               "seeded": self.seeded, "config": repr(self.cfg), "history": self.history}
         if self.seeded:  # unseeded random states are secret: never written
             st["numpy_rng"] = self.rng.bit_generator.state
+            st["data_rng"] = self.data_rng.bit_generator.state
             st["noise_rng"] = self.gen.get_state()
             st["torch_rng"] = torch.get_rng_state()
             perm = self.sampler_state.get("perm")
@@ -314,6 +326,7 @@ class _Run:
         self.history = list(st["history"])
         if st["seeded"]:
             self.rng.bit_generator.state = st["numpy_rng"]
+            self.data_rng.bit_generator.state = st["data_rng"]
             self.gen.set_state(st["noise_rng"])
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
