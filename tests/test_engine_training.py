@@ -200,6 +200,17 @@ def test_unseeded_crash_counts_the_lost_steps(tmp_path):
     assert "noise_rng" not in checkpoint.load(str(tmp_path))  # secret random state never written
 
 
+def test_crash_before_the_first_checkpoint_still_counts(tmp_path):
+    data = mlp_data([3, 5, 2, 7] * 10, seed=7)
+    cfg = _resume_cfg(None, ULS(3, 0.3))
+    with pytest.raises(_Crash):
+        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[_crash_at(2)])
+    with pytest.raises(UserError, match="resume=True"):
+        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path))
+    r = train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+    assert r.record["steps_accounted"] == 12 and r.record["steps_lost_to_crashes"] == 2
+
+
 def test_resume_refuses_a_different_config(tmp_path):
     data = user_data([2] * 20, d=2)
     cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, seed=0,

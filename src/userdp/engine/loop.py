@@ -26,7 +26,7 @@ from userdp.engine.algorithms import ELS, ULS, FedAvg, UnitTable
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.data import UserData
 from userdp.engine.distributed import LocalCombiner
-from userdp.engine.ledger import PrivacyLedger
+from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.noise import gaussian_like, gaussian_scalar
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PerUnit, fedavg_epoch_batches
@@ -385,7 +385,8 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     holder's monitoring only. ``checkpoint_dir`` with ``checkpoint_every`` > 0 writes atomic
     checkpoints (also at the end); ``resume=True`` continues from one.
     """
-    if checkpoint_dir and not resume and (ckpt.exists(checkpoint_dir)):
+    journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
+    if checkpoint_dir and not resume and (ckpt.exists(checkpoint_dir) or os.path.exists(journal)):
         raise UserError(f"{checkpoint_dir} already holds a checkpoint: pass resume=True to continue it, "
                         "or use an empty directory")
     if resume and not checkpoint_dir:
@@ -395,6 +396,10 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     run = _Run(model, data, loss_fn, config, checkpoint_dir, combiner)
     if resume and ckpt.exists(checkpoint_dir):
         run.restore(ckpt.load(checkpoint_dir))
+    elif resume and not run.seeded:
+        # crashed before the first checkpoint: the steps it began are spent all the same
+        lost = run.ledger.journal_max()
+        run.ledger.spent = run.ledger.lost_steps = lost
     stopped = "completed"
     while run.step < config.steps:
         try:
