@@ -40,6 +40,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process, all threads (robust to other load on the machine)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _tokenizer(path: Path):
     from userdp.data.shakespeare import play_files, public_text
     from userdp.data.tokenize import PublicText, train_bpe
@@ -74,6 +80,8 @@ def child_pipeline(tmp: Path, limit: int | None, tag: str) -> dict:
     tok = _tokenizer(tmp / "tok.json")
     src = _limited_blogs(limit, tmp)
     t0 = time.perf_counter()
+    c0 = cpu_s()
+    load0 = os.getloadavg()[0]
     store_dir = tmp / "store"
     if tag == "cached":
         from userdp.data.store import UserStore
@@ -85,10 +93,13 @@ def child_pipeline(tmp: Path, limit: int | None, tag: str) -> dict:
         store = res.store
         t_build = time.perf_counter() - t0
     t1 = time.perf_counter()
+    c1 = cpu_s()
     ts = tokenize_store(store, tok, 1024, mode="full", add_eos=False, cache_dir=tmp / "tokcache")
     t_tok = time.perf_counter() - t1
+    c2 = cpu_s()
     return dict(records=store.num_records, users=store.num_users, tokens=ts.num_tokens, build_s=t_build,
-                tokenize_s=t_tok, total_s=time.perf_counter() - t0, from_cache=ts.from_cache, peak_rss_mb=peak_rss_mb())
+                tokenize_s=t_tok, total_s=time.perf_counter() - t0, from_cache=ts.from_cache, peak_rss_mb=peak_rss_mb(),
+                cpu_s=c2 - c0, build_cpu_s=c1 - c0, tokenize_cpu_s=c2 - c1, load=(load0 + os.getloadavg()[0]) / 2)
 
 
 def child_floor(tmp: Path, limit: int | None) -> dict:
@@ -107,13 +118,16 @@ def child_floor(tmp: Path, limit: int | None) -> dict:
             if t and t.strip():
                 texts.append(t)
     t0 = time.perf_counter()
+    c0 = cpu_s()
+    load0 = os.getloadavg()[0]
     n = 0
     for a in range(0, len(texts), ENCODE_BLOCK):
         encs = tok.encode_batch(texts[a:a + ENCODE_BLOCK], add_special_tokens=False)
         ids = [e.ids for e in encs]
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32)
         n += len(flat)
-    return dict(records=len(texts), tokens=n, total_s=time.perf_counter() - t0, peak_rss_mb=peak_rss_mb())
+    return dict(records=len(texts), tokens=n, total_s=time.perf_counter() - t0, peak_rss_mb=peak_rss_mb(),
+                cpu_s=cpu_s() - c0, load=(load0 + os.getloadavg()[0]) / 2)
 
 
 class SyntheticSource:
@@ -156,8 +170,10 @@ def child_synthetic(tmp: Path, n_records: int, n_users: int) -> dict:
 
     src = SyntheticSource(n_records, n_users)
     t0 = time.perf_counter()
+    c0 = cpu_s()
     res = build_store(src, tmp / "synth-store", overwrite=True)
     dt = time.perf_counter() - t0
+    build_cpu = cpu_s() - c0
     st = res.store
     sizes = st.sizes()
     # read a cohort of 512 users x up to 8 records, timing it
@@ -172,7 +188,7 @@ def child_synthetic(tmp: Path, n_records: int, n_users: int) -> dict:
     return dict(records=st.num_records, users=st.num_users, build_s=dt, records_per_s=st.num_records / dt,
                 shards=st.meta["num_shards"], median=float(np.median(sizes)), max=int(sizes.max()),
                 cohort_read_ms=1000 * t_read, cohort_records=len(texts), store_mb=disk / 2**20,
-                peak_rss_mb=peak_rss_mb())
+                peak_rss_mb=peak_rss_mb(), build_cpu_s=build_cpu)
 
 
 def run_child(args: list[str]) -> dict:
@@ -221,6 +237,10 @@ def main() -> None:
                   f"{pipe['records'] / pipe['total_s']:,.0f} records/s, peak RSS {pipe['peak_rss_mb']:,.0f} MB")
             print(f"  ratio pipeline / floor: {pipe['total_s'] / floor['total_s']:.2f}x (target <= 1.5x); "
                   f"tokenize step alone {pipe['tokenize_s'] / floor['total_s']:.2f}x")
+            print(f"  CPU seconds (robust to other load): floor {floor['cpu_s']:.1f}, pipeline {pipe['cpu_s']:.1f} "
+                  f"(build {pipe['build_cpu_s']:.1f}, tokenize {pipe['tokenize_cpu_s']:.1f}): ratio "
+                  f"{pipe['cpu_s'] / floor['cpu_s']:.2f}x; mean load average during floor {floor['load']:.1f}, "
+                  f"pipeline {pipe['load']:.1f}")
             print(f"  second run (cached tokenization): {cached['tokenize_s']:.2f} s, from_cache={cached['from_cache']}")
             assert floor["tokens"] == pipe["tokens"], (floor["tokens"], pipe["tokens"])
     if a.only in (None, "synthetic"):
@@ -230,7 +250,8 @@ def main() -> None:
         print(f"synthetic: {r['records']:,} records, {r['users']:,} users (median {r['median']:g}, max {r['max']:,}), "
               f"{r['shards']} shards, store {r['store_mb']:,.0f} MB")
         print(f"  build {r['build_s']:.1f} s ({r['records_per_s']:,.0f} records/s), peak RSS {r['peak_rss_mb']:,.0f} MB "
-              f"(limit 4096 MB); cohort of 512 users x <=8 records read in {r['cohort_read_ms']:.1f} ms")
+              f"(limit 4096 MB); cohort of 512 users x <=8 records read in {r['cohort_read_ms']:.1f} ms; "
+              f"build CPU {r.get('build_cpu_s', float('nan')):.1f} s")
 
 
 if __name__ == "__main__":
