@@ -8,9 +8,9 @@ user-level (kε, δ_k)-DP, with δ_k given by one of three standard forms:
 * ``"c"`` (the practical guide [S4]): k·e^{kε}·δ
 
 :func:`group_privacy_epsilon` turns an example-level accountant into a user-level guarantee by
-choosing the example-level δ_ex that minimizes kε_ex(δ_ex) subject to δ_k ≤ the target δ.
-ε_ex(δ_ex) is the smaller of a pessimistic PLD and RDP (both are upper bounds; PLD returns
-∞ below about 1e-15, where RDP takes over). When no δ_ex down to ``min_example_delta``
+choosing the example-level (ε_ex, δ_ex) that minimizes kε_ex subject to δ_k ≤ the target δ,
+on a fine grid of ε_ex. δ_ex(ε_ex) is the smaller of a pessimistic PLD and RDP (both are upper
+bounds; PLD is of no use below δ ≈ 1e-15, where RDP takes over). When no δ_ex down to ``min_example_delta``
 works the result says "infeasible".
 """
 
@@ -85,14 +85,30 @@ class GroupPrivacyResult:
                 f"({self.example_epsilon:.4g}, {self.example_delta:.3g}) by {self.example_accountant})")
 
 
+def _rdp_delta_grid(orders: np.ndarray, rdp: np.ndarray, eps: np.ndarray) -> np.ndarray:
+    """log δ from RDP at many ε: dp_accounting's ``compute_delta`` (improved bound), vectorized."""
+    a = np.asarray(orders, float)[:, None]
+    r = np.asarray(rdp, float)[:, None]
+    e = np.asarray(eps, float)[None, :]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        kl = np.where(r > 0, 0.5 * np.log1p(-np.exp(-r)), -np.inf) * np.ones_like(e)
+        bound = np.where(a > 1.01, (a - 1) * (r - e + np.log1p(-1 / a)) - np.log(a), np.inf)
+        logd = np.minimum(kl, bound)
+        logd = np.where(r < 0, -np.inf, logd)
+        logd = np.where(np.isnan(logd), np.inf, logd)
+    return np.minimum(logd.min(axis=0), 0.0)
+
+
 def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: float,
-                          form: str = "a", *, grid_step_decades: float = 0.1,
-                          min_example_delta: float = 1e-300,
-                          pld_interval: float = accounting.PLD_INTERVAL) -> GroupPrivacyResult:
+                          form: str = "a", *, min_example_delta: float = 1e-300,
+                          pld_interval: float = accounting.PLD_INTERVAL,
+                          grid_rtol: float = 1e-3) -> GroupPrivacyResult:
     """User-level ε of an example-level mechanism (the whole run's event) by group privacy.
 
-    Scans δ_ex downward from the target δ on a grid of ``grid_step_decades``; since ε_ex is
-    non-increasing in δ_ex, the first δ_ex that meets the user-level δ minimizes kε_ex.
+    For each example-level ε_ex on a geometric grid (relative step ``grid_rtol``) the best
+    example-level δ_ex(ε_ex) is the smaller of the PLD and RDP values (both upper bounds; PLD
+    is vectorized over the grid, RDP covers δ_ex below PLD's reach). The answer is the smallest
+    G·ε_ex whose user-level δ meets the target with δ_ex ≥ ``min_example_delta``.
     """
     if form not in FORMS:
         raise UserError(f"group-privacy form must be one of a, b, c (got {form!r})")
@@ -103,27 +119,42 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
         raise UserError(f"delta must be in (0, 1) (got {delta})")
     log_target = math.log(delta)
     orders, rdp = accounting._rdp(example_event)
+    # The smallest useful ε_ex is ε_ex at δ_ex = target (δ_ex must be below the target).
     pld = None
     try:
         pld = accounting._pld(example_event, pld_interval)
     except UserError:
-        pld = None  # e.g. fixed cohorts: RDP only
-
-    top = math.log10(delta)
-    n = int(math.floor((top - math.log10(min_example_delta)) / grid_step_decades)) + 1
-    for i in range(n):
-        log10_d = top - i * grid_step_decades
-        d = 10.0 ** log10_d
-        e_rdp = float(rdp_lib.compute_epsilon(orders, rdp, d)[0])
-        e_pld = math.inf
-        if pld is not None and d >= 1e-17:
-            try:
-                e_pld = float(pld.get_epsilon(d))
-            except (ValueError, OverflowError):
-                e_pld = math.inf
-        eps_ex, which = (e_pld, "pld") if e_pld <= e_rdp else (e_rdp, "rdp")
-        if not math.isfinite(eps_ex):
+        pass  # e.g. fixed cohorts: RDP only
+    e_lo = float(rdp_lib.compute_epsilon(orders, rdp, delta)[0])
+    e_pld_hi = 0.0
+    if pld is not None:
+        e_lo = min(e_lo, float(pld.get_epsilon(delta)))
+        for d_floor in (1e-16, 1e-15, 1e-14, 1e-13, 1e-12, 1e-11, 1e-10):
+            e_pld_hi = float(pld.get_epsilon(d_floor))  # PLD gives ∞ below ~1e-15
+            if math.isfinite(e_pld_hi):
+                break
+    e_lo = max(e_lo, 1e-6)
+    eps_grid = np.exp(np.arange(math.log(e_lo), math.log(max(1e4, 2 * e_lo)), math.log1p(grid_rtol)))
+    log_d_rdp = _rdp_delta_grid(orders, rdp, eps_grid)
+    log_d_pld = np.full_like(eps_grid, np.inf)
+    inner = getattr(pld, "_pld", None)
+    if inner is not None and math.isfinite(e_pld_hi):
+        sel = eps_grid <= e_pld_hi
+        if sel.any():
+            with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+                log_d_pld[sel] = np.log(np.maximum(
+                    np.asarray(inner.get_delta_for_epsilon(eps_grid[sel]), float), 0.0))
+    use_pld = log_d_pld <= log_d_rdp
+    log_d = np.where(use_pld, log_d_pld, log_d_rdp)
+    log_floor = math.log(min_example_delta)
+    for i, e in enumerate(eps_grid):
+        ld = log_d[i]
+        if not np.isfinite(ld):
             continue
-        if _log_group_delta(eps_ex, log10_d * math.log(10), k, form) <= log_target:
-            return GroupPrivacyResult(True, k * eps_ex, float(delta), k, form, eps_ex, d, which)
+        ld = max(ld, log_floor)  # a δ_ex below the floor is not used; the floor is (looser)
+        if ld >= log_target:
+            continue
+        if _log_group_delta(float(e), float(ld), k, form) <= log_target:
+            return GroupPrivacyResult(True, k * float(e), float(delta), k, form, float(e),
+                                      math.exp(ld), "pld" if use_pld[i] else "rdp")
     return GroupPrivacyResult(False, math.inf, float(delta), k, form)
