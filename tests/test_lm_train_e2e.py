@@ -177,3 +177,31 @@ def test_refuses_batchnorm_model(tmp_path, capsys):
     net = nn.Sequential(nn.Embedding(10, 4), nn.BatchNorm1d(4))
     with pytest.raises(UserError, match="BatchNorm"):
         models.lint_model(net)
+
+
+@pytest.mark.slow
+def test_pretrain_cli_writes_a_folder_train_accepts(tiny, capsys):
+    tmp, cfg = tiny
+    out = tmp / "pre"
+    public = cfg.parent / "public.txt"
+    # undeclared public text is refused
+    assert cli(["pretrain", "--public-text", str(public), "--output", str(out)]) == 2
+    assert "--declare-public" in capsys.readouterr().err
+    assert cli(["pretrain", "--public-text", str(public), "--declare-public", "--output", str(out),
+                "--steps", "3", "--batch-size", "4", "--vocab-size", "300", "--seq-len", "16",
+                "--json"]) == 0
+    info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert info["steps"] == 3 and "public.txt" in info["public_text"]
+    from userdp.lm import config as C
+    from userdp.lm.finetune import get_tokenizer_and_model, prepare_data
+
+    c = C.load_config(cfg, [f"model.path={out}"])
+    prep = prepare_data(c, log=lambda m: None)
+    tok, model, notes = get_tokenizer_and_model(c, prep, log=lambda m: None, progress=False)
+    assert "userdp" in notes["pretraining"] and tok.get_vocab_size() <= 300
+    # another folder (not made by userdp pretrain) needs the tokenizer declared public
+    (out / "userdp_pretrain.json").unlink()
+    from userdp.errors import UserError
+
+    with pytest.raises(UserError, match="declared_public"):
+        get_tokenizer_and_model(c, prep, log=lambda m: None, progress=False)
