@@ -33,12 +33,13 @@ def _pre_noise_sum(model, data, loss, algo, clip, seed=0):
     return torch.cat([s.reshape(-1) for s in sums]), run
 
 
-@pytest.mark.parametrize("algo_name", ["uls", "fedavg", "fedavg_weighted", "els"])
+@pytest.mark.parametrize("algo_name", ["uls", "fedavg", "fedavg_reproject", "fedavg_weighted", "els"])
 @pytest.mark.parametrize("loss_name", ["linear", "square"])
 def test_one_adversarial_user_moves_the_sum_by_at_most_c_or_gc(algo_name, loss_name):
     G, C = 4, 0.7
     algo = {"uls": ULS(G, 0.5), "els": ELS(G, 0.5),
             "fedavg": FedAvg(G, 0.5, local_epochs=2, local_lr=0.3, local_batch_size=2),
+            "fedavg_reproject": FedAvg(G, 0.5, local_epochs=2, local_lr=0.3, local_batch_size=2, reproject=True),
             "fedavg_weighted": FedAvg(G, 0.5, local_epochs=1, local_lr=0.5, weight_cap=2.0)}[algo_name]
     loss = linear_loss if loss_name == "linear" else sq_loss
     d = 5
@@ -51,7 +52,7 @@ def test_one_adversarial_user_moves_the_sum_by_at_most_c_or_gc(algo_name, loss_n
         scale = [1e-3, 0.5, 1e3, 1e6][trial]
         # FedAvg mini-batches shuffle every user's records from the step's generator: an adversary
         # with more than G records would consume draws first and reshuffle the others, so it gets G
-        n_adv = G if algo_name == "fedavg" else 10
+        n_adv = G if algo_name in ("fedavg", "fedavg_reproject") else 10
         with_adv = _with_adversary(base, n_records=n_adv, direction=direction, scale=scale)
         init = torch.randn(d, generator=g)
         s_without, _ = _pre_noise_sum(Mean(d, init), base, loss, algo, FlatClip(C))

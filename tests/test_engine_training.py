@@ -103,6 +103,25 @@ def test_fedavg_update_equals_local_sgd_loop():
             assert torch.allclose(updates[j][u], (p0 - p1).detach(), atol=1e-5)
 
 
+def test_fedavg_reprojection_keeps_every_local_iterate_within_c():
+    data = mlp_data([6, 6, 6], seed=3)
+    torch.manual_seed(3)
+    model = MLP()
+    batch, mask = data.draw_records(np.arange(3), 6, np.random.default_rng(0))
+    from userdp.engine.per_unit import fedavg_epoch_batches
+    eb, em = fedavg_epoch_batches(batch, mask, 3, np.random.default_rng(1))
+    C = 0.05
+    free, _ = PerUnit(model, ce_loss, FedAvg(6, 0.5, local_epochs=3, local_lr=0.5, local_batch_size=2))(eb, em)
+    proj, _ = PerUnit(model, ce_loss, FedAvg(6, 0.5, local_epochs=3, local_lr=0.5, local_batch_size=2,
+                                             reproject=True))(eb, em, reproject=[C])
+    n_free = torch.sqrt(sum((u.reshape(3, -1) ** 2).sum(1) for u in free))
+    n_proj = torch.sqrt(sum((u.reshape(3, -1) ** 2).sum(1) for u in proj))
+    assert (n_free > C).all() and (n_proj <= C * (1 + 1e-5)).all()
+    # not just the final clip: projecting every step changes the direction of the delta
+    clipped = [u * (C / n_free).view(3, *[1] * (u.dim() - 1)) for u in free]
+    assert max(float((a - b).abs().max()) for a, b in zip(clipped, proj)) > 1e-4
+
+
 def test_fedsgd_with_lr_eta_equals_uls_step():
     data = user_data([3, 2, 4, 1], d=3, seed=3)
     init = torch.tensor([0.5, -1.0, 2.0])

@@ -143,12 +143,16 @@ class FedAvg(ULS):
     ``local_batch_size`` None means the whole (up to G) local data in one batch. ``weight_cap``
     (w_hat) turns on user weights ``w = min(n_u / w_hat, 1)`` with n_u the user's record count;
     the fixed denominator is then q*W with W the total weight (treated as public, as in S2).
+    ``reproject=True`` applies McMahan et al.'s greedy re-projection after every local step,
+    ``theta <- theta0 + clip(theta - theta0)`` with the run's clipping (flat or per-layer); the
+    final delta is then already within the bound (and is clipped again, a no-op).
     """
 
     local_epochs: int = 1
     local_lr: float = 0.1
     local_batch_size: Optional[int] = None
     weight_cap: Optional[float] = None
+    reproject: bool = False
     name = "fedavg"
     update_kind = "local_sgd"
 

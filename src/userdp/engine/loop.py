@@ -192,6 +192,14 @@ class _Run:
             self.update_z = z
         self.step_event = self._event(z) if z > 0 else None
 
+    def _reproject_bounds(self):
+        if not getattr(self.algo, "reproject", False):
+            return None
+        c = self.cfg.clipping
+        if isinstance(c, PerLayerClip):
+            return c.bounds(len(self.params))
+        return [float(self.clip_state["clip_norm"])]
+
     def _sensitivity(self) -> float:
         c = self.cfg.clipping
         if isinstance(c, PerLayerClip):
@@ -234,7 +242,7 @@ class _Run:
             w = valid.clone()
             if self.table.weights is not None:
                 w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
-            updates, losses = self.per_unit(batch, mask)
+            updates, losses = self.per_unit(batch, mask, reproject=self._reproject_bounds())
             f, norms = cfg.clipping.factors(updates, self.clip_state)
             f = f * w.unsqueeze(1)
             for j, u in enumerate(updates):

@@ -96,10 +96,31 @@ class PerUnit:
                 if first_loss is None:
                     first_loss = loss
                 p = tuple(pi - a.local_lr * gi for pi, gi in zip(p, g))
+                if self._reproject is not None:  # McMahan et al.: theta <- theta0 + clip(theta - theta0)
+                    p = self._project(params, p)
         return tuple(p0 - pi for p0, pi in zip(params, p)), first_loss
 
-    def __call__(self, batch: dict, mask: torch.Tensor, chunk_params=None):
-        """Updates for a chunk of units: (list of [m, ...] tensors, per-unit losses [m])."""
+    def _project(self, p0, p):
+        bounds = self._reproject
+        d = [pi - q for pi, q in zip(p, p0)]
+        if len(bounds) == 1:  # flat
+            n = torch.sqrt(sum((x * x).sum() for x in d))
+            f = torch.clamp(bounds[0] / torch.clamp(n, min=1e-12), max=1.0)
+            return tuple(q + x * f for q, x in zip(p0, d))
+        out = []
+        for q, x, b in zip(p0, d, bounds):  # per layer
+            f = torch.clamp(b / torch.clamp(torch.linalg.vector_norm(x), min=1e-12), max=1.0)
+            out.append(q + x * f)
+        return tuple(out)
+
+    _reproject = None  # FedAvg greedy re-projection bounds (one = flat, else per tensor)
+
+    def __call__(self, batch: dict, mask: torch.Tensor, chunk_params=None, reproject=None):
+        """Updates for a chunk of units: (list of [m, ...] tensors, per-unit losses [m]).
+
+        ``reproject``: FedAvg only — clip bounds applied to ``theta - theta0`` after every local
+        step (a list with one flat bound, or one bound per trainable tensor)."""
+        self._reproject = reproject
         params = tuple(p.detach() for p in self.params) if chunk_params is None else chunk_params
         fn = self._local_sgd if self.algorithm.update_kind == "local_sgd" else self._mean_gradient
         updates, losses = vmap(fn, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
