@@ -60,10 +60,10 @@ def main() -> None:
         pts = [(r["G"], r[key]) for r in rows if r[key] is not None]
         if pts:
             ax.plot(*zip(*pts), style, label=label)
-        for r in rows:
-            if r[key] is None:
-                ax.annotate("infeasible", (r["G"], ax.get_ylim()[1] if pts else 1), fontsize=7,
-                            ha="center", va="top", rotation=90)
+    for r in rows:
+        if r["generic_a"] is None:
+            ax.annotate("group privacy:\ninfeasible", (r["G"], r["tight_mog"]), xytext=(-6, -28),
+                        textcoords="offset points", fontsize=7, ha="right", color="C1")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("group size G (records per user)")
