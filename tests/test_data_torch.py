@@ -85,3 +85,33 @@ def test_random_chunk_windows_are_fresh_uniform_slices(store, tok):
 def test_random_chunk_needs_whole_streams(store, tok):
     with pytest.raises(UserError, match="full"):
         RandomChunkUserData(tokenize_store(store, tok, 8, mode="truncate"))
+
+
+def test_lm_user_data_selections(store, tok):
+    from userdp.data.torch_data import LMUserData, RankedUserData
+
+    ts = tokenize_store(store, tok, 64, mode="truncate")
+    mid = store.user_index()["mid"]
+    lens = ts.seq_lengths()[ts.user_offsets[mid]:ts.user_offsets[mid + 1]]
+    for sel, pick in (("longest", np.argmax), ("shortest", np.argmin)):
+        ud = LMUserData(ts, sel)
+        assert isinstance(ud, RankedUserData)
+        b1, m1 = ud.draw_records(np.array([mid]), 2, np.random.default_rng(0))
+        b2, _ = ud.draw_records(np.array([mid]), 2, np.random.default_rng(1))
+        assert torch.equal(b1["input_ids"], b2["input_ids"]) and m1.tolist() == [[1.0, 1.0]]
+        top = ts.sequence(ts.user_offsets[mid] + int(pick(lens)))
+        assert b1["input_ids"][0, 0, :len(top)].tolist() == top.tolist()
+        assert torch.equal(ud.gather(np.array([mid]), np.array([0]))["input_ids"], b1["input_ids"][:, 0])
+    # perplexity: the records with the lowest scores come first
+    scores = np.arange(ts.user_offsets[-1], dtype=float)[::-1].copy()
+    ud = LMUserData(ts, "lowest_ppl", scores=scores)
+    b, m = ud.draw_records(np.array([mid]), 7, np.random.default_rng(0))
+    last = ts.sequence(ts.user_offsets[mid + 1] - 1)
+    assert b["input_ids"][0, 0, :len(last)].tolist() == last.tolist()
+    assert m.tolist() == [[1.0] * 5 + [0.0] * 2]
+    with pytest.raises(UserError, match="perplexities"):
+        LMUserData(ts, "highest_ppl")
+    with pytest.raises(UserError, match="full"):
+        LMUserData(ts, "random_chunk")
+    assert type(LMUserData(ts, "random")) is TokenizedUserData
+    assert isinstance(LMUserData(tokenize_store(store, tok, 64, mode="full"), "random_chunk"), RandomChunkUserData)

@@ -39,6 +39,10 @@ class TokenizedUserData(UserData):
     def sizes(self) -> np.ndarray:
         return self._sizes
 
+    def num_tokens(self) -> int:
+        """Real (unpadded) tokens over all records, each cut to ``seq_len``."""
+        return int(np.minimum(self.ts.seq_lengths(), self.seq_len).sum())
+
     def _batch(self, starts: np.ndarray, lengths: np.ndarray) -> Batch:
         L = self.seq_len
         lengths = np.minimum(lengths, L)
@@ -95,3 +99,78 @@ class RandomChunkUserData(TokenizedUserData):
         m = len(users)
         batch = {kk: v.reshape(m, g, L) for kk, v in flat.items()}
         return batch, torch.from_numpy(mask)
+
+
+class RankedUserData(TokenizedUserData):
+    """Fixed per-user preference order: record 0 of a user is its top-ranked sequence.
+
+    ``draw_records`` returns each user's first ``min(G, n_u)`` ranked sequences (the same every
+    call: longest / shortest / lowest or highest perplexity, SPEC §5.4); ``gather`` indexes in
+    ranked order too, so an ELS table that takes records ``0..G-1`` of a user honours the choice.
+    ``key`` has one entry per sequence of the view; lower keys rank first; ties keep dataset order.
+    """
+
+    def __init__(self, tokenized: TokenizedStore, key: np.ndarray, seq_len: int | None = None):
+        super().__init__(tokenized, seq_len)
+        key = np.asarray(key, dtype=np.float64)
+        n_seq = int(tokenized.user_offsets[-1])
+        if key.shape != (n_seq,):
+            raise UserError(f"selection scores must have one entry per sequence ({n_seq}), got {key.shape}")
+        if np.isnan(key).any():
+            raise UserError("selection scores contain NaN")
+        owner = np.repeat(np.arange(self.num_users), self._sizes)
+        order = np.lexsort((np.arange(n_seq), key, owner))
+        self._ranked = order - np.repeat(tokenized.user_offsets[:-1], self._sizes)  # within-user index
+
+    def gather(self, users: np.ndarray, records: np.ndarray) -> Batch:
+        users = np.asarray(users, dtype=np.int64)
+        records = np.asarray(records, dtype=np.int64)
+        if len(users) and ((records < 0).any() or (records >= self._sizes[users]).any()):
+            raise IndexError("gather: record index out of range")
+        mapped = self._ranked[self.ts.user_offsets[users] + records]
+        return super().gather(users, mapped)
+
+    def draw_records(self, users: np.ndarray, group_size: int, rng: np.random.Generator):
+        users = np.asarray(users, dtype=np.int64)
+        g = int(group_size)
+        if g < 1:
+            raise UserError(f"group size G must be >= 1, got {group_size}")
+        n = self._sizes[users]
+        rec = np.minimum(np.arange(g)[None, :], n[:, None] - 1)  # pad by repeating the last real one
+        mask = (np.arange(g)[None, :] < n[:, None]).astype(np.float32)
+        flat = self.gather(np.repeat(users, g), rec.reshape(-1))
+        m = len(users)
+        return {k: v.reshape(m, g, *v.shape[1:]) for k, v in flat.items()}, torch.from_numpy(mask)
+
+
+SELECTIONS = ("random", "longest", "shortest", "highest_ppl", "lowest_ppl", "random_chunk")
+
+
+def LMUserData(tokenized: TokenizedStore, selection: str = "random", seq_len: int | None = None,
+               scores: np.ndarray | None = None) -> TokenizedUserData:
+    """The engine's ``UserData`` for a tokenized store under a selection strategy (SPEC §5.4).
+
+    - ``random``: the engine's default draw (uniform without replacement, fresh every call);
+    - ``longest`` / ``shortest``: by the sequence's token length (in ``truncate`` mode lengths are
+      capped at ``seq_len``; for exact lengths select before tokenizing with
+      :func:`userdp.data.selection.bound_contributions` and ``record_token_lengths``);
+    - ``highest_ppl`` / ``lowest_ppl``: ``scores`` = perplexity per sequence of this view
+      (from :func:`userdp.data.selection.perplexity_scores`, whose ``DataTouch`` goes in the report);
+    - ``random_chunk``: needs a ``full`` or ``pack`` tokenization.
+    """
+    if selection not in SELECTIONS:
+        raise UserError(f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}")
+    if selection == "random":
+        return TokenizedUserData(tokenized, seq_len)
+    if selection == "random_chunk":
+        return RandomChunkUserData(tokenized, seq_len)
+    if selection in ("longest", "shortest"):
+        lens = tokenized.seq_lengths().astype(np.float64)
+        return RankedUserData(tokenized, -lens if selection == "longest" else lens, seq_len)
+    if scores is None:
+        raise UserError(
+            f"selection {selection!r} needs perplexities of the records (userdp.data.selection.perplexity_scores "
+            "under the initial model); pass scores=..."
+        )
+    s = np.asarray(scores, dtype=np.float64)
+    return RankedUserData(tokenized, -s if selection == "highest_ppl" else s, seq_len)
