@@ -184,3 +184,19 @@ def test_format_detection_and_errors(tmp_path):
         detect_format(str(q))
     with pytest.raises(UserError, match="does not exist"):
         open_source(str(tmp_path / "missing.jsonl"))
+
+
+def test_text_not_a_string_and_missing_date(tmp_path):
+    p = write_jsonl(tmp_path / "a.jsonl", [{"user": "a", "text": "ok"}, {"user": "a", "text": 42}])
+    with pytest.raises(UserError, match=r"line 2: the text field 'text' must be a string, got int"):
+        build(tmp_path, open_source(str(p)))
+    p = write_jsonl(tmp_path / "b.jsonl", [{"user": "a", "text": "ok", "d": "2020-01-01"}, {"user": "a", "text": "x"}])
+    with pytest.raises(UserError, match=r"b\.jsonl:line 2: missing date field 'd'"):
+        build(tmp_path, open_source(str(p), date_field="d"), name="s2")
+
+
+def test_parquet_binary_text_invalid_utf8(tmp_path):
+    t = pa.table({"user": ["a", "b"], "text": pa.array([b"fine", b"bad \xff"], pa.binary())})
+    pq.write_table(t, tmp_path / "a.parquet")
+    with pytest.raises(UserError, match=r"a\.parquet:row 1: field 'text' is invalid UTF-8"):
+        build(tmp_path, open_source(str(tmp_path / "a.parquet")))

@@ -107,6 +107,8 @@ def build_store(
             for i, u in enumerate(batch.users):
                 s = shard_of.get(u)
                 if s is None:
+                    if len(shard_of) >= 4_000_000:  # bound the memo (many-user corpora)
+                        shard_of.clear()
                     s = shard_of[u] = zlib.crc32(u.encode("utf-8")) % num_shards
                 shards[i] = s
             text = pa.array(batch.texts, type=pa.string())
