@@ -1,0 +1,94 @@
+"""``userdp plan [CONFIG.yaml] --compute-budget B --epsilon E [--steps T] [--json]``.
+
+Resolves the training data and (pretrained) model exactly as ``userdp train`` would (the
+embedded Shakespeare default without a CONFIG), then runs :func:`userdp.heuristics.plan_for_training`:
+G_ELS = median records per user, ULS (M, G) by Estimate-and-Double, sigma for each, and the noise
+std proxies of SPEC §7.1 with a recommendation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from userdp.errors import UserError
+
+
+def resolve_training(config_path: str | None, overrides: list[str] | None, log):
+    """(run config, training UserData, model in train mode, loss_fn) as ``userdp train`` builds them."""
+    from userdp.lm import config as C
+    from userdp.lm import finetune, models
+
+    cfg = C.load_config(config_path, overrides or [])
+    prep = finetune.prepare_data(cfg, log)
+    tok, model, _notes = finetune.get_tokenizer_and_model(cfg, prep, log, progress=False)
+    if cfg.model.lora.enabled:
+        lc = cfg.model.lora
+        model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
+    model.train()
+    train_data, _eval = finetune._build_datasets(cfg, prep, tok, log)
+    return cfg, train_data, model, models.causal_lm_loss
+
+
+def _run(args: argparse.Namespace) -> int:
+    from userdp import heuristics
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    if args.compute_budget < 1:
+        raise UserError(f"--compute-budget must be >= 1, got {args.compute_budget}")
+    if args.sample_users < 1:
+        raise UserError(f"--sample-users must be >= 1, got {args.sample_users}")
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    cfg, data, model, loss_fn = resolve_training(args.config, args.set, log)
+    epsilon = args.epsilon if args.epsilon is not None else cfg.privacy.epsilon
+    steps = args.steps if args.steps is not None else cfg.training.steps
+    delta = args.delta if args.delta is not None else cfg.privacy.delta
+    log(f"planning: estimating L(G) on {min(args.sample_users, data.num_users)} sampled users, "
+        "calibrating sigma(M) ...")
+    plan = heuristics.plan_for_training(
+        data, model, loss_fn, compute_budget=args.compute_budget, epsilon=epsilon, steps=steps,
+        delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
+        accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
+        chunk_size=cfg.training.chunk_size)
+    out = plan.to_dict()
+    out["config"] = args.config or "embedded default of `userdp train`"
+    out["apply"] = {k: v for k, v in plan.training_overrides().items()}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(heuristics.format_plan(plan))
+        sets = " ".join(f"--set {k}={v:g}" if isinstance(v, float) else f"--set {k}={v}"
+                        for k, v in out["apply"].items())
+        print(f"\n  to train the recommendation: userdp train {args.config or ''} {sets}".replace("  ", " ", 1))
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "plan", help="choose G, cohort size and noise for a compute budget (SPEC §5)",
+        description="For ELS: G = median records per user, expected batch, sampling rate, sigma. "
+                    "For ULS: (cohort M, group G) by Estimate-and-Double, sampling rate, sigma. "
+                    "Prints the noise-std proxy of each and recommends the lower. The sampled "
+                    "users and their gradient norms are a non-private touch of the data.")
+    p.add_argument("config", nargs="?", default=None,
+                   help="training config YAML (default: the embedded default of `userdp train`)")
+    p.add_argument("--compute-budget", type=int, required=True, metavar="B",
+                   help="gradients per step (ELS expected batch; ULS M*G)")
+    p.add_argument("--epsilon", type=float, default=None, help="target epsilon (default: the config's)")
+    p.add_argument("--steps", type=int, default=None, help="T (default: the config's training.steps)")
+    p.add_argument("--delta", type=float, default=None, help="default: the config's, else N^-1.1")
+    p.add_argument("--sample-users", type=int, default=128, help="users sampled to estimate L(G) (128)")
+    p.add_argument("--dp-median-epsilon", type=float, default=None,
+                   help="release the ELS median with this epsilon-DP (counted by the report)")
+    p.add_argument("--accountant", choices=("pld", "rdp"), default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed for the user sample and record draws")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set data.max_users=300")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with keys els, uls, recommended, data_touches")
+    p.set_defaults(func=_run)
