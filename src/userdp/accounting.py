@@ -31,6 +31,7 @@ import dp_accounting
 import numpy as np
 from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import privacy_loss_distribution as PLD
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 from scipy.special import logsumexp
@@ -300,6 +301,63 @@ _PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
 _PLD_CACHE_SIZE = 64
 
 
+_STEP_PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+
+
+class _ComposedPLD:
+    """get_epsilon / get_delta of a PrivacyLossDistribution, like a PLDAccountant's."""
+
+    def __init__(self, pld) -> None:
+        self._pld = pld
+
+    def get_epsilon(self, target_delta: float) -> float:
+        return self._pld.get_epsilon_for_delta(target_delta)
+
+    def get_delta(self, target_epsilon: float) -> float:
+        return self._pld.get_delta_for_epsilon(target_epsilon)
+
+
+def _self_composed_from_cached_step(event: dpe.DpEvent, interval: float):
+    """T steps of one Gaussian-type step from the cached one-step PLD (None: not applicable).
+
+    The one-step PLD of a mixture is the expensive part (≈5x the T-fold FFT composition);
+    caching it makes ε for many T (max_steps, a ledger) cheap. Same arithmetic as
+    PLDAccountant: the step's PLD, self-composed T times.
+    """
+    if not isinstance(event, dpe.SelfComposedDpEvent):
+        return None
+    step = event.event
+    if not isinstance(step, (dpe.MixtureOfGaussiansDpEvent, dpe.PoissonSampledDpEvent)):
+        return None
+    if isinstance(step, dpe.MixtureOfGaussiansDpEvent):
+        if step.standard_deviation <= 0 or (len(step.sensitivities) == 1 and step.sensitivities[0] == 0):
+            return None
+        make = lambda: PLD.from_mixture_gaussian_mechanism(  # noqa: E731
+            standard_deviation=step.standard_deviation, sensitivities=step.sensitivities,
+            sampling_probs=step.sampling_probs, value_discretization_interval=interval)
+    else:
+        if not isinstance(step.event, dpe.GaussianDpEvent):
+            return None
+        if step.sampling_probability <= 0 or step.event.noise_multiplier <= 0:
+            return None
+        make = lambda: PLD.from_gaussian_mechanism(  # noqa: E731
+            standard_deviation=step.event.noise_multiplier, value_discretization_interval=interval,
+            sampling_prob=step.sampling_probability,
+            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE)
+    key = (repr(step), float(interval))
+    base = _STEP_PLD_CACHE.get(key)
+    if base is None:
+        base = make()
+        _STEP_PLD_CACHE[key] = base
+        while len(_STEP_PLD_CACHE) > _PLD_CACHE_SIZE:
+            _STEP_PLD_CACHE.popitem(last=False)
+    else:
+        _STEP_PLD_CACHE.move_to_end(key)
+    # exactly what PLDAccountant does: identity ∘ (step PLD self-composed T times)
+    composed = PLD.identity(value_discretization_interval=interval).compose(base.self_compose(event.count))
+    return _ComposedPLD(composed)
+
+
 def _pld(event: dpe.DpEvent, interval: float):
     """A composed PLD accountant for the event (LRU-cached by the event's parameters)."""
     key = (repr(event), float(interval))
@@ -312,11 +370,13 @@ def _pld(event: dpe.DpEvent, interval: float):
             "fixed-size cohorts (sampling without replacement) are accounted with RDP under "
             "replace-one adjacency: use accountant='rdp'"
         )
-    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
-    try:
-        acc.compose(event)
-    except dp_accounting.UnsupportedEventError as exc:
-        raise UserError(f"the PLD accountant cannot account this event: {exc}") from None
+    acc = _self_composed_from_cached_step(event, interval)
+    if acc is None:
+        acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
+        try:
+            acc.compose(event)
+        except dp_accounting.UnsupportedEventError as exc:
+            raise UserError(f"the PLD accountant cannot account this event: {exc}") from None
     _PLD_CACHE[key] = acc
     while len(_PLD_CACHE) > _PLD_CACHE_SIZE:
         _PLD_CACHE.popitem(last=False)
