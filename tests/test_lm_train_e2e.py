@@ -75,7 +75,7 @@ def test_train_run_directory_reload_report_evaluate(tiny, capsys):
     assert summary["algorithm"] == "uls"
     for name in ("config.yaml", "metrics.jsonl", "privacy.json", "curves.png", "eval.json",
                  "checkpoints/checkpoint.pt", "checkpoints/model.safetensors",
-                 "checkpoints/ledger_journal.jsonl", "model/config.json", "model/tokenizer.json"):
+                 "checkpoints/ledger_journal.jsonl", "checkpoints/ledger.json", "model/config.json", "model/tokenizer.json"):
         assert (out / name).is_file(), name
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -582,3 +582,8 @@ def _save_weights(model, rd: RunDir, step: int, eps) -> None:
     tmp = rd.checkpoints / "model.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"step": str(step), "epsilon_spent_upper_bound": str(eps)})
     os.replace(tmp, rd.checkpoints / "model.safetensors")
+    # a readable summary of the ledger; the authoritative ledger state is in the engine's
+    # checkpoint.pt and ledger_journal.jsonl (one fsynced line per step begun)
+    write_json_atomic(rd.checkpoints / "ledger.json",
+                      {"step": step, "epsilon_spent_upper_bound": eps,
+                       "authoritative": ["checkpoint.pt (ledger state)", "ledger_journal.jsonl"]})
