@@ -545,12 +545,13 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
     _check_accountant(accountant)
     log_target = math.log(eps)
 
-    def f(s: float) -> float:
+    def eps_at(s: float, interval: float) -> float:
         ev = compose(make_step_event(s), t)
         if accountant == "rdp":
-            e = globals()["epsilon"](ev, dlt, "rdp", orders=orders)
-        else:
-            e = globals()["epsilon"](ev, dlt, "pld", value_discretization_interval=value_discretization_interval)
+            return globals()["epsilon"](ev, dlt, "rdp", orders=orders)
+        return globals()["epsilon"](ev, dlt, "pld", value_discretization_interval=interval)
+
+    def f_of(e: float) -> float:
         if e <= 0:
             return -50.0
         if not math.isfinite(e):
@@ -558,27 +559,64 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
         return math.log(e) - log_target
 
     guess = _initial_guess(make_step_event, t, eps, dlt)
-    s = min(max(guess if guess else 1.0, 1e-3), sigma_max)
-    pts: list[tuple[float, float]] = []
+    s0 = min(max(guess if guess else 1.0, 1e-3), sigma_max)
+    # Pessimism of a Δ grid after T steps, measured here: ε(Δ) − ε ≈ 0.7·T·Δ² near ε ≈ 3
+    # (0.0065 at T = 1e4, Δ = 1e-3; 0.07 at T = 1e5). Start on a grid that keeps it ≲ 0.3%;
+    # the 3Δ check below catches mechanisms where the constant is larger.
+    interval = value_discretization_interval
+    if accountant == "pld":
+        predicted = math.sqrt(0.003 * eps / (0.7 * t))
+        interval = min(interval, max(PLD_INTERVAL, PLD_INTERVAL * math.floor(predicted / PLD_INTERVAL)))
+    hi, lo, slope = _secant_search(lambda s: f_of(eps_at(s, interval)), s0, [], rtol, sigma_max,
+                                   eps, dlt, t)
+    if accountant == "rdp" or interval <= PLD_INTERVAL:
+        return hi
+    # The discretization's pessimism grows with T (about as Δ²): estimate it at the answer
+    # from a 3Δ evaluation, and if σ could be too far above the 1e-4 answer, search again on
+    # a finer grid (down to 1e-4) from the current bracket.
+    e1 = eps_at(hi, interval)
+    e3 = eps_at(hi, 3 * interval)  # a 3Δ grid costs a third of a Δ one
+    excess = max(e3 - e1, 0.0) / 8.0  # ε(Δ) - ε(0) ≈ (ε(3Δ) - ε(Δ)) / 8 when error ∝ Δ²
+    sigma_excess = excess / max(e1, 1e-12) / max(abs(slope), 0.05)
+    if sigma_excess + rtol <= 0.008:
+        return hi
+    fine = max(PLD_INTERVAL, interval * math.sqrt(0.001 / sigma_excess))
+    fine = PLD_INTERVAL * math.ceil(fine / PLD_INTERVAL - 1e-9)
+    pts = [(hi, f_of(eps_at(hi, fine)))]
+    start = hi * math.exp(-min(sigma_excess, 0.2))
+    hi2, _, _ = _secant_search(lambda s: f_of(eps_at(s, fine)), start, pts, rtol, sigma_max, eps, dlt, t)
+    return hi2
+
+
+def _secant_search(f: Callable[[float], float], s: float, pts: list, rtol: float, sigma_max: float,
+                   eps: float, dlt: float, t: int) -> tuple[float, float | None, float]:
+    """Safeguarded secant on (log σ, f = log ε − log ε_target) for a decreasing ε(σ).
+
+    Returns (hi, lo, slope): hi passes (f ≤ 0), lo fails or None, hi ≤ lo·(1 + rtol). Never
+    steps more than ×1.5 below a passing σ (small σ are the expensive evaluations).
+    """
+    pts = list(pts)
+    evaluate = True
     for _ in range(60):
-        pts.append((s, f(s)))
+        if evaluate:
+            pts.append((s, f(s)))
+        evaluate = True
         passes = [p for p in pts if p[1] <= 0]
         fails = [p for p in pts if p[1] > 0]
         hi = min(p[0] for p in passes) if passes else None
         lo = max(p[0] for p in fails) if fails else None
-        if hi is not None and lo is not None and hi <= lo * (1 + rtol):
-            return float(hi)
-        if hi is None and lo >= sigma_max:
-            raise UserError(
-                f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
-                f"up to {sigma_max:g} in {t} steps")
-        # secant on (log σ, f) through the two points nearest the root; slope -1 as fallback
         near = sorted(pts, key=lambda p: abs(p[1]))[:2]
         slope = -1.0
         if len(near) == 2 and near[0][0] != near[1][0] and abs(near[0][1]) < 50 and abs(near[1][1]) < 50:
             sl = (near[0][1] - near[1][1]) / (math.log(near[0][0]) - math.log(near[1][0]))
             if -20.0 < sl < -0.05:
                 slope = sl
+        if hi is not None and lo is not None and hi <= lo * (1 + rtol):
+            return float(hi), float(lo), slope
+        if hi is None and lo >= sigma_max:
+            raise UserError(
+                f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
+                f"up to {sigma_max:g} in {t} steps")
         r = math.exp(math.log(near[0][0]) - max(min(near[0][1], 5.0), -5.0) / slope)
         step = rtol / 3
         if hi is None:  # no passing σ yet: aim just above the root, but grow at most 3x
@@ -586,7 +624,7 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
         elif lo is None:  # no failing σ yet: aim just below, never far below a σ seen
             s = max(min(r * (1 - step), hi / (1 + step)), hi / 1.5)
             if s < 1e-3:
-                return float(hi)
+                return float(hi), None, slope
         else:
             r = min(max(r, lo), hi)
             s = r * (1 + step) if hi / r > r / lo else r * (1 - step)
