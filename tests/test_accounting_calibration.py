@@ -81,3 +81,12 @@ def test_calibration_cache_makes_repeat_cheap():
         A._pld = orig
     assert a == b and calls  # same answer, served from the LRU cache of composed PLDs
     assert all(key in A._PLD_CACHE for key in [(repr(A.compose(make(a), 300)), 1e-3)])
+
+
+def test_large_T_calibration_stays_within_one_percent():
+    # the pessimism of a coarse PLD grid grows with T; calibration must refine its grid
+    q, T, eps, delta = 0.01, 100_000, 3.0, 1e-6
+    make = lambda z: A.uls_step_event(z, q)  # noqa: E731
+    sigma = A.calibrate_noise_multiplier(make, T, eps, delta)
+    fine = lambda z: A.epsilon(A.compose(make(z), T), delta)  # noqa: E731
+    assert fine(sigma) <= eps < fine(sigma / 1.01)
