@@ -58,6 +58,7 @@ __all__ = [
     "event_to_json",
     "moments_accountant_epsilon",
     "rdp_orders",
+    "clear_caches",
 ]
 
 ACCOUNTANTS = ("pld", "rdp")
@@ -356,6 +357,13 @@ def _self_composed_from_cached_step(event: dpe.DpEvent, interval: float):
     # exactly what PLDAccountant does: identity ∘ (step PLD self-composed T times)
     composed = PLD.identity(value_discretization_interval=interval).compose(base.self_compose(event.count))
     return _ComposedPLD(composed)
+
+
+def clear_caches() -> None:
+    """Forget every cached PLD and RDP (for cold-cache timing, or to free memory)."""
+    _PLD_CACHE.clear()
+    _STEP_PLD_CACHE.clear()
+    _MOG_RDP_CACHE.clear()
 
 
 def _pld(event: dpe.DpEvent, interval: float):
