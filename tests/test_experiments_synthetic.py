@@ -1,0 +1,119 @@
+"""Tests of the synthetic experiments (SPEC §7.1, §7.2)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from userdp.experiments import mean_estimation as me
+from userdp.experiments import variance as va
+
+
+# ------------------------------------------------------------------ variance (SPEC §7.1)
+
+def test_variance_rows_match_the_direct_variances(monkeypatch):
+    # inject sigma functions so the test checks the bookkeeping and eq. (7), not the accountant
+    monkeypatch.setattr(va, "els_noise_multiplier", lambda p, g, t, e, d, a: 10.0 / e)
+    monkeypatch.setattr(va, "uls_sigma_of_m", lambda n, t, e, d, a: (lambda m: (1.0 + m / 100) / e))
+    cfg = va.VarianceConfig(num_users=1000, max_group_size=32, els_group_size=8, compute_budget=256,
+                            steps=10, epsilons=(1.0, 4.0))
+    rows = va.run(cfg)
+    assert sorted({r.cohort_size for r in rows}) == [8, 16, 32, 64, 128, 256]
+    d, L, B = 50, 1.0, 256
+    for r in rows:
+        assert r.group_size_uls * r.cohort_size == B
+        assert r.sampling_rate_els == pytest.approx(B / (1000 * 8))
+        assert r.sampling_rate_uls == pytest.approx(r.cohort_size / 1000)
+        var_els = d * r.sigma_els**2 * L**2 / B**2
+        for key, l_g in (("ratio_identical", 1.0), ("ratio_orthogonal", 1 / math.sqrt(r.group_size_uls))):
+            var_uls = d * r.sigma_uls**2 * l_g**2 * r.group_size_uls**2 / B**2
+            assert getattr(r, key) == pytest.approx(var_uls / var_els, rel=1e-12)
+    # orthogonal gradients always favour ULS by a factor G relative to identical ones
+    for r in rows:
+        assert r.ratio_orthogonal == pytest.approx(r.ratio_identical / r.group_size_uls)
+
+
+def test_variance_with_the_accountant_shows_the_papers_pattern():
+    # one real (PLD) comparison at G_ULS = 1 vs large G: with identical within-user gradients
+    # ELS is better at large G_ULS; at G_ULS = 1 (q = B/N) ULS ~ ELS (sigma_ELS almost G-free
+    # under PLD, SPEC §5.1)
+    cfg = va.VarianceConfig(num_users=2000, max_group_size=16, els_group_size=4, compute_budget=64,
+                            steps=200, delta=1e-5, epsilons=(2.0,), cohort_sizes=(4, 64),
+                            accountant="rdp")  # RDP keeps this test cheap
+    rows = {r.cohort_size: r for r in va.run(cfg)}
+    assert rows[4].ratio_identical > 1.5
+    # (RDP overstates the MoG sigma a little, so at G_ULS = 1 ULS is no worse than ELS)
+    assert 0.5 < rows[64].ratio_identical < 1.1
+    assert rows[4].ratio_identical > 2 * rows[64].ratio_identical
+    assert rows[4].ratio_orthogonal < rows[4].ratio_identical
+
+
+def test_variance_config_errors_name_the_option():
+    from userdp.errors import UserError
+
+    with pytest.raises(UserError, match="--els-group-size"):
+        va.VarianceConfig(els_group_size=100, max_group_size=64).validate()
+    with pytest.raises(UserError, match="does not divide"):
+        va.VarianceConfig(cohort_sizes=(3,), compute_budget=1024).validate()
+
+
+# ------------------------------------------------------------------ mean estimation (SPEC §7.2)
+
+def test_generator_shapes_and_heavy_tail():
+    cfg = me.MeanEstimationConfig(dimension=5, num_users=300, records_per_user=8, heavy_tailed=True)
+    data = me.generate(cfg, np.random.default_rng(0))
+    assert data.records.shape == (data.sizes.sum(), 5)
+    assert data.offsets[-1] == data.sizes.sum() and data.sizes.min() >= 1
+    assert np.median(data.sizes) == pytest.approx(8, abs=2)
+    assert data.sizes.max() > 4 * np.median(data.sizes)  # heavy tail
+    # within-user variance is what was asked for
+    cfg2 = me.MeanEstimationConfig(dimension=3, num_users=50, records_per_user=400,
+                                   within_user_variance=4.0)
+    d2 = me.generate(cfg2, np.random.default_rng(1))
+    owner = np.repeat(np.arange(50), d2.sizes)
+    resid = d2.records - d2.user_means[owner]
+    assert resid.var() == pytest.approx(4.0, rel=0.05)
+
+
+def test_noiseless_uls_converges_to_the_average_user_mean():
+    # sigma = 0, clip far above every gradient, lr = 1, G >= every user's size, q = 1: each step
+    # is a full gradient step to the average of the users' sample means
+    cfg = me.MeanEstimationConfig(dimension=4, num_users=20, records_per_user=5, steps=3,
+                                  compute_budget=100, uls_group_sizes=(5,))
+    data = me.generate(cfg, np.random.default_rng(2))
+    from userdp.engine import ULS
+
+    loss, eps = me.train_once(data, ULS(group_size=5, sampling_rate=1.0), cfg, noise_multiplier=0.0,
+                              learning_rate=1.0, clip_norm=1e6, seed=0)
+    target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:])], 0)
+    assert loss == pytest.approx(float(np.sum((target - data.mu) ** 2)), rel=1e-4, abs=1e-8)
+    assert eps == math.inf
+
+
+def test_noiseless_study_gets_close_to_the_population_mean():
+    cfg = me.MeanEstimationConfig(dimension=4, num_users=200, records_per_user=8, steps=15,
+                                  compute_budget=64, uls_group_sizes=(1, 8), learning_rates=(0.5,),
+                                  clip_norms=(100.0,), trials=1, between_user_std=0.1,
+                                  within_user_variance=1.0)
+    rows = me.run_study(cfg, {}, noise_multiplier=0.0)
+    assert [r["algorithm"] for r in rows] == ["ELS", "ULS", "ULS"]
+    assert rows[0]["group_size"] == 8  # the median records per user
+    for r in rows:
+        assert set(r) >= {"algorithm", "group_size", "within_user_variance", "epsilon", "loss"}
+        # stationary SGD noise at lr 0.5 with ~64 records per step: E loss ~ (1/3)*d*(1+0.01)/64
+        assert r["loss"] < 0.1
+    json.dumps(rows)
+
+
+def test_private_run_is_calibrated_and_noise_hurts():
+    cfg = me.MeanEstimationConfig(dimension=4, num_users=200, records_per_user=4, steps=10,
+                                  compute_budget=32, uls_group_sizes=(4,), els_group_size=1,
+                                  learning_rates=(0.5,), clip_norms=(2.0,), trials=1, epsilon=0.5,
+                                  accountant="rdp")
+    private = me.run_setting(cfg)
+    clean = me.run_setting(cfg, noise_multiplier=0.0)
+    for p, c in zip(private, clean):
+        assert p["noise_multiplier"] > 0.5
+        assert p["epsilon_spent"] <= 0.5 * 1.01
+        assert p["loss"] > c["loss"]
