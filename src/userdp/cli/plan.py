@@ -16,8 +16,9 @@ import sys
 from userdp.errors import UserError
 
 
-def resolve_training(config_path: str | None, overrides: list[str] | None, log):
-    """(run config, training UserData, model in train mode, loss_fn) as ``userdp train`` builds them."""
+def resolve_training(config_path: str | None, overrides: list[str] | None, log, with_eval: bool = False):
+    """(run config, training UserData, model in train mode, loss_fn) as ``userdp train`` builds them
+    (plus the held-out users' UserData last when ``with_eval``)."""
     from userdp.lm import config as C
     from userdp.lm import finetune, models
 
@@ -29,6 +30,8 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log):
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
     model.train()
     train_data, _eval = finetune._build_datasets(cfg, prep, tok, log)
+    if with_eval:
+        return cfg, train_data, model, models.causal_lm_loss, _eval
     return cfg, train_data, model, models.causal_lm_loss
 
 
