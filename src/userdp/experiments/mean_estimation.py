@@ -27,7 +27,7 @@ from userdp.errors import UserError
 
 @dataclass(frozen=True)
 class MeanEstimationConfig:
-    dimension: int = 16
+    dimension: int = 32
     num_users: int = 2000
     records_per_user: int = 64  # exact count, or the median when heavy_tailed
     heavy_tailed: bool = False
@@ -41,10 +41,10 @@ class MeanEstimationConfig:
     delta: float | None = None  # default N^-1.1
     steps: int = 50
     els_group_size: int | None = None  # default: median records per user
-    uls_group_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-    learning_rates: tuple[float, ...] = (0.1, 0.3, 1.0)
-    clip_norms: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
-    trials: int = 3
+    uls_group_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    learning_rates: tuple[float, ...] = (0.2, 0.5)
+    clip_norms: tuple[float, ...] = (1.0, 4.0, 16.0)
+    trials: int = 2
     seed: int = 0
     accountant: str = "pld"
 
@@ -268,7 +268,7 @@ def quick_settings(base: MeanEstimationConfig, sweeps: dict) -> tuple[MeanEstima
     and a single swept knob (within-user variance: low and high)."""
     q = replace(base, num_users=min(base.num_users, 1000), steps=min(base.steps, 30),
                 uls_group_sizes=tuple(g for g in (1, 8, 64) if g <= base.compute_budget),
-                learning_rates=(0.5,), clip_norms=(1.0, 4.0), trials=min(base.trials, 2))
+                learning_rates=(0.5,), clip_norms=(1.0, 4.0, 16.0), trials=min(base.trials, 2))
     return q, {"within_user_variance": (10.0,)}
 
 
