@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-users", type=int, default=128)
     ap.add_argument("--max-users", type=int, default=None, help="data.max_users for the run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(HERE / "results"), help="folder for plan_heatmap.png and plan.json")
+    ap.add_argument("--out", default="bench_plan_out", help="folder for plan_heatmap.png and plan.json (default ./bench_plan_out)")
     args = ap.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)
 
