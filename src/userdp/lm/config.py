@@ -104,7 +104,7 @@ class TrainingConfig:
     lr: float = 1e-3
     momentum: float = 0.0
     weight_decay: float = 0.0
-    local_steps: int = 1                  # fedavg: local SGD steps per user
+    local_epochs: int = 1                 # fedavg: local epochs of SGD per user (over up to G records)
     local_lr: float = 0.1                 # fedavg
     selection: str = _choice("random", "longest", "shortest", "random_chunk",
                              "highest_ppl", "lowest_ppl", default="random")

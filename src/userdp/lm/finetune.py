@@ -288,7 +288,7 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int):
     if t.algorithm == "els":
         algo = E.ELS(group_size=t.group_size, sampling_rate=rate)
     elif t.algorithm == "fedavg":
-        algo = E.FedAvg(group_size=t.group_size, sampling_rate=rate, local_epochs=t.local_steps,
+        algo = E.FedAvg(group_size=t.group_size, sampling_rate=rate, local_epochs=t.local_epochs,
                         local_lr=t.local_lr)
     else:
         algo = E.ULS(group_size=t.group_size, sampling_rate=rate)
