@@ -218,3 +218,27 @@ def test_max_steps_is_largest_within_budget():
     assert A.epsilon(A.compose(step, T), 1e-5, "rdp") <= 1.0
     assert A.epsilon(A.compose(step, T + 1), 1e-5, "rdp") > 1.0
     assert A.max_steps(A.uls_step_event(0.3, 1.0), 1.0, 1e-5, accountant="rdp") == 0
+
+
+# ----------------------------------------------------------------------------------- step_rdp
+def test_step_rdp_matches_dp_accounting_rdp_accountant():
+    from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+    q, sigma, T, delta = 0.01, 1.1, 1000, 1e-6
+    step = A.uls_step_event(sigma, q)
+    acc = rdp_lib.RdpAccountant()  # default orders = A.rdp_orders()
+    acc.compose(dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma)))
+    ours = A.step_rdp(step)
+    assert ours.shape == (len(A.rdp_orders()),)
+    np.testing.assert_allclose(ours, acc.rdp, rtol=1e-12)
+    assert "step_rdp" in A.__all__
+    # additive composition: T * step_rdp gives the RDP backend's epsilon
+    eps_t = rdp_lib.compute_epsilon(A.rdp_orders(), T * ours, delta)[0]
+    assert eps_t == pytest.approx(A.epsilon(A.compose(step, T), delta, "rdp"), rel=1e-12)
+    acc.compose(dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma)), T - 1)
+    assert eps_t == pytest.approx(acc.get_epsilon(delta), rel=1e-9)
+    # custom orders; an ELS mixture uses the quadrature RDP
+    np.testing.assert_allclose(A.step_rdp(step, [2.0, 8.0]), ours[[A.rdp_orders().index(2.0),
+                                                                   A.rdp_orders().index(8.0)]])
+    els = A.els_step_event(2.0, 0.01, 4)
+    np.testing.assert_allclose(A.step_rdp(els, [2.0, 8.0]), A.mog_rdp(2.0, *A.binomial_sensitivity(4, 0.01), [2.0, 8.0]))
