@@ -110,7 +110,7 @@ class PrivacyLedger:
             # RDP composes additively: one step's RDP vector, computed once, scaled by t
             if self._rdp1 is None:
                 try:
-                    self._rdp1 = accounting._rdp(self.step_event)
+                    self._rdp1 = (accounting.rdp_orders(), accounting.step_rdp(self.step_event))
                 except AttributeError:  # accounting changed: fall back to the public path
                     self._rdp1 = False
             if self._rdp1 is not False:
