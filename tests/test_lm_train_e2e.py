@@ -205,3 +205,14 @@ def test_pretrain_cli_writes_a_folder_train_accepts(tiny, capsys):
 
     with pytest.raises(UserError, match="declared_public"):
         get_tokenizer_and_model(c, prep, log=lambda m: None, progress=False)
+
+
+@pytest.mark.slow
+def test_perplexity_selection_is_disclosed_in_the_report(tiny, capsys):
+    tmp, cfg = tiny
+    out = tmp / "ppl"
+    assert cli(["train", str(cfg), "--set", "training.selection=highest_ppl", "--set", "training.steps=2",
+                "--set", "eval.before=false", "--output", str(out), "--no-progress"]) == 0
+    priv = json.loads((out / "privacy.json").read_text())
+    assert priv["selection"] == "highest_ppl"
+    assert any("scored" in s and "private records" in s for s in priv["not_accounted"])

@@ -38,8 +38,10 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
     else:
         raise UserError(f"{target}: neither a finished userdp run directory (config.yaml + model/) "
                         "nor a model folder (config.json)")
+    extra = ["training.selection=random"]  # evaluation reads held-out users only
     if max_users is not None:
-        cfg = C.from_dict(C.apply_overrides(C.to_dict(cfg), [f"data.max_eval_users={max_users}"]))
+        extra.append(f"data.max_eval_users={max_users}")
+    cfg = C.from_dict(C.apply_overrides(C.to_dict(cfg), extra))
     model = models.load_local(model_dir)
     tok = load_tokenizer(model_dir)
     prep = prepare_data(cfg, log=lambda m: None)

@@ -379,19 +379,62 @@ class _TokenCounter:
         return Counted()
 
 
-def _build_datasets(cfg, prep, tok, log):
+def _perplexity_scores(cfg, prep, tok, model, log):
+    """Per-record perplexity of the training records under the starting model (SPEC §5.4):
+    a non-private touch of the private data, returned with its DataTouch for the report."""
+    from userdp.data.selection import perplexity_scores
+    from userdp.lm.pretrain import fingerprint as fp
+    from userdp.lm.tokenization import encode_texts
+
+    L = cfg.tokenizer.seq_len
+    model_id = fp([float(p.detach().double().sum()) for p in model.parameters()], L)
+
+    @torch.no_grad()
+    def score(texts):
+        ids = [x[:L] for x in encode_texts(tok, [t or "" for t in texts])]
+        out = []
+        model.eval()
+        for s in range(0, len(ids), 64):
+            chunk = ids[s : s + 64]
+            n = max(2, max(len(x) for x in chunk))
+            inp = torch.zeros(len(chunk), n, dtype=torch.long)
+            lab = torch.full((len(chunk), n), -100, dtype=torch.long)
+            for i, x in enumerate(chunk):
+                inp[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+                lab[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+            nll, cnt = models.token_nll(model, {"input_ids": inp, "labels": lab})
+            out.extend(torch.exp(nll / cnt.clamp(min=1)).tolist())
+        return out
+
+    log("scoring the training records' perplexity under the starting model (a disclosed data touch) ...")
+    scores, touch = perplexity_scores(prep.store, score, model_id, subset=prep.train_subset,
+                                      cache_dir=cache_root() / "perplexity")
+    rows = prep.train_subset.rows(prep.store.offsets)
+    return np.asarray(scores)[rows], touch
+
+
+def _build_datasets(cfg, prep, tok, log, model=None, notes=None):
     from userdp.data.tokenize import tokenize_store
     from userdp.lm.userdata import userdata
 
     cache = cache_root() / "tokenized"
     t0 = time.time()
-    tr = tokenize_store(prep.store, tok, cfg.tokenizer.seq_len, mode="truncate",
+    sel = cfg.training.selection
+    mode = "full" if sel == "random_chunk" else "truncate"
+    tr = tokenize_store(prep.store, tok, cfg.tokenizer.seq_len, mode=mode,
                         subset=prep.train_subset, cache_dir=cache)
     ev = tokenize_store(prep.store, tok, cfg.tokenizer.seq_len, mode="truncate",
                         subset=prep.eval_subset, cache_dir=cache)
     log(f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
         f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)")
-    return (userdata(tr, cfg.tokenizer.seq_len, cfg.training.selection),
+    scores = None
+    if sel in ("highest_ppl", "lowest_ppl"):
+        if model is None:
+            raise UserError(f"training.selection = {sel} needs the starting model")
+        scores, touch = _perplexity_scores(cfg, prep, tok, model, log)
+        if notes is not None:
+            notes["data_touch"] = touch.statement
+    return (userdata(tr, cfg.tokenizer.seq_len, sel, scores),
             userdata(ev, cfg.tokenizer.seq_len, "random"))
 
 
@@ -421,6 +464,7 @@ def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total,
         dp_event=ev, epsilon_no_amplification=rec.get("epsilon_no_amplification"),
         tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
         selection=t.selection, seq_len=seq_len,
+        not_accounted=[notes["data_touch"]] if notes.get("data_touch") else None,
         extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
                "randomness": rec.get("randomness")})
 
@@ -469,7 +513,7 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
     model.train()
     models.lint_model(model)
-    train_data, eval_data = _build_datasets(cfg, prep, tok, log)
+    train_data, eval_data = _build_datasets(cfg, prep, tok, log, model, notes)
     ecfg = engine_config(cfg, n_units)
     models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
 

@@ -54,13 +54,13 @@ class TokenizedUserData(UserData):
         return int(np.minimum(np.diff(self.t.seq_offsets), self.seq_len).sum())
 
 
-def userdata(tstore, seq_len: int | None = None, selection: str = "random", **kw) -> UserData:
+def userdata(tstore, seq_len: int | None = None, selection: str = "random", scores=None) -> UserData:
     try:
         from userdp.data import torch_data  # the data layer's adapter, when present
     except ImportError:
         torch_data = None
     if torch_data is not None and hasattr(torch_data, "LMUserData"):
-        return torch_data.LMUserData(tstore, selection=selection, **kw)
+        return torch_data.LMUserData(tstore, selection=selection, seq_len=seq_len, scores=scores)
     if selection != "random":
         raise UserError(f"training.selection = {selection!r} needs userdp.data.torch_data "
                         "(not available in this build); use random")
