@@ -117,3 +117,27 @@ def test_private_run_is_calibrated_and_noise_hurts():
         assert p["noise_multiplier"] > 0.5
         assert p["epsilon_spent"] <= 0.5 * 1.01
         assert p["loss"] > c["loss"]
+
+
+def test_cli_mean_estimation_json_rows(capsys):
+    from userdp.cli import main
+
+    rc = main(["experiment", "mean-estimation", "--users", "40", "--records-per-user", "4",
+               "--dimension", "3", "--steps", "3", "--compute-budget", "8", "--uls-group-sizes", "1,2",
+               "--learning-rates", "0.5", "--clip-norms", "10", "--trials", "1",
+               "--no-sweeps",
+               "--noise-multiplier", "0", "--json"])
+    assert rc == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["algorithm"], r["group_size"]) for r in rows] == [("ELS", 4), ("ULS", 1), ("ULS", 2)]
+    for r in rows:
+        assert {"algorithm", "group_size", "within_user_variance", "epsilon", "loss"} <= set(r)
+        assert math.isfinite(r["loss"])
+
+
+def test_cli_variance_bad_option_is_one_line(capsys):
+    from userdp.cli import main
+
+    assert main(["experiment", "variance", "--els-group-size", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--els-group-size" in err[0]

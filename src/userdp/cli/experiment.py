@@ -130,6 +130,8 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
     }
     if args.quick:
         base, sweeps = me.quick_settings(base, sweeps)
+    if args.no_sweeps:
+        sweeps = {}
     plot_dir = _plot_dir(args.plot)
     base.validate()
     log = (lambda msg: print(msg, file=sys.stderr, flush=True)) if args.json else (
@@ -138,7 +140,7 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
     rows = me.run_study(base, sweeps, noise_multiplier=args.noise_multiplier,
                         log=log if args.verbose else None)
     if args.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=1))
+        print(json.dumps(rows, indent=1))
     else:
         print(me.format_table(rows))
         print(f"# {len(rows)} rows in {time.time() - t0:.1f} s")
@@ -187,6 +189,7 @@ def _add_mean_estimation(sub) -> None:
     p.add_argument("--sweep-within-user-variance", type=_floats, default=(0.1, 1.0, 10.0))
     p.add_argument("--sweep-compute-budget", type=_ints, default=(64, 256, 1024))
     p.add_argument("--sweep-epsilon", type=_floats, default=(0.5, 2.0, 8.0))
+    p.add_argument("--no-sweeps", action="store_true", help="run the base setting only")
     p.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
     p.add_argument("--plot", metavar="DIR", help="write one PNG per swept knob into DIR")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
