@@ -40,6 +40,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-users", type=int, default=128)
     ap.add_argument("--max-users", type=int, default=None, help="data.max_users for the run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pretrain-steps", type=int, default=None,
+                    help="model.pretraining.steps (default: the config's 600; --quick: 100)")
     ap.add_argument("--out", default="bench_plan_out", help="folder for plan_heatmap.png and plan.json (default ./bench_plan_out)")
     args = ap.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)
@@ -47,6 +49,8 @@ def main(argv=None) -> int:
     budgets = [int(b) for b in (args.budgets or ("16,32" if args.quick else "32,64,128")).split(",")]
     steps = args.steps or (15 if args.quick else 40)
     max_users = args.max_users or (400 if args.quick else None)
+    if args.quick and args.pretrain_steps is None:
+        args.pretrain_steps = 100
 
     from userdp import heuristics
     from userdp.cli.plan import resolve_training
@@ -58,6 +62,8 @@ def main(argv=None) -> int:
 
     overrides = [f"data.max_users={max_users}"] if max_users else []
     overrides.append("data.max_eval_users=100")
+    if args.pretrain_steps:
+        overrides.append(f"model.pretraining.steps={args.pretrain_steps}")
     cfg, data, model0, loss_fn, eval_data = resolve_training(None, overrides, log, with_eval=True)
     n = data.num_users
     delta = n ** -1.1
