@@ -115,3 +115,23 @@ def test_lm_user_data_selections(store, tok):
         LMUserData(ts, "random_chunk")
     assert type(LMUserData(ts, "random")) is TokenizedUserData
     assert isinstance(LMUserData(tokenize_store(store, tok, 64, mode="full"), "random_chunk"), RandomChunkUserData)
+
+
+def test_els_contribution_bound_honours_the_selection(store, tok):
+    """ELS builds D' once through ``bounded_records``: a ranked selection (longest) must decide it,
+    exactly as it decides ULS's draws, and no user may keep more than G records."""
+    from userdp.data.torch_data import LMUserData
+    from userdp.engine import ELS
+
+    ts = tokenize_store(store, tok, 64, mode="truncate")
+    ud = LMUserData(ts, "longest")
+    table = ELS(group_size=2, sampling_rate=0.5).units(ud, np.random.default_rng(0))
+    sizes = ud.sizes()
+    assert np.bincount(table.users, minlength=ud.num_users).tolist() == np.minimum(sizes, 2).tolist()
+    mid = store.user_index()["mid"]
+    lens = ts.seq_lengths()[ts.user_offsets[mid]:ts.user_offsets[mid + 1]]
+    els_batch = ud.gather(table.users[table.users == mid], table.records[table.users == mid])
+    uls_batch, _ = ud.draw_records(np.array([mid]), 2, np.random.default_rng(5))
+    assert torch.equal(els_batch["input_ids"], uls_batch["input_ids"][0])
+    longest = ts.sequence(ts.user_offsets[mid] + int(np.argmax(lens)))
+    assert els_batch["input_ids"][0, :len(longest)].tolist() == longest.tolist()

@@ -57,3 +57,37 @@ def test_bad_offsets_and_grouping():
     g = TensorUserData.from_user_ids({"x": torch.arange(6.0)}, ["b", "a", "b", "c", "a", "b"])
     assert list(g.sizes()) == [2, 3, 1]
     assert g.gather(np.array([1, 1, 1]), np.arange(3))["x"].tolist() == [0.0, 2.0, 5.0]
+
+
+def test_uniform_subsets_is_uniform_distinct_and_capped():
+    """The vectorized draw (Floyd's algorithm over all users at once) gives each G-subset of a
+    user's n records probability 1/C(n, G): chi-square over the 10 pairs of 5 records."""
+    from scipy import stats
+
+    from userdp.engine.data import uniform_subsets
+
+    rng = np.random.default_rng(123)
+    rec, mask = uniform_subsets(np.full(50_000, 5), 2, rng)
+    assert (mask == 1).all() and (rec[:, 0] != rec[:, 1]).all() and rec.max() < 5
+    pairs = np.sort(rec, axis=1)
+    counts = np.bincount(pairs[:, 0] * 5 + pairs[:, 1], minlength=25)
+    observed = counts[counts > 0]
+    assert len(observed) == 10
+    assert stats.chisquare(observed).pvalue > 1e-3
+    rec, mask = uniform_subsets(np.array([1, 3, 9]), 4, rng)
+    assert mask.sum(axis=1).tolist() == [1, 3, 4]
+    assert rec[0, 0] == 0 and sorted(rec[1, :3]) == [0, 1, 2] and len(set(rec[2])) == 4
+
+
+def test_bounded_records_default_is_capped_random_subset():
+    from userdp.engine.data import TensorUserData
+
+    sizes = np.array([1, 3, 7, 2])
+    d = TensorUserData({"x": torch.arange(13.0)}, np.concatenate([[0], np.cumsum(sizes)]))
+    seen = set()
+    for seed in range(30):
+        users, records = d.bounded_records(3, np.random.default_rng(seed))
+        assert np.bincount(users).tolist() == [1, 3, 3, 2]
+        assert (records < sizes[users]).all()
+        seen.add(tuple(records[users == 2]))
+    assert len(seen) > 5  # the heavy user's kept records vary with the seed

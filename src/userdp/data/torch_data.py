@@ -142,6 +142,17 @@ class RankedUserData(TokenizedUserData):
         m = len(users)
         return {k: v.reshape(m, g, *v.shape[1:]) for k, v in flat.items()}, torch.from_numpy(mask)
 
+    def bounded_records(self, group_size: int, rng: np.random.Generator):
+        """ELS's D': each user's top min(G, n_u) ranked records (the same choice ULS draws)."""
+        g = int(group_size)
+        if g < 1:
+            raise UserError(f"group size G must be >= 1, got {group_size}")
+        counts = np.minimum(self._sizes, g).astype(np.int64)
+        users = np.repeat(np.arange(self.num_users, dtype=np.int64), counts)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        records = np.arange(int(counts.sum()), dtype=np.int64) - starts
+        return users, records
+
 
 SELECTIONS = ("random", "longest", "shortest", "highest_ppl", "lowest_ppl", "random_chunk")
 

@@ -73,15 +73,10 @@ class ELS:
         return int(self.group_size)
 
     def units(self, data: UserData, rng: np.random.Generator) -> UnitTable:
-        """D': for each user a uniformly random subset of min(G, n_u) records, once."""
-        sizes = data.sizes()
-        users, records = [], []
-        for u, n in enumerate(sizes):
-            n = int(n)
-            recs = np.arange(n) if n <= self.group_size else np.sort(rng.choice(n, self.group_size, replace=False))
-            users.append(np.full(len(recs), u, dtype=np.int64))
-            records.append(recs.astype(np.int64))
-        return UnitTable(np.concatenate(users), np.concatenate(records))
+        """D': at most G records of each user, chosen once (``data.bounded_records``: uniformly at
+        random by default; a selection strategy's choice when the data ranks records)."""
+        users, records = data.bounded_records(self.group_size, rng)
+        return UnitTable(users.astype(np.int64), records.astype(np.int64))
 
     def load(self, data: UserData, table: UnitTable, ids: np.ndarray, rng: np.random.Generator):
         batch = data.gather(table.users[ids], table.records[ids])

@@ -49,25 +49,71 @@ class UserData:
         g = int(group_size)
         if g < 1:
             raise UserError(f"group size G must be >= 1, got {group_size}")
-        sizes = self.sizes()[users]
         m = len(users)
-        rec = np.zeros((m, g), dtype=np.int64)
-        mask = np.zeros((m, g), dtype=np.float32)
-        for i, n in enumerate(sizes):  # numpy-only bookkeeping; gradients are vmapped elsewhere
-            n = int(n)
-            if n <= g:
-                rec[i, :n] = np.arange(n)
-                rec[i, n:] = 0
-                mask[i, :n] = 1.0
-            else:
-                rec[i] = rng.choice(n, size=g, replace=False)
-                mask[i] = 1.0
+        rec, mask = uniform_subsets(self.sizes()[users], g, rng)
         flat = self.gather(np.repeat(users, g), rec.reshape(-1))
         batch = {k: v.reshape(m, g, *v.shape[1:]) for k, v in flat.items()}
         return batch, torch.from_numpy(mask)
 
+    def bounded_records(self, group_size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """ELS contribution bounding, done once: at most G records of every user (D', SPEC §3.3).
+
+        Returns flat arrays (user index, record index), grouped by user. The default keeps a
+        uniformly random subset of min(G, n_u) records; selection strategies (longest,
+        perplexity, ...) override it, so that ELS honours them exactly as ULS does.
+        """
+        g = int(group_size)
+        if g < 1:
+            raise UserError(f"group size G must be >= 1, got {group_size}")
+        sizes = self.sizes()
+        rec, mask = uniform_subsets(sizes, g, rng)
+        counts = mask.sum(axis=1).astype(np.int64)
+        ordered = np.sort(np.where(mask > 0, rec, np.iinfo(np.int64).max), axis=1)
+        records = ordered[np.arange(g)[None, :] < counts[:, None]]
+        users = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
+        return users, records
+
     def __len__(self) -> int:
         return int(self.num_users)
+
+
+def uniform_subsets(sizes: np.ndarray, group_size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """For each user (``sizes[i]`` records) a uniformly random subset of min(G, n_i) record indices.
+
+    Returns ``(records, mask)``, both ``[len(sizes), G]``: users with n_i <= G get all their records
+    in slots ``0..n_i-1`` (the rest padded with record 0, mask 0); users with more get G distinct
+    records (mask 1). Vectorized over users with Floyd's algorithm: G passes, each over all users
+    at once, so a cohort of any size costs no Python loop over users.
+    """
+    sizes = np.asarray(sizes, dtype=np.int64)
+    g = int(group_size)
+    m = len(sizes)
+    rec = np.zeros((m, g), dtype=np.int64)
+    mask = np.zeros((m, g), dtype=np.float32)
+    small = sizes <= g
+    if small.any():
+        slots = np.arange(g)[None, :]
+        fill = slots < sizes[small, None]
+        rec[small] = np.where(fill, slots, 0)
+        mask[small] = fill
+    big = np.flatnonzero(~small)
+    if len(big):
+        # One row of uniforms per user with more than G records, drawn up front in user order:
+        # a user's choice depends only on its own row, so appending a user never changes the
+        # draws of the users before it (and users with <= G records consume no randomness).
+        u = rng.random((len(big), g))
+        n = sizes[big]
+        chosen = np.empty((len(big), g), dtype=np.int64)
+        # Floyd: for j = n-G .. n-1, t ~ U{0..j}; take t unless already chosen, else take j.
+        for k in range(g):
+            j = n - g + k
+            t = np.floor(u[:, k] * (j + 1)).astype(np.int64)
+            t = np.minimum(t, j)  # guard the float edge case
+            dup = (chosen[:, :k] == t[:, None]).any(axis=1) if k else np.zeros(len(big), dtype=bool)
+            chosen[:, k] = np.where(dup, j, t)
+        rec[big] = chosen
+        mask[big] = 1.0
+    return rec, mask
 
 
 class TensorUserData(UserData):
