@@ -252,3 +252,25 @@ def test_callbacks_get_metrics_and_loss_fn_shape_is_checked():
     with pytest.raises(UserError, match="one loss per record"):
         train(Mean(2), data, lambda m, b: sq_loss(m, b).sum(),
               TrainConfig(algorithm=ULS(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, accountant="rdp"))
+
+
+def test_ctrl_c_finishes_the_step_saves_it_and_resume_loses_nothing(tmp_path):
+    """SIGINT mid-run (before any periodic checkpoint): the step in flight completes, a checkpoint
+    is written, and an unseeded resume continues with no step lost or counted twice."""
+    import os
+    import signal
+
+    data = mlp_data([3, 5, 2, 7] * 10, seed=7)
+    cfg = _resume_cfg(None, ULS(3, 0.3))  # unseeded: a lost step would be counted as spent
+    fired = []
+
+    def press_ctrl_c(m):
+        if m["step"] == 2 and not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # delivered to the engine's deferred handler
+
+    with pytest.raises(KeyboardInterrupt):
+        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    r = train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+    assert r.steps == 10 and r.record["steps_accounted"] == 10 and r.record["steps_lost_to_crashes"] == 0

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -381,6 +383,33 @@ class _Run:
         return rec
 
 
+class _DeferredInterrupt:
+    """Defer the first Ctrl-C (SIGINT) to the end of the current step; a second one interrupts at once.
+
+    Only in the main thread and only when there is a checkpoint to write; otherwise a no-op.
+    """
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:  # second Ctrl-C: stop now (the last checkpoint and the journal remain)
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if self.enabled:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
 def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *,
           checkpoint_dir: Optional[str] = None, resume: bool = False,
           callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None) -> TrainResult:
@@ -409,17 +438,23 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
         lost = run.ledger.journal_max()
         run.ledger.spent = run.ledger.lost_steps = lost
     stopped = "completed"
-    while run.step < config.steps:
-        try:
-            m = run.run_step()
-        except BudgetExceededError:
-            stopped = "budget"
-            break
-        run.history.append(m)
-        for cb in callbacks:
-            cb(m)
-        if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
-            run.save()
+    with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
+        while run.step < config.steps:
+            try:
+                m = run.run_step()
+            except BudgetExceededError:
+                stopped = "budget"
+                break
+            run.history.append(m)
+            for cb in callbacks:
+                cb(m)
+            if interrupt.requested:
+                # Ctrl-C: the step in flight was finished (parameters, optimizer and ledger agree),
+                # so save it and stop: nothing is lost, `resume=True` continues from here.
+                run.save()
+                raise KeyboardInterrupt(f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}")
+            if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
+                run.save()
     if checkpoint_dir:
         run.save()
     rec = run.record()
