@@ -29,7 +29,7 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log, 
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
     model.train()
-    train_data, _eval = finetune._build_datasets(cfg, prep, tok, log)
+    train_data, _eval = finetune.build_datasets(cfg, prep, tok, log)
     if with_eval:
         return cfg, train_data, model, models.causal_lm_loss, _eval
     return cfg, train_data, model, models.causal_lm_loss

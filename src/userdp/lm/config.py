@@ -130,7 +130,20 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class PlanningConfig:
+    """Options of ``plan: auto`` (SPEC §5, ``userdp.heuristics.plan_for_training``)."""
+
+    compute_budget: Optional[int] = None  # B: gradients per step (required with plan: auto)
+    sample_users: int = 128               # users sampled to estimate L(G) (a non-private touch)
+    dp_median_epsilon: Optional[float] = None  # release the ELS median with this eps-DP (counted)
+    algorithm: str = _choice("recommended", "uls", "els", default="recommended")
+    seed: Optional[int] = None            # the user sample / record draws (null: OS entropy)
+
+
+@dataclass(frozen=True)
 class RunConfig:
+    plan: Optional[str] = _choice("auto", default=None)  # auto: choose algorithm/G/cohort (SPEC §5)
+    planning: PlanningConfig = PlanningConfig()
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     model: ModelConfig = ModelConfig()
@@ -207,7 +220,7 @@ def _build(cls, raw: dict, prefix: str, where: str):
             raise UserError(f"{where}: unknown key {dotted!r}{hint}")
         v = _coerce(value, hints[key], dotted, where)
         choices = fields[key].metadata.get("choices")
-        if choices and v not in choices:
+        if choices and v is not None and v not in choices:
             raise UserError(f"{where}: {dotted} must be one of {', '.join(choices)}, got {v!r}")
         kwargs[key] = v
     return cls(**kwargs)
@@ -339,6 +352,21 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             f"noise), got {p.noise_multiplier}")
     if t.checkpoint_every < 1:
         bad(f"training.checkpoint_every must be >= 1, got {t.checkpoint_every}")
+    pl = cfg.planning
+    if cfg.plan == "auto":
+        if pl.compute_budget is None:
+            bad("plan: auto needs planning.compute_budget (gradients per step, e.g. 256)")
+        if t.algorithm in ("nonprivate", "fedavg"):
+            bad(f"plan: auto chooses between uls and els; training.algorithm is {t.algorithm} "
+                "(drop plan: auto, or set training.algorithm: uls)")
+        if p.noise_multiplier is not None:
+            bad("plan: auto calibrates sigma to privacy.epsilon; drop privacy.noise_multiplier")
+    if pl.compute_budget is not None and pl.compute_budget < 1:
+        bad(f"planning.compute_budget must be >= 1, got {pl.compute_budget}")
+    if pl.sample_users < 1:
+        bad(f"planning.sample_users must be >= 1, got {pl.sample_users}")
+    if pl.dp_median_epsilon is not None and not pl.dp_median_epsilon > 0:
+        bad(f"planning.dp_median_epsilon must be > 0, got {pl.dp_median_epsilon}")
 
 
 def to_dict(cfg) -> dict:

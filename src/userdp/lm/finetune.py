@@ -413,7 +413,11 @@ def _perplexity_scores(cfg, prep, tok, model, log):
     return np.asarray(scores)[rows], touch
 
 
-def _build_datasets(cfg, prep, tok, log, model=None, notes=None):
+def build_datasets(cfg, prep, tok, log, model=None, notes=None):
+    """(training UserData, held-out UserData) as ``userdp train`` builds them (tokenized, cached).
+
+    ``model`` is needed only for perplexity-based record selection (whose data touch is then
+    noted in ``notes["data_touch"]``)."""
     from userdp.data.tokenize import tokenize_store
     from userdp.lm.userdata import userdata
 
@@ -438,11 +442,76 @@ def _build_datasets(cfg, prep, tok, log, model=None, notes=None):
             userdata(ev, cfg.tokenizer.seq_len, "random"))
 
 
+_build_datasets = build_datasets  # the former private name (userdp.lm.evaluate_job uses it)
+
+
+# ---------------------------------------------------------------------------------- plan: auto
+
+
+def plan_touches(plan: dict) -> list[str]:
+    """The plan's non-private touches of the training data, one line each (for not_accounted)."""
+    e, u, i = plan["els"], plan["uls"], plan["inputs"]
+    gs = sorted(int(g) for g in (plan.get("l_of_g_evaluated") or []))
+    k = i.get("l_of_g_sample_users")
+    median = ("released by an epsilon-DP median (its epsilon is counted above)"
+              if e.get("group_size_method") == "dp_median" else "the exact median, not private")
+    return [
+        f"plan: auto — the per-user record counts of all {i['num_users']} training users were read "
+        f"to choose the ELS group size G = {e['group_size']} as their median ({median})",
+        f"plan: auto — {k} training users were sampled (without noise) to estimate L(G), and the "
+        f"norms of their mean gradients at the pretrained model were computed"
+        + (f" for G in {gs}" if gs else "") + "; these norms chose the cohort and group size "
+        "(not private, not accounted)",
+        plan["data_touches"],
+    ]
+
+
+def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr) -> tuple[C.RunConfig, dict]:
+    """Run ``plan_for_training`` for a ``plan: auto`` config; returns (resolved config, plan dict).
+
+    The resolved config has the chosen ``training.algorithm``, ``group_size`` and ``cohort_size``;
+    the plan dict is ``Plan.to_dict()`` plus the algorithm applied and the overrides."""
+    from userdp import heuristics
+
+    pl, p, t = cfg.planning, cfg.privacy, cfg.training
+    k = min(pl.sample_users, int(train_data.num_users))
+    log(f"plan: auto — estimating L(G) on {k} sampled users and calibrating sigma(M) "
+        f"(compute budget {pl.compute_budget} gradients/step) ...")
+    plan = heuristics.plan_for_training(
+        train_data, model, models.causal_lm_loss, compute_budget=pl.compute_budget,
+        epsilon=p.epsilon, steps=t.steps, delta=p.delta, sample_users=pl.sample_users,
+        dp_median_epsilon=pl.dp_median_epsilon, accountant=p.accountant, seed=pl.seed,
+        chunk_size=t.chunk_size)
+    algo = plan.recommended if pl.algorithm == "recommended" else pl.algorithm
+    over = plan.training_overrides(algo)
+    resolved = dataclasses.replace(cfg, training=dataclasses.replace(
+        t, algorithm=str(over["training.algorithm"]), group_size=int(over["training.group_size"]),
+        cohort_size=float(over["training.cohort_size"])))
+    C.validate(resolved, "plan: auto")
+    out = plan.to_dict()
+    out["applied"] = algo
+    out["choice"] = "recommended" if pl.algorithm == "recommended" else "planning.algorithm"
+    out["overrides"] = over
+    out["dp_median_epsilon_spent"] = float(plan.els.get("dp_median_epsilon") or 0.0)
+    gs = {1, int(plan.uls["group_size"])}
+    for d in plan.uls["estimate_and_double"]["trace"]:
+        gs.update((int(d["group_size"]), 2 * int(d["group_size"])))
+    out["l_of_g_evaluated"] = sorted(gs)  # the G at which the sampled users' gradient norms were read
+    ch = plan.uls if algo == "uls" else plan.els
+    unit = "users" if algo == "uls" else "records"
+    log(f"plan: auto chose {algo.upper()}{' (recommended)' if algo == plan.recommended else ''}: "
+        f"group_size {over['training.group_size']}, cohort_size {over['training.cohort_size']:g} "
+        f"expected {unit}/step, sigma {ch['noise_multiplier']:.3g}; noise std proxy ULS "
+        f"{plan.uls['noise_std_proxy']:.3g} vs ELS {plan.els['noise_std_proxy']:.3g} "
+        f"(B = {pl.compute_budget}; the plan's data touches are listed in the privacy report)")
+    return resolved, out
+
+
 def _sampler_assumed(cfg) -> str:
     return "poisson_examples" if cfg.training.algorithm == "els" else "poisson_users"
 
 
-def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total, seq_len):
+def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total, seq_len, plan=None):
     from userdp import accounting as A
     from userdp.lm.report import privacy_record
 
@@ -464,7 +533,9 @@ def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total,
         dp_event=ev, epsilon_no_amplification=rec.get("epsilon_no_amplification"),
         tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
         selection=t.selection, seq_len=seq_len,
-        not_accounted=[notes["data_touch"]] if notes.get("data_touch") else None,
+        not_accounted=([notes["data_touch"]] if notes.get("data_touch") else [])
+        + (plan_touches(plan) if plan else []) or None,
+        plan=plan,
         extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
                "randomness": rec.get("randomness")})
 
@@ -513,7 +584,27 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
     model.train()
     models.lint_model(model)
-    train_data, eval_data = _build_datasets(cfg, prep, tok, log, model, notes)
+    train_data, eval_data = build_datasets(cfg, prep, tok, log, model, notes)
+    plan = None
+    if cfg.plan == "auto":
+        plan_file = rd.root / "plan.json"
+        if resume_dir is not None and plan_file.is_file():
+            # the saved config.yaml already holds the planned values: do not plan again
+            plan = json.loads(plan_file.read_text())
+            log(f"plan: auto — resuming with the saved plan ({plan.get('applied', '?').upper()}, "
+                f"group_size {cfg.training.group_size}, cohort_size {cfg.training.cohort_size:g})")
+        elif resume_dir is not None:
+            raise UserError(f"--resume {resume_dir}: the config says plan: auto but the run "
+                            "directory has no plan.json (start the run again instead)")
+        else:
+            cfg, plan = plan_auto(cfg, train_data, model, log)
+            write_json_atomic(plan_file, plan)
+            rd.config.write_text(
+                "# plan: auto chose training.algorithm, group_size and cohort_size below "
+                "(see plan.json);\n# `userdp train --resume` keeps them, a new run plans again\n"
+                + C.dump_yaml(cfg))
+            n_units = _num_units(cfg, prep.train_subset)
+            check_budget(cfg, prep.train_subset.num_users, n_units)
     ecfg = engine_config(cfg, n_units)
     models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
 
@@ -593,7 +684,7 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
                                                   epochs=cfg.eval.personalize_epochs)
     write_json_atomic(rd.eval, ev_state)
     priv = _privacy_json(cfg, res.record, res.steps, prep.train_subset.num_records, notes, None,
-                         cfg.tokenizer.seq_len)
+                         cfg.tokenizer.seq_len, plan)
     priv["split"] = prep.split_rule
     priv["data_drops"] = prep.drops
     write_json_atomic(rd.privacy, priv)
@@ -609,6 +700,9 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         "loss_before": (ev_state.get("before") or {}).get("loss"),
         "loss_after": ev_state["after"]["loss"],
         "epsilon": priv["epsilon"], "delta": priv["delta"], "epsilon_target": priv["epsilon_target"],
+        "epsilon_total": priv.get("epsilon_total", priv["epsilon"]),
+        "group_size": cfg.training.group_size, "cohort_size": cfg.training.cohort_size,
+        "plan": (plan or {}).get("applied"),
         "noise_multiplier": priv["noise_multiplier"], "sampling_rate": priv["sampling_rate"],
         "steps": res.steps, "stopped": res.stopped, "train_users": prep.train_subset.num_users,
         "eval_users": prep.eval_subset.num_users, "seconds": round(time.time() - t_start, 1),

@@ -87,8 +87,13 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
                    dp_event: Any = None, epsilon_no_amplification: float | None = None,
                    not_accounted: list[str] | None = None, tokenizer_note: str = "",
                    pretraining_note: str = "", selection: str = "random",
-                   seq_len: int | None = None, extra: dict | None = None) -> dict:
-    """The data behind the privacy statement; saved as ``privacy.json``."""
+                   seq_len: int | None = None, plan: dict | None = None,
+                   extra: dict | None = None) -> dict:
+    """The data behind the privacy statement; saved as ``privacy.json``.
+
+    ``plan`` is the ``plan: auto`` plan (``Plan.to_dict()`` plus what was applied): it is saved
+    under ``plan``; an epsilon-DP median it released is an extra spend, composed basically with
+    the training run's epsilon into ``epsilon_total`` (the tier is that of the total)."""
     private = algorithm != "nonprivate"
     unit = {"els": "user (ELS: at most G records per user; per-record clipping; the user-level "
                    "guarantee comes from the mixture-of-Gaussians accountant)",
@@ -118,6 +123,8 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
     if selection in ("highest_ppl", "lowest_ppl"):
         not_acc.append("perplexity-based record selection used the pretrained model on the private "
                        "records (a non-private data touch)")
+    plan_eps = float((plan or {}).get("dp_median_epsilon_spent") or 0.0)
+    total = (epsilon_spent + plan_eps) if (private and epsilon_spent is not None) else epsilon_spent
     rec = {
         "private": private,
         "setting": SETTING if private else "none (non-private training)",
@@ -156,7 +163,10 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "not_accounted": not_acc,
         "library_versions": library_versions(),
         "dp_event": event_to_json(dp_event) if dp_event is not None else None,
-        "tier": epsilon_tier(epsilon_spent if private else None),
+        "tier": epsilon_tier(total if private else None),
+        "plan": plan,
+        "epsilon_plan": plan_eps if plan is not None else None,
+        "epsilon_total": total,
         "transparency": ("open-source userdp; accounting by Google's dp_accounting; per-unit "
                          "gradients by torch.func (vmap)"),
     }
@@ -199,7 +209,16 @@ def render_markdown(rep: dict) -> str:
     private = rep.get("private", True)
     L.append(f"# Privacy statement — {rep.get('run_dir', '')}")
     L.append("")
-    if private:
+    plan = rep.get("plan")
+    plan_eps = rep.get("epsilon_plan") or 0.0
+    if private and plan_eps:
+        L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
+                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep['delta'])})-differential privacy "
+                 f"under add/remove-one-user adjacency in total: training spent epsilon = "
+                 f"{_fmt(rep['epsilon'])} and the plan's DP median of records per user spent "
+                 f"epsilon = {_fmt(plan_eps)} (basic composition) — {rep['tier']['meaning']}. "
+                 "The plan's other data touches are not accounted (section 3).")
+    elif private:
         L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
                  f"({_fmt(rep['epsilon'])}, {_fmt(rep['delta'])})-differential privacy "
                  f"under add/remove-one-user adjacency — {rep['tier']['meaning']}.")
@@ -229,6 +248,10 @@ def render_markdown(rep: dict) -> str:
     L.append(f"- (c) final model: epsilon = {_fmt(rep['epsilon'])} (target "
              f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
              f"({rep['delta_rule']})")
+    if plan_eps:
+        L.append(f"- (c) extra spend: the plan's epsilon-DP median (ELS group size) spent epsilon = "
+                 f"{_fmt(plan_eps)}; total epsilon = {_fmt(rep.get('epsilon_total'))} (basic "
+                 "composition with the training run)")
     L.append(f"- (c) tuning process: {rep['tuning_guarantee']}")
     L.append("- Not accounted:")
     for n in rep["not_accounted"]:
@@ -243,6 +266,22 @@ def render_markdown(rep: dict) -> str:
                        ("group_size", "group size G"), ("selection", "record selection"),
                        ("num_users", "training users N"), ("num_records", "training records")]:
         L.append(f"| {label} | {_fmt(rep.get(key))} |")
+    if plan:
+        ov = plan.get("overrides") or {}
+        i = plan.get("inputs") or {}
+        L.append("## 4b. Plan (`plan: auto`, SPEC §5)")
+        L.append(f"- applied: {str(plan.get('applied', '')).upper()} ({plan.get('choice', '')}; "
+                 f"recommended {str(plan.get('recommended', '')).upper()}) for a compute budget of "
+                 f"{_fmt(i.get('compute_budget'))} gradients/step: "
+                 + ", ".join(f"{k} = {_fmt(v)}" for k, v in ov.items()))
+        for name in ("uls", "els"):
+            d = plan.get(name) or {}
+            L.append(f"- {name.upper()}: group size {_fmt(d.get('group_size'))}, "
+                     + (f"cohort {_fmt(d.get('cohort_size'))}" if name == "uls"
+                        else f"expected batch {_fmt(d.get('expected_batch_size'))}")
+                     + f", sigma {_fmt(d.get('noise_multiplier'))}, noise std proxy "
+                     f"{_fmt(d.get('noise_std_proxy'))}")
+        L.append("- its non-private data touches are listed under Not accounted (section 3)")
     L.append("## 5. Tier (SPEC §8.2)")
     t = rep["tier"]
     L.append(f"- {t['meaning']}. {t['context']}.")

@@ -1,0 +1,214 @@
+"""`plan: auto` in a training config: validation, the planned run, its resume and its report."""
+
+import json
+import random
+
+import pytest
+import yaml
+
+from userdp.cli import main as cli
+from userdp.errors import UserError
+from userdp.lm import config as C
+
+WORDS = ("the king is dead long live the queen my lord I pray you speak of love and war "
+         "to be or not to be that is the question whether tis nobler in the mind").split()
+BUDGET = 16
+
+
+def _text(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+# ------------------------------------------------------------------ config validation
+
+
+def test_plan_defaults_to_none_and_accepts_auto(tmp_path):
+    assert C.load_config().plan is None
+    assert C.load_config().planning.sample_users == 128
+    f = tmp_path / "c.yaml"
+    f.write_text("plan: auto\nplanning:\n  compute_budget: 64\n  dp_median_epsilon: 0.1\n")
+    cfg = C.load_config(f)
+    assert cfg.plan == "auto" and cfg.planning.compute_budget == 64
+    assert cfg.planning.dp_median_epsilon == 0.1 and cfg.planning.sample_users == 128
+    f.write_text("plan: null\n")
+    assert C.load_config(f).plan is None
+    # --set reaches the new keys too
+    cfg = C.load_config(None, ["plan=auto", "planning.compute_budget=32"])
+    assert cfg.plan == "auto" and cfg.planning.compute_budget == 32
+
+
+def test_plan_auto_without_compute_budget_names_the_key(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("plan: auto\n")
+    with pytest.raises(UserError, match=r"c.yaml.*planning.compute_budget"):
+        C.load_config(f)
+
+
+@pytest.mark.parametrize("text, match", [
+    ("plan: manual\n", "plan must be one of auto"),
+    ("planning:\n  budget: 8\n", "unknown key 'planning.budget'"),
+    ("plan: auto\nplanning:\n  compute_budget: 0\n", "planning.compute_budget must be >= 1"),
+    ("plan: auto\nplanning:\n  compute_budget: 8\n  sample_users: 0\n", "planning.sample_users must be >= 1"),
+    ("planning:\n  dp_median_epsilon: -1\n", "planning.dp_median_epsilon must be > 0"),
+    ("planning:\n  algorithm: fedavg\n", "planning.algorithm must be one of"),
+    ("plan: auto\nplanning:\n  compute_budget: 8\ntraining:\n  algorithm: nonprivate\n", "chooses between uls and els"),
+    ("plan: auto\nplanning:\n  compute_budget: 8\nprivacy:\n  noise_multiplier: 1.0\n", "drop privacy.noise_multiplier"),
+])
+def test_bad_planning_keys_are_refused(tmp_path, text, match):
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(UserError, match=match):
+        C.load_config(f)
+
+
+def test_cli_error_is_one_line(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text("plan: auto\n")
+    assert cli(["train", str(f), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "planning.compute_budget" in err
+
+
+# ------------------------------------------------------------------ end to end (tiny)
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("plan_auto")
+    rng = random.Random(0)
+    data = tmp_path / "users.jsonl"
+    with open(data, "w") as f:
+        for u in range(40):
+            for _ in range(1 + u % 5):
+                f.write(json.dumps({"user": f"u{u}", "text": _text(rng, rng.randint(3, 14))}) + "\n")
+    public = tmp_path / "public.txt"
+    public.write_text("\n\n".join(_text(rng, 20) for _ in range(60)))
+    base = f"""
+data:
+  source: jsonl
+  path: {data}
+  public_path: {public}
+  heldout_users: 0.2
+tokenizer:
+  vocab_size: 300
+  seq_len: 16
+model:
+  preset: tiny
+  pretraining:
+    steps: 6
+    batch_size: 8
+privacy:
+  epsilon: 8.0
+training:
+  algorithm: uls
+  steps: 4
+  cohort_size: 8
+  group_size: 2
+  lr: 0.001
+  checkpoint_every: 1
+  seed: 3
+eval:
+  before: false
+output:
+  plot: false
+plan: auto
+planning:
+  compute_budget: {BUDGET}
+  sample_users: 8
+  seed: 1
+"""
+    return tmp_path, base
+
+
+@pytest.fixture
+def tiny(tiny_files, tmp_path, monkeypatch):
+    shared, base = tiny_files
+    monkeypatch.setenv("USERDP_CACHE", str(shared / "cache"))
+    return tmp_path, base
+
+
+@pytest.mark.slow
+def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_reports(tiny, monkeypatch, capsys):
+    tmp, base = tiny
+    cfg = tmp / "c.yaml"
+    cfg.write_text(base)
+    out = tmp / "run"
+    import userdp.lm.finetune as F
+
+    real = F._save_weights
+
+    def boom(model, rd, step, eps):
+        real(model, rd, step, eps)
+        if step == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(F, "_save_weights", boom)
+    assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    chose = [ln for ln in err.splitlines() if ln.startswith("plan: auto chose")]
+    assert len(chose) == 1, err
+
+    plan = json.loads((out / "plan.json").read_text())
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    algo = plan["applied"]
+    assert algo == plan["recommended"] in ("uls", "els")
+    t = saved["training"]
+    assert t["algorithm"] == algo
+    assert t["group_size"] == plan["overrides"]["training.group_size"]
+    assert t["cohort_size"] == plan["overrides"]["training.cohort_size"]
+    if algo == "uls":
+        assert t["cohort_size"] * t["group_size"] <= BUDGET
+        assert t["group_size"] == plan["uls"]["group_size"]
+    else:  # ELS: the budget counts records per step
+        assert t["cohort_size"] <= BUDGET
+        assert t["group_size"] == plan["els"]["group_size"]
+    assert f"{algo.upper()}" in chose[0] and f"group_size {t['group_size']}" in chose[0]
+
+    # resume: the saved values are used, and the plan is not made again
+    monkeypatch.setattr(F, "_save_weights", real)
+
+    def no_replan(*a, **k):
+        raise AssertionError("resume must not plan again")
+
+    monkeypatch.setattr(F, "plan_auto", no_replan)
+    assert cli(["train", "--resume", str(out), "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["algorithm"] == algo
+    assert summary["group_size"] == t["group_size"] and summary["cohort_size"] == t["cohort_size"]
+
+    priv = json.loads((out / "privacy.json").read_text())
+    assert priv["plan"]["overrides"] == plan["overrides"]
+    assert priv["group_size"] == t["group_size"]
+    assert priv["epsilon_plan"] == 0.0 and priv["epsilon_total"] == priv["epsilon"] <= 8.0
+    touches = " ".join(priv["not_accounted"])
+    assert "per-user record counts" in touches
+    assert "8 training users were sampled" in touches and "gradients at the pretrained model" in touches
+    assert plan["data_touches"] in priv["not_accounted"]
+    assert cli(["report", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "## 4b. Plan" in md and "8 training users were sampled" in md
+    assert "per-user record counts" in md
+
+
+@pytest.mark.slow
+def test_plan_auto_dp_median_is_counted_in_the_total(tiny, capsys):
+    tmp, base = tiny
+    cfg = tmp / "c.yaml"
+    cfg.write_text(base.replace("  seed: 1\n", "  seed: 1\n  dp_median_epsilon: 0.5\n  algorithm: els\n"))
+    out = tmp / "run"
+    assert cli(["train", str(cfg), "--output", str(out), "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["algorithm"] == "els" and summary["plan"] == "els"
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["training"]["algorithm"] == "els"
+    assert saved["training"]["cohort_size"] <= BUDGET
+    priv = json.loads((out / "privacy.json").read_text())
+    assert priv["plan"]["els"]["group_size_method"] == "dp_median"
+    assert priv["epsilon_plan"] == 0.5
+    assert priv["epsilon_total"] == pytest.approx(priv["epsilon"] + 0.5)
+    assert summary["epsilon_total"] == pytest.approx(priv["epsilon"] + 0.5)
+    assert any("epsilon-DP median" in n for n in priv["not_accounted"])
+    assert cli(["report", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert f"({priv['epsilon_total']:.4g}, " in md and "in total" in md
+    assert "extra spend" in md
