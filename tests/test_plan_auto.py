@@ -99,6 +99,7 @@ model:
     batch_size: 8
 privacy:
   epsilon: 8.0
+  accountant: rdp  # calibrates faster than PLD at these settings
 training:
   algorithm: uls
   steps: 4
