@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from userdp.errors import UserError
 from userdp.experiments import mean_estimation as me
 from userdp.experiments import variance as va
 
@@ -89,6 +90,47 @@ def test_noiseless_uls_converges_to_the_average_user_mean():
     target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:])], 0)
     assert loss == pytest.approx(float(np.sum((target - data.mu) ** 2)), rel=1e-4, abs=1e-8)
     assert eps == math.inf
+
+
+def test_tail_averaging_reports_the_mean_of_the_last_iterates():
+    # noiseless full-batch ULS at lr 0.5 from theta = 0: theta_t = target * (1 - 0.5**t) exactly;
+    # average_fraction 0.5 of 4 steps reports (theta_3 + theta_4) / 2
+    from dataclasses import replace
+    from userdp.engine import ULS
+
+    cfg = me.MeanEstimationConfig(dimension=4, num_users=20, records_per_user=5, steps=4,
+                                  compute_budget=100, uls_group_sizes=(5,), average_fraction=0.5)
+    data = me.generate(cfg, np.random.default_rng(3))
+    target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:])], 0)
+    kw = dict(noise_multiplier=0.0, learning_rate=0.5, clip_norm=1e6, seed=0)
+    alg = ULS(group_size=5, sampling_rate=1.0)
+    avg, _ = me.train_once(data, alg, cfg, **kw)
+    theta = target * (1 - (0.5 ** 3 + 0.5 ** 4) / 2)
+    assert avg == pytest.approx(float(np.sum((theta - data.mu) ** 2)), rel=1e-4)
+    final, _ = me.train_once(data, alg, replace(cfg, average_fraction=0.0), **kw)
+    assert final == pytest.approx(float(np.sum((target * (1 - 0.5 ** 4) - data.mu) ** 2)), rel=1e-4)
+    with pytest.raises(UserError):
+        replace(cfg, average_fraction=1.5).validate()
+
+
+def test_sigma_is_calibrated_once_per_setting_and_reused(monkeypatch):
+    from userdp import accounting
+
+    calls = []
+    real = accounting.calibrate_noise_multiplier
+    monkeypatch.setattr(accounting, "calibrate_noise_multiplier",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = me.MeanEstimationConfig(dimension=3, num_users=100, records_per_user=4, steps=5,
+                                  compute_budget=16, uls_group_sizes=(2,), els_group_size=1,
+                                  learning_rates=(1.0,), clip_norms=(1.0, 2.0), trials=1,
+                                  accountant="rdp")
+    rows = me.run_study(cfg, {"within_user_variance": (1.0,)})
+    assert len(rows) == 4  # base (variance 10) + the swept variance, ELS and ULS each
+    # ULS G=2 calibrated once, although it ran 2 clips x 2 variances times
+    # (ELS's sigma goes through userdp.heuristics, which may calibrate in its own way)
+    uls = [r["noise_multiplier"] for r in rows if r["algorithm"] == "ULS"]
+    assert uls[0] == uls[1] > 0
+    assert len(calls) <= 2
 
 
 def test_noiseless_study_gets_close_to_the_population_mean():

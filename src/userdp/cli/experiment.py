@@ -122,7 +122,7 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
         epsilon=args.epsilon, delta=args.delta, steps=args.steps,
         els_group_size=args.els_group_size, uls_group_sizes=args.uls_group_sizes,
         learning_rates=args.learning_rates, clip_norms=args.clip_norms, trials=args.trials,
-        seed=args.seed, accountant=args.accountant)
+        seed=args.seed, accountant=args.accountant, average_fraction=args.average_fraction)
     sweeps = {
         "within_user_variance": args.sweep_within_user_variance,
         "compute_budget": args.sweep_compute_budget,
@@ -183,12 +183,15 @@ def _add_mean_estimation(sub) -> None:
     p.add_argument("--trials", type=int, default=D.trials)
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--average-fraction", type=float, default=D.average_fraction,
+                   help="report the mean of the last fraction of the iterates (tail averaging, "
+                        "post-processing); 0 = the final iterate")
     p.add_argument("--noise-multiplier", type=float, default=None,
                    help="use this sigma instead of calibrating to (epsilon, delta); 0 = non-private "
                         "reference (the rows' epsilon_spent then says inf)")
-    p.add_argument("--sweep-within-user-variance", type=_floats, default=(0.1, 1.0, 10.0))
-    p.add_argument("--sweep-compute-budget", type=_ints, default=(64, 256, 1024))
-    p.add_argument("--sweep-epsilon", type=_floats, default=(0.5, 2.0, 8.0))
+    p.add_argument("--sweep-within-user-variance", type=_floats, default=(1.0, 100.0))
+    p.add_argument("--sweep-compute-budget", type=_ints, default=(64, 1024))
+    p.add_argument("--sweep-epsilon", type=_floats, default=(0.25, 4.0))
     p.add_argument("--no-sweeps", action="store_true", help="run the base setting only")
     p.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
     p.add_argument("--plot", metavar="DIR", help="write one PNG per swept knob into DIR")
