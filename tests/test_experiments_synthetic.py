@@ -183,3 +183,13 @@ def test_cli_variance_bad_option_is_one_line(capsys):
     assert main(["experiment", "variance", "--els-group-size", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--els-group-size" in err[0]
+
+
+def test_quick_settings_are_reduced_and_valid():
+    base = me.MeanEstimationConfig()
+    q, sweeps = me.quick_settings(base, {"epsilon": (0.25, 4.0)})
+    q.validate()
+    runs = lambda c, n: (1 + len(c.uls_group_sizes)) * len(c.learning_rates) * len(c.clip_norms) * c.trials * c.steps * n
+    # at most a fifth of the default run's engine steps (the default sweeps 7 settings)
+    assert runs(q, 1 + sum(len(v) for v in sweeps.values())) <= runs(base, 7) / 5
+    assert list(sweeps) == ["within_user_variance"] and q.num_users <= 1000
