@@ -1,32 +1,18 @@
 """End to end: `userdp train` on tiny data, the run directory, resume, evaluate, report, refusals."""
 
 import json
-import random
 
 import pytest
 
+from _lm_corpus import write_tiny_corpus
 from userdp.cli import main as cli
-
-WORDS = ("the king is dead long live the queen my lord I pray you speak of love and war "
-         "to be or not to be that is the question whether tis nobler in the mind").split()
-
-
-def _text(rng, n):
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
     """Data, public text and config, shared by the module (so is the store/pretraining cache)."""
     tmp_path = tmp_path_factory.mktemp("lm_e2e")
-    rng = random.Random(0)
-    data = tmp_path / "users.jsonl"
-    with open(data, "w") as f:
-        for u in range(40):
-            for _ in range(1 + u % 5):
-                f.write(json.dumps({"user": f"u{u}", "text": _text(rng, rng.randint(3, 14))}) + "\n")
-    public = tmp_path / "public.txt"
-    public.write_text("\n\n".join(_text(rng, 20) for _ in range(60)))
+    data, public = write_tiny_corpus(tmp_path)
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(f"""
 data:

@@ -1,22 +1,16 @@
 """`plan: auto` in a training config: validation, the planned run, its resume and its report."""
 
 import json
-import random
 
 import pytest
 import yaml
 
+from _lm_corpus import write_tiny_corpus
 from userdp.cli import main as cli
 from userdp.errors import UserError
 from userdp.lm import config as C
 
-WORDS = ("the king is dead long live the queen my lord I pray you speak of love and war "
-         "to be or not to be that is the question whether tis nobler in the mind").split()
 BUDGET = 16
-
-
-def _text(rng, n):
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 # ------------------------------------------------------------------ config validation
@@ -75,14 +69,7 @@ def test_cli_error_is_one_line(tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("plan_auto")
-    rng = random.Random(0)
-    data = tmp_path / "users.jsonl"
-    with open(data, "w") as f:
-        for u in range(40):
-            for _ in range(1 + u % 5):
-                f.write(json.dumps({"user": f"u{u}", "text": _text(rng, rng.randint(3, 14))}) + "\n")
-    public = tmp_path / "public.txt"
-    public.write_text("\n\n".join(_text(rng, 20) for _ in range(60)))
+    data, public = write_tiny_corpus(tmp_path)
     base = f"""
 data:
   source: jsonl

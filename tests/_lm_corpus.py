@@ -1,0 +1,24 @@
+"""A tiny user-partitioned corpus and a public text, shared by the end-to-end LM tests."""
+
+import json
+import random
+
+WORDS = ("the king is dead long live the queen my lord I pray you speak of love and war "
+         "to be or not to be that is the question whether tis nobler in the mind").split()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def write_tiny_corpus(folder):
+    """40 users with 1-5 short records each (users.jsonl) and 60 public paragraphs (public.txt)."""
+    rng = random.Random(0)
+    data = folder / "users.jsonl"
+    with open(data, "w") as f:
+        for u in range(40):
+            for _ in range(1 + u % 5):
+                f.write(json.dumps({"user": f"u{u}", "text": words(rng, rng.randint(3, 14))}) + "\n")
+    public = folder / "public.txt"
+    public.write_text("\n\n".join(words(rng, 20) for _ in range(60)))
+    return data, public
