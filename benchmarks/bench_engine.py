@@ -87,14 +87,19 @@ def mlp_setup(num_users, recs_per_user):
 
 
 # ------------------------------------------------------------------ timed steps
+def _random_batch(data, sizes, B, rng):
+    """B records drawn uniformly over users, then within the user (the baselines' batches)."""
+    users = rng.integers(0, data.num_users, B)
+    recs = (rng.random(B) * sizes[users]).astype(np.int64)
+    return data.gather(users, recs)
+
+
 def nonprivate_step(model, data, loss_fn, B, rng):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     sizes = data.sizes()
 
     def step():
-        users = rng.integers(0, data.num_users, B)
-        recs = (rng.random(B) * sizes[users]).astype(np.int64)
-        batch = data.gather(users, recs)
+        batch = _random_batch(data, sizes, B, rng)
         opt.zero_grad()
         loss_fn(model, batch).mean().backward()
         opt.step()
@@ -123,9 +128,7 @@ def opacus_step(model, data, loss_fn, B, rng):
     sizes = data.sizes()
 
     def step():
-        users = rng.integers(0, data.num_users, B)
-        recs = (rng.random(B) * sizes[users]).astype(np.int64)
-        batch = data.gather(users, recs)
+        batch = _random_batch(data, sizes, B, rng)
         opt.zero_grad()
         loss_fn(gsm, batch).mean().backward()
         opt.step()

@@ -118,7 +118,7 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
     if not (0 < delta < 1):
         raise UserError(f"delta must be in (0, 1) (got {delta})")
     log_target = math.log(delta)
-    orders, rdp = accounting._rdp(example_event)
+    orders, rdp = np.asarray(accounting.rdp_orders(), dtype=float), accounting.step_rdp(example_event)
     # The smallest useful ε_ex is ε_ex at δ_ex = target (δ_ex must be below the target).
     pld = None
     try:
