@@ -59,6 +59,7 @@ __all__ = [
     "adjacency",
     "event_to_dict",
     "event_to_json",
+    "event_from_dict",
     "moments_accountant_epsilon",
     "rdp_orders",
     "step_rdp",
@@ -220,6 +221,36 @@ def event_to_dict(event: dpe.DpEvent) -> dict[str, Any]:
     return convert(event.to_named_tuple())
 
 
+def event_from_dict(obj: Any) -> dpe.DpEvent:
+    """Inverse of :func:`event_to_dict`: rebuild a DpEvent from its JSON form.
+
+    Only classes of ``dp_accounting.dp_event`` are built (a saved file cannot name other code).
+
+    Raises:
+        UserError: the object is not a DpEvent's JSON form.
+    """
+
+    def build(value: Any) -> Any:
+        if isinstance(value, dict) and "class_name" in value:
+            name = value["class_name"]
+            cls = getattr(dpe, str(name), None)
+            if not (isinstance(cls, type) and issubclass(cls, dpe.DpEvent)):
+                raise UserError(f"not a dp_accounting event class: {name!r}")
+            kwargs = {k: build(v) for k, v in value.items() if k not in ("class_name", "module_name")}
+            try:
+                return cls(**kwargs)
+            except (TypeError, ValueError) as exc:
+                raise UserError(f"malformed {name}: {exc}") from None
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        return value
+
+    event = build(obj)
+    if not isinstance(event, dpe.DpEvent):
+        raise UserError("not the JSON form of a DpEvent (no class_name)")
+    return event
+
+
 def event_to_json(event: dpe.DpEvent) -> str:
     return json.dumps(event_to_dict(event), sort_keys=True)
 
@@ -235,6 +266,32 @@ def _mog_log_ratio(x: np.ndarray, sigma: float, sens: np.ndarray, log_w: np.ndar
     return logsumexp(z, axis=1)
 
 
+def _mixture_log_weights(sensitivities: Sequence[float], probs: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(sensitivities, log weights) of a mixture, exact in log space for ELS's Binomial(G, p).
+
+    The event stores the pmf as floats, so a weight below ~1e-308 is 0 there, yet at large
+    orders exactly those components (K near G) dominate the RDP: dropping them under-reported
+    RDP by orders of magnitude (G = 256, p = 5e-4, sigma = 8: 6.5e-4 instead of 127.8 at order
+    5). A mixture over 0..G whose weights are a Binomial(G, p) pmf (checked to 1e-9 wherever the
+    stored weight is a normal float) gets its log weights from ``binom.logpmf``; any other
+    mixture keeps its positive weights.
+    """
+    sens = np.asarray(sensitivities, dtype=float)
+    w = np.asarray(probs, dtype=float)
+    g = len(sens) - 1
+    if g >= 1 and np.array_equal(sens, np.arange(g + 1)) and w[0] > 0 and w[1] > 0:
+        r = w[1] / w[0]  # = G p / (1 - p)
+        p = r / (g + r)
+        if 0.0 < p < 1.0:
+            logw = stats.binom.logpmf(np.arange(g + 1), g, p)
+            normal = w > 1e-300
+            if np.allclose(np.exp(logw[normal]), w[normal], rtol=1e-9, atol=0.0):
+                return sens, logw - logsumexp(logw)
+    keep = w > 0
+    sens, w = sens[keep], w[keep]
+    return sens, np.log(w / w.sum())
+
+
 def mog_rdp(sigma: float, sensitivities: Sequence[float], probs: Sequence[float],
             orders: Sequence[float] = RDP_ORDERS, *, max_points: int = 2_000_000) -> np.ndarray:
     """RDP of one Mixture-of-Gaussians step: max(D_α(P‖Q), D_α(Q‖P)) per order, by quadrature.
@@ -246,11 +303,7 @@ def mog_rdp(sigma: float, sensitivities: Sequence[float], probs: Sequence[float]
     (the e^{αL} integrand peaks near α·s_max). Orders the grid cannot cover within
     ``max_points`` get RDP = ∞, which only loosens (never breaks) the bound.
     """
-    sens = np.asarray(sensitivities, dtype=float)
-    w = np.asarray(probs, dtype=float)
-    keep = w > 0
-    sens, w = sens[keep], w[keep]
-    log_w = np.log(w / w.sum())
+    sens, log_w = _mixture_log_weights(sensitivities, probs)
     smax = float(max(sens.max(), 0.0))
     orders = np.asarray(orders, dtype=float)
     h = sigma / 4.0

@@ -35,8 +35,12 @@ def project(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
 
 
 def per_tensor_norms(updates: Sequence[torch.Tensor]) -> torch.Tensor:
-    """[m, L]: the L2 norm of each unit's slice of each tensor."""
-    return torch.stack([torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1) for u in updates], dim=1)
+    """[m, L]: the L2 norm of each unit's slice of each tensor, computed in float32 (float64 for a
+    float64 model) whatever the updates' dtype: a bf16 norm can be off by ~0.4%, enough to let a
+    unit past its clip bound."""
+    wide = any(u.dtype == torch.float64 for u in updates)
+    dt = torch.float64 if wide else torch.float32
+    return torch.stack([torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1, dtype=dt) for u in updates], dim=1)
 
 
 def _factor(norms: torch.Tensor, bound) -> torch.Tensor:

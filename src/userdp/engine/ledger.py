@@ -13,25 +13,182 @@ uses the effective multiplier), so the ledger holds that event and a count:
 * A journal (``ledger_journal.jsonl``, one fsynced line per recorded step) survives crashes:
   on resume, steps begun after the last checkpoint are counted as spent unless the run is
   seeded (then the resumed run replays them bit for bit, the same release, counted once).
+
+The journal is a hash chain. Its first line (the header) names the run (a random nonce), the
+step event and a context the caller supplies (e.g. the config's and the data's fingerprints);
+line i holds ``{"spent": k, "hash": sha256(hash_{i-1} ":" k)}``. A checkpoint stores how many
+lines the journal had and the hash of the last one, so on resume a journal that is missing,
+truncated below the checkpoint, edited, from another run or from another config is refused
+with one line naming the file — it is never read as "fewer steps". The only defect repaired
+is a torn final line (a crash while writing it: that step had not begun, since a step runs
+only after its line is fsynced).
+
+This protects against accidental damage and naive edits. Someone with write access to the
+run directory who recomputes the chain can forge it; the threat model (docs/threat_model.md)
+says so.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import secrets
 from typing import Optional
 
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
 from userdp import accounting
-from userdp.errors import BudgetExceededError
+from userdp.errors import BudgetExceededError, UserError
 
 JOURNAL = "ledger_journal.jsonl"
+_MAGIC = "userdp-ledger-journal"
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _header_hash(header: dict) -> str:
+    body = {k: v for k, v in header.items() if k != "hash"}
+    return _sha(json.dumps(body, sort_keys=True))
+
+
+def _line_hash(prev: str, spent: int) -> str:
+    return _sha(f"{prev}:{int(spent)}")
+
+
+class Journal:
+    """The append-only, hash-chained record of steps begun (see the module docstring).
+
+    Args:
+        path: the journal file.
+        event_json: the step event as JSON (or ``"non-private"``).
+        context: caller-defined facts the journal is bound to (JSON-serialisable); a resume
+            whose context differs is refused.
+    """
+
+    def __init__(self, path: str, event_json: str, context: Optional[dict] = None):
+        self.path = path
+        self.event_json = event_json
+        self.context = context or {}
+        self.run: Optional[str] = None
+        self.lines = 0  # lines after the header
+        self.head: Optional[str] = None
+        self.max_spent = 0
+        self._hashes: dict[int, str] = {}  # line number -> hash
+
+    # ---------------------------------------------------------------- creating / reading
+    def create(self) -> None:
+        header = {"journal": _MAGIC, "version": 2, "run": secrets.token_hex(16),
+                  "event": self.event_json, "context": self.context}
+        header["hash"] = _header_hash(header)
+        with open(self.path, "x") as f:
+            f.write(json.dumps(header, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(os.path.dirname(self.path) or ".")
+        self.run, self.head, self.lines, self.max_spent = header["run"], header["hash"], 0, 0
+        self._hashes = {0: self.head}
+
+    def _bad(self, why: str) -> UserError:
+        return UserError(f"{self.path}: {why}; the ledger cannot be trusted, so the run cannot be "
+                         "resumed (restore the run directory from a backup, or start a new run)")
+
+    def load(self) -> None:
+        """Read and verify the whole chain; repair only a torn final line."""
+        if not os.path.isfile(self.path):
+            raise self._bad("the ledger journal is missing")
+        with open(self.path, "rb") as f:
+            raw = f.read()
+        cut = raw.rfind(b"\n") + 1
+        if cut < len(raw):  # a torn final line: the step it would record never began
+            with open(self.path, "r+b") as f:
+                f.truncate(cut)
+                f.flush()
+                os.fsync(f.fileno())
+            raw = raw[:cut]
+        try:
+            rows = [json.loads(x) for x in raw.decode("utf-8").splitlines()]
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise self._bad(f"unreadable line ({exc})") from None
+        if not rows or not isinstance(rows[0], dict) or rows[0].get("journal") != _MAGIC:
+            raise self._bad("no journal header (the file was replaced or truncated)")
+        header = rows[0]
+        if header.get("hash") != _header_hash(header):
+            raise self._bad("the header was edited (hash mismatch)")
+        if header.get("event") != self.event_json:
+            raise self._bad("it records a different step event than this configuration "
+                            f"({header.get('event')} != {self.event_json})")
+        if header.get("context") != self.context:
+            diff = sorted(k for k in set(header.get("context") or {}) | set(self.context)
+                          if (header.get("context") or {}).get(k) != self.context.get(k))
+            raise self._bad(f"it was written for a different {', '.join(diff) or 'context'} "
+                            "(the configuration or the data changed since the run began)")
+        prev, best, hashes = header["hash"], 0, {0: header["hash"]}
+        for i, row in enumerate(rows[1:], 1):
+            try:
+                k, h = int(row["spent"]), str(row["hash"])
+            except (KeyError, TypeError, ValueError):
+                raise self._bad(f"line {i + 1} is not a ledger entry") from None
+            if h != _line_hash(prev, k):
+                raise self._bad(f"line {i + 1} breaks the hash chain (edited, reordered or spliced)")
+            prev, best, hashes[i] = h, max(best, k), h
+        self.run, self.head, self.lines, self.max_spent, self._hashes = (
+            header["run"], prev, len(rows) - 1, best, hashes)
+
+    def verify_checkpoint(self, run: Optional[str], lines: Optional[int], head: Optional[str]) -> None:
+        """The checkpoint saw ``lines`` lines ending in ``head``: the journal must still hold them."""
+        if run is None:
+            raise self._bad("the checkpoint carries no journal reference (written by an older userdp)")
+        if run != self.run:
+            raise self._bad("it belongs to another run than the checkpoint")
+        if lines > self.lines:
+            raise self._bad(f"it holds {self.lines} steps but the checkpoint saw {lines}: it was truncated")
+        if self._hashes.get(lines) != head:
+            raise self._bad(f"line {lines + 1} differs from what the checkpoint saw")
+
+    def append(self, spent: int) -> None:
+        h = _line_hash(self.head, spent)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"spent": int(spent), "hash": h}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.lines += 1
+        self.head = h
+        self._hashes[self.lines] = h
+        self.max_spent = max(self.max_spent, int(spent))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class PrivacyLedger:
+    """Counts the steps begun, enforces the budget and gives epsilon (see the module docstring).
+
+    Args:
+        step_event: one step's DpEvent (None for a non-private run).
+        delta: the delta of the guarantee.
+        target_epsilon: the budget (None: no budget).
+        accountant: a registered accountant name ("pld" or "rdp").
+        safe_steps: a step count already known to fit the budget (from calibration).
+        journal_dir: where ``ledger_journal.jsonl`` lives (None: no journal, nothing survives).
+        journal_context: facts the journal is bound to (see :class:`Journal`).
+    """
+
     def __init__(self, step_event, delta: float, *, target_epsilon: Optional[float] = None,
                  accountant: str = "pld", safe_steps: Optional[int] = None,
-                 journal_dir: Optional[str] = None, grid_ratio: float = 1.5):
+                 journal_dir: Optional[str] = None, grid_ratio: float = 1.5,
+                 journal_context: Optional[dict] = None):
         self.step_event = step_event
         self.delta = float(delta)
         self.target_epsilon = target_epsilon
@@ -43,8 +200,37 @@ class PrivacyLedger:
         self._grid_ratio = grid_ratio
         self._grid: dict[int, float] = {}
         self._rdp1 = None
-        self._journal = os.path.join(journal_dir, JOURNAL) if journal_dir else None
         self.private = step_event is not None
+        self.journal = (Journal(os.path.join(journal_dir, JOURNAL), self.event_json(), journal_context)
+                        if journal_dir else None)
+
+    def event_json(self) -> str:
+        return accounting.event_to_json(self.step_event) if self.private else "non-private"
+
+    # ---------------------------------------------------------------- journal lifecycle
+    def start_journal(self) -> None:
+        """A new run: create the journal (refused if one exists: that run must be resumed)."""
+        if self.journal is None:
+            return
+        if os.path.exists(self.journal.path):
+            raise UserError(f"{self.journal.path} already exists: resume that run, or use an empty directory")
+        self.journal.create()
+
+    def resume_without_checkpoint(self, *, replayable: bool) -> None:
+        """A run that crashed before its first checkpoint: the steps it began are spent (an
+        unseeded run's lost steps cannot be replayed), a seeded run replays them."""
+        if self.journal is None:
+            raise UserError("resuming needs the run's ledger journal (no checkpoint directory given)")
+        self.journal.load()
+        if not replayable:
+            self.spent = self.lost_steps = self.journal.max_spent
+
+    def total_event(self):
+        """The DpEvent of everything the ledger counted (None before the first step or for a
+        non-private run): recomputing epsilon from it gives :meth:`epsilon`."""
+        if not self.private or self.spent == 0:
+            return None
+        return accounting.compose(self.step_event, self.spent)
 
     # ---------------------------------------------------------------- budget
     def max_steps(self) -> Optional[int]:
@@ -70,12 +256,9 @@ class PrivacyLedger:
                 f"step {self.spent + 1} would exceed the privacy budget epsilon={self.target_epsilon:g} "
                 f"at delta={self.delta:g} ({self.max_steps()} steps fit)"
             )
+        if self.journal is not None:
+            self.journal.append(self.spent + 1)  # fsynced before the step can run
         self.spent += 1
-        if self._journal:
-            with open(self._journal, "a") as f:
-                f.write(json.dumps({"spent": self.spent}) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
         return self.spent
 
     # ---------------------------------------------------------------- epsilon
@@ -109,45 +292,41 @@ class PrivacyLedger:
         if self.accountant == "rdp":
             # RDP composes additively: one step's RDP vector, computed once, scaled by t
             if self._rdp1 is None:
-                try:
-                    self._rdp1 = (accounting.rdp_orders(), accounting.step_rdp(self.step_event))
-                except AttributeError:  # accounting changed: fall back to the public path
-                    self._rdp1 = False
-            if self._rdp1 is not False:
-                from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
-                orders, rdp = self._rdp1
-                return float(rdp_lib.compute_epsilon(orders, t * rdp, self.delta)[0])
-            return accounting.epsilon(accounting.compose(self.step_event, t), self.delta, "rdp")
+                self._rdp1 = (accounting.rdp_orders(), accounting.step_rdp(self.step_event))
+            orders, rdp = self._rdp1
+            return float(rdp_lib.compute_epsilon(orders, t * rdp, self.delta)[0])
         return accounting.epsilon(accounting.compose(self.step_event, t), self.delta, "pld",
                                   value_discretization_interval=1e-3)
 
     # ---------------------------------------------------------------- persistence
     def state_dict(self) -> dict:
-        return {"spent": self.spent, "lost_steps": self.lost_steps,
-                "step_event": accounting.event_to_json(self.step_event) if self.private else "non-private",
-                "delta": self.delta, "target_epsilon": self.target_epsilon, "accountant": self.accountant}
+        j = self.journal
+        return {"spent": self.spent, "lost_steps": self.lost_steps, "step_event": self.event_json(),
+                "delta": self.delta, "target_epsilon": self.target_epsilon, "accountant": self.accountant,
+                "journal_run": j.run if j else None, "journal_lines": j.lines if j else None,
+                "journal_head": j.head if j else None}
 
     def load_state_dict(self, state: dict, *, replayable: bool) -> None:
-        mine = accounting.event_to_json(self.step_event) if self.private else "non-private"
+        """Restore from a checkpoint; the journal must still hold what the checkpoint saw, and the
+        steps begun after it are counted as spent (unless ``replayable``: a seeded run replays)."""
+        mine = self.event_json()
         if state["step_event"] != mine:
-            from userdp.errors import UserError
             raise UserError("cannot resume: the checkpoint's step event differs from this config's "
                             f"({state['step_event']} != {mine})")
         self.spent = int(state["spent"])
         self.lost_steps = int(state["lost_steps"])
-        journal_max = self.journal_max()
-        if journal_max > self.spent and not replayable:
-            self.lost_steps += journal_max - self.spent
-            self.spent = journal_max
+        if self.journal is None:
+            return
+        self.journal.load()
+        self.journal.verify_checkpoint(state.get("journal_run"), state.get("journal_lines"),
+                                       state.get("journal_head"))
+        if self.journal.max_spent > self.spent and not replayable:
+            self.lost_steps += self.journal.max_spent - self.spent
+            self.spent = self.journal.max_spent
 
     def journal_max(self) -> int:
-        if not self._journal or not os.path.exists(self._journal):
+        """Most steps the journal says were begun (0 without a journal)."""
+        if self.journal is None or not os.path.exists(self.journal.path):
             return 0
-        best = 0
-        with open(self._journal) as f:
-            for line in f:
-                try:
-                    best = max(best, int(json.loads(line)["spent"]))
-                except (ValueError, KeyError):  # a torn last line from a crash mid-write
-                    continue
-        return best
+        self.journal.load()
+        return self.journal.max_spent

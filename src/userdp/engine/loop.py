@@ -7,9 +7,9 @@ optimizer. ELS, ULS and FedAvg differ only in their :mod:`~userdp.engine.algorit
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
-import secrets
 import signal
 import threading
 import time
@@ -29,7 +29,7 @@ from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.data import UserData
 from userdp.engine.distributed import LocalCombiner
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
-from userdp.engine.noise import gaussian_like, gaussian_scalar
+from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, os_entropy
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PerUnit, fedavg_epoch_batches
 from userdp.engine.sampling import bucket_size, get_sampler
@@ -111,26 +111,45 @@ def _cfg_dict(obj) -> Any:
     return obj
 
 
+_POOL = ENTROPY_BITS // 32
+
+
 def _seeds(seed: Optional[int], combiner):
-    """(sampling rng, data rng, noise seed, torch seed). Unseeded: os entropy, drawn on the main
-    rank and shared, so that every rank samples the same cohort."""
+    """(sampling rng, data rng, noise source or None, torch seed or None).
+
+    Unseeded: 256 bits of OS entropy drawn on the main rank and broadcast, so that every rank
+    samples the same cohort (the sampling must stay secret: a predictable cohort loses the
+    amplification the accountant assumes); the noise source is keyed by a separate 256 bits of
+    OS entropy on the main rank only (the noise is drawn there, once per step). Seeded: all of
+    them derive from the seed, reproducibly.
+    """
     if seed is None:
-        entropy = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        words = torch.tensor(np.frombuffer(os.urandom(ENTROPY_BITS // 8), dtype=np.int64).copy())
         if combiner.world_size > 1:
-            entropy = combiner.broadcast_from_main([entropy])[0]
-        seed_material = int(entropy.item())
+            words = combiner.broadcast_from_main([words])[0]
+        material = int.from_bytes(words.numpy().tobytes(), "little")
+        noise = GaussianNoise.from_os_entropy() if combiner.rank == 0 else None
+        torch_seed = None
     else:
-        seed_material = int(seed)
-    a, b, c, d = np.random.SeedSequence(seed_material).spawn(4)
-    data_rng = np.random.default_rng(np.random.SeedSequence([seed_material, 1 + combiner.rank]))
-    return (np.random.default_rng(a), data_rng, int(c.generate_state(1, np.uint64)[0] >> 1),
-            int(d.generate_state(1, np.uint64)[0] >> 1))
+        material = int(seed)
+    root = np.random.SeedSequence(material, pool_size=_POOL)
+    a, _b, c, d = root.spawn(4)
+    if seed is not None:
+        noise = GaussianNoise(int.from_bytes(c.generate_state(8, np.uint32).tobytes(), "little"), seeded=True)
+        torch_seed = int(d.generate_state(1, np.uint64)[0] >> 1)
+    data_rng = np.random.default_rng(np.random.SeedSequence(material, spawn_key=(1 + combiner.rank,), pool_size=_POOL))
+    return np.random.default_rng(a), data_rng, noise, torch_seed
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Norms, clipped sums, the denominator and the noise: float32, or float64 for a float64 model."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class _Run:
     """State of one training run (kept small: everything here is saved in a checkpoint)."""
 
-    def __init__(self, model, data, loss_fn, cfg: TrainConfig, checkpoint_dir, combiner):
+    def __init__(self, model, data, loss_fn, cfg: TrainConfig, checkpoint_dir, combiner, journal_context=None):
         if not isinstance(data, UserData):
             raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
         self.model, self.data, self.cfg = model, data, cfg
@@ -139,12 +158,21 @@ class _Run:
         self.per_unit = PerUnit(model, loss_fn, self.algo)
         self.params = self.per_unit.params
         self.device = self.params[0].device
+        # Low-precision models train on float32 master weights: the released update (noised sum
+        # / denominator) is float32, the optimizer steps the masters, the model gets a rounded copy
+        # (post-processing). Norms, sums and noise are float32 whatever the model's dtype.
+        if any(p.dtype in (torch.float16, torch.bfloat16) for p in self.params):
+            self.master = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+        else:
+            self.master = self.params
+        self.precision = {"model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
+                          "master_weights": "float32" if self.master is not self.params else "the model's own",
+                          "norms_sums_noise": sorted({str(_accumulation_dtype(p.dtype)).replace("torch.", "")
+                                                      for p in self.params})}
         self.dir = checkpoint_dir
         self.seeded = cfg.seed is not None
-        # two generators: the cohort (identical on every rank) and data loading (per rank)
-        self.rng, self.data_rng, noise_seed, torch_seed = _seeds(cfg.seed, self.combiner)
-        self.gen = torch.Generator(device=self.device)
-        self.gen.manual_seed(noise_seed)
+        # generators: the cohort (identical on every rank), data loading (per rank), the noise
+        self.rng, self.data_rng, self.noise, torch_seed = _seeds(cfg.seed, self.combiner)
         if self.seeded:
             torch.manual_seed(torch_seed)  # dropout etc. inside the model
         self.table: UnitTable = self.algo.units(data, self.rng)
@@ -163,15 +191,24 @@ class _Run:
         self.expected_weight = self.expected_units * tw / self.n_units
         self.delta, self.delta_rule = (cfg.delta, "given") if cfg.delta is not None else accounting.default_delta(data.num_users)
         self._calibrate()
+        context = {"engine_config_sha256": hashlib.sha256(repr(cfg).encode()).hexdigest()}
+        context.update(journal_context or {})
         self.ledger = PrivacyLedger(self.step_event, self.delta, target_epsilon=cfg.target_epsilon,
-                                    accountant=cfg.accountant, safe_steps=self.safe_steps, journal_dir=self.dir)
+                                    accountant=cfg.accountant, safe_steps=self.safe_steps, journal_dir=self.dir,
+                                    journal_context=context)
         self.clip_state = cfg.clipping.initial_state()
-        self.optimizer = cfg.optimizer.build(self.params)
+        self.optimizer = cfg.optimizer.build(self.master)
         self.step = 0
+        self.nonfinite_units = 0  # units whose update was Inf/NaN (zeroed); NOT a private statistic
         self.history: list[dict] = []
 
     # ------------------------------------------------------------------ privacy setup
     def _event(self, sigma):
+        """The DpEvent of one step. Shuffled fixed batches have no proven amplification, so they
+        are accounted (and calibrated, and budgeted) as the Gaussian mechanism with the user's
+        whole sensitivity; the Poisson-assumed figure is only a labelled comparison."""
+        if self.cfg.sampling == "shuffle":
+            return accounting.no_amplification_step_event(sigma, self.algo.group_sensitivity)
         return self.algo.step_event(sigma, self.cfg.sampling, self.table, self.data.num_users)
 
     def _calibrate(self):
@@ -221,8 +258,9 @@ class _Run:
     def clipped_sum(self, ids: np.ndarray):
         """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise."""
         cfg, algo = self.cfg, self.algo
-        sums = [torch.zeros_like(p) for p in self.params]
-        stats = torch.zeros(5, dtype=torch.float64)  # units, centered count, loss, clipped, weight
+        sums = [torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype)) for p in self.params]
+        # units, centered count, loss, clipped, weight, non-finite units
+        stats = torch.zeros(6, dtype=torch.float64)
         c_now = float(self.clip_state["clip_norm"])
         for s in range(0, len(ids), cfg.chunk_size):
             cid = ids[s : s + cfg.chunk_size]
@@ -239,19 +277,23 @@ class _Run:
             batch, mask = self._pad(batch, mask, b)
             batch = {n: v.to(self.device) for n, v in batch.items()}
             mask = mask.to(self.device, dtype=self.params[0].dtype)
-            valid = torch.zeros(b, dtype=self.params[0].dtype, device=self.device)
+            acc = sums[0].dtype
+            valid = torch.zeros(b, dtype=acc, device=self.device)
             valid[:k] = 1.0
             w = valid.clone()
             if self.table.weights is not None:
                 w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
             updates, losses = self.per_unit(batch, mask, reproject=self._reproject_bounds())
+            updates, bad = _zero_nonfinite(updates)
             f, norms = cfg.clipping.factors(updates, self.clip_state)
-            f = f * w.unsqueeze(1)
+            f = f.to(acc) * w.unsqueeze(1)
             for j, u in enumerate(updates):
-                sums[j] += torch.tensordot(f[:, j], u, dims=1)
-            unclipped = (norms <= c_now).to(valid.dtype)
-            stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses.detach() * valid).sum(),
-                                  ((1 - unclipped) * valid).sum(), w.sum()]).double().cpu()
+                sums[j] += torch.tensordot(f[:, j], u.to(acc), dims=1)
+            unclipped = (norms <= c_now).to(acc)
+            losses = torch.where(torch.isfinite(losses), losses.detach(), 0.0).to(acc)
+            stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
+                                  ((1 - unclipped) * valid).sum(), w.sum(),
+                                  (bad.to(acc) * valid).sum()]).double().cpu()
         return sums, stats
 
     def run_step(self):
@@ -264,22 +306,32 @@ class _Run:
         # ---- the only cross-process combination: the clipped sum and its statistics
         combined = self.combiner.all_reduce_sum(sums + [stats.to(self.device)])
         sums, stats = combined[:-1], combined[-1].double().cpu()
-        n_units, centered, loss_sum, n_clipped, weight = stats.tolist()
-        # ---- noise on the sum, drawn once per step for the whole sum (on the main rank)
+        n_units, centered, loss_sum, n_clipped, weight, n_bad = stats.tolist()
+        self.nonfinite_units += int(n_bad)
+        # ---- noise on the sum, drawn once per step for the whole sum (on the main rank), float32+
         std_sum = self.update_z * self._sensitivity()
         den, est_std = cfg.denominator.scales(self.expected_weight, weight, std_sum)
-        noise = gaussian_like(sums, est_std, self.gen) if std_sum > 0 else [torch.zeros_like(s) for s in sums]
-        count_noise = torch.tensor([gaussian_scalar(self.count_stddev, self.gen) if self.count_stddev else 0.0],
-                                   dtype=sums[0].dtype, device=self.device)
+        if self.noise is not None and std_sum > 0:
+            noise = self.noise.like(sums, est_std)
+        else:
+            noise = [torch.zeros_like(s) for s in sums]
+        cn = self.noise.scalar(self.count_stddev) if (self.noise is not None and self.count_stddev) else 0.0
+        count_noise = torch.tensor([cn], dtype=torch.float64 if sums[0].dtype == torch.float64 else torch.float32,
+                                   device=self.device)
         bc = self.combiner.broadcast_from_main(noise + [count_noise])
         noise, count_noise = bc[:-1], float(bc[-1])
-        # ---- divide by the public constant, hand to the optimizer
+        # ---- divide by the public constant (in float32+), hand to the optimizer
         self.optimizer.zero_grad(set_to_none=True)
-        for p, s, z in zip(self.params, sums, noise):
-            p.grad = (s / den + z).to(p.dtype)
+        for m, s, z in zip(self.master, sums, noise):
+            m.grad = (s / den + z).to(m.dtype)
         self.optimizer.step()
+        if self.master is not self.params:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
         self.step += 1
         metrics = {"step": self.step, "loss": loss_sum / max(n_units, 1.0), "units": int(n_units),
+                   "nonfinite_units": int(n_bad),
                    "fraction_clipped": n_clipped / max(n_units, 1.0),
                    "clip_norm": float(self.clip_state["clip_norm"])}
         if isinstance(cfg.clipping, AdaptiveClip):
@@ -296,25 +348,27 @@ class _Run:
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict:
         st = {"step": self.step, "ledger": self.ledger.state_dict(),
-              "params": [p.detach().cpu() for p in self.params], "param_names": self.per_unit.names,
+              "params": [p.detach().cpu() for p in self.master], "param_names": self.per_unit.names,
               "buffers": {n: b.detach().cpu() for n, b in self.model.named_buffers()},
               "optimizer": self.optimizer.state_dict(), "clip_state": dict(self.clip_state),
               "table_users": torch.from_numpy(self.table.users),
               "table_records": torch.from_numpy(self.table.records) if self.table.records is not None else None,
-              "seeded": self.seeded, "config": repr(self.cfg), "history": self.history}
+              "seeded": self.seeded, "config": repr(self.cfg), "history": self.history,
+              "nonfinite_units": self.nonfinite_units}
         if self.seeded:  # unseeded random states are secret: never written
             st["numpy_rng"] = self.rng.bit_generator.state
             st["data_rng"] = self.data_rng.bit_generator.state
-            st["noise_rng"] = self.gen.get_state()
+            st["noise_rng"] = self.noise.state_dict() if self.noise is not None else None
             st["torch_rng"] = torch.get_rng_state()
             perm = self.sampler_state.get("perm")
             st["sampler"] = {"epoch": self.sampler_state.get("epoch"),
                              "perm": torch.from_numpy(perm) if perm is not None else None}
         return st
 
-    def save(self):
+    def save(self, extra=None):
+        """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit)."""
         if self.dir:
-            ckpt.save(self.dir, self.state())
+            ckpt.save(self.dir, self.state(), extra(self) if extra is not None else None)
 
     def restore(self, st: dict):
         if st["config"] != repr(self.cfg):
@@ -322,8 +376,10 @@ class _Run:
         if st["param_names"] != self.per_unit.names:
             raise UserError(f"cannot resume from {ckpt.path(self.dir)}: the model's trainable parameters differ")
         with torch.no_grad():
-            for p, v in zip(self.params, st["params"]):
-                p.copy_(v.to(p.device))
+            for p, m, v in zip(self.params, self.master, st["params"]):
+                m.copy_(v.to(m.device))
+                if m is not p:
+                    p.copy_(m)
             bufs = dict(self.model.named_buffers())
             for n, v in st["buffers"].items():
                 bufs[n].copy_(v.to(bufs[n].device))
@@ -334,10 +390,12 @@ class _Run:
         self.table = UnitTable(users, recs, self.table.weights)
         self.step = int(st["step"])
         self.history = list(st["history"])
+        self.nonfinite_units = int(st.get("nonfinite_units", 0))
         if st["seeded"]:
             self.rng.bit_generator.state = st["numpy_rng"]
             self.data_rng.bit_generator.state = st["data_rng"]
-            self.gen.set_state(st["noise_rng"])
+            if self.noise is not None and st.get("noise_rng") is not None:
+                self.noise.load_state_dict(st["noise_rng"])
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
             if s["epoch"] is not None:
@@ -362,25 +420,69 @@ class _Run:
             "calibrated": cfg.noise_multiplier is None,
             "step_event": accounting.event_to_dict(self.step_event) if self.step_event is not None else None,
             "adjacency": accounting.adjacency(self.step_event) if self.step_event is not None else None,
+            "dp_event_total": (accounting.event_to_dict(self.ledger.total_event())
+                               if self.ledger.total_event() is not None else None),
             "seeded": self.seeded,
-            "randomness": ("seeded by the user (seed given): reproducible; the guarantee holds only against "
-                           "parties who do not know the seed") if self.seeded else
-                          "sampling and noise seeded from the operating system's entropy",
+            "randomness": ("seeded by the user (seed given): sampling and noise are reproducible by whoever "
+                           "holds the seed; the guarantee holds only against parties who do not know it")
+                          if self.seeded else
+                          f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), "
+                          "never stored",
+            "noise_generator": (GaussianNoise.algorithm + "; " + ("keyed from the user-given seed" if self.seeded
+                                else f"keyed by {ENTROPY_BITS} bits of os.urandom, never stored")),
+            "precision": self.precision,
+            "nonfinite_units": self.nonfinite_units,
+            "nonfinite_units_note": ("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
+                                     "this count is computed on the private data and is NOT privatized"),
+            "counts_treated_as_public": self._public_counts(),
         }
         if self.step_event is None:
             rec["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
+        elif cfg.sampling == "shuffle":
+            rec["epsilon_no_amplification"] = eps
+            poisson = self.algo.step_event(self.noise_multiplier, "poisson", self.table, self.data.num_users)
+            rec["epsilon_assuming_poisson"] = (accounting.epsilon(accounting.compose(poisson, self.ledger.spent),
+                                                                  self.delta, cfg.accountant)
+                                               if self.ledger.spent else 0.0)
+            rec["sampling_warning"] = ("training used shuffled fixed batches, which have no proven amplification: "
+                                       "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
+                                       "Gaussian mechanism with the user's whole sensitivity); "
+                                       "epsilon_assuming_poisson is a comparison only, not a guarantee")
         elif cfg.sampling != "poisson":
             g = self.algo.group_sensitivity
             no_amp = accounting.no_amplification_step_event(self.noise_multiplier, g)
             rec["epsilon_no_amplification"] = (accounting.epsilon(accounting.compose(no_amp, self.ledger.spent),
                                                                   self.delta, "pld") if self.ledger.spent else 0.0)
-            if cfg.sampling == "shuffle":
-                rec["sampling_warning"] = ("training used shuffled fixed batches but epsilon assumes Poisson "
-                                           "sampling; without amplification the guarantee is epsilon_no_amplification")
-            else:
-                rec["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
-                                           "adjacency (RDP); epsilon_no_amplification holds without amplification")
+            rec["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
+                                       "adjacency (RDP); epsilon_no_amplification holds without amplification")
         return rec
+
+    def _public_counts(self) -> list[str]:
+        """Counts computed from the private data and used without noise (listed in the report)."""
+        out = [f"the number of users N = {int(self.data.num_users)} (in delta's default rule and the sampling rate)"]
+        if isinstance(self.algo, ELS):
+            out.append(f"the number of records after capping at G, |D'| = {self.n_units} (fixes the record "
+                       "sampling rate p = cohort/|D'| and the denominator p*|D'|)")
+        elif self.table.weights is not None:
+            out.append("the total user weight W (FedAvg's fixed denominator q*W)")
+        return out
+
+
+def _zero_nonfinite(updates: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Units whose update holds Inf/NaN (or whose norm overflows) contribute zero: their clipped
+    update would otherwise poison every coordinate of the sum, exactly when they are sampled.
+
+    Returns the updates (unchanged when all are finite) and a boolean [m] flag of the zeroed units.
+    """
+    sq = None
+    for u in updates:
+        n = torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1, dtype=_accumulation_dtype(u.dtype))
+        sq = n * n if sq is None else sq + n * n
+    bad = ~torch.isfinite(sq)
+    if bool(bad.any()):
+        updates = [torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
+                   for u in updates]
+    return updates, bad
 
 
 class _DeferredInterrupt:
@@ -412,7 +514,9 @@ class _DeferredInterrupt:
 
 def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *,
           checkpoint_dir: Optional[str] = None, resume: bool = False,
-          callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None) -> TrainResult:
+          callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None,
+          journal_context: Optional[dict] = None,
+          checkpoint_extra: Optional[Callable[["_Run"], dict]] = None) -> TrainResult:
     """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
 
     ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable). Each callback
@@ -420,7 +524,16 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     step_time, units_per_s, epsilon_spent — a cheap upper bound). ``loss`` and
     ``fraction_clipped`` are computed on private data and are NOT privatized: for the data
     holder's monitoring only. ``checkpoint_dir`` with ``checkpoint_every`` > 0 writes atomic
-    checkpoints (also at the end); ``resume=True`` continues from one.
+    checkpoints (also at the end); ``resume=True`` continues from one — or, after a crash before
+    the first checkpoint, from step 0 with the steps the journal records as begun counted.
+    ``journal_context``: facts (e.g. config and data fingerprints) the ledger journal is bound to;
+    a resume with other facts is refused. ``checkpoint_extra(run) -> {name: writer(path)}``: files
+    committed with each checkpoint as one unit (see :mod:`userdp.engine.checkpoint`).
+
+    Raises:
+        UserError: bad configuration, a checkpoint or journal that is damaged, edited or from
+            another run, or a checkpoint that could not be written.
+        KeyboardInterrupt: after Ctrl-C, once the step in flight is finished and saved.
     """
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     if checkpoint_dir and not resume and (ckpt.exists(checkpoint_dir) or os.path.exists(journal)):
@@ -430,13 +543,15 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
         raise UserError("resume=True needs a checkpoint_dir")
     if checkpoint_dir:
         os.makedirs(checkpoint_dir, exist_ok=True)
-    run = _Run(model, data, loss_fn, config, checkpoint_dir, combiner)
+    run = _Run(model, data, loss_fn, config, checkpoint_dir, combiner, journal_context)
     if resume and ckpt.exists(checkpoint_dir):
         run.restore(ckpt.load(checkpoint_dir))
-    elif resume and not run.seeded:
+    elif resume:
         # crashed before the first checkpoint: the steps it began are spent all the same
-        lost = run.ledger.journal_max()
-        run.ledger.spent = run.ledger.lost_steps = lost
+        # (a seeded run replays them); a missing or damaged journal is refused
+        run.ledger.resume_without_checkpoint(replayable=run.seeded)
+    elif checkpoint_dir and run.combiner.rank == 0:
+        run.ledger.start_journal()
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:
@@ -451,12 +566,12 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
             if interrupt.requested:
                 # Ctrl-C: the step in flight was finished (parameters, optimizer and ledger agree),
                 # so save it and stop: nothing is lost, `resume=True` continues from here.
-                run.save()
+                run.save(checkpoint_extra)
                 raise KeyboardInterrupt(f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}")
             if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
-                run.save()
+                run.save(checkpoint_extra)
     if checkpoint_dir:
-        run.save()
+        run.save(checkpoint_extra)
     rec = run.record()
     rec["stopped"] = stopped
     return TrainResult(steps=run.step, epsilon=rec["epsilon"], delta=run.delta,

@@ -1,43 +1,129 @@
 """Gaussian noise on the SUM of clipped unit updates, drawn once per step for the whole sum.
 
-The generator is seeded from the operating system's entropy unless the caller gives a seed;
-a seeded run is reproducible and the privacy record says so (anyone holding the seed can
-recompute the noise, so the guarantee then holds only against those who do not).
+The noise is the privacy mechanism, so its generator is keyed like a secret:
+
+* :class:`GaussianNoise` draws from numpy's ``PCG64DXSM`` (128-bit state, 128-bit stream
+  increment) keyed through a ``SeedSequence`` whose pool holds 256 bits. Unseeded runs fill
+  it from 256 bits of ``os.urandom``; that key is never written anywhere (a checkpoint of an
+  unseeded run holds no generator state, and a resumed run draws a fresh key).
+* torch's generators are **not** used for noise: the CPU generator keeps only the low 32 bits
+  of an integer seed (``manual_seed(s)`` and ``manual_seed(s + (7 << 32))`` give the same
+  stream), so anyone who sees two consecutive checkpoints could search 2^32 seeds and
+  subtract the noise. The noise is drawn on the host in float32 and moved to the device;
+  every device therefore gets the same ≥ 128-bit keying.
+* A seeded run (the user gives an integer) derives the key from that seed: reproducible, and
+  the guarantee then holds only against parties who do not know the seed (the report says so).
+
+The noise source is a small stateful object (``state_dict`` / ``load_state_dict``) so that
+its state travels with the ledger in a checkpoint — for seeded runs only.
 """
 
 from __future__ import annotations
 
-import secrets
+import os
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
-
-def make_generator(seed: Optional[int], device: torch.device | str = "cpu") -> torch.Generator:
-    """A torch.Generator seeded with ``seed``, or with 63 bits from os entropy when None."""
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed) if seed is not None else secrets.randbits(63))
-    return g
+ENTROPY_BITS = 256
+_POOL_WORDS = ENTROPY_BITS // 32
 
 
-def gaussian_like(tensors: Sequence[torch.Tensor], std: float, generator: torch.Generator) -> list[torch.Tensor]:
-    """One draw of N(0, std^2 I) over the concatenation of ``tensors``, split back per tensor.
+def os_entropy(bits: int = ENTROPY_BITS) -> int:
+    """``bits`` bits of operating-system entropy (``os.urandom``) as a non-negative int."""
+    return int.from_bytes(os.urandom(bits // 8), "little")
 
-    Every coordinate gets noise (also coordinates whose gradient is zero: SPEC §3.10).
+
+def _seed_sequence(material: int, *, spawn_key: tuple = ()) -> np.random.SeedSequence:
+    return np.random.SeedSequence(int(material), spawn_key=spawn_key, pool_size=_POOL_WORDS)
+
+
+class GaussianNoise:
+    """i.i.d. N(0, std²) noise from a ≥ 128-bit keyed generator, always computed in float32+.
+
+    Args:
+        key_material: an integer key (≥ 128 bits of entropy for a private run). Use
+            :meth:`from_os_entropy` or :meth:`from_seed` rather than calling this directly.
+        seeded: whether the key came from a user-given seed (then the noise is reproducible
+            by whoever holds the seed, and the state may be checkpointed).
     """
-    if not tensors:
-        return []
-    total = sum(t.numel() for t in tensors)
-    ref = tensors[0]
-    z = torch.randn(total, generator=generator, dtype=ref.dtype, device=generator.device)
-    z = z.to(ref.device) * std
-    out, i = [], 0
-    for t in tensors:
-        out.append(z[i : i + t.numel()].view_as(t))
-        i += t.numel()
-    return out
+
+    algorithm = "numpy PCG64DXSM (128-bit state + 128-bit increment) via a 256-bit SeedSequence pool"
+
+    def __init__(self, key_material: int, *, seeded: bool):
+        self.seeded = bool(seeded)
+        self._gen = np.random.Generator(np.random.PCG64DXSM(_seed_sequence(key_material, spawn_key=(0x6E6F697365,))))
+
+    @classmethod
+    def from_os_entropy(cls) -> "GaussianNoise":
+        """A generator keyed by 256 bits of ``os.urandom`` (never stored)."""
+        return cls(os_entropy(), seeded=False)
+
+    @classmethod
+    def from_seed(cls, seed: int) -> "GaussianNoise":
+        """A reproducible generator keyed from a user-given integer seed."""
+        return cls(int(seed), seeded=True)
+
+    @property
+    def keying(self) -> str:
+        """How the generator was keyed, for the privacy record."""
+        if self.seeded:
+            return ("keyed from the user-given seed (reproducible: whoever holds the seed can "
+                    "recompute the noise)")
+        return f"keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored"
+
+    def describe(self) -> dict:
+        return {"generator": self.algorithm, "keying": self.keying, "dtype": "float32",
+                "seeded": self.seeded}
+
+    # ------------------------------------------------------------------ drawing
+    def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """One draw of N(0, std² I) over the concatenation of ``tensors``, split back per tensor.
+
+        Every coordinate gets noise (also coordinates whose gradient is zero). The result is
+        float32 (float64 where a tensor is float64), on each tensor's device.
+        """
+        if not tensors:
+            return []
+        total = sum(t.numel() for t in tensors)
+        wide = any(t.dtype == torch.float64 for t in tensors)
+        z = self._gen.standard_normal(total, dtype=np.float64 if wide else np.float32)
+        z = torch.from_numpy(z)
+        z.mul_(float(std))
+        out, i = [], 0
+        for t in tensors:
+            piece = z[i : i + t.numel()].view(t.shape)
+            out.append(piece.to(t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))
+            i += t.numel()
+        return out
+
+    def scalar(self, std: float) -> float:
+        """One draw of N(0, std²) in float64 (the adaptive-clipping count query)."""
+        return float(self._gen.standard_normal()) * float(std)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """The generator's state. Only ever saved for a seeded run (an unseeded run's state is
+        its secret key)."""
+        if not self.seeded:
+            raise RuntimeError("an unseeded noise generator's state is secret and is never saved")
+        return dict(self._gen.bit_generator.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self._gen.bit_generator.state = state
 
 
-def gaussian_scalar(std: float, generator: torch.Generator) -> float:
-    """One draw of N(0, std^2) (the adaptive-clipping count query)."""
-    return float(torch.randn((), generator=generator, dtype=torch.float64, device=generator.device).cpu()) * std
+def make_generator(seed: Optional[int]) -> GaussianNoise:
+    """The noise source of a run: keyed from ``seed`` when given, else from 256 bits of OS entropy."""
+    return GaussianNoise.from_seed(seed) if seed is not None else GaussianNoise.from_os_entropy()
+
+
+def gaussian_like(tensors: Sequence[torch.Tensor], std: float, generator: GaussianNoise) -> list[torch.Tensor]:
+    """One draw of N(0, std² I) over ``tensors`` (see :meth:`GaussianNoise.like`)."""
+    return generator.like(tensors, std)
+
+
+def gaussian_scalar(std: float, generator: GaussianNoise) -> float:
+    """One draw of N(0, std²) (see :meth:`GaussianNoise.scalar`)."""
+    return generator.scalar(std)
