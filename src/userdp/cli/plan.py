@@ -11,12 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
+import time
+from pathlib import Path
 
 from userdp.errors import UserError
 
 
-def resolve_training(config_path: str | None, overrides: list[str] | None, log, with_eval: bool = False):
+def resolve_training(config_path: str | None, overrides: list[str] | None, log, with_eval: bool = False,
+                     with_fingerprint: bool = False):
     """(run config, training UserData, model in train mode, loss_fn) as ``userdp train`` builds them
     (plus the held-out users' UserData last when ``with_eval``)."""
     from userdp.lm import config as C
@@ -32,6 +36,8 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log, 
     train_data, _eval = finetune.build_datasets(cfg, prep, tok, log)
     if with_eval:
         return cfg, train_data, model, models.causal_lm_loss, _eval
+    if with_fingerprint:
+        return cfg, train_data, model, models.causal_lm_loss, prep.data_fingerprint
     return cfg, train_data, model, models.causal_lm_loss
 
 
@@ -47,7 +53,7 @@ def _run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    cfg, data, model, loss_fn = resolve_training(args.config, args.set, log)
+    cfg, data, model, loss_fn, data_fp = resolve_training(args.config, args.set, log, with_fingerprint=True)
     epsilon = args.epsilon if args.epsilon is not None else cfg.privacy.epsilon
     steps = args.steps if args.steps is not None else cfg.training.steps
     delta = args.delta if args.delta is not None else cfg.privacy.delta
@@ -58,17 +64,31 @@ def _run(args: argparse.Namespace) -> int:
         delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
         chunk_size=cfg.training.chunk_size)
-    out = plan.to_dict()
+    from userdp.lm.finetune import plan_record
+    from userdp.lm.run_dir import write_json_atomic
+
+    out = plan_record(plan, plan.recommended, "recommended", seed=args.seed, data_fingerprint=data_fp)
     out["config"] = args.config or "embedded default of `userdp train`"
+    out["config_overrides"] = list(args.set or [])
     out["apply"] = {k: v for k, v in plan.training_overrides().items()}
+    save = Path(args.save) if args.save else Path.cwd() / time.strftime("userdp-plan-%Y%m%d-%H%M%S.json", time.gmtime())
+    write_json_atomic(save, out)
+    out["saved_to"] = str(save)
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out, indent=1, allow_nan=False, default=_json_safe))
     else:
         print(heuristics.format_plan(plan))
-        sets = " ".join(f"--set {k}={v:g}" if isinstance(v, float) else f"--set {k}={v}"
-                        for k, v in out["apply"].items())
-        print(f"\n  to train the recommendation: userdp train {args.config or ''} {sets}".replace("  ", " ", 1))
+        if args.seed is not None and plan.els.get("group_size_method") == "dp_median":
+            print("  note: SEEDED DP median (--seed): whoever holds the seed can undo its noise")
+        sets = "".join(f" --set {shlex.quote(x)}" for x in (args.set or []))
+        cmd = f"userdp train {shlex.quote(args.config) + ' ' if args.config else ''}--plan {shlex.quote(str(save))}{sets}"
+        print(f"\n  plan saved to {save}")
+        print(f"  to train it (the report then lists the plan's data touches and counts its epsilon):\n    {cmd}")
     return 0
+
+
+def _json_safe(o):
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def register(subparsers) -> None:
@@ -92,6 +112,9 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for the user sample and record draws")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set data.max_users=300")
+    p.add_argument("--save", metavar="PLAN.json", default=None,
+                   help="where to save the plan for `userdp train --plan` (default: "
+                        "userdp-plan-<UTC time>.json in the current directory)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with keys els, uls, recommended, data_touches")
     p.set_defaults(func=_run)

@@ -22,6 +22,8 @@ def register(subparsers) -> None:
                    help="override one config key (dotted, e.g. training.steps=100); repeatable")
     p.add_argument("--output", metavar="DIR", help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (same ledger)")
+    p.add_argument("--plan", metavar="PLAN.json", help="apply a plan saved by `userdp plan` (its data "
+                   "touches and its DP median's epsilon go into the report)")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -37,9 +39,9 @@ def main(args) -> int:
     from userdp.lm.finetune import run
 
     if args.resume:
-        if args.config or args.overrides or args.output:
+        if args.config or args.overrides or args.output or args.plan:
             raise UserError("--resume RUN_DIR continues a run with its saved config: give no "
-                            "CONFIG, --set or --output with it")
+                            "CONFIG, --set, --output or --plan with it")
         from userdp.lm.run_dir import existing_run_dir
 
         rd = existing_run_dir(args.resume)
@@ -49,7 +51,7 @@ def main(args) -> int:
     if args.print_config:
         print(C.dump_yaml(cfg), end="")
         return 0
-    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress)
+    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, plan_file=args.plan)
     alg = s["algorithm"].upper()
     print(f"run directory:        {s['run_dir']}")
     print(f"algorithm:            {alg}, {s['steps']} steps ({s['stopped']}), "
@@ -58,8 +60,23 @@ def main(args) -> int:
     if s["epsilon"] is None:
         print("privacy:              NONE (non-private training)")
     else:
-        print(f"privacy spent:        epsilon = {_fmt(s['epsilon'], '.3f')} (target "
-              f"{_fmt(s['epsilon_target'], 'g')}), delta = {s['delta']:.3g}, user-level, add/remove")
+        total = s.get("epsilon_total", s["epsilon"])
+        parts = []
+        if s.get("epsilon_plan"):
+            parts.append(f"training {_fmt(s['epsilon'], '.3f')} + the plan's DP median {_fmt(s['epsilon_plan'], '.3g')}")
+        if s.get("sampler") == "shuffle":
+            parts.append("shuffled batches: WITHOUT amplification"
+                         + (f"; assuming Poisson would give {_fmt(s.get('epsilon_assuming_poisson'), '.3f')}, "
+                            "a comparison only" if s.get("epsilon_assuming_poisson") is not None else ""))
+        print(f"privacy spent:        epsilon = {_fmt(total, '.3f')} (target "
+              f"{_fmt(s['epsilon_target'], 'g')}), delta = {s['delta']:.3g}, user-level, add/remove"
+              + (f" ({'; '.join(parts)})" if parts else ""))
+        if s.get("seeded"):
+            print("randomness:           SEEDED (training.seed given): whoever holds the seed can recompute "
+                  "the noise; the guarantee holds only against parties who do not know it")
+    if s.get("nonfinite_units"):
+        print(f"diagnostics:          {s['nonfinite_units']} sampled units had non-finite updates and "
+              "contributed zero (a non-private count)")
     print(f"report:               userdp report {s['run_dir']}")
     sys.stdout.flush()
     if args.json:

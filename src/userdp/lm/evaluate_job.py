@@ -9,6 +9,32 @@ from userdp.errors import UserError
 from userdp.lm import models
 
 
+def _run_context(run: Path) -> dict:
+    """The config and data fingerprints the run's ledger journal was bound to; the run's
+    config.yaml must still hash to what the run trained with.
+
+    Raises:
+        UserError: the journal is missing or unreadable, or config.yaml was edited."""
+    import hashlib
+
+    from userdp.engine.ledger import JOURNAL
+
+    journal = run / "checkpoints" / JOURNAL
+    try:
+        with open(journal) as f:
+            header = json.loads(f.readline())
+        context = header["context"]
+        assert isinstance(context, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise UserError(f"{journal}: missing or unreadable, so the run's held-out users cannot be "
+                        "verified") from None
+    got = hashlib.sha256((run / "config.yaml").read_bytes()).hexdigest()
+    if context.get("config_sha256") != got:
+        raise UserError(f"{run / 'config.yaml'}: edited since the run trained (its checksum differs from "
+                        f"the one in {journal})")
+    return context
+
+
 def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = None,
                     config: str | None = None, overrides: list[str] | None = None,
                     personalize: bool = False, max_users: int | None = None) -> dict:
@@ -42,9 +68,14 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
     if max_users is not None:
         extra.append(f"data.max_eval_users={max_users}")
     cfg = C.from_dict(C.apply_overrides(C.to_dict(cfg), extra))
+    run_context = _run_context(t) if model_dir == t / "model" else None
     model = models.load_local(model_dir)
     tok = load_tokenizer(model_dir)
     prep = prepare_data(cfg, log=lambda m: None)
+    if run_context is not None and run_context.get("data_fingerprint") != prep.data_fingerprint:
+        raise UserError(f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "
+                        "trained with (a changed data file, data.split_seed or --set): users it trained on "
+                        "would be evaluated as held out")
     _, eval_data = _build_datasets(cfg, prep, tok, log=lambda m: None)
     res = {"model": str(model_dir), "split": prep.split_rule,
            "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)}

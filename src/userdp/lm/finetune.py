@@ -20,6 +20,7 @@ Steps (each logged):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -56,11 +57,23 @@ class Prepared:
     eval_subset: object
     split_rule: str
     drops: dict
+    data_fingerprint: str = ""
 
 
 def _file_sig(path: Path) -> list:
+    """What a cache of ``path`` is keyed by: each file's name and the sha256 of its content.
+
+    Never size and mtime: a file replaced by same-size content with the same mtime would
+    otherwise train on the stale cached store."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return [(str(f), f.stat().st_size, int(f.stat().st_mtime)) for f in files]
+    out = []
+    for f in files:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        out.append((str(f.relative_to(path)) if f != path else f.name, h.hexdigest()))
+    return out
 
 
 def _cached_store(source, key: str, log: Log):
@@ -180,7 +193,10 @@ def prepare_data(cfg: C.RunConfig, log: Log = _stderr) -> Prepared:
     drops = store.drops.to_dict() if hasattr(store.drops, "to_dict") else {}
     log(f"data: {store.num_users} users, {store.num_records} records; {split.rule}; training on "
         f"{train.num_users} users / {train.num_records} records, evaluating {ev.num_users} held-out users")
-    return Prepared(store, public, desc, train, ev, split.rule, drops)
+    # the store's content and the split: a run's journal is bound to it, so a changed data file or
+    # split_seed cannot resume the run or evaluate trained users as held out
+    data_fp = fingerprint(store.fingerprint, split.rule, split.train.fingerprint(), split.eval.fingerprint())
+    return Prepared(store, public, desc, train, ev, split.rule, drops, data_fp)
 
 
 # ---------------------------------------------------------------------------------- tokenizer + model
@@ -348,35 +364,33 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[s
 
 
 class _TokenCounter:
-    """Wraps a UserData and counts the target tokens the engine pulls (for tokens/s)."""
+    """Wraps a UserData and counts the target tokens the engine pulls (for tokens/s).
+
+    The wrapper is a :class:`~userdp.engine.data.DelegatingUserData`: everything it does not
+    count (``bounded_records`` above all — ELS's D' under ranked selection) goes to the data."""
 
     def __init__(self, inner):
         self.inner = inner
         self.tokens = 0
 
     def wrap(self):
-        from userdp.engine.data import UserData
+        from userdp.engine.data import DelegatingUserData
 
         outer = self
 
-        class Counted(UserData):
-            num_users = outer.inner.num_users
-
-            def sizes(self):
-                return outer.inner.sizes()
-
+        class Counted(DelegatingUserData):
             def gather(self, users, records):
-                b = outer.inner.gather(users, records)
+                b = self.inner.gather(users, records)
                 outer.tokens += int((b["labels"] != -100).sum())
                 return b
 
             def draw_records(self, users, group_size, rng):
-                b, mask = outer.inner.draw_records(users, group_size, rng)
+                b, mask = self.inner.draw_records(users, group_size, rng)
                 real = (b["labels"] != -100).sum(-1).to(mask.dtype) * mask
                 outer.tokens += int(real.sum())
                 return b, mask
 
-        return Counted()
+        return Counted(self.inner)
 
 
 def _perplexity_scores(cfg, prep, tok, model, log):
@@ -466,11 +480,55 @@ def plan_touches(plan: dict) -> list[str]:
     ]
 
 
-def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr) -> tuple[C.RunConfig, dict]:
+def plan_record(plan, algo: str, choice: str, *, seed, data_fingerprint: str) -> dict:
+    """The saved form of a plan (plan.json): ``Plan.to_dict()`` plus what was applied, the DP
+    median's epsilon, whether the plan was seeded, and the data it was made on."""
+    out = plan.to_dict()
+    out["applied"] = algo
+    out["choice"] = choice
+    out["overrides"] = plan.training_overrides(algo)
+    out["dp_median_epsilon_spent"] = float(plan.els.get("dp_median_epsilon") or 0.0)
+    out["seeded"] = seed is not None
+    out["data_fingerprint"] = data_fingerprint
+    gs = {1, int(plan.uls["group_size"])}
+    for d in plan.uls["estimate_and_double"]["trace"]:
+        gs.update((int(d["group_size"]), 2 * int(d["group_size"])))
+    out["l_of_g_evaluated"] = sorted(gs)  # the G at which the sampled users' gradient norms were read
+    return out
+
+
+_PLAN_KEYS = ("applied", "overrides", "els", "uls", "inputs", "data_touches", "dp_median_epsilon_spent",
+              "data_fingerprint")
+
+
+def apply_plan(cfg: C.RunConfig, record: dict, *, source: str, data_fingerprint: str) -> C.RunConfig:
+    """The config with a saved plan's choice applied (algorithm, group size, cohort size).
+
+    Raises:
+        UserError: the record is not a plan, or was made on other data (naming ``source``).
+    """
+    missing = [k for k in _PLAN_KEYS if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise UserError(f"{source}: not a userdp plan (missing {', '.join(missing)}); make one with `userdp plan`")
+    if record["data_fingerprint"] != data_fingerprint:
+        raise UserError(f"{source}: the plan was made on other data or another split than this config's")
+    over = record["overrides"]
+    try:
+        resolved = dataclasses.replace(cfg, training=dataclasses.replace(
+            cfg.training, algorithm=str(over["training.algorithm"]), group_size=int(over["training.group_size"]),
+            cohort_size=float(over["training.cohort_size"])))
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{source}: malformed plan overrides {over!r}") from None
+    C.validate(resolved, source)
+    return resolved
+
+
+def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr,
+              data_fingerprint: str = "") -> tuple[C.RunConfig, dict]:
     """Run ``plan_for_training`` for a ``plan: auto`` config; returns (resolved config, plan dict).
 
     The resolved config has the chosen ``training.algorithm``, ``group_size`` and ``cohort_size``;
-    the plan dict is ``Plan.to_dict()`` plus the algorithm applied and the overrides."""
+    the plan dict is :func:`plan_record`'s."""
     from userdp import heuristics
 
     pl, p, t = cfg.planning, cfg.privacy, cfg.training
@@ -483,20 +541,10 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr) -> tuple[
         dp_median_epsilon=pl.dp_median_epsilon, accountant=p.accountant, seed=pl.seed,
         chunk_size=t.chunk_size)
     algo = plan.recommended if pl.algorithm == "recommended" else pl.algorithm
-    over = plan.training_overrides(algo)
-    resolved = dataclasses.replace(cfg, training=dataclasses.replace(
-        t, algorithm=str(over["training.algorithm"]), group_size=int(over["training.group_size"]),
-        cohort_size=float(over["training.cohort_size"])))
-    C.validate(resolved, "plan: auto")
-    out = plan.to_dict()
-    out["applied"] = algo
-    out["choice"] = "recommended" if pl.algorithm == "recommended" else "planning.algorithm"
-    out["overrides"] = over
-    out["dp_median_epsilon_spent"] = float(plan.els.get("dp_median_epsilon") or 0.0)
-    gs = {1, int(plan.uls["group_size"])}
-    for d in plan.uls["estimate_and_double"]["trace"]:
-        gs.update((int(d["group_size"]), 2 * int(d["group_size"])))
-    out["l_of_g_evaluated"] = sorted(gs)  # the G at which the sampled users' gradient norms were read
+    out = plan_record(plan, algo, "recommended" if pl.algorithm == "recommended" else "planning.algorithm",
+                      seed=pl.seed, data_fingerprint=data_fingerprint)
+    resolved = apply_plan(cfg, out, source="plan: auto", data_fingerprint=data_fingerprint)
+    over = out["overrides"]
     ch = plan.uls if algo == "uls" else plan.els
     unit = "users" if algo == "uls" else "records"
     log(f"plan: auto chose {algo.upper()}{' (recommended)' if algo == plan.recommended else ''}: "
@@ -508,17 +556,23 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr) -> tuple[
 
 
 def _sampler_assumed(cfg) -> str:
+    """What the accountant assumed: Poisson for the default sampler; shuffled batches are
+    accounted without amplification and fixed-size cohorts as sampling without replacement."""
+    if cfg.privacy.sampler == "shuffle":
+        return "shuffle_fixed_batches"
+    if cfg.privacy.sampler == "fixed_size":
+        return "fixed_size_wor"
     return "poisson_examples" if cfg.training.algorithm == "els" else "poisson_users"
 
 
 def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total, seq_len, plan=None):
-    from userdp import accounting as A
+    """privacy.json's content. The published DpEvent is the ledger's own (every step counted,
+    lost steps included), so that epsilon recomputed from it is the reported epsilon."""
     from userdp.lm.report import privacy_record
 
     t, p = cfg.training, cfg.privacy
     rec = res_record
     private = t.algorithm != "nonprivate"
-    ev = A.compose(_step_event_from_record(rec), max(1, steps_taken)) if private and rec.get("step_event") else None
     return privacy_record(
         algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=_sampler_assumed(cfg),
         sampler_used=rec.get("sampler_mode", "unknown"),
@@ -530,46 +584,81 @@ def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total,
         clip_norm=rec.get("final_clip_norm") if private else None, group_size=t.group_size,
         num_users=int(rec.get("num_users", 0)), num_records=num_records,
         expected_cohort=rec.get("expected_units_per_step"), clipping=t.clipping,
-        dp_event=ev, epsilon_no_amplification=rec.get("epsilon_no_amplification"),
+        dp_event=rec.get("dp_event_total") if private else None,
+        epsilon_no_amplification=rec.get("epsilon_no_amplification"),
         tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
         selection=t.selection, seq_len=seq_len,
         not_accounted=([notes["data_touch"]] if notes.get("data_touch") else [])
         + (plan_touches(plan) if plan else []) or None,
-        plan=plan,
+        plan=plan, engine_record=rec,
         extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
-               "randomness": rec.get("randomness")})
+               "steps_applied": rec.get("steps_applied", steps_taken),
+               "randomness": rec.get("randomness"), "seeded": bool(rec.get("seeded")),
+               "epsilon_assuming_poisson": rec.get("epsilon_assuming_poisson"),
+               "sampling_warning": rec.get("sampling_warning"),
+               "nonfinite_units": rec.get("nonfinite_units", 0),
+               "nonfinite_units_note": rec.get("nonfinite_units_note"),
+               "precision": rec.get("precision")})
 
 
-def _step_event_from_record(rec):
-    """Rebuild the step's DpEvent from the engine's record (the accounting module's events)."""
-    from userdp import accounting as A
+def journal_context(rd: RunDir, prep: Prepared) -> dict:
+    """What a run's ledger journal is bound to: the saved config's bytes and the data + split."""
+    return {"config_sha256": hashlib.sha256(rd.config.read_bytes()).hexdigest(),
+            "data_fingerprint": prep.data_fingerprint}
 
-    algo = rec.get("algorithm") or {}
-    z = rec["noise_multiplier"]
-    mode = rec.get("sampler_mode")
-    if mode == "fixed_size_wor":
-        return A.fixed_cohort_step_event(z, rec["num_units"], max(1, round(rec["expected_units_per_step"])))
-    if algo.get("type") == "ELS":
-        return A.els_step_event(z, algo["sampling_rate"], algo["group_size"])
-    return A.uls_step_event(z, algo["sampling_rate"])
+
+def _journal_steps(path: Path) -> int:
+    """Most steps a journal file records as begun (a quick read; the engine verifies the chain)."""
+    best = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                best = max(best, int(json.loads(line).get("spent", 0)))
+            except (ValueError, AttributeError, TypeError):
+                continue
+    return best
+
+
+def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
+    """Whether the engine has anything to resume (False: the run crashed before its first step,
+    and simply starts in the same directory). Refuses a run directory whose ledger was lost."""
+    from userdp.engine import checkpoint as ckpt
+    from userdp.engine.ledger import JOURNAL
+
+    state = rd.read_state()
+    if state.get("status") == "done":
+        raise UserError(f"--resume {resume_dir}: this run already finished")
+    journal = rd.checkpoints / JOURNAL
+    metrics = rd.read_metrics()
+    if not journal.is_file():
+        if ckpt.exists(str(rd.checkpoints)) or metrics or state.get("status") in ("running", "interrupted"):
+            raise UserError(f"{journal}: the ledger journal is missing, so the steps this run began cannot "
+                            "be counted; the run cannot be resumed (restore it from a backup, or start a "
+                            "new run in an empty --output)")
+        return False
+    begun = _journal_steps(journal)
+    done = max((int(r.get("step", 0)) for r in metrics), default=0)
+    if done > begun:
+        raise UserError(f"{journal}: it records {begun} steps begun but {rd.metrics} records step {done}: "
+                        "the journal was truncated; the run cannot be resumed")
+    return True
 
 
 def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
-        progress: bool = True, log: Log = _stderr) -> dict:
-    """Run (or resume) a training job; returns the summary (also in the run directory)."""
+        progress: bool = True, log: Log = _stderr, plan_file: Optional[str] = None) -> dict:
+    """Run (or resume) a training job; returns the summary (also in the run directory).
+
+    ``plan_file``: a plan saved by ``userdp plan`` to apply (its data touches and its DP median's
+    epsilon then go into the report, as with ``plan: auto``)."""
     from userdp import engine as E
     from userdp.engine import checkpoint as ckpt
     from userdp.lm.evaluate import evaluate_lm
 
     t_start = time.time()
+    engine_resume = False
     if resume_dir is not None:
         rd = existing_run_dir(resume_dir)
-        if not ckpt.exists(str(rd.checkpoints)):
-            raise UserError(f"--resume {resume_dir}: no checkpoint to resume from yet "
-                            "(start the run again instead)")
-        state = rd.read_state()
-        if state.get("status") == "done":
-            raise UserError(f"--resume {resume_dir}: this run already finished")
+        engine_resume = _check_resumable(rd, resume_dir)
     else:
         rd = new_run_dir(output or cfg.output.dir)
         rd.config.write_text(C.dump_yaml(cfg))
@@ -586,19 +675,35 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     models.lint_model(model)
     train_data, eval_data = build_datasets(cfg, prep, tok, log, model, notes)
     plan = None
-    if cfg.plan == "auto":
-        plan_file = rd.root / "plan.json"
-        if resume_dir is not None and plan_file.is_file():
+    if plan_file is not None:
+        if cfg.plan == "auto":
+            raise UserError("--plan: the config already says plan: auto; give one or the other")
+        try:
+            saved = json.loads(Path(plan_file).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"--plan {plan_file}: cannot read it ({type(exc).__name__})") from None
+        cfg = apply_plan(cfg, saved, source=f"--plan {plan_file}", data_fingerprint=prep.data_fingerprint)
+        plan = saved
+        write_json_atomic(rd.root / "plan.json", plan)
+        rd.config.write_text("# training.algorithm, group_size and cohort_size come from the plan in plan.json\n"
+                             + C.dump_yaml(cfg))
+        n_units = _num_units(cfg, prep.train_subset)
+        check_budget(cfg, prep.train_subset.num_users, n_units)
+    elif resume_dir is not None and cfg.plan != "auto" and (rd.root / "plan.json").is_file():
+        plan = json.loads((rd.root / "plan.json").read_text())  # applied by --plan when the run began
+    elif cfg.plan == "auto":
+        saved_plan_path = rd.root / "plan.json"
+        if resume_dir is not None and saved_plan_path.is_file():
             # the saved config.yaml already holds the planned values: do not plan again
-            plan = json.loads(plan_file.read_text())
+            plan = json.loads(saved_plan_path.read_text())
             log(f"plan: auto — resuming with the saved plan ({plan.get('applied', '?').upper()}, "
                 f"group_size {cfg.training.group_size}, cohort_size {cfg.training.cohort_size:g})")
         elif resume_dir is not None:
             raise UserError(f"--resume {resume_dir}: the config says plan: auto but the run "
                             "directory has no plan.json (start the run again instead)")
         else:
-            cfg, plan = plan_auto(cfg, train_data, model, log)
-            write_json_atomic(plan_file, plan)
+            cfg, plan = plan_auto(cfg, train_data, model, log, data_fingerprint=prep.data_fingerprint)
+            write_json_atomic(saved_plan_path, plan)
             rd.config.write_text(
                 "# plan: auto chose training.algorithm, group_size and cohort_size below "
                 "(see plan.json);\n# `userdp train --resume` keeps them, a new run plans again\n"
@@ -621,8 +726,8 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     counter = _TokenCounter(train_data)
     data = counter.wrap()
     start_step = 0
-    if resume_dir is not None:
-        start_step = int(ckpt.load(str(rd.checkpoints))["step"])
+    if engine_resume:
+        start_step = ckpt.step_of(str(rd.checkpoints))
         rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
         rd.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
         log(f"resuming at step {start_step} of {cfg.training.steps}")
@@ -652,13 +757,18 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
             bar.update(1)
             bar.set_postfix_str(f"loss {row['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} "
                                 f"tok/s {row['tokens_per_s']:.0f}")
-        if m["step"] % cfg.training.checkpoint_every == 0 or m["step"] == cfg.training.steps:
-            _save_weights(model, rd, m["step"], m.get("epsilon_spent"))
+
+    def checkpoint_files(run) -> dict:
+        """The LM files committed with each engine checkpoint, as one unit."""
+        eps = run.ledger.epsilon_upper_bound()
+        return {"model.safetensors": lambda path: _save_weights(model, path, run.step, eps),
+                "ledger.json": lambda path: _write_ledger_summary(path, run.step, run.ledger.spent, eps)}
 
     rd.write_state(status="running")
     try:
         res = E.train(model, data, models.causal_lm_loss, ecfg, checkpoint_dir=str(rd.checkpoints),
-                      resume=resume_dir is not None, callbacks=[on_step])
+                      resume=engine_resume, callbacks=[on_step], journal_context=journal_context(rd, prep),
+                      checkpoint_extra=checkpoint_files)
     except KeyboardInterrupt:
         mfile.close()
         if bar is not None:
@@ -701,6 +811,9 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         "loss_after": ev_state["after"]["loss"],
         "epsilon": priv["epsilon"], "delta": priv["delta"], "epsilon_target": priv["epsilon_target"],
         "epsilon_total": priv.get("epsilon_total", priv["epsilon"]),
+        "epsilon_plan": priv.get("epsilon_plan"), "seeded": priv.get("seeded", False),
+        "sampler": cfg.privacy.sampler, "epsilon_assuming_poisson": priv.get("epsilon_assuming_poisson"),
+        "nonfinite_units": priv.get("nonfinite_units", 0),
         "group_size": cfg.training.group_size, "cohort_size": cfg.training.cohort_size,
         "plan": (plan or {}).get("applied"),
         "noise_multiplier": priv["noise_multiplier"], "sampling_rate": priv["sampling_rate"],
@@ -711,17 +824,19 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     return summary
 
 
-def _save_weights(model, rd: RunDir, step: int, eps) -> None:
-    """checkpoints/model.safetensors (trainable weights) beside the engine's checkpoint."""
+def _save_weights(model, path, step: int, eps) -> None:
+    """Write the trainable weights to ``path`` (checkpoints/model.safetensors, committed with the
+    engine's checkpoint as one unit)."""
     from safetensors.torch import save_file
 
-    rd.checkpoints.mkdir(parents=True, exist_ok=True)
     tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
-    tmp = rd.checkpoints / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"step": str(step), "epsilon_spent_upper_bound": str(eps)})
-    os.replace(tmp, rd.checkpoints / "model.safetensors")
-    # a readable summary of the ledger; the authoritative ledger state is in the engine's
-    # checkpoint.pt and ledger_journal.jsonl (one fsynced line per step begun)
-    write_json_atomic(rd.checkpoints / "ledger.json",
-                      {"step": step, "epsilon_spent_upper_bound": eps,
-                       "authoritative": ["checkpoint.pt (ledger state)", "ledger_journal.jsonl"]})
+    save_file(tensors, str(path), metadata={"step": str(step), "epsilon_spent_upper_bound": str(eps)})
+
+
+def _write_ledger_summary(path, step: int, spent: int, eps) -> None:
+    """A readable summary of the ledger; the authoritative state is checkpoint.pt and the journal."""
+    with open(path, "w") as f:
+        json.dump({"step": step, "steps_accounted": spent, "epsilon_spent_upper_bound": eps,
+                   "authoritative": ["checkpoint.pt (ledger state)", "ledger_journal.jsonl (hash chain)"]},
+                  f, indent=2)
+        f.write("\n")

@@ -73,7 +73,10 @@ SAMPLER_TEXT = {
                      "probability q (variable cohort size)",
     "poisson_examples": "Poisson sampling of records: each of a user's (at most G) records joins "
                         "each step independently with probability q",
-    "shuffle_fixed_batches": "shuffled fixed-size batches (no proven amplification)",
+    "shuffle_fixed_batches": "shuffled fixed-size batches, which have no proven amplification: each "
+                             "step is accounted as the Gaussian mechanism with the user's whole "
+                             "sensitivity (the guarantee WITHOUT amplification)",
+    "fixed_size_wor": "fixed-size cohorts drawn without replacement (replace-one adjacency, RDP)",
     "none": "no sampling (full participation)",
 }
 
@@ -88,7 +91,7 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
                    not_accounted: list[str] | None = None, tokenizer_note: str = "",
                    pretraining_note: str = "", selection: str = "random",
                    seq_len: int | None = None, plan: dict | None = None,
-                   extra: dict | None = None) -> dict:
+                   engine_record: dict | None = None, extra: dict | None = None) -> dict:
     """The data behind the privacy statement; saved as ``privacy.json``.
 
     ``plan`` is the ``plan: auto`` plan (``Plan.to_dict()`` plus what was applied): it is saved
@@ -106,13 +109,33 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
     assumptions = []
     if private:
         assumptions.append(f"sampling: {SAMPLER_TEXT.get(sampler_assumed, sampler_assumed)}")
-        assumptions.append("noise: Gaussian with standard deviation sigma*C on the sum of clipped "
-                           "unit updates, drawn once per step from torch's generator (not a cryptographically secure RNG; "
-                           "floating-point effects are not accounted)")
+        er = engine_record or {}
+        assumptions.append("noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
+                           "updates, drawn once per step in float32 from "
+                           + (er.get("noise_generator") or "a keyed generator")
+                           + " (not a cryptographically secure generator; floating-point attacks on "
+                           "the Gaussian sampler are not accounted)")
+        prec = er.get("precision") or {}
+        if prec:
+            assumptions.append(f"precision: model {', '.join(prec.get('model', []))}; norms, clipped sums, "
+                               f"the denominator and the noise in {', '.join(prec.get('norms_sums_noise', []))}; "
+                               f"master weights {prec.get('master_weights')}")
+        if er.get("seeded"):
+            assumptions.append("SEEDED RUN: the sampling and the noise derive from the seed in the "
+                               "configuration; whoever holds the seed can recompute the noise, and the "
+                               "guarantee holds only against parties who do not know it")
         if algorithm == "els":
             assumptions.append(f"each user contributes at most G = {group_size} records (enforced "
-                               "when the user store is built)")
-        assumptions.append(f"the number of users N = {num_users} is public (used in q and delta)")
+                               "when the unit table D' is built)")
+        for c in er.get("counts_treated_as_public") or [
+                f"the number of users N = {num_users} (in q and delta)"]:
+            assumptions.append(f"treated as public (computed on the private data, not noised): {c}")
+        assumptions.append(f"treated as public: the number of training records, {num_records} (published "
+                           "in this report)")
+        if er.get("nonfinite_units"):
+            assumptions.append(f"{er['nonfinite_units']} sampled units had a non-finite update and "
+                               "contributed zero (sensitivity unchanged); this count is computed on the "
+                               "private data and is NOT privatized")
     not_acc = list(not_accounted or [])
     not_acc.append("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
                    "them are not accounted; tune on public data or account per SPEC §4.10")
@@ -124,6 +147,9 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         not_acc.append("perplexity-based record selection used the pretrained model on the private "
                        "records (a non-private data touch)")
     plan_eps = float((plan or {}).get("dp_median_epsilon_spent") or 0.0)
+    if plan_eps and (plan or {}).get("seeded"):
+        assumptions.append("SEEDED DP MEDIAN: the plan's epsilon-DP median drew its noise from the plan's "
+                           "seed; whoever holds that seed can undo it")
     total = (epsilon_spent + plan_eps) if (private and epsilon_spent is not None) else epsilon_spent
     rec = {
         "private": private,
@@ -182,13 +208,73 @@ REQUIRED = ["setting", "data_accesses_covered", "mechanism_output", "unit", "adj
             "transparency"]
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: unreadable ({type(exc).__name__}); the file is damaged") from None
+
+
+def verify_epsilon(rec: dict, path: Path) -> None:
+    """Re-derive epsilon from the record's DpEvent and refuse a record whose epsilon differs.
+
+    Raises:
+        UserError: naming ``path``, when the saved epsilon, event or step count disagree.
+    """
+    from userdp import accounting as A
+
+    if not rec.get("private", True):
+        return
+    ev = rec.get("dp_event")
+    if ev is None:
+        if rec.get("epsilon") not in (None, 0, 0.0):
+            raise UserError(f"{path}: epsilon {rec.get('epsilon')} is given without the DpEvent that earned it")
+        return
+    try:
+        event = A.event_from_dict(ev)
+        acc = rec.get("engine_record", {}).get("accountant", "pld")
+        eps = A.epsilon(event, float(rec["delta"]), acc)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}: the saved DpEvent or delta is malformed ({exc})") from None
+    claimed = rec.get("epsilon")
+    if not isinstance(claimed, (int, float)) or not math.isclose(eps, float(claimed), rel_tol=1e-9, abs_tol=1e-12):
+        raise UserError(f"{path}: epsilon {claimed} does not match the epsilon of its own DpEvent "
+                        f"({eps:.6g}): the file was edited or damaged")
+    steps = getattr(event, "count", None)
+    if steps is not None and rec.get("steps_taken") is not None and int(steps) != int(rec["steps_taken"]):
+        raise UserError(f"{path}: the DpEvent composes {steps} steps but steps_taken says {rec['steps_taken']}")
+
+
+def _ledger_steps(rd: RunDir) -> int | None:
+    from userdp.engine.ledger import JOURNAL
+
+    p = rd.checkpoints / JOURNAL
+    if not p.is_file():
+        return None
+    best = 0
+    for line in p.read_text(errors="replace").splitlines():
+        try:
+            best = max(best, int(json.loads(line).get("spent", 0)))
+        except (ValueError, AttributeError, TypeError):
+            continue
+    return best
+
+
 def build_report(run_dir: str | Path) -> dict:
     rd = existing_run_dir(run_dir)
     if not rd.privacy.is_file():
         raise UserError(f"{run_dir}: no privacy.json yet (the run has not taken a step)")
-    rec = json.loads(rd.privacy.read_text())
+    rec = _read_json(rd.privacy)
+    if not isinstance(rec, dict):
+        raise UserError(f"{rd.privacy}: not a privacy record (expected a JSON object)")
+    verify_epsilon(rec, rd.privacy)
+    begun = _ledger_steps(rd)
+    if rec.get("private", True) and begun is not None and rec.get("steps_taken") is not None \
+            and int(rec["steps_taken"]) < begun:
+        raise UserError(f"{rd.privacy}: it accounts {rec['steps_taken']} steps but the ledger journal records "
+                        f"{begun} steps begun: the reported epsilon would undercount")
     state = rd.read_state()
-    ev = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
+    ev = _read_json(rd.eval) if rd.eval.is_file() else {}
     rec = dict(rec)
     rec["run_dir"] = str(rd.root)
     rec["status"] = state.get("status", "unknown")
@@ -224,6 +310,18 @@ def render_markdown(rep: dict) -> str:
                  f"under add/remove-one-user adjacency — {rep['tier']['meaning']}.")
     else:
         L.append("**No differential-privacy guarantee**: this run trained without noise.")
+    if private and rep.get("sampler_used") == "shuffle_fixed_batches":
+        L.append("")
+        L.append("**Shuffled batches.** Training used shuffled fixed-size batches, which have no proven "
+                 "privacy amplification, so the epsilon above is the guarantee WITHOUT amplification"
+                 + (f"; assuming Poisson sampling would have given epsilon = "
+                    f"{_fmt(rep.get('epsilon_assuming_poisson'))}, a comparison only, not a guarantee"
+                    if rep.get("epsilon_assuming_poisson") is not None else "") + ".")
+    if private and rep.get("seeded"):
+        L.append("")
+        L.append("**Seeded run.** The sampling and the noise derive from the seed in the configuration: "
+                 "whoever holds the seed can recompute the noise and remove it, so the guarantee holds "
+                 "only against parties who do not know the seed.")
     L.append("")
     L.append("## 1. Setting")
     L.append(f"- {rep['setting']}")

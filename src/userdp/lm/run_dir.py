@@ -80,9 +80,19 @@ class RunDir:
         return self.root / "state.json"
 
     def read_state(self) -> dict:
+        """state.json's content ({} when absent).
+
+        Raises:
+            UserError: the file is damaged (naming it)."""
         if not self.state.is_file():
             return {}
-        return json.loads(self.state.read_text())
+        try:
+            state = json.loads(self.state.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UserError(f"{self.state}: unreadable ({type(exc).__name__}); the file is damaged") from None
+        if not isinstance(state, dict):
+            raise UserError(f"{self.state}: not a run state (expected a JSON object)")
+        return state
 
     def write_state(self, **updates) -> dict:
         state = self.read_state()
