@@ -73,6 +73,19 @@ PLD_INTERVAL = 1e-4
 RDP_ORDERS = tuple(float(a) for a in rdp_lib.DEFAULT_RDP_ORDERS)
 #: Largest noise multiplier calibration will consider.
 SIGMA_MAX = 1e4
+#: Where the PLD accountant stays within seconds (measured on a 2-core CPU, dp_accounting 0.6):
+#: sigma / (largest sensitivity) in [0.1, 1e6] (0.05 did not finish in 20 s; ELS at 1e7 neither)
+#: and at most 1e7 composed steps (1.5 s; 1e8 did not finish in 20 s). Outside, epsilon() answers
+#: with RDP (a valid, looser upper bound) and accountant_used() says so.
+PLD_SIGMA_RANGE = (0.1, 1e6)
+PLD_MAX_STEPS = 10**7
+#: Largest ELS group size G the mixture accountant takes (its PLD builds G+1 components: 2.8 s
+#: at G = 1e4, over 20 s at 1e5).
+MAX_ELS_GROUP = 10_000
+#: Smallest sampling rate accounted (below it float64 loses the rate; denormals broke dp_accounting).
+MIN_SAMPLING_RATE = 1e-12
+#: Largest epsilon calibration accepts (e^epsilon overflows past ~709; beyond ~1000 nothing is promised).
+MAX_CALIBRATION_EPSILON = 1000.0
 
 
 # ----------------------------------------------------------------------------------- checks
@@ -87,6 +100,9 @@ def _check_rate(name: str, value: float) -> float:
     value = float(value)
     if not (0.0 < value <= 1.0):
         raise UserError(f"{name} must be in (0, 1] (got {value})")
+    if value < MIN_SAMPLING_RATE:
+        raise UserError(f"{name} = {value:g} is below {MIN_SAMPLING_RATE:g}, where float64 accounting is "
+                        "not reliable; use a larger sampling rate")
     return value
 
 
@@ -125,6 +141,9 @@ def els_step_event(noise_multiplier: float, sampling_rate: float, group_size: in
     sigma = _check_positive("noise_multiplier", noise_multiplier)
     p = _check_rate("sampling_rate", sampling_rate)
     g = _check_int("group_size", group_size)
+    if g > MAX_ELS_GROUP:
+        raise UserError(f"group_size G = {g} is above {MAX_ELS_GROUP:,}, the largest the ELS mixture "
+                        "accountant takes (it builds G+1 components); use a smaller G, or ULS")
     if g == 1:
         return dpe.PoissonSampledDpEvent(p, dpe.GaussianDpEvent(sigma))
     sens, probs = binomial_sensitivity(g, p)
@@ -309,7 +328,9 @@ def mog_rdp(sigma: float, sensitivities: Sequence[float], probs: Sequence[float]
     h = sigma / 4.0
     lo = -40.0 * sigma - smax
     covered = orders * smax + 40.0 * sigma <= lo + h * max_points
-    a_max = float(orders[covered].max()) if covered.any() else 1.0
+    if not covered.any():  # sigma far below the sensitivities: no order is bounded on the grid
+        return np.full(len(orders), np.inf)
+    a_max = float(orders[covered].max())
     x = np.arange(lo, a_max * smax + 40.0 * sigma + h, h)
     log_q = -0.5 * (x / sigma) ** 2 - 0.5 * math.log(2 * math.pi) - math.log(sigma) + math.log(h)
     L = np.empty_like(x)
@@ -561,14 +582,63 @@ def _rdp(event: dpe.DpEvent, orders: Sequence[float] | None = None) -> tuple[np.
     return orders_arr, step_rdp(event, orders_arr)
 
 
+def _pld_infeasible(event: dpe.DpEvent, count: int = 1) -> str | None:
+    """Why the PLD accountant cannot answer this event within seconds (None: it can)."""
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        return _pld_infeasible(event.event, count * int(event.count))
+    if isinstance(event, dpe.ComposedDpEvent):
+        for e in event.events:
+            why = _pld_infeasible(e, count)
+            if why:
+                return why
+        return None
+    if count > PLD_MAX_STEPS:
+        return f"{count:.3g} composed steps (PLD handles up to {PLD_MAX_STEPS:.0e})"
+    if isinstance(event, (dpe.PoissonSampledDpEvent, dpe.SampledWithoutReplacementDpEvent)):
+        return _pld_infeasible(event.event, count)
+    ratio = None
+    if isinstance(event, dpe.GaussianDpEvent):
+        ratio = float(event.noise_multiplier)
+    elif isinstance(event, dpe.MixtureOfGaussiansDpEvent):
+        ratio = float(event.standard_deviation) / max(max(event.sensitivities), 1e-300)
+    if ratio is not None and not (PLD_SIGMA_RANGE[0] <= ratio <= PLD_SIGMA_RANGE[1]):
+        return (f"noise multiplier / sensitivity = {ratio:.3g} (PLD handles {PLD_SIGMA_RANGE[0]:g} to "
+                f"{PLD_SIGMA_RANGE[1]:.0e})")
+    return None
+
+
+def accountant_used(event: dpe.DpEvent, delta: float, accountant: str = "pld") -> str:
+    """Which accountant :func:`epsilon` uses for this event: ``"pld"``, ``"rdp"``, or ``"rdp (…)"``
+    with the reason PLD was replaced (outside its feasible range, or δ below its resolution)."""
+    if accountant == "rdp":
+        return "rdp"
+    why = _pld_infeasible(event)
+    if why:
+        return f"rdp (PLD infeasible: {why})"
+    if delta < 1e-15:
+        return "rdp where PLD cannot resolve delta (pessimistic PLD tails truncate at 1e-15)"
+    return "pld"
+
+
 def epsilon(event: dpe.DpEvent, delta: float, accountant: str = "pld", *,
             value_discretization_interval: float = PLD_INTERVAL,
             orders: Sequence[float] | None = None) -> float:
-    """ε of the event at δ. PLD is pessimistic (an upper bound up to float error)."""
+    """ε of the event at δ: an upper bound (PLD pessimistic, or RDP).
+
+    With ``accountant="pld"``, events outside the PLD's feasible range (see
+    :data:`PLD_SIGMA_RANGE`, :data:`PLD_MAX_STEPS`) and deltas it cannot resolve are answered by
+    RDP instead — also a valid upper bound, looser; :func:`accountant_used` says which answered.
+    The answer may be ``inf`` (no order of RDP bounds the event).
+
+    Raises:
+        UserError: bad delta or accountant name, or an event the accountant cannot take.
+    """
     _check_delta(delta)
     _check_accountant(accountant)
-    if accountant == "pld":
-        return float(_pld(event, value_discretization_interval).get_epsilon(delta))
+    if accountant == "pld" and _pld_infeasible(event) is None:
+        eps = float(_pld(event, value_discretization_interval).get_epsilon(delta))
+        if math.isfinite(eps):
+            return eps
     o, r = _rdp(event, orders)
     return float(rdp_lib.compute_epsilon(o, r, delta)[0])
 
@@ -581,7 +651,7 @@ def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,
     if not (eps > 0 and math.isfinite(eps)):
         raise UserError(f"epsilon must be a positive number (got {epsilon})")
     _check_accountant(accountant)
-    if accountant == "pld":
+    if accountant == "pld" and _pld_infeasible(event) is None:
         return float(_pld(event, value_discretization_interval).get_delta(eps))
     o, r = _rdp(event, orders)
     return float(rdp_lib.compute_delta(o, r, eps)[0])
@@ -714,9 +784,25 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
     eps = float(epsilon)
     if not (eps > 0 and math.isfinite(eps)):
         raise UserError(f"epsilon must be a positive number (got {epsilon})")
+    if eps > MAX_CALIBRATION_EPSILON:
+        raise UserError(f"epsilon = {eps:g} promises nothing (e^epsilon overflows); calibrate for an "
+                        f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
+    if eps < 1e-6:
+        raise UserError(f"epsilon = {eps:g} is below 1e-6, where the accountants' discretization "
+                        "dominates; use a larger epsilon")
     dlt = _check_delta(delta)
     t = _check_int("steps", steps)
     _check_accountant(accountant)
+    try:
+        return _calibrate(make_step_event, t, eps, dlt, accountant, rtol=rtol, sigma_max=sigma_max,
+                          value_discretization_interval=value_discretization_interval, orders=orders)
+    except RuntimeError:
+        raise UserError(f"no noise multiplier up to {sigma_max:g} meets epsilon = {eps:g} at delta = {dlt:g} "
+                        f"over {t} steps; raise epsilon or delta, or take fewer steps") from None
+
+
+def _calibrate(make_step_event, t, eps, dlt, accountant, *, rtol, sigma_max, value_discretization_interval,
+               orders):
     log_target = math.log(eps)
 
     def eps_at(s: float, interval: float) -> float:

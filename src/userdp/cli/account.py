@@ -11,11 +11,11 @@ Shared argument handling for ``userdp calibrate`` lives here too.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from typing import Any
 
 from userdp import accounting, adaptive_clipping
+from userdp.cli import jsonout
 from userdp.errors import UserError
 
 
@@ -156,6 +156,12 @@ def split_noise(m: dict[str, Any], effective_z: float, count_stddev: float | Non
                 f"2*S > noise multiplier {effective_z:.6g}") from None
 
 
+def _accountant_label(m: dict) -> str:
+    """"PLD", "RDP", or "RDP (why PLD could not answer)"."""
+    used = m.get("accountant_used") or m["accountant"]
+    return used[:3].upper() + used[3:]
+
+
 def describe(m: dict[str, Any]) -> str:
     unit = "records" if m["mechanism"] == "els" else "users"
     if m["sampling"] == "poisson":
@@ -168,7 +174,7 @@ def describe(m: dict[str, Any]) -> str:
         f"for {m['mechanism'].upper()} with G={m['group_size']}, noise multiplier "
         f"{m['noise_multiplier']:.6g}, T={m['steps']} steps, {sampling};",
         f"adjacency: {m['adjacency'].replace('_', ' ')} (all of one user's data);",
-        f"accountant: {m['accountant'].upper()}; {m['delta_rule']}.",
+        f"accountant: {_accountant_label(m)}; {m['delta_rule']}.",
     ]
     if "update_noise_multiplier" in m:
         parts.append(f"Adaptive clipping: count noise stddev {m['count_noise_stddev']:g}, "
@@ -179,7 +185,7 @@ def describe(m: dict[str, Any]) -> str:
 
 def emit(m: dict[str, Any], as_json: bool, text: str) -> None:
     if as_json:
-        print(json.dumps(m, sort_keys=True))
+        print(jsonout.dumps(m, sort_keys=True))
     else:
         print(text)
 
@@ -201,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     split_noise(m, args.noise_multiplier, args.count_noise_stddev)
     event = accounting.compose(step_event_factory(m)(args.noise_multiplier), m["steps"])
     m["epsilon"] = accounting.epsilon(event, m["delta"], m["accountant"])
+    m["accountant_used"] = accounting.accountant_used(event, m["delta"], m["accountant"])
     m["step_event"] = accounting.event_to_dict(event.event)
     emit(m, args.json, describe(m))
     return 0

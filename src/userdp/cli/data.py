@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
+from userdp.cli import jsonout
 from userdp.errors import UserError
 
 
@@ -53,7 +53,7 @@ def _stats(args) -> int:
             plot_records_per_user(store.sizes(), args.plot, title=f"{Path(str(args.source)).name}: "
                                   f"{s['users']:,} users, {s['records']:,} records")
         if args.json:
-            print(json.dumps(s, indent=1))
+            print(jsonout.dumps(s, indent=1))
         else:
             print(format_stats(s))
             if args.plot:

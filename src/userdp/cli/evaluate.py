@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+
+from userdp.cli import jsonout
 import math
 
 
@@ -36,7 +37,7 @@ def main(args) -> int:
                           overrides=args.overrides, personalize=args.personalize,
                           max_users=args.max_users)
     if args.json:
-        print(json.dumps(res, default=str))
+        print(jsonout.dumps(res))
         return 0
     m = res["heldout"]
     print(f"model:            {res['model']}")

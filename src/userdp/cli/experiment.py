@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import sys
 import time
 from pathlib import Path
 
+from userdp.cli import jsonout
 from userdp.errors import UserError
 
 
@@ -76,7 +76,7 @@ def _run_variance(args: argparse.Namespace) -> int:
               f"accountant={cfg.accountant}", flush=True)
     rows = variance.run(cfg, progress=progress)
     if args.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=1))
+        print(jsonout.dumps([r.to_dict() for r in rows], indent=1))
     else:
         print(variance.format_table(rows))
     if plot_dir is not None:
@@ -140,7 +140,7 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
     rows = me.run_study(base, sweeps, noise_multiplier=args.noise_multiplier,
                         log=log if args.verbose else None)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(jsonout.dumps(rows, indent=1))
     else:
         print(me.format_table(rows))
         print(f"# {len(rows)} rows in {time.time() - t0:.1f} s")

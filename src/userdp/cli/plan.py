@@ -9,13 +9,13 @@ std proxies of SPEC §7.1 with a recommendation.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from userdp.cli import jsonout
 from userdp.errors import UserError
 
 
@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     write_json_atomic(save, out)
     out["saved_to"] = str(save)
     if args.json:
-        print(json.dumps(out, indent=1, allow_nan=False, default=_json_safe))
+        print(jsonout.dumps(out, indent=1))
     else:
         print(heuristics.format_plan(plan))
         if args.seed is not None and plan.els.get("group_size_method") == "dp_median":
@@ -86,9 +86,6 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  to train it (the report then lists the plan's data touches and counts its epsilon):\n    {cmd}")
     return 0
 
-
-def _json_safe(o):
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def register(subparsers) -> None:

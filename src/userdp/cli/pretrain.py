@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+
+from userdp.cli import jsonout
 
 
 def register(subparsers) -> None:
@@ -41,7 +42,7 @@ def main(args) -> int:
 
     info = pretrain_job(args)
     if args.json:
-        print(json.dumps(info, default=str))
+        print(jsonout.dumps(info))
     else:
         print(f"pretrained model: {info['output']}")
         print(f"public text:      {info['public_text']}")

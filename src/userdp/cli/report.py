@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import json
+
+from userdp.cli import jsonout
 
 
 def register(subparsers) -> None:
@@ -19,7 +20,7 @@ def main(args) -> int:
 
     rep, md = write_report(args.run_dir)
     if args.json:
-        print(json.dumps(rep, indent=2, default=str))
+        print(jsonout.dumps(rep, indent=2))
     else:
         print(md, end="")
     return 0

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
+from userdp.cli import jsonout
 from userdp.errors import UserError
 
 
@@ -80,5 +80,5 @@ def main(args) -> int:
     print(f"report:               userdp report {s['run_dir']}")
     sys.stdout.flush()
     if args.json:
-        print(json.dumps(s, default=str))
+        print(jsonout.dumps(s))
     return 0
