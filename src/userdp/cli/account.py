@@ -11,7 +11,6 @@ Shared argument handling for ``userdp calibrate`` lives here too.
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Any
 
 from userdp import accounting, adaptive_clipping
@@ -19,46 +18,7 @@ from userdp.cli import jsonout
 from userdp.errors import UserError
 
 
-# ------------------------------------------------------------------ argparse value types
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def rate(text: str) -> float:
-    value = _number(text)
-    if not (0 < value <= 1):
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def open_unit(text: str) -> float:
-    value = _number(text)
-    if not (0 < value < 1):
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+from userdp.cli.argtypes import open_unit, positive_float, positive_int, rate  # noqa: F401 (re-exported)
 
 
 def add_mechanism_arguments(p: argparse.ArgumentParser) -> None:

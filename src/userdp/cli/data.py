@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 
 from userdp.cli import jsonout
+from userdp.cli import argtypes as A
 from userdp.errors import UserError
 
 
@@ -20,7 +21,7 @@ def _add_source_args(p) -> None:
     p.add_argument("--split", default=None, help="split of a saved Hugging Face DatasetDict")
     p.add_argument("--public-plays", default="", help="shakespeare: comma-separated plays set aside as public text")
     p.add_argument("--sites", default="", help="stackexchange: comma-separated site folders to read (default: all)")
-    p.add_argument("--shards", type=int, default=None, help="number of hash shards for the out-of-core build")
+    p.add_argument("--shards", type=A.int_range(1, 4096), default=None, help="number of hash shards for the out-of-core build")
 
 
 def _open_store(args, out_dir):
@@ -82,11 +83,11 @@ def register(subparsers) -> None:
     _add_source_args(s)
     s.add_argument("--tokenizer", default=None, help="tokenizer.json or tokenizer folder: also count tokens")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--plot", default=None, metavar="FILE.png", help="write a records-per-user histogram")
+    s.add_argument("--plot", default=None, metavar="FILE.png", type=A.plot_file, help="write a records-per-user histogram")
     s.set_defaults(func=_stats)
 
     b = sub.add_parser("build", help="build a user-grouped store on disk (out of core)")
     _add_source_args(b)
-    b.add_argument("--out", required=True, help="store folder to write")
+    b.add_argument("--out", required=True, type=A.output_dir, help="store folder to write")
     b.add_argument("--overwrite", action="store_true", help="replace an existing store folder")
     b.set_defaults(func=_build)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 import math
 
@@ -21,7 +22,7 @@ def register(subparsers) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--personalize", action="store_true",
                    help="also run the personalization evaluation (SPEC §6)")
-    p.add_argument("--max-users", type=int, help="evaluate at most this many held-out users")
+    p.add_argument("--max-users", type=A.positive_int, help="evaluate at most this many held-out users")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=main)
 

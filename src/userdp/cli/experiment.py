@@ -10,27 +10,21 @@ import time
 from pathlib import Path
 
 from userdp.cli import jsonout
+from userdp.cli import argtypes as A
 from userdp.errors import UserError
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        vals = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not vals:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return vals
+_floats = A.list_of(A.positive_float)
+_ints = A.list_of(A.positive_int)
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not vals:
-        raise argparse.ArgumentTypeError("expected at least one integer")
-    return vals
+def _refuse_quick_overrides(args: argparse.Namespace, parser_defaults: dict, keys: tuple[str, ...]) -> None:
+    """--quick replaces these settings: refuse it together with an explicit value for one of them
+    (it used to override the value silently)."""
+    given = [k for k in keys if getattr(args, k) != parser_defaults.get(k)]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise UserError(f"--quick sets {flags} itself: drop --quick or those options")
 
 
 def _quiet_absl() -> None:
@@ -61,6 +55,8 @@ def _run_variance(args: argparse.Namespace) -> int:
         els_group_size=args.els_group_size, compute_budget=args.compute_budget, steps=args.steps,
         delta=args.delta, epsilons=args.epsilons, cohort_sizes=args.cohort_sizes,
         accountant=args.accountant)
+    if args.quick:
+        _refuse_quick_overrides(args, args._defaults, ("epsilons", "cohort_sizes"))
     if args.quick:  # the extreme epsilons and every other cohort size (small T is *slower*:
         # smaller sigma makes the PLD costlier, so T is left alone)
         eps = cfg.epsilons if len(cfg.epsilons) <= 2 else (cfg.epsilons[0], cfg.epsilons[-1])
@@ -91,12 +87,12 @@ def _add_variance(sub) -> None:
         "variance", help="ELS vs ULS noise variance for a compute budget (SPEC §7.1, Fig 2/9)",
         description="Var_ULS/Var_ELS = (G_ULS L_G sigma_ULS / (L sigma_ELS))^2 over epsilon and "
                     "cohort size M (G_ULS = B/M), for L_G = 1 and L_G = 1/sqrt(G).")
-    p.add_argument("--users", type=int, default=10_000, help="N users (default 10000)")
-    p.add_argument("--max-group-size", type=int, default=64, help="G_max records per user (default 64)")
-    p.add_argument("--els-group-size", type=int, default=16, help="G_ELS (default 16)")
-    p.add_argument("--compute-budget", type=int, default=1024, help="B gradients per step (default 1024)")
-    p.add_argument("--steps", type=int, default=1000, help="T (default 1000)")
-    p.add_argument("--delta", type=float, default=1e-6, help="delta (default 1e-6)")
+    p.add_argument("--users", type=A.positive_int, default=10_000, help="N users (default 10000)")
+    p.add_argument("--max-group-size", type=A.positive_int, default=64, help="G_max records per user (default 64)")
+    p.add_argument("--els-group-size", type=A.positive_int, default=16, help="G_ELS (default 16)")
+    p.add_argument("--compute-budget", type=A.positive_int, default=1024, help="B gradients per step (default 1024)")
+    p.add_argument("--steps", type=A.positive_int, default=1000, help="T (default 1000)")
+    p.add_argument("--delta", type=A.open_unit, default=1e-6, help="delta (default 1e-6)")
     p.add_argument("--epsilons", type=_floats, default=(1.0, 2.0, 4.0, 8.0, 16.0),
                    help="comma-separated epsilons (default 1,2,4,8,16)")
     p.add_argument("--cohort-sizes", type=_ints, default=None,
@@ -105,7 +101,7 @@ def _add_variance(sub) -> None:
     p.add_argument("--quick", action="store_true", help="T <= 200 and every other epsilon")
     p.add_argument("--plot", metavar="DIR", help="write variance_ratio.png into DIR")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
-    p.set_defaults(func=_run_variance)
+    p.set_defaults(func=_run_variance, _defaults={a.dest: a.default for a in p._actions})
 
 
 # ---------------------------------------------------------------------------- mean estimation
@@ -129,6 +125,8 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
         "epsilon": args.sweep_epsilon,
     }
     if args.quick:
+        _refuse_quick_overrides(args, args._defaults, ("users", "steps", "uls_group_sizes", "learning_rates",
+                                                       "clip_norms", "trials", "sweep_within_user_variance"))
         base, sweeps = me.quick_settings(base, sweeps)
     if args.no_sweeps:
         sweeps = {}
@@ -160,33 +158,33 @@ def _add_mean_estimation(sub) -> None:
                     "1/2||theta - x||^2 under user-level (eps, delta)-DP; the reported loss is "
                     "||theta_T - mu||^2, best over the lr x clip sweep, mean over trials. The base "
                     "setting is run once per value of each --sweep-* list (one knob at a time).")
-    p.add_argument("--dimension", type=int, default=D.dimension)
-    p.add_argument("--users", type=int, default=D.num_users)
-    p.add_argument("--records-per-user", type=int, default=D.records_per_user,
+    p.add_argument("--dimension", type=A.positive_int, default=D.dimension)
+    p.add_argument("--users", type=A.positive_int, default=D.num_users)
+    p.add_argument("--records-per-user", type=A.positive_int, default=D.records_per_user,
                    help="records per user (the median when --heavy-tailed)")
     p.add_argument("--heavy-tailed", action="store_true",
                    help="log-normal records per user with median --records-per-user")
-    p.add_argument("--heavy-tail-sigma", type=float, default=D.heavy_tail_sigma)
-    p.add_argument("--population-scale", type=float, default=D.population_scale)
-    p.add_argument("--between-user-std", type=float, default=D.between_user_std)
-    p.add_argument("--within-user-variance", type=float, default=D.within_user_variance)
-    p.add_argument("--compute-budget", type=int, default=D.compute_budget,
+    p.add_argument("--heavy-tail-sigma", type=A.nonneg_float, default=D.heavy_tail_sigma)
+    p.add_argument("--population-scale", type=A.positive_float, default=D.population_scale)
+    p.add_argument("--between-user-std", type=A.nonneg_float, default=D.between_user_std)
+    p.add_argument("--within-user-variance", type=A.nonneg_float, default=D.within_user_variance)
+    p.add_argument("--compute-budget", type=A.positive_int, default=D.compute_budget,
                    help="B: expected gradients per step")
-    p.add_argument("--epsilon", type=float, default=D.epsilon)
-    p.add_argument("--delta", type=float, default=None, help="default N^-1.1")
-    p.add_argument("--steps", type=int, default=D.steps)
-    p.add_argument("--els-group-size", type=int, default=None,
+    p.add_argument("--epsilon", type=A.positive_float, default=D.epsilon)
+    p.add_argument("--delta", type=A.open_unit, default=None, help="default N^-1.1")
+    p.add_argument("--steps", type=A.positive_int, default=D.steps)
+    p.add_argument("--els-group-size", type=A.positive_int, default=None,
                    help="G_ELS (default: median records per user)")
     p.add_argument("--uls-group-sizes", type=_ints, default=D.uls_group_sizes)
     p.add_argument("--learning-rates", type=_floats, default=D.learning_rates)
     p.add_argument("--clip-norms", type=_floats, default=D.clip_norms)
-    p.add_argument("--trials", type=int, default=D.trials)
+    p.add_argument("--trials", type=A.positive_int, default=D.trials)
     p.add_argument("--seed", type=int, default=D.seed)
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
-    p.add_argument("--average-fraction", type=float, default=D.average_fraction,
+    p.add_argument("--average-fraction", type=A.rate, default=D.average_fraction,
                    help="report the mean of the last fraction of the iterates (tail averaging, "
                         "post-processing); 0 = the final iterate")
-    p.add_argument("--noise-multiplier", type=float, default=None,
+    p.add_argument("--noise-multiplier", type=A.nonneg_float, default=None,
                    help="use this sigma instead of calibrating to (epsilon, delta); 0 = non-private "
                         "reference (the rows' epsilon_spent then says inf)")
     p.add_argument("--sweep-within-user-variance", type=_floats, default=(1.0, 100.0))
@@ -197,7 +195,7 @@ def _add_mean_estimation(sub) -> None:
     p.add_argument("--plot", metavar="DIR", help="write one PNG per swept knob into DIR")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
     p.add_argument("--verbose", action="store_true", help="log each setting as it finishes")
-    p.set_defaults(func=_run_mean_estimation)
+    p.set_defaults(func=_run_mean_estimation, _defaults={a.dest: a.default for a in p._actions})
 
 
 def register(subparsers) -> None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from userdp.cli import jsonout
+from userdp.cli import argtypes as A
 from userdp.errors import UserError
 
 
@@ -97,13 +98,13 @@ def register(subparsers) -> None:
                     "users and their gradient norms are a non-private touch of the data.")
     p.add_argument("config", nargs="?", default=None,
                    help="training config YAML (default: the embedded default of `userdp train`)")
-    p.add_argument("--compute-budget", type=int, required=True, metavar="B",
+    p.add_argument("--compute-budget", type=A.positive_int, required=True, metavar="B",
                    help="gradients per step (ELS expected batch; ULS M*G)")
-    p.add_argument("--epsilon", type=float, default=None, help="target epsilon (default: the config's)")
-    p.add_argument("--steps", type=int, default=None, help="T (default: the config's training.steps)")
-    p.add_argument("--delta", type=float, default=None, help="default: the config's, else N^-1.1")
-    p.add_argument("--sample-users", type=int, default=128, help="users sampled to estimate L(G) (128)")
-    p.add_argument("--dp-median-epsilon", type=float, default=None,
+    p.add_argument("--epsilon", type=A.positive_float, default=None, help="target epsilon (default: the config's)")
+    p.add_argument("--steps", type=A.positive_int, default=None, help="T (default: the config's training.steps)")
+    p.add_argument("--delta", type=A.open_unit, default=None, help="default: the config's, else N^-1.1")
+    p.add_argument("--sample-users", type=A.positive_int, default=128, help="users sampled to estimate L(G) (128)")
+    p.add_argument("--dp-median-epsilon", type=A.positive_float, default=None,
                    help="release the ELS median with this epsilon-DP (counted by the report)")
     p.add_argument("--accountant", choices=("pld", "rdp"), default=None)
     p.add_argument("--seed", type=int, default=None, help="seed for the user sample and record draws")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 
 
@@ -13,7 +14,7 @@ def register(subparsers) -> None:
                      "PUBLIC (nothing here is private or accounted), and save a folder that "
                      "`userdp train --set model.path=DIR` and transformers' "
                      "AutoModelForCausalLM.from_pretrained accept."))
-    p.add_argument("--output", required=True, metavar="DIR", help="model folder to write")
+    p.add_argument("--output", required=True, metavar="DIR", type=A.output_dir, help="model folder to write")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--public-text", metavar="FILE", help="public text: .txt (documents separated "
                      "by blank lines) or .jsonl (field --text-field)")
@@ -27,11 +28,12 @@ def register(subparsers) -> None:
                    help="required with --public-text/--stackexchange: I declare this text public")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
     p.add_argument("--base-model", metavar="DIR", help="continue pretraining a local model instead")
-    p.add_argument("--vocab-size", type=int, default=2048)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--vocab-size", type=A.int_range(260, 1_000_000), default=2048,
+                   help="BPE vocabulary (>= 260: the 256 bytes plus special tokens)")
+    p.add_argument("--seq-len", type=A.int_range(2, 1_000_000), default=64, help="tokens per sequence")
+    p.add_argument("--steps", type=A.positive_int, default=600, help="optimizer steps")
+    p.add_argument("--batch-size", type=A.positive_int, default=32, help="sequences per step")
+    p.add_argument("--lr", type=A.positive_float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=main)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import zlib
 import io
 import json
 import os
@@ -44,6 +45,17 @@ def _size_hint(path: Path) -> int:
     return size * 4 if _is_gzip(path) else size
 
 
+def check_readable(path: Path) -> None:
+    """A data source must be a regular file or a folder: a pipe or device would be read once and
+    lose the bytes the format detection consumed (or block forever).
+
+    Raises:
+        UserError: naming the path."""
+    if path.exists() and not (path.is_file() or path.is_dir()):
+        raise UserError(f"{path}: not a regular file (a pipe, socket or device); save the data to a file "
+                        "and give its path")
+
+
 def detect_format(source: str) -> str:
     """The format of ``source`` from its name, extension or contents (``--format`` overrides)."""
     if source == "shakespeare":
@@ -51,6 +63,7 @@ def detect_format(source: str) -> str:
     path = Path(source)
     if not path.exists():
         raise UserError(f"data source {source!r} does not exist (give a file, a folder or 'shakespeare')")
+    check_readable(path)
     if path.is_dir():
         if (path / "Posts.xml").is_file() or any((p / "Posts.xml").is_file() for p in path.iterdir() if p.is_dir()):
             return "stackexchange"
@@ -106,6 +119,9 @@ def open_source(
     path = Path(source)
     if not path.exists():
         raise UserError(f"data source {source!r} does not exist")
+    check_readable(path)
+    if fmt in ("jsonl", "csv") and path.is_dir():
+        raise UserError(f"{source}: a folder, not a {fmt.upper()} file")
     if fmt == "stackexchange":
         from userdp.data.stackexchange import StackExchangeSource
 
@@ -122,6 +138,11 @@ def open_source(
 
 class _FieldSource:
     def __init__(self, path: Path, user_field: str, text_field: str, date_field: Optional[str]):
+        if user_field == text_field:
+            raise UserError(f"--user-field and --text-field are both {user_field!r}: every distinct text "
+                            "would become its own user, which silently changes the privacy unit")
+        if date_field is not None and date_field in (user_field, text_field):
+            raise UserError(f"--date-field {date_field!r} is also the user or text field")
         self.path = Path(path)
         self.user_field = user_field
         self.text_field = text_field
@@ -165,12 +186,49 @@ def _date_value(v, where: str, field: str) -> Optional[str]:
     return str(v)  # datetime etc.
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicate_keys(pairs):
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
+
+
+def _check_unicode(value, where: str, which: str, field: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"{where}: the {which} field {field!r} holds an unpaired surrogate "
+                            "(invalid Unicode)") from None
+
+
+def _damaged_compression(fname: str, exc: BaseException) -> UserError:
+    return UserError(f"{fname}: the compressed data is damaged or truncated ({type(exc).__name__}: {exc})")
+
+
 class JsonlSource(_FieldSource):
-    """One JSON object per line; plain or gzip (detected from the bytes, not the name)."""
+    """One JSON object per line; plain or gzip (detected from the bytes, not the name).
+
+    Refused, naming the line and field: invalid UTF-8 or JSON, a line that is not an object, a
+    repeated key (which value is meant is ambiguous), an unpaired surrogate, a damaged gzip."""
 
     kind = "jsonl"
 
     def batches(self, batch_size: int = 50_000) -> Iterator[RecordBatch]:
+        try:
+            yield from self._batches(batch_size)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise _damaged_compression(str(self.path), exc) from None
+
+    def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         uf, tf, df = self.user_field, self.text_field, self.date_field
         opener = gzip.open if _is_gzip(self.path) else open
         fname = str(self.path)
@@ -184,7 +242,10 @@ class JsonlSource(_FieldSource):
                     self.drops.add(BLANK_LINES, example=f"{fname}:line {lineno}")
                     continue
                 try:
-                    obj = json.loads(raw)
+                    obj = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+                except _DuplicateKey as exc:
+                    raise UserError(f"{fname}:line {lineno}: the field {exc.args[0]!r} appears twice in one "
+                                    "object (ambiguous)") from None
                 except UnicodeDecodeError as exc:
                     raise UserError(f"{fname}:line {lineno}: invalid UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
                 except json.JSONDecodeError as exc:
@@ -203,6 +264,9 @@ class JsonlSource(_FieldSource):
                         f"{', '.join(sorted(map(str, obj))) or 'none'}; use --{which}-field)"
                     ) from None
                 where = f"{fname}:line {lineno}"
+                if b"\\ud" in raw or b"\\uD" in raw:  # an escaped surrogate: check it is paired
+                    _check_unicode(u, where, "user", uf)
+                    _check_unicode(t, where, "text", tf)
                 users.append(u if type(u) is str and u.strip() else _user_value(u, where, uf))
                 texts.append(t if type(t) is str else _text_value(t, where, tf))
                 if dates is not None:
@@ -222,6 +286,12 @@ class CsvSource(_FieldSource):
     kind = "csv"
 
     def batches(self, batch_size: int = 50_000) -> Iterator[RecordBatch]:
+        try:
+            yield from self._batches(batch_size)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise _damaged_compression(str(self.path), exc) from None
+
+    def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         fname = str(self.path)
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
         binary = gzip.open(self.path, "rb") if _is_gzip(self.path) else open(self.path, "rb")
@@ -229,13 +299,16 @@ class CsvSource(_FieldSource):
         last_row = 0
         try:
             with io.TextIOWrapper(binary, encoding="utf-8-sig", errors="strict", newline="") as f:
-                reader = csv.reader(f, delimiter=delim)
+                reader = csv.reader(f, delimiter=delim, strict=True)
                 try:
                     header = next(reader)
                 except StopIteration:
                     raise UserError(f"{fname}: empty CSV file (expected a header row)") from None
                 cols = {}
                 for which, field in self._fields():
+                    if header.count(field) > 1:
+                        raise UserError(f"{fname}:line 1: the CSV header names the {which} field {field!r} "
+                                        f"{header.count(field)} times (ambiguous)")
                     if field not in header:
                         raise UserError(
                             f"{fname}:line 1: the CSV header lacks the {which} field {field!r} "
@@ -252,6 +325,9 @@ class CsvSource(_FieldSource):
                     last_row = reader.line_num
                     if not row:
                         continue  # a blank line is no record in CSV
+                    if len(row) != len(header) and len(row) > need:
+                        raise UserError(f"{fname}:line {reader.line_num}: the row has {len(row)} fields but "
+                                        f"the header has {len(header)} (a stray delimiter or quote)")
                     if len(row) <= need:
                         missing = [w for w, c in cols.items() if c >= len(row)]
                         raise UserError(
@@ -259,6 +335,9 @@ class CsvSource(_FieldSource):
                             f"value for the {missing[0]} field {dict(self._fields())[missing[0]]!r}"
                         )
                     users.append(_user_value(row[ui], f"{fname}:line {reader.line_num}", self.user_field))
+                    if "\x00" in row[ti] or "\x00" in row[ui]:
+                        raise UserError(f"{fname}:line {reader.line_num}: a NUL byte in the row (a binary or "
+                                        "damaged file)")
                     texts.append(row[ti])
                     if dates is not None:
                         dates.append(row[di] or None)

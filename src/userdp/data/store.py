@@ -228,14 +228,34 @@ def _fingerprint(folder: Path) -> str:
 class UserStore:
     """A built store, opened read-only; records are memory-mapped, never loaded whole."""
 
-    def __init__(self, path):
+    def __init__(self, path, verify: bool = True):
+        """Open the store at ``path``; ``verify`` re-hashes its files against meta.json's fingerprint.
+
+        Raises:
+            UserError: not a store, another format version, or damaged/inconsistent files."""
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
             raise UserError(f"{self.path}: not a userdp data store (no meta.json; build one with `userdp data build`)")
-        self.meta = json.loads(meta_path.read_text())
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            assert isinstance(self.meta, dict)
+        except (OSError, UnicodeDecodeError, ValueError, AssertionError):
+            raise UserError(f"{meta_path}: unreadable store metadata (damaged); rebuild the store") from None
         if self.meta.get("format_version") != FORMAT_VERSION:
             raise UserError(f"{self.path}: store format {self.meta.get('format_version')} is not {FORMAT_VERSION}; rebuild it")
+        try:
+            self._open(verify)
+        except UserError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, IndexError, pa.ArrowException) as exc:
+            raise UserError(f"{self.path}: damaged data store ({type(exc).__name__}: {str(exc)[:120]}); "
+                            "rebuild it") from None
+
+    def _open(self, verify: bool) -> None:
+        if verify and _fingerprint(self.path) != self.meta.get("fingerprint"):
+            raise UserError(f"{self.path}: the store's files do not match the fingerprint in meta.json "
+                            "(damaged or edited); rebuild it")
         self._mmap = pa.memory_map(str(self.path / "records.arrow"))
         self._reader = pa.ipc.open_file(self._mmap)
         self._batches = [self._reader.get_batch(i) for i in range(self._reader.num_record_batches)]
@@ -249,6 +269,13 @@ class UserStore:
         self.has_dates = bool(self.meta["has_dates"])
         self.fingerprint: str = self.meta["fingerprint"]
         self.drops = DropReport.from_dict(self.meta.get("drops", {}))
+        rows = int(self._batch_starts[-1])
+        if (self.meta.get("num_users") != self.num_users or self.meta.get("num_records") != self.num_records
+                or rows != self.num_records or len(self._user_ids) != self.num_users
+                or (self.num_users and np.any(self._sizes < 1))):
+            raise UserError(f"{self.path}: inconsistent store (meta.json says {self.meta.get('num_users')} users / "
+                            f"{self.meta.get('num_records')} records, the files hold {self.num_users} / {rows}); "
+                            "rebuild it")
 
     def __repr__(self) -> str:
         return f"UserStore({str(self.path)!r}, users={self.num_users:,}, records={self.num_records:,})"
@@ -337,5 +364,6 @@ class UserStore:
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
-def open_store(path) -> UserStore:
-    return UserStore(path)
+def open_store(path, verify: bool = True) -> UserStore:
+    """The store at ``path`` (see :class:`UserStore`)."""
+    return UserStore(path, verify=verify)

@@ -111,7 +111,6 @@ class TrainingConfig:
     chunk_size: int = 8                   # vmap chunk (units per vectorised call)
     seed: Optional[int] = None            # null: sampling and noise from OS entropy (secret)
     checkpoint_every: int = 25
-    allow_cohort_shortfall: bool = False
 
 
 @dataclass(frozen=True)
@@ -240,12 +239,36 @@ def default_yaml_text() -> str:
     return resources.files("userdp").joinpath("configs/default.yaml").read_text()
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (ambiguous)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML config file.
+
+    Raises:
+        UserError: missing, a folder, not UTF-8, not valid YAML, a key given twice, or not a mapping."""
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"config: {path} is a folder, not a YAML file")
     if not p.is_file():
         raise UserError(f"config: {path} does not exist")
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config: {path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""

@@ -56,7 +56,9 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
             if data == "shakespeare":
                 sets.append("data.source=shakespeare")
             else:
-                sets += [f"data.source={fmt or 'jsonl'}", f"data.path={data}"]
+                from userdp.data.sources import detect_format
+
+                sets += [f"data.source={fmt or detect_format(data)}", f"data.path={data}"]
             cfg = C.load_config(None, sets)
         else:
             raise UserError(f"{target}: a model folder needs --data or --config to say which users to "

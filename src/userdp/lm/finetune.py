@@ -296,11 +296,21 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
 # ---------------------------------------------------------------------------------- engine config
 
 
+def check_cohort(cfg: C.RunConfig, num_units: int) -> None:
+    """The expected cohort must fit the units (a larger one used to be capped at q = 1 silently)."""
+    t = cfg.training
+    unit = "records of D'" if t.algorithm == "els" else "training users"
+    if t.cohort_size > num_units:
+        raise UserError(f"training.cohort_size = {t.cohort_size:g} is more than the {num_units} {unit}; "
+                        f"give at most {num_units} (sampling rate 1)")
+
+
 def engine_config(cfg: C.RunConfig, num_units_hint: int):
     from userdp import engine as E
 
     t, p = cfg.training, cfg.privacy
-    rate = min(1.0, t.cohort_size / max(1, num_units_hint))
+    check_cohort(cfg, num_units_hint)
+    rate = t.cohort_size / max(1, num_units_hint)
     if t.algorithm == "els":
         algo = E.ELS(group_size=t.group_size, sampling_rate=rate)
     elif t.algorithm == "fedavg":
@@ -666,6 +676,8 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     log(f"run directory: {rd.root}")
     prep = prepare_data(cfg, log)
     n_units = _num_units(cfg, prep.train_subset)
+    if cfg.plan != "auto":
+        check_cohort(cfg, n_units)
     check_budget(cfg, prep.train_subset.num_users, n_units)
     tok, model, notes = get_tokenizer_and_model(cfg, prep, log, progress)
     if cfg.model.lora.enabled:

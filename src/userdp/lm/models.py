@@ -108,6 +108,7 @@ def load_local(path: str | os.PathLike) -> nn.Module:
     A directory holding a LoRA adapter (``adapter_config.json``) is loaded onto its base model
     (which must also be local) and merged.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -128,8 +129,9 @@ def load_local(path: str | os.PathLike) -> nn.Module:
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True,
                                                      attn_implementation="eager")
-    except (OSError, ValueError) as exc:
-        raise UserError(f"model.path: cannot load a causal LM from {path}: {exc}") from None
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise UserError(f"model.path: cannot load a causal LM from {path} (damaged or incomplete: {first})") from None
     return _force_eager(_no_dropout(model))
 
 

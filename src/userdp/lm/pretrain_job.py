@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -40,8 +42,15 @@ def pretrain_job(args) -> dict:
     from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
 
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--output {out}: directory exists and is not empty")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--output {out}: exists and is not an empty folder")
+    try:  # refuse an unwritable output before any work, and write into a sibling then rename
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.with_name(f".{out.name}.probe{os.getpid()}")
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        raise UserError(f"--output {out}: cannot write there ({exc.strerror or exc})") from None
     texts, desc = public_texts(args)
     if not texts:
         raise UserError(f"no public text found ({desc})")
@@ -55,5 +64,13 @@ def pretrain_job(args) -> dict:
                                  base_model=args.base_model)
     info.update(public_text=desc, seconds=round(time.time() - t0, 1), preset=args.preset,
                 vocab_size=tok.get_vocab_size(), seq_len=args.seq_len, output=str(out))
-    save_pretrained(model, tok, out, info)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        save_pretrained(model, tok, tmp, info)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"--output {out}: could not write the model ({exc.strerror or exc})") from None
     return info

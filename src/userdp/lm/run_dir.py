@@ -125,10 +125,18 @@ def new_run_dir(output: str | os.PathLike | None) -> RunDir:
             i += 1
     else:
         root = Path(output)
+        if root.exists() and not root.is_dir():
+            raise UserError(f"--output {output}: exists and is not a folder")
         if root.exists() and any(root.iterdir()):
             raise UserError(f"--output {output}: directory exists and is not empty "
                             "(use --resume to continue a run)")
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"--output {root}: cannot write there ({exc.strerror or exc})") from None
     return RunDir(root)
 
 
