@@ -209,13 +209,30 @@ def data_cases() -> list[Case]:
 
 
 # ---------------------------------------------------------------------------------- CLI numbers and paths
+RAW_YAML = ("dup-key", "tab-indent", "not-yaml", "anchor-bomb")
+
+
 def _tiny_config(w: Path, body: str = "", name: str = "c.yaml") -> Path:
+    """A valid tiny config (6 users, 5 for training, cohort 2) with ``body``'s sections merged
+    over it; a body that is not valid YAML on its own is appended as raw text."""
+    import yaml
+
     data = _write(w, "good.jsonl", _jsonl(GOOD_ROWS))
     public = _write(w, "public.txt", "\n\n".join("some public words here " * 3 for _ in range(20)))
-    text = (f"data:\n  source: jsonl\n  path: {data}\n  public_path: {public}\n"
-            f"tokenizer:\n  vocab_size: 300\n  seq_len: 16\nmodel:\n  preset: tiny\n  pretraining:\n"
-            f"    steps: 2\n    batch_size: 4\n")
-    return _write(w, name, text + body)
+    base = {"data": {"source": "jsonl", "path": str(data), "public_path": str(public)},
+            "tokenizer": {"vocab_size": 300, "seq_len": 16},
+            "model": {"preset": "tiny", "pretraining": {"steps": 2, "batch_size": 4}},
+            "training": {"cohort_size": 2, "steps": 2}}
+    if name.split(".")[0] in RAW_YAML:
+        return _write(w, name, yaml.safe_dump(base) + body)
+    extra = yaml.safe_load(body) if body else {}
+    if isinstance(extra, dict):
+        for k, v in extra.items():
+            if isinstance(v, dict) and isinstance(base.get(k), dict):
+                base[k] = {**base[k], **v}
+            else:
+                base[k] = v
+    return _write(w, name, yaml.safe_dump(base))
 
 
 def cli_cases() -> list[Case]:

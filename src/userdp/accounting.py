@@ -787,9 +787,6 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
     if eps > MAX_CALIBRATION_EPSILON:
         raise UserError(f"epsilon = {eps:g} promises nothing (e^epsilon overflows); calibrate for an "
                         f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
-    if eps < 1e-6:
-        raise UserError(f"epsilon = {eps:g} is below 1e-6, where the accountants' discretization "
-                        "dominates; use a larger epsilon")
     dlt = _check_delta(delta)
     t = _check_int("steps", steps)
     _check_accountant(accountant)

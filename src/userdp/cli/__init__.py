@@ -51,8 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``userdp`` command line; returns the exit status (2: bad input, one line on stderr;
+    130: interrupted). argparse's own exits (usage errors, --help, --version) are returned too."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

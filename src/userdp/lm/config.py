@@ -9,6 +9,7 @@ a user's file is layered over it, then the ``--set`` overrides.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -338,11 +339,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return from_dict(base, where)
 
 
+#: Largest group size G (userdp.accounting.MAX_ELS_GROUP; a ULS step pads every user to G).
+MAX_GROUP_SIZE = 10_000
+
+
+def _numbers(obj, prefix: str = ""):
+    """(dotted key, value) of every float in a config (NaN and infinities are refused)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(v):
+            yield from _numbers(v, key + ".")
+        elif isinstance(v, float):
+            yield key, v
+
+
 def validate(cfg: RunConfig, where: str = "config") -> None:
     """Cross-field checks (types and choices are checked while building)."""
     def bad(msg):
         raise UserError(f"{where}: {msg}")
 
+    for key, value in _numbers(cfg):
+        if not math.isfinite(value):
+            bad(f"{key} must be a finite number, got {value}")
     p, t, d, m, tok = cfg.privacy, cfg.training, cfg.data, cfg.model, cfg.tokenizer
     if t.algorithm != "nonprivate" and not p.epsilon > 0:
         bad(f"privacy.epsilon must be > 0, got {p.epsilon}")
@@ -354,6 +373,13 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"training.cohort_size must be > 0, got {t.cohort_size}")
     if t.group_size < 1:
         bad(f"training.group_size must be >= 1, got {t.group_size}")
+    if t.chunk_size < 1:
+        bad(f"training.chunk_size must be >= 1, got {t.chunk_size}")
+    if not 260 <= tok.vocab_size <= 1_000_000:
+        bad(f"tokenizer.vocab_size must be in [260, 1000000] (the 256 bytes plus special tokens), got {tok.vocab_size}")
+    if t.group_size > MAX_GROUP_SIZE:
+        bad(f"training.group_size must be at most {MAX_GROUP_SIZE:,} (records per user per step; the ELS "
+            f"accountant's limit too), got {t.group_size}")
     if t.clip_norm <= 0:
         bad(f"training.clip_norm must be > 0, got {t.clip_norm}")
     if t.lr <= 0:

@@ -122,8 +122,10 @@ def _stackexchange_source(path: str, sites: Optional[tuple], public: bool):
 
 def _read_public_file(path: str, text_field: str) -> list[str]:
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"public text {path}: a folder, not a file (give a .txt or .jsonl file)")
     if not p.is_file():
-        raise UserError(f"data.public_path: {path} does not exist")
+        raise UserError(f"public text {path}: does not exist")
     if p.suffix in (".jsonl", ".json") or p.name.endswith(".jsonl.gz"):
         import gzip
 
@@ -659,20 +661,43 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     """Run (or resume) a training job; returns the summary (also in the run directory).
 
     ``plan_file``: a plan saved by ``userdp plan`` to apply (its data touches and its DP median's
-    epsilon then go into the report, as with ``plan: auto``)."""
+    epsilon then go into the report, as with ``plan: auto``). A new run that fails before its
+    first step (bad data, a budget that cannot be met, ...) removes the run directory it made, so
+    nothing half-written blocks the rerun; once a step has begun, the directory (and its ledger)
+    stays.
+
+    Raises:
+        UserError: bad configuration or data, a damaged run directory, an unmet budget.
+        KeyboardInterrupt: after Ctrl-C (the run can be resumed)."""
+    from userdp.engine.ledger import JOURNAL
+
+    if resume_dir is not None:
+        rd = existing_run_dir(resume_dir)
+        return _run(cfg, rd, resume_dir, _check_resumable(rd, resume_dir), progress, log, plan_file)
+    target = Path(output or cfg.output.dir) if (output or cfg.output.dir) else None
+    existed = target is not None and target.is_dir()
+    rd = new_run_dir(output or cfg.output.dir)
+    try:
+        rd.config.write_text(C.dump_yaml(cfg))
+        rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        return _run(cfg, rd, None, False, progress, log, plan_file)
+    except BaseException:
+        if not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
+            import shutil
+
+            shutil.rmtree(rd.root, ignore_errors=True)
+            if existed:
+                rd.root.mkdir(parents=True, exist_ok=True)
+        raise
+
+
+def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
+         plan_file: Optional[str]) -> dict:
     from userdp import engine as E
     from userdp.engine import checkpoint as ckpt
     from userdp.lm.evaluate import evaluate_lm
 
     t_start = time.time()
-    engine_resume = False
-    if resume_dir is not None:
-        rd = existing_run_dir(resume_dir)
-        engine_resume = _check_resumable(rd, resume_dir)
-    else:
-        rd = new_run_dir(output or cfg.output.dir)
-        rd.config.write_text(C.dump_yaml(cfg))
-        rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     log(f"run directory: {rd.root}")
     prep = prepare_data(cfg, log)
     n_units = _num_units(cfg, prep.train_subset)

@@ -234,7 +234,7 @@ def verify_epsilon(rec: dict, path: Path) -> None:
         event = A.event_from_dict(ev)
         acc = rec.get("engine_record", {}).get("accountant", "pld")
         eps = A.epsilon(event, float(rec["delta"]), acc)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, UserError) as exc:
         raise UserError(f"{path}: the saved DpEvent or delta is malformed ({exc})") from None
     claimed = rec.get("epsilon")
     if not isinstance(claimed, (int, float)) or not math.isclose(eps, float(claimed), rel_tol=1e-9, abs_tol=1e-12):
