@@ -230,6 +230,7 @@ class JsonlSource(_FieldSource):
 
     def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         uf, tf, df = self.user_field, self.text_field, self.date_field
+        keys = [json.dumps(k).encode() for k in (uf, tf, df) if k]  # a duplicate of these is ambiguous
         opener = gzip.open if _is_gzip(self.path) else open
         fname = str(self.path)
         users: list[str] = []
@@ -242,7 +243,9 @@ class JsonlSource(_FieldSource):
                     self.drops.add(BLANK_LINES, example=f"{fname}:line {lineno}")
                     continue
                 try:
-                    obj = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+                    obj = json.loads(raw)
+                    if any(raw.count(k) > 1 for k in keys):  # maybe a field given twice: check exactly
+                        json.loads(raw, object_pairs_hook=_no_duplicate_keys)
                 except _DuplicateKey as exc:
                     raise UserError(f"{fname}:line {lineno}: the field {exc.args[0]!r} appears twice in one "
                                     "object (ambiguous)") from None
