@@ -22,3 +22,31 @@ def write_tiny_corpus(folder):
     public = folder / "public.txt"
     public.write_text("\n\n".join(words(rng, 20) for _ in range(60)))
     return data, public
+
+
+def tiny_config(data, public, training_extra: str = "") -> str:
+    """The tiny ULS training config the end-to-end tests share (``training_extra``: more
+    ``training:`` keys, one per line, indented by two spaces)."""
+    return f"""
+data:
+  source: jsonl
+  path: {data}
+  public_path: {public}
+  heldout_users: 0.2
+tokenizer:
+  vocab_size: 300
+  seq_len: 16
+model:
+  preset: tiny
+  pretraining:
+    steps: 6
+    batch_size: 8
+privacy:
+  epsilon: 8.0
+training:
+  algorithm: uls
+  steps: 4
+  cohort_size: 8
+  group_size: 2
+  lr: 0.001
+{training_extra}"""

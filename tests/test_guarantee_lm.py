@@ -9,14 +9,13 @@ directory integrity), 12 (resume before the first checkpoint), 13 (a checkpoint 
 import errno
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from _lm_corpus import write_tiny_corpus
+from _lm_corpus import tiny_config, write_tiny_corpus
 from userdp import accounting
 from userdp.cli import main as cli
 from userdp.engine import checkpoint as ckpt
@@ -25,30 +24,6 @@ from userdp.engine.ledger import JOURNAL
 
 pytestmark = pytest.mark.slow
 
-BASE = """
-data:
-  source: jsonl
-  path: {data}
-  public_path: {public}
-  heldout_users: 0.2
-tokenizer:
-  vocab_size: 300
-  seq_len: 16
-model:
-  preset: tiny
-  pretraining:
-    steps: 6
-    batch_size: 8
-privacy:
-  epsilon: 8.0
-training:
-  algorithm: uls
-  steps: 4
-  cohort_size: 8
-  group_size: 2
-  lr: 0.001
-  checkpoint_every: 1
-"""
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +31,7 @@ def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guarantee_lm")
     data, public = write_tiny_corpus(tmp)
     cfg = tmp / "tiny.yaml"
-    cfg.write_text(BASE.format(data=data, public=public))
+    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n"))
     return tmp, cfg, data
 
 

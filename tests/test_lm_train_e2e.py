@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from _lm_corpus import write_tiny_corpus
+from _lm_corpus import tiny_config, write_tiny_corpus
 from userdp.cli import main as cli
 
 
@@ -14,31 +14,7 @@ def tiny_files(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("lm_e2e")
     data, public = write_tiny_corpus(tmp_path)
     cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(f"""
-data:
-  source: jsonl
-  path: {data}
-  public_path: {public}
-  heldout_users: 0.2
-tokenizer:
-  vocab_size: 300
-  seq_len: 16
-model:
-  preset: tiny
-  pretraining:
-    steps: 6
-    batch_size: 8
-privacy:
-  epsilon: 8.0
-training:
-  algorithm: uls
-  steps: 4
-  cohort_size: 8
-  group_size: 2
-  lr: 0.001
-  checkpoint_every: 1
-  seed: 3
-""")
+    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n  seed: 3\n"))
     return tmp_path, cfg
 
 

@@ -64,16 +64,9 @@ def _sha256(p: str) -> str:
     return h.hexdigest()
 
 
-def _fsync_file(p: str) -> None:
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync(path: str) -> None:
+    """fsync a file, or a directory (so that a rename in it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -99,7 +92,7 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
             pend = _pending(directory, name)
             written.append(pend)
             write(pend)
-            _fsync_file(pend)
+            _fsync(pend)
             files[name] = {"sha256": _sha256(pend), "bytes": os.path.getsize(pend)}
         manifest = {"format": 1, "step": int(state.get("step", -1)), "files": files}
         written.append(tmp_manifest)
@@ -119,7 +112,7 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
                 os.unlink(p)
         raise
     os.replace(tmp_manifest, manifest_path(directory))  # the commit
-    _fsync_dir(directory)
+    _fsync(directory)
     _switch(directory, manifest)
 
 
@@ -128,7 +121,7 @@ def _switch(directory: str, manifest: dict) -> None:
         pend = _pending(directory, name)
         if os.path.exists(pend):
             os.replace(pend, os.path.join(directory, name))
-    _fsync_dir(directory)
+    _fsync(directory)
 
 
 def read_manifest(directory: str) -> dict:

@@ -8,7 +8,6 @@ optimizer. ELS, ULS and FedAvg differ only in their :mod:`~userdp.engine.algorit
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import signal
 import threading
@@ -29,7 +28,7 @@ from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.data import UserData
 from userdp.engine.distributed import LocalCombiner
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
-from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, os_entropy
+from userdp.engine.noise import ENTROPY_BITS, GaussianNoise
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PerUnit, fedavg_epoch_batches
 from userdp.engine.sampling import bucket_size, get_sampler
