@@ -786,6 +786,7 @@ def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progre
                "fraction_clipped": m.get("fraction_clipped"), "tokens_per_s": toks / dt,
                "units_per_s": m.get("units_per_s"), "units": m.get("units"), "tokens": toks,
                "step_time": m.get("step_time"), "clip_norm": m.get("clip_norm"),
+               "nonfinite_units": m.get("nonfinite_units", 0),  # a non-private diagnostic
                "time": round(now - t_start, 3)}
         mfile.write(json.dumps(row) + "\n")
         mfile.flush()
