@@ -283,8 +283,9 @@ class _Run:
             if self.table.weights is not None:
                 w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
             updates, losses = self.per_unit(batch, mask, reproject=self._reproject_bounds())
-            updates, bad = _zero_nonfinite(updates)
             f, norms = cfg.clipping.factors(updates, self.clip_state)
+            updates, f, bad = _zero_nonfinite(updates, f, norms)
+            norms = torch.where(bad, 0.0, norms)
             f = f.to(acc) * w.unsqueeze(1)
             for j, u in enumerate(updates):
                 sums[j] += torch.tensordot(f[:, j], u.to(acc), dims=1)
@@ -467,21 +468,21 @@ class _Run:
         return out
 
 
-def _zero_nonfinite(updates: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Units whose update holds Inf/NaN (or whose norm overflows) contribute zero: their clipped
-    update would otherwise poison every coordinate of the sum, exactly when they are sampled.
+def _zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
+                    norms: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Units whose update holds Inf/NaN (their norm is then Inf/NaN, or it overflowed) contribute
+    zero: their clipped update would otherwise poison every coordinate of the sum, exactly when
+    they are sampled. ``norms`` are the clipping strategy's per-unit norms (no second pass).
 
-    Returns the updates (unchanged when all are finite) and a boolean [m] flag of the zeroed units.
+    Returns the updates (zeroed rows only when a unit is bad), the factors (0 for bad units) and a
+    boolean [m] flag of the zeroed units.
     """
-    sq = None
-    for u in updates:
-        n = torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1, dtype=_accumulation_dtype(u.dtype))
-        sq = n * n if sq is None else sq + n * n
-    bad = ~torch.isfinite(sq)
+    bad = ~torch.isfinite(norms)
     if bool(bad.any()):
         updates = [torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
                    for u in updates]
-    return updates, bad
+        factors = torch.where(bad.unsqueeze(1), torch.zeros((), dtype=factors.dtype, device=factors.device), factors)
+    return updates, factors, bad
 
 
 class _DeferredInterrupt:
