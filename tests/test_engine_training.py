@@ -269,8 +269,14 @@ def test_ctrl_c_finishes_the_step_saves_it_and_resume_loses_nothing(tmp_path):
             fired.append(True)
             os.kill(os.getpid(), signal.SIGINT)  # delivered to the engine's deferred handler
 
-    with pytest.raises(KeyboardInterrupt):
-        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c])
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    # a known handler first: under a background shell SIGINT starts out ignored (SIG_IGN)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as info:
+            train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert info.value.record["stopped"] == "interrupted" and info.value.steps == 2
     r = train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
     assert r.steps == 10 and r.record["steps_accounted"] == 10 and r.record["steps_lost_to_crashes"] == 0

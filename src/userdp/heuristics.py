@@ -328,7 +328,7 @@ DATA_TOUCH_NOTE = (
     "non-private data touches: the per-user record counts (for the ELS median{median}), the "
     "{k} users sampled to estimate L(G) and their gradient norms at the pretrained model were "
     "computed from the private data without noise; the plan is therefore not covered by the "
-    "training run's (epsilon, delta) guarantee (SPEC §5.2), and the privacy report must say so")
+    "training run's (epsilon, delta) guarantee (docs/plan.md), and the privacy report must say so")
 
 
 @dataclass(frozen=True)
@@ -495,7 +495,7 @@ def format_plan(plan: Plan) -> str:
         "       Estimate-and-Double: " + " ".join(
             f"({d['cohort_size']},{d['group_size']})->{d['doubled']}" for d in u["estimate_and_double"]["trace"]),
         "",
-        f"  recommended: {plan.recommended.upper()} (lower noise std proxy, SPEC §7.1)",
+        f"  recommended: {plan.recommended.upper()} (lower noise std proxy, docs/plan.md)",
     ]
     for note in plan.notes:
         lines.append(f"  note: {note}")

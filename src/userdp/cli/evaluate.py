@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     p.add_argument("--config", metavar="YAML", help="a train config whose split selects the held-out users")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--personalize", action="store_true",
-                   help="also run the personalization evaluation (SPEC §6)")
+                   help="also run the personalization evaluation (docs/lm.md)")
     p.add_argument("--max-users", type=A.positive_int, help="evaluate at most this many held-out users")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=main)

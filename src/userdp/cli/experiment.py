@@ -67,7 +67,7 @@ def _run_variance(args: argparse.Namespace) -> int:
     cfg.validate()
     progress = None
     if not args.json:
-        print(f"# variance comparison (SPEC §7.1): N={cfg.num_users} G_max={cfg.max_group_size} "
+        print(f"# variance comparison (docs/experiments.md): N={cfg.num_users} G_max={cfg.max_group_size} "
               f"G_ELS={cfg.els_group_size} B={cfg.compute_budget} T={cfg.steps} delta={cfg.delta:g} "
               f"accountant={cfg.accountant}", flush=True)
     rows = variance.run(cfg, progress=progress)
@@ -84,7 +84,7 @@ def _run_variance(args: argparse.Namespace) -> int:
 
 def _add_variance(sub) -> None:
     p = sub.add_parser(
-        "variance", help="ELS vs ULS noise variance for a compute budget (SPEC §7.1, Fig 2/9)",
+        "variance", help="ELS vs ULS noise variance for a compute budget (Charles et al. 2024, Fig 2/9; docs/experiments.md)",
         description="Var_ULS/Var_ELS = (G_ULS L_G sigma_ULS / (L sigma_ELS))^2 over epsilon and "
                     "cohort size M (G_ULS = B/M), for L_G = 1 and L_G = 1/sqrt(G).")
     p.add_argument("--users", type=A.positive_int, default=10_000, help="N users (default 10000)")
@@ -152,7 +152,7 @@ def _add_mean_estimation(sub) -> None:
     from userdp.experiments.mean_estimation import MeanEstimationConfig as D
 
     p = sub.add_parser(
-        "mean-estimation", help="ELS vs ULS on synthetic mean estimation (SPEC §7.2, Fig 3)",
+        "mean-estimation", help="ELS vs ULS on synthetic mean estimation (Charles et al. 2024, Fig 3; docs/experiments.md)",
         description="Each user's records are N(mu_u, sigma_w^2 I) around a user mean mu_u near the "
                     "population mean mu; theta is trained through userdp.engine.train with loss "
                     "1/2||theta - x||^2 under user-level (eps, delta)-DP; the reported loss is "
@@ -199,7 +199,7 @@ def _add_mean_estimation(sub) -> None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("experiment", help="synthetic experiments (SPEC §7.1, §7.2)",
+    p = subparsers.add_parser("experiment", help="synthetic experiments (docs/experiments.md)",
                               description="Synthetic experiments comparing ELS and ULS.")
     sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     _add_mean_estimation(sub)

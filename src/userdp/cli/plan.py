@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "plan", help="choose G, cohort size and noise for a compute budget (SPEC §5)",
+        "plan", help="choose G, cohort size and noise for a compute budget (docs/plan.md)",
         description="For ELS: G = median records per user, expected batch, sampling rate, sigma. "
                     "For ULS: (cohort M, group G) by Estimate-and-Double, sampling rate, sigma. "
                     "Prints the noise-std proxy of each and recommends the lower. The sampled "

@@ -9,7 +9,7 @@ from userdp.cli import jsonout
 def register(subparsers) -> None:
     p = subparsers.add_parser("report", help="print the privacy statement of a training run",
                               description="Write report.md and report.json into RUN_DIR and print "
-                                          "the privacy statement (SPEC §8.3 checklist) as Markdown.")
+                                          "the privacy statement (the checklist of Ponomareva et al. 2023, §5.3.3) as Markdown.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the statement as JSON instead")
     p.set_defaults(func=main)

@@ -130,7 +130,7 @@ def perplexity_scores(
     path = root / f"ppl-{key}.npy"
     n_users = int((subset.sizes() > 0).sum())
     touch = lambda cached: DataTouch(  # noqa: E731
-        purpose="record selection by perplexity (SPEC §5.4)",
+        purpose="record selection by perplexity (docs/data.md)",
         model_id=model_id,
         store_fingerprint=store.fingerprint,
         records_touched=subset.num_records,

@@ -12,10 +12,11 @@ from userdp.engine.algorithms import ELS, ULS, FedAvg, FedSGD
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.data import DelegatingUserData, TensorUserData, UserData
 from userdp.engine.ledger import PrivacyLedger
-from userdp.engine.loop import TrainConfig, TrainResult, train
+from userdp.engine.loop import TrainConfig, TrainingInterrupted, TrainResult, train
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 
 __all__ = [
+    "TrainingInterrupted",
     "DelegatingUserData",
     "train", "TrainConfig", "TrainResult",
     "ELS", "ULS", "FedAvg", "FedSGD",

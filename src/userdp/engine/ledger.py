@@ -187,7 +187,7 @@ class PrivacyLedger:
 
     def __init__(self, step_event, delta: float, *, target_epsilon: Optional[float] = None,
                  accountant: str = "pld", safe_steps: Optional[int] = None,
-                 journal_dir: Optional[str] = None, grid_ratio: float = 1.5,
+                 journal_dir: Optional[str] = None, grid_ratio: float = 1.01,
                  journal_context: Optional[dict] = None):
         self.step_event = step_event
         self.delta = float(delta)
@@ -271,22 +271,27 @@ class PrivacyLedger:
             return math.inf
         return accounting.epsilon(accounting.compose(self.step_event, t), self.delta, self.accountant)
 
+    #: up to this many steps the curve is epsilon at the step itself (~15 ms a step at PLD 1e-3)
+    EXACT_CURVE_STEPS = 1000
+
     def epsilon_upper_bound(self) -> float:
-        """Cheap upper bound on epsilon spent: epsilon at the next grid point >= spent."""
+        """Epsilon spent so far, cheaply and never below the truth: the pessimistic PLD at a 1e-3
+        grid (within ~1e-5 relative of the 1e-4 figure at these sizes) at the step count itself up
+        to :attr:`EXACT_CURVE_STEPS`, beyond it at the next point of a 1% geometric grid of step
+        counts (epsilon grows with steps, so it is an upper bound within ~1%)."""
         t = self.spent
         if t == 0:
             return 0.0
         if not self.private:
             return math.inf
-        g = 1
-        while g < t:
-            g = max(g + 1, int(math.ceil(g * self._grid_ratio)))
+        g = t
+        if t > self.EXACT_CURVE_STEPS:
+            g = self.EXACT_CURVE_STEPS
+            while g < t:
+                g = max(g + 1, int(math.ceil(g * self._grid_ratio)))
         if g not in self._grid:
             self._grid[g] = self._cheap_epsilon(g)
-        eps = self._grid[g]
-        if self.target_epsilon is not None and self._safe is not None and t <= self._safe:
-            eps = min(eps, self.target_epsilon)
-        return eps
+        return self._grid[g]
 
     def _cheap_epsilon(self, t: int) -> float:
         if self.accountant == "rdp":

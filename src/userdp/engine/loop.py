@@ -485,6 +485,20 @@ def _zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
     return updates, factors, bad
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`train`: the step in flight was finished and a checkpoint saved.
+
+    Attributes:
+        record: the run's privacy record at that point (every step counted, as in a finished run).
+        steps: steps applied to the parameters.
+    """
+
+    def __init__(self, message: str, record: dict, steps: int):
+        super().__init__(message)
+        self.record = record
+        self.steps = steps
+
+
 class _DeferredInterrupt:
     """Defer the first Ctrl-C (SIGINT) to the end of the current step; a second one interrupts at once.
 
@@ -567,7 +581,10 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
                 # Ctrl-C: the step in flight was finished (parameters, optimizer and ledger agree),
                 # so save it and stop: nothing is lost, `resume=True` continues from here.
                 run.save(checkpoint_extra)
-                raise KeyboardInterrupt(f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}")
+                rec = run.record()
+                rec["stopped"] = "interrupted"
+                raise TrainingInterrupted(f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}",
+                                          rec, run.step)
             if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
                 run.save(checkpoint_extra)
     if checkpoint_dir:

@@ -121,7 +121,7 @@ def format_table(rows: Sequence[VarianceRow]) -> str:
         lines.append(
             f"{r.epsilon:>6g} {r.cohort_size:>6d} {r.group_size_uls:>6d} {r.sigma_els:>10.4g} "
             f"{r.sigma_uls:>10.4g} {r.ratio_identical:>13.4g} {r.ratio_orthogonal:>19.4g}")
-    lines.append("ratio = Var_ULS / Var_ELS (SPEC §7.1 eq. 7); < 1 means ULS adds less noise.")
+    lines.append("ratio = Var_ULS / Var_ELS (docs/experiments.md, eq. 7); < 1 means ULS adds less noise.")
     return "\n".join(lines)
 
 

@@ -394,7 +394,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"data.path is required for data.source = {d.source}")
     if tok.path and tok.trained_on_private and not tok.declared_public:
         bad("tokenizer: a tokenizer trained on the private training records leaks them "
-            "(SPEC §8.4); train it on public text or set tokenizer.declared_public: true if "
+            "(docs/threat_model.md); train it on public text or set tokenizer.declared_public: true if "
             "that text is public")
     if p.noise_multiplier is not None and p.noise_multiplier <= 0:
         bad(f"privacy.noise_multiplier must be > 0 (use training.algorithm: nonprivate for no "

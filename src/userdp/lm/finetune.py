@@ -223,7 +223,7 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
         if not t.declared_public:
             raise UserError(
                 f"tokenizer.path {t.path}: declare what it was trained on. A tokenizer trained on the "
-                "private training records leaks them outside the guarantee (SPEC §8.4); if it was "
+                "private training records leaks them outside the guarantee (docs/threat_model.md); if it was "
                 "trained on public text only, set tokenizer.declared_public: true")
         tok = load_tokenizer(t.path)
         notes["tokenizer"] = f"tokenizer {t.path} declared public by the configuration"
@@ -232,7 +232,7 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
             raise UserError(
                 f"model.path {m.path}: its tokenizer (and weights) must come from public data; "
                 "set tokenizer.declared_public: true to declare it (a tokenizer trained on the "
-                "private records is refused, SPEC §8.4)")
+                "private records is refused; see docs/threat_model.md)")
         tok = load_tokenizer(model_dir)
         notes["tokenizer"] = (f"tokenizer of {m.path} " + ("(trained by userdp pretrain on declared-"
                               "public text)" if made_by_us else "declared public by the configuration"))
@@ -807,11 +807,19 @@ def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progre
         res = E.train(model, data, models.causal_lm_loss, ecfg, checkpoint_dir=str(rd.checkpoints),
                       resume=engine_resume, callbacks=[on_step], journal_context=journal_context(rd, prep),
                       checkpoint_extra=checkpoint_files)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         mfile.close()
         if bar is not None:
             bar.close()
         rd.write_state(status="interrupted")
+        if isinstance(exc, E.TrainingInterrupted):  # the step in flight finished: state what was spent
+            from userdp.lm.report import write_report
+
+            priv = _privacy_json(cfg, exc.record, exc.steps, prep.train_subset.num_records, notes, None,
+                                 cfg.tokenizer.seq_len, plan)
+            priv["split"], priv["data_drops"], priv["stopped"] = prep.split_rule, prep.drops, "interrupted"
+            write_json_atomic(rd.privacy, priv)
+            write_report(rd.root)
         log(f"interrupted: the last checkpoint in {rd.checkpoints} and the ledger journal are kept; "
             f"continue with: userdp train --resume {rd.root}")
         raise
@@ -827,7 +835,7 @@ def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progre
     if cfg.eval.personalize:
         from userdp.lm.evaluate import personalize
 
-        log("personalization evaluation (SPEC §6) ...")
+        log("personalization evaluation (docs/lm.md) ...")
         ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=cfg.eval.personalize_lr,
                                                   epochs=cfg.eval.personalize_epochs)
     write_json_atomic(rd.eval, ev_state)
@@ -859,6 +867,9 @@ def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progre
         "eval_users": prep.eval_subset.num_users, "seconds": round(time.time() - t_start, 1),
     }
     rd.write_state(status="done", summary=summary)
+    from userdp.lm.report import write_report
+
+    write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
     return summary
 
 

@@ -136,9 +136,12 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
             assumptions.append(f"{er['nonfinite_units']} sampled units had a non-finite update and "
                                "contributed zero (sensitivity unchanged); this count is computed on the "
                                "private data and is NOT privatized")
+    if private:
+        assumptions.append("the unit is the author: people *mentioned* in other users' text are not "
+                           "protected by a user-level guarantee")
     not_acc = list(not_accounted or [])
     not_acc.append("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
-                   "them are not accounted; tune on public data or account per SPEC §4.10")
+                   "them are not accounted; tune on public data or account it (Papernot & Steinke 2022)")
     if tokenizer_note:
         not_acc.append(tokenizer_note)
     if pretraining_note:
@@ -171,7 +174,9 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "epsilon": epsilon_spent,
         "epsilon_target": epsilon_target,
         "delta": delta,
-        "delta_rule": delta_rule,
+        "delta_rule": (f"{delta_rule}; delta = {delta:.3g} = {delta * num_users:.3g}/N, well below 1/N (a "
+                       "mechanism that publishes one random user's data outright is (0, 1/N)-DP)"
+                       if private and delta and num_users else delta_rule),
         "epsilon_no_amplification": epsilon_no_amplification,
         "tuning_guarantee": "not accounted (see not_accounted); the statement covers the final "
                             "training run only",
@@ -263,6 +268,11 @@ def _ledger_steps(rd: RunDir) -> int | None:
 def build_report(run_dir: str | Path) -> dict:
     rd = existing_run_dir(run_dir)
     if not rd.privacy.is_file():
+        begun = _ledger_steps(rd)
+        if begun:
+            raise UserError(f"{run_dir}: no privacy.json yet, but the ledger journal records {begun} steps "
+                            "begun (the run stopped before it could write its statement); "
+                            f"`userdp train --resume {run_dir}` completes the accounting")
         raise UserError(f"{run_dir}: no privacy.json yet (the run has not taken a step)")
     rec = _read_json(rd.privacy)
     if not isinstance(rec, dict):
@@ -290,11 +300,36 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _render_evaluation(L: list, ev: dict) -> None:
+    if not ev:
+        return
+    L.append("## 7. Held-out-user evaluation (not a DP release)")
+    L.append("- computed without noise on held-out users' records; those users are outside the "
+             "training data, and these numbers are not covered by the guarantee above")
+    for k in ("before", "after"):
+        if k in ev and ev[k]:
+            L.append(f"- {k}: loss {_fmt(ev[k].get('loss'))}, perplexity "
+                     f"{_fmt(ev[k].get('perplexity'))} (token-weighted); per-user mean loss "
+                     f"{_fmt(ev[k].get('user_loss'))} over {ev[k].get('num_users')} users")
+
+
 def render_markdown(rep: dict) -> str:
     L = []
     private = rep.get("private", True)
     L.append(f"# Privacy statement — {rep.get('run_dir', '')}")
     L.append("")
+    if not private:
+        L.append("**No differential-privacy guarantee.** This run trained without noise "
+                 "(`training.algorithm: nonprivate`): its model and checkpoints may reveal any training "
+                 "user's data. Nothing here is a privacy statement.")
+        L.append("")
+        _render_evaluation(L, rep.get("evaluation") or {})
+        return "\n".join(L) + "\n"
+    if rep.get("status") == "interrupted" or rep.get("stopped") == "interrupted":
+        L.append(f"**Interrupted** after {rep.get('steps_applied', rep.get('steps_taken'))} of "
+                 f"{rep.get('steps_planned')} planned steps (Ctrl-C); the statement below covers every step "
+                 f"begun ({rep.get('steps_taken')}). `userdp train --resume` continues the run.")
+        L.append("")
     plan = rep.get("plan")
     plan_eps = rep.get("epsilon_plan") or 0.0
     if private and plan_eps:
@@ -367,7 +402,7 @@ def render_markdown(rep: dict) -> str:
     if plan:
         ov = plan.get("overrides") or {}
         i = plan.get("inputs") or {}
-        L.append("## 4b. Plan (`plan: auto`, SPEC §5)")
+        L.append("## 4b. Plan (`plan: auto`, docs/plan.md)")
         L.append(f"- applied: {str(plan.get('applied', '')).upper()} ({plan.get('choice', '')}; "
                  f"recommended {str(plan.get('recommended', '')).upper()}) for a compute budget of "
                  f"{_fmt(i.get('compute_budget'))} gradients/step: "
@@ -380,7 +415,7 @@ def render_markdown(rep: dict) -> str:
                      + f", sigma {_fmt(d.get('noise_multiplier'))}, noise std proxy "
                      f"{_fmt(d.get('noise_std_proxy'))}")
         L.append("- its non-private data touches are listed under Not accounted (section 3)")
-    L.append("## 5. Tier (SPEC §8.2)")
+    L.append("## 5. Tier (Ponomareva et al. 2023)")
     t = rep["tier"]
     L.append(f"- {t['meaning']}. {t['context']}.")
     L.append("## 6. Transparency")
@@ -390,14 +425,7 @@ def render_markdown(rep: dict) -> str:
     L.append("```json")
     L.append(json.dumps(rep["dp_event"]))
     L.append("```")
-    ev = rep.get("evaluation") or {}
-    if ev:
-        L.append("## 7. Held-out-user evaluation")
-        for k in ("before", "after"):
-            if k in ev and ev[k]:
-                L.append(f"- {k}: loss {_fmt(ev[k].get('loss'))}, perplexity "
-                         f"{_fmt(ev[k].get('perplexity'))} (token-weighted); per-user mean loss "
-                         f"{_fmt(ev[k].get('user_loss'))} over {ev[k].get('num_users')} users")
+    _render_evaluation(L, rep.get("evaluation") or {})
     return "\n".join(L) + "\n"
 
 

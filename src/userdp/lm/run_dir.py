@@ -10,7 +10,7 @@
   model/               the final model: AutoModelForCausalLM.from_pretrained(<run>/model)
   adapter/             the LoRA adapter (only with model.lora.save_adapter)
   privacy.json         the privacy statement's data (SPEC §8.3)
-  report.md, report.json   written by `userdp report`
+  report.md, report.json   the privacy statement (written by `userdp train`, and again by `userdp report`)
   curves.png           loss and epsilon against step
   state.json           job state: split, counts, status (running/interrupted/done)
 ```
