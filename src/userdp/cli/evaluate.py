@@ -17,9 +17,10 @@ def register(subparsers) -> None:
     p.add_argument("target", metavar="RUN_DIR|MODEL_DIR")
     p.add_argument("--data", metavar="SOURCE", help="data to evaluate on: 'shakespeare' or a path "
                    "(with --format); all of its users count as held out unless --config says otherwise")
-    p.add_argument("--format", choices=["stackexchange", "jsonl", "csv"], help="format of --data")
+    p.add_argument("--format", choices=["jsonl", "csv", "parquet", "hf", "stackexchange", "shakespeare"],
+                   help="format of --data (default: from its name or contents, as `userdp data stats`)")
     p.add_argument("--config", metavar="YAML", help="a train config whose split selects the held-out users")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help='override a config key, e.g. eval.batch_size=64 (a key that changes the data or the split is refused for a run directory)')
     p.add_argument("--personalize", action="store_true",
                    help="also run the personalization evaluation (docs/lm.md)")
     p.add_argument("--max-users", type=A.positive_int, help="evaluate at most this many held-out users")

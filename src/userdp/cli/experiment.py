@@ -97,7 +97,7 @@ def _add_variance(sub) -> None:
                    help="comma-separated epsilons (default 1,2,4,8,16)")
     p.add_argument("--cohort-sizes", type=_ints, default=None,
                    help="comma-separated M values (default: powers of 2 from B/G_max to min(B, N))")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="accountant for sigma (default: pld)")
     p.add_argument("--quick", action="store_true", help="T <= 200 and every other epsilon")
     p.add_argument("--plot", metavar="DIR", help="write variance_ratio.png into DIR")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
@@ -158,38 +158,38 @@ def _add_mean_estimation(sub) -> None:
                     "1/2||theta - x||^2 under user-level (eps, delta)-DP; the reported loss is "
                     "||theta_T - mu||^2, best over the lr x clip sweep, mean over trials. The base "
                     "setting is run once per value of each --sweep-* list (one knob at a time).")
-    p.add_argument("--dimension", type=A.positive_int, default=D.dimension)
-    p.add_argument("--users", type=A.positive_int, default=D.num_users)
+    p.add_argument("--dimension", type=A.positive_int, default=D.dimension, help='d, the dimension of the mean to estimate')
+    p.add_argument("--users", type=A.positive_int, default=D.num_users, help='N users')
     p.add_argument("--records-per-user", type=A.positive_int, default=D.records_per_user,
                    help="records per user (the median when --heavy-tailed)")
     p.add_argument("--heavy-tailed", action="store_true",
                    help="log-normal records per user with median --records-per-user")
-    p.add_argument("--heavy-tail-sigma", type=A.nonneg_float, default=D.heavy_tail_sigma)
-    p.add_argument("--population-scale", type=A.positive_float, default=D.population_scale)
-    p.add_argument("--between-user-std", type=A.nonneg_float, default=D.between_user_std)
-    p.add_argument("--within-user-variance", type=A.nonneg_float, default=D.within_user_variance)
+    p.add_argument("--heavy-tail-sigma", type=A.nonneg_float, default=D.heavy_tail_sigma, help='log-normal sigma of records per user with --heavy-tailed')
+    p.add_argument("--population-scale", type=A.positive_float, default=D.population_scale, help='std of the population mean mu')
+    p.add_argument("--between-user-std", type=A.nonneg_float, default=D.between_user_std, help='std of user means around mu')
+    p.add_argument("--within-user-variance", type=A.nonneg_float, default=D.within_user_variance, help="sigma_w^2, the variance of a user's records around its mean")
     p.add_argument("--compute-budget", type=A.positive_int, default=D.compute_budget,
                    help="B: expected gradients per step")
-    p.add_argument("--epsilon", type=A.positive_float, default=D.epsilon)
+    p.add_argument("--epsilon", type=A.positive_float, default=D.epsilon, help='target epsilon')
     p.add_argument("--delta", type=A.open_unit, default=None, help="default N^-1.1")
-    p.add_argument("--steps", type=A.positive_int, default=D.steps)
+    p.add_argument("--steps", type=A.positive_int, default=D.steps, help='T, training steps')
     p.add_argument("--els-group-size", type=A.positive_int, default=None,
                    help="G_ELS (default: median records per user)")
-    p.add_argument("--uls-group-sizes", type=_ints, default=D.uls_group_sizes)
-    p.add_argument("--learning-rates", type=_floats, default=D.learning_rates)
-    p.add_argument("--clip-norms", type=_floats, default=D.clip_norms)
-    p.add_argument("--trials", type=A.positive_int, default=D.trials)
-    p.add_argument("--seed", type=int, default=D.seed)
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld")
+    p.add_argument("--uls-group-sizes", type=_ints, default=D.uls_group_sizes, help='comma-separated ULS group sizes G to try')
+    p.add_argument("--learning-rates", type=_floats, default=D.learning_rates, help='comma-separated learning rates to tune over')
+    p.add_argument("--clip-norms", type=_floats, default=D.clip_norms, help='comma-separated clip norms to tune over')
+    p.add_argument("--trials", type=A.positive_int, default=D.trials, help='repetitions per setting (different seeds)')
+    p.add_argument("--seed", type=int, default=D.seed, help='base seed of the data and the runs')
+    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="accountant for sigma (default: pld)")
     p.add_argument("--average-fraction", type=A.rate, default=D.average_fraction,
                    help="report the mean of the last fraction of the iterates (tail averaging, "
                         "post-processing); 0 = the final iterate")
     p.add_argument("--noise-multiplier", type=A.nonneg_float, default=None,
                    help="use this sigma instead of calibrating to (epsilon, delta); 0 = non-private "
                         "reference (the rows' epsilon_spent then says inf)")
-    p.add_argument("--sweep-within-user-variance", type=_floats, default=(1.0, 100.0))
-    p.add_argument("--sweep-compute-budget", type=_ints, default=(64, 1024))
-    p.add_argument("--sweep-epsilon", type=_floats, default=(0.25, 4.0))
+    p.add_argument("--sweep-within-user-variance", type=_floats, default=(1.0, 100.0), help='values of sigma_w^2 for its sweep')
+    p.add_argument("--sweep-compute-budget", type=_ints, default=(64, 1024), help='values of B for its sweep')
+    p.add_argument("--sweep-epsilon", type=_floats, default=(0.25, 4.0), help='values of epsilon for its sweep')
     p.add_argument("--no-sweeps", action="store_true", help="run the base setting only")
     p.add_argument("--quick", action="store_true", help="a reduced run (under a minute)")
     p.add_argument("--plot", metavar="DIR", help="write one PNG per swept knob into DIR")

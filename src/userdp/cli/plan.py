@@ -106,7 +106,7 @@ def register(subparsers) -> None:
     p.add_argument("--sample-users", type=A.positive_int, default=128, help="users sampled to estimate L(G) (128)")
     p.add_argument("--dp-median-epsilon", type=A.positive_float, default=None,
                    help="release the ELS median with this epsilon-DP (counted by the report)")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default=None)
+    p.add_argument("--accountant", choices=("pld", "rdp"), default=None, help="pld (default: the config's) or rdp, for sigma's calibration")
     p.add_argument("--seed", type=int, default=None, help="seed for the user sample and record draws")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set data.max_users=300")

@@ -23,10 +23,10 @@ def register(subparsers) -> None:
     src.add_argument("--stackexchange", metavar="DIR", help="Stack Exchange dump folder: its meta "
                      "sites (or --sites) are the public text")
     p.add_argument("--sites", metavar="NAMES", help="comma-separated sites with --stackexchange")
-    p.add_argument("--text-field", default="text")
+    p.add_argument("--text-field", default="text", help='field holding the text in a JSONL --public-text (default: text)')
     p.add_argument("--declare-public", action="store_true",
                    help="required with --public-text/--stackexchange: I declare this text public")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"], help='model size built from a config: tiny, small or base (default: tiny)')
     p.add_argument("--base-model", metavar="DIR", help="continue pretraining a local model instead")
     p.add_argument("--vocab-size", type=A.int_range(260, 1_000_000), default=2048,
                    help="BPE vocabulary (>= 260: the 256 bytes plus special tokens)")
@@ -34,8 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--steps", type=A.positive_int, default=600, help="optimizer steps")
     p.add_argument("--batch-size", type=A.positive_int, default=32, help="sequences per step")
     p.add_argument("--lr", type=A.positive_float, default=3e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help='seed of the pretraining (public data: no privacy role)')
+    p.add_argument("--json", action="store_true", help='print the pretraining summary as one JSON object')
     p.set_defaults(func=main)
 
 

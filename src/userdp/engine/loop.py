@@ -530,7 +530,8 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
           checkpoint_dir: Optional[str] = None, resume: bool = False,
           callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None,
           journal_context: Optional[dict] = None,
-          checkpoint_extra: Optional[Callable[["_Run"], dict]] = None) -> TrainResult:
+          checkpoint_extra: Optional[Callable[["_Run"], dict]] = None,
+          on_start: Optional[Callable[[dict], Any]] = None) -> TrainResult:
     """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
 
     ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable). Each callback
@@ -543,6 +544,9 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     ``journal_context``: facts (e.g. config and data fingerprints) the ledger journal is bound to;
     a resume with other facts is refused. ``checkpoint_extra(run) -> {name: writer(path)}``: files
     committed with each checkpoint as one unit (see :mod:`userdp.engine.checkpoint`).
+    ``on_start(info)`` is called once before the first step with what the run will do
+    (noise_multiplier, sampling_rate, expected_units, steps, delta, delta_rule, sampler_mode,
+    accountant, target_epsilon, steps_accounted, unit).
 
     Raises:
         UserError: bad configuration, a checkpoint or journal that is damaged, edited or from
@@ -566,6 +570,12 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
         run.ledger.resume_without_checkpoint(replayable=run.seeded)
     elif checkpoint_dir and run.combiner.rank == 0:
         run.ledger.start_journal()
+    if on_start is not None:
+        on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
+                  "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
+                  "delta_rule": run.delta_rule, "sampler_mode": run.sampler_mode, "accountant": config.accountant,
+                  "target_epsilon": config.target_epsilon, "steps_accounted": run.ledger.spent,
+                  "unit": "record" if isinstance(run.algo, ELS) else "user", "num_units": run.n_units})
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:

@@ -29,7 +29,7 @@ def _choice(*options: str, default: str) -> Any:
 class DataConfig:
     """Where the private records come from and how users are split."""
 
-    source: str = _choice("shakespeare", "stackexchange", "jsonl", "csv", default="shakespeare")
+    source: str = _choice("shakespeare", "stackexchange", "jsonl", "csv", "parquet", "hf", default="shakespeare")
     path: Optional[str] = None            # file or folder for stackexchange/jsonl/csv
     sites: Optional[tuple[str, ...]] = None  # stackexchange: sites to fine-tune on (default: main sites)
     public_sites: Optional[tuple[str, ...]] = None  # stackexchange: declared-public sites (meta)

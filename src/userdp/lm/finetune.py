@@ -806,7 +806,7 @@ def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progre
     try:
         res = E.train(model, data, models.causal_lm_loss, ecfg, checkpoint_dir=str(rd.checkpoints),
                       resume=engine_resume, callbacks=[on_step], journal_context=journal_context(rd, prep),
-                      checkpoint_extra=checkpoint_files)
+                      checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log))
     except KeyboardInterrupt as exc:
         mfile.close()
         if bar is not None:
@@ -871,6 +871,19 @@ def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progre
 
     write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
     return summary
+
+
+def _announce(info: dict, log: Log) -> None:
+    """What the run will do, before its first step."""
+    if info["noise_multiplier"] == 0:
+        log(f"training {info['steps']} steps WITHOUT noise (non-private): no privacy guarantee")
+        return
+    unit = "records" if info["unit"] == "record" else "users"
+    log(f"privacy: sigma {info['noise_multiplier']:.4g}, sampling rate q {info['sampling_rate']:.4g} "
+        f"({info['sampler_mode']}), expected {info['expected_units']:.4g} {unit} per step of "
+        f"{info['num_units']}, {info['steps']} steps, target epsilon {info['target_epsilon']}, "
+        f"delta {info['delta']:.3g} ({info['delta_rule']}), accountant {info['accountant']}"
+        + (f"; {info['steps_accounted']} steps already accounted" if info["steps_accounted"] else ""))
 
 
 def _save_weights(model, path, step: int, eps) -> None:
