@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 
-from userdp import accounting
 from userdp.cli.account import (add_mechanism_arguments, describe, emit, positive_float, resolve,
                                 split_noise, step_event_factory)
 from userdp.errors import UserError
@@ -33,6 +32,8 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     m = resolve(args)
     try:
+        from userdp import accounting
+
         z = accounting.calibrate_noise_multiplier(step_event_factory(m), m["steps"], args.epsilon,
                                                   m["delta"], m["accountant"])
     except UserError as exc:

@@ -110,6 +110,16 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
     from userdp.experiments import mean_estimation as me
 
     _quiet_absl()
+    D = me.MeanEstimationConfig()  # defaults filled here, so `userdp --help` need not import torch
+    for name, field_ in (("dimension", "dimension"), ("users", "num_users"), ("records_per_user", "records_per_user"),
+                         ("heavy_tail_sigma", "heavy_tail_sigma"), ("population_scale", "population_scale"),
+                         ("between_user_std", "between_user_std"), ("within_user_variance", "within_user_variance"),
+                         ("compute_budget", "compute_budget"), ("epsilon", "epsilon"), ("steps", "steps"),
+                         ("uls_group_sizes", "uls_group_sizes"), ("learning_rates", "learning_rates"),
+                         ("clip_norms", "clip_norms"), ("trials", "trials"), ("seed", "seed"),
+                         ("average_fraction", "average_fraction")):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(D, field_))
     base = me.MeanEstimationConfig(
         dimension=args.dimension, num_users=args.users, records_per_user=args.records_per_user,
         heavy_tailed=args.heavy_tailed, heavy_tail_sigma=args.heavy_tail_sigma,
@@ -149,7 +159,6 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
 
 
 def _add_mean_estimation(sub) -> None:
-    from userdp.experiments.mean_estimation import MeanEstimationConfig as D
 
     p = sub.add_parser(
         "mean-estimation", help="ELS vs ULS on synthetic mean estimation (Charles et al. 2024, Fig 3; docs/experiments.md)",
@@ -158,30 +167,30 @@ def _add_mean_estimation(sub) -> None:
                     "1/2||theta - x||^2 under user-level (eps, delta)-DP; the reported loss is "
                     "||theta_T - mu||^2, best over the lr x clip sweep, mean over trials. The base "
                     "setting is run once per value of each --sweep-* list (one knob at a time).")
-    p.add_argument("--dimension", type=A.positive_int, default=D.dimension, help='d, the dimension of the mean to estimate')
-    p.add_argument("--users", type=A.positive_int, default=D.num_users, help='N users')
-    p.add_argument("--records-per-user", type=A.positive_int, default=D.records_per_user,
+    p.add_argument("--dimension", type=A.positive_int, default=None, help='d, the dimension of the mean to estimate')
+    p.add_argument("--users", type=A.positive_int, default=None, help='N users')
+    p.add_argument("--records-per-user", type=A.positive_int, default=None,
                    help="records per user (the median when --heavy-tailed)")
     p.add_argument("--heavy-tailed", action="store_true",
                    help="log-normal records per user with median --records-per-user")
-    p.add_argument("--heavy-tail-sigma", type=A.nonneg_float, default=D.heavy_tail_sigma, help='log-normal sigma of records per user with --heavy-tailed')
-    p.add_argument("--population-scale", type=A.positive_float, default=D.population_scale, help='std of the population mean mu')
-    p.add_argument("--between-user-std", type=A.nonneg_float, default=D.between_user_std, help='std of user means around mu')
-    p.add_argument("--within-user-variance", type=A.nonneg_float, default=D.within_user_variance, help="sigma_w^2, the variance of a user's records around its mean")
-    p.add_argument("--compute-budget", type=A.positive_int, default=D.compute_budget,
+    p.add_argument("--heavy-tail-sigma", type=A.nonneg_float, default=None, help='log-normal sigma of records per user with --heavy-tailed')
+    p.add_argument("--population-scale", type=A.positive_float, default=None, help='std of the population mean mu')
+    p.add_argument("--between-user-std", type=A.nonneg_float, default=None, help='std of user means around mu')
+    p.add_argument("--within-user-variance", type=A.nonneg_float, default=None, help="sigma_w^2, the variance of a user's records around its mean")
+    p.add_argument("--compute-budget", type=A.positive_int, default=None,
                    help="B: expected gradients per step")
-    p.add_argument("--epsilon", type=A.positive_float, default=D.epsilon, help='target epsilon')
+    p.add_argument("--epsilon", type=A.positive_float, default=None, help='target epsilon')
     p.add_argument("--delta", type=A.open_unit, default=None, help="default N^-1.1")
-    p.add_argument("--steps", type=A.positive_int, default=D.steps, help='T, training steps')
+    p.add_argument("--steps", type=A.positive_int, default=None, help='T, training steps')
     p.add_argument("--els-group-size", type=A.positive_int, default=None,
                    help="G_ELS (default: median records per user)")
-    p.add_argument("--uls-group-sizes", type=_ints, default=D.uls_group_sizes, help='comma-separated ULS group sizes G to try')
-    p.add_argument("--learning-rates", type=_floats, default=D.learning_rates, help='comma-separated learning rates to tune over')
-    p.add_argument("--clip-norms", type=_floats, default=D.clip_norms, help='comma-separated clip norms to tune over')
-    p.add_argument("--trials", type=A.positive_int, default=D.trials, help='repetitions per setting (different seeds)')
-    p.add_argument("--seed", type=int, default=D.seed, help='base seed of the data and the runs')
+    p.add_argument("--uls-group-sizes", type=_ints, default=None, help='comma-separated ULS group sizes G to try')
+    p.add_argument("--learning-rates", type=_floats, default=None, help='comma-separated learning rates to tune over')
+    p.add_argument("--clip-norms", type=_floats, default=None, help='comma-separated clip norms to tune over')
+    p.add_argument("--trials", type=A.positive_int, default=None, help='repetitions per setting (different seeds)')
+    p.add_argument("--seed", type=int, default=None, help='base seed of the data and the runs')
     p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="accountant for sigma (default: pld)")
-    p.add_argument("--average-fraction", type=A.rate, default=D.average_fraction,
+    p.add_argument("--average-fraction", type=A.rate, default=None,
                    help="report the mean of the last fraction of the iterates (tail averaging, "
                         "post-processing); 0 = the final iterate")
     p.add_argument("--noise-multiplier", type=A.nonneg_float, default=None,
