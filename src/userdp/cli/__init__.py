@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "calibrate",
     "data",
     "experiment",
+    "cache",
 ]
 
 

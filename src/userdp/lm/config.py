@@ -127,6 +127,7 @@ class EvalConfig:
 class OutputConfig:
     dir: Optional[str] = None             # default runs/<timestamp> under the cwd
     plot: bool = True
+    cache: str = _choice("shared", "run", default="shared")  # run: caches of this run's data in <run>/cache
 
 
 @dataclass(frozen=True)

@@ -693,6 +693,16 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
 
 def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
          plan_file: Optional[str]) -> dict:
+    if cfg.output.cache == "run":  # every cached copy of this run's data stays in the run directory
+        from userdp.lm.pretrain import cache_in
+
+        with cache_in(rd.root / "cache"):
+            return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file)
+    return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file)
+
+
+def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
+             plan_file: Optional[str]) -> dict:
     from userdp import engine as E
     from userdp.engine import checkpoint as ckpt
     from userdp.lm.evaluate import evaluate_lm

@@ -9,6 +9,7 @@ the public text: nothing here is accounted, and nothing here may see private rec
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -24,10 +25,27 @@ from userdp.errors import UserError
 from userdp.lm import models
 
 
+_CACHE_OVERRIDE: list[Path] = []
+
+
 def cache_root() -> Path:
-    """``$USERDP_CACHE`` or ``~/.cache/userdp``."""
+    """Where userdp caches stores, tokenized data, scores and pretrained models: a run's own
+    ``<run>/cache`` while a run with ``output.cache: run`` is active, else ``$USERDP_CACHE``, else
+    ``~/.cache/userdp``. ``userdp cache info|clear`` shows and removes it."""
+    if _CACHE_OVERRIDE:
+        return _CACHE_OVERRIDE[-1]
     env = os.environ.get("USERDP_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "userdp"
+
+
+@contextlib.contextmanager
+def cache_in(path: Path):
+    """Use ``path`` as the cache root inside the ``with`` block."""
+    _CACHE_OVERRIDE.append(Path(path))
+    try:
+        yield
+    finally:
+        _CACHE_OVERRIDE.pop()
 
 
 def fingerprint(*parts) -> str:

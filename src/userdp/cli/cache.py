@@ -1,0 +1,85 @@
+"""``userdp cache info|clear``: see and remove what userdp keeps on disk between runs.
+
+The cache (``$USERDP_CACHE``, else ``~/.cache/userdp``) holds, by kind:
+
+* ``stores/`` — user-grouped stores: a raw copy of every record of the data (**private**);
+* ``tokenized/`` — token ids of the records (**private**);
+* ``perplexity/`` — per-record perplexity scores (**private**);
+* ``pretrained/`` — tokenizers and models pretrained on text declared public.
+
+``output.cache: run`` in a training config keeps a run's caches inside its run directory
+instead (``<run>/cache``), so that deleting the run deletes every copy of the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from userdp.cli import jsonout
+
+KINDS = {"stores": True, "tokenized": True, "perplexity": True, "pretrained": False}  # kind -> private
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def info(root: Path) -> dict:
+    """What the cache at ``root`` holds: per kind, the entries, bytes and whether it is private."""
+    kinds = {}
+    for kind, private in KINDS.items():
+        d = root / kind
+        entries = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+        kinds[kind] = {"entries": len(entries), "bytes": _size(d), "private": private, "path": str(d)}
+    return {"root": str(root), "exists": root.is_dir(), "kinds": kinds,
+            "private_bytes": sum(k["bytes"] for k in kinds.values() if k["private"])}
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _run(args: argparse.Namespace) -> int:
+    from userdp.lm.pretrain import cache_root
+
+    root = cache_root()
+    if args.action == "info":
+        rep = info(root)
+        if args.json:
+            print(jsonout.dumps(rep))
+            return 0
+        print(f"cache: {root}" + ("" if rep["exists"] else " (empty)"))
+        for kind, k in rep["kinds"].items():
+            label = "PRIVATE: derived from the training data" if k["private"] else "public text only"
+            print(f"  {kind:<11} {k['entries']:>4} entries  {_human(k['bytes']):>10}  ({label})")
+        print(f"  private data at rest: {_human(rep['private_bytes'])}; remove it with `userdp cache clear "
+              "--private-only`, or set output.cache: run to keep it inside each run directory")
+        return 0
+    kinds = [k for k, private in KINDS.items() if private or not args.private_only]
+    removed = 0
+    for kind in kinds:
+        d = root / kind
+        if d.is_dir():
+            removed += _size(d)
+            shutil.rmtree(d)
+    print(f"removed {', '.join(kinds)} from {root} ({_human(removed)})", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("cache", help="see or clear what userdp keeps on disk (private data at rest)",
+                              description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    i = sub.add_parser("info", help="what the cache holds, by kind, and which kinds are private")
+    i.add_argument("--json", action="store_true", help="print one JSON object")
+    c = sub.add_parser("clear", help="remove the cache (the private kinds, or everything)")
+    c.add_argument("--private-only", action="store_true",
+                   help="keep the models pretrained on public text; remove stores, tokenized data and scores")
+    p.set_defaults(func=_run)
