@@ -13,6 +13,7 @@ from userdp.errors import UserError
 
 # Module names under userdp.cli, in the order they appear in `userdp --help`.
 COMMAND_MODULES = [
+    "init",
     "train",
     "pretrain",
     "evaluate",

@@ -151,6 +151,12 @@ def prepare_data(cfg: C.RunConfig, log: Log = _stderr) -> Prepared:
     from userdp.data.subset import UserSubset
 
     d = cfg.data
+    if d.source != "shakespeare":
+        if not d.path:
+            raise UserError(f"data.path: give the {d.source} data to train on (data.source is {d.source})")
+        if not Path(d.path).exists():
+            raise UserError(f"data.path {d.path}: does not exist (relative paths are from the current "
+                            f"directory, {Path.cwd()})")
     if d.source == "shakespeare":
         from userdp.data.shakespeare import ShakespeareSource, public_text
 

@@ -1,0 +1,165 @@
+"""``userdp init DATAFILE [--user-field F --text-field F] [--public-text PATH] [--output CONFIG.yaml]``.
+
+Writes a commented starting config for the user's own file (JSONL, CSV, Parquet or a saved
+Hugging Face dataset): it reads the file once, as training will (so a bad file fails here, with
+the same one-line errors), guesses the user and text fields when they are not given, and fills
+in the settings that follow from the data's shape. Reading the file is a touch of the data by
+the data holder, before training; nothing of it is written to the config but field names and
+counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from userdp.errors import UserError
+
+USER_FIELDS = ("user", "user_id", "userid", "author", "author_id", "username", "speaker", "sender", "owner")
+TEXT_FIELDS = ("text", "body", "message", "content", "msg", "post", "comment")
+
+
+def _first_record_fields(path: Path, fmt: str) -> list[str]:
+    """Field names of the first record (JSONL object keys, CSV header, Parquet/HF columns)."""
+    if fmt == "jsonl":
+        import gzip
+
+        opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError:
+                        return []
+                    return list(obj) if isinstance(obj, dict) else []
+        return []
+    if fmt == "csv":
+        import csv
+
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+            return next(csv.reader(f), [])
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.read_schema(path).names)
+        except Exception:  # noqa: BLE001 - the reader below gives the one-line error
+            return []
+    return []
+
+
+def _guess(fields: list[str], candidates: tuple[str, ...], what: str, flag: str, path: Path) -> str:
+    lower = {f.lower(): f for f in fields}
+    for c in candidates:
+        if c in lower:
+            return lower[c]
+    raise UserError(f"{path}: cannot tell which field holds the {what} (fields: {', '.join(fields) or 'none'}); "
+                    f"give {flag}")
+
+
+def _yaml_str(x: str) -> str:
+    return json.dumps(str(x))  # a JSON string is a valid YAML scalar
+
+
+def build_config(path: Path, fmt: str, user_field: str, text_field: str, public: str | None, stats: dict,
+                 name: str = "CONFIG.yaml") -> str:
+    """The commented YAML for ``path`` with the counts in ``stats`` (users, records, records_per_user)."""
+    users, records = stats["users"], stats["records"]
+    med = stats["records_per_user"]["median"]
+    g = int(max(1, min(64, round(med))))
+    heldout = 0.1 if users >= 200 else 0.2
+    train_users = int(users * (1 - heldout))
+    cohort = max(1, min(64, train_users // 10))
+    lines = [
+        f"# userdp training config for {path} (written by `userdp init`)",
+        f"# The file holds {users:,} users and {records:,} records (median {med:g} records per user).",
+        "# Every value below can be changed here or with --set key=value; `userdp train --print-config`",
+        f"# shows the resolved config. Run:  userdp train {name}",
+        "",
+        "data:",
+        f"  source: {fmt}",
+        f"  path: {_yaml_str(str(path))}",
+        f"  user_field: {_yaml_str(user_field)}        # one user = one person: the privacy unit",
+        f"  text_field: {_yaml_str(text_field)}",
+        f"  heldout_users: {heldout}                 # users kept out of training, for evaluation",
+    ]
+    if public:
+        lines.append(f"  public_path: {_yaml_str(public)}   # text DECLARED PUBLIC: trains the tokenizer and "
+                     "pretrains the model, outside the guarantee")
+    else:
+        lines += ["  public_path: null   # TODO: a .txt (documents separated by blank lines) or .jsonl file of",
+                  "                      # text you declare public; the tokenizer and the starting model are",
+                  "                      # trained on it, never on the private records (see README, 'Your own data')"]
+    lines += [
+        "tokenizer:",
+        "  vocab_size: 2048",
+        "  seq_len: 64                 # tokens per record (longer records are truncated)",
+        "model:",
+        "  preset: tiny                # or path: a local AutoModelForCausalLM folder (declared public)",
+        "  pretrain: true              # pretrain on the public text first (cached)",
+        "privacy:",
+        "  epsilon: 3.0                # user-level (epsilon, delta); delta null = N^-1.1",
+        "  delta: null",
+        "training:",
+        "  algorithm: uls              # uls (users sampled, per-user clipping), els or fedavg",
+        f"  group_size: {g}              # G: records per user per step (the median here)",
+        f"  cohort_size: {cohort}             # expected users per step (of {train_users:,} training users)",
+        "  steps: 100",
+        "  lr: 0.001",
+        "  clip_norm: 1.0",
+        "output:",
+        "  cache: run                  # keep cached copies of this data inside the run directory",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _run(args: argparse.Namespace) -> int:
+    from userdp.data.sources import detect_format, open_source
+    from userdp.data.stats import corpus_stats
+    from userdp.data.store import build_store
+
+    path = Path(args.datafile)
+    fmt = args.format or detect_format(str(path))
+    if fmt not in ("jsonl", "csv", "parquet", "hf"):
+        raise UserError(f"{path}: `userdp init` writes configs for JSONL, CSV, Parquet or saved Hugging Face "
+                        f"data (this is {fmt}; see examples/ for Stack Exchange and Shakespeare)")
+    if args.public_text is not None and not Path(args.public_text).is_file():
+        raise UserError(f"--public-text {args.public_text}: not a file")
+    out = Path(args.output)
+    if out.exists():
+        raise UserError(f"--output {out}: exists; choose another name (nothing was overwritten)")
+    fields = _first_record_fields(path, fmt) if path.is_file() else []
+    uf = args.user_field or _guess(fields, USER_FIELDS, "user", "--user-field", path)
+    tf = args.text_field or _guess(fields, TEXT_FIELDS, "text", "--text-field", path)
+    print(f"reading {path} ({fmt}, user field {uf!r}, text field {tf!r}) ...", file=sys.stderr)
+    source = open_source(str(path), fmt, user_field=uf, text_field=tf)
+    with tempfile.TemporaryDirectory(prefix="userdp-init-") as tmp:
+        stats = corpus_stats(build_store(source, Path(tmp) / "store").store)
+    text = build_config(path, fmt, uf, tf, args.public_text, stats, str(out))
+    try:
+        out.write_text(text)
+    except OSError as exc:
+        raise UserError(f"--output {out}: cannot write ({exc.strerror or exc})") from None
+    print(f"wrote {out}: {stats['users']:,} users, {stats['records']:,} records. Next: "
+          f"userdp plan {out} --compute-budget 64   or   userdp train {out}", file=sys.stderr)
+    if args.public_text is None:
+        print("note: no --public-text given; set data.public_path in the config before training", file=sys.stderr)
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("init", help="write a commented starting config for your own data file",
+                              description=__doc__.split("\n\n")[1].replace("\n", " "))
+    p.add_argument("datafile", help="a JSONL[.gz], CSV, Parquet file or saved Hugging Face dataset folder")
+    p.add_argument("--format", choices=["jsonl", "csv", "parquet", "hf"], help="default: from the name or contents")
+    p.add_argument("--user-field", help="field naming the user (default: guessed: user, author, ...)")
+    p.add_argument("--text-field", help="field holding the text (default: guessed: text, body, message, ...)")
+    p.add_argument("--public-text", metavar="PATH",
+                   help="text you declare public, for the tokenizer and pretraining (.txt or .jsonl)")
+    p.add_argument("--output", default="userdp.yaml", metavar="CONFIG.yaml",
+                   help="config to write (default: userdp.yaml; never overwritten)")
+    p.set_defaults(func=_run)
