@@ -43,6 +43,20 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log, 
 
 
 def _run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from userdp.lm import config as C
+    from userdp.lm.pretrain import cache_in
+
+    if C.load_config(args.config, args.set or []).output.cache == "run":
+        # no run directory yet: the private caches (store, tokenized records) live in a folder
+        # removed when planning ends; the public pretrained model stays in the shared cache
+        with tempfile.TemporaryDirectory(prefix="userdp-plan-cache-") as tmp, cache_in(Path(tmp)):
+            return _plan(args)
+    return _plan(args)
+
+
+def _plan(args: argparse.Namespace) -> int:
     from userdp import heuristics
 
     logging.getLogger("absl").setLevel(logging.ERROR)

@@ -35,7 +35,7 @@ import torch
 from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.lm import models
-from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, save_pretrained
+from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, private_cache_root, save_pretrained
 from userdp.lm.run_dir import RunDir, existing_run_dir, new_run_dir, plot_curves, write_json_atomic
 
 Log = Callable[[str], None]
@@ -79,7 +79,7 @@ def _file_sig(path: Path) -> list:
 def _cached_store(source, key: str, log: Log):
     from userdp.data.store import build_store, open_store
 
-    folder = cache_root() / "stores" / key
+    folder = private_cache_root() / "stores" / key
     if (folder / "meta.json").is_file():
         try:
             return open_store(folder)
@@ -440,7 +440,7 @@ def _perplexity_scores(cfg, prep, tok, model, log):
 
     log("scoring the training records' perplexity under the starting model (a disclosed data touch) ...")
     scores, touch = perplexity_scores(prep.store, score, model_id, subset=prep.train_subset,
-                                      cache_dir=cache_root() / "perplexity")
+                                      cache_dir=private_cache_root() / "perplexity")
     rows = prep.train_subset.rows(prep.store.offsets)
     return np.asarray(scores)[rows], touch
 
@@ -453,7 +453,7 @@ def build_datasets(cfg, prep, tok, log, model=None, notes=None):
     from userdp.data.tokenize import tokenize_store
     from userdp.lm.userdata import userdata
 
-    cache = cache_root() / "tokenized"
+    cache = private_cache_root() / "tokenized"
     t0 = time.time()
     sel = cfg.training.selection
     mode = "full" if sel == "random_chunk" else "truncate"

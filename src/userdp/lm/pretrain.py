@@ -29,18 +29,22 @@ _CACHE_OVERRIDE: list[Path] = []
 
 
 def cache_root() -> Path:
-    """Where userdp caches stores, tokenized data, scores and pretrained models: a run's own
-    ``<run>/cache`` while a run with ``output.cache: run`` is active, else ``$USERDP_CACHE``, else
-    ``~/.cache/userdp``. ``userdp cache info|clear`` shows and removes it."""
-    if _CACHE_OVERRIDE:
-        return _CACHE_OVERRIDE[-1]
+    """Where userdp caches what it derives from public text (pretrained tokenizers and models):
+    ``$USERDP_CACHE``, else ``~/.cache/userdp``. ``userdp cache info|clear`` shows and removes it."""
     env = os.environ.get("USERDP_CACHE")
     return Path(env) if env else Path.home() / ".cache" / "userdp"
 
 
+def private_cache_root() -> Path:
+    """Where userdp caches what it derives from the private data (user stores, tokenized records,
+    perplexity scores): a run's own ``<run>/cache`` while a run with ``output.cache: run`` is active
+    (a temporary folder during `userdp plan`), else :func:`cache_root`."""
+    return _CACHE_OVERRIDE[-1] if _CACHE_OVERRIDE else cache_root()
+
+
 @contextlib.contextmanager
 def cache_in(path: Path):
-    """Use ``path`` as the cache root inside the ``with`` block."""
+    """Use ``path`` as the private cache root inside the ``with`` block."""
     _CACHE_OVERRIDE.append(Path(path))
     try:
         yield
