@@ -39,8 +39,6 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
                     config: str | None = None, overrides: list[str] | None = None,
                     personalize: bool = False, max_users: int | None = None) -> dict:
     from userdp.lm import config as C
-    from userdp.lm.evaluate import evaluate_lm, personalize as run_personalize
-    from userdp.lm.finetune import _build_datasets, prepare_data
     from userdp.data.tokenize import load_tokenizer
 
     t = Path(target)
@@ -73,6 +71,23 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
     run_context = _run_context(t) if model_dir == t / "model" else None
     model = models.load_local(model_dir)
     tok = load_tokenizer(model_dir)
+    if cfg.output.cache == "run":  # the run keeps the private caches of its data in <run>/cache
+        import tempfile
+
+        from userdp.lm.pretrain import cache_in
+
+        if run_context is not None:
+            with cache_in(t / "cache"):
+                return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
+        with tempfile.TemporaryDirectory(prefix="userdp-eval-cache-") as tmp, cache_in(Path(tmp)):
+            return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
+    return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
+
+
+def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personalize: bool) -> dict:
+    from userdp.lm.evaluate import evaluate_lm, personalize as run_personalize
+    from userdp.lm.finetune import _build_datasets, prepare_data
+
     prep = prepare_data(cfg, log=lambda m: None)
     if run_context is not None and run_context.get("data_fingerprint") != prep.data_fingerprint:
         raise UserError(f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "

@@ -1,0 +1,164 @@
+"""Issue 16: from "my own JSONL file" to a reviewed model, as the README shows it.
+
+The first test runs the README's own-data commands, read from README.md itself, on the
+example data generated afresh in a temporary folder (only the training lengths are shortened
+with --set, so that the test takes seconds).
+"""
+
+import json
+import math
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from userdp import accounting as A
+from userdp.cli import main as cli
+from userdp.engine.ledger import PrivacyLedger
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--set", "model.pretraining.steps=20", "--set", "training.steps=6"]
+
+
+def _readme_own_data_commands() -> list[str]:
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Your own data", 1)[1]
+    block = section.split("```bash", 1)[1].split("```", 1)[0]
+    return [ln.split("#", 1)[0].strip() for ln in block.splitlines() if ln.strip().startswith("userdp ")]
+
+
+@pytest.mark.slow
+def test_the_readme_own_data_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from make_example_data import main as make_data
+    finally:
+        sys.path.pop(0)
+    make_data(tmp_path / "examples" / "data")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
+    commands = _readme_own_data_commands()
+    assert [c.split()[1] for c in commands] == ["data", "init", "plan", "train", "report", "evaluate", "cache"]
+    for cmd in commands:
+        argv = shlex.split(cmd)[1:]
+        if argv[0] in ("plan", "train"):
+            argv += FAST
+        assert cli(argv) == 0, cmd
+    capsys.readouterr()
+    run = tmp_path / "runs" / "mine"
+    # the run directory is complete without `userdp report`, and the plan reached the report
+    for name in ("report.md", "report.json", "privacy.json", "model/config.json", "plan.json"):
+        assert (run / name).is_file(), name
+    priv = json.loads((run / "privacy.json").read_text())
+    assert any("plan" in n for n in priv["not_accounted"])
+    # output.cache: run (written by init): no private data left in the shared cache
+    assert cli(["cache", "info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["private_bytes"] == 0
+    assert (run / "cache" / "stores").is_dir()
+
+
+def test_init_guesses_fields_writes_a_valid_config_and_never_overwrites(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"author": f"a{i % 7}", "body": f"text {i}"}) + "\n" for i in range(40)))
+    out = tmp_path / "c.yaml"
+    assert cli(["init", str(data), "--output", str(out)]) == 0
+    from userdp.lm import config as C
+
+    cfg = C.load_config(str(out))
+    assert (cfg.data.user_field, cfg.data.text_field, cfg.data.source) == ("author", "body", "jsonl")
+    assert cfg.training.group_size == 6 and cfg.output.cache == "run"  # median records per user
+    before = out.read_text()
+    assert cli(["init", str(data), "--output", str(out)]) == 2
+    assert out.read_text() == before
+    other = tmp_path / "x.jsonl"
+    other.write_text(json.dumps({"who": "a", "what": "b"}) + "\n")
+    assert cli(["init", str(other), "--output", str(tmp_path / "x.yaml")]) == 2
+    assert "--user-field" in capsys.readouterr().err
+
+
+def test_cache_info_marks_private_kinds_and_clear_removes_them(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path))
+    (tmp_path / "stores" / "s1").mkdir(parents=True)
+    (tmp_path / "stores" / "s1" / "records.arrow").write_bytes(b"x" * 1000)
+    (tmp_path / "pretrained" / "m").mkdir(parents=True)
+    (tmp_path / "pretrained" / "m" / "w").write_bytes(b"y" * 10)
+    assert cli(["cache", "info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kinds"]["stores"]["private"] and not info["kinds"]["pretrained"]["private"]
+    assert info["private_bytes"] == 1000
+    assert cli(["cache", "clear", "--private-only"]) == 0
+    assert not (tmp_path / "stores").exists() and (tmp_path / "pretrained" / "m" / "w").exists()
+    assert cli(["cache", "clear"]) == 0
+    assert not (tmp_path / "pretrained").exists()
+
+
+def test_epsilon_curve_is_tight_not_capped_at_the_target():
+    # a run calibrated for 200 steps: at step 141 the curve must show epsilon(141), not the target
+    step = A.uls_step_event(0.9, 0.05)
+    delta, target = 1e-5, A.epsilon(A.compose(step, 200), 1e-5)
+    led = PrivacyLedger(step, delta, target_epsilon=target, safe_steps=200)
+    led.spent = 141
+    exact = led.epsilon()
+    shown = led.epsilon_upper_bound()
+    assert exact <= shown <= exact * 1.01
+    assert shown < 0.99 * target
+    led.spent = 1500  # beyond the per-step range: the 1% grid
+    assert led.epsilon() <= led.epsilon_upper_bound() <= led.epsilon() * 1.01
+
+
+def test_nonprivate_report_says_only_that_there_is_no_guarantee():
+    from userdp.lm.report import privacy_record, render_markdown
+
+    rec = privacy_record(algorithm="nonprivate", accountant="pld", sampler_assumed="poisson_users",
+                         sampler_used="poisson_users", epsilon_spent=None, epsilon_target=None, delta=None,
+                         delta_rule="", noise_multiplier=0.0, sampling_rate=0.1, steps_taken=5, steps_planned=5,
+                         clip_norm=None, group_size=2, num_users=100, num_records=300, expected_cohort=10,
+                         clipping="flat", seq_len=16)
+    rec["evaluation"] = {"after": {"loss": 3.0, "perplexity": 20.0, "user_loss": 3.1, "num_users": 10}}
+    md = render_markdown(rec)
+    assert "No differential-privacy guarantee" in md
+    for absent in ("protected", "accountant", "delta", "e^10", "Tier", "adjacency"):
+        assert absent not in md, absent
+    assert "not a DP release" in md
+
+
+def test_private_report_states_delta_against_1_over_n_and_unprotected_mentions():
+    from userdp.lm.report import privacy_record, render_markdown
+
+    rec = privacy_record(algorithm="uls", accountant="pld", sampler_assumed="poisson_users",
+                         sampler_used="poisson_users", epsilon_spent=2.0, epsilon_target=3.0, delta=1e-4,
+                         delta_rule="delta = N^-1.1 with N = 4000 users", noise_multiplier=1.0,
+                         sampling_rate=0.1, steps_taken=5, steps_planned=5, clip_norm=1.0, group_size=2,
+                         num_users=4000, num_records=9000, expected_cohort=400, clipping="flat", seq_len=16,
+                         dp_event=A.event_to_dict(A.compose(A.uls_step_event(1.0, 0.1), 5)))
+    md = render_markdown(rec)
+    assert "0.4/N" in rec["delta_rule"] and "1/N" in md
+    assert "mentioned" in md
+    assert "SPEC" not in md
+
+
+def test_help_and_version_start_in_well_under_a_second():
+    # measured in a fresh interpreter: the CLI must not import torch or dp_accounting to build its parser
+    code = ("import sys, time; t = time.perf_counter(); from userdp.cli import build_parser; build_parser(); "
+            "print(time.perf_counter() - t, 'torch' in sys.modules, 'dp_accounting' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[1:] == ["False", "False"], out
+
+
+def test_train_announces_the_mechanism_before_the_first_step(tmp_path, capsys):
+    from _engine_helpers import Mean, sq_loss, user_data
+    from userdp.engine import ULS, TrainConfig, train
+
+    seen = []
+    train(Mean(3), user_data([2] * 20), sq_loss, TrainConfig(algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0,
+                                                             delta=1e-5, track_epsilon=False),
+          on_start=seen.append, callbacks=[lambda m: seen.append("step")])
+    info = seen[0]
+    assert isinstance(info, dict) and seen[1] == "step"
+    assert info["sampling_rate"] == 0.2 and info["steps"] == 2 and info["noise_multiplier"] > 0
+    assert math.isclose(info["expected_units"], 4.0) and info["delta"] == 1e-5
