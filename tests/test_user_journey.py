@@ -7,11 +7,9 @@ with --set, so that the test takes seconds).
 
 import json
 import math
-import re
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
