@@ -160,3 +160,40 @@ def test_train_announces_the_mechanism_before_the_first_step(tmp_path, capsys):
     assert isinstance(info, dict) and seen[1] == "step"
     assert info["sampling_rate"] == 0.2 and info["steps"] == 2 and info["noise_multiplier"] > 0
     assert math.isclose(info["expected_units"], 4.0) and info["delta"] == 1e-5
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_train_writes_an_honest_record_and_report(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    import userdp.lm.finetune as F
+    from _lm_corpus import tiny_config, write_tiny_corpus
+
+    data, public = write_tiny_corpus(tmp_path)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n"))
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
+    real = F._save_weights
+
+    def press_ctrl_c(model, path, step, eps):
+        real(model, path, step, eps)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # deferred: step 3 finishes and is saved, then it stops
+
+    monkeypatch.setattr(F, "_save_weights", press_ctrl_c)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # SIG_IGN under a background shell
+    try:
+        assert cli(["train", str(cfg), "--output", str(tmp_path / "run"), "--no-progress"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    run = tmp_path / "run"
+    priv = json.loads((run / "privacy.json").read_text())
+    assert priv["stopped"] == "interrupted" and priv["steps_applied"] == 3 and priv["steps_taken"] == 3
+    md = (run / "report.md").read_text()
+    assert "**Interrupted** after 3 of 4 planned steps" in md
+    from userdp.engine import checkpoint as ckpt
+
+    assert ckpt.verify(str(run / "checkpoints"))["step"] == 3  # weights, ledger and state of step 3
+    assert json.loads((run / "checkpoints" / "ledger.json").read_text())["step"] == 3
+    assert cli(["report", str(run)]) == 0  # and `userdp report` agrees

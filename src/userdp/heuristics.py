@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -285,7 +286,7 @@ class GradientNormEstimator:
     """
 
     def __init__(self, model, data, loss_fn, *, num_users: int = 128, chunk_size: int = 16,
-                 rng: np.random.Generator | None = None):
+                 rng: np.random.Generator | None = None, log=None):
         from userdp.engine.algorithms import ULS
         from userdp.engine.per_unit import PerUnit
 
@@ -299,6 +300,7 @@ class GradientNormEstimator:
         self._per_unit = PerUnit(model, loss_fn, ULS(group_size=1, sampling_rate=1.0))
         self._cache: dict[int, float] = {}
         self.norms: dict[int, np.ndarray] = {}
+        self.log = log  # optional progress: one line per group size evaluated
 
     def user_norms(self, group_size: int) -> np.ndarray:
 
@@ -314,9 +316,13 @@ class GradientNormEstimator:
     def __call__(self, group_size: int) -> float:
         g = int(group_size)
         if g not in self._cache:
+            t0 = time.perf_counter()
             norms = self.user_norms(g)
             self.norms[g] = norms
             self._cache[g] = float(np.median(norms))
+            if self.log is not None:
+                self.log(f"  L(G = {g}): median gradient norm {self._cache[g]:.4g} over {len(self.users)} sampled "
+                         f"users ({time.perf_counter() - t0:.1f} s)")
         return self._cache[g]
 
 
@@ -458,6 +464,7 @@ def plan_for_training(
     accountant: str = "pld",
     seed: int | None = None,
     chunk_size: int = 16,
+    log=None,
 ) -> Plan:
     """What ``userdp plan`` and a config with ``plan: auto`` call.
 
@@ -468,7 +475,7 @@ def plan_for_training(
     """
     rng = np.random.default_rng(seed)
     est = GradientNormEstimator(model, data, loss_fn, num_users=sample_users, chunk_size=chunk_size,
-                                rng=rng)
+                                rng=rng, log=log)
     return make_plan(data.sizes(), compute_budget=compute_budget, epsilon=epsilon, steps=steps,
                      l_of_g=est, delta=delta, dp_median_epsilon=dp_median_epsilon,
                      accountant=accountant, sample_users=len(est.users), rng=rng)

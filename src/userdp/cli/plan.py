@@ -29,7 +29,7 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log, 
 
     cfg = C.load_config(config_path, overrides or [])
     prep = finetune.prepare_data(cfg, log)
-    tok, model, _notes = finetune.get_tokenizer_and_model(cfg, prep, log, progress=False)
+    tok, model, _notes = finetune.get_tokenizer_and_model(cfg, prep, log, progress=True)
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
@@ -78,7 +78,7 @@ def _plan(args: argparse.Namespace) -> int:
         data, model, loss_fn, compute_budget=args.compute_budget, epsilon=epsilon, steps=steps,
         delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
-        chunk_size=cfg.training.chunk_size)
+        chunk_size=cfg.training.chunk_size, log=log)
     from userdp.lm.finetune import plan_record
     from userdp.lm.run_dir import write_json_atomic
 
