@@ -96,3 +96,46 @@ def test_torch_distributed_combiner_on_a_gloo_group(tmp_path):
         assert torch.equal(m1.theta, m2.theta)
     finally:
         dist.destroy_process_group()
+
+
+def test_one_writer_and_a_shared_count_after_a_crash(tmp_path):
+    """Only rank 0 keeps the hash-chained journal and writes checkpoints; after a crash before
+    the first checkpoint every rank resumes with the main rank's count of steps begun."""
+    world = 2
+    dirs = [tmp_path / "r0", tmp_path / "r1"]  # each rank is given its own folder: rank 1's must stay empty
+    unseeded = TrainConfig(algorithm=ULS(8, 0.5), steps=4, clipping=FlatClip(0.5), optimizer=SGD(0.5),
+                           noise_multiplier=1.3, delta=1e-5, chunk_size=4, track_epsilon=False, accountant="rdp")
+
+    def run_all(resume, crash_at=None):
+        shared = {"barrier": threading.Barrier(world), "slots": [None] * world, "calls": [0] * world}
+        results, errors = [None] * world, []
+
+        def crash(m):
+            if crash_at is not None and m["step"] == crash_at:
+                raise KeyError("crash")
+
+        def worker(r):
+            try:
+                results[r] = train(Mean(64), user_data(SIZES, d=64, seed=2), sq_loss, unseeded,
+                                   combiner=_ThreadCombiner(r, world, shared), checkpoint_dir=str(dirs[r]),
+                                   resume=resume, callbacks=[crash])
+            except KeyError:
+                pass
+            except BaseException as e:
+                errors.append(e)
+                shared["barrier"].abort()
+
+        threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        return results
+
+    run_all(resume=False, crash_at=2)
+    assert (dirs[0] / "ledger_journal.jsonl").is_file()
+    assert not dirs[1].exists() or not any(dirs[1].iterdir())
+    res = run_all(resume=True)
+    for r in range(world):  # 2 begun before the crash (unseeded: spent) + 4 now, on every rank
+        assert res[r].record["steps_accounted"] == 6 and res[r].record["steps_lost_to_crashes"] == 2

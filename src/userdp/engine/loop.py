@@ -192,8 +192,10 @@ class _Run:
         self._calibrate()
         context = {"engine_config_sha256": hashlib.sha256(repr(cfg).encode()).hexdigest()}
         context.update(journal_context or {})
+        # one writer: only the main rank keeps the journal (every rank counts the same steps)
         self.ledger = PrivacyLedger(self.step_event, self.delta, target_epsilon=cfg.target_epsilon,
-                                    accountant=cfg.accountant, safe_steps=self.safe_steps, journal_dir=self.dir,
+                                    accountant=cfg.accountant, safe_steps=self.safe_steps,
+                                    journal_dir=self.dir if self.combiner.rank == 0 else None,
                                     journal_context=context)
         self.clip_state = cfg.clipping.initial_state()
         self.optimizer = cfg.optimizer.build(self.master)
@@ -367,7 +369,7 @@ class _Run:
 
     def save(self, extra=None):
         """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit)."""
-        if self.dir:
+        if self.dir and self.combiner.rank == 0:  # one writer
             ckpt.save(self.dir, self.state(), extra(self) if extra is not None else None)
 
     def restore(self, st: dict):
@@ -564,12 +566,16 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     run = _Run(model, data, loss_fn, config, checkpoint_dir, combiner, journal_context)
     if resume and ckpt.exists(checkpoint_dir):
         run.restore(ckpt.load(checkpoint_dir))
-    elif resume:
+    elif resume and run.combiner.rank == 0:
         # crashed before the first checkpoint: the steps it began are spent all the same
         # (a seeded run replays them); a missing or damaged journal is refused
         run.ledger.resume_without_checkpoint(replayable=run.seeded)
-    elif checkpoint_dir and run.combiner.rank == 0:
+    elif checkpoint_dir and not resume and run.combiner.rank == 0:
         run.ledger.start_journal()
+    if run.combiner.world_size > 1:  # every rank counts what the main rank's journal says
+        counts = torch.tensor([float(run.ledger.spent), float(run.ledger.lost_steps)], device=run.device)
+        spent, lost = run.combiner.broadcast_from_main([counts])[0].tolist()
+        run.ledger.spent, run.ledger.lost_steps = int(spent), int(lost)
     if on_start is not None:
         on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
                   "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
