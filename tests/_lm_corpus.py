@@ -24,9 +24,10 @@ def write_tiny_corpus(folder):
     return data, public
 
 
-def tiny_config(data, public, training_extra: str = "") -> str:
-    """The tiny ULS training config the end-to-end tests share (``training_extra``: more
-    ``training:`` keys, one per line, indented by two spaces)."""
+def tiny_config(data, public, training_extra: str = "", privacy_extra: str = "", tail: str = "") -> str:
+    """The tiny ULS training config the end-to-end tests share. ``training_extra`` and
+    ``privacy_extra``: more keys of those sections, one per line, indented by two spaces;
+    ``tail``: more top-level sections."""
     return f"""
 data:
   source: jsonl
@@ -43,10 +44,10 @@ model:
     batch_size: 8
 privacy:
   epsilon: 8.0
-training:
+{privacy_extra}training:
   algorithm: uls
   steps: 4
   cohort_size: 8
   group_size: 2
   lr: 0.001
-{training_extra}"""
+{training_extra}{tail}"""

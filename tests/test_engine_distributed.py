@@ -51,17 +51,17 @@ class _ThreadCombiner:
         return self._exchange(tensors)[0]
 
 
-def test_two_ranks_equal_one():
-    world = 2
+def _run_ranks(world, run_rank, expected=()):
+    """Run ``run_rank(rank, combiner)`` on ``world`` threads; returns their results. Exceptions
+    of the ``expected`` types end a rank quietly (a simulated crash); any other is raised here."""
     shared = {"barrier": threading.Barrier(world), "slots": [None] * world, "calls": [0] * world}
-    models = [Mean(64) for _ in range(world)]
-    results = [None] * world
-    errors = []
+    results, errors = [None] * world, []
 
     def worker(r):
         try:
-            results[r] = train(models[r], user_data(SIZES, d=64, seed=2), sq_loss, _cfg(),
-                               combiner=_ThreadCombiner(r, world, shared))
+            results[r] = run_rank(r, _ThreadCombiner(r, world, shared))
+        except tuple(expected):
+            pass
         except BaseException as e:  # surface it in the main thread
             errors.append(e)
             shared["barrier"].abort()
@@ -72,6 +72,14 @@ def test_two_ranks_equal_one():
     for t in threads:
         t.join(120)
     assert not errors, errors
+    return results, shared
+
+
+def test_two_ranks_equal_one():
+    world = 2
+    models = [Mean(64) for _ in range(world)]
+    results, shared = _run_ranks(world, lambda r, comb: train(models[r], user_data(SIZES, d=64, seed=2), sq_loss,
+                                                              _cfg(), combiner=comb))
     single = Mean(64)
     ref = train(single, user_data(SIZES, d=64, seed=2), sq_loss, _cfg())
     assert shared["calls"] == [4, 4]  # one all-reduce per step: the clipped sum and its statistics
@@ -107,31 +115,13 @@ def test_one_writer_and_a_shared_count_after_a_crash(tmp_path):
                            noise_multiplier=1.3, delta=1e-5, chunk_size=4, track_epsilon=False, accountant="rdp")
 
     def run_all(resume, crash_at=None):
-        shared = {"barrier": threading.Barrier(world), "slots": [None] * world, "calls": [0] * world}
-        results, errors = [None] * world, []
-
         def crash(m):
             if crash_at is not None and m["step"] == crash_at:
                 raise KeyError("crash")
 
-        def worker(r):
-            try:
-                results[r] = train(Mean(64), user_data(SIZES, d=64, seed=2), sq_loss, unseeded,
-                                   combiner=_ThreadCombiner(r, world, shared), checkpoint_dir=str(dirs[r]),
-                                   resume=resume, callbacks=[crash])
-            except KeyError:
-                pass
-            except BaseException as e:
-                errors.append(e)
-                shared["barrier"].abort()
-
-        threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
-        return results
+        return _run_ranks(world, lambda r, comb: train(Mean(64), user_data(SIZES, d=64, seed=2), sq_loss, unseeded,
+                                                       combiner=comb, checkpoint_dir=str(dirs[r]), resume=resume,
+                                                       callbacks=[crash]), expected=(KeyError,))[0]
 
     run_all(resume=False, crash_at=2)
     assert (dirs[0] / "ledger_journal.jsonl").is_file()

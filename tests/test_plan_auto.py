@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from _lm_corpus import write_tiny_corpus
+from _lm_corpus import tiny_config, write_tiny_corpus
 from userdp.cli import main as cli
 from userdp.errors import UserError
 from userdp.lm import config as C
@@ -70,41 +70,10 @@ def test_cli_error_is_one_line(tmp_path, capsys):
 def tiny_files(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("plan_auto")
     data, public = write_tiny_corpus(tmp_path)
-    base = f"""
-data:
-  source: jsonl
-  path: {data}
-  public_path: {public}
-  heldout_users: 0.2
-tokenizer:
-  vocab_size: 300
-  seq_len: 16
-model:
-  preset: tiny
-  pretraining:
-    steps: 6
-    batch_size: 8
-privacy:
-  epsilon: 8.0
-  accountant: rdp  # calibrates faster than PLD at these settings
-training:
-  algorithm: uls
-  steps: 4
-  cohort_size: 8
-  group_size: 2
-  lr: 0.001
-  checkpoint_every: 1
-  seed: 3
-eval:
-  before: false
-output:
-  plot: false
-plan: auto
-planning:
-  compute_budget: {BUDGET}
-  sample_users: 8
-  seed: 1
-"""
+    base = tiny_config(data, public, "  checkpoint_every: 1\n  seed: 3\n",
+                       "  accountant: rdp  # calibrates faster than PLD at these settings\n",
+                       f"eval:\n  before: false\noutput:\n  plot: false\nplan: auto\nplanning:\n"
+                       f"  compute_budget: {BUDGET}\n  sample_users: 8\n  seed: 1\n")
     return tmp_path, base
 
 
