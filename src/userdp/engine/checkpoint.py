@@ -22,7 +22,6 @@ they are never saved, and a resumed unseeded run draws fresh entropy.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -32,6 +31,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from userdp.errors import UserError
+from userdp.fileio import fsync_path, sha256_file
 
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "MANIFEST.json"
@@ -56,23 +56,6 @@ def _pending(directory: str, name: str) -> str:
     return os.path.join(directory, f".{name}.pending")
 
 
-def _sha256(p: str) -> str:
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync(path: str) -> None:
-    """fsync a file, or a directory (so that a rename in it is durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None) -> None:
     """Write a checkpoint: ``state`` as ``checkpoint.pt`` plus ``extra`` files (name -> a function
     that writes that file at the path it is given), committed as one unit.
@@ -92,8 +75,8 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
             pend = _pending(directory, name)
             written.append(pend)
             write(pend)
-            _fsync(pend)
-            files[name] = {"sha256": _sha256(pend), "bytes": os.path.getsize(pend)}
+            fsync_path(pend)
+            files[name] = {"sha256": sha256_file(pend), "bytes": os.path.getsize(pend)}
         manifest = {"format": 1, "step": int(state.get("step", -1)), "files": files}
         written.append(tmp_manifest)
         with open(tmp_manifest, "w") as f:
@@ -112,7 +95,7 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
                 os.unlink(p)
         raise
     os.replace(tmp_manifest, manifest_path(directory))  # the commit
-    _fsync(directory)
+    fsync_path(directory)
     _switch(directory, manifest)
 
 
@@ -121,7 +104,7 @@ def _switch(directory: str, manifest: dict) -> None:
         pend = _pending(directory, name)
         if os.path.exists(pend):
             os.replace(pend, os.path.join(directory, name))
-    _fsync(directory)
+    fsync_path(directory)
 
 
 def read_manifest(directory: str) -> dict:
@@ -146,7 +129,7 @@ def read_manifest(directory: str) -> dict:
     # roll forward a commit whose files were not all switched in (a crash during step 3)
     for name, meta in files.items():
         pend = _pending(directory, name)
-        if os.path.exists(pend) and _sha256(pend) == meta["sha256"]:
+        if os.path.exists(pend) and sha256_file(pend) == meta["sha256"]:
             os.replace(pend, os.path.join(directory, name))
     return manifest
 
@@ -162,7 +145,7 @@ def verify(directory: str) -> dict:
         p = os.path.join(directory, name)
         if not os.path.isfile(p):
             raise UserError(f"{p}: missing from the checkpoint (listed in {MANIFEST})")
-        if os.path.getsize(p) != meta.get("bytes", os.path.getsize(p)) or _sha256(p) != meta["sha256"]:
+        if os.path.getsize(p) != meta.get("bytes", os.path.getsize(p)) or sha256_file(p) != meta["sha256"]:
             raise UserError(f"{p}: checksum mismatch with {MANIFEST} (the file is damaged or was edited)")
     return manifest
 

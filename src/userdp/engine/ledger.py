@@ -41,6 +41,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from userdp import accounting
 from userdp.errors import BudgetExceededError, UserError
+from userdp.fileio import fsync_path
 
 JOURNAL = "ledger_journal.jsonl"
 _MAGIC = "userdp-ledger-journal"
@@ -88,7 +89,7 @@ class Journal:
             f.write(json.dumps(header, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(os.path.dirname(self.path) or ".")
+        fsync_path(os.path.dirname(self.path) or ".")
         self.run, self.head, self.lines, self.max_spent = header["run"], header["hash"], 0, 0
         self._hashes = {0: self.head}
 
@@ -159,17 +160,6 @@ class Journal:
         self.head = h
         self._hashes[self.lines] = h
         self.max_spent = max(self.max_spent, int(spent))
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PrivacyLedger:

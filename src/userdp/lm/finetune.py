@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from userdp.errors import UserError
+from userdp.fileio import sha256_file
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, private_cache_root, save_pretrained
@@ -66,14 +67,7 @@ def _file_sig(path: Path) -> list:
     Never size and mtime: a file replaced by same-size content with the same mtime would
     otherwise train on the stale cached store."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    out = []
-    for f in files:
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        out.append((str(f.relative_to(path)) if f != path else f.name, h.hexdigest()))
-    return out
+    return [(str(f.relative_to(path)) if f != path else f.name, sha256_file(f)) for f in files]
 
 
 def _cached_store(source, key: str, log: Log):
