@@ -60,6 +60,33 @@ def _line_hash(prev: str, spent: int) -> str:
     return _sha(f"{prev}:{int(spent)}")
 
 
+def steps_begun(path: str | os.PathLike) -> int:
+    """Most steps a journal file records as begun: a quick read for cross-checks, without
+    verifying the chain (:meth:`Journal.load` does that). 0 for a file without entries."""
+    best = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                best = max(best, int(json.loads(line).get("spent", 0)))
+            except (ValueError, AttributeError, TypeError):
+                continue
+    return best
+
+
+def journal_header(path: str | os.PathLike) -> dict:
+    """The header of a journal file (its run nonce, step event and context).
+
+    Raises:
+        UserError: the file is missing or its first line is not a journal header (naming it)."""
+    try:
+        with open(path) as f:
+            header = json.loads(f.readline())
+        assert isinstance(header, dict) and header.get("journal") == _MAGIC and isinstance(header.get("context"), dict)
+    except (OSError, ValueError, AssertionError):
+        raise UserError(f"{path}: missing, or not a userdp ledger journal") from None
+    return header
+
+
 class Journal:
     """The append-only, hash-chained record of steps begun (see the module docstring).
 
@@ -318,10 +345,3 @@ class PrivacyLedger:
         if self.journal.max_spent > self.spent and not replayable:
             self.lost_steps += self.journal.max_spent - self.spent
             self.spent = self.journal.max_spent
-
-    def journal_max(self) -> int:
-        """Most steps the journal says were begun (0 without a journal)."""
-        if self.journal is None or not os.path.exists(self.journal.path):
-            return 0
-        self.journal.load()
-        return self.journal.max_spent

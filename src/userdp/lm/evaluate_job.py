@@ -15,21 +15,16 @@ def _run_context(run: Path) -> dict:
 
     Raises:
         UserError: the journal is missing or unreadable, or config.yaml was edited."""
-    import hashlib
-
-    from userdp.engine.ledger import JOURNAL
+    from userdp.engine.ledger import JOURNAL, journal_header
+    from userdp.lm.run_dir import RunDir
 
     journal = run / "checkpoints" / JOURNAL
     try:
-        with open(journal) as f:
-            header = json.loads(f.readline())
-        context = header["context"]
-        assert isinstance(context, dict)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        context = journal_header(journal)["context"]
+    except UserError:
         raise UserError(f"{journal}: missing or unreadable, so the run's held-out users cannot be "
                         "verified") from None
-    got = hashlib.sha256((run / "config.yaml").read_bytes()).hexdigest()
-    if context.get("config_sha256") != got:
+    if context.get("config_sha256") != RunDir(run).config_sha256():
         raise UserError(f"{run / 'config.yaml'}: edited since the run trained (its checksum differs from "
                         f"the one in {journal})")
     return context

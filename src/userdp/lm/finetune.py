@@ -20,7 +20,6 @@ Steps (each logged):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -615,27 +614,15 @@ def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total,
 
 def journal_context(rd: RunDir, prep: Prepared) -> dict:
     """What a run's ledger journal is bound to: the saved config's bytes and the data + split."""
-    return {"config_sha256": hashlib.sha256(rd.config.read_bytes()).hexdigest(),
+    return {"config_sha256": rd.config_sha256(),
             "data_fingerprint": prep.data_fingerprint}
-
-
-def _journal_steps(path: Path) -> int:
-    """Most steps a journal file records as begun (a quick read; the engine verifies the chain)."""
-    best = 0
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                best = max(best, int(json.loads(line).get("spent", 0)))
-            except (ValueError, AttributeError, TypeError):
-                continue
-    return best
 
 
 def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
     """Whether the engine has anything to resume (False: the run crashed before its first step,
     and simply starts in the same directory). Refuses a run directory whose ledger was lost."""
     from userdp.engine import checkpoint as ckpt
-    from userdp.engine.ledger import JOURNAL
+    from userdp.engine.ledger import JOURNAL, steps_begun
 
     state = rd.read_state()
     if state.get("status") == "done":
@@ -648,7 +635,7 @@ def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
                             "be counted; the run cannot be resumed (restore it from a backup, or start a "
                             "new run in an empty --output)")
         return False
-    begun = _journal_steps(journal)
+    begun = steps_begun(journal)
     done = max((int(r.get("step", 0)) for r in metrics), default=0)
     if done > begun:
         raise UserError(f"{journal}: it records {begun} steps begun but {rd.metrics} records step {done}: "

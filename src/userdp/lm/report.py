@@ -251,18 +251,10 @@ def verify_epsilon(rec: dict, path: Path) -> None:
 
 
 def _ledger_steps(rd: RunDir) -> int | None:
-    from userdp.engine.ledger import JOURNAL
+    from userdp.engine.ledger import JOURNAL, steps_begun
 
     p = rd.checkpoints / JOURNAL
-    if not p.is_file():
-        return None
-    best = 0
-    for line in p.read_text(errors="replace").splitlines():
-        try:
-            best = max(best, int(json.loads(line).get("spent", 0)))
-        except (ValueError, AttributeError, TypeError):
-            continue
-    return best
+    return steps_begun(p) if p.is_file() else None
 
 
 def build_report(run_dir: str | Path) -> dict:

@@ -79,6 +79,12 @@ class RunDir:
     def state(self) -> Path:
         return self.root / "state.json"
 
+    def config_sha256(self) -> str:
+        """sha256 of config.yaml's bytes (what a run's ledger journal is bound to)."""
+        from userdp.fileio import sha256_file
+
+        return sha256_file(self.config)
+
     def read_state(self) -> dict:
         """state.json's content ({} when absent).
 
