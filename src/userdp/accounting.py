@@ -60,6 +60,7 @@ __all__ = [
     "event_to_dict",
     "event_to_json",
     "event_from_dict",
+    "epsilon_and_accountant",
     "moments_accountant_epsilon",
     "rdp_orders",
     "step_rdp",
@@ -76,7 +77,7 @@ SIGMA_MAX = 1e4
 #: Where the PLD accountant stays within seconds (measured on a 2-core CPU, dp_accounting 0.6):
 #: sigma / (largest sensitivity) in [0.1, 1e6] (0.05 did not finish in 20 s; ELS at 1e7 neither)
 #: and at most 1e7 composed steps (1.5 s; 1e8 did not finish in 20 s). Outside, epsilon() answers
-#: with RDP (a valid, looser upper bound) and accountant_used() says so.
+#: with RDP (a valid, looser upper bound) and epsilon_and_accountant() says so.
 PLD_SIGMA_RANGE = (0.1, 1e6)
 PLD_MAX_STEPS = 10**7
 #: Largest ELS group size G the mixture accountant takes (its PLD builds G+1 components: 2.8 s
@@ -607,40 +608,46 @@ def _pld_infeasible(event: dpe.DpEvent, count: int = 1) -> str | None:
     return None
 
 
-def accountant_used(event: dpe.DpEvent, delta: float, accountant: str = "pld") -> str:
-    """Which accountant :func:`epsilon` uses for this event: ``"pld"``, ``"rdp"``, or ``"rdp (…)"``
-    with the reason PLD was replaced (outside its feasible range, or δ below its resolution)."""
-    if accountant == "rdp":
-        return "rdp"
-    why = _pld_infeasible(event)
-    if why:
-        return f"rdp (PLD infeasible: {why})"
-    if delta < 1e-15:
-        return "rdp where PLD cannot resolve delta (pessimistic PLD tails truncate at 1e-15)"
-    return "pld"
-
-
-def epsilon(event: dpe.DpEvent, delta: float, accountant: str = "pld", *,
-            value_discretization_interval: float = PLD_INTERVAL,
-            orders: Sequence[float] | None = None) -> float:
-    """ε of the event at δ: an upper bound (PLD pessimistic, or RDP).
+def epsilon_and_accountant(event: dpe.DpEvent, delta: float, accountant: str = "pld", *,
+                           value_discretization_interval: float = PLD_INTERVAL,
+                           orders: Sequence[float] | None = None) -> tuple[float, str]:
+    """ε of the event at δ — an upper bound — and which accountant gave it.
 
     With ``accountant="pld"``, events outside the PLD's feasible range (see
-    :data:`PLD_SIGMA_RANGE`, :data:`PLD_MAX_STEPS`) and deltas it cannot resolve are answered by
-    RDP instead — also a valid upper bound, looser; :func:`accountant_used` says which answered.
-    The answer may be ``inf`` (no order of RDP bounds the event).
+    :data:`PLD_SIGMA_RANGE`, :data:`PLD_MAX_STEPS`) and deltas it cannot resolve (it returns ∞)
+    are answered by RDP instead, also a valid upper bound, looser. The second value is ``"pld"``,
+    ``"rdp"``, or ``"rdp (…)"`` with the reason the PLD did not answer. ε may be ``inf`` (no
+    order of RDP bounds the event).
 
     Raises:
         UserError: bad delta or accountant name, or an event the accountant cannot take.
     """
     _check_delta(delta)
     _check_accountant(accountant)
-    if accountant == "pld" and _pld_infeasible(event) is None:
-        eps = float(_pld(event, value_discretization_interval).get_epsilon(delta))
-        if math.isfinite(eps):
-            return eps
+    used = "rdp"
+    if accountant == "pld":
+        why = _pld_infeasible(event)
+        if why is None:
+            eps = float(_pld(event, value_discretization_interval).get_epsilon(delta))
+            if math.isfinite(eps):
+                return eps, "pld"
+            why = "it cannot resolve this delta (its tails are truncated)"
+        used = f"rdp (PLD infeasible: {why})"
     o, r = _rdp(event, orders)
-    return float(rdp_lib.compute_epsilon(o, r, delta)[0])
+    return float(rdp_lib.compute_epsilon(o, r, delta)[0]), used
+
+
+def epsilon(event: dpe.DpEvent, delta: float, accountant: str = "pld", *,
+            value_discretization_interval: float = PLD_INTERVAL,
+            orders: Sequence[float] | None = None) -> float:
+    """ε of the event at δ: an upper bound (see :func:`epsilon_and_accountant`, which also says
+    whether the PLD or RDP answered).
+
+    Raises:
+        UserError: bad delta or accountant name, or an event the accountant cannot take.
+    """
+    return epsilon_and_accountant(event, delta, accountant, value_discretization_interval=value_discretization_interval,
+                                  orders=orders)[0]
 
 
 def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,

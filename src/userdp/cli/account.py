@@ -169,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
     m = resolve(args)
     split_noise(m, args.noise_multiplier, args.count_noise_stddev)
     event = accounting.compose(step_event_factory(m)(args.noise_multiplier), m["steps"])
-    m["epsilon"] = accounting.epsilon(event, m["delta"], m["accountant"])
-    m["accountant_used"] = accounting.accountant_used(event, m["delta"], m["accountant"])
+    m["epsilon"], m["accountant_used"] = accounting.epsilon_and_accountant(event, m["delta"], m["accountant"])
     m["step_event"] = accounting.event_to_dict(event.event)
     emit(m, args.json, describe(m))
     return 0
