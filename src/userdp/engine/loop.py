@@ -318,8 +318,7 @@ class _Run:
         else:
             noise = [torch.zeros_like(s) for s in sums]
         cn = self.noise.scalar(self.count_stddev) if (self.noise is not None and self.count_stddev) else 0.0
-        count_noise = torch.tensor([cn], dtype=torch.float64 if sums[0].dtype == torch.float64 else torch.float32,
-                                   device=self.device)
+        count_noise = torch.tensor([cn], dtype=sums[0].dtype, device=self.device)  # float32 or wider
         bc = self.combiner.broadcast_from_main(noise + [count_noise])
         noise, count_noise = bc[:-1], float(bc[-1])
         # ---- divide by the public constant (in float32+), hand to the optimizer
@@ -408,6 +407,7 @@ class _Run:
     def record(self) -> dict:
         cfg = self.cfg
         eps = self.ledger.epsilon()
+        total = self.ledger.total_event()
         rec = {
             "algorithm": _cfg_dict(self.algo), "unit": "record" if isinstance(self.algo, ELS) else "user",
             "num_users": int(self.data.num_users), "num_units": int(self.n_units),
@@ -422,16 +422,14 @@ class _Run:
             "calibrated": cfg.noise_multiplier is None,
             "step_event": accounting.event_to_dict(self.step_event) if self.step_event is not None else None,
             "adjacency": accounting.adjacency(self.step_event) if self.step_event is not None else None,
-            "dp_event_total": (accounting.event_to_dict(self.ledger.total_event())
-                               if self.ledger.total_event() is not None else None),
+            "dp_event_total": accounting.event_to_dict(total) if total is not None else None,
             "seeded": self.seeded,
             "randomness": ("seeded by the user (seed given): sampling and noise are reproducible by whoever "
                            "holds the seed; the guarantee holds only against parties who do not know it")
                           if self.seeded else
                           f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), "
                           "never stored",
-            "noise_generator": (GaussianNoise.algorithm + "; " + ("keyed from the user-given seed" if self.seeded
-                                else f"keyed by {ENTROPY_BITS} bits of os.urandom, never stored")),
+            "noise_generator": GaussianNoise.algorithm + "; " + GaussianNoise.keying_text(self.seeded),
             "precision": self.precision,
             "nonfinite_units": self.nonfinite_units,
             "nonfinite_units_note": ("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "

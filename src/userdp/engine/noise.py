@@ -21,7 +21,7 @@ its state travels with the ledger in a checkpoint — for seeded runs only.
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -65,17 +65,13 @@ class GaussianNoise:
         """A reproducible generator keyed from a user-given integer seed."""
         return cls(int(seed), seeded=True)
 
-    @property
-    def keying(self) -> str:
-        """How the generator was keyed, for the privacy record."""
-        if self.seeded:
+    @staticmethod
+    def keying_text(seeded: bool) -> str:
+        """How a generator is keyed, for the privacy record."""
+        if seeded:
             return ("keyed from the user-given seed (reproducible: whoever holds the seed can "
                     "recompute the noise)")
         return f"keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored"
-
-    def describe(self) -> dict:
-        return {"generator": self.algorithm, "keying": self.keying, "dtype": "float32",
-                "seeded": self.seeded}
 
     # ------------------------------------------------------------------ drawing
     def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
@@ -112,18 +108,3 @@ class GaussianNoise:
 
     def load_state_dict(self, state: dict) -> None:
         self._gen.bit_generator.state = state
-
-
-def make_generator(seed: Optional[int]) -> GaussianNoise:
-    """The noise source of a run: keyed from ``seed`` when given, else from 256 bits of OS entropy."""
-    return GaussianNoise.from_seed(seed) if seed is not None else GaussianNoise.from_os_entropy()
-
-
-def gaussian_like(tensors: Sequence[torch.Tensor], std: float, generator: GaussianNoise) -> list[torch.Tensor]:
-    """One draw of N(0, std² I) over ``tensors`` (see :meth:`GaussianNoise.like`)."""
-    return generator.like(tensors, std)
-
-
-def gaussian_scalar(std: float, generator: GaussianNoise) -> float:
-    """One draw of N(0, std²) (see :meth:`GaussianNoise.scalar`)."""
-    return generator.scalar(std)
