@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     overrides.append("data.max_eval_users=100")
     if args.pretrain_steps:
         overrides.append(f"model.pretraining.steps={args.pretrain_steps}")
-    cfg, data, model0, loss_fn, eval_data = resolve_training(None, overrides, log, with_eval=True)
+    r = resolve_training(None, overrides, log)
+    data, model0, loss_fn, eval_data = r.train_data, r.model, r.loss_fn, r.eval_data
     n = data.num_users
     delta = n ** -1.1
     base = evaluate_lm(model0, eval_data)["loss"]

@@ -14,16 +14,28 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from userdp.cli import jsonout
 from userdp.cli import argtypes as A
 from userdp.errors import UserError
 
 
-def resolve_training(config_path: str | None, overrides: list[str] | None, log, with_eval: bool = False,
-                     with_fingerprint: bool = False):
-    """(run config, training UserData, model in train mode, loss_fn) as ``userdp train`` builds them
-    (plus the held-out users' UserData last when ``with_eval``)."""
+class ResolvedTraining(NamedTuple):
+    """What ``userdp train`` would train: the resolved config, the training users' UserData, the
+    (pretrained) model in train mode, the per-record loss, the held-out users' UserData and the
+    data + split fingerprint."""
+
+    cfg: object
+    train_data: object
+    model: object
+    loss_fn: object
+    eval_data: object
+    data_fingerprint: str
+
+
+def resolve_training(config_path: str | None, overrides: list[str] | None, log) -> ResolvedTraining:
+    """Resolve data, tokenizer and model exactly as ``userdp train`` does (see ResolvedTraining)."""
     from userdp.lm import config as C
     from userdp.lm import finetune, models
 
@@ -34,12 +46,8 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log, 
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
     model.train()
-    train_data, _eval = finetune.build_datasets(cfg, prep, tok, log)
-    if with_eval:
-        return cfg, train_data, model, models.causal_lm_loss, _eval
-    if with_fingerprint:
-        return cfg, train_data, model, models.causal_lm_loss, prep.data_fingerprint
-    return cfg, train_data, model, models.causal_lm_loss
+    train_data, eval_data = finetune.build_datasets(cfg, prep, tok, log)
+    return ResolvedTraining(cfg, train_data, model, models.causal_lm_loss, eval_data, prep.data_fingerprint)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -68,7 +76,8 @@ def _plan(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    cfg, data, model, loss_fn, data_fp = resolve_training(args.config, args.set, log, with_fingerprint=True)
+    r = resolve_training(args.config, args.set, log)
+    cfg, data, model, loss_fn, data_fp = r.cfg, r.train_data, r.model, r.loss_fn, r.data_fingerprint
     epsilon = args.epsilon if args.epsilon is not None else cfg.privacy.epsilon
     steps = args.steps if args.steps is not None else cfg.training.steps
     delta = args.delta if args.delta is not None else cfg.privacy.delta
