@@ -210,23 +210,28 @@ def _check_unicode(value, where: str, which: str, field: str) -> None:
                             "(invalid Unicode)") from None
 
 
-def _damaged_compression(fname: str, exc: BaseException) -> UserError:
-    return UserError(f"{fname}: the compressed data is damaged or truncated ({type(exc).__name__}: {exc})")
+class _TextFileSource(_FieldSource):
+    """A line-oriented file, plain or gzip: a damaged or truncated gzip stream is one line naming
+    the file. Subclasses implement ``_batches``."""
+
+    def batches(self, batch_size: int = 50_000) -> Iterator[RecordBatch]:
+        try:
+            yield from self._batches(batch_size)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise UserError(f"{self.path}: the compressed data is damaged or truncated "
+                            f"({type(exc).__name__}: {exc})") from None
+
+    def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
+        raise NotImplementedError
 
 
-class JsonlSource(_FieldSource):
+class JsonlSource(_TextFileSource):
     """One JSON object per line; plain or gzip (detected from the bytes, not the name).
 
     Refused, naming the line and field: invalid UTF-8 or JSON, a line that is not an object, a
     repeated key (which value is meant is ambiguous), an unpaired surrogate, a damaged gzip."""
 
     kind = "jsonl"
-
-    def batches(self, batch_size: int = 50_000) -> Iterator[RecordBatch]:
-        try:
-            yield from self._batches(batch_size)
-        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise _damaged_compression(str(self.path), exc) from None
 
     def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         uf, tf, df = self.user_field, self.text_field, self.date_field
@@ -283,16 +288,10 @@ class JsonlSource(_FieldSource):
             yield RecordBatch(users, texts, dates, lines, fname)
 
 
-class CsvSource(_FieldSource):
+class CsvSource(_TextFileSource):
     """A CSV (or .tsv) file with a header row naming the fields; plain or gzip."""
 
     kind = "csv"
-
-    def batches(self, batch_size: int = 50_000) -> Iterator[RecordBatch]:
-        try:
-            yield from self._batches(batch_size)
-        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise _damaged_compression(str(self.path), exc) from None
 
     def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         fname = str(self.path)
