@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from userdp.errors import UserError
-from userdp.lm.run_dir import RunDir, existing_run_dir, write_json_atomic
+from userdp.lm.run_dir import RunDir, existing_run_dir, read_json, write_json_atomic
 
 SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "
            "clips each sampled user's update, and releases only the noised sum")
@@ -213,13 +213,6 @@ REQUIRED = ["setting", "data_accesses_covered", "mechanism_output", "unit", "adj
             "transparency"]
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{path}: unreadable ({type(exc).__name__}); the file is damaged") from None
-
-
 def verify_epsilon(rec: dict, path: Path) -> None:
     """Re-derive epsilon from the record's DpEvent and refuse a record whose epsilon differs.
 
@@ -266,7 +259,7 @@ def build_report(run_dir: str | Path) -> dict:
                             "begun (the run stopped before it could write its statement); "
                             f"`userdp train --resume {run_dir}` completes the accounting")
         raise UserError(f"{run_dir}: no privacy.json yet (the run has not taken a step)")
-    rec = _read_json(rd.privacy)
+    rec = read_json(rd.privacy)
     if not isinstance(rec, dict):
         raise UserError(f"{rd.privacy}: not a privacy record (expected a JSON object)")
     verify_epsilon(rec, rd.privacy)
@@ -276,7 +269,7 @@ def build_report(run_dir: str | Path) -> dict:
         raise UserError(f"{rd.privacy}: it accounts {rec['steps_taken']} steps but the ledger journal records "
                         f"{begun} steps begun: the reported epsilon would undercount")
     state = rd.read_state()
-    ev = _read_json(rd.eval) if rd.eval.is_file() else {}
+    ev = read_json(rd.eval) if rd.eval.is_file() else {}
     rec = dict(rec)
     rec["run_dir"] = str(rd.root)
     rec["status"] = state.get("status", "unknown")

@@ -92,10 +92,7 @@ class RunDir:
             UserError: the file is damaged (naming it)."""
         if not self.state.is_file():
             return {}
-        try:
-            state = json.loads(self.state.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"{self.state}: unreadable ({type(exc).__name__}); the file is damaged") from None
+        state = read_json(self.state)
         if not isinstance(state, dict):
             raise UserError(f"{self.state}: not a run state (expected a JSON object)")
         return state
@@ -151,6 +148,17 @@ def existing_run_dir(path: str | os.PathLike) -> RunDir:
     if not (root / "config.yaml").is_file():
         raise UserError(f"{path}: not a userdp run directory (no config.yaml)")
     return RunDir(root)
+
+
+def read_json(path: Path):
+    """The JSON content of ``path``.
+
+    Raises:
+        UserError: the file cannot be read or is not JSON (naming it)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: unreadable ({type(exc).__name__}); the file is damaged") from None
 
 
 def write_json_atomic(path: Path, obj) -> None:
