@@ -27,7 +27,9 @@ def _first_record_fields(path: Path, fmt: str) -> list[str]:
     if fmt == "jsonl":
         import gzip
 
-        opener = gzip.open if path.read_bytes()[:2] == b"\x1f\x8b" else open
+        from userdp.data.sources import _is_gzip
+
+        opener = gzip.open if _is_gzip(path) else open
         with opener(path, "rt", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.strip():
