@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from userdp import accounting as A  # noqa: E402
-from userdp import group_privacy as GP  # noqa: E402
+from userdp.accounting import group_privacy as GP  # noqa: E402
 
 
 def main() -> None:

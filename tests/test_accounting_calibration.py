@@ -73,12 +73,13 @@ def test_calibration_cache_makes_repeat_cheap():
     make = lambda z: A.uls_step_event(z, 0.02)  # noqa: E731
     a = A.calibrate_noise_multiplier(make, 300, 1.5, 1e-6)
     calls = []
-    orig = A._pld
+    from userdp.accounting import pld as P  # the PLD backend's module
+    orig = P._pld
     try:
-        A._pld = lambda ev, iv: calls.append(1) or orig(ev, iv)
+        P._pld = lambda ev, iv: calls.append(1) or orig(ev, iv)
         b = A.calibrate_noise_multiplier(make, 300, 1.5, 1e-6)
     finally:
-        A._pld = orig
+        P._pld = orig
     assert a == b and calls  # same answer, served from the LRU cache of composed PLDs
     assert all(key in A._PLD_CACHE for key in [(repr(A.compose(make(a), 300)), 1e-3)])
 

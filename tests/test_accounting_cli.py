@@ -5,7 +5,7 @@ import json
 import pytest
 
 from userdp import accounting as A
-from userdp import adaptive_clipping as AC
+from userdp.accounting import split as AC
 from userdp.cli import main
 
 

@@ -170,7 +170,7 @@ def test_train_stops_before_the_budget():
 def test_calibrated_sigma_meets_target_and_adaptive_split():
     data = user_data([2] * 400, d=2)
     from userdp.engine import AdaptiveClip
-    from userdp.adaptive_clipping import effective_noise_multiplier
+    from userdp.accounting.split import effective_noise_multiplier
     res = train(Mean(2), data, sq_loss,
                 TrainConfig(algorithm=ULS(2, 0.1), steps=20, target_epsilon=3.0, delta=1e-5, seed=0,
                             clipping=AdaptiveClip(), accountant="rdp", track_epsilon=False))

@@ -1,4 +1,4 @@
-"""Theorem 1 of Andrew et al. (SPEC §3.9): the noise split of adaptive quantile clipping.
+"""Theorem 1 of Andrew et al. (Andrew et al. 2021, Theorem 1): the noise split of adaptive quantile clipping.
 
 One DP-FedAvg step with vector noise multiplier z_Δ and count noise σ_b (on the count of
 unclipped updates, sensitivity 1/2 after centering) is, for accounting, one non-adaptive step
@@ -12,18 +12,15 @@ when 2σ_b > z. The adaptive clipping *update rule* lives in ``userdp.engine.cli
 
 from __future__ import annotations
 
-import math
 
 from userdp.errors import UserError
+from userdp.validation import check_positive
 
 __all__ = ["effective_noise_multiplier", "update_noise_multiplier"]
 
 
 def _positive(name: str, value: float) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise UserError(f"{name} must be a positive number (got {value})")
-    return value
+    return check_positive(value, name)
 
 
 def effective_noise_multiplier(update_z: float, count_stddev: float) -> float:

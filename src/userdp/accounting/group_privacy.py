@@ -23,7 +23,9 @@ import numpy as np
 from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from userdp import accounting
+from userdp.accounting import pld as _pld_mod
+from userdp.accounting import rdp as _rdp_mod
+from userdp.accounting.pld import PLD_INTERVAL
 from userdp.errors import UserError
 
 __all__ = ["FORMS", "group_delta", "group_privacy", "GroupPrivacyResult", "group_privacy_epsilon"]
@@ -101,7 +103,7 @@ def _rdp_delta_grid(orders: np.ndarray, rdp: np.ndarray, eps: np.ndarray) -> np.
 
 def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: float,
                           form: str = "a", *, min_example_delta: float = 1e-300,
-                          pld_interval: float = accounting.PLD_INTERVAL,
+                          pld_interval: float = PLD_INTERVAL,
                           grid_rtol: float = 1e-3) -> GroupPrivacyResult:
     """User-level ε of an example-level mechanism (the whole run's event) by group privacy.
 
@@ -118,11 +120,11 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
     if not (0 < delta < 1):
         raise UserError(f"delta must be in (0, 1) (got {delta})")
     log_target = math.log(delta)
-    orders, rdp = np.asarray(accounting.rdp_orders(), dtype=float), accounting.step_rdp(example_event)
+    orders, rdp = np.asarray(_rdp_mod.rdp_orders(), dtype=float), _rdp_mod.step_rdp(example_event)
     # The smallest useful ε_ex is ε_ex at δ_ex = target (δ_ex must be below the target).
     pld = None
     try:
-        pld = accounting._pld(example_event, pld_interval)
+        pld = _pld_mod._pld(example_event, pld_interval)
     except UserError:
         pass  # e.g. fixed cohorts: RDP only
     e_lo = float(rdp_lib.compute_epsilon(orders, rdp, delta)[0])

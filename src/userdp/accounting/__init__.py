@@ -1,0 +1,44 @@
+"""User-level privacy accounting: one ``dp_accounting`` DpEvent per training step.
+
+The package, one concern per module:
+
+* :mod:`~userdp.accounting.events` — the step events (ELS mixture, ULS Poisson Gaussian, fixed
+  cohorts, no amplification), composition, adjacency, JSON form.
+* :mod:`~userdp.accounting.mechanism` — :class:`Mechanism`, the one place where a run's unit,
+  sampling and noise become its step event.
+* :mod:`~userdp.accounting.accountants` — the :class:`Accountant` interface and its registry
+  (``pld``, ``rdp``); :func:`epsilon`, :func:`delta`, :func:`max_steps` dispatch through it.
+* :mod:`~userdp.accounting.pld`, :mod:`~userdp.accounting.rdp` — the two backends.
+* :mod:`~userdp.accounting.calibration` — the smallest noise multiplier meeting a target.
+* :mod:`~userdp.accounting.group_privacy` — the generic group-privacy baseline.
+* :mod:`~userdp.accounting.split` — Theorem 1 of Andrew et al.: adaptive clipping's noise split.
+
+Calibration returns a noise multiplier that is never below the true one: every evaluation it
+relies on is an upper bound on epsilon (pessimistic PLD, or RDP), and the returned sigma is one at
+which such an evaluation met the target. docs/accounting.md gives the formulas and their sources.
+"""
+
+from userdp.accounting.accountants import (ACCOUNTANTS, Accountant, PLDAccountant, RDPAccountant, clear_caches,
+                                           delta, epsilon, epsilon_and_accountant, get_accountant, max_steps,
+                                           register_accountant)
+from userdp.accounting.calibration import MAX_CALIBRATION_EPSILON, SIGMA_MAX, calibrate_noise_multiplier
+from userdp.accounting.events import (MAX_ELS_GROUP, NeighborRel, adjacency, binomial_sensitivity,
+                                      compose, default_delta, els_step_event, event_from_dict, event_to_dict,
+                                      event_to_json, fixed_cohort_step_event, no_amplification_step_event,
+                                      uls_step_event)
+from userdp.accounting.mechanism import Mechanism
+from userdp.validation import MIN_SAMPLING_RATE
+from userdp.accounting.pld import PLD_INTERVAL, PLD_MAX_STEPS, PLD_SIGMA_RANGE
+# backend internals that the tests inspect (the PLD cache and the vectorized mixture PLD)
+from userdp.accounting.pld import _PLD_CACHE, _mixture_gaussian_pld, _pld  # noqa: F401
+from userdp.accounting.rdp import RDP_ORDERS, mog_rdp, moments_accountant_epsilon, rdp_orders, step_rdp
+
+__all__ = [
+    "ACCOUNTANTS", "Accountant", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",
+    "Mechanism", "els_step_event", "uls_step_event", "fixed_cohort_step_event", "no_amplification_step_event",
+    "binomial_sensitivity", "compose", "epsilon", "delta", "calibrate_noise_multiplier", "max_steps",
+    "default_delta", "adjacency", "event_to_dict", "event_to_json", "event_from_dict", "epsilon_and_accountant",
+    "moments_accountant_epsilon", "rdp_orders", "step_rdp", "mog_rdp", "clear_caches", "NeighborRel",
+    "PLD_INTERVAL", "PLD_SIGMA_RANGE", "PLD_MAX_STEPS", "RDP_ORDERS", "SIGMA_MAX", "MAX_ELS_GROUP",
+    "MIN_SAMPLING_RATE", "MAX_CALIBRATION_EPSILON",
+]

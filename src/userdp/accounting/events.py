@@ -1,0 +1,200 @@
+"""DpEvents of one training step, their composition and their JSON form.
+
+The only thing training tells accounting is a ``dp_accounting`` DpEvent (docs/ARCHITECTURE.md):
+
+* ELS step (records Poisson-sampled at rate p, at most G records per user): a mixture of
+  Gaussians whose sensitivity is K ~ Binomial(G, p) in units of the clip norm (docs/accounting.md,
+  "ELS"). For G = 1 this is exactly the Poisson-subsampled Gaussian, and that event is returned.
+* ULS / DP-FedAvg / DP-FedSGD step: the Poisson-subsampled Gaussian at the user rate q.
+* Fixed-size cohorts drawn without replacement: ``SampledWithoutReplacementDpEvent``,
+  accounted with RDP under **replace-one** adjacency.
+* No amplification (shuffled fixed batches): a Gaussian of sensitivity G every step.
+
+Which of these a run takes is decided in one place, :class:`userdp.accounting.Mechanism`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import dp_accounting
+import numpy as np
+from dp_accounting import dp_event as dpe
+from scipy import stats
+
+from userdp.errors import UserError
+from userdp.validation import check_fraction, check_int, check_positive, check_rate
+
+NeighborRel = dp_accounting.NeighboringRelation
+
+#: at G = 1e4, over 20 s at 1e5).
+MAX_ELS_GROUP = 10_000
+#: Largest epsilon calibration accepts (e^epsilon overflows past ~709; beyond ~1000 nothing is promised).
+MAX_CALIBRATION_EPSILON = 1000.0
+
+# ----------------------------------------------------------------------------------- checks
+def _check_positive(name: str, value: float) -> float:
+    return check_positive(value, name)
+
+
+def _check_rate(name: str, value: float) -> float:
+    return check_rate(value, name)
+
+
+def _check_int(name: str, value: int, minimum: int = 1) -> int:
+    return check_int(value, name, minimum)
+
+
+def _check_delta(value: float) -> float:
+    return check_fraction(value, "delta")
+
+
+# ----------------------------------------------------------------------------------- events
+def binomial_sensitivity(group_size: int, sampling_rate: float) -> tuple[list[float], list[float]]:
+    """Support and pmf of K ~ Binomial(G, p): how many of a user's G records a step samples."""
+    ks = np.arange(group_size + 1)
+    probs = stats.binom.pmf(ks, group_size, sampling_rate)
+    return [float(k) for k in ks], [float(x) for x in probs]
+
+
+def els_step_event(noise_multiplier: float, sampling_rate: float, group_size: int) -> dpe.DpEvent:
+    """One ELS step: Gaussian noise σ, sensitivity K ~ Binomial(G, p) (SPEC §4.3).
+
+    G = 1 returns exactly ``PoissonSampledDpEvent(p, GaussianDpEvent(σ))``.
+    """
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    p = _check_rate("sampling_rate", sampling_rate)
+    g = _check_int("group_size", group_size)
+    if g > MAX_ELS_GROUP:
+        raise UserError(f"group_size G = {g} is above {MAX_ELS_GROUP:,}, the largest the ELS mixture "
+                        "accountant takes (it builds G+1 components); use a smaller G, or ULS")
+    if g == 1:
+        return dpe.PoissonSampledDpEvent(p, dpe.GaussianDpEvent(sigma))
+    sens, probs = binomial_sensitivity(g, p)
+    return dpe.MixtureOfGaussiansDpEvent(sigma, sens, probs)
+
+
+def uls_step_event(noise_multiplier: float, sampling_rate: float) -> dpe.DpEvent:
+    """One ULS / DP-FedAvg / DP-FedSGD step: users Poisson-sampled at rate q, Gaussian noise σ."""
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    q = _check_rate("sampling_rate", sampling_rate)
+    return dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma))
+
+
+def fixed_cohort_step_event(noise_multiplier: float, num_users: int, cohort_size: int) -> dpe.DpEvent:
+    """A fixed-size cohort of m users drawn without replacement from N (replace-one, RDP only)."""
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    n = _check_int("num_users", num_users)
+    m = _check_int("cohort_size", cohort_size)
+    if m > n:
+        raise UserError(f"cohort_size ({m}) must not exceed num_users ({n})")
+    return dpe.SampledWithoutReplacementDpEvent(n, m, dpe.GaussianDpEvent(sigma))
+
+
+def no_amplification_step_event(noise_multiplier: float, group_size: int = 1) -> dpe.DpEvent:
+    """What holds when sampling gives no amplification (e.g. shuffled fixed batches).
+
+    A user's G records may all land in one batch, so the sensitivity is G·C: the Gaussian
+    mechanism with noise multiplier σ/G.
+    """
+    sigma = _check_positive("noise_multiplier", noise_multiplier)
+    g = _check_int("group_size", group_size)
+    return dpe.GaussianDpEvent(sigma / g)
+
+
+def compose(step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:
+    """T-fold self-composition of one step's event."""
+    t = _check_int("steps", steps)
+    return dpe.SelfComposedDpEvent(step_event, t)
+
+
+def default_delta(num_users: int) -> tuple[float, str]:
+    """δ = N^-1.1 with N the number of users (SPEC §4.7), and a sentence saying so."""
+    n = _check_int("num_users", num_users, minimum=2)
+    return float(n) ** -1.1, f"delta = N^-1.1 with N = {n} users"
+
+
+# ----------------------------------------------------------------------------------- event walk
+def _contains(event: dpe.DpEvent, cls: type) -> bool:
+    if isinstance(event, cls):
+        return True
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        return _contains(event.event, cls)
+    if isinstance(event, dpe.ComposedDpEvent):
+        return any(_contains(e, cls) for e in event.events)
+    if isinstance(event, (dpe.PoissonSampledDpEvent, dpe.SampledWithoutReplacementDpEvent)):
+        return _contains(event.event, cls)
+    return False
+
+
+def adjacency(event: dpe.DpEvent) -> str:
+    """The neighbouring relation under which the event is accounted.
+
+    ``"replace_one"`` when the event samples without replacement (fixed-size cohorts), else
+    ``"add_or_remove_one"`` (add or remove all of one user's data).
+    """
+    wor = _contains(event, dpe.SampledWithoutReplacementDpEvent)
+    poisson = _contains(event, dpe.PoissonSampledDpEvent) or _contains(
+        event, dpe.MixtureOfGaussiansDpEvent
+    )
+    if wor and poisson:
+        raise UserError(
+            "cannot compose fixed-size cohorts (replace-one) with Poisson-sampled steps "
+            "(add-or-remove) in one guarantee"
+        )
+    return "replace_one" if wor else "add_or_remove_one"
+
+
+def _relation(event: dpe.DpEvent) -> NeighborRel:
+    return NeighborRel.REPLACE_ONE if adjacency(event) == "replace_one" else NeighborRel.ADD_OR_REMOVE_ONE
+
+
+def event_to_dict(event: dpe.DpEvent) -> dict[str, Any]:
+    """JSON-ready form of a DpEvent, via dp_accounting's ``to_named_tuple`` serialization."""
+
+    def convert(value: Any) -> Any:
+        if hasattr(value, "_asdict"):
+            return {k: convert(v) for k, v in value._asdict().items() if k != "module_name"}
+        if isinstance(value, (list, tuple)):
+            return [convert(v) for v in value]
+        if isinstance(value, (np.floating, np.integer)):
+            return value.item()
+        return value
+
+    return convert(event.to_named_tuple())
+
+
+def event_from_dict(obj: Any) -> dpe.DpEvent:
+    """Inverse of :func:`event_to_dict`: rebuild a DpEvent from its JSON form.
+
+    Only classes of ``dp_accounting.dp_event`` are built (a saved file cannot name other code).
+
+    Raises:
+        UserError: the object is not a DpEvent's JSON form.
+    """
+
+    def build(value: Any) -> Any:
+        if isinstance(value, dict) and "class_name" in value:
+            name = value["class_name"]
+            cls = getattr(dpe, str(name), None)
+            if not (isinstance(cls, type) and issubclass(cls, dpe.DpEvent)):
+                raise UserError(f"not a dp_accounting event class: {name!r}")
+            kwargs = {k: build(v) for k, v in value.items() if k not in ("class_name", "module_name")}
+            try:
+                return cls(**kwargs)
+            except (TypeError, ValueError) as exc:
+                raise UserError(f"malformed {name}: {exc}") from None
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        return value
+
+    event = build(obj)
+    if not isinstance(event, dpe.DpEvent):
+        raise UserError("not the JSON form of a DpEvent (no class_name)")
+    return event
+
+
+def event_to_json(event: dpe.DpEvent) -> str:
+    return json.dumps(event_to_dict(event), sort_keys=True)
+

@@ -1,0 +1,174 @@
+"""The mechanism of a run: the one place where an algorithm's unit, its sampling and its noise
+become a step's ``DpEvent``.
+
+Every caller that needs a step event — the engine's run plan, calibration, the ledger, the CLI
+``account``/``calibrate``, the planner's heuristics, the experiments and the LM job's budget
+check — builds a :class:`Mechanism` and asks it. Which event a step is:
+
+========================  ===============================================================
+kind                      one step's event
+========================  ===============================================================
+``els``                   records Poisson-sampled at p, <= G per user: mixture of Gaussians
+                          with sensitivity Binomial(G, p) (the Poisson Gaussian when G = 1)
+``uls``                   users Poisson-sampled at q: Poisson-subsampled Gaussian
+``fixed_cohort``          m of N units without replacement: replace-one adjacency (RDP)
+``no_amplification``      no amplification (shuffled fixed batches): Gaussian, sensitivity G
+========================  ===============================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Optional
+
+from dp_accounting import dp_event as dpe
+
+from userdp.accounting.accountants import delta as _delta
+from userdp.accounting.accountants import epsilon as _epsilon
+from userdp.accounting.calibration import calibrate_noise_multiplier
+from userdp.accounting.events import (_check_int, adjacency, compose, els_step_event, event_to_dict,
+                                      fixed_cohort_step_event, no_amplification_step_event, uls_step_event)
+from userdp.errors import UserError
+
+#: what the training-side sampling modes are called (``TrainConfig.sampling``)
+SAMPLINGS = ("poisson", "fixed_size", "shuffle")
+#: what a privacy unit is for the sampler
+UNITS = ("record", "user")
+
+
+@dataclasses.dataclass(frozen=True)
+class Mechanism:
+    """A training run's mechanism, as the privacy report records it.
+
+    Args:
+        kind: ``els`` | ``uls`` | ``fixed_cohort`` | ``no_amplification``.
+        noise_multiplier: sigma, the noise std on the sum over the per-unit sensitivity (> 0).
+        steps: the number of steps (>= 1).
+        sampling_rate: p (ELS, records) or q (ULS, users).
+        group_size: G (ELS: the records a user can own; no_amplification: the user's whole
+            sensitivity in units).
+        num_users, cohort_size: N and m of a fixed cohort.
+
+    Raises:
+        UserError: an unknown kind or a parameter out of range (checked at construction).
+    """
+
+    kind: str
+    noise_multiplier: float
+    steps: int
+    sampling_rate: float | None = None
+    group_size: int = 1
+    num_users: int | None = None
+    cohort_size: int | None = None
+
+    KINDS = ("els", "uls", "fixed_cohort", "no_amplification")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise UserError(f"mechanism kind must be one of {', '.join(self.KINDS)} (got {self.kind!r})")
+        self.step_event()  # validates the parameters
+        _check_int("steps", self.steps)
+
+    @classmethod
+    def for_training(cls, *, unit: str, sampling: str, noise_multiplier: float, steps: int,
+                     sampling_rate: float, group_size: int, num_units: Optional[int] = None,
+                     cohort_size: Optional[int] = None) -> "Mechanism":
+        """The mechanism of a training run, from what the sampler does to what a unit is.
+
+        Args:
+            unit: ``record`` (ELS: a user owns up to ``group_size`` units) or ``user``.
+            sampling: ``poisson`` (as accounted), ``fixed_size`` (``num_units`` and
+                ``cohort_size`` needed; ELS only with G = 1), or ``shuffle`` (no amplification:
+                the Gaussian mechanism with the user's whole sensitivity).
+            noise_multiplier, steps, sampling_rate, group_size: as in the class.
+
+        Raises:
+            UserError: an unknown unit or sampling, or a fixed-size ELS run with G > 1 (no
+                accounted sampler).
+        """
+        if unit not in UNITS:
+            raise UserError(f"unit must be one of {', '.join(UNITS)} (got {unit!r})")
+        owned = int(group_size) if unit == "record" else 1  # units one user can own
+        if sampling == "shuffle":
+            return cls("no_amplification", noise_multiplier, steps, group_size=owned)
+        if sampling == "fixed_size":
+            if owned > 1:
+                raise UserError("ELS with G > 1 has no accounted fixed-size sampler; use sampling='poisson' "
+                                "(or 'shuffle', which reports the no-amplification guarantee too)")
+            return cls("fixed_cohort", noise_multiplier, steps, num_users=num_units, cohort_size=cohort_size)
+        if sampling != "poisson":
+            raise UserError(f"sampling must be one of {', '.join(SAMPLINGS)} (got {sampling!r})")
+        if unit == "record":
+            return cls("els", noise_multiplier, steps, sampling_rate=sampling_rate, group_size=group_size)
+        return cls("uls", noise_multiplier, steps, sampling_rate=sampling_rate)
+
+    def step_event(self, noise_multiplier: float | None = None) -> dpe.DpEvent:
+        """One step's DpEvent (at ``noise_multiplier`` instead of this one's, when given).
+
+        Raises:
+            UserError: a parameter out of range for the kind.
+        """
+        z = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        if self.kind == "els":
+            return els_step_event(z, self._rate(), self.group_size)
+        if self.kind == "uls":
+            return uls_step_event(z, self._rate())
+        if self.kind == "fixed_cohort":
+            if self.num_users is None or self.cohort_size is None:
+                raise UserError("a fixed_cohort mechanism needs num_users and cohort_size")
+            return fixed_cohort_step_event(z, self.num_users, self.cohort_size)
+        return no_amplification_step_event(z, self.group_size)
+
+    def _rate(self) -> float:
+        if self.sampling_rate is None:
+            raise UserError(f"a {self.kind} mechanism needs sampling_rate")
+        return self.sampling_rate
+
+    def event(self) -> dpe.DpEvent:
+        """The whole run's DpEvent: :meth:`step_event` composed ``steps`` times."""
+        return compose(self.step_event(), self.steps)
+
+    def replace(self, **changes: Any) -> "Mechanism":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def calibrated(self, epsilon: float, delta: float, accountant: str = "pld") -> "Mechanism":
+        """This mechanism with the smallest noise multiplier that meets (epsilon, delta) over its
+        steps (never below the true one; see :func:`~userdp.accounting.calibrate_noise_multiplier`).
+
+        Raises:
+            UserError: epsilon/delta out of range, or no noise multiplier meets them.
+        """
+        z = calibrate_noise_multiplier(self.step_event, self.steps, epsilon, delta, accountant)
+        return self.replace(noise_multiplier=z)
+
+    @property
+    def adjacency(self) -> str:
+        """``add_or_remove_one`` or ``replace_one`` (fixed cohorts)."""
+        return adjacency(self.step_event())
+
+    def epsilon(self, delta: float, accountant: str = "pld") -> float:
+        """epsilon of the whole run at ``delta`` (an upper bound)."""
+        return _epsilon(self.event(), delta, accountant)
+
+    def delta(self, epsilon_: float, accountant: str = "pld") -> float:
+        """delta of the whole run at ``epsilon_`` (an upper bound)."""
+        return _delta(self.event(), epsilon_, accountant)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields, with the adjacency and the step event."""
+        d = dataclasses.asdict(self)
+        d["adjacency"] = self.adjacency
+        d["step_event"] = event_to_dict(self.step_event())
+        return d
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as sorted JSON."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Mechanism":
+        """Inverse of :meth:`to_dict` (extra keys ignored)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
