@@ -252,8 +252,8 @@ def uls_sigma_of_m(
     @functools.lru_cache(maxsize=None)
     def sigma(m: int) -> float:
         q = min(1.0, m / num_users)
-        return float(accounting.calibrate_noise_multiplier(
-            lambda s: accounting.uls_step_event(s, q), steps, epsilon, delta, accountant=accountant))
+        return float(accounting.Mechanism("uls", 1.0, steps, sampling_rate=q)
+                     .calibrated(epsilon, delta, accountant).noise_multiplier)
 
     return sigma
 
@@ -264,9 +264,8 @@ def els_noise_multiplier(
 ) -> float:
     from userdp import accounting
 
-    return float(accounting.calibrate_noise_multiplier(
-        lambda s: accounting.els_step_event(s, sampling_rate, group_size), steps, epsilon, delta,
-        accountant=accountant))
+    return float(accounting.Mechanism("els", 1.0, steps, sampling_rate=sampling_rate, group_size=group_size)
+                 .calibrated(epsilon, delta, accountant).noise_multiplier)
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,8 +432,8 @@ def make_plan(
     if float(m).is_integer():
         s_uls = float(sigma_of_m(int(m)))
     else:  # a fractional expected cohort: calibrate at q = M/N exactly
-        s_uls = float(accounting.calibrate_noise_multiplier(
-            lambda s: accounting.uls_step_event(s, q), steps, epsilon, delta, accountant=accountant))
+        s_uls = float(accounting.Mechanism("uls", 1.0, steps, sampling_rate=q)
+                      .calibrated(epsilon, delta, accountant).noise_multiplier)
     lg = float(l_of_g(g_uls))
     uls = {"group_size": g_uls, "cohort_size": m, "sampling_rate": q, "noise_multiplier": s_uls,
            "gradient_norm": lg, "noise_std_proxy": uls_noise_std(s_uls, m, lg),

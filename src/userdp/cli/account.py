@@ -94,18 +94,20 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def step_event_factory(m: dict[str, Any]):
-    """σ -> the step's DpEvent for the resolved mechanism."""
+def mechanism_of(m: dict[str, Any], noise_multiplier: float):
+    """The resolved flags as a :class:`userdp.accounting.Mechanism` (the one event mapping)."""
     from userdp import accounting
-    if m["sampling"] != "poisson":
-        return lambda z: accounting.fixed_cohort_step_event(z, m["users"], m["cohort_size"])
-    if m["mechanism"] == "els":
-        return lambda z: accounting.els_step_event(z, m["sampling_rate"], m["group_size"])
-    return lambda z: accounting.uls_step_event(z, m["sampling_rate"])
+    return accounting.Mechanism.for_training(
+        unit="record" if m["mechanism"] == "els" else "user",
+        sampling="poisson" if m["sampling"] == "poisson" else "fixed_size",
+        noise_multiplier=noise_multiplier, steps=m["steps"], sampling_rate=m["sampling_rate"],
+        group_size=m["group_size"], num_units=m.get("users"), cohort_size=m.get("cohort_size"))
+
+
 
 
 def split_noise(m: dict[str, Any], effective_z: float, count_stddev: float | None) -> None:
-    from userdp import adaptive_clipping
+    from userdp.accounting import split as adaptive_clipping
     m["noise_multiplier"] = effective_z
     if count_stddev is not None:
         m["count_noise_stddev"] = count_stddev
@@ -168,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     from userdp import accounting
     m = resolve(args)
     split_noise(m, args.noise_multiplier, args.count_noise_stddev)
-    event = accounting.compose(step_event_factory(m)(args.noise_multiplier), m["steps"])
+    event = mechanism_of(m, args.noise_multiplier).event()
     m["epsilon"], m["accountant_used"] = accounting.epsilon_and_accountant(event, m["delta"], m["accountant"])
     m["step_event"] = accounting.event_to_dict(event.event)
     emit(m, args.json, describe(m))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from userdp.cli.account import (add_mechanism_arguments, describe, emit, positive_float, resolve,
-                                split_noise, step_event_factory)
+                                mechanism_of, split_noise)
 from userdp.errors import UserError
 
 
@@ -32,10 +32,7 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     m = resolve(args)
     try:
-        from userdp import accounting
-
-        z = accounting.calibrate_noise_multiplier(step_event_factory(m), m["steps"], args.epsilon,
-                                                  m["delta"], m["accountant"])
+        z = mechanism_of(m, 1.0).calibrated(args.epsilon, m["delta"], m["accountant"]).noise_multiplier
     except UserError as exc:
         raise UserError(f"--epsilon {args.epsilon:g}: {exc}") from None
     split_noise(m, z, args.count_noise_stddev)

@@ -1,5 +1,9 @@
-"""The algorithms, as frozen dataclasses: each defines only what a unit is, how a unit's update
-is computed, and which DpEvent describes one step (SPEC §3.3, §3.4, §3.8). The loop is shared.
+"""The algorithms, as frozen dataclasses: each defines only what a unit is (``unit``, ``units``,
+``group_sensitivity``), which records a unit's update sees (``load``) and what that update is
+(``update``: ``"gradient"`` — the masked mean gradient — or ``"local_sgd"`` — the model delta
+after local SGD). The step's DpEvent follows from the unit and the sampler in one place,
+:meth:`userdp.accounting.Mechanism.for_training` (via :class:`userdp.engine.plan.RunPlan`).
+The loop is shared (docs/algorithms.md gives the algorithms and their sources).
 
 * :class:`ELS` — unit = one record of the G-capped dataset D' (at most G records per user,
   chosen once, uniformly); records Poisson-sampled at rate p; update = that record's gradient;
@@ -23,19 +27,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from userdp import accounting
 from userdp.engine.data import UserData
+from userdp.engine.per_unit import fedavg_epoch_batches
 from userdp.errors import UserError
+from userdp.validation import check_int, check_rate
 
 
 def _check_rate(rate: float, what: str) -> None:
-    if not (0.0 < rate <= 1.0):
-        raise UserError(f"{what} must lie in (0, 1], got {rate}")
+    check_rate(rate, what)
 
 
 def _check_g(g: int) -> None:
-    if int(g) != g or g < 1:
-        raise UserError(f"group size G must be an integer >= 1, got {g}")
+    check_int(g, "group size G")
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,21 @@ class UnitTable:
 
 @dataclass(frozen=True)
 class ELS:
-    """DP-SGD with example-level sampling and a user-level guarantee (SPEC §3.3)."""
+    """DP-SGD with example-level sampling and a user-level guarantee (Charles et al. 2024, ELS).
+
+    Args:
+        group_size: G, the most records a user keeps (chosen once).
+        sampling_rate: p, the Poisson rate of each record of D'.
+
+    Raises:
+        UserError: G not an integer >= 1, or p outside (0, 1].
+    """
 
     group_size: int
     sampling_rate: float
     name = "els"
-    update_kind = "mean_gradient"
+    unit = "record"
+    update = "gradient"
 
     def __post_init__(self):
         _check_g(self.group_size)
@@ -79,32 +91,29 @@ class ELS:
         return UnitTable(users.astype(np.int64), records.astype(np.int64))
 
     def load(self, data: UserData, table: UnitTable, ids: np.ndarray, rng: np.random.Generator):
+        """The records of units ``ids``: a batch of [m, 1, ...] tensors and a [m, 1] mask."""
         batch = data.gather(table.users[ids], table.records[ids])
         batch = {k: v.unsqueeze(1) for k, v in batch.items()}
         return batch, torch.ones(len(ids), 1)
 
-    def step_event(self, sigma: float, sampling: str, table: UnitTable, num_users: int):
-        if sampling == "fixed_size":
-            if self.group_size > 1:
-                raise UserError(
-                    "ELS with G > 1 has no accounted fixed-size sampler; use sampling='poisson' "
-                    "(or 'shuffle', which reports the no-amplification guarantee too)"
-                )
-            return accounting.fixed_cohort_step_event(sigma, len(table), self.cohort_size(table))
-        return accounting.els_step_event(sigma, self.sampling_rate, self.group_size)
-
-    def cohort_size(self, table: UnitTable) -> int:
-        return max(1, int(round(self.sampling_rate * len(table))))
-
 
 @dataclass(frozen=True)
 class ULS:
-    """DP-SGD with user-level sampling and per-user clipping (SPEC §3.4)."""
+    """DP-SGD with user-level sampling and per-user clipping (Charles et al. 2024, ULS).
+
+    Args:
+        group_size: G, the most records of a user one step averages (drawn fresh each step).
+        sampling_rate: q, the Poisson rate of each user.
+
+    Raises:
+        UserError: G not an integer >= 1, or q outside (0, 1].
+    """
 
     group_size: int
     sampling_rate: float
     name = "uls"
-    update_kind = "mean_gradient"
+    unit = "user"
+    update = "gradient"
 
     def __post_init__(self):
         _check_g(self.group_size)
@@ -117,23 +126,17 @@ class ULS:
     group_sensitivity = 1
 
     def units(self, data: UserData, rng) -> UnitTable:
+        """Every user is a unit."""
         return UnitTable(np.arange(data.num_users, dtype=np.int64))
 
     def load(self, data: UserData, table: UnitTable, ids, rng):
+        """Up to G records of each user in ``ids``: [m, G, ...] tensors and a [m, G] mask."""
         return data.draw_records(table.users[ids], self.group_size, rng)
-
-    def step_event(self, sigma, sampling, table, num_users):
-        if sampling == "fixed_size":
-            return accounting.fixed_cohort_step_event(sigma, len(table), self.cohort_size(table))
-        return accounting.uls_step_event(sigma, self.sampling_rate)
-
-    def cohort_size(self, table):
-        return max(1, int(round(self.sampling_rate * len(table))))
 
 
 @dataclass(frozen=True)
 class FedAvg(ULS):
-    """DP-FedAvg (SPEC §3.8): local SGD on each sampled user, the model delta is the unit update.
+    """DP-FedAvg (McMahan et al. 2018): local SGD on each sampled user, the model delta is the unit update.
 
     ``local_batch_size`` None means the whole (up to G) local data in one batch. ``weight_cap``
     (w_hat) turns on user weights ``w = min(n_u / w_hat, 1)`` with n_u the user's record count;
@@ -149,7 +152,7 @@ class FedAvg(ULS):
     weight_cap: Optional[float] = None
     reproject: bool = False
     name = "fedavg"
-    update_kind = "local_sgd"
+    update = "local_sgd"
 
     def __post_init__(self):
         super().__post_init__()
@@ -167,7 +170,19 @@ class FedAvg(ULS):
         b = self.local_batch_size or self.group_size
         return math.ceil(self.group_size / min(b, self.group_size))
 
+    def load(self, data: UserData, table: UnitTable, ids, rng):
+        """The user's local data per local epoch: [m, E, G, ...] tensors and a [m, E, G] mask
+        (each epoch a fresh order, real records first; one order when a local batch is the whole
+        local data, since the order is then moot)."""
+        batch, mask = super().load(data, table, ids, rng)
+        if (self.local_batch_size or self.group_size) >= mask.shape[1]:
+            e = self.local_epochs
+            batch = {n: v.unsqueeze(1).expand(v.shape[0], e, *v.shape[1:]) for n, v in batch.items()}
+            return batch, mask.unsqueeze(1).expand(-1, e, -1)
+        return fedavg_epoch_batches(batch, mask, self.local_epochs, rng)
+
     def units(self, data: UserData, rng) -> UnitTable:
+        """Every user; with ``weight_cap`` each carries the weight ``min(n_u / w_hat, 1)``."""
         users = np.arange(data.num_users, dtype=np.int64)
         if self.weight_cap is None:
             return UnitTable(users)

@@ -1,8 +1,13 @@
-"""Clipping strategies (SPEC §3.1, §3.9) as frozen dataclasses, plus the primitives.
+"""Clipping strategies as frozen dataclasses, plus the primitives.
 
-Per-unit updates arrive as a list of tensors, one per trainable parameter tensor, each with a
-leading unit dimension [m, ...]. A strategy turns them into per-unit scale factors; the clipped
-sum is then ``sum_i factor_i * update_i`` (never materializing the clipped copies).
+The contract (docs/ARCHITECTURE.md, "Clipping"): a strategy consumes per-unit, per-tensor norms
+``[m, L]`` (L trainable tensors) and produces per-unit, per-tensor scale factors ``[m, L]``
+(:meth:`factors_from_norms`); the clipped sum is then ``sum_i factor_i * update_i``, never
+materializing the clipped copies. It does not see the updates, so a per-unit strategy that never
+materializes them (ghost norms) uses it unchanged. Every strategy also answers, with one signature:
+``sensitivity(state, num_tensors)`` (the bound on one unit's contribution, what the noise scales
+with), ``reproject_bounds(state, num_tensors)`` (FedAvg's greedy re-projection) and
+``update(state, noisy_fraction_unclipped)`` (the adaptive step; the identity for fixed norms).
 
 * :class:`FlatClip` — ``pi(g, C)`` on the concatenation of all tensors.
 * :class:`PerLayerClip` — ``pi(g_j, S_j)`` per tensor j; default ``S_j = S/sqrt(m)`` so the
@@ -12,7 +17,7 @@ sum is then ``sum_i factor_i * update_i`` (never materializing the clipped copie
 * :class:`AdaptiveClip` — flat clipping whose C follows the gamma-quantile of the unclipped
   norms by the geometric update ``C <- C exp(-eta_C (b~ - gamma))`` with a noised count b~
   (Andrew et al.). The count's noise ``sigma_b`` (default m/20, m = expected units per step)
-  is accounted through the Theorem-1 split (userdp.adaptive_clipping).
+  is accounted through the Theorem-1 split (userdp.accounting.split).
 """
 
 from __future__ import annotations
@@ -47,9 +52,36 @@ def _factor(norms: torch.Tensor, bound) -> torch.Tensor:
     return torch.clamp(bound / torch.clamp(norms, min=_TINY), max=1.0)
 
 
+class _FixedNorm:
+    """What a fixed (non-adaptive) clip norm shares: no state change, no quantile."""
+
+    adaptive = False
+
+    def initial_state(self) -> dict:
+        """The clipping state at step 0: ``{"clip_norm": C}``."""
+        return {"clip_norm": float(self.norm)}
+
+    def update(self, state: dict, noisy_fraction_unclipped: float) -> dict:
+        """A fixed norm does not move."""
+        return state
+
+    def factors(self, updates: Sequence[torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-unit, per-tensor scale factors [m, L] and the unclipped flat norms [m] of
+        materialized updates (one [m, ...] tensor per trainable tensor)."""
+        return self.factors_from_norms(per_tensor_norms(updates), state)
+
+
 @dataclass(frozen=True)
-class FlatClip:
-    """Clip each unit's whole update to L2 norm ``norm`` (SPEC §3.1, flat)."""
+class FlatClip(_FixedNorm):
+    """Clip each unit's whole update to L2 norm ``norm`` (flat clipping).
+
+    Args:
+        norm: C > 0.
+        normalized: each unit contributes ``pi(g, C)/C`` (De et al. 2022): sensitivity 1.
+
+    Raises:
+        UserError: C not a positive finite number.
+    """
 
     norm: float
     normalized: bool = False
@@ -58,31 +90,27 @@ class FlatClip:
         if not (self.norm > 0 and math.isfinite(self.norm)):
             raise UserError(f"clip norm must be a positive number, got {self.norm}")
 
-    @property
-    def adaptive(self) -> bool:
-        return False
-
-    def initial_state(self) -> dict:
-        return {"clip_norm": float(self.norm)}
-
-    def sensitivity(self, state: dict) -> float:
+    def sensitivity(self, state: dict, num_tensors: int | None = None) -> float:
         """Bound on one unit's contribution to the sum (1 when normalized)."""
         return 1.0 if self.normalized else float(state["clip_norm"])
 
-    def factors(self, updates: Sequence[torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-unit, per-tensor scale factors [m, L] and the unclipped flat norms [m]."""
-        tn = per_tensor_norms(updates)
+    def reproject_bounds(self, state: dict, num_tensors: int) -> list[float]:
+        """One flat bound: FedAvg's re-projection clips the whole delta to C."""
+        return [float(state["clip_norm"])]
+
+    def factors_from_norms(self, tn: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scale factors [m, L] (the same for every tensor of a unit) and the flat norms [m]."""
         flat = torch.sqrt((tn**2).sum(dim=1))
         c = float(state["clip_norm"])
         f = _factor(flat, c)
         if self.normalized:
             f = f / c
-        return f.unsqueeze(1).expand(-1, len(updates)), flat
+        return f.unsqueeze(1).expand(-1, tn.shape[1]), flat
 
 
 @dataclass(frozen=True)
-class PerLayerClip:
-    """Clip tensor j of each unit's update to ``S_j`` (SPEC §3.1, per-layer).
+class PerLayerClip(_FixedNorm):
+    """Clip tensor j of each unit's update to ``S_j`` (per-layer clipping, McMahan et al. 2018).
 
     ``layer_norms`` gives the S_j explicitly (one per trainable tensor, in parameter order);
     by default ``S_j = norm / sqrt(m)``. The total bound is ``sqrt(sum_j S_j^2)``.
@@ -96,11 +124,11 @@ class PerLayerClip:
         if not (self.norm > 0 and math.isfinite(self.norm)):
             raise UserError(f"clip norm must be a positive number, got {self.norm}")
 
-    @property
-    def adaptive(self) -> bool:
-        return False
-
     def bounds(self, num_tensors: int) -> list[float]:
+        """The per-tensor bounds S_j.
+
+        Raises:
+            UserError: ``layer_norms`` has the wrong length."""
         if self.layer_norms is None:
             return [self.norm / math.sqrt(num_tensors)] * num_tensors
         if len(self.layer_norms) != num_tensors:
@@ -109,29 +137,32 @@ class PerLayerClip:
             )
         return [float(s) for s in self.layer_norms]
 
-    def initial_state(self) -> dict:
-        return {"clip_norm": float(self.norm)}
-
     def total_bound(self, num_tensors: int) -> float:
+        """``sqrt(sum_j S_j^2)``: the bound on a unit's whole clipped update."""
         return math.sqrt(sum(s * s for s in self.bounds(num_tensors)))
 
     def sensitivity(self, state: dict, num_tensors: int | None = None) -> float:
+        """The total bound (1 when normalized); ``norm`` when the tensor count is not given."""
         if self.normalized:
             return 1.0
         return self.total_bound(num_tensors) if num_tensors is not None else float(self.norm)
 
-    def factors(self, updates: Sequence[torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        tn = per_tensor_norms(updates)
-        b = torch.tensor(self.bounds(len(updates)), dtype=tn.dtype, device=tn.device)
+    def reproject_bounds(self, state: dict, num_tensors: int) -> list[float]:
+        """One bound per tensor: FedAvg's re-projection clips each tensor of the delta."""
+        return self.bounds(num_tensors)
+
+    def factors_from_norms(self, tn: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor scale factors [m, L] and the flat norms [m]."""
+        b = torch.tensor(self.bounds(tn.shape[1]), dtype=tn.dtype, device=tn.device)
         f = _factor(tn, b)
         if self.normalized:
-            f = f / self.total_bound(len(updates))
+            f = f / self.total_bound(tn.shape[1])
         return f, torch.sqrt((tn**2).sum(dim=1))
 
 
 @dataclass(frozen=True)
 class AdaptiveClip:
-    """Adaptive quantile clipping, geometric update (SPEC §3.9; Andrew et al. defaults).
+    """Adaptive quantile clipping, geometric update (Andrew et al. 2021, and their defaults).
 
     ``count_stddev`` is sigma_b; None means m/20 with m the expected units per step.
     ``geometric=False`` uses the linear update ``C <- C - eta_C (b~ - gamma)``.
@@ -154,24 +185,33 @@ class AdaptiveClip:
         if self.normalized:
             raise UserError("adaptive clipping cannot be normalized (normalizing removes the clip norm)")
 
-    @property
-    def adaptive(self) -> bool:
-        return True
+    adaptive = True
 
     def resolved_count_stddev(self, expected_units: float) -> float:
+        """sigma_b: the given one, else m/20 with m the expected units per step."""
         return float(self.count_stddev) if self.count_stddev is not None else expected_units / 20.0
 
     def initial_state(self) -> dict:
+        """The clipping state at step 0: ``{"clip_norm": C0}``."""
         return {"clip_norm": float(self.initial_norm)}
 
-    def sensitivity(self, state: dict) -> float:
+    def sensitivity(self, state: dict, num_tensors: int | None = None) -> float:
+        """The current clip norm C."""
         return float(state["clip_norm"])
 
-    def factors(self, updates, state):
-        tn = per_tensor_norms(updates)
+    def reproject_bounds(self, state: dict, num_tensors: int) -> list[float]:
+        """One flat bound, the current C."""
+        return [float(state["clip_norm"])]
+
+    def factors_from_norms(self, tn: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat scale factors at the current C [m, L] and the flat norms [m]."""
         flat = torch.sqrt((tn**2).sum(dim=1))
         f = _factor(flat, float(state["clip_norm"]))
-        return f.unsqueeze(1).expand(-1, len(updates)), flat
+        return f.unsqueeze(1).expand(-1, tn.shape[1]), flat
+
+    def factors(self, updates, state):
+        """As :meth:`factors_from_norms`, from materialized updates."""
+        return self.factors_from_norms(per_tensor_norms(updates), state)
 
     def update(self, state: dict, noisy_fraction_unclipped: float) -> dict:
         """One quantile step from the privatized fraction b~ of units with norm <= C."""

@@ -1,8 +1,10 @@
 """The one DP training loop over privacy units, and its entry point :func:`train`.
 
-Each step: sample units -> per-unit update (vmapped, chunked) -> clip -> sum -> [all-reduce]
--> Gaussian noise N(0, (sigma*C)^2) on the SUM, drawn once -> divide by a public constant ->
-optimizer. ELS, ULS and FedAvg differ only in their :mod:`~userdp.engine.algorithms` dataclass.
+Each step: sample units -> per-unit strategy (clipped sum of the chunk's units) -> [all-reduce]
+-> noise mechanism on the SUM, drawn once -> divide by a public constant -> optimizer. What the
+step does is read from the frozen :class:`~userdp.engine.plan.RunPlan`; the loop does not branch
+on the algorithm, the clipping strategy, the per-unit strategy or the noise mechanism. ELS, ULS
+and FedAvg differ only in their :mod:`~userdp.engine.algorithms` dataclass.
 """
 
 from __future__ import annotations
@@ -20,71 +22,16 @@ import torch
 from torch import nn
 
 from userdp import accounting
-from userdp.adaptive_clipping import update_noise_multiplier
 from userdp.engine import checkpoint as ckpt
-from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
-from userdp.engine.algorithms import ELS, ULS, FedAvg, UnitTable
-from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
+from userdp.engine.algorithms import UnitTable
 from userdp.engine.data import UserData
 from userdp.engine.distributed import LocalCombiner
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
-from userdp.engine.noise import ENTROPY_BITS, GaussianNoise
-from userdp.engine.optimizers import SGD, Adafactor, Adam
-from userdp.engine.per_unit import PerUnit, fedavg_epoch_batches
+from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise
+from userdp.engine.per_unit import make_per_unit
+from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan  # noqa: F401  (re-exported)
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError
-
-SAMPLER_MODE = {("poisson", "record"): "poisson_examples", ("poisson", "user"): "poisson_users",
-                ("fixed_size", "record"): "fixed_size_wor", ("fixed_size", "user"): "fixed_size_wor",
-                ("shuffle", "record"): "shuffle_fixed_batches", ("shuffle", "user"): "shuffle_fixed_batches"}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything that defines a run (and its guarantee).
-
-    Give either ``noise_multiplier`` (sigma; with adaptive clipping this is the *effective*
-    multiplier the accountant sees, and the update's z_Delta is derived by the Theorem-1 split),
-    or ``target_epsilon`` (with ``steps``) to calibrate sigma. With both, sigma is used and the
-    run stops before epsilon would pass the target. ``noise_multiplier=0`` is a non-private run
-    (epsilon = inf; refused together with a target). ``delta`` None -> N^-1.1.
-    ``sampling``: "poisson" (default, as accounted), or on explicit request "fixed_size"
-    (without replacement, replace-one, RDP) or "shuffle" (fixed batches; no amplification).
-    """
-
-    algorithm: ELS | ULS | FedAvg
-    steps: int
-    clipping: FlatClip | PerLayerClip | AdaptiveClip = FlatClip(1.0)
-    optimizer: SGD | Adam | Adafactor = SGD(0.1)
-    noise_multiplier: Optional[float] = None
-    target_epsilon: Optional[float] = None
-    delta: Optional[float] = None
-    accountant: str = "pld"
-    sampling: str = "poisson"
-    denominator: FixedDenominator | ClippedDenominator = FixedDenominator()
-    chunk_size: int = 64
-    seed: Optional[int] = None
-    checkpoint_every: int = 0
-    track_epsilon: bool = True
-
-    def __post_init__(self):
-        if int(self.steps) != self.steps or self.steps < 1:
-            raise UserError(f"steps must be an integer >= 1, got {self.steps}")
-        if self.noise_multiplier is None and self.target_epsilon is None:
-            raise UserError("give a noise_multiplier or a target_epsilon to calibrate one")
-        if self.noise_multiplier is not None and self.noise_multiplier < 0:
-            raise UserError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
-        if self.noise_multiplier == 0 and self.target_epsilon is not None:
-            raise UserError("noise_multiplier=0 is non-private: it cannot meet a target epsilon")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise UserError(f"target_epsilon must be > 0, got {self.target_epsilon}")
-        if self.chunk_size < 1:
-            raise UserError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        get_sampler(self.sampling)
-        if self.sampling == "fixed_size" and self.accountant != "rdp":
-            raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
-        if isinstance(self.denominator, ClippedDenominator) and isinstance(self.clipping, AdaptiveClip):
-            raise UserError("adaptive clipping uses the fixed denominator")
 
 
 @dataclass
@@ -154,7 +101,7 @@ class _Run:
         self.model, self.data, self.cfg = model, data, cfg
         self.algo = cfg.algorithm
         self.combiner = combiner or LocalCombiner()
-        self.per_unit = PerUnit(model, loss_fn, self.algo)
+        self.per_unit = make_per_unit(cfg.per_unit, model, loss_fn, self.algo)
         self.params = self.per_unit.params
         self.device = self.params[0].device
         # Low-precision models train on float32 master weights: the released update (noised sum
@@ -171,30 +118,23 @@ class _Run:
         self.dir = checkpoint_dir
         self.seeded = cfg.seed is not None
         # generators: the cohort (identical on every rank), data loading (per rank), the noise
-        self.rng, self.data_rng, self.noise, torch_seed = _seeds(cfg.seed, self.combiner)
+        self.rng, self.data_rng, source, torch_seed = _seeds(cfg.seed, self.combiner)
+        self.noise = make_noise(cfg.noise, source)
+        self.noise.init(self.master)
         if self.seeded:
             torch.manual_seed(torch_seed)  # dropout etc. inside the model
         self.table: UnitTable = self.algo.units(data, self.rng)
-        self.n_units = len(self.table)
-        self.rate = self.algo.sampling_rate
-        kind = "record" if isinstance(self.algo, ELS) else "user"
         self.sampler = get_sampler(cfg.sampling)
-        self.sampler_mode = SAMPLER_MODE[(cfg.sampling, kind)]
         self.sampler_state: dict = {}
-        # expected units / weight per step: the public denominator
-        if cfg.sampling == "poisson":
-            self.expected_units = self.rate * self.n_units
-        else:
-            self.expected_units = float(self.algo.cohort_size(self.table))
-        tw = float(self.table.weights.sum()) if self.table.weights is not None else float(self.n_units)
-        self.expected_weight = self.expected_units * tw / self.n_units
-        self.delta, self.delta_rule = (cfg.delta, "given") if cfg.delta is not None else accounting.default_delta(data.num_users)
-        self._calibrate()
+        # the frozen plan: mechanism, noise, denominator, delta (calibrated if a target is given)
+        self.plan: RunPlan = make_plan(cfg, num_users=data.num_users, num_units=len(self.table),
+                                       total_weight=float(self.table.weights.sum()) if self.table.weights is not None
+                                       else None)
         context = {"engine_config_sha256": hashlib.sha256(repr(cfg).encode()).hexdigest()}
         context.update(journal_context or {})
         # one writer: only the main rank keeps the journal (every rank counts the same steps)
-        self.ledger = PrivacyLedger(self.step_event, self.delta, target_epsilon=cfg.target_epsilon,
-                                    accountant=cfg.accountant, safe_steps=self.safe_steps,
+        self.ledger = PrivacyLedger(self.plan.step_event, self.plan.delta, target_epsilon=cfg.target_epsilon,
+                                    accountant=cfg.accountant, safe_steps=self.plan.safe_steps,
                                     journal_dir=self.dir if self.combiner.rank == 0 else None,
                                     journal_context=context)
         self.clip_state = cfg.clipping.initial_state()
@@ -203,48 +143,17 @@ class _Run:
         self.nonfinite_units = 0  # units whose update was Inf/NaN (zeroed); NOT a private statistic
         self.history: list[dict] = []
 
-    # ------------------------------------------------------------------ privacy setup
-    def _event(self, sigma):
-        """The DpEvent of one step. Shuffled fixed batches have no proven amplification, so they
-        are accounted (and calibrated, and budgeted) as the Gaussian mechanism with the user's
-        whole sensitivity; the Poisson-assumed figure is only a labelled comparison."""
-        if self.cfg.sampling == "shuffle":
-            return accounting.no_amplification_step_event(sigma, self.algo.group_sensitivity)
-        return self.algo.step_event(sigma, self.cfg.sampling, self.table, self.data.num_users)
-
-    def _calibrate(self):
-        cfg = self.cfg
-        self.safe_steps = None
-        if cfg.noise_multiplier is not None:
-            z = float(cfg.noise_multiplier)
-        else:
-            z = accounting.calibrate_noise_multiplier(self._event, cfg.steps, cfg.target_epsilon,
-                                                      self.delta, cfg.accountant)
-            self.safe_steps = cfg.steps  # calibration guarantees eps(steps) <= target
-        self.noise_multiplier = z
-        self.count_stddev = None
-        if isinstance(cfg.clipping, AdaptiveClip) and z > 0:
-            self.count_stddev = cfg.clipping.resolved_count_stddev(self.expected_units)
-            self.update_z = update_noise_multiplier(z, self.count_stddev)
-        else:
-            if isinstance(cfg.clipping, AdaptiveClip):
-                self.count_stddev = 0.0
-            self.update_z = z
-        self.step_event = self._event(z) if z > 0 else None
-
-    def _reproject_bounds(self):
-        if not getattr(self.algo, "reproject", False):
-            return None
-        c = self.cfg.clipping
-        if isinstance(c, PerLayerClip):
-            return c.bounds(len(self.params))
-        return [float(self.clip_state["clip_norm"])]
+    # ------------------------------------------------------------------ what the plan says
+    n_units = property(lambda self: self.plan.num_units)
+    rate = property(lambda self: self.plan.sampling_rate)
+    expected_units = property(lambda self: self.plan.expected_units)
+    expected_weight = property(lambda self: self.plan.expected_weight)
+    delta = property(lambda self: self.plan.delta)
+    noise_multiplier = property(lambda self: self.plan.noise_multiplier)
+    update_z = property(lambda self: self.plan.update_noise_multiplier)
 
     def _sensitivity(self) -> float:
-        c = self.cfg.clipping
-        if isinstance(c, PerLayerClip):
-            return c.sensitivity(self.clip_state, len(self.params))
-        return c.sensitivity(self.clip_state)
+        return self.plan.sensitivity(self.clip_state, len(self.params))
 
     # ------------------------------------------------------------------ one step
     def _pad(self, batch, mask, b):
@@ -263,18 +172,13 @@ class _Run:
         # units, centered count, loss, clipped, weight, non-finite units
         stats = torch.zeros(6, dtype=torch.float64)
         c_now = float(self.clip_state["clip_norm"])
+        reproject = (cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
+                     if getattr(algo, "reproject", False) else None)
         for s in range(0, len(ids), cfg.chunk_size):
             cid = ids[s : s + cfg.chunk_size]
             k = len(cid)
             b = bucket_size(k, cfg.chunk_size)
             batch, mask = algo.load(self.data, self.table, cid, self.data_rng)
-            if algo.update_kind == "local_sgd":
-                if (algo.local_batch_size or algo.group_size) >= mask.shape[1]:  # full batch: order moot
-                    e = algo.local_epochs
-                    batch = {n: v.unsqueeze(1).expand(v.shape[0], e, *v.shape[1:]) for n, v in batch.items()}
-                    mask = mask.unsqueeze(1).expand(-1, e, -1)
-                else:
-                    batch, mask = fedavg_epoch_batches(batch, mask, algo.local_epochs, self.data_rng)
             batch, mask = self._pad(batch, mask, b)
             batch = {n: v.to(self.device) for n, v in batch.items()}
             mask = mask.to(self.device, dtype=self.params[0].dtype)
@@ -284,13 +188,10 @@ class _Run:
             w = valid.clone()
             if self.table.weights is not None:
                 w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
-            updates, losses = self.per_unit(batch, mask, reproject=self._reproject_bounds())
-            f, norms = cfg.clipping.factors(updates, self.clip_state)
-            updates, f, bad = _zero_nonfinite(updates, f, norms)
-            norms = torch.where(bad, 0.0, norms)
-            f = f.to(acc) * w.unsqueeze(1)
-            for j, u in enumerate(updates):
-                sums[j] += torch.tensordot(f[:, j], u.to(acc), dims=1)
+            part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, cfg.clipping, self.clip_state, acc,
+                                                                 reproject=reproject)
+            for j, x in enumerate(part):
+                sums[j] += x
             unclipped = (norms <= c_now).to(acc)
             losses = torch.where(torch.isfinite(losses), losses.detach(), 0.0).to(acc)
             stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
@@ -311,13 +212,11 @@ class _Run:
         n_units, centered, loss_sum, n_clipped, weight, n_bad = stats.tolist()
         self.nonfinite_units += int(n_bad)
         # ---- noise on the sum, drawn once per step for the whole sum (on the main rank), float32+
-        std_sum = self.update_z * self._sensitivity()
-        den, est_std = cfg.denominator.scales(self.expected_weight, weight, std_sum)
-        if self.noise is not None and std_sum > 0:
-            noise = self.noise.like(sums, est_std)
-        else:
-            noise = [torch.zeros_like(s) for s in sums]
-        cn = self.noise.scalar(self.count_stddev) if (self.noise is not None and self.count_stddev) else 0.0
+        plan = self.plan
+        std_sum = plan.update_noise_multiplier * self._sensitivity()
+        den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
+        noise = self.noise.noise(sums, est_std if std_sum > 0 else 0.0)
+        cn = self.noise.scalar(plan.count_stddev) if plan.count_stddev else 0.0
         count_noise = torch.tensor([cn], dtype=sums[0].dtype, device=self.device)  # float32 or wider
         bc = self.combiner.broadcast_from_main(noise + [count_noise])
         noise, count_noise = bc[:-1], float(bc[-1])
@@ -335,8 +234,8 @@ class _Run:
                    "nonfinite_units": int(n_bad),
                    "fraction_clipped": n_clipped / max(n_units, 1.0),
                    "clip_norm": float(self.clip_state["clip_norm"])}
-        if isinstance(cfg.clipping, AdaptiveClip):
-            noisy = 0.5 + (centered + count_noise) / self.expected_units
+        if cfg.clipping.adaptive:
+            noisy = 0.5 + (centered + count_noise) / plan.expected_units
             metrics["noisy_fraction_unclipped"] = noisy
             self.clip_state = cfg.clipping.update(self.clip_state, noisy)
         dt = time.perf_counter() - t0
@@ -359,7 +258,7 @@ class _Run:
         if self.seeded:  # unseeded random states are secret: never written
             st["numpy_rng"] = self.rng.bit_generator.state
             st["data_rng"] = self.data_rng.bit_generator.state
-            st["noise_rng"] = self.noise.state_dict() if self.noise is not None else None
+            st["noise"] = self.noise.state_dict()
             st["torch_rng"] = torch.get_rng_state()
             perm = self.sampler_state.get("perm")
             st["sampler"] = {"epoch": self.sampler_state.get("epoch"),
@@ -395,8 +294,7 @@ class _Run:
         if st["seeded"]:
             self.rng.bit_generator.state = st["numpy_rng"]
             self.data_rng.bit_generator.state = st["data_rng"]
-            if self.noise is not None and st.get("noise_rng") is not None:
-                self.noise.load_state_dict(st["noise_rng"])
+            self.noise.load_state_dict(st.get("noise") or {})
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
             if s["epoch"] is not None:
@@ -405,23 +303,23 @@ class _Run:
 
     # ------------------------------------------------------------------ the record
     def record(self) -> dict:
-        cfg = self.cfg
+        cfg, plan = self.cfg, self.plan
         eps = self.ledger.epsilon()
         total = self.ledger.total_event()
         rec = {
-            "algorithm": _cfg_dict(self.algo), "unit": "record" if isinstance(self.algo, ELS) else "user",
+            "algorithm": _cfg_dict(self.algo), "unit": plan.unit,
             "num_users": int(self.data.num_users), "num_units": int(self.n_units),
             "expected_units_per_step": self.expected_units, "denominator": self.expected_weight,
-            "denominator_kind": cfg.denominator.name, "sampler_mode": self.sampler_mode,
+            "denominator_kind": cfg.denominator.name, "sampler_mode": plan.sampler_mode,
             "noise_multiplier": self.noise_multiplier, "update_noise_multiplier": self.update_z,
-            "count_noise_stddev": self.count_stddev, "clipping": _cfg_dict(cfg.clipping),
+            "count_noise_stddev": plan.count_stddev, "clipping": _cfg_dict(cfg.clipping),
             "final_clip_norm": float(self.clip_state["clip_norm"]), "optimizer": _cfg_dict(cfg.optimizer),
             "accountant": cfg.accountant, "steps_applied": self.step, "steps_accounted": self.ledger.spent,
             "steps_lost_to_crashes": self.ledger.lost_steps, "epsilon": eps, "delta": self.delta,
-            "delta_rule": self.delta_rule, "target_epsilon": cfg.target_epsilon,
+            "delta_rule": plan.delta_rule, "target_epsilon": cfg.target_epsilon,
             "calibrated": cfg.noise_multiplier is None,
-            "step_event": accounting.event_to_dict(self.step_event) if self.step_event is not None else None,
-            "adjacency": accounting.adjacency(self.step_event) if self.step_event is not None else None,
+            "step_event": accounting.event_to_dict(plan.step_event) if plan.private else None,
+            "adjacency": plan.mechanism.adjacency if plan.private else None,
             "dp_event_total": accounting.event_to_dict(total) if total is not None else None,
             "seeded": self.seeded,
             "randomness": ("seeded by the user (seed given): sampling and noise are reproducible by whoever "
@@ -436,11 +334,11 @@ class _Run:
                                      "this count is computed on the private data and is NOT privatized"),
             "counts_treated_as_public": self._public_counts(),
         }
-        if self.step_event is None:
+        if not plan.private:
             rec["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
         elif cfg.sampling == "shuffle":
             rec["epsilon_no_amplification"] = eps
-            poisson = self.algo.step_event(self.noise_multiplier, "poisson", self.table, self.data.num_users)
+            poisson = plan.mechanism_for("poisson").step_event()
             rec["epsilon_assuming_poisson"] = (accounting.epsilon(accounting.compose(poisson, self.ledger.spent),
                                                                   self.delta, cfg.accountant)
                                                if self.ledger.spent else 0.0)
@@ -449,8 +347,7 @@ class _Run:
                                        "Gaussian mechanism with the user's whole sensitivity); "
                                        "epsilon_assuming_poisson is a comparison only, not a guarantee")
         elif cfg.sampling != "poisson":
-            g = self.algo.group_sensitivity
-            no_amp = accounting.no_amplification_step_event(self.noise_multiplier, g)
+            no_amp = plan.mechanism_for("shuffle").step_event()
             rec["epsilon_no_amplification"] = (accounting.epsilon(accounting.compose(no_amp, self.ledger.spent),
                                                                   self.delta, "pld") if self.ledger.spent else 0.0)
             rec["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
@@ -460,7 +357,7 @@ class _Run:
     def _public_counts(self) -> list[str]:
         """Counts computed from the private data and used without noise (listed in the report)."""
         out = [f"the number of users N = {int(self.data.num_users)} (in delta's default rule and the sampling rate)"]
-        if isinstance(self.algo, ELS):
+        if self.plan.unit == "record":
             out.append(f"the number of records after capping at G, |D'| = {self.n_units} (fixes the record "
                        "sampling rate p = cohort/|D'| and the denominator p*|D'|)")
         elif self.table.weights is not None:
@@ -577,9 +474,9 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     if on_start is not None:
         on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
                   "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
-                  "delta_rule": run.delta_rule, "sampler_mode": run.sampler_mode, "accountant": config.accountant,
+                  "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode, "accountant": config.accountant,
                   "target_epsilon": config.target_epsilon, "steps_accounted": run.ledger.spent,
-                  "unit": "record" if isinstance(run.algo, ELS) else "user", "num_units": run.n_units})
+                  "unit": run.plan.unit, "num_units": run.n_units})
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:

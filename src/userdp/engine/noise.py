@@ -14,8 +14,17 @@ The noise is the privacy mechanism, so its generator is keyed like a secret:
 * A seeded run (the user gives an integer) derives the key from that seed: reproducible, and
   the guarantee then holds only against parties who do not know the seed (the report says so).
 
-The noise source is a small stateful object (``state_dict`` / ``load_state_dict``) so that
-its state travels with the ledger in a checkpoint — for seeded runs only.
+Two layers, so that correlated-noise mechanisms (DP-FTRL's tree aggregation, matrix
+factorization) are one new class and no change to the loop:
+
+* the *source* (:class:`GaussianNoise`): the keyed generator of i.i.d. standard normals;
+* the *mechanism* (:class:`IIDGaussian`, registered in :data:`NOISE_MECHANISMS`): what noise a
+  step adds to the released update, from the source and the mechanism's own state
+  (``init`` / ``noise`` / ``state_dict``; jax_privacy's ``noise_addition`` transforms have the
+  same shape). Its state is checkpointed with the ledger — for seeded runs only, since an
+  unseeded run's generator state is its secret key. A correlated mechanism must also bring its
+  own DpEvent (the accountant sees the mechanism, not the loop); i.i.d. Gaussian noise is what
+  :class:`userdp.accounting.Mechanism` describes.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+
+from userdp.validation import check_choice
 
 ENTROPY_BITS = 256
 _POOL_WORDS = ENTROPY_BITS // 32
@@ -107,4 +118,56 @@ class GaussianNoise:
         return dict(self._gen.bit_generator.state)
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a state saved by :meth:`state_dict`."""
         self._gen.bit_generator.state = state
+
+
+class IIDGaussian:
+    """Independent N(0, std^2 I) noise every step: the mechanism DP-SGD and DP-FedAvg account.
+
+    Args:
+        source: the keyed generator (None on ranks that do not draw noise; only the main rank
+            draws, once per step for the whole sum).
+    """
+
+    name = "iid_gaussian"
+
+    def __init__(self, source: "GaussianNoise | None"):
+        self.source = source
+
+    def init(self, params: Sequence[torch.Tensor]) -> None:
+        """Prepare for a run over ``params`` (i.i.d. noise keeps no per-parameter state)."""
+
+    def noise(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """This step's noise, one tensor like each of ``tensors`` (float32, or float64 for a
+        float64 tensor); zeros where there is no source or ``std`` is 0."""
+        if self.source is None or not std > 0:
+            return [torch.zeros_like(t) for t in tensors]
+        return self.source.like(tensors, std)
+
+    def scalar(self, std: float) -> float:
+        """One N(0, std^2) draw for a scalar query (adaptive clipping's count); 0 without a source."""
+        return self.source.scalar(std) if (self.source is not None and std) else 0.0
+
+    def state_dict(self) -> dict:
+        """The mechanism's state for a checkpoint: the source's state (seeded runs only)."""
+        return {"source": self.source.state_dict() if self.source is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        if self.source is not None and state.get("source") is not None:
+            self.source.load_state_dict(state["source"])
+
+
+#: name -> mechanism class; ``TrainConfig.noise`` picks one
+NOISE_MECHANISMS: dict[str, type] = {"iid_gaussian": IIDGaussian}
+
+
+def make_noise(name: str, source: "GaussianNoise | None") -> IIDGaussian:
+    """The noise mechanism called ``name`` over ``source``.
+
+    Raises:
+        UserError: an unknown name (the message lists the registered ones).
+    """
+    check_choice(name, "noise", NOISE_MECHANISMS)
+    return NOISE_MECHANISMS[name](source)

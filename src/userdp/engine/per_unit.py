@@ -1,7 +1,17 @@
-"""Per-unit updates, vectorized with torch.func (functional_call + grad + vmap over units).
+"""Per-unit strategies: how a chunk of units becomes its clipped, weighted sum.
 
-A unit's batch holds up to G records (ELS: G = 1) with a float mask (1 = real record); the
-unit's loss is the masked mean of the per-record losses, so users with fewer than G records
+The contract (docs/ARCHITECTURE.md, "Per-unit strategy"): a strategy is built from the model,
+the loss and the algorithm, and :meth:`clipped_sum` takes a chunk's batch (tensors
+``[m, ...]`` whose second axis holds a unit's records), its float mask (1 = real record),
+per-unit weights (0 for padding units) and the clipping strategy with its state; it returns the
+chunk's clipped sum (one tensor per trainable tensor, in the accumulation dtype), the units'
+flat norms, losses and a flag of the units whose update was not finite (they contribute zero).
+How the per-unit norms are obtained is the strategy's business: :class:`VmapPerUnit`
+materializes each unit's update with torch.func (functional_call + grad + vmap over units); a
+ghost-norm strategy computes norms from activations and output gradients instead. Strategies are
+registered by name in :data:`PER_UNIT_STRATEGIES` and chosen by ``TrainConfig.per_unit``.
+
+A unit's loss is the masked mean of its per-record losses, so users with fewer than G records
 and padding units (mask all 0, used to round a chunk up to a bucket size) are exact. The
 caller processes the units of a step in chunks, so memory is bounded by the chunk size
 whatever the cohort. There is no Python loop over units here: only over FedAvg's local steps.
@@ -9,12 +19,13 @@ whatever the cohort. There is no Python loop over units here: only over FedAvg's
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from userdp.engine.clipping import per_tensor_norms
 from userdp.errors import UserError
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -33,7 +44,12 @@ class _LossModule(nn.Module):
 
 
 def lint_model(model: nn.Module) -> None:
-    """Refuse components that mix records within a batch (SPEC §8.4): BatchNorm in training mode."""
+    """Refuse components that mix records within a batch: BatchNorm in training mode (a unit's
+    update would then depend on the other units of the batch, so clipping no longer bounds it).
+
+    Raises:
+        UserError: naming the module at fault and the fix.
+    """
     for name, mod in model.named_modules():
         if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
             raise UserError(
@@ -49,8 +65,31 @@ def lint_model(model: nn.Module) -> None:
             )
 
 
+class PerUnitStrategy(Protocol):
+    """The per-unit seam (see the module docstring)."""
+
+    name: str
+    names: list[str]  # trainable parameter names, in order
+    params: list[torch.Tensor]  # the trainable tensors (the model's own)
+
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
+                    acc_dtype: torch.dtype, reproject=None):
+        """(sums, norms [m], losses [m], bad [m]) of one chunk; see the module docstring."""
+        ...
+
+
 class PerUnit:
-    """Vectorized per-unit updates of ``model`` under ``loss_fn`` for one algorithm."""
+    """Vectorized per-unit updates of ``model`` under ``loss_fn`` for one algorithm.
+
+    The unit's update is the algorithm's ``update``: ``"gradient"`` (the masked mean gradient)
+    or ``"local_sgd"`` (FedAvg: ``theta0 - theta_local`` after local SGD).
+
+    Raises:
+        UserError: a model that mixes records (see :func:`lint_model`), no trainable parameters,
+            or an unknown update kind.
+    """
+
+    name = "vmap"
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, algorithm):
         lint_model(model)
@@ -64,6 +103,11 @@ class PerUnit:
         self._const = {"model." + n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
         self._const.update({"model." + n: b for n, b in model.named_buffers()})
         self._keys = ["model." + n for n in self.names]
+        updates = {"gradient": self._mean_gradient, "local_sgd": self._local_sgd}
+        if algorithm.update not in updates:
+            raise UserError(f"the vmap per-unit strategy has no update {algorithm.update!r}; "
+                            f"it has {', '.join(updates)}")
+        self._update = updates[algorithm.update]
 
     def _masked_loss(self, params, batch, mask):
         pb = dict(self._const)
@@ -122,9 +166,61 @@ class PerUnit:
         step (a list with one flat bound, or one bound per trainable tensor)."""
         self._reproject = reproject
         params = tuple(p.detach() for p in self.params) if chunk_params is None else chunk_params
-        fn = self._local_sgd if self.algorithm.update_kind == "local_sgd" else self._mean_gradient
-        updates, losses = vmap(fn, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
+        updates, losses = vmap(self._update, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
         return list(updates), losses
+
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
+                    acc_dtype: torch.dtype, reproject=None):
+        """Materialize the chunk's updates, clip them by the strategy's factors, and sum.
+
+        Returns:
+            (sums, norms, losses, bad): ``sums`` one ``acc_dtype`` tensor per trainable tensor,
+            ``sum_i weights_i * factor_i * update_i``; ``norms`` the units' flat norms (0 where
+            not finite); ``losses`` the units' losses; ``bad`` True where the update was Inf/NaN.
+        """
+        updates, losses = self(batch, mask, reproject=reproject)
+        f, norms = clipping.factors_from_norms(per_tensor_norms(updates), clip_state)
+        updates, f, bad = zero_nonfinite(updates, f, norms)
+        norms = torch.where(bad, 0.0, norms)
+        f = f.to(acc_dtype) * weights.unsqueeze(1)
+        sums = [torch.tensordot(f[:, j], u.to(acc_dtype), dims=1) for j, u in enumerate(updates)]
+        return sums, norms, losses, bad
+
+
+def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
+                   norms: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Units whose update holds Inf/NaN (their norm is then Inf/NaN, or it overflowed) contribute
+    zero: their clipped update would otherwise poison every coordinate of the sum, exactly when
+    they are sampled. ``norms`` are the clipping strategy's per-unit norms (no second pass).
+
+    Returns the updates (zeroed rows only when a unit is bad), the factors (0 for bad units) and a
+    boolean [m] flag of the zeroed units.
+    """
+    bad = ~torch.isfinite(norms)
+    if bool(bad.any()):
+        updates = [torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
+                   for u in updates]
+        factors = torch.where(bad.unsqueeze(1), torch.zeros((), dtype=factors.dtype, device=factors.device), factors)
+    return updates, factors, bad
+
+
+VmapPerUnit = PerUnit
+
+#: name -> strategy class; ``TrainConfig.per_unit`` picks one ("auto": the best available)
+PER_UNIT_STRATEGIES: dict[str, type] = {"vmap": VmapPerUnit}
+
+
+def make_per_unit(name: str, model: nn.Module, loss_fn: LossFn, algorithm) -> PerUnitStrategy:
+    """The per-unit strategy called ``name`` ("auto" picks vmap, the only one today).
+
+    Raises:
+        UserError: an unknown name (the message lists the registered ones).
+    """
+    if name == "auto":
+        name = "vmap"
+    if name not in PER_UNIT_STRATEGIES:
+        raise UserError(f"per_unit must be auto or one of {', '.join(PER_UNIT_STRATEGIES)} (got {name!r})")
+    return PER_UNIT_STRATEGIES[name](model, loss_fn, algorithm)
 
 
 def fedavg_epoch_batches(batch: dict, mask: torch.Tensor, epochs: int, rng) -> tuple[dict, torch.Tensor]:

@@ -173,9 +173,8 @@ def _noise_multiplier(algorithm: str, group_size: int, rate: float, config: Mean
             cache[key] = els_noise_multiplier(rate, group_size, config.steps, config.epsilon, delta,
                                               config.accountant)
         else:
-            cache[key] = float(accounting.calibrate_noise_multiplier(
-                lambda s: accounting.uls_step_event(s, rate), config.steps, config.epsilon, delta,
-                accountant=config.accountant))
+            cache[key] = float(accounting.Mechanism("uls", 1.0, config.steps, sampling_rate=rate)
+                               .calibrated(config.epsilon, delta, config.accountant).noise_multiplier)
     return cache[key]
 
 

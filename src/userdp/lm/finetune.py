@@ -351,22 +351,26 @@ def _num_units(cfg: C.RunConfig, data) -> int:
 
 
 def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[str]:
-    """Refuse up front a fixed sigma whose configured steps pass the target epsilon."""
-    from userdp import accounting as A
+    """Refuse up front a fixed sigma whose configured steps pass the target epsilon.
+
+    The figure comes from the run plan the engine will use (the same mechanism, sampler and
+    delta), so it cannot disagree with the ledger.
+
+    Raises:
+        UserError: the configured steps would spend more than ``privacy.epsilon``.
+    """
+    from userdp.engine.plan import make_plan
 
     p, t = cfg.privacy, cfg.training
     if t.algorithm == "nonprivate" or p.noise_multiplier is None:
         return None
-    rate = min(1.0, t.cohort_size / max(1, num_units))
-    delta = p.delta if p.delta is not None else A.default_delta(num_users)[0]
-    ev = (A.els_step_event(p.noise_multiplier, rate, t.group_size) if t.algorithm == "els"
-          else A.uls_step_event(p.noise_multiplier, rate))
-    eps = A.epsilon(A.compose(ev, t.steps), delta, p.accountant)
+    plan = make_plan(engine_config(cfg, num_units), num_users=num_users, num_units=num_units)
+    eps = plan.mechanism.epsilon(plan.delta, p.accountant)
     if eps > p.epsilon:
         raise UserError(
-            f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {rate:.4g}, the "
+            f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {plan.sampling_rate:.4g}, the "
             f"configured {t.steps} steps spend epsilon = {eps:.3g} > the target {p.epsilon} at "
-            f"delta = {delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
+            f"delta = {plan.delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
             "to calibrate sigma to the target")
     return None
 

@@ -1,0 +1,262 @@
+"""A frozen config makes a frozen run plan: the single source of truth for a run's mechanism.
+
+:class:`TrainConfig` is what the user chooses; :func:`make_plan` turns it, with the counts of the
+data (users, units, total weight), into a :class:`RunPlan` that holds everything that decides the
+guarantee: the algorithm (what a unit is and its update), the clipping strategy, the sampler, the
+public denominator, the noise (the accounted multiplier, the update's multiplier after adaptive
+clipping's split, the count query's std), delta, the accountant and the
+:class:`~userdp.accounting.Mechanism` whose DpEvent the ledger records. The training loop reads
+the plan; so do the LM job's budget check, the CLI and the report (jax_privacy's
+``execution_plan`` is the model: the config *makes* the plan; nothing downstream re-derives it).
+
+Calibration returns a new plan (:meth:`RunPlan.calibrated`); so does a change of noise
+multiplier (:meth:`RunPlan.with_noise_multiplier`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from dp_accounting import dp_event as dpe
+
+from userdp import accounting
+from userdp.accounting.split import update_noise_multiplier
+from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
+from userdp.engine.algorithms import ELS, ULS, FedAvg
+from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
+from userdp.engine.noise import NOISE_MECHANISMS
+from userdp.engine.optimizers import SGD, Adafactor, Adam
+from userdp.engine.per_unit import PER_UNIT_STRATEGIES
+from userdp.engine.sampling import get_sampler
+from userdp.errors import UserError
+from userdp.validation import check_choice, check_int
+
+#: (sampling, unit) -> the sampler mode the record names
+SAMPLER_MODE = {("poisson", "record"): "poisson_examples", ("poisson", "user"): "poisson_users",
+                ("fixed_size", "record"): "fixed_size_wor", ("fixed_size", "user"): "fixed_size_wor",
+                ("shuffle", "record"): "shuffle_fixed_batches", ("shuffle", "user"): "shuffle_fixed_batches"}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that defines a run (and its guarantee).
+
+    Give either ``noise_multiplier`` (sigma; with adaptive clipping this is the *effective*
+    multiplier the accountant sees, and the update's z_Delta is derived by the Theorem-1 split),
+    or ``target_epsilon`` (with ``steps``) to calibrate sigma. With both, sigma is used and the
+    run stops before epsilon would pass the target. ``noise_multiplier=0`` is a non-private run
+    (epsilon = inf; refused together with a target). ``delta`` None -> N^-1.1.
+    ``sampling``: "poisson" (default, as accounted), or on explicit request "fixed_size"
+    (without replacement, replace-one, RDP) or "shuffle" (fixed batches; no amplification).
+    ``per_unit``: the per-unit strategy ("auto" or a name in
+    :data:`~userdp.engine.per_unit.PER_UNIT_STRATEGIES`); ``noise``: the noise mechanism (a name
+    in :data:`~userdp.engine.noise.NOISE_MECHANISMS`); ``accountant``: a registered accountant.
+
+    Raises:
+        UserError: a value out of range or a combination that cannot be accounted.
+    """
+
+    algorithm: ELS | ULS | FedAvg
+    steps: int
+    clipping: FlatClip | PerLayerClip | AdaptiveClip = FlatClip(1.0)
+    optimizer: SGD | Adam | Adafactor = SGD(0.1)
+    noise_multiplier: Optional[float] = None
+    target_epsilon: Optional[float] = None
+    delta: Optional[float] = None
+    accountant: str = "pld"
+    sampling: str = "poisson"
+    denominator: FixedDenominator | ClippedDenominator = FixedDenominator()
+    chunk_size: int = 64
+    seed: Optional[int] = None
+    checkpoint_every: int = 0
+    track_epsilon: bool = True
+    per_unit: str = "auto"
+    noise: str = "iid_gaussian"
+
+    def __post_init__(self):
+        check_int(self.steps, "steps")
+        if self.noise_multiplier is None and self.target_epsilon is None:
+            raise UserError("give a noise_multiplier or a target_epsilon to calibrate one")
+        if self.noise_multiplier is not None and self.noise_multiplier < 0:
+            raise UserError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if self.noise_multiplier == 0 and self.target_epsilon is not None:
+            raise UserError("noise_multiplier=0 is non-private: it cannot meet a target epsilon")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise UserError(f"target_epsilon must be > 0, got {self.target_epsilon}")
+        if self.chunk_size < 1:
+            raise UserError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        get_sampler(self.sampling)
+        accounting.get_accountant(self.accountant)
+        check_choice(self.per_unit, "per_unit", ["auto", *PER_UNIT_STRATEGIES])
+        check_choice(self.noise, "noise", NOISE_MECHANISMS)
+        if self.sampling == "fixed_size" and self.accountant != "rdp":
+            raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
+        if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:
+            raise UserError("adaptive clipping uses the fixed denominator")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The frozen plan of one run (see the module docstring). Build it with :func:`make_plan`.
+
+    Attributes:
+        config: the :class:`TrainConfig` it was made from (its ``noise_multiplier`` may be None:
+            the plan's :attr:`noise_multiplier` is the one used).
+        unit: ``record`` (ELS) or ``user``.
+        num_users, num_units: N, and the units the sampler draws from (|D'| for ELS).
+        expected_units: units per step in expectation (Poisson) or the fixed cohort size.
+        expected_weight: the public denominator's expectation (FedAvg weights, else = units).
+        delta, delta_rule: delta and how it was chosen.
+        noise_multiplier: sigma as the accountant sees it (0: non-private).
+        update_noise_multiplier: z_Delta applied to the update sum (= sigma unless adaptive).
+        count_stddev: adaptive clipping's count-query noise (None when not adaptive).
+        mechanism: the accounted mechanism (None for a non-private run).
+        safe_steps: steps the calibration guarantees within the target (None: not calibrated).
+    """
+
+    config: TrainConfig
+    unit: str
+    num_users: int
+    num_units: int
+    expected_units: float
+    expected_weight: float
+    delta: float
+    delta_rule: str
+    noise_multiplier: float
+    update_noise_multiplier: float
+    count_stddev: Optional[float]
+    mechanism: Optional[accounting.Mechanism]
+    safe_steps: Optional[int]
+
+    # ---------------------------------------------------------------- what the plan says
+    @property
+    def algorithm(self):
+        """The algorithm dataclass (unit, update, loading)."""
+        return self.config.algorithm
+
+    @property
+    def clipping(self):
+        """The clipping strategy."""
+        return self.config.clipping
+
+    @property
+    def accountant(self) -> str:
+        """The registered accountant's name."""
+        return self.config.accountant
+
+    @property
+    def sampling_rate(self) -> float:
+        """p (ELS) or q (ULS/FedAvg)."""
+        return float(self.config.algorithm.sampling_rate)
+
+    @property
+    def sampler_mode(self) -> str:
+        """What the record calls the sampler (e.g. ``poisson_users``)."""
+        return SAMPLER_MODE[(self.config.sampling, self.unit)]
+
+    @property
+    def private(self) -> bool:
+        """False for ``noise_multiplier = 0`` (epsilon = inf)."""
+        return self.mechanism is not None
+
+    @property
+    def step_event(self) -> Optional[dpe.DpEvent]:
+        """One step's DpEvent (None for a non-private run): what the ledger records per step."""
+        return self.mechanism.step_event() if self.mechanism is not None else None
+
+    def mechanism_for(self, sampling: str) -> accounting.Mechanism:
+        """The mechanism the same run would have under another sampler (for the record's labelled
+        comparisons, e.g. the Poisson-assumed epsilon of a shuffled run)."""
+        return _mechanism(self.config, self.unit, sampling, self.noise_multiplier, self.num_units)
+
+    def sensitivity(self, clip_state: dict, num_tensors: int) -> float:
+        """The bound on one unit's contribution to the sum at ``clip_state``."""
+        return self.config.clipping.sensitivity(clip_state, num_tensors)
+
+    # ---------------------------------------------------------------- new plans
+    def with_noise_multiplier(self, noise_multiplier: float, *, safe_steps: Optional[int] = None) -> "RunPlan":
+        """The same plan at another (accounted) noise multiplier; adaptive clipping's split is
+        redone.
+
+        Raises:
+            UserError: adaptive clipping's count noise cannot support that multiplier.
+        """
+        z = float(noise_multiplier)
+        update_z, count_std = _noise_split(self.config, z, self.expected_units)
+        mech = _mechanism(self.config, self.unit, self.config.sampling, z, self.num_units) if z > 0 else None
+        return dataclasses.replace(self, noise_multiplier=z, update_noise_multiplier=update_z,
+                                   count_stddev=count_std, mechanism=mech, safe_steps=safe_steps)
+
+    def calibrated(self, target_epsilon: float) -> "RunPlan":
+        """The plan with the smallest noise multiplier whose ``config.steps`` steps meet
+        ``target_epsilon`` at the plan's delta (never below the truth).
+
+        Raises:
+            UserError: the target cannot be met (see :func:`~userdp.accounting.calibrate_noise_multiplier`).
+        """
+        base = self.mechanism_for(self.config.sampling) if self.mechanism is None else self.mechanism
+        mech = base.calibrated(target_epsilon, self.delta, self.accountant)
+        return self.with_noise_multiplier(mech.noise_multiplier, safe_steps=self.config.steps)
+
+
+def _cohort(config: TrainConfig, num_units: int) -> int:
+    return max(1, int(round(config.algorithm.sampling_rate * num_units)))
+
+
+def _mechanism(config: TrainConfig, unit: str, sampling: str, z: float, num_units: int) -> accounting.Mechanism:
+    """The one place a training config becomes a mechanism (and so a DpEvent)."""
+    algo = config.algorithm
+    return accounting.Mechanism.for_training(
+        unit=unit, sampling=sampling, noise_multiplier=z if z > 0 else 1.0, steps=config.steps,
+        sampling_rate=algo.sampling_rate, group_size=algo.group_size, num_units=num_units,
+        cohort_size=_cohort(config, num_units))
+
+
+def _noise_split(config: TrainConfig, z: float, expected_units: float) -> tuple[float, Optional[float]]:
+    """(z_Delta on the update sum, sigma_b on the count): the Theorem-1 split for adaptive
+    clipping (z is then the effective multiplier), else (z, None)."""
+    if not config.clipping.adaptive:
+        return z, None
+    if z == 0:
+        return z, 0.0
+    count_std = config.clipping.resolved_count_stddev(expected_units)
+    return update_noise_multiplier(z, count_std), count_std
+
+
+def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
+              total_weight: Optional[float] = None) -> RunPlan:
+    """Make the run plan of ``config`` on data with these counts.
+
+    Args:
+        config: the run's configuration.
+        num_users: N (delta's default rule N^-1.1).
+        num_units: the units the sampler draws from (users; |D'| for ELS).
+        total_weight: FedAvg's total user weight W (None: every unit weighs 1).
+
+    Returns:
+        The plan, calibrated when the config gives a target and no noise multiplier.
+
+    Raises:
+        UserError: counts out of range, or a target that cannot be met.
+    """
+    check_int(num_units, "num_units")
+    unit = config.algorithm.unit
+    if config.sampling == "poisson":
+        expected_units = config.algorithm.sampling_rate * num_units
+    else:
+        expected_units = float(_cohort(config, num_units))
+    tw = float(total_weight) if total_weight is not None else float(num_units)
+    expected_weight = expected_units * tw / num_units
+    if config.delta is not None:
+        delta, rule = config.delta, "given"
+    else:
+        delta, rule = accounting.default_delta(num_users)
+    plan = RunPlan(config=config, unit=unit, num_users=int(num_users), num_units=int(num_units),
+                   expected_units=expected_units, expected_weight=expected_weight, delta=delta, delta_rule=rule,
+                   noise_multiplier=0.0, update_noise_multiplier=0.0, count_stddev=None, mechanism=None,
+                   safe_steps=None)
+    if config.noise_multiplier is None:
+        return plan.calibrated(config.target_epsilon)
+    return plan.with_noise_multiplier(config.noise_multiplier)
