@@ -37,7 +37,7 @@ import os
 import secrets
 from typing import Optional
 
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+import dp_accounting
 
 from userdp import accounting
 from userdp.errors import BudgetExceededError, UserError
@@ -216,7 +216,10 @@ class PrivacyLedger:
         self._max_steps: Optional[int] = None
         self._grid_ratio = grid_ratio
         self._grid: dict[int, float] = {}
-        self._rdp1 = None
+        # events spent before this ledger's steps (a DP median, earlier trials, an earlier sigma):
+        # composed heterogeneously with the steps; steps [0, segment_start) are inside them
+        self.prior: list = []
+        self.segment_start = 0
         self.private = step_event is not None
         self.journal = (Journal(os.path.join(journal_dir, JOURNAL), self.event_json(), journal_context)
                         if journal_dir else None)
@@ -242,12 +245,55 @@ class PrivacyLedger:
         if not replayable:
             self.spent = self.lost_steps = self.journal.max_spent
 
-    def total_event(self):
+    def total_event(self, steps: Optional[int] = None):
         """The DpEvent of everything the ledger counted (None before the first step or for a
-        non-private run): recomputing epsilon from it gives :meth:`epsilon`."""
-        if not self.private or self.spent == 0:
+        non-private run): recomputing epsilon from it gives :meth:`epsilon`. Extra events
+        (:meth:`spend_event`, :meth:`rebase`) are composed with the steps by
+        ``dp_accounting.DpEventBuilder``; without them it is ``compose(step_event, steps)``."""
+        t = self.spent if steps is None else steps
+        if not self.private or (t == 0 and not self.prior):
             return None
-        return accounting.compose(self.step_event, self.spent)
+        if not self.prior:
+            return accounting.compose(self.step_event, t)
+        builder = dp_accounting.DpEventBuilder()
+        for ev in self.prior:
+            builder.compose(ev)
+        if t > self.segment_start:
+            builder.compose(self.step_event, t - self.segment_start)
+        return builder.build()
+
+    def spend_event(self, event) -> None:
+        """Count an extra DpEvent against this ledger's guarantee and budget (e.g. a DP median
+        released to plan the run, or earlier tuning trials); it composes with the steps.
+
+        Raises:
+            UserError: the ledger is non-private, or the event would pass the target.
+        """
+        if not self.private:
+            raise UserError("a non-private ledger cannot count DP events")
+        self.prior.append(event)
+        self._invalidate()
+        if self.target_epsilon is not None and self.epsilon() > self.target_epsilon:
+            self.prior.pop()
+            self._invalidate()
+            raise BudgetExceededError(f"spending {accounting.event_to_json(event)} would exceed the privacy "
+                                      f"budget epsilon={self.target_epsilon:g} at delta={self.delta:g}")
+
+    def rebase(self, step_event) -> None:
+        """From now on steps are ``step_event`` (e.g. a resumed run at another sigma): the steps
+        counted so far keep their old event, composed before the new ones."""
+        if not self.private or step_event is None:
+            raise UserError("rebase needs a private ledger and a step event")
+        if self.spent > self.segment_start:
+            self.prior.append(accounting.compose(self.step_event, self.spent - self.segment_start))
+        self.segment_start = self.spent
+        self.step_event = step_event
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._max_steps = None
+        self._safe = None
+        self._grid.clear()
 
     # ---------------------------------------------------------------- budget
     def max_steps(self) -> Optional[int]:
@@ -255,8 +301,33 @@ class PrivacyLedger:
         if self.target_epsilon is None or not self.private:
             return None
         if self._max_steps is None:
-            self._max_steps = accounting.max_steps(self.step_event, self.target_epsilon, self.delta, self.accountant)
+            if self.prior:
+                self._max_steps = self._max_steps_with_prior()
+            else:
+                self._max_steps = accounting.max_steps(self.step_event, self.target_epsilon, self.delta,
+                                                       self.accountant)
         return self._max_steps
+
+    def _max_steps_with_prior(self, limit: int = 10**7) -> int:
+        """Largest total step count whose composed event stays within the target (a pessimistic
+        1e-3 PLD grid: still an upper bound on epsilon, ten times cheaper)."""
+        def ok(t: int) -> bool:
+            return accounting.epsilon(self.total_event(t), self.delta, self.accountant,
+                                      value_discretization_interval=1e-3) <= self.target_epsilon
+
+        lo = self.segment_start
+        if not ok(lo + 1):
+            return lo
+        hi = lo + 1
+        while ok(hi) and hi < limit:
+            lo = hi
+            hi = min(limit, self.segment_start + 2 * (hi - self.segment_start))
+        if ok(hi):
+            return hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        return lo
 
     def allows(self, n: int = 1) -> bool:
         if self.target_epsilon is None or not self.private:
@@ -282,11 +353,11 @@ class PrivacyLedger:
     def epsilon(self, steps: Optional[int] = None) -> float:
         """Exact (pessimistic PLD/RDP) epsilon after ``steps`` (default: all spent)."""
         t = self.spent if steps is None else steps
-        if t == 0:
+        if t == 0 and not self.prior:
             return 0.0
         if not self.private:
             return math.inf
-        return accounting.epsilon(accounting.compose(self.step_event, t), self.delta, self.accountant)
+        return accounting.epsilon(self.total_event(t), self.delta, self.accountant)
 
     #: up to this many steps the curve is epsilon at the step itself (~15 ms a step at PLD 1e-3)
     EXACT_CURVE_STEPS = 1000
@@ -311,20 +382,18 @@ class PrivacyLedger:
         return self._grid[g]
 
     def _cheap_epsilon(self, t: int) -> float:
-        if self.accountant == "rdp":
-            # RDP composes additively: one step's RDP vector, computed once, scaled by t
-            if self._rdp1 is None:
-                self._rdp1 = (accounting.rdp_orders(), accounting.step_rdp(self.step_event))
-            orders, rdp = self._rdp1
-            return float(rdp_lib.compute_epsilon(orders, t * rdp, self.delta)[0])
-        return accounting.epsilon(accounting.compose(self.step_event, t), self.delta, "pld",
-                                  value_discretization_interval=1e-3)
+        if self.prior:
+            return accounting.epsilon(self.total_event(t), self.delta, self.accountant,
+                                      value_discretization_interval=1e-3)
+        return accounting.get_accountant(self.accountant).epsilon_of_steps(self.step_event, t, self.delta)
 
     # ---------------------------------------------------------------- persistence
     def state_dict(self) -> dict:
         j = self.journal
         return {"spent": self.spent, "lost_steps": self.lost_steps, "step_event": self.event_json(),
                 "delta": self.delta, "target_epsilon": self.target_epsilon, "accountant": self.accountant,
+                "prior_events": [accounting.event_to_json(e) for e in self.prior],
+                "segment_start": self.segment_start,
                 "journal_run": j.run if j else None, "journal_lines": j.lines if j else None,
                 "journal_head": j.head if j else None}
 
@@ -337,6 +406,9 @@ class PrivacyLedger:
                             f"({state['step_event']} != {mine})")
         self.spent = int(state["spent"])
         self.lost_steps = int(state["lost_steps"])
+        self.prior = [accounting.event_from_dict(json.loads(e)) for e in state.get("prior_events") or []]
+        self.segment_start = int(state.get("segment_start") or 0)
+        self._invalidate()
         if self.journal is None:
             return
         self.journal.load()
