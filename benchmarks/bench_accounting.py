@@ -31,7 +31,7 @@ def make_event(sigma: float):
 
 
 def reference_event(sigma: float):
-    """SPEC §4.3 reference construction, straight from dp_accounting (accepts sigma = 0)."""
+    """Charles et al. 2024, Thm. 1 reference construction, straight from dp_accounting (accepts sigma = 0)."""
     sens = list(range(G + 1))
     probs = [float(x) for x in scipy.stats.binom.pmf(sens, G, Q)]
     return dp_event.SelfComposedDpEvent(dp_event.MixtureOfGaussiansDpEvent(sigma, sens, probs), T)

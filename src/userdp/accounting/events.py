@@ -59,7 +59,7 @@ def binomial_sensitivity(group_size: int, sampling_rate: float) -> tuple[list[fl
 
 
 def els_step_event(noise_multiplier: float, sampling_rate: float, group_size: int) -> dpe.DpEvent:
-    """One ELS step: Gaussian noise σ, sensitivity K ~ Binomial(G, p) (SPEC §4.3).
+    """One ELS step: Gaussian noise σ, sensitivity K ~ Binomial(G, p) (Charles et al. 2024, Thm. 1).
 
     G = 1 returns exactly ``PoissonSampledDpEvent(p, GaussianDpEvent(σ))``.
     """
@@ -110,7 +110,7 @@ def compose(step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:
 
 
 def default_delta(num_users: int) -> tuple[float, str]:
-    """δ = N^-1.1 with N the number of users (SPEC §4.7), and a sentence saying so."""
+    """δ = N^-1.1 with N the number of users (docs/accounting.md), and a sentence saying so."""
     n = _check_int("num_users", num_users, minimum=2)
     return float(n) ** -1.1, f"delta = N^-1.1 with N = {n} users"
 

@@ -1,11 +1,11 @@
-"""The generic group-privacy reduction (SPEC §2, §4.4): the baseline the tight accountant beats.
+"""The generic group-privacy reduction (docs/algorithms.md, §4.4): the baseline the tight accountant beats.
 
 An example-level (ε, δ)-DP mechanism run on data where each user has at most k records is
 user-level (kε, δ_k)-DP, with δ_k given by one of three standard forms:
 
 * ``"a"`` (default, tightest): δ·(e^{kε} − 1)/(e^{ε} − 1)
 * ``"b"`` (Vadhan, Lemma 2.2):  k·e^{(k−1)ε}·δ
-* ``"c"`` (the practical guide [S4]): k·e^{kε}·δ
+* ``"c"`` (the practical guide [Ponomareva et al. 2023]): k·e^{kε}·δ
 
 :func:`group_privacy_epsilon` turns an example-level accountant into a user-level guarantee by
 choosing the example-level (ε_ex, δ_ex) that minimizes kε_ex subject to δ_k ≤ the target δ,

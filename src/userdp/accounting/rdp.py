@@ -175,7 +175,7 @@ def _rdp(event: dpe.DpEvent, orders: Sequence[float] | None = None) -> tuple[np.
 
 def moments_accountant_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
                                delta: float) -> float:
-    """The legacy moments accountant of [S2] (SPEC §4.6): integer orders 2..33 and the
+    """The legacy moments accountant of [McMahan et al. 2018] (McMahan et al. 2018): integer orders 2..33 and the
     classical conversion ε = min_α T·RDP(α) + ln(1/δ)/(α−1). For reproduction only."""
     orders = np.arange(2, 34, dtype=float)
     acc = rdp_lib.RdpAccountant(orders=list(orders))

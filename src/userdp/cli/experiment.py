@@ -1,4 +1,4 @@
-"""``userdp experiment {mean-estimation, variance}``: the synthetic experiments of SPEC §7.1-7.2."""
+"""``userdp experiment {mean-estimation, variance}``: the synthetic experiments of Charles et al. 2024, §3-§4; docs/experiments.md."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Resolves the training data and (pretrained) model exactly as ``userdp train`` would (the
 embedded Shakespeare default without a CONFIG), then runs :func:`userdp.heuristics.plan_for_training`:
 G_ELS = median records per user, ULS (M, G) by Estimate-and-Double, sigma for each, and the noise
-std proxies of SPEC §7.1 with a recommendation.
+std proxies of Charles et al. 2024, §3, App. B with a recommendation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`userdp report RUN_DIR [--json]`: the privacy statement (SPEC §8.3) of a run."""
+"""`userdp report RUN_DIR [--json]`: the privacy statement (Ponomareva et al. 2023, §5.3.3) of a run."""
 
 from __future__ import annotations
 

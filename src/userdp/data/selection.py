@@ -1,4 +1,4 @@
-"""Contribution bounding: at most G records per user (SPEC §5.4), and the perplexity cache.
+"""Contribution bounding: at most G records per user (Chua et al. 2024, §4.1), and the perplexity cache.
 
 :func:`bound_contributions` keeps, for each user, at most ``group_size`` records chosen by
 

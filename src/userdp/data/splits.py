@@ -1,4 +1,4 @@
-"""Train/eval splits of a user-grouped store (SPEC §6), deterministic, never sharing a record.
+"""Train/eval splits of a user-grouped store (docs/data.md), deterministic, never sharing a record.
 
 - :func:`heldout_users`: a fraction of users (chosen from a seed) go to evaluation whole.
 - :func:`cc_news_split`: the per-user rule of the paper's CC-News set: users with exactly one

@@ -2,10 +2,10 @@
 
 Batch keys: ``input_ids`` (long [n, L]) and ``labels`` (long [n, L], -100 on padding; the
 causal LM shifts them). Sequences are right-padded with the tokenizer's pad id (EOS when it has
-none); no attention mask is returned (SHARP_EDGES: a causal LM needs none for right padding,
+none); no attention mask is returned (a causal LM needs none for right padding,
 and vmap cannot take one through HF's masking).
 
-:class:`RandomChunkUserData` overrides ``draw_records`` with random-chunk selection (SPEC §5.4):
+:class:`RandomChunkUserData` overrides ``draw_records`` with random-chunk selection (Chua et al. 2024, §4.1):
 the user's records concatenated into one token stream, and a window of ``seq_len`` tokens at a
 uniformly random offset, fresh on every draw.
 """
@@ -105,7 +105,7 @@ class RankedUserData(TokenizedUserData):
     """Fixed per-user preference order: record 0 of a user is its top-ranked sequence.
 
     ``draw_records`` returns each user's first ``min(G, n_u)`` ranked sequences (the same every
-    call: longest / shortest / lowest or highest perplexity, SPEC §5.4); ``gather`` indexes in
+    call: longest / shortest / lowest or highest perplexity, Chua et al. 2024, §4.1); ``gather`` indexes in
     ranked order too, so an ELS table that takes records ``0..G-1`` of a user honours the choice.
     ``key`` has one entry per sequence of the view; lower keys rank first; ties keep dataset order.
     """
@@ -159,7 +159,7 @@ SELECTIONS = ("random", "longest", "shortest", "highest_ppl", "lowest_ppl", "ran
 
 def LMUserData(tokenized: TokenizedStore, selection: str = "random", seq_len: int | None = None,
                scores: np.ndarray | None = None) -> TokenizedUserData:
-    """The engine's ``UserData`` for a tokenized store under a selection strategy (SPEC §5.4).
+    """The engine's ``UserData`` for a tokenized store under a selection strategy (Chua et al. 2024, §4.1).
 
     - ``random``: the engine's default draw (uniform without replacement, fresh every call);
     - ``longest`` / ``shortest``: by the sequence's token length (in ``truncate`` mode lengths are

@@ -1,4 +1,4 @@
-"""From the noised sum to the estimate handed to the optimizer (SPEC §3.8 estimators).
+"""From the noised sum to the estimate handed to the optimizer (McMahan et al. 2018, Alg. 1 estimators).
 
 * :class:`FixedDenominator` (default): ``(sum + N(0, (sigma*S)^2)) / D`` with the public
   constant D = expected units per step (q*W with user weights). Unbiased.

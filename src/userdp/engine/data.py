@@ -56,7 +56,7 @@ class UserData:
         return batch, torch.from_numpy(mask)
 
     def bounded_records(self, group_size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """ELS contribution bounding, done once: at most G records of every user (D', SPEC §3.3).
+        """ELS contribution bounding, done once: at most G records of every user (D', Charles et al. 2024, Alg. 1).
 
         Returns flat arrays (user index, record index), grouped by user. The default keeps a
         uniformly random subset of min(G, n_u) records; selection strategies (longest,

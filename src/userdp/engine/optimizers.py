@@ -1,4 +1,4 @@
-"""Optimizers that consume only the privatized gradient (post-processing, SPEC §3.10).
+"""Optimizers that consume only the privatized gradient (post-processing, Ponomareva et al. 2023, Table 5).
 
 Frozen dataclasses that build a ``torch.optim`` optimizer. The engine writes the privatized
 estimate into ``p.grad`` and calls ``step()``; nothing else about the data reaches them.

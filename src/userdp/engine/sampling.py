@@ -1,4 +1,4 @@
-"""Which units take part in a step (SPEC §4.9). Poisson by default, exactly.
+"""Which units take part in a step (docs/accounting.md). Poisson by default, exactly.
 
 * :class:`Poisson` — every unit independently with probability ``rate``; the cohort size is
   Binomial(num_units, rate) and varies from step to step. This is what the accountant assumes.

@@ -1,4 +1,4 @@
-"""Synthetic mean estimation (SPEC §7.2; [S0] §4, Fig 3), trained through ``userdp.engine.train``.
+"""Synthetic mean estimation (Charles et al. 2024, §4; [Charles et al. 2024] §4, Fig 3), trained through ``userdp.engine.train``.
 
 Generator: a population mean mu ~ N(0, pop_scale^2 I_d); user means mu_u ~ N(mu, between^2 I_d);
 records x_{u,j} ~ N(mu_u, sigma_w^2 I_d) where sigma_w^2 is the *within-user variance*. Users
@@ -8,7 +8,7 @@ Model: theta in R^d (an ``nn.Parameter``, initialised at 0); per-record loss 1/2
 reported loss ||theta_T - mu||^2. ELS (one G_ELS) and ULS (a sweep of G_ULS, M = B / G_ULS) are
 compared at the same compute budget B (expected gradients per step), steps T and user-level
 (eps, delta); for each algorithm and G the learning rate and clip norm are swept and the best mean
-loss over ``trials`` seeds is reported (SPEC §7.2 protocol).
+loss over ``trials`` seeds is reported (Charles et al. 2024, §4 protocol).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class SyntheticUsers:
 
     def user_data(self, group_size: int | None = None, rng: np.random.Generator | None = None):
         """A TensorUserData; with ``group_size`` each user keeps a random subset of at most G
-        records (ELS's contribution bounding, SPEC §3.3 step 1)."""
+        records (ELS's contribution bounding, Charles et al. 2024, Alg. 1 step 1)."""
         from userdp.engine.data import TensorUserData
 
         if group_size is None:
@@ -265,7 +265,7 @@ SWEEPABLE = ("within_user_variance", "compute_budget", "epsilon")
 
 def run_study(base: MeanEstimationConfig, sweeps: dict[str, Sequence] | None = None, *,
               noise_multiplier: float | None = None, log=None) -> list[dict]:
-    """The base setting, then each knob of ``sweeps`` varied one at a time (SPEC §7.2)."""
+    """The base setting, then each knob of ``sweeps`` varied one at a time (Charles et al. 2024, §4)."""
     cache: dict = {}
     rows = run_setting(base, sweep="base", noise_multiplier=noise_multiplier, cache=cache, log=log)
     for knob, values in (sweeps or {}).items():

@@ -1,4 +1,4 @@
-"""ELS versus ULS noise variance under a fixed compute budget (SPEC §7.1; [S0] Fig 2 and App B).
+"""ELS versus ULS noise variance under a fixed compute budget (Charles et al. 2024, §3, App. B; [Charles et al. 2024] Fig 2 and App B).
 
 Setting: N users with G_max records each, a budget of B gradients per step, T steps, (eps, delta).
 ELS samples records at p = B/(N G_ELS); ULS samples users at q = M/N with G_ULS = B/M. With C set
@@ -24,7 +24,7 @@ from userdp.heuristics import els_noise_multiplier, uls_sigma_of_m, variance_rat
 class VarianceConfig:
     num_users: int = 10_000
     max_group_size: int = 64  # G_max: records each user holds
-    els_group_size: int = 16  # G_ELS (its choice barely matters, SPEC §7.1)
+    els_group_size: int = 16  # G_ELS (its choice barely matters, Charles et al. 2024, §3, App. B)
     compute_budget: int = 1024  # B gradients per step
     steps: int = 1000
     delta: float = 1e-6

@@ -52,7 +52,7 @@ class TokenizerConfig:
     declared_public: bool = False         # the tokenizer at `path` saw only public text
     trained_on_private: bool = False      # set when the tokenizer saw the training records
     #  A tokenizer from `path` (or from a model directory not made by `userdp pretrain`) must be
-    #  declared public: its training text is outside the DP guarantee (SPEC §8.4).
+    #  declared public: its training text is outside the DP guarantee (Ponomareva et al. 2023, §5.5.1).
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class PlanningConfig:
-    """Options of ``plan: auto`` (SPEC §5, ``userdp.heuristics.plan_for_training``)."""
+    """Options of ``plan: auto`` (docs/plan.md, ``userdp.heuristics.plan_for_training``)."""
 
     compute_budget: Optional[int] = None  # B: gradients per step (required with plan: auto)
     sample_users: int = 128               # users sampled to estimate L(G) (a non-private touch)
@@ -143,7 +143,7 @@ class PlanningConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    plan: Optional[str] = _choice("auto", default=None)  # auto: choose algorithm/G/cohort (SPEC §5)
+    plan: Optional[str] = _choice("auto", default=None)  # auto: choose algorithm/G/cohort (docs/plan.md)
     planning: PlanningConfig = PlanningConfig()
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()

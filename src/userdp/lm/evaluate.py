@@ -1,4 +1,4 @@
-"""Held-out-user evaluation of a causal LM: loss and perplexity, and personalization (SPEC §6).
+"""Held-out-user evaluation of a causal LM: loss and perplexity, and personalization (docs/data.md).
 
 * :func:`evaluate_lm` — next-token loss over every target token of the held-out users'
   records. Two averages: over tokens (``loss``, ``perplexity = exp(loss)``) and over users
@@ -79,7 +79,7 @@ def evaluate_lm(model, data, users: Sequence[int] | None = None, batch_size: int
 
 def personalize(model, data, users: Sequence[int] | None = None, *, lr: float = 0.05,
                 epochs: int = 4, batch_size: int = 8, seed: int = 0, eval_batch: int = 64) -> dict:
-    """SPEC §6 personalization: per user, SGD on half the records, evaluate on the other half.
+    """docs/data.md personalization: per user, SGD on half the records, evaluate on the other half.
 
     The records of each user are split by a seeded permutation: the first ``floor(n/2)`` train,
     the rest evaluate. Users with fewer than two records are skipped (counted). Returns the

@@ -409,7 +409,7 @@ class _TokenCounter:
 
 
 def _perplexity_scores(cfg, prep, tok, model, log):
-    """Per-record perplexity of the training records under the starting model (SPEC §5.4):
+    """Per-record perplexity of the training records under the starting model (Chua et al. 2024, §4.1):
     a non-private touch of the private data, returned with its DataTouch for the report."""
     from userdp.data.selection import perplexity_scores
     from userdp.lm.pretrain import fingerprint as fp

@@ -6,7 +6,7 @@ directory through ``AutoModelForCausalLM.from_pretrained(path, local_files_only=
 Nothing is fetched from a hub.
 
 Two things make a Hugging Face causal LM usable with the engine's vmapped per-unit gradients
-(see ../shared/SHARP_EDGES.md):
+:
 
 * attention is forced to ``"eager"`` (SDPA has no vmap batching rule on CPU);
 * the loss never passes an ``attention_mask`` through the model (transformers' masking code
@@ -195,11 +195,11 @@ def num_trainable(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# The linter (SPEC §8.4): modules that mix records within a batch
+# The linter (Ponomareva et al. 2023, §5.5.1): modules that mix records within a batch
 
 
 def lint_model(model: nn.Module) -> None:
-    """Refuse components that mix records within a batch (BatchNorm in training mode, SPEC §8.4).
+    """Refuse components that mix records within a batch (BatchNorm in training mode, Ponomareva et al. 2023, §5.5.1).
 
     The check itself is the engine's (``userdp.engine.per_unit.lint_model``, which the engine
     also runs before training); the LM jobs call it up front so a bad model is refused before

@@ -1,4 +1,4 @@
-"""The privacy statement of a run (SPEC §8.3), as JSON (``privacy.json``) and Markdown.
+"""The privacy statement of a run (Ponomareva et al. 2023, §5.3.3), as JSON (``privacy.json``) and Markdown.
 
 ``privacy_record(...)`` builds the dictionary the training job saves as ``privacy.json`` at
 the end of a run (and at each checkpoint); ``build_report(run_dir)`` reads it back with the
@@ -34,7 +34,7 @@ TIERS = [
 
 
 def epsilon_tier(eps: float | None) -> dict:
-    """SPEC §8.2 tier of an epsilon (user-level unit, add/remove adjacency assumed)."""
+    """Ponomareva et al. 2023, §5.2.1 tier of an epsilon (user-level unit, add/remove adjacency assumed)."""
     if eps is None or not math.isfinite(eps):
         return {"tier": None, "meaning": "no differential-privacy guarantee (non-private training)",
                 "context": "e^10 = 22,026"}

@@ -9,7 +9,7 @@
   tokenizer/           the tokenizer used (trained on declared-public text)
   model/               the final model: AutoModelForCausalLM.from_pretrained(<run>/model)
   adapter/             the LoRA adapter (only with model.lora.save_adapter)
-  privacy.json         the privacy statement's data (SPEC §8.3)
+  privacy.json         the privacy statement's data (Ponomareva et al. 2023, §5.3.3)
   report.md, report.json   the privacy statement (written by `userdp train`, and again by `userdp report`)
   curves.png           loss and epsilon against step
   state.json           job state: split, counts, status (running/interrupted/done)
