@@ -33,14 +33,6 @@ from userdp.errors import UserError
 from userdp.validation import check_int, check_rate
 
 
-def _check_rate(rate: float, what: str) -> None:
-    check_rate(rate, what)
-
-
-def _check_g(g: int) -> None:
-    check_int(g, "group size G")
-
-
 @dataclass(frozen=True)
 class UnitTable:
     """The units of a run. ELS: (user, record) pairs of D'; ULS/FedAvg: users (records = None)."""
@@ -54,7 +46,20 @@ class UnitTable:
 
 
 @dataclass(frozen=True)
-class ELS:
+class _Sampled:
+    """What every algorithm has: a group size G and a Poisson sampling rate of its units."""
+
+    group_size: int
+    sampling_rate: float
+    rate_name = "sampling rate"
+
+    def __post_init__(self):
+        check_int(self.group_size, "group size G")
+        check_rate(self.sampling_rate, self.rate_name)
+
+
+@dataclass(frozen=True)
+class ELS(_Sampled):
     """DP-SGD with example-level sampling and a user-level guarantee (Charles et al. 2024, ELS).
 
     Args:
@@ -65,15 +70,10 @@ class ELS:
         UserError: G not an integer >= 1, or p outside (0, 1].
     """
 
-    group_size: int
-    sampling_rate: float
     name = "els"
     unit = "record"
     update = "gradient"
-
-    def __post_init__(self):
-        _check_g(self.group_size)
-        _check_rate(self.sampling_rate, "ELS record sampling rate p")
+    rate_name = "ELS record sampling rate p"
 
     @property
     def records_per_unit(self) -> int:
@@ -98,7 +98,7 @@ class ELS:
 
 
 @dataclass(frozen=True)
-class ULS:
+class ULS(_Sampled):
     """DP-SGD with user-level sampling and per-user clipping (Charles et al. 2024, ULS).
 
     Args:
@@ -109,15 +109,10 @@ class ULS:
         UserError: G not an integer >= 1, or q outside (0, 1].
     """
 
-    group_size: int
-    sampling_rate: float
     name = "uls"
     unit = "user"
     update = "gradient"
-
-    def __post_init__(self):
-        _check_g(self.group_size)
-        _check_rate(self.sampling_rate, "ULS user sampling rate q")
+    rate_name = "ULS user sampling rate q"
 
     @property
     def records_per_unit(self) -> int:

@@ -365,23 +365,6 @@ class _Run:
         return out
 
 
-def _zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
-                    norms: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Units whose update holds Inf/NaN (their norm is then Inf/NaN, or it overflowed) contribute
-    zero: their clipped update would otherwise poison every coordinate of the sum, exactly when
-    they are sampled. ``norms`` are the clipping strategy's per-unit norms (no second pass).
-
-    Returns the updates (zeroed rows only when a unit is bad), the factors (0 for bad units) and a
-    boolean [m] flag of the zeroed units.
-    """
-    bad = ~torch.isfinite(norms)
-    if bool(bad.any()):
-        updates = [torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
-                   for u in updates]
-        factors = torch.where(bad.unsqueeze(1), torch.zeros((), dtype=factors.dtype, device=factors.device), factors)
-    return updates, factors, bad
-
-
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during :func:`train`: the step in flight was finished and a checkpoint saved.
 
