@@ -247,13 +247,9 @@ def uls_sigma_of_m(
     num_users: int, steps: int, epsilon: float, delta: float, accountant: str = "pld"
 ) -> Callable[[int], float]:
     """sigma(M): the ULS noise multiplier for q = M/N at fixed (epsilon, delta, T), cached."""
-    from userdp import accounting
-
     @functools.lru_cache(maxsize=None)
     def sigma(m: int) -> float:
-        q = min(1.0, m / num_users)
-        return float(accounting.Mechanism("uls", 1.0, steps, sampling_rate=q)
-                     .calibrated(epsilon, delta, accountant).noise_multiplier)
+        return uls_noise_multiplier(min(1.0, m / num_users), steps, epsilon, delta, accountant)
 
     return sigma
 
@@ -262,9 +258,19 @@ def els_noise_multiplier(
     sampling_rate: float, group_size: int, steps: int, epsilon: float, delta: float,
     accountant: str = "pld",
 ) -> float:
+    """The calibrated ELS noise multiplier at record rate p and group size G."""
     from userdp import accounting
 
     return float(accounting.Mechanism("els", 1.0, steps, sampling_rate=sampling_rate, group_size=group_size)
+                 .calibrated(epsilon, delta, accountant).noise_multiplier)
+
+
+def uls_noise_multiplier(sampling_rate: float, steps: int, epsilon: float, delta: float,
+                         accountant: str = "pld") -> float:
+    """The calibrated ULS (and DP-FedAvg) noise multiplier at user rate q."""
+    from userdp import accounting
+
+    return float(accounting.Mechanism("uls", 1.0, steps, sampling_rate=sampling_rate)
                  .calibrated(epsilon, delta, accountant).noise_multiplier)
 
 
@@ -432,8 +438,7 @@ def make_plan(
     if float(m).is_integer():
         s_uls = float(sigma_of_m(int(m)))
     else:  # a fractional expected cohort: calibrate at q = M/N exactly
-        s_uls = float(accounting.Mechanism("uls", 1.0, steps, sampling_rate=q)
-                      .calibrated(epsilon, delta, accountant).noise_multiplier)
+        s_uls = uls_noise_multiplier(q, steps, epsilon, delta, accountant)
     lg = float(l_of_g(g_uls))
     uls = {"group_size": g_uls, "cohort_size": m, "sampling_rate": q, "noise_multiplier": s_uls,
            "gradient_norm": lg, "noise_std_proxy": uls_noise_std(s_uls, m, lg),

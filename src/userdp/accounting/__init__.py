@@ -23,7 +23,7 @@ from userdp.accounting.accountants import (ACCOUNTANTS, Accountant, PLDAccountan
                                            register_accountant)
 from userdp.accounting.calibration import MAX_CALIBRATION_EPSILON, SIGMA_MAX, calibrate_noise_multiplier
 from userdp.accounting.events import (MAX_ELS_GROUP, NeighborRel, adjacency, binomial_sensitivity,
-                                      compose, default_delta, els_step_event, event_from_dict, event_to_dict,
+                                      compose, compose_after, default_delta, els_step_event, event_from_dict, event_to_dict,
                                       event_to_json, fixed_cohort_step_event, no_amplification_step_event,
                                       uls_step_event)
 from userdp.accounting.mechanism import Mechanism
@@ -36,7 +36,7 @@ from userdp.accounting.rdp import RDP_ORDERS, mog_rdp, moments_accountant_epsilo
 __all__ = [
     "ACCOUNTANTS", "Accountant", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",
     "Mechanism", "els_step_event", "uls_step_event", "fixed_cohort_step_event", "no_amplification_step_event",
-    "binomial_sensitivity", "compose", "epsilon", "delta", "calibrate_noise_multiplier", "max_steps",
+    "binomial_sensitivity", "compose", "compose_after", "epsilon", "delta", "calibrate_noise_multiplier", "max_steps",
     "default_delta", "adjacency", "event_to_dict", "event_to_json", "event_from_dict", "epsilon_and_accountant",
     "moments_accountant_epsilon", "rdp_orders", "step_rdp", "mog_rdp", "clear_caches", "NeighborRel",
     "PLD_INTERVAL", "PLD_SIGMA_RANGE", "PLD_MAX_STEPS", "RDP_ORDERS", "SIGMA_MAX", "MAX_ELS_GROUP",

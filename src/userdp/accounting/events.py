@@ -16,7 +16,7 @@ Which of these a run takes is decided in one place, :class:`userdp.accounting.Me
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Sequence
 
 import dp_accounting
 import numpy as np
@@ -107,6 +107,19 @@ def compose(step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:
     """T-fold self-composition of one step's event."""
     t = _check_int("steps", steps)
     return dpe.SelfComposedDpEvent(step_event, t)
+
+
+def compose_after(prior: Sequence[dpe.DpEvent], step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:
+    """The ``prior`` events followed by ``steps`` steps, composed by ``dp_accounting.DpEventBuilder``
+    (exactly ``compose(step_event, steps)`` without prior events; the prior alone for 0 steps)."""
+    if not prior:
+        return compose(step_event, steps)
+    builder = dp_accounting.DpEventBuilder()
+    for event in prior:
+        builder.compose(event)
+    if steps:
+        builder.compose(step_event, _check_int("steps", steps))
+    return builder.build()
 
 
 def default_delta(num_users: int) -> tuple[float, str]:

@@ -52,7 +52,22 @@ def _factor(norms: torch.Tensor, bound) -> torch.Tensor:
     return torch.clamp(bound / torch.clamp(norms, min=_TINY), max=1.0)
 
 
-class _FixedNorm:
+def _flat(tn: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat clipping at C from per-tensor norms: (factors [m], flat norms [m])."""
+    flat = torch.sqrt((tn**2).sum(dim=1))
+    return _factor(flat, clip_norm), flat
+
+
+class _Clipping:
+    """What every strategy shares: factors of materialized updates go through their norms."""
+
+    def factors(self, updates: Sequence[torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-unit, per-tensor scale factors [m, L] and the unclipped flat norms [m] of
+        materialized updates (one [m, ...] tensor per trainable tensor)."""
+        return self.factors_from_norms(per_tensor_norms(updates), state)
+
+
+class _FixedNorm(_Clipping):
     """What a fixed (non-adaptive) clip norm shares: no state change, no quantile."""
 
     adaptive = False
@@ -64,11 +79,6 @@ class _FixedNorm:
     def update(self, state: dict, noisy_fraction_unclipped: float) -> dict:
         """A fixed norm does not move."""
         return state
-
-    def factors(self, updates: Sequence[torch.Tensor], state: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-unit, per-tensor scale factors [m, L] and the unclipped flat norms [m] of
-        materialized updates (one [m, ...] tensor per trainable tensor)."""
-        return self.factors_from_norms(per_tensor_norms(updates), state)
 
 
 @dataclass(frozen=True)
@@ -100,9 +110,8 @@ class FlatClip(_FixedNorm):
 
     def factors_from_norms(self, tn: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Scale factors [m, L] (the same for every tensor of a unit) and the flat norms [m]."""
-        flat = torch.sqrt((tn**2).sum(dim=1))
         c = float(state["clip_norm"])
-        f = _factor(flat, c)
+        f, flat = _flat(tn, c)
         if self.normalized:
             f = f / c
         return f.unsqueeze(1).expand(-1, tn.shape[1]), flat
@@ -161,7 +170,7 @@ class PerLayerClip(_FixedNorm):
 
 
 @dataclass(frozen=True)
-class AdaptiveClip:
+class AdaptiveClip(_Clipping):
     """Adaptive quantile clipping, geometric update (Andrew et al. 2021, and their defaults).
 
     ``count_stddev`` is sigma_b; None means m/20 with m the expected units per step.
@@ -205,13 +214,8 @@ class AdaptiveClip:
 
     def factors_from_norms(self, tn: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat scale factors at the current C [m, L] and the flat norms [m]."""
-        flat = torch.sqrt((tn**2).sum(dim=1))
-        f = _factor(flat, float(state["clip_norm"]))
+        f, flat = _flat(tn, float(state["clip_norm"]))
         return f.unsqueeze(1).expand(-1, tn.shape[1]), flat
-
-    def factors(self, updates, state):
-        """As :meth:`factors_from_norms`, from materialized updates."""
-        return self.factors_from_norms(per_tensor_norms(updates), state)
 
     def update(self, state: dict, noisy_fraction_unclipped: float) -> dict:
         """One quantile step from the privatized fraction b~ of units with norm <= C."""

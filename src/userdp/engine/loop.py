@@ -215,7 +215,7 @@ class _Run:
         plan = self.plan
         std_sum = plan.update_noise_multiplier * self._sensitivity()
         den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
-        noise = self.noise.noise(sums, est_std if std_sum > 0 else 0.0)
+        noise = self.noise.noise(sums, est_std)  # est_std is proportional to std_sum: 0 when non-private
         cn = self.noise.scalar(plan.count_stddev) if plan.count_stddev else 0.0
         count_noise = torch.tensor([cn], dtype=sums[0].dtype, device=self.device)  # float32 or wider
         bc = self.combiner.broadcast_from_main(noise + [count_noise])
@@ -338,21 +338,22 @@ class _Run:
             rec["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
         elif cfg.sampling == "shuffle":
             rec["epsilon_no_amplification"] = eps
-            poisson = plan.mechanism_for("poisson").step_event()
-            rec["epsilon_assuming_poisson"] = (accounting.epsilon(accounting.compose(poisson, self.ledger.spent),
-                                                                  self.delta, cfg.accountant)
-                                               if self.ledger.spent else 0.0)
+            rec["epsilon_assuming_poisson"] = self._epsilon_under("poisson", cfg.accountant)
             rec["sampling_warning"] = ("training used shuffled fixed batches, which have no proven amplification: "
                                        "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
                                        "Gaussian mechanism with the user's whole sensitivity); "
                                        "epsilon_assuming_poisson is a comparison only, not a guarantee")
         elif cfg.sampling != "poisson":
-            no_amp = plan.mechanism_for("shuffle").step_event()
-            rec["epsilon_no_amplification"] = (accounting.epsilon(accounting.compose(no_amp, self.ledger.spent),
-                                                                  self.delta, "pld") if self.ledger.spent else 0.0)
+            rec["epsilon_no_amplification"] = self._epsilon_under("shuffle", "pld")
             rec["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
                                        "adjacency (RDP); epsilon_no_amplification holds without amplification")
         return rec
+
+    def _epsilon_under(self, sampling: str, accountant: str) -> float:
+        """epsilon of the steps spent had they been sampled by ``sampling`` (a labelled comparison)."""
+        if not self.ledger.spent:
+            return 0.0
+        return self.plan.mechanism_for(sampling).replace(steps=self.ledger.spent).epsilon(self.delta, accountant)
 
     def _public_counts(self) -> list[str]:
         """Counts computed from the private data and used without noise (listed in the report)."""

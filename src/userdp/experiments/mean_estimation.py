@@ -164,8 +164,7 @@ def _median_group_size(sizes: np.ndarray) -> int:
 
 def _noise_multiplier(algorithm: str, group_size: int, rate: float, config: MeanEstimationConfig,
                       delta: float, cache: dict) -> float:
-    from userdp.heuristics import els_noise_multiplier
-    from userdp import accounting
+    from userdp.heuristics import els_noise_multiplier, uls_noise_multiplier
 
     key = (algorithm, group_size, round(rate, 15), config.steps, config.epsilon, delta, config.accountant)
     if key not in cache:
@@ -173,8 +172,7 @@ def _noise_multiplier(algorithm: str, group_size: int, rate: float, config: Mean
             cache[key] = els_noise_multiplier(rate, group_size, config.steps, config.epsilon, delta,
                                               config.accountant)
         else:
-            cache[key] = float(accounting.Mechanism("uls", 1.0, config.steps, sampling_rate=rate)
-                               .calibrated(config.epsilon, delta, config.accountant).noise_multiplier)
+            cache[key] = uls_noise_multiplier(rate, config.steps, config.epsilon, delta, config.accountant)
     return cache[key]
 
 
