@@ -29,57 +29,30 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _checked(parse: Callable[[str], float | int], ok: Callable, what: str, name: str, doc: str):
+    """A type that parses the text and refuses a value outside ``what`` ("must be <what>, got <text>")."""
+
+    def convert(text: str):
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+
+    convert.__name__, convert.__doc__ = name, doc
+    return convert
 
 
-def nonneg_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def rate(text: str) -> float:
-    """A number in (0, 1]."""
-    value = _number(text)
-    if not (0 < value <= 1):
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def open_unit(text: str) -> float:
-    """A number in (0, 1) (a delta)."""
-    value = _number(text)
-    if not (0 < value < 1):
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+positive_float = _checked(_number, lambda v: v > 0, "> 0", "positive_float", "A finite number > 0.")
+nonneg_float = _checked(_number, lambda v: v >= 0, ">= 0", "nonneg_float", "A finite number >= 0.")
+rate = _checked(_number, lambda v: 0 < v <= 1, "in (0, 1]", "rate", "A number in (0, 1].")
+open_unit = _checked(_number, lambda v: 0 < v < 1, "in (0, 1)", "open_unit", "A number in (0, 1) (a delta).")
+positive_int = _checked(_integer, lambda v: v >= 1, "an integer >= 1", "positive_int", "An integer >= 1.")
 
 
 def int_range(lo: int, hi: int) -> Callable[[str], int]:
     """An integer in [lo, hi]."""
-
-    def parse(text: str) -> int:
-        value = _integer(text)
-        if not (lo <= value <= hi):
-            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {text}")
-        return value
-
-    parse.__name__ = f"integer in [{lo}, {hi}]"
-    return parse
+    return _checked(_integer, lambda v: lo <= v <= hi, f"an integer in [{lo}, {hi}]", f"integer in [{lo}, {hi}]",
+                    f"An integer in [{lo}, {hi}].")
 
 
 def list_of(item: Callable[[str], float | int]) -> Callable[[str], tuple]:
