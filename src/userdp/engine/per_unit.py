@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from userdp.engine.clipping import per_tensor_norms
+from userdp.engine.precision import Precision
 from userdp.errors import UserError
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -84,6 +85,9 @@ class PerUnit:
     The unit's update is the algorithm's ``update``: ``"gradient"`` (the masked mean gradient)
     or ``"local_sgd"`` (FedAvg: ``theta0 - theta_local`` after local SGD).
 
+    ``precision``: the :class:`~userdp.engine.precision.Precision` of the forward and backward
+    (autocast); norms and sums stay float32.
+
     Raises:
         UserError: a model that mixes records (see :func:`lint_model`), no trainable parameters,
             or an unknown update kind.
@@ -91,10 +95,11 @@ class PerUnit:
 
     name = "vmap"
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, algorithm):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, algorithm, precision: Precision | None = None):
         lint_model(model)
         self.model = model
         self.algorithm = algorithm
+        self.precision = precision or Precision()
         self._wrapper = _LossModule(model, loss_fn)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         if not self.names:
@@ -112,17 +117,20 @@ class PerUnit:
     def _masked_loss(self, params, batch, mask):
         pb = dict(self._const)
         pb.update(zip(self._keys, params))
-        losses = functional_call(self._wrapper, pb, (batch,))
+        with self.precision.autocast(self.params[0].device):
+            losses = functional_call(self._wrapper, pb, (batch,))
         if losses.shape != mask.shape:
             raise UserError(
                 f"loss_fn must return one loss per record (shape {tuple(mask.shape)}), got {tuple(losses.shape)}"
             )
+        losses = losses.float() if losses.dtype in (torch.float16, torch.bfloat16) else losses
         loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
-        return loss, loss.detach()
+        return loss * self.precision.loss_scale, loss.detach()
 
     def _mean_gradient(self, params, batch, mask):
         g, loss = grad(self._masked_loss, has_aux=True)(params, batch, mask)
-        return g, loss
+        s = self.precision.loss_scale
+        return (tuple(x / s for x in g) if s != 1.0 else g), loss
 
     def _local_sgd(self, params, batch, mask):
         """FedAvg: batch tensors [E, G, ...] (already permuted per epoch, real records first)."""
@@ -206,21 +214,66 @@ def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
 
 VmapPerUnit = PerUnit
 
-#: name -> strategy class; ``TrainConfig.per_unit`` picks one ("auto": the best available)
-PER_UNIT_STRATEGIES: dict[str, type] = {"vmap": VmapPerUnit}
+from userdp.engine.ghost import GhostPerUnit, GhostUnsupported  # noqa: E402  (ghost uses lint_model above)
+
+#: name -> strategy class; ``TrainConfig.per_unit`` picks one ("auto": see :func:`resolve_per_unit`)
+PER_UNIT_STRATEGIES: dict[str, type] = {"vmap": VmapPerUnit, "ghost": GhostPerUnit}
 
 
-def make_per_unit(name: str, model: nn.Module, loss_fn: LossFn, algorithm) -> PerUnitStrategy:
-    """The per-unit strategy called ``name`` ("auto" picks vmap, the only one today).
+def resolve_per_unit(name: str, algorithm) -> str:
+    """The strategy ``name`` stands for: ``auto`` is ``ghost`` when the unit's update is a gradient
+    (ELS, ULS: no per-unit gradient copies) and ``vmap`` otherwise (FedAvg's local SGD); a model
+    the ghost strategy cannot serve falls back to vmap at its first chunk (:class:`AutoPerUnit`)."""
+    if name == "auto":
+        return "ghost" if algorithm.update == "gradient" else "vmap"
+    return name
+
+
+class AutoPerUnit:
+    """``per_unit: auto`` for gradient updates: the ghost strategy, or vmap for a model it cannot
+    serve (a parameter used outside the layers that own it, a layer that is not batch-first, ...).
+
+    The ghost strategy refuses such a model before any sum is used (the coverage check runs on
+    its first chunk), so the switch never mixes a wrong norm into a step. ``name`` is the strategy
+    in use and ``fallback_reason`` why vmap was chosen (None while ghost serves).
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, algorithm, precision: Precision | None = None):
+        self._args = (model, loss_fn, algorithm, precision)
+        self._inner = GhostPerUnit(model, loss_fn, algorithm, precision)
+        self.names, self.params = self._inner.names, self._inner.params
+        self.fallback_reason: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self._inner.name
+
+    def clipped_sum(self, *args, **kwargs):
+        """The inner strategy's clipped sum (see :class:`PerUnitStrategy`)."""
+        try:
+            return self._inner.clipped_sum(*args, **kwargs)
+        except GhostUnsupported as exc:
+            if self._inner.name != "ghost":
+                raise
+            self.fallback_reason = str(exc)
+            self._inner = VmapPerUnit(*self._args)
+            return self._inner.clipped_sum(*args, **kwargs)
+
+
+def make_per_unit(name: str, model: nn.Module, loss_fn: LossFn, algorithm,
+                  precision: Precision | None = None) -> PerUnitStrategy:
+    """The per-unit strategy called ``name`` (``auto``: :func:`resolve_per_unit`).
 
     Raises:
-        UserError: an unknown name (the message lists the registered ones).
+        UserError: an unknown name (the message lists the registered ones), or a strategy that
+            cannot serve the algorithm (ghost with FedAvg).
     """
-    if name == "auto":
-        name = "vmap"
+    if name == "auto" and algorithm.update == "gradient":
+        return AutoPerUnit(model, loss_fn, algorithm, precision)
+    name = resolve_per_unit(name, algorithm)
     if name not in PER_UNIT_STRATEGIES:
         raise UserError(f"per_unit must be auto or one of {', '.join(PER_UNIT_STRATEGIES)} (got {name!r})")
-    return PER_UNIT_STRATEGIES[name](model, loss_fn, algorithm)
+    return PER_UNIT_STRATEGIES[name](model, loss_fn, algorithm, precision)
 
 
 def fedavg_epoch_batches(batch: dict, mask: torch.Tensor, epochs: int, rng) -> tuple[dict, torch.Tensor]:

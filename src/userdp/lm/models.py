@@ -214,18 +214,26 @@ def lint_model(model: nn.Module) -> None:
 # The loss (engine contract: loss_fn(model, batch) -> Tensor[n], vmappable)
 
 
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    """Position ids per record (``[n, L]``), not broadcast from ``[1, L]``: a position embedding
+    fed a broadcast input would sum its gradient over the batch, and the ghost per-unit strategy
+    could not tell the units' gradients apart."""
+    return torch.arange(input_ids.shape[-1], device=input_ids.device).expand(input_ids.shape)
+
+
 def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-record next-token cross-entropy, averaged over the record's target tokens.
 
     ``batch["input_ids"]`` is ``[n, L]`` (right-padded); ``batch["labels"]`` is ``[n, L]`` with
     ``-100`` where no loss is taken (padding, or a prompt). Labels are *not* shifted by the
     caller: position t predicts ``labels[t+1]`` as in Hugging Face. No attention mask is passed
-    to the model (see the module docstring). A record with no target token has loss 0.
+    to the model (see the module docstring); position ids are given per record. A record with no
+    target token has loss 0.
     Vmappable: no data-dependent Python control flow.
     """
     input_ids = batch["input_ids"]
     labels = batch.get("labels", input_ids)
-    logits = model(input_ids=input_ids).logits  # [n, L, V]
+    logits = model(input_ids=input_ids, position_ids=_positions(input_ids)).logits  # [n, L, V]
     logits = logits[..., :-1, :]
     targets = labels[..., 1:]
     valid = targets != IGNORE_INDEX

@@ -1,0 +1,425 @@
+"""The ghost per-unit strategy: per-unit norms and the clipped sum without per-unit gradient copies.
+
+For a layer ``y = W a`` applied to every token t of a unit, the unit's weight gradient is
+``Σ_t g_t a_tᵀ`` (``g_t`` the gradient of the loss at the layer's output). Its squared norm is
+``Σ_{t,s} (g_t·g_s)(a_t·a_s)`` — two T×T Gram matrices, never the d_out×d_in gradient
+("ghost norm", Goodfellow 2015; Li et al. 2022). For ULS a unit is a user, so T = G·L: the user's
+G records × L tokens are treated as one sequence. Per layer and per chunk the strategy picks the
+cheaper of the ghost norm (memory ∝ T²) and materializing the unit's layer gradient
+(∝ d_out·d_in), as mixed ghost clipping does (Bu et al. 2023).
+
+The clipped sum comes from the same factors (book-keeping, Bu et al. 2023): with each unit's
+clip factor ``c_u``, ``Σ_u c_u Σ_t g_t a_tᵀ`` is one matrix product of the scaled output
+gradients with the activations. So one forward and one backward (to the layers' outputs, not to
+the weights) give norms and the clipped sum; the weights' batch gradient is never formed. And
+the clipped sum is built from exactly the quantities whose norms were measured, so the
+sensitivity bound holds for what is summed, whatever the rounding.
+
+What is captured and how (the registry :data:`GHOST_LAYERS`, keyed by layer type, like Opacus's
+grad samplers): ``nn.Linear`` (and so peft's LoRA A/B, which are Linears), GPT-2's ``Conv1D``,
+``nn.Embedding`` (a one-hot factor: Gram entries are token-id equalities), ``nn.LayerNorm``
+(materialized: its gradients are d-vectors). A layer of any other type that owns trainable
+parameters falls back to per-unit gradients **for that layer only**, computed by ``torch.func``
+(vmap over units of the layer's vector-Jacobian product at its captured inputs). A parameter used
+by several layers (GPT-2's tied ``wte``/``lm_head``) gets the cross terms of its contributions.
+
+Precision: Gram matrices, norms, factors and sums are computed in float32 (float64 for a float64
+model) from the captured tensors, whatever the autocast dtype of the forward.
+
+Assumptions, checked: every layer sees a batch-first input whose leading dimension is the chunk's
+record count (the engine's ``loss_fn`` contract); on its first chunk the strategy compares the
+sum of its per-unit gradients with autograd's batch gradient and refuses (naming the parameter)
+a model that uses a parameter outside the forward of the layers that own it, where no hook can
+see it. FedAvg's unit update is a local-SGD delta, not a gradient: it keeps the vmap strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+
+from userdp.engine.precision import Precision
+from userdp.errors import UserError
+
+
+class GhostUnsupported(UserError):
+    """The model cannot be served by ghost norms (a layer that is not batch-first, an input broadcast
+    over the batch, a parameter used outside its layers): ``per_unit: auto`` then uses vmap."""
+
+
+@dataclass
+class Factored:
+    """One use of a parameter of layout ``[X, Y]``: unit u's gradient is ``Σ_t x[u,t] ⊗ y[u,t]``.
+
+    ``x`` is dense ``[m, T, X]`` or, when ``index`` is True, int64 token ids ``[m, T]`` standing for
+    one-hot rows of size ``size_x`` (an embedding); ``y`` is ``[m, T, Y]``.
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+    size_x: int
+    index: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return int(self.y.shape[1])
+
+    @property
+    def numel(self) -> int:
+        return int(self.size_x) * int(self.y.shape[2])
+
+    def materialize(self) -> torch.Tensor:
+        """Unit-wise gradients ``[m, X, Y]``."""
+        if self.index:
+            m, t, y = self.y.shape
+            out = torch.zeros(m * self.size_x, y, dtype=self.y.dtype, device=self.y.device)
+            rows = (self.x + self.size_x * torch.arange(m, device=self.x.device).unsqueeze(1)).reshape(-1)
+            out.index_add_(0, rows, self.y.reshape(-1, y))
+            return out.view(m, self.size_x, y)
+        return torch.bmm(self.x.transpose(1, 2), self.y)
+
+    def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
+        """``Σ_u c_u Σ_t x[u,t] ⊗ y[u,t]`` (``[X, Y]``): the clipped sum of this use."""
+        y = (self.y * c.view(-1, 1, 1)).reshape(-1, self.y.shape[2])
+        if self.index:
+            out = torch.zeros(self.size_x, y.shape[1], dtype=y.dtype, device=y.device)
+            return out.index_add_(0, self.x.reshape(-1), y)
+        return self.x.reshape(-1, self.x.shape[2]).T @ y
+
+    def zero_units(self, bad: torch.Tensor) -> "Factored":
+        keep = ~bad.view(-1, 1, 1)
+        x = self.x if self.index else torch.where(keep, self.x, 0.0)
+        return Factored(x, torch.where(keep, self.y, 0.0), self.size_x, self.index)
+
+
+def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
+    """``[m, Ta, Tb]``: the inner products of a's and b's x rows."""
+    if a.index and b.index:
+        return (a.x.unsqueeze(2) == b.x.unsqueeze(1)).to(a.y.dtype)
+    if a.index:  # one-hot row ids_t against dense rows: b.x[u, s, ids_t]
+        return torch.gather(b.x, 2, a.x.unsqueeze(1).expand(-1, b.x.shape[1], -1)).transpose(1, 2)
+    if b.index:
+        return _x_gram(b, a).transpose(1, 2)
+    return torch.bmm(a.x, b.x.transpose(1, 2))
+
+
+def _inner(a: Factored, b: Factored) -> torch.Tensor:
+    """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, Σ_s b.x_s ⊗ b.y_s>`` per unit, from two Gram matrices."""
+    return (_x_gram(a, b) * torch.bmm(a.y, b.y.transpose(1, 2))).sum(dim=(1, 2))
+
+
+def _inner_dense(a: Factored, mat: torch.Tensor) -> torch.Tensor:
+    """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, M_u>`` for materialized ``M [m, X, Y]``: ``Σ_t x_tᵀ M y_t``."""
+    my = torch.bmm(a.y, mat.transpose(1, 2))  # [m, T, X]
+    if a.index:
+        return torch.gather(my, 2, a.x.unsqueeze(2)).sum(dim=(1, 2))
+    return (a.x * my).sum(dim=(1, 2))
+
+
+def _by_units(t: torch.Tensor, m: int, n: int, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``[n, ..., d] -> [m, T, d]`` in ``dtype`` (a unit's records are consecutive rows)."""
+    if t.dim() < 2 or t.shape[0] != n:
+        raise GhostUnsupported(f"per_unit=ghost: {what} has shape {tuple(t.shape)}, expected the chunk's {n} records "
+                        "first; this model is not batch-first here: use training.per_unit: vmap")
+    return t.reshape(m, -1, t.shape[-1]).to(dtype)
+
+
+# --------------------------------------------------------------------------- layer registry
+# handler(module, inputs, output_grad, m, dtype) -> {parameter attribute: [Factored | Tensor[m, *shape]]}
+LayerHandler = Callable[[nn.Module, tuple, torch.Tensor, int, torch.dtype], dict]
+
+#: layer type -> handler (Opacus-style registry); other layers with parameters use :func:`_per_unit_vjp`
+GHOST_LAYERS: dict[type, LayerHandler] = {}
+
+
+def register_ghost_layer(*types: type):
+    """Decorator: register a handler for layers of ``types`` (see :data:`LayerHandler`)."""
+    def deco(fn: LayerHandler) -> LayerHandler:
+        for t in types:
+            GHOST_LAYERS[t] = fn
+        return fn
+    return deco
+
+
+@register_ghost_layer(nn.Linear)
+def _linear(mod: nn.Linear, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
+    n = gout.shape[0]
+    a = _by_units(inputs[0], m, n, dtype, f"the input of {type(mod).__name__}")
+    g = _by_units(gout, m, n, dtype, f"the output of {type(mod).__name__}")
+    out = {"weight": [Factored(g, a, mod.out_features)]}
+    if mod.bias is not None:
+        out["bias"] = [g.sum(1)]
+    return out
+
+
+def _conv1d(mod, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
+    """transformers' ``Conv1D`` (GPT-2): ``y = a W + b`` with ``W`` stored ``[in, out]``."""
+    n = gout.shape[0]
+    a = _by_units(inputs[0], m, n, dtype, "the input of Conv1D")
+    g = _by_units(gout, m, n, dtype, "the output of Conv1D")
+    return {"weight": [Factored(a, g, a.shape[2])], "bias": [g.sum(1)]}
+
+
+@register_ghost_layer(nn.Embedding)
+def _embedding(mod: nn.Embedding, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
+    if mod.max_norm is not None or mod.scale_grad_by_freq or mod.sparse:
+        raise GhostUnsupported("per_unit=ghost: nn.Embedding with max_norm, scale_grad_by_freq or sparse gradients "
+                        "is not supported: use training.per_unit: vmap")
+    ids = inputs[0]
+    n = gout.shape[0]
+    if ids.shape[0] != n:
+        raise GhostUnsupported(f"per_unit=ghost: embedding ids have shape {tuple(ids.shape)}, expected {n} records first")
+    ids = ids.reshape(m, -1)
+    g = _by_units(gout, m, n, dtype, "the output of nn.Embedding")
+    if mod.padding_idx is not None:  # PyTorch gives the padding row no gradient
+        g = g * (ids != mod.padding_idx).unsqueeze(2).to(dtype)
+    return {"weight": [Factored(ids.long(), g, mod.num_embeddings, index=True)]}
+
+
+@register_ghost_layer(nn.LayerNorm)
+def _layer_norm(mod: nn.LayerNorm, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
+    k = len(mod.normalized_shape)
+    dims = tuple(range(-k, 0))
+    x = inputs[0].to(dtype)
+    xhat = (x - x.mean(dims, keepdim=True)) * torch.rsqrt(x.var(dims, unbiased=False, keepdim=True) + mod.eps)
+    g = gout.to(dtype)
+    shape = (m, -1, *mod.normalized_shape)
+    out = {}
+    if mod.weight is not None:
+        out["weight"] = [(g * xhat).reshape(shape).sum(1)]
+    if mod.bias is not None:
+        out["bias"] = [g.reshape(shape).sum(1)]
+    return out
+
+
+def _register_transformers_layers() -> None:
+    """GPT-2's Conv1D, registered when transformers is importable (it is a dependency)."""
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    GHOST_LAYERS.setdefault(Conv1D, _conv1d)
+
+
+def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
+    """Fallback for a layer type with no handler: its own parameters' per-unit gradients by
+    ``torch.func`` (vmap over units of the layer's VJP at the captured inputs), materialized."""
+    names = [n for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
+    n = gout.shape[0]
+    params = {k: getattr(mod, k).detach() for k in names}
+    split = []
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
+            raise GhostUnsupported(f"per_unit=ghost: layer {type(mod).__name__} has no ghost handler and its input {i} is "
+                            f"not batch-first over the chunk's {n} records: use training.per_unit: vmap")
+        split.append(t.detach().reshape(m, n // m, *t.shape[1:]))
+    go = gout.reshape(m, n // m, *gout.shape[1:])
+
+    def one(p, ins, g):
+        out, pull = vjp(lambda q: functional_call(mod, q, tuple(ins)), p)
+        return pull(g.to(out.dtype))[0]
+
+    grads = vmap(one, in_dims=(None, 0, 0))(params, split, go)
+    return {k: [grads[k].to(dtype)] for k in names}
+
+
+# --------------------------------------------------------------------------- the strategy
+class _Capture:
+    __slots__ = ("module", "inputs", "output")
+
+    def __init__(self, module, inputs, output):
+        self.module, self.inputs, self.output = module, inputs, output
+
+
+class GhostPerUnit:
+    """Per-unit clipping from activations and output gradients (see the module docstring).
+
+    Args:
+        model: the model (its trainable parameters are the update); BatchNorm in training mode is
+            refused as for every strategy.
+        loss_fn: ``loss_fn(model, batch) -> Tensor[n]``, one loss per record, batch-first.
+        algorithm: an algorithm whose unit update is the ``"gradient"`` (ELS, ULS).
+        precision: the :class:`~userdp.engine.precision.Precision` of the forward and backward.
+
+    Raises:
+        UserError: an update that is not a gradient (FedAvg), no trainable parameters, or a model
+            the linter refuses.
+    """
+
+    name = "ghost"
+
+    def __init__(self, model: nn.Module, loss_fn, algorithm, precision: Precision | None = None):
+        from userdp.engine.per_unit import lint_model
+
+        lint_model(model)
+        if algorithm.update != "gradient":
+            raise GhostUnsupported(f"per_unit=ghost clips gradients; {type(algorithm).__name__}'s unit update is "
+                            f"{algorithm.update!r}: use training.per_unit: vmap (or auto)")
+        _register_transformers_layers()
+        self.model, self.loss_fn, self.algorithm = model, loss_fn, algorithm
+        self.precision = precision or Precision()
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        if not self.names:
+            raise UserError("the model has no trainable parameters (requires_grad=True)")
+        self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+        self._index = {id(p): j for j, p in enumerate(self.params)}
+        self._layers = [mod for mod in model.modules()
+                        if any(p.requires_grad for p in mod.parameters(recurse=False))]
+        self.fallback_layers = sorted({type(mod).__name__ for mod in self._layers if type(mod) not in GHOST_LAYERS})
+        self._verified = False
+        self.last_choice: dict[str, str] = {}  # parameter -> "ghost" | "materialized" (last chunk)
+
+    def _handler(self, mod) -> LayerHandler:
+        return GHOST_LAYERS.get(type(mod), _per_unit_vjp)
+
+    def _forward(self, flat: dict, mask: torch.Tensor):
+        """Forward with hooks: (per-unit losses [m] in the accumulation dtype, captures)."""
+        captures: list[_Capture] = []
+
+        def hook(mod, args, out):
+            if not isinstance(out, torch.Tensor):
+                raise GhostUnsupported(f"per_unit=ghost: layer {type(mod).__name__} returns {type(out).__name__}, "
+                                "not a tensor: use training.per_unit: vmap")
+            captures.append(_Capture(mod, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), out))
+
+        handles = [mod.register_forward_hook(hook) for mod in self._layers]
+        try:
+            with self.precision.autocast(self.params[0].device):
+                losses = self.loss_fn(self.model, flat)
+        finally:
+            for h in handles:
+                h.remove()
+        return losses, captures
+
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
+                    acc_dtype: torch.dtype, reproject=None):
+        """One chunk's clipped, weighted sum from one forward and one backward (module docstring).
+
+        Returns:
+            (sums, norms, losses, bad) as :meth:`userdp.engine.per_unit.PerUnit.clipped_sum`.
+
+        Raises:
+            UserError: a layer whose input is not batch-first, or (first chunk) a parameter used
+                outside the layers that own it.
+        """
+        m, g_cap = mask.shape
+        n = m * g_cap
+        flat = {k: v.reshape(n, *v.shape[2:]) for k, v in batch.items()}
+        losses, captures = self._forward(flat, mask)
+        if losses.shape != (n,):
+            raise UserError(f"loss_fn must return one loss per record (shape ({n},)), got {tuple(losses.shape)}")
+        lm = losses.to(acc_dtype).reshape(m, g_cap)
+        mk = mask.to(acc_dtype)
+        unit_loss = (lm * mk).sum(1) / mk.sum(1).clamp(min=1.0)
+        scale = self.precision.loss_scale
+        outs = [c.output for c in captures]
+        check = not self._verified
+        grads = torch.autograd.grad(unit_loss.sum() * scale, outs + (self.params if check else []),
+                                    allow_unused=True)
+        out_grads, batch_grads = grads[: len(outs)], grads[len(outs):]
+        contrib: list[list] = [[] for _ in self.params]
+        for cap, go in zip(captures, out_grads):
+            if go is None:
+                continue
+            if go.dim() == 0 or go.shape[0] != n:
+                raise GhostUnsupported(f"per_unit=ghost: the output of a {type(cap.module).__name__} layer has shape "
+                                f"{tuple(go.shape)}, not the chunk's {n} records first (an input broadcast over the "
+                                "batch, e.g. position ids of shape [1, L]: pass them per record), so its gradient "
+                                "mixes units: use training.per_unit: vmap")
+            go = go.to(acc_dtype) / scale if scale != 1.0 else go
+            for attr, parts in self._handler(cap.module)(cap.module, cap.inputs, go, m, acc_dtype).items():
+                p = getattr(cap.module, attr)
+                if p is not None and p.requires_grad:
+                    contrib[self._index[id(p)]].extend(parts)
+        dense, factored = self._arrange(contrib, m, acc_dtype)
+        tn = torch.stack([self._norm2(d, fs) for d, fs in zip(dense, factored)], dim=1).clamp(min=0).sqrt()
+        if check:
+            self._verify(contrib, dense, factored, batch_grads, scale)
+        f, norms = clipping.factors_from_norms(tn, clip_state)
+        bad = ~torch.isfinite(norms)
+        c = torch.where(bad.unsqueeze(1), 0.0, f.to(acc_dtype)) * weights.to(acc_dtype).unsqueeze(1)
+        sums = []
+        for j, (d, fs, p) in enumerate(zip(dense, factored, self.params)):
+            s = torch.zeros(p.shape, dtype=acc_dtype, device=p.device)
+            if bool(bad.any()):
+                d = torch.where(bad.view(-1, *([1] * (d.dim() - 1))), 0.0, d) if d is not None else None
+                fs = [x.zero_units(bad) for x in fs]
+            if d is not None:
+                s += torch.tensordot(c[:, j], d, dims=1).reshape(p.shape)
+            for x in fs:
+                s += x.weighted_sum(c[:, j]).reshape(p.shape)
+            sums.append(s)
+        return sums, torch.where(bad, 0.0, norms), unit_loss.detach(), bad
+
+    def _arrange(self, contrib, m, dtype):
+        """Per parameter: the materialized part ``[m, *shape]`` (or None) and the uses kept factored.
+
+        A factored use is kept as a ghost when its Gram matrix (T² per unit) is no larger than the
+        unit's layer gradient (X·Y), else it is materialized (mixed ghost clipping)."""
+        dense, factored = [], []
+        self.last_choice = {}
+        for name, p, parts in zip(self.names, self.params, contrib):
+            d, fs = None, []
+            for part in parts:
+                if isinstance(part, Factored) and part.tokens ** 2 <= part.numel:
+                    fs.append(part)
+                    continue
+                mat = part.materialize() if isinstance(part, Factored) else part
+                mat = mat.reshape(m, *p.shape)
+                d = mat if d is None else d + mat
+            if d is None and not fs:  # unused by this chunk: a zero gradient
+                d = torch.zeros(m, *p.shape, dtype=dtype, device=p.device)
+            dense.append(d)
+            factored.append(fs)
+            self.last_choice[name] = "ghost" if fs and d is None else ("mixed" if fs else "materialized")
+        return dense, factored
+
+    @staticmethod
+    def _norm2(d, fs) -> torch.Tensor:
+        total = 0.0
+        if d is not None:
+            total = d.reshape(d.shape[0], -1).pow(2).sum(1)
+        for i, a in enumerate(fs):
+            total = total + _inner(a, a)
+            for b in fs[i + 1:]:
+                total = total + 2.0 * _inner(a, b)
+            if d is not None:
+                total = total + 2.0 * _inner_dense(a, d.reshape(d.shape[0], a.size_x, -1))
+        return total
+
+    def _verify(self, contrib, dense, factored, batch_grads, scale) -> None:
+        """First chunk: every parameter the loss uses must be seen by a hook, and the units'
+        gradients must add up to autograd's batch gradient (checked on the first chunk whose values
+        are finite). A parameter used outside its layers' forward would otherwise be missing from
+        its norms and from the sum alike: the sensitivity bound still holds for what is summed
+        (both come from the same factors), but the update would silently lack that use."""
+        tol = self.precision.verify_tolerance
+        complete = True
+        for name, p, d, fs, bg, parts in zip(self.names, self.params, dense, factored, batch_grads, contrib):
+            if not parts and bg is not None:  # structural: no layer's hook saw a parameter the loss uses
+                raise GhostUnsupported(f"per_unit=ghost: parameter {name!r} is used by the loss but not through the "
+                                       "forward of a layer that owns it, so no per-unit norm can be formed from "
+                                       "activations: use training.per_unit: vmap")
+            m = d.shape[0] if d is not None else fs[0].y.shape[0]
+            ones = torch.ones(m, dtype=(d if d is not None else fs[0].y).dtype, device=p.device)
+            ours = torch.zeros(p.shape, dtype=ones.dtype, device=p.device)
+            if d is not None:
+                ours += d.sum(0).reshape(p.shape)
+            for x in fs:
+                ours += x.weighted_sum(ones).reshape(p.shape)
+            ref = torch.zeros_like(ours) if bg is None else bg.to(ours.dtype) / scale
+            if not (torch.isfinite(ours).all() and torch.isfinite(ref).all()):
+                complete = False  # a non-finite chunk says nothing about coverage: check the next one
+                continue
+            err = torch.linalg.vector_norm(ours - ref)
+            size = torch.linalg.vector_norm(ref) + torch.linalg.vector_norm(ours)
+            if float(err) > tol * float(size) + 1e-12 * math.sqrt(p.numel()):
+                raise GhostUnsupported(f"per_unit=ghost: the gradient of {name!r} is not fully seen by the layers that own "
+                                "it (the parameter is used outside their forward, e.g. a functional call in a "
+                                "parent module), so its per-unit norm would be wrong: use training.per_unit: vmap")
+        self._verified = complete

@@ -1,0 +1,312 @@
+"""The ghost per-unit strategy: its clipped sums equal the vmap strategy's, and its guards hold.
+
+Equality is checked in float64 (to ~1e-12) so that a missing cross term or a misattributed token
+shows, and once in float32 at float tolerance. Models: an MLP with LayerNorm, GPT-2 (Conv1D, tied
+wte/lm_head, position embeddings, LayerNorm), GPT-2 with LoRA (peft), a Llama-style model (RMSNorm:
+no handler, so the per-layer vjp fallback) — ULS with padded users, ELS, flat, per-layer, normalized
+and adaptive clipping.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from _engine_helpers import MLP, ce_loss, mlp_data
+from userdp.engine import TrainConfig, train
+from userdp.engine.algorithms import ELS, ULS, FedAvg
+from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
+from userdp.engine.ghost import GHOST_LAYERS, GhostPerUnit
+from userdp.engine.optimizers import SGD
+from userdp.engine.per_unit import VmapPerUnit, make_per_unit, resolve_per_unit
+from userdp.engine.precision import Precision
+from userdp.errors import UserError
+from userdp.lm import models
+from userdp.lm.models import causal_lm_loss
+
+F64 = torch.float64
+
+
+def _both(model, loss, algo, batch, mask, weights, clip, acc=F64, precision=None):
+    st = clip.initial_state()
+    a = VmapPerUnit(model, loss, algo, precision).clipped_sum(batch, mask, weights, clip, st, acc)
+    g = GhostPerUnit(model, loss, algo, precision)
+    b = g.clipped_sum(batch, mask, weights, clip, st, acc)
+    return a, b, g
+
+
+def _assert_same(a, b, tol):
+    sums_a, norms_a, losses_a, bad_a = a
+    sums_b, norms_b, losses_b, bad_b = b
+    scale = max(float(s.abs().max()) for s in sums_a)
+    for x, y in zip(sums_a, sums_b):
+        assert x.dtype == y.dtype
+        assert float((x - y).abs().max()) <= tol * max(scale, 1.0)
+    assert torch.allclose(norms_a.to(F64), norms_b.to(F64), rtol=tol, atol=tol)
+    assert torch.allclose(losses_a.to(F64), losses_b.to(F64), rtol=tol, atol=tol)
+    assert torch.equal(bad_a, bad_b)
+
+
+def _mlp_chunk(G=4, double=True):
+    data = mlp_data([3, 1, 5, 2, 7], seed=1)
+    batch, mask = data.draw_records(np.arange(5), G, np.random.default_rng(0))
+    if double:
+        batch = {k: (v.double() if v.is_floating_point() else v) for k, v in batch.items()}
+    return batch, mask.to(F64 if double else torch.float32)
+
+
+CLIPS = [FlatClip(0.3), PerLayerClip(0.3), FlatClip(0.3, normalized=True), AdaptiveClip(initial_norm=0.2),
+         FlatClip(1e9)]
+
+
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: type(c).__name__ + ("N" if c.normalized else ""))
+def test_ghost_equals_vmap_on_an_mlp_with_padded_users_and_a_padding_unit(clip):
+    torch.manual_seed(0)
+    model = MLP().double()
+    batch, mask = _mlp_chunk()
+    mask[4] = 0.0  # a padding unit (bucket rounding): weight 0, mask all zero
+    w = torch.tensor([1.0, 1.0, 2.0, 0.5, 0.0], dtype=F64)
+    a, b, _ = _both(model, ce_loss, ULS(4, 0.5), batch, mask, w, clip)
+    _assert_same(a, b, 1e-12)
+    assert float(b[1][4]) == 0.0  # the padding unit has no gradient at all
+
+
+def test_ghost_equals_vmap_for_els_records():
+    torch.manual_seed(0)
+    model = MLP().double()
+    data = mlp_data([3, 1, 5], seed=2)
+    batch = data.gather(np.array([0, 0, 1, 2, 2, 2]), np.array([0, 2, 0, 1, 3, 4]))
+    batch = {k: (v.double() if v.is_floating_point() else v).unsqueeze(1) for k, v in batch.items()}
+    mask = torch.ones(6, 1, dtype=F64)
+    a, b, _ = _both(model, ce_loss, ELS(2, 0.5), batch, mask, torch.ones(6, dtype=F64), FlatClip(0.2))
+    _assert_same(a, b, 1e-12)
+
+
+def _gpt2(lora=False, vocab=50, seed=0):
+    torch.manual_seed(seed)
+    m = models.build_preset("tiny", vocab_size=vocab, n_positions=32)
+    if lora:
+        m = models.apply_lora(m, models.LoraSpec(rank=4))
+    return m
+
+
+def _lm_chunk(m=3, G=2, L=12, vocab=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (m, G, L), generator=g)
+    labels = ids.clone()
+    labels[0, -1, 6:] = -100  # a short record (right padding)
+    mask = torch.ones(m, G, dtype=F64)
+    if G > 1:
+        mask[1, 1] = 0.0  # a user with fewer than G records
+    return {"input_ids": ids, "labels": labels}, mask
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("clip", [FlatClip(0.5), PerLayerClip(0.5)], ids=["flat", "per_layer"])
+def test_ghost_equals_vmap_on_gpt2_uls(lora, clip):
+    model = _gpt2(lora).double()
+    batch, mask = _lm_chunk()
+    a, b, g = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask, torch.ones(3, dtype=F64), clip)
+    _assert_same(a, b, 1e-10)
+    assert set(g.last_choice.values()) <= {"ghost", "materialized", "mixed"}
+    assert g.fallback_layers == []  # GPT-2 is covered by the registry (Conv1D, Embedding, LayerNorm, Linear)
+    if not lora:  # wte is used twice (embedding and the tied lm_head): cross terms are needed
+        assert model.transformer.wte.weight is model.lm_head.weight
+
+
+def test_ghost_equals_vmap_on_gpt2_els():
+    model = _gpt2().double()
+    batch, _ = _lm_chunk(m=5, G=1, seed=3)
+    mask = torch.ones(5, 1, dtype=F64)
+    a, b, _ = _both(model, causal_lm_loss, ELS(1, 0.5), batch, mask, torch.ones(5, dtype=F64), FlatClip(0.5))
+    _assert_same(a, b, 1e-10)
+
+
+def test_ghost_equals_vmap_on_a_llama_style_model_via_the_vjp_fallback():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg).double()
+    batch, mask = _lm_chunk(vocab=40, seed=4)
+    a, b, g = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask, torch.ones(3, dtype=F64), FlatClip(0.5))
+    _assert_same(a, b, 1e-10)
+    assert g.fallback_layers == ["LlamaRMSNorm"]  # grouped-query attention, RoPE: no handler needed
+
+
+def test_ghost_in_float32_matches_at_float_tolerance():
+    model = _gpt2()
+    batch, mask = _lm_chunk(seed=5)
+    a, b, _ = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask.float(), torch.ones(3), FlatClip(0.5),
+                    acc=torch.float32)
+    _assert_same(a, b, 2e-4)
+
+
+def test_both_ghost_norms_and_materialized_layer_gradients_are_used_and_agree():
+    """Long units (T = G*L tokens) make T² exceed a small layer's size: that layer is materialized,
+    the embedding stays a ghost — and the result is the same either way."""
+    model = _gpt2().double()
+    batch, mask = _lm_chunk(m=2, G=4, L=30, seed=6)  # T = G*L = 120 tokens per unit
+    a, b, g = _both(model, causal_lm_loss, ULS(4, 0.5), batch, mask, torch.ones(2, dtype=F64), FlatClip(0.5))
+    _assert_same(a, b, 1e-10)
+    choices = g.last_choice
+    assert choices["transformer.h.0.attn.c_proj.weight"] == "ghost"  # 120² <= 128·128
+    assert choices["transformer.wte.weight"] == "materialized"  # 120² > 50·128 (both uses)
+    assert choices["transformer.h.0.ln_1.weight"] == "materialized"  # a d-vector
+
+
+def test_a_unit_with_a_nonfinite_gradient_contributes_zero():
+    torch.manual_seed(0)
+    model = MLP().double()
+    batch, mask = _mlp_chunk()
+    batch["x"][2, 0, 0] = float("nan")
+    w = torch.ones(5, dtype=F64)
+    clip = FlatClip(0.3)
+    st = clip.initial_state()
+    sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, w, clip, st, F64)
+    assert bad.tolist() == [False, False, True, False, False] and float(norms[2]) == 0.0
+    w_ok = w.clone()
+    w_ok[2] = 0.0
+    mask_ok = mask.clone()
+    mask_ok[2] = 0.0
+    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask_ok, w_ok, clip, st, F64)
+    for s, r in zip(sums, ref):
+        assert torch.isfinite(s).all() and torch.allclose(s, r, atol=1e-12)
+
+
+def test_each_units_clipped_contribution_is_within_the_bound():
+    model = _gpt2()
+    batch, mask = _lm_chunk(m=4, seed=7)
+    mask = torch.ones(4, 2)
+    clip = FlatClip(0.05)
+    for u in range(4):
+        w = torch.zeros(4)
+        w[u] = 1.0
+        sums, norms, *_ = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
+            batch, mask, w, clip, clip.initial_state(), torch.float32)
+        total = torch.sqrt(sum((s.double() ** 2).sum() for s in sums))
+        assert float(norms[u]) > 0.05  # clipping is active
+        assert float(total) <= 0.05 * (1 + 1e-5)
+
+
+class _Outside(nn.Module):
+    """Uses its layer's weight in a functional call of the parent: no hook of the layer sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x) + F.linear(x, self.lin.weight)
+
+
+def test_a_parameter_used_outside_its_layer_is_refused():
+    model = _Outside().double()
+    batch, mask = _mlp_chunk()
+    with pytest.raises(UserError, match="lin.weight.*vmap"):
+        GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, torch.ones(5, dtype=F64), FlatClip(1.0),
+                                                              {"clip_norm": 1.0}, F64)
+
+
+class _Broadcast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Embedding(8, 6)
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x + self.pos(torch.zeros(1, dtype=torch.long)))
+
+
+def test_an_input_broadcast_over_the_batch_is_refused():
+    model = _Broadcast().double()
+    batch, mask = _mlp_chunk()
+    with pytest.raises(UserError, match="broadcast.*vmap"):
+        GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, torch.ones(5, dtype=F64), FlatClip(1.0),
+                                                              {"clip_norm": 1.0}, F64)
+
+
+def test_auto_picks_ghost_for_gradients_and_vmap_for_fedavg():
+    model = MLP()
+    assert resolve_per_unit("auto", ULS(4, 0.5)) == "ghost"
+    assert resolve_per_unit("auto", ELS(2, 0.5)) == "ghost"
+    assert resolve_per_unit("auto", FedAvg(4, 0.5)) == "vmap"
+    assert make_per_unit("auto", model, ce_loss, FedAvg(4, 0.5)).name == "vmap"
+    with pytest.raises(UserError, match="local_sgd.*vmap"):
+        make_per_unit("ghost", model, ce_loss, FedAvg(4, 0.5))
+    assert nn.Linear in GHOST_LAYERS and nn.Embedding in GHOST_LAYERS and nn.LayerNorm in GHOST_LAYERS
+
+
+def test_training_with_ghost_matches_training_with_vmap():
+    data = mlp_data([3, 1, 5, 2, 7, 4, 6, 2], seed=3)
+    out = {}
+    for name in ("vmap", "ghost"):
+        torch.manual_seed(0)
+        model = MLP().double()
+        cfg = TrainConfig(algorithm=ULS(4, 0.5), steps=6, clipping=FlatClip(0.5), optimizer=SGD(0.5),
+                          noise_multiplier=1.0, seed=11, chunk_size=3, per_unit=name)
+        res = train(model, _double(data), ce_loss, cfg)
+        out[name] = (torch.cat([p.detach().flatten() for p in model.parameters()]), res.epsilon)
+    assert torch.allclose(out["vmap"][0], out["ghost"][0], atol=1e-10)
+    assert out["vmap"][1] == out["ghost"][1]
+
+
+def _double(data):
+    from userdp.engine import TensorUserData
+
+    return TensorUserData({k: (v.double() if v.is_floating_point() else v) for k, v in data.tensors.items()},
+                          data.offsets)
+
+
+# ------------------------------------------------------------------------ precision
+
+
+def test_bf16_autocast_keeps_norms_sums_and_losses_in_float32_and_agrees_with_float32():
+    model = _gpt2()
+    batch, mask = _lm_chunk(seed=8)
+    mask = mask.float()
+    clip = FlatClip(0.5)
+    w = torch.ones(3)
+    ref = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, clip, clip.initial_state(),
+                                                                       torch.float32)
+    for strategy in (GhostPerUnit, VmapPerUnit):
+        sums, norms, losses, bad = strategy(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
+            batch, mask, w, clip, clip.initial_state(), torch.float32)
+        assert all(s.dtype == torch.float32 for s in sums)
+        assert norms.dtype == torch.float32 and losses.dtype == torch.float32
+        # bf16 has 8 bits of mantissa: ~1% relative agreement on norms, sums a few %
+        assert torch.allclose(norms, ref[1], rtol=3e-2)
+        num = torch.sqrt(sum(((s - r) ** 2).sum() for s, r in zip(sums, ref[0])))
+        den = torch.sqrt(sum((r ** 2).sum() for r in ref[0]))
+        assert float(num / den) < 5e-2
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights untouched
+
+
+def test_float16_autocast_is_refused_on_cpu():
+    with pytest.raises(UserError, match="training.precision.*GPU"):
+        Precision("float16").check_device(torch.device("cpu"))
+    with pytest.raises(UserError, match="training.precision"):
+        Precision("int8")
+    assert Precision("float16").loss_scale == 1024.0 and Precision("bfloat16").loss_scale == 1.0
+
+
+def test_auto_falls_back_to_vmap_for_a_parameter_no_layer_owns_in_its_forward():
+    """The mean-estimation model's theta is used directly by the loss: no hook can see it, so ghost
+    refuses it (even on a first chunk whose values are not finite) and auto uses vmap."""
+    from _engine_helpers import Mean, sq_loss, user_data
+
+    data = user_data([3, 2, 4], d=4)
+    batch, mask = data.draw_records(np.arange(3), 3, np.random.default_rng(0))
+    batch["x"][0, 0, 0] = float("inf")
+    with pytest.raises(UserError, match="theta.*vmap"):
+        GhostPerUnit(Mean(4), sq_loss, ULS(3, 0.5)).clipped_sum(batch, mask, torch.ones(3), FlatClip(1.0),
+                                                                {"clip_norm": 1.0}, torch.float32)
+    auto = make_per_unit("auto", Mean(4), sq_loss, ULS(3, 0.5))
+    assert auto.name == "ghost"
+    sums, norms, _, bad = auto.clipped_sum(batch, mask, torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0},
+                                           torch.float32)
+    assert auto.name == "vmap" and "theta" in auto.fallback_reason
+    assert bad.tolist() == [True, False, False] and float(norms[1]) > 0
