@@ -315,7 +315,7 @@ class GradientNormEstimator:
             batch, mask = self.data.draw_records(users, int(group_size), self.rng)
             updates, _ = self._per_unit(batch, mask)
             sq = sum(u.reshape(u.shape[0], -1).double().pow(2).sum(1) for u in updates)
-            out.append(sq.sqrt().detach().numpy())
+            out.append(sq.sqrt().detach().cpu().numpy())
         return np.concatenate(out)
 
     def __call__(self, group_size: int) -> float:

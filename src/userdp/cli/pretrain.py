@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
+from userdp.lm.presets import PRESETS
 
 
 def register(subparsers) -> None:
@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--text-field", default="text", help='field holding the text in a JSONL --public-text (default: text)')
     p.add_argument("--declare-public", action="store_true",
                    help="required with --public-text/--stackexchange: I declare this text public")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"], help='model size built from a config: tiny, small or base (default: tiny)')
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help=f"model shape built from a config: {', '.join(PRESETS)} (default: tiny)")
     p.add_argument("--base-model", metavar="DIR", help="continue pretraining a local model instead")
     p.add_argument("--vocab-size", type=A.int_range(260, 1_000_000), default=2048,
                    help="BPE vocabulary (>= 260: the 256 bytes plus special tokens)")
@@ -35,6 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=A.positive_int, default=32, help="sequences per step")
     p.add_argument("--lr", type=A.positive_float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0, help='seed of the pretraining (public data: no privacy role)')
+    p.add_argument("--device", default="auto", metavar="D",
+                   help="auto (a GPU when there is one), cpu, cuda or cuda:<index> (default: auto)")
     p.add_argument("--json", action="store_true", help='print the pretraining summary as one JSON object')
     p.set_defaults(func=main)
 

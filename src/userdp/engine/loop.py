@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -29,6 +30,7 @@ from userdp.engine.distributed import LocalCombiner
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise
 from userdp.engine.per_unit import make_per_unit
+from userdp.engine.precision import Precision
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan  # noqa: F401  (re-exported)
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError
@@ -101,9 +103,11 @@ class _Run:
         self.model, self.data, self.cfg = model, data, cfg
         self.algo = cfg.algorithm
         self.combiner = combiner or LocalCombiner()
-        self.per_unit = make_per_unit(cfg.per_unit, model, loss_fn, self.algo)
+        precision = Precision(cfg.precision)
+        self.per_unit = make_per_unit(cfg.per_unit, model, loss_fn, self.algo, precision)
         self.params = self.per_unit.params
         self.device = self.params[0].device
+        precision.check_device(self.device)
         # Low-precision models train on float32 master weights: the released update (noised sum
         # / denominator) is float32, the optimizer steps the masters, the model gets a rounded copy
         # (post-processing). Norms, sums and noise are float32 whatever the model's dtype.
@@ -111,7 +115,8 @@ class _Run:
             self.master = [nn.Parameter(p.detach().float().clone()) for p in self.params]
         else:
             self.master = self.params
-        self.precision = {"model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
+        self.precision = {"autocast": cfg.precision,
+                          "model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
                           "master_weights": "float32" if self.master is not self.params else "the model's own",
                           "norms_sums_noise": sorted({str(_accumulation_dtype(p.dtype)).replace("torch.", "")
                                                       for p in self.params})}
@@ -141,6 +146,7 @@ class _Run:
         self.optimizer = cfg.optimizer.build(self.master)
         self.step = 0
         self.nonfinite_units = 0  # units whose update was Inf/NaN (zeroed); NOT a private statistic
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="userdp-load")
         self.history: list[dict] = []
 
     # ------------------------------------------------------------------ what the plan says
@@ -165,6 +171,29 @@ class _Run:
         mask = torch.cat([mask, torch.zeros(b - k, *mask.shape[1:], dtype=mask.dtype)])
         return batch, mask
 
+    def _load(self, cid: np.ndarray):
+        """One chunk's batch and mask, padded to its bucket size, on the device."""
+        batch, mask = self.algo.load(self.data, self.table, cid, self.data_rng)
+        batch, mask = self._pad(batch, mask, bucket_size(len(cid), self.cfg.chunk_size))
+        cuda = self.device.type == "cuda"
+        batch = {n: (v.pin_memory() if cuda else v).to(self.device, non_blocking=cuda) for n, v in batch.items()}
+        return batch, mask.to(self.device, dtype=self.params[0].dtype)
+
+    def _prefetch(self, chunks):
+        """The chunks' batches in order, the next one loaded by a worker thread while this one
+        computes. One worker, so the data generator is used in the same order as a plain loop
+        (a seeded run gives the same records either way)."""
+        if len(chunks) < 2:
+            for cid in chunks:
+                yield self._load(cid)
+            return
+        pending = self._loader.submit(self._load, chunks[0])
+        for i in range(len(chunks)):
+            ready = pending.result()
+            if i + 1 < len(chunks):
+                pending = self._loader.submit(self._load, chunks[i + 1])
+            yield ready
+
     def clipped_sum(self, ids: np.ndarray):
         """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise."""
         cfg, algo = self.cfg, self.algo
@@ -174,14 +203,10 @@ class _Run:
         c_now = float(self.clip_state["clip_norm"])
         reproject = (cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
                      if getattr(algo, "reproject", False) else None)
-        for s in range(0, len(ids), cfg.chunk_size):
-            cid = ids[s : s + cfg.chunk_size]
+        chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
+        for cid, (batch, mask) in zip(chunks, self._prefetch(chunks)):
             k = len(cid)
-            b = bucket_size(k, cfg.chunk_size)
-            batch, mask = algo.load(self.data, self.table, cid, self.data_rng)
-            batch, mask = self._pad(batch, mask, b)
-            batch = {n: v.to(self.device) for n, v in batch.items()}
-            mask = mask.to(self.device, dtype=self.params[0].dtype)
+            b = mask.shape[0]
             acc = sums[0].dtype
             valid = torch.zeros(b, dtype=acc, device=self.device)
             valid[:k] = 1.0
@@ -329,6 +354,9 @@ class _Run:
                           "never stored",
             "noise_generator": GaussianNoise.algorithm + "; " + GaussianNoise.keying_text(self.seeded),
             "precision": self.precision,
+            "per_unit": {"strategy": self.per_unit.name, "requested": cfg.per_unit,
+                         "fallback_reason": getattr(self.per_unit, "fallback_reason", None),
+                         "device": str(self.device)},
             "nonfinite_units": self.nonfinite_units,
             "nonfinite_units_note": ("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
                                      "this count is computed on the private data and is NOT privatized"),
@@ -461,6 +489,13 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
                   "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode, "accountant": config.accountant,
                   "target_epsilon": config.target_epsilon, "steps_accounted": run.ledger.spent,
                   "unit": run.plan.unit, "num_units": run.n_units})
+    try:
+        return _train_loop(run, config, checkpoint_dir, callbacks, checkpoint_extra)
+    finally:
+        run._loader.shutdown(wait=True)
+
+
+def _train_loop(run: _Run, config: TrainConfig, checkpoint_dir, callbacks, checkpoint_extra) -> TrainResult:
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:

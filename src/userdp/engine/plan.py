@@ -29,6 +29,7 @@ from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
+from userdp.engine.precision import PRECISIONS
 from userdp.engine.sampling import get_sampler
 from userdp.errors import UserError
 from userdp.validation import check_choice, check_int
@@ -52,7 +53,10 @@ class TrainConfig:
     (without replacement, replace-one, RDP) or "shuffle" (fixed batches; no amplification).
     ``per_unit``: the per-unit strategy ("auto" or a name in
     :data:`~userdp.engine.per_unit.PER_UNIT_STRATEGIES`); ``noise``: the noise mechanism (a name
-    in :data:`~userdp.engine.noise.NOISE_MECHANISMS`); ``accountant``: a registered accountant.
+    in :data:`~userdp.engine.noise.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
+    ``precision``: the autocast dtype of the per-unit forward and backward (``float32``,
+    ``bfloat16``, ``float16``; norms, sums and noise stay float32, see
+    :mod:`userdp.engine.precision`).
 
     Raises:
         UserError: a value out of range or a combination that cannot be accounted.
@@ -74,6 +78,7 @@ class TrainConfig:
     track_epsilon: bool = True
     per_unit: str = "auto"
     noise: str = "iid_gaussian"
+    precision: str = "float32"
 
     def __post_init__(self):
         check_int(self.steps, "steps")
@@ -91,6 +96,7 @@ class TrainConfig:
         accounting.get_accountant(self.accountant)
         check_choice(self.per_unit, "per_unit", ["auto", *PER_UNIT_STRATEGIES])
         check_choice(self.noise, "noise", NOISE_MECHANISMS)
+        check_choice(self.precision, "precision", PRECISIONS)
         if self.sampling == "fixed_size" and self.accountant != "rdp":
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:

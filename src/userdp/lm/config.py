@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -82,6 +83,7 @@ class ModelConfig:
     pretrain: bool = True                 # preset: pretrain on the public text first (cached)
     pretraining: PretrainConfig = PretrainConfig()
     lora: LoraConfig = LoraConfig()
+    device: str = "auto"                  # auto | cpu | cuda | cuda:<i> (auto: a GPU when there is one)
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ class TrainingConfig:
     local_lr: float = 0.1                 # fedavg
     selection: str = _choice("random", "longest", "shortest", "random_chunk",
                              "highest_ppl", "lowest_ppl", default="random")
-    chunk_size: int = 8                   # vmap chunk (units per vectorised call)
+    chunk_size: int = 8                   # units per per-unit call (memory is bounded by this)
+    per_unit: str = _choice("auto", "ghost", "vmap", default="auto")  # auto: ghost norms for ELS/ULS
+    precision: str = _choice("auto", "float32", "bfloat16", "float16", default="auto")  # autocast dtype
     seed: Optional[int] = None            # null: sampling and noise from OS entropy (secret)
     checkpoint_every: int = 25
 
@@ -391,6 +395,10 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"data.heldout_users must be a fraction in (0, 1), got {d.heldout_users}")
     if m.preset is None and m.path is None:
         bad("model: give model.preset (tiny, small, base) or model.path (a local directory)")
+    if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", str(m.device).strip().lower()):
+        bad(f"model.device must be auto, cpu, cuda or cuda:<index>, got {m.device!r}")
+    if t.algorithm == "fedavg" and t.per_unit == "ghost":
+        bad("training.per_unit: ghost clips gradients; FedAvg's update is a local-SGD delta (use auto or vmap)")
     if d.source in ("jsonl", "csv", "stackexchange") and not d.path:
         bad(f"data.path is required for data.source = {d.source}")
     if tok.path and tok.trained_on_private and not tok.declared_public:

@@ -268,9 +268,12 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
             log(f"pretraining a {m.preset} GPT non-privately on the public text "
                 f"({pc.steps} steps; cached in {cdir}) ...")
             t0 = time.time()
+            from userdp.devices import resolve_device
+
             model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
                                          steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
-                                         warmup=pc.warmup, seed=pc.seed, progress=progress)
+                                         warmup=pc.warmup, seed=pc.seed, progress=progress,
+                                         device=resolve_device(m.device))
             info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
                         preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
             tmp = cdir.with_name(cdir.name + f".tmp{os.getpid()}")
@@ -332,9 +335,12 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int):
         clip = E.PerLayerClip(t.clip_norm)
     else:
         clip = E.FlatClip(t.clip_norm, normalized=normalized)
+    from userdp.devices import resolve_device, resolve_precision
+
+    precision = resolve_precision(t.precision, resolve_device(cfg.model.device))
     kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
               accountant=p.accountant, sampling=p.sampler, chunk_size=t.chunk_size, seed=t.seed,
-              checkpoint_every=t.checkpoint_every)
+              checkpoint_every=t.checkpoint_every, per_unit=t.per_unit, precision=precision)
     if t.algorithm == "nonprivate":
         kw["noise_multiplier"] = 0.0
     elif p.noise_multiplier is not None:
@@ -709,6 +715,12 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
+    from userdp.devices import describe, resolve_device
+
+    device = resolve_device(cfg.model.device)
+    model.to(device)
+    notes["device"] = describe(device)
+    log(f"device: {describe(device)}")
     model.train()
     models.lint_model(model)
     train_data, eval_data = build_datasets(cfg, prep, tok, log, model, notes)

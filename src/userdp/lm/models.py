@@ -34,13 +34,7 @@ from userdp.errors import UserError
 
 IGNORE_INDEX = -100
 
-# Small GPT-2-style presets sized for CPUs. The vocabulary and context come from the tokenizer
-# and the run's sequence length.
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4},
-    "small": {"n_layer": 4, "n_embd": 256, "n_head": 4},
-    "base": {"n_layer": 6, "n_embd": 384, "n_head": 6},
-}
+from userdp.lm.presets import PRESETS  # noqa: E402,F401  (re-exported)
 
 
 def _quiet_transformers() -> None:
@@ -84,7 +78,7 @@ def _force_eager(model: nn.Module) -> nn.Module:
 def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
                  bos_token_id: int | None = None, eos_token_id: int | None = None,
                  pad_token_id: int | None = None, seed: int = 0) -> nn.Module:
-    """A randomly initialised GPT-2-style model of the named size (``tiny``, ``small``, ``base``)."""
+    """A randomly initialised GPT-2-style model of the named size (a key of :data:`PRESETS`)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     _quiet_transformers()
@@ -231,8 +225,9 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     target token has loss 0.
     Vmappable: no data-dependent Python control flow.
     """
-    input_ids = batch["input_ids"]
-    labels = batch.get("labels", input_ids)
+    dev = next(model.parameters()).device  # batches are loaded on the host; a no-op on the CPU
+    input_ids = batch["input_ids"].to(dev)
+    labels = batch.get("labels", batch["input_ids"]).to(dev)
     logits = model(input_ids=input_ids, position_ids=_positions(input_ids)).logits  # [n, L, V]
     logits = logits[..., :-1, :]
     targets = labels[..., 1:]
@@ -247,15 +242,16 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
 
 def token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL and target-token count per record (for token-weighted evaluation)."""
-    input_ids = batch["input_ids"]
-    labels = batch.get("labels", input_ids)
-    logits = model(input_ids=input_ids).logits[..., :-1, :]
+    dev = next(model.parameters()).device
+    input_ids = batch["input_ids"].to(dev)
+    labels = batch.get("labels", batch["input_ids"]).to(dev)
+    logits = model(input_ids=input_ids, position_ids=_positions(input_ids)).logits[..., :-1, :]
     targets = labels[..., 1:]
     valid = targets != IGNORE_INDEX
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
     logp = F.log_softmax(logits.float(), dim=-1)
     nll = -torch.gather(logp, -1, safe_targets.unsqueeze(-1)).squeeze(-1) * valid
-    return nll.sum(-1), valid.sum(-1)
+    return nll.sum(-1).cpu(), valid.sum(-1).cpu()
 
 
 # ---------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
     t0 = time.time()
     for step in range(steps):
         idx = torch.randint(0, blocks.shape[0], (min(batch_size, blocks.shape[0]),), generator=gen)
-        x = blocks[idx]
+        x = blocks[idx].to(params[0].device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         loss = models.causal_lm_loss(model, {"input_ids": x, "labels": x}).mean()
@@ -128,8 +128,9 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
 
 def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq_len: int = 64,
                    steps: int = 600, batch_size: int = 32, lr: float = 3e-3, warmup: int = 30,
-                   seed: int = 0, base_model: str | None = None, progress: bool = True):
-    """Build (preset) or load (``base_model``) a causal LM and train it on public ``texts``."""
+                   seed: int = 0, base_model: str | None = None, progress: bool = True, device=None):
+    """Build (preset) or load (``base_model``) a causal LM and train it on public ``texts``
+    (on ``device``, default the CPU; the model is returned on the CPU)."""
     from userdp.lm.tokenization import encode_texts, special_ids
 
     ids = encode_texts(tokenizer, texts)
@@ -142,8 +143,11 @@ def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq
                                     n_positions=max(seq_len, 128), bos_token_id=sp.get("eos"),
                                     eos_token_id=sp.get("eos"), pad_token_id=sp.get("pad"),
                                     seed=seed)
+    if device is not None:
+        model.to(device)
     losses = train_lm(model, blocks, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
                       seed=seed, progress=progress)
+    model.cpu()
     return model, {"blocks": int(blocks.shape[0]), "tokens": int(blocks.numel()),
                    "final_loss": float(np.mean(losses[-20:])), "steps": steps}
 

@@ -51,6 +51,9 @@ def pretrain_job(args) -> dict:
         probe.rmdir()
     except OSError as exc:
         raise UserError(f"--output {out}: cannot write there ({exc.strerror or exc})") from None
+    from userdp.devices import resolve_device
+
+    device = resolve_device(getattr(args, "device", "auto"), name="--device")
     texts, desc = public_texts(args)
     if not texts:
         raise UserError(f"no public text found ({desc})")
@@ -61,7 +64,7 @@ def pretrain_job(args) -> dict:
     t0 = time.time()
     model, info = pretrain_model(texts, tok, preset=args.preset, seq_len=args.seq_len, steps=args.steps,
                                  batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                 base_model=args.base_model)
+                                 base_model=args.base_model, device=device)
     info.update(public_text=desc, seconds=round(time.time() - t0, 1), preset=args.preset,
                 vocab_size=tok.get_vocab_size(), seq_len=args.seq_len, output=str(out))
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")

@@ -1,0 +1,261 @@
+"""Step time and peak memory of userdp's DP steps on GPT-2-sized models, against a non-private step
+on the same records and tokens and against Opacus 1.6 (per-sample hooks, and its ghost clipping)
+on the ELS-equivalent job, all measured in this run.
+
+    python benchmarks/bench_scale.py --quick --json   # CPU-sized: gpt2-small, ULS G=4 and ELS
+    python benchmarks/bench_scale.py                  # + G=16, FedAvg, LoRA r=8/32, gpt2-medium
+    python benchmarks/bench_scale.py --device cuda --dtype bfloat16
+
+Every configuration runs in its own process (so peak memory is that job's alone) and takes the
+same records per step: ULS = M users x G records, ELS = M*G record units, FedAvg = M users x G
+records (one local epoch), non-private and Opacus = one batch of M*G records. All DP steps clip
+and add noise (sigma = 1). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the
+timed steps; on a CPU the growth of the process's peak resident set over the timed steps, above
+its size once the model, data and optimizer exist (``ru_maxrss``). Ratios are against the
+non-private step of the same model and mode in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+warnings.filterwarnings("ignore")
+
+
+def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device):
+    import numpy as np
+    import torch
+
+    from userdp.engine import TensorUserData
+    from userdp.lm import models
+
+    model = models.build_preset(model_name, vocab_size=vocab, n_positions=max(seq_len, 128))
+    if mode == "lora":
+        model = models.apply_lora(model, models.LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank))
+    model.to(device).train()
+    rng = np.random.default_rng(0)
+    n = n_users * recs
+    ids = torch.from_numpy(rng.integers(0, vocab, (n, seq_len)))
+    labels = ids.clone()
+    lens = rng.integers(seq_len // 2, seq_len + 1, n)
+    for i, ln in enumerate(lens):
+        labels[i, ln:] = -100
+    data = TensorUserData({"input_ids": ids, "labels": labels}, np.arange(0, n + 1, recs))
+    return model, data
+
+
+def _random_batch(data, B, rng):
+    users = rng.integers(0, data.num_users, B)
+    recs = (rng.random(B) * data.sizes()[users]).astype("int64")
+    return data.gather(users, recs)
+
+
+def _worker(a) -> dict:
+    import numpy as np
+    import torch
+
+    from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig
+    from userdp.engine.loop import _Run
+    from userdp.engine.precision import Precision
+    from userdp.lm.models import causal_lm_loss
+
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    M, G = a.users, a.group_size
+    B = M * G
+    model, data = _setup(a.model, a.mode, a.lora_rank, a.vocab, a.seq_len, 4 * M, max(G, 2), device)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    rng = np.random.default_rng(1)
+    prec = Precision(a.dtype)
+    chunk = a.chunk or M
+    extra = {}
+    if a.algorithm == "nonprivate":
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step():
+            batch = _random_batch(data, B, rng)
+            opt.zero_grad(set_to_none=True)
+            with prec.autocast(device):
+                loss = causal_lm_loss(model, batch).mean()
+            loss.backward()
+            opt.step()
+    elif a.algorithm in ("opacus", "opacus_ghost"):
+        from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+
+        ce = torch.nn.CrossEntropyLoss(ignore_index=-100, reduction="mean")
+        if a.algorithm == "opacus":
+            from opacus import GradSampleModule
+
+            gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean")
+            opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
+                              expected_batch_size=B)
+        else:
+            from opacus.grad_sample import GradSampleModuleFastGradientClipping
+            from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+            gsm = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
+                                                       max_grad_norm=1.0, use_ghost_clipping=True)
+            opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=1e-4), noise_multiplier=1.0,
+                                                  max_grad_norm=1.0, expected_batch_size=B, loss_reduction="mean")
+            crit = DPLossFastGradientClipping(gsm, opt, ce, loss_reduction="mean")
+
+        def step():
+            batch = _random_batch(data, B, rng)
+            ids, lab = batch["input_ids"].to(device), batch["labels"].to(device)
+            pos = torch.arange(ids.shape[1], device=device).expand(ids.shape)
+            opt.zero_grad(set_to_none=True)
+            with prec.autocast(device):
+                logits = gsm(input_ids=ids, position_ids=pos).logits[:, :-1]
+            tgt = lab[:, 1:]
+            if a.algorithm == "opacus":
+                tok = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                        tgt.reshape(-1).clamp(min=0), reduction="none").view(tgt.shape)
+                mask = (tgt != -100).float()
+                ((tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().backward()
+            else:
+                crit(logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1), shape=logits.shape).backward()
+            opt.step()
+    else:
+        n_units = data.num_users if a.algorithm != "els" else int(data.sizes().clip(max=G).sum())
+        algo = {"uls": lambda: ULS(G, M / n_units), "els": lambda: ELS(G, B / n_units),
+                "fedavg": lambda: FedAvg(G, M / n_units, local_epochs=1, local_lr=0.1)}[a.algorithm]()
+        sampling, acc = ("shuffle", "pld") if a.algorithm == "els" else ("fixed_size", "rdp")
+        cfg = TrainConfig(algorithm=algo, steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-4),
+                          noise_multiplier=1.0, delta=1e-5, seed=0, sampling=sampling, accountant=acc,
+                          chunk_size=chunk if a.algorithm != "els" else chunk * G, track_epsilon=False,
+                          per_unit=a.per_unit, precision=a.dtype)
+        run = _Run(model, data, causal_lm_loss, cfg, None, None)
+        step = run.run_step
+        extra["per_unit"] = run.per_unit.name
+    try:
+        for _ in range(a.warmup):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(device)
+            base_mem = torch.cuda.memory_allocated(device)
+        else:
+            base_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        times = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            mem = peak  # what the job needs on the device (weights, optimizer, activations)
+        else:
+            # RSS before the timed steps already holds the warm-up's peak: report the whole peak
+            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, do not hide (OOM, unsupported layer)
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", "params": params}
+    s = statistics.median(times)
+    return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem, "base_bytes": base_mem,
+            "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
+
+
+def _configs(quick: bool, device: str):
+    models = [("gpt2-small", "full", 0)]
+    if not quick:
+        models += [("gpt2-small", "lora", 8), ("gpt2-small", "lora", 32)]
+        if device.startswith("cuda"):
+            models += [("gpt2-medium", "full", 0)]
+    for model, mode, r in models:
+        algs = [("nonprivate", 4), ("uls", 4), ("els", 4), ("opacus_ghost", 4)]
+        if not quick:
+            algs += [("uls", 16), ("fedavg", 4), ("opacus", 4)]
+        for alg, g in algs:
+            yield model, mode, r, alg, g
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="CPU-sized: gpt2-small full, ULS G=4, ELS, Opacus ghost")
+    ap.add_argument("--json", action="store_true", help="print one JSON list of rows")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--users", type=int, default=None, help="M: users (ULS/FedAvg) per step")
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=50257, help="vocabulary (GPT-2's: 50,257)")
+    ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
+    ap.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
+    # worker mode (one configuration, in its own process)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default="gpt2-small", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="full", help=argparse.SUPPRESS)
+    ap.add_argument("--lora-rank", type=int, default=8, help=argparse.SUPPRESS)
+    ap.add_argument("--algorithm", default="nonprivate", help=argparse.SUPPRESS)
+    ap.add_argument("--group-size", type=int, default=4, help=argparse.SUPPRESS)
+    ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    gpu = a.device.startswith("cuda")
+    if a.users is None:
+        a.users = (16 if gpu else 2) if not a.quick or gpu else 2
+    if a.seq_len is None:
+        a.seq_len = 128 if gpu else 32
+    if a.worker:
+        print(json.dumps(_worker(a)))
+        return 0
+    rows, base = [], {}
+    hw = platform.processor() or platform.machine()
+    for model, mode, r, alg, g in _configs(a.quick, a.device):
+        cmd = [sys.executable, __file__, "--worker", "--model", model, "--mode", mode, "--lora-rank", str(r),
+               "--algorithm", alg, "--group-size", str(g), "--device", a.device, "--dtype", a.dtype,
+               "--users", str(a.users), "--seq-len", str(a.seq_len), "--vocab", str(a.vocab),
+               "--threads", str(a.threads), "--per-unit", a.per_unit,
+               "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"]
+        env = dict(os.environ, PYTHONWARNINGS="ignore")
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        try:
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            res = {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+        key = (model, mode, r, g if alg in ("uls", "fedavg") else 4)
+        if alg == "nonprivate":
+            base[(model, mode, r)] = res
+        b = base.get((model, mode, r), {})
+        # non-private batches of the same records: B = M*G; the G=16 rows compare with a G=16 batch
+        row = {"model": model, "params": res.get("params"), "mode": mode if not r else f"lora-r{r}",
+               "algorithm": alg, "group_size": g, "device": a.device, "dtype": a.dtype,
+               "records_per_step": a.users * g, "seq_len": a.seq_len, "per_unit": res.get("per_unit"),
+               "s_per_step": res.get("s_per_step"), "tokens_per_s": res.get("tokens_per_s"),
+               "peak_bytes": res.get("peak_bytes"), "error": res.get("error")}
+        if "s_per_step" in res and "s_per_step" in b and g == 4:
+            row["time_ratio"] = res["s_per_step"] / b["s_per_step"]
+            row["memory_ratio"] = res["peak_bytes"] / b["peak_bytes"]
+        else:
+            row["time_ratio"] = row["memory_ratio"] = None
+        if alg in ("uls", "fedavg") and g != 4 and "s_per_step" in res and "s_per_step" in b:
+            # a G=16 step holds 4x the records of the G=4 non-private batch: per-token ratio
+            row["time_ratio_per_token"] = (res["s_per_step"] / (g / 4)) / b["s_per_step"]
+        del key
+        rows.append(row)
+        if not a.json:
+            tr = row["time_ratio"]
+            mr = row["memory_ratio"]
+            print(f"{model:12s} {row['mode']:8s} {alg:13s} G={g:<3d} {row['s_per_step'] or float('nan'):8.3f} s "
+                  f"{row['tokens_per_s'] or float('nan'):9.0f} tok/s  time x{tr if tr else float('nan'):.2f}  "
+                  f"mem x{mr if mr else float('nan'):.2f}  {row['per_unit'] or ''} {row['error'] or ''}", flush=True)
+    if a.json:
+        print(json.dumps(rows))
+    else:
+        print(f"device {a.device} ({hw}), dtype {a.dtype}, {a.users} users x G records of {a.seq_len} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
