@@ -10,9 +10,10 @@ Every configuration runs in its own process (so peak memory is that job's alone)
 same records per step: ULS = M users x G records, ELS = M*G record units, FedAvg = M users x G
 records (one local epoch), non-private and Opacus = one batch of M*G records. All DP steps clip
 and add noise (sigma = 1). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the
-timed steps; on a CPU the growth of the process's peak resident set over the timed steps, above
-its size once the model, data and optimizer exist (``ru_maxrss``). Ratios are against the
-non-private step of the same model and mode in the same run.
+timed steps; on a CPU the process's peak resident set (``ru_maxrss``: weights, optimizer state,
+activations, the noise buffer and the Python/torch runtime). Ratios are against the non-private
+step of the same model and mode in the same run. ``noise_s`` is the host-side noise draw alone
+(one draw for all parameters), part of every DP step's time.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import warnings
 warnings.filterwarnings("ignore")
 
 
-def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device):
+def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device, untied=False):
     import numpy as np
     import torch
 
@@ -39,6 +40,9 @@ def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device):
     from userdp.lm import models
 
     model = models.build_preset(model_name, vocab_size=vocab, n_positions=max(seq_len, 128))
+    if untied:  # Opacus's ghost clipping refuses tied parameters: compare on an untied copy
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
     if mode == "lora":
         model = models.apply_lora(model, models.LoraSpec(rank=lora_rank, alpha=2.0 * lora_rank))
     model.to(device).train()
@@ -72,7 +76,7 @@ def _worker(a) -> dict:
     device = torch.device(a.device)
     M, G = a.users, a.group_size
     B = M * G
-    model, data = _setup(a.model, a.mode, a.lora_rank, a.vocab, a.seq_len, 4 * M, max(G, 2), device)
+    model, data = _setup(a.model, a.mode, a.lora_rank, a.vocab, a.seq_len, 4 * M, max(G, 2), device, a.untied)
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     rng = np.random.default_rng(1)
@@ -137,6 +141,10 @@ def _worker(a) -> dict:
         run = _Run(model, data, causal_lm_loss, cfg, None, None)
         step = run.run_step
         extra["per_unit"] = run.per_unit.name
+        z = [torch.zeros_like(p) for p in run.params]
+        t0 = time.perf_counter()
+        run.noise.noise(z, 1.0)  # the host-side noise draw alone (part of every DP step)
+        extra["noise_s"] = time.perf_counter() - t0
     try:
         for _ in range(a.warmup):
             step()
@@ -173,11 +181,14 @@ def _configs(quick: bool, device: str):
         if device.startswith("cuda"):
             models += [("gpt2-medium", "full", 0)]
     for model, mode, r in models:
-        algs = [("nonprivate", 4), ("uls", 4), ("els", 4), ("opacus_ghost", 4)]
+        algs = [("nonprivate", 4), ("uls", 4), ("els", 4)]
         if not quick:
             algs += [("uls", 16), ("fedavg", 4), ("opacus", 4)]
         for alg, g in algs:
             yield model, mode, r, alg, g
+        if mode == "full":  # Opacus's ghost clipping refuses GPT-2's tied wte/lm_head: untie both sides
+            for alg in ("nonprivate", "els", "opacus_ghost"):
+                yield model + "-untied", mode, r, alg, 4
 
 
 def main(argv=None) -> int:
@@ -199,6 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithm", default="nonprivate", help=argparse.SUPPRESS)
     ap.add_argument("--group-size", type=int, default=4, help=argparse.SUPPRESS)
     ap.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--untied", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -213,11 +225,13 @@ def main(argv=None) -> int:
     rows, base = [], {}
     hw = platform.processor() or platform.machine()
     for model, mode, r, alg, g in _configs(a.quick, a.device):
-        cmd = [sys.executable, __file__, "--worker", "--model", model, "--mode", mode, "--lora-rank", str(r),
+        untied = model.endswith("-untied")
+        cmd = [sys.executable, __file__, "--worker", "--model", model.removesuffix("-untied"), "--mode", mode, "--lora-rank", str(r),
                "--algorithm", alg, "--group-size", str(g), "--device", a.device, "--dtype", a.dtype,
                "--users", str(a.users), "--seq-len", str(a.seq_len), "--vocab", str(a.vocab),
                "--threads", str(a.threads), "--per-unit", a.per_unit,
-               "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"]
+               "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"] + \
+            (["--untied"] if untied else [])
         env = dict(os.environ, PYTHONWARNINGS="ignore")
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         try:
@@ -233,7 +247,7 @@ def main(argv=None) -> int:
                "algorithm": alg, "group_size": g, "device": a.device, "dtype": a.dtype,
                "records_per_step": a.users * g, "seq_len": a.seq_len, "per_unit": res.get("per_unit"),
                "s_per_step": res.get("s_per_step"), "tokens_per_s": res.get("tokens_per_s"),
-               "peak_bytes": res.get("peak_bytes"), "error": res.get("error")}
+               "peak_bytes": res.get("peak_bytes"), "noise_s": res.get("noise_s"), "error": res.get("error")}
         if "s_per_step" in res and "s_per_step" in b and g == 4:
             row["time_ratio"] = res["s_per_step"] / b["s_per_step"]
             row["memory_ratio"] = res["peak_bytes"] / b["peak_bytes"]

@@ -87,7 +87,7 @@ def _plan(args: argparse.Namespace) -> int:
         data, model, loss_fn, compute_budget=args.compute_budget, epsilon=epsilon, steps=steps,
         delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
-        chunk_size=cfg.training.chunk_size, log=log)
+        chunk_size=cfg.training.chunk_size or 8, log=log)
     from userdp.lm.finetune import plan_record
     from userdp.lm.run_dir import write_json_atomic
 

@@ -197,7 +197,8 @@ class _Run:
     def clipped_sum(self, ids: np.ndarray):
         """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise."""
         cfg, algo = self.cfg, self.algo
-        sums = [torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype)) for p in self.params]
+        acc = _accumulation_dtype(self.params[0].dtype)
+        sums = None  # the first chunk's sums become the accumulators (no extra model-sized buffer)
         # units, centered count, loss, clipped, weight, non-finite units
         stats = torch.zeros(6, dtype=torch.float64)
         c_now = float(self.clip_state["clip_norm"])
@@ -207,7 +208,6 @@ class _Run:
         for cid, (batch, mask) in zip(chunks, self._prefetch(chunks)):
             k = len(cid)
             b = mask.shape[0]
-            acc = sums[0].dtype
             valid = torch.zeros(b, dtype=acc, device=self.device)
             valid[:k] = 1.0
             w = valid.clone()
@@ -215,13 +215,19 @@ class _Run:
                 w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
             part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, cfg.clipping, self.clip_state, acc,
                                                                  reproject=reproject)
-            for j, x in enumerate(part):
-                sums[j] += x
+            if sums is None:
+                sums = [x if x.dtype == _accumulation_dtype(p.dtype) else x.to(_accumulation_dtype(p.dtype))
+                        for x, p in zip(part, self.params)]
+            else:
+                for j, x in enumerate(part):
+                    sums[j] += x
             unclipped = (norms <= c_now).to(acc)
             losses = torch.where(torch.isfinite(losses), losses.detach(), 0.0).to(acc)
             stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
                                   ((1 - unclipped) * valid).sum(), w.sum(),
                                   (bad.to(acc) * valid).sum()]).double().cpu()
+        if sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
+            sums = [torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype)) for p in self.params]
         return sums, stats
 
     def run_step(self):
@@ -247,8 +253,8 @@ class _Run:
         noise, count_noise = bc[:-1], float(bc[-1])
         # ---- divide by the public constant (in float32+), hand to the optimizer
         self.optimizer.zero_grad(set_to_none=True)
-        for m, s, z in zip(self.master, sums, noise):
-            m.grad = (s / den + z).to(m.dtype)
+        for m, s, z in zip(self.master, sums, noise):  # in place: the sums are this step's own buffers
+            m.grad = s.div_(den).add_(z).to(m.dtype)
         self.optimizer.step()
         if self.master is not self.params:
             with torch.no_grad():

@@ -75,7 +75,8 @@ class PerUnitStrategy(Protocol):
 
     def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
                     acc_dtype: torch.dtype, reproject=None):
-        """(sums, norms [m], losses [m], bad [m]) of one chunk; see the module docstring."""
+        """(sums, norms [m], losses [m], bad [m]) of one chunk; see the module docstring. The sums
+        must be fresh tensors the caller owns (the loop accumulates into them in place)."""
         ...
 
 

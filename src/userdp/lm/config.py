@@ -111,7 +111,8 @@ class TrainingConfig:
     local_lr: float = 0.1                 # fedavg
     selection: str = _choice("random", "longest", "shortest", "random_chunk",
                              "highest_ppl", "lowest_ppl", default="random")
-    chunk_size: int = 8                   # units per per-unit call (memory is bounded by this)
+    chunk_size: Optional[int] = field(default=8, metadata={"auto": True})  # units per per-unit call; auto: fit memory_gb
+    memory_gb: Optional[float] = None     # cap for chunk_size: auto (null: 80% of the free device memory)
     per_unit: str = _choice("auto", "ghost", "vmap", default="auto")  # auto: ghost norms for ELS/ULS
     precision: str = _choice("auto", "float32", "bfloat16", "float16", default="auto")  # autocast dtype
     seed: Optional[int] = None            # null: sampling and noise from OS entropy (secret)
@@ -223,6 +224,9 @@ def _build(cls, raw: dict, prefix: str, where: str):
             close = [k for k in fields if k.startswith(str(key)[:3])]
             hint = f" (did you mean {', '.join(close)}?)" if close else f" (known keys: {', '.join(fields)})"
             raise UserError(f"{where}: unknown key {dotted!r}{hint}")
+        if fields[key].metadata.get("auto") and value == "auto":
+            kwargs[key] = None  # "auto": resolved when the job knows the model and the device
+            continue
         v = _coerce(value, hints[key], dotted, where)
         choices = fields[key].metadata.get("choices")
         if choices and v is not None and v not in choices:
@@ -378,8 +382,10 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"training.cohort_size must be > 0, got {t.cohort_size}")
     if t.group_size < 1:
         bad(f"training.group_size must be >= 1, got {t.group_size}")
-    if t.chunk_size < 1:
-        bad(f"training.chunk_size must be >= 1, got {t.chunk_size}")
+    if t.chunk_size is not None and t.chunk_size < 1:
+        bad(f"training.chunk_size must be >= 1 or auto, got {t.chunk_size}")
+    if t.memory_gb is not None and not t.memory_gb > 0:
+        bad(f"training.memory_gb must be > 0, got {t.memory_gb}")
     if not 260 <= tok.vocab_size <= 1_000_000:
         bad(f"tokenizer.vocab_size must be in [260, 1000000] (the 256 bytes plus special tokens), got {tok.vocab_size}")
     if t.group_size > MAX_GROUP_SIZE:

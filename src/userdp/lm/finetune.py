@@ -300,6 +300,39 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
 # ---------------------------------------------------------------------------------- engine config
 
 
+def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = _stderr):
+    """``training.chunk_size: auto`` -> the largest power-of-two chunk that fits the memory cap
+    (:func:`userdp.engine.memory.auto_chunk_size`), saved in the run directory so that a resume
+    uses the same one. Returns the config with the chunk fixed and the choice (None when fixed).
+
+    Raises:
+        UserError: one unit does not fit the cap.
+    """
+    t = cfg.training
+    if t.chunk_size is not None:
+        return cfg, None
+    from userdp.devices import resolve_precision
+    from userdp.engine.memory import auto_chunk_size
+
+    saved = rd.root / "chunk_size.json"
+    if saved.is_file():
+        info = json.loads(saved.read_text())
+    else:
+        strategy = "vmap" if t.algorithm == "fedavg" or t.per_unit == "vmap" else "ghost"
+        records = 1 if t.algorithm == "els" else t.group_size
+        states = {"adam": 2, "adafactor": 1}.get(t.optimizer, 1 if t.momentum else 0)
+        chunk, info = auto_chunk_size(model, records, cfg.tokenizer.seq_len, device=device, strategy=strategy,
+                                      low_precision=resolve_precision(t.precision, device) != "float32",
+                                      memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None,
+                                      optimizer_states=states)
+        info["chunk_size"] = chunk
+        write_json_atomic(saved, info)
+    per = info.get("unit_bytes")
+    log(f"chunk size: auto -> {info['chunk_size']} units per call (cap {info['memory_cap_bytes'] / 2**30:.1f} GiB, "
+        f"{info['cap_source']}; about {(per or 0) / 2**20:.0f} MiB per unit)")
+    return dataclasses.replace(cfg, training=dataclasses.replace(t, chunk_size=int(info["chunk_size"]))), info
+
+
 def check_cohort(cfg: C.RunConfig, num_units: int) -> None:
     """The expected cohort must fit the units (a larger one used to be capped at q = 1 silently)."""
     t = cfg.training
@@ -560,7 +593,7 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr,
         train_data, model, models.causal_lm_loss, compute_budget=pl.compute_budget,
         epsilon=p.epsilon, steps=t.steps, delta=p.delta, sample_users=pl.sample_users,
         dp_median_epsilon=pl.dp_median_epsilon, accountant=p.accountant, seed=pl.seed,
-        chunk_size=t.chunk_size)
+        chunk_size=t.chunk_size or 8)
     algo = plan.recommended if pl.algorithm == "recommended" else pl.algorithm
     out = plan_record(plan, algo, "recommended" if pl.algorithm == "recommended" else "planning.algorithm",
                       seed=pl.seed, data_fingerprint=data_fingerprint)
@@ -619,7 +652,10 @@ def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total,
                "sampling_warning": rec.get("sampling_warning"),
                "nonfinite_units": rec.get("nonfinite_units", 0),
                "nonfinite_units_note": rec.get("nonfinite_units_note"),
-               "precision": rec.get("precision")})
+               "precision": rec.get("precision"),
+               # where and how the run computed (no privacy role; for reproducing the cost)
+               "compute": {"per_unit": rec.get("per_unit"), "device": notes.get("device"),
+                           "chunk_size": notes.get("chunk_size")}})
 
 
 def journal_context(rd: RunDir, prep: Prepared) -> dict:
@@ -760,6 +796,9 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
                 + C.dump_yaml(cfg))
             n_units = _num_units(cfg, prep.train_subset)
             check_budget(cfg, prep.train_subset.num_users, n_units)
+    cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
+    if chunk_info:
+        notes["chunk_size"] = chunk_info
     ecfg = engine_config(cfg, n_units)
     models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
 

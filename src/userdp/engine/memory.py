@@ -1,0 +1,122 @@
+"""How many units fit in a chunk: a memory model of one per-unit call, and the chunk it allows.
+
+A step's cohort is processed in chunks whose clipped sums accumulate (float32) into one buffer,
+so any cohort runs within a memory cap; the chunk size is a speed knob only (it changes neither
+the sampling nor the noise: the guarantee is the same for every chunk size). ``chunk_size: auto``
+picks the largest power of two (the engine's bucket sizes) whose estimated peak fits the cap.
+
+The estimate, per unit of G records × L tokens (T = G·L tokens), for a transformer with n layers,
+width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype (b bytes):
+
+* activations kept for the backward: ``T · n · (17·d + f + 2.5·h·L) · b`` (Korthikanti et al. 2022's
+  34·d + 5·h·L bytes per token per layer at 2 bytes, with the 4·d feed-forward made explicit);
+* the logits, their float32 log-softmax and its gradient: ``T · V · (b + 8)``;
+* ghost: the two Gram matrices of the layer being reduced, ``2 · T² · 4`` (one layer at a time);
+* vmap: one float32 copy of the trainable parameters' gradient per unit.
+
+Fixed, whatever the chunk: weights, the float32 sum, the noise, the master weights and the
+optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap
+given by the user is a cap on this estimate (``benchmarks/bench_scale.py`` measures the real peak).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from userdp.errors import UserError
+
+MAX_AUTO_CHUNK = 256
+HEADROOM = 0.8  # of the free memory, when no cap is given
+
+
+def _dims(model: nn.Module) -> dict | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None and hasattr(model, "base_model"):  # peft wrapper
+        cfg = getattr(getattr(model, "base_model", None), "config", None)
+    if cfg is None:
+        return None
+
+    def first(*names, default=None):
+        for n in names:
+            v = getattr(cfg, n, None)
+            if isinstance(v, int) and v > 0:
+                return v
+        return default
+
+    d = first("hidden_size", "n_embd", "d_model")
+    n = first("num_hidden_layers", "n_layer", "num_layers")
+    if d is None or n is None:
+        return None
+    return {"d": d, "layers": n, "heads": first("num_attention_heads", "n_head", default=1),
+            "ff": first("intermediate_size", "n_inner", default=4 * d), "vocab": first("vocab_size", default=0)}
+
+
+def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str, low_precision: bool) -> int | None:
+    """Estimated peak bytes one unit adds to a per-unit call (None: not a transformer config we know)."""
+    dims = _dims(model)
+    if dims is None:
+        return None
+    b = 2 if low_precision else 4
+    t = group_size * seq_len
+    act = t * dims["layers"] * (17 * dims["d"] + dims["ff"] + 2.5 * dims["heads"] * seq_len) * b
+    logits = t * dims["vocab"] * (b + 8)
+    if strategy == "vmap":
+        extra = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    else:
+        extra = 2 * t * t * 4
+    return int(act + logits + extra)
+
+
+def fixed_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
+    """Bytes that do not grow with the chunk: weights, float32 sum, noise, masters, optimizer."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return int(total + trainable * 4 * (3 + optimizer_states))
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory on ``device`` (CUDA: the driver's figure; CPU: available physical memory)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import os
+
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 8 << 30
+
+
+def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: torch.device, strategy: str,
+                    low_precision: bool, memory_cap_bytes: int | None = None,
+                    optimizer_states: int = 2) -> tuple[int, dict]:
+    """The largest power-of-two chunk whose estimated peak fits the cap, and how it was chosen.
+
+    Args:
+        memory_cap_bytes: the cap; None means 80% of the device's free memory now.
+
+    Returns:
+        (chunk_size, info) with info holding the cap, the fixed and per-unit estimates.
+
+    Raises:
+        UserError: when even one unit does not fit the cap (the message gives both figures).
+    """
+    cap = int(memory_cap_bytes) if memory_cap_bytes is not None else int(HEADROOM * free_bytes(device))
+    per = unit_bytes(model, group_size, seq_len, strategy=strategy, low_precision=low_precision)
+    fixed = fixed_bytes(model, optimizer_states)
+    info = {"memory_cap_bytes": cap, "cap_source": "training.memory_gb" if memory_cap_bytes is not None
+            else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per}
+    if per is None:
+        info["rule"] = "no transformer config to estimate from: the default chunk of 8"
+        return 8, info
+    room = cap - fixed
+    if room < per:
+        raise UserError(f"training.chunk_size: auto — one unit ({group_size} records x {seq_len} tokens) needs about "
+                        f"{(fixed + per) / 2**30:.2f} GiB with the model's fixed {fixed / 2**30:.2f} GiB, more than the "
+                        f"{cap / 2**30:.2f} GiB cap ({info['cap_source']}); lower group_size or seq_len, use LoRA, or "
+                        "raise training.memory_gb")
+    chunk = 1
+    while chunk * 2 <= MAX_AUTO_CHUNK and chunk * 2 * per <= room:
+        chunk *= 2
+    info["rule"] = "largest power of two with fixed + chunk x unit <= cap"
+    return chunk, info

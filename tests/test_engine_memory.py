@@ -1,0 +1,70 @@
+"""chunk_size: auto — the memory model picks the largest power-of-two chunk under the cap, it
+moves the right way with every input, it refuses a cap one unit cannot fit, and an LM run
+records the choice and keeps it on resume."""
+
+import json
+
+import pytest
+import torch
+
+from userdp.engine.memory import auto_chunk_size, fixed_bytes, unit_bytes
+from userdp.errors import UserError
+from userdp.lm import models
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return models.build_preset("small", vocab_size=1000, n_positions=128)
+
+
+def test_the_chunk_is_the_largest_power_of_two_that_fits(gpt2):
+    per = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=False)
+    fixed = fixed_bytes(gpt2)
+    for want in (1, 4, 32):
+        cap = fixed + want * per + per // 2  # room for want units and a half
+        chunk, info = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
+                                      memory_cap_bytes=cap)
+        assert chunk == want and info["unit_bytes"] == per and info["cap_source"] == "training.memory_gb"
+        assert fixed + chunk * per <= cap < fixed + 2 * chunk * per
+
+
+def test_the_estimate_grows_with_tokens_and_shrinks_with_low_precision_and_ghost(gpt2):
+    base = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=False)
+    assert unit_bytes(gpt2, 8, 64, strategy="ghost", low_precision=False) > 1.9 * base
+    assert unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=True) < base
+    # vmap holds one float32 gradient copy per unit: at least 4 bytes per trainable parameter more
+    n = sum(p.numel() for p in gpt2.parameters())
+    assert unit_bytes(gpt2, 4, 64, strategy="vmap", low_precision=False) >= base - 2 * 256**2 * 4 + 4 * n
+
+
+def test_a_cap_that_cannot_hold_one_unit_is_refused_with_both_figures(gpt2):
+    with pytest.raises(UserError, match=r"training.chunk_size: auto .* needs about .* GiB .* cap"):
+        auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
+                        memory_cap_bytes=fixed_bytes(gpt2))
+
+
+def test_a_model_without_a_transformer_config_gets_the_default_chunk():
+    chunk, info = auto_chunk_size(torch.nn.Linear(3, 3), 4, 64, device=CPU, strategy="ghost", low_precision=False)
+    assert chunk == 8 and "default" in info["rule"]
+
+
+@pytest.mark.slow
+def test_an_lm_run_with_chunk_size_auto_records_the_choice(tmp_path, monkeypatch, capsys):
+    from _lm_corpus import tiny_config, write_tiny_corpus
+    from userdp.cli import main as cli
+
+    data, public = write_tiny_corpus(tmp_path)
+    cfg = tmp_path / "auto.yaml"
+    cfg.write_text(tiny_config(data, public, "  chunk_size: auto\n  memory_gb: 2\n  seed: 3\n"))
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert cli(["train", str(cfg), "--output", str(out), "--json", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    saved = json.loads((out / "chunk_size.json").read_text())
+    assert saved["memory_cap_bytes"] == 2 * 2**30 and saved["chunk_size"] >= 1
+    assert f"chunk size: auto -> {saved['chunk_size']} units per call" in err
+    priv = json.loads((out / "privacy.json").read_text())
+    assert priv["compute"]["chunk_size"]["chunk_size"] == saved["chunk_size"]
+    assert priv["compute"]["per_unit"]["strategy"] == "ghost" and priv["compute"]["device"] == "cpu"
