@@ -10,8 +10,9 @@ Every configuration runs in its own process (so peak memory is that job's alone)
 same records per step: ULS = M users x G records, ELS = M*G record units, FedAvg = M users x G
 records (one local epoch), non-private and Opacus = one batch of M*G records. All DP steps clip
 and add noise (sigma = 1). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the
-timed steps; on a CPU the process's peak resident set (``ru_maxrss``: weights, optimizer state,
-activations, the noise buffer and the Python/torch runtime). Ratios are against the non-private
+timed steps; on a CPU the process's peak resident set over the timed steps (Linux ``VmHWM`` after
+a reset through ``/proc/self/clear_refs``: weights, optimizer state, activations, the noise
+buffer and the Python/torch runtime). Ratios are against the non-private
 step of the same model and mode in the same run. ``noise_s`` is the host-side noise draw alone
 (one draw for all parameters), part of every DP step's time.
 """
@@ -55,6 +56,27 @@ def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device, u
         labels[i, ln:] = -100
     data = TensorUserData({"input_ids": ids, "labels": labels}, np.arange(0, n + 1, recs))
     return model, data
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark of this process (Linux: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> int:
+    """Peak resident set since the last reset (VmHWM), else the lifetime peak (ru_maxrss)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _random_batch(data, B, rng):
@@ -154,6 +176,7 @@ def _worker(a) -> dict:
             base_mem = torch.cuda.memory_allocated(device)
         else:
             base_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            _reset_peak_rss()  # steady state: the first step's one-time work (ghost's check) excluded
         times = []
         for _ in range(a.reps):
             t0 = time.perf_counter()
@@ -165,13 +188,15 @@ def _worker(a) -> dict:
             peak = torch.cuda.max_memory_allocated(device)
             mem = peak  # what the job needs on the device (weights, optimizer, activations)
         else:
-            # RSS before the timed steps already holds the warm-up's peak: report the whole peak
-            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            mem = _peak_rss()
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, do not hide (OOM, unsupported layer)
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", "params": params}
     s = statistics.median(times)
     return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem, "base_bytes": base_mem,
             "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
+
+
+_SKIP_UNTIED = False
 
 
 def _configs(quick: bool, device: str):
@@ -186,7 +211,7 @@ def _configs(quick: bool, device: str):
             algs += [("uls", 16), ("fedavg", 4), ("opacus", 4)]
         for alg, g in algs:
             yield model, mode, r, alg, g
-        if mode == "full":  # Opacus's ghost clipping refuses GPT-2's tied wte/lm_head: untie both sides
+        if mode == "full" and not _SKIP_UNTIED:  # Opacus's ghost clipping refuses GPT-2's tied wte/lm_head: untie both sides
             for alg in ("nonprivate", "els", "opacus_ghost"):
                 yield model + "-untied", mode, r, alg, 4
 
@@ -202,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=50257, help="vocabulary (GPT-2's: 50,257)")
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
+    ap.add_argument("--no-untied", action="store_true", help="skip the untied-GPT-2 rows (Opacus ghost comparison)")
     # worker mode (one configuration, in its own process)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="gpt2-small", help=argparse.SUPPRESS)
@@ -214,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    global _SKIP_UNTIED
+    _SKIP_UNTIED = a.no_untied
     gpu = a.device.startswith("cuda")
     if a.users is None:
         a.users = (16 if gpu else 2) if not a.quick or gpu else 2
@@ -251,6 +279,8 @@ def main(argv=None) -> int:
         if "s_per_step" in res and "s_per_step" in b and g == 4:
             row["time_ratio"] = res["s_per_step"] / b["s_per_step"]
             row["memory_ratio"] = res["peak_bytes"] / b["peak_bytes"]
+            if res.get("noise_s"):  # diagnostic: the step without its host-side noise draw
+                row["time_ratio_excluding_host_noise"] = (res["s_per_step"] - res["noise_s"]) / b["s_per_step"]
         else:
             row["time_ratio"] = row["memory_ratio"] = None
         if alg in ("uls", "fedavg") and g != 4 and "s_per_step" in res and "s_per_step" in b:

@@ -234,6 +234,7 @@ class _Run:
         cfg = self.cfg
         t0 = time.perf_counter()
         self.ledger.record_step()  # before anything of this step can be seen
+        self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
         mine = ids[self.combiner.rank :: self.combiner.world_size]
         sums, stats = self.clipped_sum(mine)
