@@ -127,7 +127,9 @@ def _worker(a) -> dict:
                               expected_batch_size=B)
         else:
             from opacus.grad_sample import GradSampleModuleFastGradientClipping
-            from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+            from opacus.utils.fast_gradient_clipping_utils import (
+                DPLossFastGradientClipping,
+            )
 
             gsm = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
                                                        max_grad_norm=1.0, use_ghost_clipping=True)

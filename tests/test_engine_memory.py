@@ -53,6 +53,7 @@ def test_a_model_without_a_transformer_config_gets_the_default_chunk():
 @pytest.mark.slow
 def test_an_lm_run_with_chunk_size_auto_records_the_choice(tmp_path, monkeypatch, capsys):
     from _lm_corpus import tiny_config, write_tiny_corpus
+
     from userdp.cli import main as cli
 
     data, public = write_tiny_corpus(tmp_path)

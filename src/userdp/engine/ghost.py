@@ -36,8 +36,8 @@ see it. FedAvg's unit update is a local-SGD delta, not a gradient: it keeps the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -76,7 +76,7 @@ class Factored:
     def materialize(self) -> torch.Tensor:
         """Unit-wise gradients ``[m, X, Y]``."""
         if self.index:
-            m, t, y = self.y.shape
+            m, _, y = self.y.shape
             out = torch.zeros(m * self.size_x, y, dtype=self.y.dtype, device=self.y.device)
             rows = (self.x + self.size_x * torch.arange(m, device=self.x.device).unsqueeze(1)).reshape(-1)
             out.index_add_(0, rows, self.y.reshape(-1, y))
@@ -91,7 +91,7 @@ class Factored:
             return out.index_add_(0, self.x.reshape(-1), y)
         return self.x.reshape(-1, self.x.shape[2]).T @ y
 
-    def zero_units(self, bad: torch.Tensor) -> "Factored":
+    def zero_units(self, bad: torch.Tensor) -> Factored:
         keep = ~bad.view(-1, 1, 1)
         x = self.x if self.index else torch.where(keep, self.x, 0.0)
         return Factored(x, torch.where(keep, self.y, 0.0), self.size_x, self.index)
@@ -230,7 +230,7 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
 
 # --------------------------------------------------------------------------- the strategy
 class _Capture:
-    __slots__ = ("module", "inputs", "output")
+    __slots__ = ("inputs", "module", "output")
 
     def __init__(self, module, inputs, output):
         self.module, self.inputs, self.output = module, inputs, output

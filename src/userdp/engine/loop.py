@@ -14,9 +14,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,8 +31,8 @@ from userdp.engine.distributed import LocalCombiner
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise
 from userdp.engine.per_unit import make_per_unit
-from userdp.engine.precision import Precision
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan  # noqa: F401  (re-exported)
+from userdp.engine.precision import Precision
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError
 
@@ -62,7 +63,7 @@ def _cfg_dict(obj) -> Any:
 _POOL = ENTROPY_BITS // 32
 
 
-def _seeds(seed: Optional[int], combiner):
+def _seeds(seed: int | None, combiner):
     """(sampling rng, data rng, noise source or None, torch seed or None).
 
     Unseeded: 256 bits of OS entropy drawn on the main rank and broadcast, so that every rank
@@ -443,11 +444,11 @@ class _DeferredInterrupt:
 
 
 def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *,
-          checkpoint_dir: Optional[str] = None, resume: bool = False,
+          checkpoint_dir: str | None = None, resume: bool = False,
           callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None,
-          journal_context: Optional[dict] = None,
-          checkpoint_extra: Optional[Callable[["_Run"], dict]] = None,
-          on_start: Optional[Callable[[dict], Any]] = None) -> TrainResult:
+          journal_context: dict | None = None,
+          checkpoint_extra: Callable[[_Run], dict] | None = None,
+          on_start: Callable[[dict], Any] | None = None) -> TrainResult:
     """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
 
     ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable). Each callback

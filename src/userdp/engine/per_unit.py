@@ -19,7 +19,8 @@ whatever the cohort. There is no Python loop over units here: only over FedAvg's
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -215,7 +216,7 @@ def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
 
 VmapPerUnit = PerUnit
 
-from userdp.engine.ghost import GhostPerUnit, GhostUnsupported  # noqa: E402  (ghost uses lint_model above)
+from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
 
 #: name -> strategy class; ``TrainConfig.per_unit`` picks one ("auto": see :func:`resolve_per_unit`)
 PER_UNIT_STRATEGIES: dict[str, type] = {"vmap": VmapPerUnit, "ghost": GhostPerUnit}
