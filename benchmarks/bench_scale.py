@@ -175,9 +175,7 @@ def _worker(a) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(device)
-            base_mem = torch.cuda.memory_allocated(device)
         else:
-            base_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             _reset_peak_rss()  # steady state: the first step's one-time work (ghost's check) excluded
         times = []
         for _ in range(a.reps):
@@ -186,22 +184,18 @@ def _worker(a) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            mem = peak  # what the job needs on the device (weights, optimizer, activations)
+        if device.type == "cuda":  # what the job needs on the device (weights, optimizer, activations)
+            mem = torch.cuda.max_memory_allocated(device)
         else:
             mem = _peak_rss()
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, do not hide (OOM, unsupported layer)
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", "params": params}
     s = statistics.median(times)
-    return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem, "base_bytes": base_mem,
+    return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem,
             "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
 
 
-_SKIP_UNTIED = False
-
-
-def _configs(quick: bool, device: str):
+def _configs(quick: bool, device: str, untied: bool = True):
     models = [("gpt2-small", "full", 0)]
     if not quick:
         models += [("gpt2-small", "lora", 8), ("gpt2-small", "lora", 32)]
@@ -213,7 +207,7 @@ def _configs(quick: bool, device: str):
             algs += [("uls", 16), ("fedavg", 4), ("opacus", 4)]
         for alg, g in algs:
             yield model, mode, r, alg, g
-        if mode == "full" and not _SKIP_UNTIED:  # Opacus's ghost clipping refuses GPT-2's tied wte/lm_head: untie both sides
+        if mode == "full" and untied:  # Opacus's ghost clipping refuses GPT-2's tied wte/lm_head: untie both sides
             for alg in ("nonprivate", "els", "opacus_ghost"):
                 yield model + "-untied", mode, r, alg, 4
 
@@ -242,8 +236,6 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    global _SKIP_UNTIED
-    _SKIP_UNTIED = a.no_untied
     gpu = a.device.startswith("cuda")
     if a.users is None:
         a.users = (16 if gpu else 2) if not a.quick or gpu else 2
@@ -254,7 +246,7 @@ def main(argv=None) -> int:
         return 0
     rows, base = [], {}
     hw = platform.processor() or platform.machine()
-    for model, mode, r, alg, g in _configs(a.quick, a.device):
+    for model, mode, r, alg, g in _configs(a.quick, a.device, untied=not a.no_untied):
         untied = model.endswith("-untied")
         cmd = [sys.executable, __file__, "--worker", "--model", model.removesuffix("-untied"), "--mode", mode, "--lora-rank", str(r),
                "--algorithm", alg, "--group-size", str(g), "--device", a.device, "--dtype", a.dtype,
@@ -263,12 +255,11 @@ def main(argv=None) -> int:
                "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"] + \
             (["--untied"] if untied else [])
         env = dict(os.environ, PYTHONWARNINGS="ignore")
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
         try:
             res = json.loads(out.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
             res = {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
-        key = (model, mode, r, g if alg in ("uls", "fedavg") else 4)
         if alg == "nonprivate":
             base[(model, mode, r)] = res
         b = base.get((model, mode, r), {})
@@ -288,7 +279,6 @@ def main(argv=None) -> int:
         if alg in ("uls", "fedavg") and g != 4 and "s_per_step" in res and "s_per_step" in b:
             # a G=16 step holds 4x the records of the G=4 non-private batch: per-token ratio
             row["time_ratio_per_token"] = (res["s_per_step"] / (g / 4)) / b["s_per_step"]
-        del key
         rows.append(row)
         if not a.json:
             tr = row["time_ratio"]

@@ -11,21 +11,22 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from userdp.errors import UserError
 
-_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+#: what ``model.device`` accepts (the config validates against it without importing torch)
+DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
-def resolve_device(spec: str, *, name: str = "model.device") -> torch.device:
-    """The torch device ``spec`` names.
+def resolve_device(spec: str, *, name: str = "model.device"):
+    """The ``torch.device`` ``spec`` names.
 
     Raises:
         UserError: a malformed spec, or CUDA asked for where none (or not that index) exists.
     """
+    import torch
+
     spec = str(spec).strip().lower()
-    if not _DEVICE.match(spec):
+    if not DEVICE_SPEC.match(spec):
         raise UserError(f"{name} must be auto, cpu, cuda or cuda:<index> (got {spec!r})")
     if spec == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -41,26 +42,30 @@ def resolve_device(spec: str, *, name: str = "model.device") -> torch.device:
     return torch.device("cuda", index)
 
 
-def resolve_precision(spec: str, device: torch.device, *, name: str = "training.precision") -> str:
+def resolve_precision(spec: str, device) -> str:
     """``float32``, ``bfloat16`` or ``float16`` for ``device`` (``auto``: see the module docstring).
 
     Raises:
-        UserError: an unknown value, or float16 on a CPU.
+        UserError: an unknown value, or float16 on a CPU (:meth:`Precision.check_device`).
     """
+    import torch
+
+    from userdp.engine.precision import PRECISIONS, Precision
+
     spec = str(spec).strip().lower()
-    if spec not in ("auto", "float32", "bfloat16", "float16"):
-        raise UserError(f"{name} must be auto, float32, bfloat16 or float16 (got {spec!r})")
+    if spec != "auto" and spec not in PRECISIONS:
+        raise UserError(f"training.precision must be auto, {', '.join(list(PRECISIONS)[:-1])} or "
+                        f"{list(PRECISIONS)[-1]} (got {spec!r})")
     if spec == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return "bfloat16"
-        return "float32"
-    if spec == "float16" and device.type == "cpu":
-        raise UserError(f"{name}: float16 autocast needs a GPU; on a CPU use bfloat16 or float32")
+        return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    Precision(spec).check_device(device)
     return spec
 
 
-def describe(device: torch.device) -> str:
+def describe(device) -> str:
     """A one-line name of the device for logs and reports (the GPU's name on CUDA)."""
+    import torch
+
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return "cpu"

@@ -228,6 +228,16 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
     return {k: [grads[k].to(dtype)] for k in names}
 
 
+def _weighted_sum(dense: torch.Tensor | None, factored: list[Factored], c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``Σ_u c_u · (unit u's gradient of p)`` from its materialized part and its factored uses."""
+    s = torch.zeros(p.shape, dtype=c.dtype, device=p.device)
+    if dense is not None:
+        s += torch.tensordot(c, dense, dims=1).reshape(p.shape)
+    for x in factored:
+        s += x.weighted_sum(c).reshape(p.shape)
+    return s
+
+
 # --------------------------------------------------------------------------- the strategy
 class _Capture:
     __slots__ = ("inputs", "module", "output")
@@ -277,7 +287,7 @@ class GhostPerUnit:
     def _handler(self, mod) -> LayerHandler:
         return GHOST_LAYERS.get(type(mod), _per_unit_vjp)
 
-    def _forward(self, flat: dict, mask: torch.Tensor):
+    def _forward(self, flat: dict):
         """Forward with hooks: (per-unit losses [m] in the accumulation dtype, captures)."""
         captures: list[_Capture] = []
 
@@ -310,7 +320,7 @@ class GhostPerUnit:
         m, g_cap = mask.shape
         n = m * g_cap
         flat = {k: v.reshape(n, *v.shape[2:]) for k, v in batch.items()}
-        losses, captures = self._forward(flat, mask)
+        losses, captures = self._forward(flat)
         if losses.shape != (n,):
             raise UserError(f"loss_fn must return one loss per record (shape ({n},)), got {tuple(losses.shape)}")
         lm = losses.to(acc_dtype).reshape(m, g_cap)
@@ -345,15 +355,10 @@ class GhostPerUnit:
         c = torch.where(bad.unsqueeze(1), 0.0, f.to(acc_dtype)) * weights.to(acc_dtype).unsqueeze(1)
         sums = []
         for j, (d, fs, p) in enumerate(zip(dense, factored, self.params)):
-            s = torch.zeros(p.shape, dtype=acc_dtype, device=p.device)
             if bool(bad.any()):
                 d = torch.where(bad.view(-1, *([1] * (d.dim() - 1))), 0.0, d) if d is not None else None
                 fs = [x.zero_units(bad) for x in fs]
-            if d is not None:
-                s += torch.tensordot(c[:, j], d, dims=1).reshape(p.shape)
-            for x in fs:
-                s += x.weighted_sum(c[:, j]).reshape(p.shape)
-            sums.append(s)
+            sums.append(_weighted_sum(d, fs, c[:, j], p))
         return sums, torch.where(bad, 0.0, norms), unit_loss.detach(), bad
 
     def _arrange(self, contrib, m, dtype):
@@ -405,13 +410,8 @@ class GhostPerUnit:
                 raise GhostUnsupported(f"per_unit=ghost: parameter {name!r} is used by the loss but not through the "
                                        "forward of a layer that owns it, so no per-unit norm can be formed from "
                                        "activations: use training.per_unit: vmap")
-            m = d.shape[0] if d is not None else fs[0].y.shape[0]
-            ones = torch.ones(m, dtype=(d if d is not None else fs[0].y).dtype, device=p.device)
-            ours = torch.zeros(p.shape, dtype=ones.dtype, device=p.device)
-            if d is not None:
-                ours += d.sum(0).reshape(p.shape)
-            for x in fs:
-                ours += x.weighted_sum(ones).reshape(p.shape)
+            some = d if d is not None else fs[0].y
+            ours = _weighted_sum(d, fs, torch.ones(some.shape[0], dtype=some.dtype, device=p.device), p)
             ref = torch.zeros_like(ours) if bg is None else bg.to(ours.dtype) / scale
             if not (torch.isfinite(ours).all() and torch.isfinite(ref).all()):
                 complete = False  # a non-finite chunk says nothing about coverage: check the next one

@@ -184,9 +184,7 @@ class _Run:
         """The chunks' batches in order, the next one loaded by a worker thread while this one
         computes. One worker, so the data generator is used in the same order as a plain loop
         (a seeded run gives the same records either way)."""
-        if len(chunks) < 2:
-            for cid in chunks:
-                yield self._load(cid)
+        if not chunks:
             return
         pending = self._loader.submit(self._load, chunks[0])
         for i in range(len(chunks)):
@@ -216,9 +214,8 @@ class _Run:
                 w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
             part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, cfg.clipping, self.clip_state, acc,
                                                                  reproject=reproject)
-            if sums is None:
-                sums = [x if x.dtype == _accumulation_dtype(p.dtype) else x.to(_accumulation_dtype(p.dtype))
-                        for x, p in zip(part, self.params)]
+            if sums is None:  # the strategy's sums are fresh: keep them (.to is a no-op in the same dtype)
+                sums = [x.to(_accumulation_dtype(p.dtype)) for x, p in zip(part, self.params)]
             else:
                 for j, x in enumerate(part):
                     sums[j] += x
@@ -253,8 +250,7 @@ class _Run:
         count_noise = torch.tensor([cn], dtype=sums[0].dtype, device=self.device)  # float32 or wider
         bc = self.combiner.broadcast_from_main(noise + [count_noise])
         noise, count_noise = bc[:-1], float(bc[-1])
-        # ---- divide by the public constant (in float32+), hand to the optimizer
-        self.optimizer.zero_grad(set_to_none=True)
+        # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, s, z in zip(self.master, sums, noise):  # in place: the sums are this step's own buffers
             m.grad = s.div_(den).add_(z).to(m.dtype)
         self.optimizer.step()

@@ -21,6 +21,8 @@ given by the user is a cap on this estimate (``benchmarks/bench_scale.py`` measu
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -80,8 +82,6 @@ def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     try:
-        import os
-
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 8 << 30

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -19,6 +18,7 @@ from typing import Any, Optional
 
 import yaml
 
+from userdp.devices import DEVICE_SPEC
 from userdp.errors import UserError
 
 
@@ -401,7 +401,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"data.heldout_users must be a fraction in (0, 1), got {d.heldout_users}")
     if m.preset is None and m.path is None:
         bad("model: give model.preset (tiny, small, base) or model.path (a local directory)")
-    if not re.match(r"^(auto|cpu|cuda(:\d+)?)$", str(m.device).strip().lower()):
+    if not DEVICE_SPEC.match(str(m.device).strip().lower()):
         bad(f"model.device must be auto, cpu, cuda or cuda:<index>, got {m.device!r}")
     if t.algorithm == "fedavg" and t.per_unit == "ghost":
         bad("training.per_unit: ghost clips gradients; FedAvg's update is a local-SGD delta (use auto or vmap)")

@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from userdp.errors import UserError
+from userdp.lm.presets import PRESETS  # noqa: F401  (re-exported)
 
 IGNORE_INDEX = -100
 
-from userdp.lm.presets import PRESETS  # noqa: E402,F401  (re-exported)
 
 
 def _quiet_transformers() -> None:
@@ -225,33 +225,30 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     target token has loss 0.
     Vmappable: no data-dependent Python control flow.
     """
-    dev = next(model.parameters()).device  # batches are loaded on the host; a no-op on the CPU
-    input_ids = batch["input_ids"].to(dev)
-    labels = batch.get("labels", batch["input_ids"]).to(dev)
-    logits = model(input_ids=input_ids, position_ids=_positions(input_ids)).logits  # [n, L, V]
-    logits = logits[..., :-1, :]
-    targets = labels[..., 1:]
-    valid = targets != IGNORE_INDEX
-    safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
-    logp = F.log_softmax(logits.float(), dim=-1)
-    nll = -torch.gather(logp, -1, safe_targets.unsqueeze(-1)).squeeze(-1)
-    nll = nll * valid.to(nll.dtype)
-    count = valid.to(nll.dtype).sum(-1)
-    return nll.sum(-1) / count.clamp(min=1.0)
+    nll, valid = _token_nll(model, batch)
+    return nll / valid.to(nll.dtype).sum(-1).clamp(min=1.0)
 
 
 def token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed NLL and target-token count per record (for token-weighted evaluation)."""
+    """Summed NLL and target-token count per record (for token-weighted evaluation), on the host."""
+    nll, valid = _token_nll(model, batch)
+    return nll.cpu(), valid.sum(-1).cpu()
+
+
+def _token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per record: the summed next-token NLL (float32, on the model's device) and the target mask
+    ``[n, L-1]``. The batch is moved to the model's device (batches are loaded on the host; a
+    no-op on the CPU); position ids are per record."""
     dev = next(model.parameters()).device
     input_ids = batch["input_ids"].to(dev)
     labels = batch.get("labels", batch["input_ids"]).to(dev)
-    logits = model(input_ids=input_ids, position_ids=_positions(input_ids)).logits[..., :-1, :]
+    logits = model(input_ids=input_ids, position_ids=_positions(input_ids)).logits[..., :-1, :]  # [n, L-1, V]
     targets = labels[..., 1:]
     valid = targets != IGNORE_INDEX
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
     logp = F.log_softmax(logits.float(), dim=-1)
-    nll = -torch.gather(logp, -1, safe_targets.unsqueeze(-1)).squeeze(-1) * valid
-    return nll.sum(-1).cpu(), valid.sum(-1).cpu()
+    nll = -torch.gather(logp, -1, safe_targets.unsqueeze(-1)).squeeze(-1) * valid.to(logp.dtype)
+    return nll.sum(-1), valid
 
 
 # ---------------------------------------------------------------------------------------
