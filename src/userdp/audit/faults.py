@@ -1,0 +1,74 @@
+"""Deliberately broken builds, to prove that the audit can catch one (issue: an audit that cannot
+catch a broken mechanism proves nothing).
+
+:func:`broken_build` patches the engine *inside a ``with`` block only*, so that a run claims the
+epsilon of the intact mechanism while doing something else:
+
+* ``noise_off`` — no noise is added to the clipped sum;
+* ``clipping_off`` — per-unit updates are not clipped (the sensitivity the accountant assumes is false);
+* ``user_counted_g_times`` — every sampled unit's clipped update is added ``times`` times (a user
+  whose G records were each treated as a unit: sensitivity ``times * C``).
+
+Every run made under a fault carries ``"broken_build": <fault>`` in its engine record (and so in
+``privacy.json``). Used by the tests and ``benchmarks/bench_audit.py``; never by the CLI.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from userdp.errors import UserError
+
+FAULTS = ("noise_off", "clipping_off", "user_counted_g_times")
+
+
+@contextmanager
+def broken_build(fault: str, times: int = 8):
+    """Run the ``with`` block on a broken engine (see the module docstring).
+
+    Args:
+        fault: one of :data:`FAULTS`.
+        times: how often ``user_counted_g_times`` counts each unit.
+
+    Raises:
+        UserError: an unknown fault.
+    """
+    from userdp.engine import clipping, loop, noise
+
+    if fault not in FAULTS:
+        raise UserError(f"unknown fault {fault!r} (one of {', '.join(FAULTS)})")
+    saved = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    record = loop._Run.record
+
+    def marked_record(self):
+        rec = record(self)
+        rec["broken_build"] = fault
+        return rec
+
+    patch(loop._Run, "record", marked_record)
+    if fault == "noise_off":
+        patch(noise.IIDGaussian, "noise", lambda self, tensors, std: [torch.zeros_like(t) for t in tensors])
+    elif fault == "clipping_off":
+        flat = clipping.FlatClip.factors_from_norms
+
+        def unclipped(self, tn, state):
+            f, norms = flat(self, tn, state)
+            return torch.ones_like(f), norms
+
+        patch(clipping.FlatClip, "factors_from_norms", unclipped)
+    else:
+        clipped_sum = loop._Run.clipped_sum
+        patch(loop._Run, "clipped_sum", lambda self, ids: clipped_sum(self, np.repeat(ids, int(times))))
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)

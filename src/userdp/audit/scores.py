@@ -1,0 +1,64 @@
+"""Membership scores: how much better the trained model predicts a user's text than the model it
+started from. A higher score means "more likely trained on".
+
+* canaries: the mean next-token loss of the canary's secret under the starting model minus that
+  under the trained model (the loss-difference score of Steinke et al. 2023's black-box audit;
+  subtracting the starting model's loss removes how predictable each secret was to begin with);
+* real users (Kandpal et al. 2023, user inference): the same difference averaged over a user's
+  records — a likelihood ratio of the user's text under the fine-tuned vs the pretrained model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from userdp.lm import models
+
+
+@torch.no_grad()
+def canary_losses(model, canaries, batch_size: int = 64) -> np.ndarray:
+    """Mean next-token NLL (nats/token) of each canary's secret under ``model``; float64 [K]."""
+    was_training = model.training
+    model.eval()
+    out = np.zeros(canaries.count)
+    try:
+        for s in range(0, canaries.count, batch_size):
+            idx = np.arange(s, min(canaries.count, s + batch_size))
+            nll, cnt = models.token_nll(model, canaries.batch(idx))
+            out[idx] = (nll.double() / cnt.double().clamp(min=1)).numpy()
+    finally:
+        model.train(was_training)
+    return out
+
+
+def pick_users(num_users: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to ``k`` distinct user indices, sorted."""
+    k = min(int(k), int(num_users))
+    return np.sort(rng.choice(num_users, k, replace=False)) if k > 0 else np.zeros(0, np.int64)
+
+
+def user_losses(model, data, users: np.ndarray, max_records: int, batch_size: int = 64,
+                rng: np.random.Generator | None = None, records: list | None = None):
+    """Token-weighted mean NLL of each user's records under ``model`` (up to ``max_records`` of
+    each, drawn once with ``rng`` unless ``records`` gives them). Returns ``(losses, records)`` so
+    the same records can be scored under a second model."""
+    from userdp.lm.evaluate import record_nll
+
+    was_training = model.training
+    sizes = data.sizes()
+    if records is None:
+        rng = rng or np.random.default_rng(0)
+        records = [np.sort(rng.choice(int(sizes[u]), min(int(sizes[u]), max_records), replace=False))
+                   for u in users]
+    if len(users) == 0:
+        return np.zeros(0), records
+    uu = np.concatenate([np.full(len(r), u, np.int64) for u, r in zip(users, records)])
+    rr = np.concatenate(records).astype(np.int64)
+    try:
+        nll, cnt = record_nll(model, data, uu, rr, batch_size)
+    finally:
+        model.train(was_training)
+    bounds = np.cumsum([0] + [len(r) for r in records])
+    out = np.array([nll[a:b].sum() / max(1.0, cnt[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])])
+    return out, records

@@ -1,0 +1,241 @@
+"""One audited training run: canaries in, scores and bounds out (``audit.canaries > 0``).
+
+The train job (:mod:`userdp.lm.finetune`) calls, in order:
+
+1. :meth:`AuditSession.attach` after the datasets are built and before the first step: draws
+   (or, on ``--resume``, re-derives) the canaries, scores them and a sample of real users under
+   the starting model, writes the secrets file, and returns the training data with the included
+   canaries appended as users;
+2. :meth:`AuditSession.journal_context` binds the run's ledger journal to the canary draw, so a
+   resume without the same canaries is refused;
+3. :meth:`AuditSession.finish` after the last step: scores under the trained model, the one-run
+   lower bound beside the accounted epsilon, and the user-inference diagnostic. Returns the
+   public section for ``privacy.json``; the per-canary scores stay in the secrets file.
+
+The secrets file (mode 0600, ``audit.secrets`` or ``<run_dir>.audit-secrets.json`` beside the run
+directory, never inside it) holds the seed, which canaries were included, and every score.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from userdp.audit import bounds as B
+from userdp.audit import scores as S
+from userdp.audit.canaries import Canaries, WithCanaries, new_seed, ordinary_token_ids
+from userdp.errors import UserError
+
+DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023): {k} synthetic canary users, each holding "
+          "{r} copies of its own random {s}-token secret, were each included in the training data "
+          "independently with probability 1/2 before training; after training the auditor guesses "
+          "members from the scores alone")
+SCORES = {
+    "loss": ("minus the secret's mean next-token loss under the trained model (black-box: the final "
+             "model only)"),
+    "loss_difference": ("the secret's mean next-token loss under the starting model minus under the "
+                        "trained model (black-box: the final model only)"),
+}
+SHOWS = ("a lower bound that holds with the stated confidence over the canary draw and the training "
+         "randomness: no (eps, delta)-DP guarantee with eps below it can be true of this run. A bound "
+         "above the accounted epsilon means the implementation or its accounting is broken")
+DOES_NOT_SHOW = ("that the accounted epsilon is tight or that real users are safer than the bound: "
+                 "a small lower bound only says this attack (final-model, loss-based, random-token "
+                 "canaries) did not find more. Canaries are worst-case-like users; real users' "
+                 "text is less distinctive. Intermediate checkpoints and gradient access are not "
+                 "used (a stronger adversary may find more)")
+UI_NOTE = ("user inference (Kandpal et al. 2023): the same loss difference averaged over up to {rec} "
+           "records of {nt} training users and {nh} held-out users; a diagnostic computed WITHOUT noise on "
+           "real users' records (released outside the guarantee; see not_accounted). Training users' "
+           "scored records may be ones the model trained on, which favours the attack")
+
+
+def default_secrets_path(run_root: Path) -> Path:
+    """``<run_dir>.audit-secrets.json``, beside the run directory (outside its public outputs)."""
+    run_root = Path(run_root).resolve()
+    return run_root.parent / f"{run_root.name}.audit-secrets.json"
+
+
+def _write_private_json(path: Path, obj: dict) -> None:
+    """Write ``obj`` to ``path`` atomically with mode 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class AuditSession:
+    """The audit of one training run (see the module docstring).
+
+    Args:
+        audit_cfg: the ``audit:`` section (``userdp.lm.config.AuditConfig``).
+        run_root: the run directory.
+        resume: continue an audited run (the secrets file must exist).
+        log: progress lines.
+
+    Raises:
+        UserError: the secrets file exists for a new run, or is missing/damaged on a resume.
+    """
+
+    def __init__(self, audit_cfg, run_root: Path, *, resume: bool, log: Callable[[str], None]):
+        self.cfg = audit_cfg
+        self.path = Path(audit_cfg.secrets) if audit_cfg.secrets else default_secrets_path(run_root)
+        self.log = log
+        self.state: dict = {}
+        self.canaries: Optional[Canaries] = None
+        self._wrote = False
+        if resume:
+            try:
+                self.state = json.loads(self.path.read_text())
+                int(self.state["seed"], 16)
+            except FileNotFoundError:
+                raise UserError(f"{self.path}: the audit's secrets file is missing, so the canaries of this "
+                                "run cannot be re-derived; the run cannot be resumed as an audit") from None
+            except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+                raise UserError(f"{self.path}: not an audit secrets file written by userdp") from None
+        elif self.path.exists():
+            raise UserError(f"{self.path}: an audit secrets file is already there (another run's); "
+                            "move it away or set audit.secrets to a new path")
+
+    # ---------------------------------------------------------------- before training
+
+    def attach(self, train_data, eval_data, tok, model, *, group_size: int, seq_len: int):
+        """The training data with the included canaries appended (see the module docstring).
+
+        Args:
+            train_data, eval_data: the training and held-out users' ``UserData``.
+            tok: the tokenizer (secrets are drawn from its ordinary tokens).
+            model: the starting model (scored now; on a resume, not used).
+            group_size: training.group_size, the default records per canary.
+            seq_len: tokenizer.seq_len, the default and largest secret length.
+        """
+        self.records = int(self.cfg.records_per_canary or group_size)
+        self.length = int(self.cfg.secret_tokens or seq_len)
+        if self.length > seq_len:
+            raise UserError(f"audit.secret_tokens = {self.length} is longer than tokenizer.seq_len = {seq_len}")
+        if self.state:  # a resume: the same canaries, from the saved seed
+            if (self.state.get("canaries"), self.state.get("records_per_canary"), self.state.get("secret_tokens")) \
+                    != (int(self.cfg.canaries), self.records, self.length):
+                raise UserError(f"{self.path}: its canaries do not match this run's audit settings")
+            seed = int(self.state["seed"], 16)
+        else:
+            seed = new_seed() if self.cfg.seed is None else int(self.cfg.seed)
+        self.canaries = Canaries.generate(seed, int(self.cfg.canaries), self.length, self.records,
+                                          ordinary_token_ids(tok))
+        if self.state:
+            self.log(f"audit: resuming with the {self.canaries.count} canaries of {self.path}")
+            return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
+        self.log(f"audit: {self.canaries.count} canary users of {self.records} records "
+                 f"({self.length}-token secrets), {int(self.canaries.included.sum())} drawn into training; "
+                 f"seed and scores in {self.path} (keep it out of the published outputs)")
+        before = S.canary_losses(model, self.canaries)
+        ui = {}
+        n_ui = int(self.cfg.inference_users)
+        if n_ui > 0:
+            # the choice of users to score is the auditor's, not secret: a fixed generator
+            rng = np.random.default_rng(int.from_bytes(hashlib.sha256(f"{seed:x}-ui".encode()).digest()[:8], "big"))
+            tr = S.pick_users(train_data.num_users, n_ui, rng)
+            he = S.pick_users(eval_data.num_users, n_ui, rng)
+            rec = int(self.cfg.inference_records)
+            tr_loss, tr_rec = S.user_losses(model, train_data, tr, rec, rng=rng)
+            he_loss, he_rec = S.user_losses(model, eval_data, he, rec, rng=rng)
+            ui = {"trained_users": tr.tolist(), "trained_records": [r.tolist() for r in tr_rec],
+                  "heldout_users": he.tolist(), "heldout_records": [r.tolist() for r in he_rec],
+                  "trained_before": tr_loss.tolist(), "heldout_before": he_loss.tolist()}
+        self.state = {"format": "userdp-audit-secrets-1", "seed": f"{seed:032x}",
+                      "canaries": self.canaries.count, "records_per_canary": self.records,
+                      "secret_tokens": self.length, "included": self.canaries.included.tolist(),
+                      "loss_before": before.tolist(), "user_inference": ui}
+        _write_private_json(self.path, self.state)
+        self._wrote = True
+        return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
+
+    @staticmethod
+    def _width(data) -> int:
+        return int(getattr(data, "seq_len", 0) or 0)
+
+    def journal_context(self) -> dict:
+        """What the ledger journal is bound to: a digest of the seed (reveals nothing of it)."""
+        return {"audit_canaries": hashlib.sha256(self.state["seed"].encode()).hexdigest()[:32]}
+
+    def discard(self) -> None:
+        """Remove the secrets file this session wrote (the run failed before its first step)."""
+        if self._wrote:
+            self.path.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- after training
+
+    def finish(self, model, train_data, eval_data, *, epsilon: Optional[float], delta: float) -> dict:
+        """Score, bound and record; returns the public ``audit`` section of ``privacy.json``."""
+        c = self.canaries
+        after = S.canary_losses(model, c)
+        score = canary_score(self.cfg.score, np.asarray(self.state["loss_before"]), after)
+        inc = c.included
+        conf = float(self.cfg.confidence)
+        one = B.one_run_bound(score, inc, delta=delta, confidence=conf)
+        cp = B.clopper_pearson_bound(score, inc, delta=delta, confidence=conf)
+        out = {
+            "design": DESIGN.format(k=c.count, r=self.records, s=self.length),
+            "canaries": c.count, "canaries_included": int(inc.sum()),
+            "records_per_canary": self.records, "secret_tokens": self.length,
+            "score": f"{self.cfg.score}: {SCORES[self.cfg.score]}",
+            "epsilon_upper_bound": epsilon, "delta": delta, "confidence": conf,
+            "epsilon_lower_bound": one.epsilon_lower_bound,
+            "guesses": one.guesses, "correct": one.correct, "k_plus": one.k_plus, "k_minus": one.k_minus,
+            "guess_grid": len(one.tried),
+            "canary_auc": B.roc_auc(score[inc], score[~inc]),
+            "clopper_pearson_diagnostic": {**cp, "note": "treats the canaries of one run as independent "
+                                           "trials, which they are not; a diagnostic, not a bound"},
+            "shows": SHOWS, "does_not_show": DOES_NOT_SHOW,
+            "secrets_file": str(self.path),
+            "seeded": self.cfg.seed is not None,
+        }
+        out["statement"] = statement(epsilon, one.epsilon_lower_bound, conf)
+        out["mechanism_caught"] = epsilon is not None and one.epsilon_lower_bound > epsilon
+        ui = self.state.get("user_inference") or {}
+        if ui:
+            tr_after, _ = S.user_losses(model, train_data, np.asarray(ui["trained_users"], np.int64), 0,
+                                        records=[np.asarray(r, np.int64) for r in ui["trained_records"]])
+            he_after, _ = S.user_losses(model, eval_data, np.asarray(ui["heldout_users"], np.int64), 0,
+                                        records=[np.asarray(r, np.int64) for r in ui["heldout_records"]])
+            s_tr = np.asarray(ui["trained_before"]) - tr_after
+            s_he = np.asarray(ui["heldout_before"]) - he_after
+            ui["trained_after"], ui["heldout_after"] = tr_after.tolist(), he_after.tolist()
+            rec = max((len(r) for r in ui["trained_records"] + ui["heldout_records"]), default=0)
+            out["user_inference"] = {
+                "auc": B.roc_auc(s_tr, s_he), "tpr_at_1pct_fpr": B.tpr_at_fpr(s_tr, s_he, 0.01),
+                "trained_users": len(s_tr), "heldout_users": len(s_he),
+                "note": UI_NOTE.format(rec=rec, nt=len(s_tr), nh=len(s_he))}
+        self.state.update(loss_after=after.tolist(), score=score.tolist(), result=out)
+        _write_private_json(self.path, self.state)
+        return out
+
+
+def canary_score(kind: str, before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """The membership score of each canary (higher: more likely trained on).
+
+    ``loss``: -after. ``loss_difference``: before - after. On the embedded default (non-private,
+    200 canaries) the first separates members far better (AUC 0.98 against 0.80): the starting
+    model's loss on random strings varies from string to string by more than training moves it,
+    so subtracting it adds noise, not signal (docs/audit.md)."""
+    if kind == "loss":
+        return -after
+    if kind == "loss_difference":
+        return before - after
+    raise UserError(f"audit.score: unknown score {kind!r} (loss, loss_difference)")
+
+
+def statement(eps_upper: Optional[float], eps_lower: float, confidence: float) -> str:
+    """"accounted eps <= 3.0; audited eps >= 0.4 (95%)"."""
+    up = "no guarantee (non-private run)" if eps_upper is None else f"accounted ε ≤ {eps_upper:.3g}"
+    return f"{up}; audited ε ≥ {eps_lower:.3g} ({confidence:.0%})"

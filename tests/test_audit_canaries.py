@@ -1,0 +1,110 @@
+"""Canary users: deterministic from their seed, fair coin flips, secrets from ordinary tokens, and
+a training view that appends them without disturbing the real users."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from userdp.audit.canaries import Canaries, WithCanaries, new_seed, ordinary_token_ids
+from userdp.engine.data import TensorUserData
+from userdp.errors import UserError
+
+VOCAB = np.arange(5, 300)
+
+
+def test_same_seed_same_canaries_and_a_fresh_seed_differs():
+    a = Canaries.generate(123, 50, 16, 3, VOCAB)
+    b = Canaries.generate(123, 50, 16, 3, VOCAB)
+    c = Canaries.generate(124, 50, 16, 3, VOCAB)
+    assert np.array_equal(a.secrets, b.secrets) and np.array_equal(a.included, b.included)
+    assert not np.array_equal(a.secrets, c.secrets)
+    assert a.secrets.shape == (50, 16) and np.isin(a.secrets, VOCAB).all()
+    s1, s2 = new_seed(), new_seed()
+    assert s1 != s2 and max(s1, s2) >= 2**100  # 128-bit draws (this fails with odds ~2^-27)
+
+
+def test_inclusion_is_a_fair_coin_per_canary():
+    inc = Canaries.generate(99, 20000, 2, 1, VOCAB).included
+    # two-sided binomial test at 1e-4 (fixed seed): the coin is fair
+    assert stats.binomtest(int(inc.sum()), inc.size, 0.5).pvalue > 1e-4
+    # and independent of the secret (a canary's first token says nothing about its inclusion)
+    c = Canaries.generate(99, 20000, 2, 1, VOCAB)
+    low = c.secrets[:, 0] < np.median(VOCAB)
+    table = [[int((low & c.included).sum()), int((low & ~c.included).sum())],
+             [int((~low & c.included).sum()), int((~low & ~c.included).sum())]]
+    assert stats.chi2_contingency(table).pvalue > 1e-4
+
+
+def test_refusals():
+    with pytest.raises(UserError, match="at least 2 canaries"):
+        Canaries.generate(1, 1, 8, 1, VOCAB)
+    with pytest.raises(UserError, match="secret_tokens"):
+        Canaries.generate(1, 4, 1, 1, VOCAB)
+
+
+def test_ordinary_tokens_exclude_special_tokens():
+    from userdp.data.tokenize import PublicText, train_bpe
+
+    tok = train_bpe(PublicText(["the king is dead long live the queen"] * 50, description="test text"), vocab_size=300)
+    ids = ordinary_token_ids(tok)
+    special = set(tok.get_added_tokens_decoder())
+    assert special and not (set(ids.tolist()) & special)
+    assert len(ids) == tok.get_vocab_size() - len(special)
+
+
+def _inner():
+    # 3 real users with 1, 3, 2 records of width 6; record r of user u holds token 10*u + r
+    rows, offsets = [], [0]
+    for u, n in enumerate([1, 3, 2]):
+        for r in range(n):
+            rows.append([10 * u + r] * 6)
+        offsets.append(offsets[-1] + n)
+    ids = torch.tensor(rows)
+    return TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.array(offsets))
+
+
+def test_with_canaries_appends_included_canaries_as_users():
+    c = Canaries.generate(5, 6, 4, 3, np.arange(200, 260))
+    data = WithCanaries(_inner(), c.training_users(6))
+    k = int(c.included.sum())
+    assert data.num_users == 3 + k
+    assert data.sizes().tolist() == [1, 3, 2] + [3] * k
+    # gather across both parts keeps the caller's order and pads to one width
+    users = np.array([3, 1, 0, 3 + k - 1])
+    b = data.gather(users, np.array([2, 1, 0, 0]))
+    assert b["input_ids"].shape == (4, 6)
+    secret0 = c.secrets[np.flatnonzero(c.included)[0]]
+    assert b["input_ids"][0, :4].tolist() == secret0.tolist()
+    assert b["labels"][0, 4:].tolist() == [-100, -100]  # padding of the 4-token secret is ignored
+    assert b["input_ids"][1].tolist() == [11] * 6 and b["input_ids"][2].tolist() == [0] * 6
+
+
+def test_with_canaries_draws_and_bounds_like_the_contract():
+    c = Canaries.generate(5, 6, 4, 3, np.arange(200, 260))
+    data = WithCanaries(_inner(), c.training_users(6))
+    rng = np.random.default_rng(0)
+    users = np.arange(data.num_users)
+    batch, mask = data.draw_records(users, 2, rng)
+    assert batch["input_ids"].shape == (data.num_users, 2, 6)
+    assert mask.tolist()[:3] == [[1, 0], [1, 1], [1, 1]] and (mask[3:] == 1).all()
+    u, r = data.bounded_records(2, rng)
+    counts = np.bincount(u, minlength=data.num_users)
+    assert counts.tolist() == [1, 2, 2] + [2] * (data.num_users - 3)
+    assert (r < data.sizes()[u]).all()
+    for x in range(data.num_users):  # distinct records per user, grouped by user
+        assert len(set(r[u == x].tolist())) == counts[x]
+    assert np.all(np.diff(u) >= 0)
+
+
+def test_no_included_canary_is_refused_not_silently_unaudited():
+    c = Canaries(np.zeros((2, 4), np.int64), np.array([False, False]), 1)
+    with pytest.raises(UserError, match="no canary"):
+        c.training_users(4)
+
+
+def test_roughly_half_are_included_in_a_default_sized_draw():
+    inc = Canaries.generate(2026, 400, 8, 2, VOCAB).included
+    assert abs(inc.sum() - 200) < 4 * math.sqrt(100)
