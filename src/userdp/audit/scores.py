@@ -62,3 +62,41 @@ def user_losses(model, data, users: np.ndarray, max_records: int, batch_size: in
     bounds = np.cumsum([0] + [len(r) for r in records])
     out = np.array([nll[a:b].sum() / max(1.0, cnt[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])])
     return out, records
+
+
+def trainable_snapshot(model) -> list[torch.Tensor]:
+    """A host copy of the trainable parameters (the starting point of a white-box score)."""
+    return [p.detach().to("cpu", copy=True) for p in model.parameters() if p.requires_grad]
+
+
+def gradient_alignment(model, canaries, start: list[torch.Tensor]) -> np.ndarray:
+    """White-box score: how far training moved the weights along each canary's gradient.
+
+    score_k = <g_k, theta_0 - theta_T> / ||g_k||, with g_k the gradient of canary k's mean loss at
+    the starting weights theta_0 (``start``, from :func:`trainable_snapshot`). Under DP noise the
+    optimizer's update is close to linear in the noisy sum (Adam's second moment is dominated by
+    the noise), so a canary that was summed in moves theta along -g_k. The model's weights are
+    restored before returning.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    final = [p.detach().clone() for p in params]
+    delta = [(s.to(f.device, f.dtype) - f) for s, f in zip(start, final)]  # theta_0 - theta_T
+    was_training = model.training
+    model.eval()
+    out = np.zeros(canaries.count)
+    try:
+        with torch.no_grad():
+            for p, s in zip(params, start):
+                p.copy_(s.to(p.device, p.dtype))
+        for k in range(canaries.count):
+            loss = models.causal_lm_loss(model, canaries.batch([k])).sum()
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            dot = sum(float((g.double() * d.double()).sum()) for g, d in zip(grads, delta) if g is not None)
+            norm = sum(float(g.double().pow(2).sum()) for g in grads if g is not None) ** 0.5
+            out[k] = dot / max(norm, 1e-30)
+    finally:
+        with torch.no_grad():
+            for p, f in zip(params, final):
+                p.copy_(f)
+        model.train(was_training)
+    return out

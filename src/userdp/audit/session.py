@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -40,6 +41,9 @@ SCORES = {
              "model only)"),
     "loss_difference": ("the secret's mean next-token loss under the starting model minus under the "
                         "trained model (black-box: the final model only)"),
+    "gradient_alignment": ("how far training moved the weights along the canary's gradient at the "
+                           "starting weights, <g, theta_0 - theta_T>/||g|| (white-box: the starting and "
+                           "final weights, as anyone holding the checkpoints has)"),
 }
 SHOWS = ("a lower bound that holds with the stated confidence over the canary draw and the training "
          "randomness: no (eps, delta)-DP guarantee with eps below it can be true of this run. A bound "
@@ -80,21 +84,24 @@ class AuditSession:
     Args:
         audit_cfg: the ``audit:`` section (``userdp.lm.config.AuditConfig``).
         run_root: the run directory.
-        resume: continue an audited run (the secrets file must exist).
+        resume: continue an audited run: its secrets file is read (it must exist when
+            ``steps_begun``; a run stopped before its first step may start afresh).
         log: progress lines.
+        steps_begun: whether the resumed run's ledger has begun a step.
 
     Raises:
         UserError: the secrets file exists for a new run, or is missing/damaged on a resume.
     """
 
-    def __init__(self, audit_cfg, run_root: Path, *, resume: bool, log: Callable[[str], None]):
+    def __init__(self, audit_cfg, run_root: Path, *, resume: bool, log: Callable[[str], None],
+                 steps_begun: bool = True):
         self.cfg = audit_cfg
         self.path = Path(audit_cfg.secrets) if audit_cfg.secrets else default_secrets_path(run_root)
         self.log = log
         self.state: dict = {}
         self.canaries: Optional[Canaries] = None
         self._wrote = False
-        if resume:
+        if resume and (steps_begun or self.path.exists()):
             try:
                 self.state = json.loads(self.path.read_text())
                 int(self.state["seed"], 16)
@@ -132,12 +139,16 @@ class AuditSession:
             seed = new_seed() if self.cfg.seed is None else int(self.cfg.seed)
         self.canaries = Canaries.generate(seed, int(self.cfg.canaries), self.length, self.records,
                                           ordinary_token_ids(tok))
+        # the starting weights, for the white-box score (on a resume the checkpoint is loaded later,
+        # so the model is still the starting model here)
+        self.start = S.trainable_snapshot(model)
         if self.state:
             self.log(f"audit: resuming with the {self.canaries.count} canaries of {self.path}")
             return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
         self.log(f"audit: {self.canaries.count} canary users of {self.records} records "
                  f"({self.length}-token secrets), {int(self.canaries.included.sum())} drawn into training; "
                  f"seed and scores in {self.path} (keep it out of the published outputs)")
+        t0 = time.perf_counter()
         before = S.canary_losses(model, self.canaries)
         ui = {}
         n_ui = int(self.cfg.inference_users)
@@ -155,7 +166,8 @@ class AuditSession:
         self.state = {"format": "userdp-audit-secrets-1", "seed": f"{seed:032x}",
                       "canaries": self.canaries.count, "records_per_canary": self.records,
                       "secret_tokens": self.length, "included": self.canaries.included.tolist(),
-                      "loss_before": before.tolist(), "user_inference": ui}
+                      "loss_before": before.tolist(), "user_inference": ui,
+                      "seconds_before_training": round(time.perf_counter() - t0, 3)}
         _write_private_json(self.path, self.state)
         self._wrote = True
         return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
@@ -178,8 +190,14 @@ class AuditSession:
     def finish(self, model, train_data, eval_data, *, epsilon: Optional[float], delta: float) -> dict:
         """Score, bound and record; returns the public ``audit`` section of ``privacy.json``."""
         c = self.canaries
+        t0 = time.perf_counter()
         after = S.canary_losses(model, c)
-        score = canary_score(self.cfg.score, np.asarray(self.state["loss_before"]), after)
+        before = np.asarray(self.state["loss_before"])
+        # every score is computed and kept in the secrets file; only the configured one (chosen
+        # before training) gives the bound — picking the best afterwards would need a union bound
+        all_scores = {"loss": -after, "loss_difference": before - after,
+                      "gradient_alignment": S.gradient_alignment(model, c, self.start)}
+        score = all_scores[self.cfg.score]
         inc = c.included
         conf = float(self.cfg.confidence)
         one = B.one_run_bound(score, inc, delta=delta, confidence=conf)
@@ -194,6 +212,8 @@ class AuditSession:
             "guesses": one.guesses, "correct": one.correct, "k_plus": one.k_plus, "k_minus": one.k_minus,
             "guess_grid": len(one.tried),
             "canary_auc": B.roc_auc(score[inc], score[~inc]),
+            "canary_auc_other_scores": {k: B.roc_auc(v[inc], v[~inc]) for k, v in all_scores.items()
+                                        if k != self.cfg.score},
             "clopper_pearson_diagnostic": {**cp, "note": "treats the canaries of one run as independent "
                                            "trials, which they are not; a diagnostic, not a bound"},
             "shows": SHOWS, "does_not_show": DOES_NOT_SHOW,
@@ -216,26 +236,75 @@ class AuditSession:
                 "auc": B.roc_auc(s_tr, s_he), "tpr_at_1pct_fpr": B.tpr_at_fpr(s_tr, s_he, 0.01),
                 "trained_users": len(s_tr), "heldout_users": len(s_he),
                 "note": UI_NOTE.format(rec=rec, nt=len(s_tr), nh=len(s_he))}
-        self.state.update(loss_after=after.tolist(), score=score.tolist(), result=out)
+        out["seconds"] = round(float(self.state.get("seconds_before_training", 0.0))
+                               + time.perf_counter() - t0, 3)  # scoring only; training is the run's
+        self.state.update(loss_after=after.tolist(), score=score.tolist(),
+                          scores={k: v.tolist() for k, v in all_scores.items()}, result=out)
         _write_private_json(self.path, self.state)
         return out
-
-
-def canary_score(kind: str, before: np.ndarray, after: np.ndarray) -> np.ndarray:
-    """The membership score of each canary (higher: more likely trained on).
-
-    ``loss``: -after. ``loss_difference``: before - after. On the embedded default (non-private,
-    200 canaries) the first separates members far better (AUC 0.98 against 0.80): the starting
-    model's loss on random strings varies from string to string by more than training moves it,
-    so subtracting it adds noise, not signal (docs/audit.md)."""
-    if kind == "loss":
-        return -after
-    if kind == "loss_difference":
-        return before - after
-    raise UserError(f"audit.score: unknown score {kind!r} (loss, loss_difference)")
 
 
 def statement(eps_upper: Optional[float], eps_lower: float, confidence: float) -> str:
     """"accounted eps <= 3.0; audited eps >= 0.4 (95%)"."""
     up = "no guarantee (non-private run)" if eps_upper is None else f"accounted ε ≤ {eps_upper:.3g}"
     return f"{up}; audited ε ≥ {eps_lower:.3g} ({confidence:.0%})"
+
+
+def combine_runs(run_dirs: list[str], confidence: float | None = None) -> dict:
+    """Pool the canaries of several audited runs into one bound.
+
+    Each run has its own canaries, so each canary's coin flip touches one run only. The runs
+    together are then (eps, delta)-DP with respect to every canary, whenever each run is (parallel
+    composition), and Steinke et al.'s theorem applies to the pooled m canaries. The claim tested
+    is the weakest of the runs' (largest eps and delta). The Clopper–Pearson bound on the pooled
+    trials is a diagnostic: trials within one run are not independent.
+
+    Args:
+        run_dirs: audited run directories (their privacy.json name the secrets files).
+        confidence: of the bound (default: the first run's).
+
+    Returns:
+        dict with ``epsilon`` (the largest accounted, None if any run is non-private),
+        ``epsilon_lower_bound``, ``confidence``, ``delta``, ``canaries``, ``runs``, the guesses,
+        ``clopper_pearson_diagnostic`` and ``statement``.
+
+    Raises:
+        UserError: fewer than 2 runs, a run that was not audited, or a missing secrets file.
+    """
+    from userdp.lm.run_dir import existing_run_dir, read_json
+
+    if len(run_dirs) < 2:
+        raise UserError("--combine: give at least 2 audited run directories")
+    scores, included, deltas, epsilons, seeds = [], [], [], [], set()
+    conf = confidence
+    for d in run_dirs:
+        rd = existing_run_dir(d)
+        if not rd.privacy.is_file():
+            raise UserError(f"--combine {d}: no privacy.json (the run has not finished)")
+        a = (read_json(rd.privacy) or {}).get("audit")
+        if not a:
+            raise UserError(f"--combine {d}: this run was not audited")
+        path = Path(a["secrets_file"])
+        try:
+            sec = json.loads(path.read_text())
+            sc, inc = sec["score"], sec["included"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise UserError(f"--combine {d}: cannot read its audit secrets file {path}") from None
+        if sec["seed"] in seeds:
+            raise UserError(f"--combine {d}: its canaries are those of another run given (the same seed)")
+        seeds.add(sec["seed"])
+        scores.extend(sc)
+        included.extend(inc)
+        deltas.append(float(a["delta"]))
+        epsilons.append(a.get("epsilon_upper_bound"))
+        conf = conf if conf is not None else float(a["confidence"])
+    delta = max(deltas)
+    eps = None if any(e is None for e in epsilons) else max(epsilons)
+    one = B.one_run_bound(scores, included, delta=delta, confidence=conf)
+    cp = B.clopper_pearson_bound(scores, included, delta=delta, confidence=conf)
+    return {"runs": len(run_dirs), "canaries": len(scores), "canaries_included": int(sum(included)),
+            "epsilon": eps, "delta": delta, "confidence": conf,
+            "epsilon_lower_bound": one.epsilon_lower_bound, "guesses": one.guesses, "correct": one.correct,
+            "mechanism_caught": eps is not None and one.epsilon_lower_bound > eps,
+            "clopper_pearson_diagnostic": {**cp, "note": "pooled trials; independent across runs only"},
+            "statement": statement(eps, one.epsilon_lower_bound, conf)}

@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "train",
     "pretrain",
     "evaluate",
+    "audit",
     "report",
     "plan",
     "account",

@@ -74,6 +74,8 @@ def main(args) -> int:
         if s.get("seeded"):
             print("randomness:           SEEDED (training.seed given): whoever holds the seed can recompute "
                   "the noise; the guarantee holds only against parties who do not know it")
+    if s.get("audit"):
+        print(f"empirical audit:      {s['audit']['statement']} ({s['audit']['canaries']} canary users)")
     if s.get("nonfinite_units"):
         print(f"diagnostics:          {s['nonfinite_units']} sampled units had non-finite updates and "
               "contributed zero (a non-private count)")

@@ -147,6 +147,19 @@ class PlanningConfig:
 
 
 @dataclass(frozen=True)
+class AuditConfig:
+    canaries: int = 0                     # K canary users (0: no audit); `userdp audit --canaries K`
+    records_per_canary: Optional[int] = None  # null: training.group_size (a canary fills a user's G slots)
+    secret_tokens: Optional[int] = None   # tokens of each random secret (null: tokenizer.seq_len)
+    score: str = _choice("gradient_alignment", "loss", "loss_difference", default="loss")  # canary membership score (docs/audit.md)
+    confidence: float = 0.95              # of the one-run lower bound
+    secrets: Optional[str] = None         # the seed, inclusions and scores (null: <run_dir>.audit-secrets.json)
+    seed: Optional[int] = None            # canary seed (null: 128 bits of OS entropy); for reproducible tests
+    inference_users: int = 100            # training and held-out users scored for user inference (0: none)
+    inference_records: int = 8            # records scored per such user
+
+
+@dataclass(frozen=True)
 class RunConfig:
     plan: Optional[str] = _choice("auto", default=None)  # auto: choose algorithm/G/cohort (docs/plan.md)
     planning: PlanningConfig = PlanningConfig()
@@ -157,6 +170,7 @@ class RunConfig:
     training: TrainingConfig = TrainingConfig()
     eval: EvalConfig = EvalConfig()
     output: OutputConfig = OutputConfig()
+    audit: AuditConfig = AuditConfig()
 
 
 # ---------------------------------------------------------------------------------------
@@ -416,6 +430,23 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             f"noise), got {p.noise_multiplier}")
     if t.checkpoint_every < 1:
         bad(f"training.checkpoint_every must be >= 1, got {t.checkpoint_every}")
+    a = cfg.audit
+    if a.canaries != 0 and a.canaries < 2:
+        bad(f"audit.canaries must be 0 (no audit) or at least 2, got {a.canaries}")
+    if a.canaries > 1_000_000:
+        bad(f"audit.canaries must be at most 1000000, got {a.canaries}")
+    if a.records_per_canary is not None and a.records_per_canary < 1:
+        bad(f"audit.records_per_canary must be >= 1, got {a.records_per_canary}")
+    if a.secret_tokens is not None and not 2 <= a.secret_tokens <= tok.seq_len:
+        bad(f"audit.secret_tokens must be in [2, tokenizer.seq_len = {tok.seq_len}], got {a.secret_tokens}")
+    if not 0 < a.confidence < 1:
+        bad(f"audit.confidence must be in (0, 1), got {a.confidence}")
+    if a.seed is not None and a.seed < 0:
+        bad(f"audit.seed must be >= 0, got {a.seed}")
+    if a.inference_users < 0:
+        bad(f"audit.inference_users must be >= 0, got {a.inference_users}")
+    if a.inference_records < 1:
+        bad(f"audit.inference_records must be >= 1, got {a.inference_records}")
     pl = cfg.planning
     if cfg.plan == "auto":
         if pl.compute_budget is None:

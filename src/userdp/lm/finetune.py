@@ -706,14 +706,18 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
 
     if resume_dir is not None:
         rd = existing_run_dir(resume_dir)
-        return _run(cfg, rd, resume_dir, _check_resumable(rd, resume_dir), progress, log, plan_file)
+        engine_resume = _check_resumable(rd, resume_dir)
+        audit = _audit_session(cfg, rd, True, log, steps_begun=engine_resume)
+        return _run(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit)
     target = Path(output or cfg.output.dir) if (output or cfg.output.dir) else None
     existed = target is not None and target.is_dir()
     rd = new_run_dir(output or cfg.output.dir)
+    audit = None
     try:
+        audit = _audit_session(cfg, rd, False, log)
         rd.config.write_text(C.dump_yaml(cfg))
         rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        return _run(cfg, rd, None, False, progress, log, plan_file)
+        return _run(cfg, rd, None, False, progress, log, plan_file, audit)
     except BaseException:
         if not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
             import shutil
@@ -721,21 +725,32 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
             shutil.rmtree(rd.root, ignore_errors=True)
             if existed:
                 rd.root.mkdir(parents=True, exist_ok=True)
+            if audit is not None:
+                audit.discard()
         raise
 
 
+def _audit_session(cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log, steps_begun: bool = False):
+    """The run's :class:`~userdp.audit.session.AuditSession` when ``audit.canaries > 0``, else None."""
+    if not cfg.audit.canaries:
+        return None
+    from userdp.audit.session import AuditSession
+
+    return AuditSession(cfg.audit, rd.root, resume=resume, log=log, steps_begun=steps_begun)
+
+
 def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
-         plan_file: Optional[str]) -> dict:
+         plan_file: Optional[str], audit=None) -> dict:
     if cfg.output.cache == "run":  # every cached copy of this run's data stays in the run directory
         from userdp.lm.pretrain import cache_in
 
         with cache_in(rd.root / "cache"):
-            return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file)
-    return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file)
+            return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit)
+    return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit)
 
 
 def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
-             plan_file: Optional[str]) -> dict:
+             plan_file: Optional[str], audit=None) -> dict:
     from userdp import engine as E
     from userdp.engine import checkpoint as ckpt
     from userdp.lm.evaluate import evaluate_lm
@@ -796,6 +811,11 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
                 + C.dump_yaml(cfg))
             n_units = _num_units(cfg, prep.train_subset)
             check_budget(cfg, prep.train_subset.num_users, n_units)
+    if audit is not None:  # canary users join the training data (before any step; docs/audit.md)
+        train_data = audit.attach(train_data, eval_data, tok, model, group_size=cfg.training.group_size,
+                                  seq_len=cfg.tokenizer.seq_len)
+        n_units = _num_units(cfg, train_data)
+        check_budget(cfg, train_data.num_users, n_units)
     cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
     if chunk_info:
         notes["chunk_size"] = chunk_info
@@ -855,9 +875,12 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
                 "ledger.json": lambda path: _write_ledger_summary(path, run.step, run.ledger.spent, eps)}
 
     rd.write_state(status="running")
+    context = journal_context(rd, prep)
+    if audit is not None:
+        context.update(audit.journal_context())
     try:
         res = E.train(model, data, models.causal_lm_loss, ecfg, checkpoint_dir=str(rd.checkpoints),
-                      resume=engine_resume, callbacks=[on_step], journal_context=journal_context(rd, prep),
+                      resume=engine_resume, callbacks=[on_step], journal_context=context,
                       checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log))
     except KeyboardInterrupt as exc:
         mfile.close()
@@ -895,6 +918,12 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
                          cfg.tokenizer.seq_len, plan)
     priv["split"] = prep.split_rule
     priv["data_drops"] = prep.drops
+    if audit is not None:
+        log("audit: scoring the canaries under the trained model ...")
+        delta = priv["delta"] or cfg.privacy.delta or float(train_data.num_users) ** -1.1
+        priv["audit"] = audit.finish(model, train_data, eval_data, epsilon=priv["epsilon"], delta=delta)
+        priv["not_accounted"] = list(priv.get("not_accounted") or []) + audit_disclosures(priv["audit"])
+        log(f"audit: {priv['audit']['statement']}")
     write_json_atomic(rd.privacy, priv)
     models.save_model(model, rd.model, tok)
     if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
@@ -918,11 +947,27 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         "steps": res.steps, "stopped": res.stopped, "train_users": prep.train_subset.num_users,
         "eval_users": prep.eval_subset.num_users, "seconds": round(time.time() - t_start, 1),
     }
+    if audit is not None:
+        a = priv["audit"]
+        summary["audit"] = {k: a.get(k) for k in ("statement", "epsilon_lower_bound", "confidence",
+                                                   "canaries", "canaries_included", "mechanism_caught")}
     rd.write_state(status="done", summary=summary)
     from userdp.lm.report import write_report
 
     write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
     return summary
+
+
+def audit_disclosures(section: dict) -> list[str]:
+    """The audit's non-private touches of real users' data, one line each (for not_accounted)."""
+    out = [f"audit: {section['canaries_included']} synthetic canary users were added to the training data "
+           "(they are counted in N; they are not people)"]
+    ui = section.get("user_inference")
+    if ui:
+        out.append(f"audit: the user-inference AUC and TPR were computed without noise on the records of "
+                   f"{ui['trained_users']} training users and {ui['heldout_users']} held-out users "
+                   "(a non-private statistic of the data)")
+    return out
 
 
 def _announce(info: dict, log: Log) -> None:

@@ -298,6 +298,29 @@ def _render_evaluation(L: list, ev: dict) -> None:
                      f"{_fmt(ev[k].get('user_loss'))} over {ev[k].get('num_users')} users")
 
 
+def _render_audit(L: list, a: dict) -> None:
+    """The "Empirical audit" section (docs/audit.md), when the run was audited."""
+    if not a:
+        return
+    L.append("## 8. Empirical audit (a lower bound, beside the accounted upper bound)")
+    L.append(f"- **{a.get('statement', '')}**")
+    if a.get("mechanism_caught"):
+        L.append("- **The audited lower bound exceeds the accounted epsilon: the implementation or its "
+                 "accounting is broken, and the guarantee above must not be relied on.**")
+    L.append(f"- design: {a.get('design')}")
+    L.append(f"- score: {a.get('score')}")
+    L.append(f"- bound: Steinke et al. (2023), Thm 5.2, at delta = {_fmt(a.get('delta'))} and confidence "
+             f"{_fmt(a.get('confidence'))}; {a.get('correct')} of {a.get('guesses')} guesses correct "
+             f"({a.get('k_plus')} \"in\", {a.get('k_minus')} \"out\"; the best of {a.get('guess_grid')} guess "
+             f"counts fixed in advance, paid for by a union bound); canary ROC AUC {_fmt(a.get('canary_auc'))}")
+    ui = a.get("user_inference")
+    if ui:
+        L.append(f"- user inference on real users (diagnostic): ROC AUC {_fmt(ui.get('auc'))}, TPR at 1% FPR "
+                 f"{_fmt(ui.get('tpr_at_1pct_fpr'))}; {ui.get('note')}")
+    L.append(f"- what it shows: {a.get('shows')}")
+    L.append(f"- what it does not show: {a.get('does_not_show')}")
+
+
 def render_markdown(rep: dict) -> str:
     L = []
     private = rep.get("private", True)
@@ -309,6 +332,7 @@ def render_markdown(rep: dict) -> str:
                  "user's data. Nothing here is a privacy statement.")
         L.append("")
         _render_evaluation(L, rep.get("evaluation") or {})
+        _render_audit(L, rep.get("audit") or {})
         return "\n".join(L) + "\n"
     if rep.get("status") == "interrupted" or rep.get("stopped") == "interrupted":
         L.append(f"**Interrupted** after {rep.get('steps_applied', rep.get('steps_taken'))} of "
@@ -411,6 +435,7 @@ def render_markdown(rep: dict) -> str:
     L.append(json.dumps(rep["dp_event"]))
     L.append("```")
     _render_evaluation(L, rep.get("evaluation") or {})
+    _render_audit(L, rep.get("audit") or {})
     return "\n".join(L) + "\n"
 
 
