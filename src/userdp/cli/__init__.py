@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "pretrain",
     "evaluate",
     "audit",
+    "tune",
     "report",
     "plan",
     "account",

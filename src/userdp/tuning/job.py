@@ -1,0 +1,292 @@
+"""The `userdp tune` job: calibrate, draw the trial count once, run the trials, release the best.
+
+The tuning directory holds:
+
+* ``tune.json`` — the plan, written before the first trial (like the ledger, before any effect):
+  the trial-count distribution, the drawn count K, every trial's hyperparameters (drawn up front
+  from 128 bits of OS entropy), sigma per mechanism, the guarantee. A resume reads it and never
+  draws again.
+* ``trials/trial-NNN/`` — one ``userdp train`` run directory per trial (resumable).
+* ``results.csv``, ``results.json``, ``scores.png`` — every trial's held-out score. NOT covered by
+  the tuning guarantee (which covers the best trial only): publishing them is the composition of
+  all K runs, stated in ``tuning.json``.
+* ``best`` — a link to the winning trial, whose report gains both guarantees.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from userdp.errors import UserError
+from userdp.lm import config as C
+from userdp.lm.run_dir import read_json, write_json_atomic
+from userdp.tuning import accounting as TA
+from userdp.tuning.selection import TrialCount, epsilon_from_rdp
+from userdp.tuning.space import Space, mechanism_key
+
+Log = Callable[[str], None]
+STATE = "tune.json"
+
+
+def _overrides(params: dict) -> list[str]:
+    return [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in params.items()]
+
+
+def _trial_config(base: dict, params: dict, extra: list[str]) -> C.RunConfig:
+    raw = C.apply_overrides(json.loads(json.dumps(base)), _overrides(params) + extra)
+    return C.from_dict(raw, "tuning trial")
+
+
+def _plan_for(cfg: C.RunConfig, prep, tau: float | None):
+    """The trial's RunPlan (calibrated to tau, or at the config's fixed sigma when tau is None)."""
+    from userdp.engine.plan import make_plan
+    from userdp.lm.finetune import _num_units, check_cohort, engine_config
+
+    n_units = _num_units(cfg, prep.train_subset)
+    check_cohort(cfg, n_units)
+    if tau is not None:
+        cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, epsilon=tau, noise_multiplier=None))
+    return make_plan(engine_config(cfg, n_units), num_users=prep.train_subset.num_users, num_units=n_units)
+
+
+def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCount, out: Path,
+               on: str = "private", public_cfg: C.RunConfig | None = None, seed: int | None = None,
+               log: Log) -> dict:
+    """Calibrate and draw; write ``tune.json`` (before any trial). Returns the state.
+
+    Raises:
+        UserError: an unusable space, a budget that cannot cover tuning, an existing directory.
+    """
+    from userdp.lm.finetune import prepare_data
+
+    if (out / STATE).exists():
+        raise UserError(f"{out}: a tuning run is already there (continue it with --resume {out})")
+    base = C.to_dict(cfg)
+    trial_raw = C.to_dict(public_cfg) if on == "public" else base
+    # every mechanism the space can select must be a valid config on the private data
+    mechs = space.mechanisms()
+    for m in mechs:
+        _trial_config(base, m, [])
+    prep = prepare_data(cfg, log)
+    delta = cfg.privacy.delta or float(prep.train_subset.num_users) ** -1.1
+    delta_extra = [f"privacy.delta={delta!r}"]
+    keys = {mechanism_key(m): m for m in mechs}
+    if on == "private":
+        def make(key, tau):
+            return _plan_for(_trial_config(base, keys[key], delta_extra), prep, tau)
+
+        log(f"tune: calibrating {len(keys)} mechanism(s) so that tuning + the released model meet epsilon "
+            f"{epsilon:g} at delta {delta:.3g} ({count.kind}, mean {count.mean():.3g} trials) ...")
+        cal = TA.calibrate(make, list(keys), count, delta, epsilon)
+        sigma = {k: p.noise_multiplier for k, p in cal.plans.items()}
+        guarantee = {"epsilon_total": cal.epsilon_total, "per_trial_target": cal.tau,
+                     "epsilon_final_model_by_mechanism": cal.epsilon_trial,
+                     "rdp_orders": TA.ORDERS.tolist(),
+                     "rdp": {k: TA.run_rdp(p).tolist() for k, p in cal.plans.items()}}
+    else:
+        sigma, guarantee = {}, {}
+    rng = np.random.default_rng(np.random.SeedSequence(secrets.randbits(128) if seed is None else seed))
+    k = count.sample(rng)
+    trials = [space.draw(rng) for _ in range(k)]
+    state = {"format": "userdp-tune-1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "on": on, "epsilon": epsilon, "delta": delta, "count": count.to_dict(), "trials_planned": k,
+             "seeded": seed is not None, "space": [dataclasses.asdict(d) for d in space.dims],
+             "base_config": base, "trial_config": trial_raw, "sigma": sigma, "trials": [
+                 {"index": i, "params": p, "mechanism": mechanism_key(p)} for i, p in enumerate(trials)],
+             **guarantee, "status": "running"}
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / STATE, state)
+    log(f"tune: {k} trials drawn (recorded in {out / STATE} before the first one)")
+    return state
+
+
+def run_trials(state: dict, out: Path, *, progress: bool, log: Log) -> dict:
+    """Run (or continue) every trial, then release the best (with ``on: public``, train once on the
+    private data with the best trial's hyperparameters). Returns the summary."""
+    _trials(state, out, progress=progress, log=log)
+    if state["on"] == "public":
+        _final_private_run(state, out, progress=progress, log=log)
+    return release(state, out, log)
+
+
+def _final_private_run(state: dict, out: Path, *, progress: bool, log: Log) -> None:
+    """The one touch of the private data: the best public trial's hyperparameters, at the budget."""
+    from userdp.lm.finetune import run
+    from userdp.lm.run_dir import RunDir
+
+    done = [t for t in state["trials"] if t.get("score") is not None]
+    if not done:
+        return
+    best = min(done, key=lambda t: t["score"])
+    d = out / "final"
+    log(f"tune: training once on the private data with trial {best['index'] + 1}'s hyperparameters ...")
+    if d.is_dir() and (d / "config.yaml").is_file():
+        st = RunDir(d).read_state()
+        s = st.get("summary") if st.get("status") == "done" else run(
+            C.load_config(d / "config.yaml"), resume_dir=str(d), progress=progress, log=log)
+    else:
+        cfg = _trial_config(state["base_config"], best["params"], [f"privacy.epsilon={state['epsilon']!r}"])
+        s = run(cfg, output=str(d), progress=progress, log=log)
+    state["final"] = {"index": best["index"], "params": best["params"], "run_dir": str(d), "score": s["loss_after"],
+                      "perplexity": s["perplexity_after"], "epsilon": s["epsilon"]}
+    write_json_atomic(out / STATE, state)
+
+
+def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
+    """Run (or continue) every trial, then release the best. Returns the summary."""
+    from userdp.lm.finetune import run
+    from userdp.lm.run_dir import RunDir
+
+    trials_dir = out / "trials"
+    trials_dir.mkdir(exist_ok=True)
+    base = state["trial_config"]
+    for t in state["trials"]:
+        if t.get("score") is not None:
+            continue
+        d = trials_dir / f"trial-{t['index']:03d}"
+        extra = [f"privacy.delta={state['delta']!r}"]
+        if state["on"] == "private":
+            sig = state["sigma"][t["mechanism"]]
+            eps_t = state["epsilon_final_model_by_mechanism"][t["mechanism"]]
+            extra += [f"privacy.noise_multiplier={sig!r}", f"privacy.epsilon={eps_t * (1 + 1e-9) + 1e-9!r}"]
+        log(f"tune: trial {t['index'] + 1} of {state['trials_planned']}: "
+            + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in t["params"].items()))
+        if d.is_dir() and (d / "config.yaml").is_file():
+            st = RunDir(d).read_state()
+            s = st.get("summary") if st.get("status") == "done" else run(
+                C.load_config(d / "config.yaml"), resume_dir=str(d), progress=progress, log=log)
+        else:
+            cfg = _trial_config(base, t["params"], extra)
+            s = run(cfg, output=str(d), progress=progress, log=log)
+        t.update(run_dir=str(d), score=s["loss_after"], perplexity=s["perplexity_after"], epsilon=s["epsilon"])
+        write_json_atomic(out / STATE, state)
+        log(f"tune: trial {t['index'] + 1}: held-out loss {s['loss_after']:.4f} (perplexity {s['perplexity_after']:.2f})")
+
+
+def release(state: dict, out: Path, log: Log) -> dict:
+    """Pick the best trial (lowest held-out loss), write the table, the plot and the guarantees."""
+    done = [t for t in state["trials"] if t.get("score") is not None]
+    if not done:
+        state["status"] = "done"
+        write_json_atomic(out / STATE, state)
+        raise UserError(f"{out}: the trial count drawn was 0 (Poisson): nothing is released; the budget "
+                        "is spent all the same")
+    best = min(done, key=lambda t: t["score"])
+    if state["on"] == "public":
+        best = state["final"]
+    _write_table(state, out)
+    _plot(state, out)
+    link = out / "best"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    os.symlink(os.path.relpath(best["run_dir"], out), link)
+    summary = _guarantee(state, best)
+    _annotate_best(summary, best)
+    state.update(status="done", best=best["index"])
+    write_json_atomic(out / STATE, state)
+    write_json_atomic(out / "tuning.json", summary)
+    log(f"tune: best trial {best['index'] + 1} (held-out loss {best['score']:.4f}): {best['run_dir']}")
+    return summary
+
+
+def _guarantee(state: dict, best: dict) -> dict:
+    k = len(state["trials"])
+    s = {"on": state["on"], "trials_run": k, "delta": state["delta"],
+         "trial_count": state["count"], "seeded": state["seeded"],
+         "best": {"run_dir": best["run_dir"], "index": best["index"], "params": best["params"],
+                  "heldout_loss": best["score"], "heldout_perplexity": best["perplexity"]},
+         "scoring": ("held-out loss per token on the held-out users (data.heldout_users): those users are "
+                     "excluded from training and declared outside the guarantee; selecting on their loss "
+                     "is a non-private use of their records")}
+    if state["on"] == "private":
+        s.update(epsilon_total=state["epsilon_total"], epsilon_final_model=best["epsilon"],
+                 epsilon_budget=state["epsilon"],
+                 method=("private selection (Papernot & Steinke 2022): the number of trials K was drawn "
+                         f"from {state['count']['kind']} (mean {state['count']['mean']:.3g}) before any trial "
+                         "and only the best trial is released; per-trial RDP curves (the max over the space's "
+                         "mechanisms) -> their theorem -> (epsilon, delta)"))
+        # publishing every trial (the table, every model) is their plain composition: K and the
+        # hyperparameters are data-independent, so the realized trials' RDP curves add up
+        rho = np.sum([np.asarray(state["rdp"][t["mechanism"]]) for t in state["trials"]], axis=0)
+        s["epsilon_all_trials_published"] = epsilon_from_rdp(TA.ORDERS, rho, state["delta"])
+    else:
+        s.update(epsilon_total=best["epsilon"], epsilon_final_model=best["epsilon"],
+                 method="trials on data declared public; the private data was touched once (the final run)")
+    return s
+
+
+def _annotate_best(summary: dict, best: dict) -> None:
+    """The winning run's privacy.json and report gain both guarantees."""
+    from userdp.lm.report import write_report
+
+    p = Path(best["run_dir"]) / "privacy.json"
+    rec = read_json(p)
+    if summary["on"] == "private":
+        rec["tuning_guarantee"] = (
+            f"tuning + final model: epsilon = {summary['epsilon_total']:.4g} at delta = {summary['delta']:.3g} "
+            f"({summary['method']}; {summary['trials_run']} trials run); final model alone: epsilon = "
+            f"{summary['epsilon_final_model']:.4g}; trials were scored on held-out users declared outside the guarantee")
+        rec["epsilon_tuning_total"] = summary["epsilon_total"]
+        rec["not_accounted"] = [n for n in rec.get("not_accounted", []) if not n.startswith("hyperparameter tuning")]
+        rec["not_accounted"].append("the held-out users' records scored each trial (selection used them; "
+                                    "they are outside the guarantee)")
+    else:
+        rec["tuning_guarantee"] = ("hyperparameters tuned on data declared public; the private data was "
+                                   "touched once, by this run (its epsilon is the whole guarantee)")
+        rec["not_accounted"] = [n for n in rec.get("not_accounted", []) if not n.startswith("hyperparameter tuning")]
+    rec["tuning"] = summary
+    write_json_atomic(p, rec)
+    write_report(best["run_dir"])
+
+
+def _write_table(state: dict, out: Path) -> None:
+    keys = [d["key"] for d in state["space"]]
+    rows = [{"trial": t["index"] + 1, **{k: t["params"].get(k) for k in keys}, "mechanism": t["mechanism"],
+             "heldout_loss": t.get("score"), "heldout_perplexity": t.get("perplexity"),
+             "epsilon_trial": t.get("epsilon"), "run_dir": t.get("run_dir")} for t in state["trials"]]
+    tmp = out / "results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, out / "results.csv")
+    write_json_atomic(out / "results.json", rows)
+
+
+def _plot(state: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = state["space"]
+    done = [t for t in state["trials"] if t.get("score") is not None]
+    fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 3.2), squeeze=False)
+    for ax, d in zip(axes[0], dims):
+        xs = [t["params"][d["key"]] for t in done]
+        ys = [t["score"] for t in done]
+        if all(isinstance(x, (int, float)) for x in xs):
+            ax.scatter(xs, ys)
+            if d["kind"] == "log_uniform":
+                ax.set_xscale("log")
+        else:
+            cats = sorted({str(x) for x in xs})
+            ax.scatter([cats.index(str(x)) for x in xs], ys)
+            ax.set_xticks(range(len(cats)), cats)
+        ax.set_xlabel(d["key"])
+        ax.set_ylabel("held-out loss")
+    fig.suptitle(f"{len(done)} trials")
+    fig.tight_layout()
+    tmp = out / "scores.tmp.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, out / "scores.png")

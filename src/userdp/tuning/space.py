@@ -1,0 +1,119 @@
+"""Search spaces for `userdp tune`: which config keys vary, and how a trial draws them.
+
+A space is a YAML mapping of dotted config keys to
+
+* a list — a uniform choice among its values (a grid, searched at random);
+* ``{log_uniform: [low, high]}`` or ``{uniform: [low, high]}`` — a continuous draw.
+
+Private selection (Papernot & Steinke 2022) needs each trial's hyperparameters drawn independently
+of the data, from a distribution fixed in advance: random search, never a grid walked in order.
+Keys that change the privacy mechanism (:data:`MECHANISM_KEYS`) must be lists, so the mechanisms
+are finitely many and each is calibrated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from userdp.errors import UserError
+
+MECHANISM_KEYS = ("training.algorithm", "training.group_size", "training.cohort_size", "training.steps",
+                  "privacy.sampler", "training.clipping", "privacy.accountant", "privacy.delta")
+REFUSED_KEYS = ("privacy.epsilon", "privacy.noise_multiplier", "training.seed", "data.", "audit.", "output.",
+                "plan", "planning.")
+
+
+@dataclass(frozen=True)
+class Dim:
+    key: str
+    kind: str  # choice | log_uniform | uniform
+    values: tuple
+
+    def draw(self, rng: np.random.Generator):
+        if self.kind == "choice":
+            return self.values[int(rng.integers(len(self.values)))]
+        lo, hi = self.values
+        if self.kind == "log_uniform":
+            return float(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+        return float(rng.uniform(lo, hi))
+
+
+@dataclass(frozen=True)
+class Space:
+    dims: tuple
+
+    @property
+    def keys(self) -> list[str]:
+        return [d.key for d in self.dims]
+
+    def draw(self, rng: np.random.Generator) -> dict:
+        """One trial's hyperparameters."""
+        return {d.key: d.draw(rng) for d in self.dims}
+
+    def mechanisms(self) -> list[dict]:
+        """Every combination of the mechanism keys' values (the mechanisms a trial may run)."""
+        combos = [{}]
+        for d in self.dims:
+            if d.key in MECHANISM_KEYS:
+                combos = [{**c, d.key: v} for c in combos for v in d.values]
+        return combos
+
+
+def mechanism_key(params: dict) -> str:
+    """A stable name for the mechanism a trial's hyperparameters select."""
+    parts = [f"{k}={params[k]}" for k in MECHANISM_KEYS if k in params]
+    return ",".join(parts) or "default"
+
+
+def load_space(path: str) -> Space:
+    """Read and check a search space file.
+
+    Raises:
+        UserError: an unreadable file, a key that must not be tuned, a malformed range.
+    """
+    import yaml
+
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise UserError(f"--search {path}: cannot read it ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"--search {path}{where}: not valid YAML") from None
+    return parse_space(raw, str(path))
+
+
+def parse_space(raw, where: str = "search space") -> Space:
+    if not isinstance(raw, dict) or not raw:
+        raise UserError(f"{where}: expected a mapping of config keys to values (a list, or "
+                        "{log_uniform: [low, high]} / {uniform: [low, high]})")
+    dims = []
+    for key, spec in raw.items():
+        key = str(key)
+        if any(key == r or (r.endswith(".") and key.startswith(r)) for r in REFUSED_KEYS):
+            raise UserError(f"{where}: {key} cannot be tuned (the budget, the data and the seeds are fixed "
+                            "by the tuning run)")
+        if isinstance(spec, list):
+            if not spec:
+                raise UserError(f"{where}: {key}: an empty list")
+            dims.append(Dim(key, "choice", tuple(spec)))
+        elif isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in ("log_uniform", "uniform"):
+            kind, rng = next(iter(spec.items()))
+            ok = (isinstance(rng, list) and len(rng) == 2 and all(isinstance(x, (int, float)) for x in rng)
+                  and rng[0] < rng[1] and (kind == "uniform" or rng[0] > 0))
+            if not ok:
+                raise UserError(f"{where}: {key}: {kind} needs [low, high] with low < high"
+                                + (" and low > 0" if kind == "log_uniform" else ""))
+            if key in MECHANISM_KEYS:
+                raise UserError(f"{where}: {key} changes the privacy mechanism: give a list of values "
+                                "(each is calibrated), not a range")
+            dims.append(Dim(key, kind, (float(rng[0]), float(rng[1]))))
+        else:
+            raise UserError(f"{where}: {key}: expected a list of values or {{log_uniform|uniform: [low, high]}}")
+    return Space(tuple(dims))
