@@ -1,6 +1,7 @@
 """The audit's lower bounds against direct computations, and their validity and power in
 simulation (Steinke, Nasr & Jagielski 2023; Clopper–Pearson)."""
 
+import itertools
 import math
 
 import numpy as np
@@ -38,7 +39,7 @@ def test_lower_bound_sits_on_the_rejection_boundary():
 
 def test_lower_bound_grows_with_correct_guesses_and_shrinks_with_delta():
     a = [B.epsilon_lower_bound(200, 100, v, 0.0, 0.05) for v in (60, 70, 80, 90, 100)]
-    assert all(x < y for x, y in zip(a, a[1:]))
+    assert all(x < y for x, y in itertools.pairwise(a))
     assert B.epsilon_lower_bound(200, 100, 50, 0.0, 0.05) == 0.0  # chance accuracy proves nothing
     d = [B.epsilon_lower_bound(400, 200, 195, delta, 0.05) for delta in (0.0, 1e-4, 1e-3)]
     assert d[0] > d[1] > d[2]

@@ -6,8 +6,8 @@ import os
 import stat
 
 import pytest
-
 from _lm_corpus import tiny_config, write_tiny_corpus
+
 from userdp.cli import main as cli
 
 

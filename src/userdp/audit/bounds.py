@@ -23,8 +23,8 @@ Jagielski, Ullman, Oprea 2020 (the Clopper–Pearson audit); Kandpal et al. 2023
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import numpy as np
 from scipy import stats
@@ -248,6 +248,6 @@ def tpr_at_fpr(scores_pos: Sequence[float], scores_neg: Sequence[float], fpr: fl
     n = np.sort(np.asarray(scores_neg, dtype=np.float64))
     if p.size == 0 or n.size == 0:
         return float("nan")
-    allowed = int(math.floor(fpr * n.size))  # negatives that may score above the threshold
+    allowed = math.floor(fpr * n.size)  # negatives that may score above the threshold
     t = n[n.size - allowed - 1]
     return float((p > t).mean())

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from userdp.engine.data import DelegatingUserData, TensorUserData, UserData, uniform_subsets
+from userdp.engine.data import (
+    DelegatingUserData,
+    TensorUserData,
+    UserData,
+    uniform_subsets,
+)
 from userdp.errors import UserError
 
 IGNORE_INDEX = -100
@@ -37,7 +42,7 @@ def ordinary_token_ids(tok) -> np.ndarray:
 
     t = as_tokenizers(tok)
     n = int(t.get_vocab_size(with_added_tokens=True))
-    special = set(int(i) for i in t.get_added_tokens_decoder().keys())
+    special = {int(i) for i in t.get_added_tokens_decoder()}
     ids = np.array([i for i in range(n) if i not in special], dtype=np.int64)
     if ids.size < 2:
         raise UserError("audit: the tokenizer has fewer than 2 ordinary tokens to build canaries from")
@@ -55,7 +60,7 @@ class Canaries:
     records: int  # records each canary user holds (copies of its secret)
 
     @classmethod
-    def generate(cls, seed: int, count: int, length: int, records: int, vocab: np.ndarray) -> "Canaries":
+    def generate(cls, seed: int, count: int, length: int, records: int, vocab: np.ndarray) -> Canaries:
         """Draw ``count`` secrets of ``length`` tokens from ``vocab`` and the inclusion coin flips.
 
         Raises:

@@ -10,6 +10,8 @@ started from. A higher score means "more likely trained on".
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 
@@ -60,7 +62,7 @@ def user_losses(model, data, users: np.ndarray, max_records: int, batch_size: in
     finally:
         model.train(was_training)
     bounds = np.cumsum([0] + [len(r) for r in records])
-    out = np.array([nll[a:b].sum() / max(1.0, cnt[a:b].sum()) for a, b in zip(bounds[:-1], bounds[1:])])
+    out = np.array([nll[a:b].sum() / max(1.0, cnt[a:b].sum()) for a, b in itertools.pairwise(bounds)])
     return out, records
 
 

@@ -22,8 +22,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -99,7 +99,7 @@ class AuditSession:
         self.path = Path(audit_cfg.secrets) if audit_cfg.secrets else default_secrets_path(run_root)
         self.log = log
         self.state: dict = {}
-        self.canaries: Optional[Canaries] = None
+        self.canaries: Canaries | None = None
         self._wrote = False
         if resume and (steps_begun or self.path.exists()):
             try:
@@ -187,7 +187,7 @@ class AuditSession:
 
     # ---------------------------------------------------------------- after training
 
-    def finish(self, model, train_data, eval_data, *, epsilon: Optional[float], delta: float) -> dict:
+    def finish(self, model, train_data, eval_data, *, epsilon: float | None, delta: float) -> dict:
         """Score, bound and record; returns the public ``audit`` section of ``privacy.json``."""
         c = self.canaries
         t0 = time.perf_counter()
@@ -244,7 +244,7 @@ class AuditSession:
         return out
 
 
-def statement(eps_upper: Optional[float], eps_lower: float, confidence: float) -> str:
+def statement(eps_upper: float | None, eps_lower: float, confidence: float) -> str:
     """"accounted eps <= 3.0; audited eps >= 0.4 (95%)"."""
     up = "no guarantee (non-private run)" if eps_upper is None else f"accounted ε ≤ {eps_upper:.3g}"
     return f"{up}; audited ε ≥ {eps_lower:.3g} ({confidence:.0%})"
