@@ -56,6 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--canaries", type=int, default=400)
     ap.add_argument("--score", default=None, help="audit.score (default: the library's default)")
+    ap.add_argument("--only", default=None, help="scenario names to run, separated by ';'")
     args = ap.parse_args(argv)
     from userdp.audit.bounds import one_run_bound
 
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
         _, base_s = _run([], Path(tmp) / "baseline", None, 1)
         print(f"baseline (no audit, eps=3): {base_s:.1f} s", flush=True)
         for name, ov, fault, times in SCENARIOS:
-            if args.quick and name not in QUICK:
+            if (args.quick and name not in QUICK) or (args.only and name not in args.only.split(";")):
                 continue
             s, secs = _run(ov + extra, Path(tmp) / name.replace(" ", "_").replace(",", ""), fault, times)
             priv = json.loads((Path(s["run_dir"]) / "privacy.json").read_text())
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
             print(f"{name:36s} accounted eps {eps:>6s}  audited eps >= {row['epsilon_lower_bound']:.2f} "
                   f"({row['correct']}/{row['guesses']} correct, AUC {row['canary_auc']:.3f})  "
                   f"{'CAUGHT' if row['caught'] else '      '}  each score: {others}  "
-                  f"user-inference AUC {row['user_inference_auc']:.3f}  {secs:.0f} s", flush=True)
+                  f"user-inference AUC {row['user_inference_auc']:.3f}  {secs:.0f} s (scoring {a['seconds']:.1f} s)", flush=True)
         _, base2 = _run([], Path(tmp) / "baseline2", None, 1)
         base_s = min(base_s, base2)
         for r in rows:

@@ -210,3 +210,29 @@ def test_bad_tune_input_is_one_line_and_exit_2(tiny, capsys):
         assert cli(argv + ["--no-progress"]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert needle in err[-1] and err[-1].startswith("userdp: error:"), (argv, err)
+
+
+@pytest.mark.slow
+def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, capsys):
+    tmp, cfg, space = tiny
+    pub_dir = tmp / "public_users"
+    pub_dir.mkdir()
+    data, public = write_tiny_corpus(pub_dir)
+    pub_cfg = tmp / "public.yaml"
+    pub_cfg.write_text(tiny_config(data, public))
+    out = tmp / "tune_pub"
+    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--mean-trials", "2",
+                "--on", "public", "--public-config", str(pub_cfg), "--output", str(out), "--json",
+                "--no-progress"]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plan = json.loads((out / "tune.json").read_text())
+    # every trial trained on the public config's data; one run (final/) on the private data
+    for t in plan["trials"]:
+        assert str(data) in (out / "trials" / f"trial-{t['index']:03d}" / "config.yaml").read_text()
+    final = out / "final"
+    assert s["best"]["run_dir"] == str(final) and (out / "best").resolve() == final.resolve()
+    assert str(pub_dir) not in (final / "config.yaml").read_text()
+    priv = json.loads((final / "privacy.json").read_text())
+    assert s["epsilon_total"] == s["epsilon_final_model"] == priv["epsilon"] <= 3.0
+    assert "touched once" in priv["tuning_guarantee"]
+    assert s["best"]["params"] == plan["trials"][plan["final"]["index"]]["params"]

@@ -141,7 +141,8 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
                            "protected by a user-level guarantee")
     not_acc = list(not_accounted or [])
     not_acc.append("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
-                   "them are not accounted; tune on public data or account it (Papernot & Steinke 2022)")
+                   "them are not accounted; tune on public data or account it with `userdp tune` "
+                   "(Papernot & Steinke 2022)")
     if tokenizer_note:
         not_acc.append(tokenizer_note)
     if pretraining_note:
