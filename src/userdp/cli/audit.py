@@ -80,8 +80,9 @@ def main(args) -> int:
     if args.json:
         out = {"run_dir": s["run_dir"], "algorithm": s["algorithm"], "epsilon": s["epsilon"],
                "delta": s["delta"], **{k: v for k, v in a.items()}}
-        from userdp.lm.run_dir import read_json
         from pathlib import Path
+
+        from userdp.lm.run_dir import read_json
 
         full = read_json(Path(s["run_dir"]) / "privacy.json").get("audit") or {}
         out.update({k: full.get(k) for k in ("guesses", "correct", "canary_auc", "user_inference", "secrets_file")})
