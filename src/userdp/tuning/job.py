@@ -120,8 +120,6 @@ def run_trials(state: dict, out: Path, *, progress: bool, log: Log) -> dict:
 
 def _final_private_run(state: dict, out: Path, *, progress: bool, log: Log) -> None:
     """The one touch of the private data: the best public trial's hyperparameters, at the budget."""
-    from userdp.lm.finetune import run
-    from userdp.lm.run_dir import RunDir
 
     done = [t for t in state["trials"] if t.get("score") is not None]
     if not done:
@@ -129,22 +127,29 @@ def _final_private_run(state: dict, out: Path, *, progress: bool, log: Log) -> N
     best = min(done, key=lambda t: t["score"])
     d = out / "final"
     log(f"tune: training once on the private data with trial {best['index'] + 1}'s hyperparameters ...")
-    if d.is_dir() and (d / "config.yaml").is_file():
-        st = RunDir(d).read_state()
-        s = st.get("summary") if st.get("status") == "done" else run(
-            C.load_config(d / "config.yaml"), resume_dir=str(d), progress=progress, log=log)
-    else:
-        cfg = _trial_config(state["base_config"], best["params"], [f"privacy.epsilon={state['epsilon']!r}"])
-        s = run(cfg, output=str(d), progress=progress, log=log)
+    s = _run_or_resume(d, lambda: _trial_config(state["base_config"], best["params"],
+                                                [f"privacy.epsilon={state['epsilon']!r}"]), progress, log)
     state["final"] = {"index": best["index"], "params": best["params"], "run_dir": str(d), "score": s["loss_after"],
                       "perplexity": s["perplexity_after"], "epsilon": s["epsilon"]}
     write_json_atomic(out / STATE, state)
 
 
-def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
-    """Run (or continue) every trial, then release the best. Returns the summary."""
+def _run_or_resume(d: Path, make_cfg: Callable[[], C.RunConfig], progress: bool, log: Log) -> dict:
+    """The summary of the training run in ``d``: read when it finished, resumed when it began
+    (its own ledger decides what is left), started from ``make_cfg()`` otherwise."""
     from userdp.lm.finetune import run
     from userdp.lm.run_dir import RunDir
+
+    if d.is_dir() and (d / "config.yaml").is_file():
+        st = RunDir(d).read_state()
+        if st.get("status") == "done":
+            return st["summary"]
+        return run(C.load_config(d / "config.yaml"), resume_dir=str(d), progress=progress, log=log)
+    return run(make_cfg(), output=str(d), progress=progress, log=log)
+
+
+def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
+    """Run (or continue) every trial, then release the best. Returns the summary."""
 
     trials_dir = out / "trials"
     trials_dir.mkdir(exist_ok=True)
@@ -160,13 +165,7 @@ def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
             extra += [f"privacy.noise_multiplier={sig!r}", f"privacy.epsilon={eps_t * (1 + 1e-9) + 1e-9!r}"]
         log(f"tune: trial {t['index'] + 1} of {state['trials_planned']}: "
             + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in t["params"].items()))
-        if d.is_dir() and (d / "config.yaml").is_file():
-            st = RunDir(d).read_state()
-            s = st.get("summary") if st.get("status") == "done" else run(
-                C.load_config(d / "config.yaml"), resume_dir=str(d), progress=progress, log=log)
-        else:
-            cfg = _trial_config(base, t["params"], extra)
-            s = run(cfg, output=str(d), progress=progress, log=log)
+        s = _run_or_resume(d, lambda t=t, extra=extra: _trial_config(base, t["params"], extra), progress, log)
         t.update(run_dir=str(d), score=s["loss_after"], perplexity=s["perplexity_after"], epsilon=s["epsilon"])
         write_json_atomic(out / STATE, state)
         log(f"tune: trial {t['index'] + 1}: held-out loss {s['loss_after']:.4f} (perplexity {s['perplexity_after']:.2f})")
