@@ -3,6 +3,7 @@
     python benchmarks/bench_audit.py            # every scenario (~10 min on 2 CPU cores)
     python benchmarks/bench_audit.py --quick    # nonprivate, eps=1 and noise_off only
     python benchmarks/bench_audit.py --json     # one JSON list of rows as the last line
+    python benchmarks/bench_audit.py --score gradient --only "nonprivate;eps=1;..."  # white-box canaries
 
 Each scenario is one audited `userdp train` of the embedded default (Shakespeare, tiny GPT, ULS,
 100 steps, cohort 64) with K canary users, run in this process; the broken builds patch the engine
@@ -31,6 +32,7 @@ SCENARIOS = [
     ("eps=1", ["privacy.epsilon=1"], None, 1),
     ("eps=1, noise off", ["privacy.epsilon=1"], "noise_off", 1),
     ("eps=1, clipping off", ["privacy.epsilon=1"], "clipping_off", 1),
+    ("eps=1, a user counted 16 times", ["privacy.epsilon=1"], "user_counted_g_times", 16),
     ("eps=1, G=16", ["privacy.epsilon=1", "training.group_size=16"], None, 1),
     ("eps=1, G=16, user counted 16 times", ["privacy.epsilon=1", "training.group_size=16"],
      "user_counted_g_times", 16),

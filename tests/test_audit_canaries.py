@@ -108,3 +108,44 @@ def test_no_included_canary_is_refused_not_silently_unaudited():
 def test_roughly_half_are_included_in_a_default_sized_draw():
     inc = Canaries.generate(2026, 400, 8, 2, VOCAB).included
     assert abs(inc.sum() - 200) < 4 * math.sqrt(100)
+
+
+def test_gradient_canaries_go_through_clipping_like_any_unit():
+    """One SGD step on the mean model (no noise): an included gradient canary moves its own
+    coordinate by exactly C/den (its update of norm 100 C is clipped to C); with clipping off,
+    by 100 C/den. Real users' records carry audit_on = 0 and are unchanged by the canary term."""
+    import contextlib
+
+    from _engine_helpers import Mean, linear_loss
+
+    from userdp import engine as E
+    from userdp.audit.canaries import GradientCanaries, gradient_canary_loss
+    from userdp.audit.faults import broken_build
+
+    d = 40
+    c = GradientCanaries.generate(11, 8, 1, "theta", d, 100.0)
+    assert len(set(c.coords.tolist())) == 8
+    inc = np.flatnonzero(c.included)
+    real = TensorUserData({"x": torch.zeros(3, d)}, np.arange(4))  # three users whose gradient is 0
+
+    canary_rows = {"x": torch.zeros(len(inc), d), "audit_coord": torch.from_numpy(c.coords[inc]),
+                   "audit_on": torch.ones(len(inc))}
+    data = WithCanaries(real, TensorUserData(canary_rows, np.arange(len(inc) + 1)))
+    loss = gradient_canary_loss(linear_loss, "theta", c.scale)
+
+    def step(fault):
+        cfg = E.TrainConfig(algorithm=E.ULS(group_size=1, sampling_rate=1.0), steps=1, clipping=E.FlatClip(1.0),
+                            optimizer=E.SGD(lr=1.0), noise_multiplier=1.0, seed=0, delta=1e-5, per_unit="vmap")
+        model = Mean(d)
+        with broken_build(fault) if fault else contextlib.nullcontext():
+            E.train(model, data, loss, cfg)
+        return model.theta.detach().numpy()
+
+    den = 3 + len(inc)
+    quiet = step("noise_off")
+    want = np.zeros(d)
+    want[c.coords[inc]] = 1.0 / den
+    assert np.allclose(quiet, want, atol=1e-6)
+    loose = step("clipping_off") - step(None)  # same seeded noise: the unclipped minus the clipped
+    want[c.coords[inc]] = (100.0 - 1.0) / den
+    assert np.allclose(loose, want, atol=1e-4)

@@ -1,8 +1,10 @@
-"""The audit has power (issue 13, item 6): on the embedded default it finds a large bound for a
-non-private run, a bound below 1 for a correct run at epsilon = 1, and catches a build whose noise
-is off while the accountant claims epsilon = 1. Each run is the full embedded default (100 steps,
-~75 s on 2 cores) with 400 canary users; training and canaries are seeded so the outcome is fixed.
-The margins these seeds give are in benchmarks/README.md (unseeded runs of the same scenarios)."""
+"""The audit has power (issue 13, item 6). On the embedded default, with the black-box loss score
+on text canaries: a large bound for a non-private run, a bound below 1 for a correct run at
+epsilon = 1, a build whose noise is off caught. With gradient-space canaries (the default score):
+a correct run at epsilon = 1 stays below 1, and builds with clipping off or a user counted 16
+times are caught while the accountant claims epsilon = 1. Each run is the full embedded default
+(100 steps, 50-75 s on 2 cores) with 400 canary users; training and canaries are seeded so the
+outcome is fixed. The margins of unseeded runs are in benchmarks/README.md."""
 
 import json
 
@@ -13,12 +15,13 @@ from userdp.lm import config as C
 from userdp.lm.finetune import run
 
 AUDIT = ["audit.canaries=400", "audit.seed=2026", "training.seed=11", "audit.inference_users=0"]
+LOSS = ["audit.score=loss"]
 
 
-def _audit(tmp_path, overrides, fault=None):
+def _audit(tmp_path, overrides, fault=None, times=16):
     cfg = C.load_config(None, AUDIT + overrides)
     if fault:
-        with broken_build(fault):
+        with broken_build(fault, times):
             s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None)
     else:
         s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None)
@@ -27,7 +30,7 @@ def _audit(tmp_path, overrides, fault=None):
 
 @pytest.mark.slow
 def test_a_non_private_run_is_caught_with_a_large_bound(tmp_path):
-    s, priv = _audit(tmp_path, ["training.algorithm=nonprivate"])
+    s, priv = _audit(tmp_path, LOSS + ["training.algorithm=nonprivate"])
     a = priv["audit"]
     assert s["epsilon"] is None and a["epsilon_upper_bound"] is None
     assert a["epsilon_lower_bound"] >= 2.0, a
@@ -37,7 +40,7 @@ def test_a_non_private_run_is_caught_with_a_large_bound(tmp_path):
 
 @pytest.mark.slow
 def test_a_correct_run_at_epsilon_1_stays_below_1(tmp_path):
-    s, priv = _audit(tmp_path, ["privacy.epsilon=1"])
+    s, priv = _audit(tmp_path, LOSS + ["privacy.epsilon=1"])
     a = priv["audit"]
     assert 0.9 < s["epsilon"] <= 1.0
     assert a["epsilon_lower_bound"] < 1.0 and not a["mechanism_caught"]
@@ -46,10 +49,28 @@ def test_a_correct_run_at_epsilon_1_stays_below_1(tmp_path):
 
 @pytest.mark.slow
 def test_a_build_without_noise_is_caught(tmp_path):
-    s, priv = _audit(tmp_path, ["privacy.epsilon=1"], fault="noise_off")
+    s, priv = _audit(tmp_path, LOSS + ["privacy.epsilon=1"], fault="noise_off")
     a = priv["audit"]
     assert priv["engine_record"]["broken_build"] == "noise_off"
     assert s["epsilon"] <= 1.0  # the broken build still claims epsilon = 1 ...
     assert a["mechanism_caught"] and a["epsilon_lower_bound"] > s["epsilon"]  # ... and is caught
     report = (tmp_path / "run" / "report.md").read_text()
     assert "must not be relied on" in report
+
+
+@pytest.mark.slow
+def test_gradient_canaries_keep_a_correct_run_below_its_epsilon(tmp_path):
+    s, priv = _audit(tmp_path, ["privacy.epsilon=1"])
+    a = priv["audit"]
+    assert a["score"].startswith("gradient:")
+    assert priv["engine_record"]["per_unit"]["strategy"] == "vmap"
+    assert a["epsilon_lower_bound"] < 1.0 and not a["mechanism_caught"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["clipping_off", "user_counted_g_times"])
+def test_gradient_canaries_catch_a_wrong_sensitivity(tmp_path, fault):
+    s, priv = _audit(tmp_path, ["privacy.epsilon=1"], fault=fault, times=16)
+    a = priv["audit"]
+    assert priv["engine_record"]["broken_build"] == fault and s["epsilon"] <= 1.0
+    assert a["mechanism_caught"] and a["epsilon_lower_bound"] > 2.0, a

@@ -104,6 +104,81 @@ class Canaries:
         return TensorUserData(b, offsets)
 
 
+@dataclass(frozen=True)
+class GradientCanaries:
+    """K gradient-space canaries (Steinke et al. 2023's white-box design, as users).
+
+    Canary k is a user whose every record has no text (its language-model loss is 0) and adds
+    ``-scale * w[coords[k]]`` to the loss, ``w`` being the flattened parameter ``param``: its
+    update is ``scale`` along one coordinate of its own, far above the clip norm, so clipping
+    must cut it to C. An auditor who sees every step's noisy update reads each canary's
+    coordinate (:class:`userdp.audit.session.AuditSession`)."""
+
+    coords: np.ndarray  # int64 [K], distinct
+    included: np.ndarray  # bool [K]
+    records: int
+    param: str
+    scale: float
+
+    @classmethod
+    def generate(cls, seed: int, count: int, records: int, param: str, numel: int, scale: float) -> "GradientCanaries":
+        """Draw ``count`` distinct coordinates of ``param`` (``numel`` entries) and the coin flips.
+
+        Raises:
+            UserError: fewer than 2 canaries, or more than the parameter has entries.
+        """
+        if count < 2:
+            raise UserError(f"audit.canaries: need at least 2 canaries, got {count}")
+        if count > numel:
+            raise UserError(f"audit.canaries: {count} gradient canaries need as many entries of {param} "
+                            f"(it has {numel})")
+        ss = np.random.SeedSequence(int(seed))
+        s_coord, s_incl = ss.spawn(2)
+        coords = np.random.default_rng(s_coord).choice(numel, size=count, replace=False).astype(np.int64)
+        included = np.random.default_rng(s_incl).random(count) < 0.5
+        return cls(coords, included, int(records), param, float(scale))
+
+    @property
+    def count(self) -> int:
+        return int(self.included.size)
+
+    def training_users(self, width: int, pad_id: int = 0) -> TensorUserData:
+        """The included canaries as users of ``records`` text-free records each."""
+        inc = np.flatnonzero(self.included)
+        if inc.size == 0:
+            raise UserError("audit: no canary was drawn into the training data (rerun the audit)")
+        n = inc.size * self.records
+        w = max(2, int(width))
+        b = {"input_ids": torch.full((n, w), int(pad_id), dtype=torch.long),
+             "labels": torch.full((n, w), IGNORE_INDEX, dtype=torch.long),
+             "audit_coord": torch.from_numpy(np.repeat(self.coords[inc], self.records)),
+             "audit_on": torch.ones(n)}
+        return TensorUserData(b, np.arange(inc.size + 1, dtype=np.int64) * self.records)
+
+
+def _tensor(model, name: str):
+    """The tensor at ``name`` (under torch.func.functional_call, the substituted one, which
+    ``get_parameter`` refuses as not an nn.Parameter)."""
+    prefix, _, leaf = name.rpartition(".")
+    return getattr(model.get_submodule(prefix) if prefix else model, leaf)
+
+
+def gradient_canary_loss(loss_fn, param: str, scale: float):
+    """``loss_fn`` plus the gradient canaries' term ``-scale * w[audit_coord] * audit_on`` (0 for
+    every real record); batches without the audit keys pass through unchanged."""
+
+    def loss(model, batch):
+        if "audit_coord" not in batch:
+            return loss_fn(model, batch)
+        core = {k: v for k, v in batch.items() if k not in ("audit_coord", "audit_on")}
+        out = loss_fn(model, core)
+        w = _tensor(model, param).reshape(-1)
+        on = batch["audit_on"].to(device=out.device, dtype=out.dtype)
+        return out - scale * w[batch["audit_coord"].to(w.device)].to(out.dtype) * on
+
+    return loss
+
+
 class WithCanaries(DelegatingUserData):
     """The training users followed by the included canary users, as one :class:`UserData`.
 
@@ -127,20 +202,32 @@ class WithCanaries(DelegatingUserData):
 
     @staticmethod
     def _merge(parts: list[tuple[np.ndarray, dict]], n: int) -> dict:
+        """One batch from the parts' batches (rows at ``pos``). Token tensors are padded to one
+        width; a key only the canaries have (the gradient canaries' audit keys) is 0 elsewhere."""
         parts = [(pos, b) for pos, b in parts if len(pos)]
-        keys = set(parts[0][1])
-        for _, b in parts[1:]:
-            if set(b) != keys:
-                raise UserError(f"audit: canary batches hold {sorted(b)} but the data's hold {sorted(keys)}")
+        keys = set().union(*(set(b) for _, b in parts))
         out = {}
-        for k in keys:
-            width = max(b[k].shape[-1] for _, b in parts)
-            fill = IGNORE_INDEX if k == "labels" else 0
-            first = parts[0][1][k]
-            t = torch.full((n, *first.shape[1:-1], width), fill, dtype=first.dtype)
-            for pos, b in parts:
-                v = b[k]
-                t[torch.from_numpy(pos), ..., : v.shape[-1]] = v
+        for k in sorted(keys):
+            have = [(pos, b[k]) for pos, b in parts if k in b]
+            first = have[0][1]
+            if k in ("input_ids", "labels"):
+                if len(have) != len(parts):
+                    raise UserError(f"audit: a batch without {k}")
+                width = max(v.shape[-1] for _, v in have)
+                t = torch.full((n, *first.shape[1:-1], width), IGNORE_INDEX if k == "labels" else 0,
+                               dtype=first.dtype)
+                for pos, v in have:
+                    t[torch.from_numpy(pos), ..., : v.shape[-1]] = v
+            elif k.startswith("audit_"):
+                t = torch.zeros((n, *first.shape[1:]), dtype=first.dtype)
+                for pos, v in have:
+                    t[torch.from_numpy(pos)] = v
+            else:
+                if len(have) != len(parts):
+                    raise UserError(f"audit: canary batches lack the data's {k!r}")
+                t = torch.zeros((n, *first.shape[1:]), dtype=first.dtype)
+                for pos, v in have:
+                    t[torch.from_numpy(pos)] = v
             out[k] = t
         return out
 

@@ -26,16 +26,28 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from userdp.audit import bounds as B
 from userdp.audit import scores as S
-from userdp.audit.canaries import Canaries, WithCanaries, new_seed, ordinary_token_ids
+from userdp.audit.canaries import (
+    Canaries,
+    GradientCanaries,
+    WithCanaries,
+    gradient_canary_loss,
+    new_seed,
+    ordinary_token_ids,
+)
 from userdp.errors import UserError
 
 DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023): {k} synthetic canary users, each holding "
           "{r} copies of its own random {s}-token secret, were each included in the training data "
           "independently with probability 1/2 before training; after training the auditor guesses "
           "members from the scores alone")
+GRADIENT_DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023), white-box: {k} synthetic canary users, "
+                   "each holding {r} text-free records whose update is a large step along one coordinate "
+                   "of its own, were each included independently with probability 1/2 before training; "
+                   "every step's noisy update is read at the canaries' coordinates")
 SCORES = {
     "loss": ("minus the secret's mean next-token loss under the trained model (black-box: the final "
              "model only)"),
@@ -44,15 +56,21 @@ SCORES = {
     "gradient_alignment": ("how far training moved the weights along the canary's gradient at the "
                            "starting weights, <g, theta_0 - theta_T>/||g|| (white-box: the starting and "
                            "final weights, as anyone holding the checkpoints has)"),
+    "gradient": ("gradient-space canaries: each canary's update is {scale:g} (far above C) along one "
+                 "coordinate of {param} of its own; the score is minus the sum over every step of the noisy "
+                 "update at that coordinate (white-box: the adversary who sees every step's update, which "
+                 "the guarantee covers)"),
 }
 SHOWS = ("a lower bound that holds with the stated confidence over the canary draw and the training "
          "randomness: no (eps, delta)-DP guarantee with eps below it can be true of this run. A bound "
          "above the accounted epsilon means the implementation or its accounting is broken")
 DOES_NOT_SHOW = ("that the accounted epsilon is tight or that real users are safer than the bound: "
-                 "a small lower bound only says this attack (final-model, loss-based, random-token "
-                 "canaries) did not find more. Canaries are worst-case-like users; real users' "
-                 "text is less distinctive. Intermediate checkpoints and gradient access are not "
-                 "used (a stronger adversary may find more)")
+                 "a small lower bound only says this attack ({attack}) did not find more. Canaries "
+                 "are worst-case-like users; real users' text is less distinctive")
+ATTACKS = {"gradient": "gradient-space canaries read at every step",
+           "loss": "the final model's loss on random-token canaries",
+           "loss_difference": "the final model's loss, against the starting model's, on random-token canaries",
+           "gradient_alignment": "the final weights' movement along random-token canaries' gradients"}
 UI_NOTE = ("user inference (Kandpal et al. 2023): the same loss difference averaged over up to {rec} "
            "records of {nt} training users and {nh} held-out users; a diagnostic computed WITHOUT noise on "
            "real users' records (released outside the guarantee; see not_accounted). Training users' "
@@ -116,7 +134,41 @@ class AuditSession:
 
     # ---------------------------------------------------------------- before training
 
-    def attach(self, train_data, eval_data, tok, model, *, group_size: int, seq_len: int):
+    @property
+    def gradient(self) -> bool:
+        """Whether the canaries are gradient-space canaries (``audit.score: gradient``)."""
+        return self.cfg.score == "gradient"
+
+    def loss(self, loss_fn):
+        """The training loss: ``loss_fn`` itself, or with the gradient canaries' term."""
+        if not self.gradient:
+            return loss_fn
+        return gradient_canary_loss(loss_fn, self.canaries.param, self.canaries.scale)
+
+    def observe_step(self, model) -> None:
+        """Read this step's noisy update at every gradient canary's coordinate (after the step,
+        before the next frees it) and keep the running scores in the secrets file."""
+        if not self.gradient:
+            return
+        p = model.get_parameter(self.canaries.param)
+        if p.grad is None:
+            return
+        vals = p.grad.detach().reshape(-1)[torch.from_numpy(self.canaries.coords).to(p.grad.device)]
+        self.grad_scores -= vals.double().cpu().numpy()
+        self.state["grad_scores"] = self.grad_scores.tolist()
+        self.state["steps_observed"] = int(self.state.get("steps_observed", 0)) + 1
+        _write_private_json(self.path, self.state)
+
+    def _attach_gradient(self, train_data, model, seed: int, clip_norm: float):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        param, w = max(named, key=lambda x: x[1].numel())
+        scale = float(self.cfg.gradient_scale) * float(clip_norm)
+        self.canaries = GradientCanaries.generate(seed, int(self.cfg.canaries), self.records, param, w.numel(), scale)
+        self.grad_scores = np.asarray(self.state.get("grad_scores") or np.zeros(self.canaries.count), dtype=np.float64)
+        return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
+
+    def attach(self, train_data, eval_data, tok, model, *, group_size: int, seq_len: int,
+               clip_norm: float = 1.0):
         """The training data with the included canaries appended (see the module docstring).
 
         Args:
@@ -137,19 +189,30 @@ class AuditSession:
             seed = int(self.state["seed"], 16)
         else:
             seed = new_seed() if self.cfg.seed is None else int(self.cfg.seed)
-        self.canaries = Canaries.generate(seed, int(self.cfg.canaries), self.length, self.records,
-                                          ordinary_token_ids(tok))
+        if self.gradient:
+            view = self._attach_gradient(train_data, model, seed, clip_norm)
+            if self.state:
+                self.log(f"audit: resuming with the {self.canaries.count} gradient canaries of {self.path} "
+                         f"({self.state.get('steps_observed', 0)} steps observed)")
+                return view
+            self.log(f"audit: {self.canaries.count} gradient canary users ({self.records} records each, update "
+                     f"{self.canaries.scale:g} on one coordinate of {self.canaries.param}), "
+                     f"{int(self.canaries.included.sum())} drawn into training; seed and scores in {self.path}")
+        else:
+            self.canaries = Canaries.generate(seed, int(self.cfg.canaries), self.length, self.records,
+                                              ordinary_token_ids(tok))
         # the starting weights, for the white-box score (on a resume the checkpoint is loaded later,
         # so the model is still the starting model here)
         self.start = S.trainable_snapshot(model)
         if self.state:
             self.log(f"audit: resuming with the {self.canaries.count} canaries of {self.path}")
             return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
-        self.log(f"audit: {self.canaries.count} canary users of {self.records} records "
-                 f"({self.length}-token secrets), {int(self.canaries.included.sum())} drawn into training; "
-                 f"seed and scores in {self.path} (keep it out of the published outputs)")
+        if not self.gradient:
+            self.log(f"audit: {self.canaries.count} canary users of {self.records} records "
+                     f"({self.length}-token secrets), {int(self.canaries.included.sum())} drawn into training; "
+                     f"seed and scores in {self.path} (keep it out of the published outputs)")
         t0 = time.perf_counter()
-        before = S.canary_losses(model, self.canaries)
+        before = np.zeros(self.canaries.count) if self.gradient else S.canary_losses(model, self.canaries)
         ui = {}
         n_ui = int(self.cfg.inference_users)
         if n_ui > 0:
@@ -167,10 +230,17 @@ class AuditSession:
                       "canaries": self.canaries.count, "records_per_canary": self.records,
                       "secret_tokens": self.length, "included": self.canaries.included.tolist(),
                       "loss_before": before.tolist(), "user_inference": ui,
+                      "kind": "gradient" if self.gradient else "secret",
                       "seconds_before_training": round(time.perf_counter() - t0, 3)}
+        if self.gradient:
+            self.state.update(param=self.canaries.param, scale=self.canaries.scale,
+                              grad_scores=self.grad_scores.tolist(), steps_observed=0)
+            view = WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
+        else:
+            view = WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
         _write_private_json(self.path, self.state)
         self._wrote = True
-        return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
+        return view
 
     @staticmethod
     def _width(data) -> int:
@@ -191,22 +261,28 @@ class AuditSession:
         """Score, bound and record; returns the public ``audit`` section of ``privacy.json``."""
         c = self.canaries
         t0 = time.perf_counter()
-        after = S.canary_losses(model, c)
-        before = np.asarray(self.state["loss_before"])
-        # every score is computed and kept in the secrets file; only the configured one (chosen
-        # before training) gives the bound — picking the best afterwards would need a union bound
-        all_scores = {"loss": -after, "loss_difference": before - after,
-                      "gradient_alignment": S.gradient_alignment(model, c, self.start)}
+        if self.gradient:
+            after = np.zeros(c.count)
+            all_scores = {"gradient": self.grad_scores.copy()}
+        else:
+            after = S.canary_losses(model, c)
+            before = np.asarray(self.state["loss_before"])
+            # every score is computed and kept in the secrets file; only the configured one (chosen
+            # before training) gives the bound — picking the best afterwards would need a union bound
+            all_scores = {"loss": -after, "loss_difference": before - after,
+                          "gradient_alignment": S.gradient_alignment(model, c, self.start)}
         score = all_scores[self.cfg.score]
         inc = c.included
         conf = float(self.cfg.confidence)
         one = B.one_run_bound(score, inc, delta=delta, confidence=conf)
         cp = B.clopper_pearson_bound(score, inc, delta=delta, confidence=conf)
         out = {
-            "design": DESIGN.format(k=c.count, r=self.records, s=self.length),
+            "design": (GRADIENT_DESIGN.format(k=c.count, r=self.records) if self.gradient
+                       else DESIGN.format(k=c.count, r=self.records, s=self.length)),
             "canaries": c.count, "canaries_included": int(inc.sum()),
             "records_per_canary": self.records, "secret_tokens": self.length,
-            "score": f"{self.cfg.score}: {SCORES[self.cfg.score]}",
+            "score": f"{self.cfg.score}: " + (SCORES["gradient"].format(scale=c.scale, param=c.param)
+                                              if self.gradient else SCORES[self.cfg.score]),
             "epsilon_upper_bound": epsilon, "delta": delta, "confidence": conf,
             "epsilon_lower_bound": one.epsilon_lower_bound,
             "guesses": one.guesses, "correct": one.correct, "k_plus": one.k_plus, "k_minus": one.k_minus,
@@ -216,7 +292,7 @@ class AuditSession:
                                         if k != self.cfg.score},
             "clopper_pearson_diagnostic": {**cp, "note": "treats the canaries of one run as independent "
                                            "trials, which they are not; a diagnostic, not a bound"},
-            "shows": SHOWS, "does_not_show": DOES_NOT_SHOW,
+            "shows": SHOWS, "does_not_show": DOES_NOT_SHOW.format(attack=ATTACKS[self.cfg.score]),
             "secrets_file": str(self.path),
             "seeded": self.cfg.seed is not None,
         }

@@ -151,7 +151,8 @@ class AuditConfig:
     canaries: int = 0                     # K canary users (0: no audit); `userdp audit --canaries K`
     records_per_canary: Optional[int] = None  # null: training.group_size (a canary fills a user's G slots)
     secret_tokens: Optional[int] = None   # tokens of each random secret (null: tokenizer.seq_len)
-    score: str = _choice("gradient_alignment", "loss", "loss_difference", default="loss")  # canary membership score (docs/audit.md)
+    score: str = _choice("gradient", "gradient_alignment", "loss", "loss_difference", default="gradient")  # docs/audit.md
+    gradient_scale: float = 100.0         # score gradient: a canary's update norm, in clip norms
     confidence: float = 0.95              # of the one-run lower bound
     secrets: Optional[str] = None         # the seed, inclusions and scores (null: <run_dir>.audit-secrets.json)
     seed: Optional[int] = None            # canary seed (null: 128 bits of OS entropy); for reproducible tests
@@ -443,6 +444,14 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"audit.confidence must be in (0, 1), got {a.confidence}")
     if a.seed is not None and a.seed < 0:
         bad(f"audit.seed must be >= 0, got {a.seed}")
+    if a.score == "gradient" and a.canaries:
+        if t.algorithm == "fedavg":
+            bad("audit.score: gradient canaries need a gradient update (uls, els or nonprivate), not fedavg")
+        if t.per_unit == "ghost":
+            bad("audit.score: gradient canaries add a term the ghost strategy cannot see; use "
+                "training.per_unit: auto or vmap (an audit with them runs vmap)")
+        if not a.gradient_scale > 1:
+            bad(f"audit.gradient_scale must be > 1 (a canary's update must exceed the clip norm), got {a.gradient_scale}")
     if a.inference_users < 0:
         bad(f"audit.inference_users must be >= 0, got {a.inference_users}")
     if a.inference_records < 1:

@@ -813,7 +813,11 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             check_budget(cfg, prep.train_subset.num_users, n_units)
     if audit is not None:  # canary users join the training data (before any step; docs/audit.md)
         train_data = audit.attach(train_data, eval_data, tok, model, group_size=cfg.training.group_size,
-                                  seq_len=cfg.tokenizer.seq_len)
+                                  seq_len=cfg.tokenizer.seq_len, clip_norm=cfg.training.clip_norm)
+        if audit.gradient and cfg.training.per_unit != "vmap":
+            # the canaries' loss term uses a weight directly: only vmap's per-unit gradients see it
+            cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, per_unit="vmap"))
+            log("audit: gradient canaries: per-unit gradients by vmap")
         n_units = _num_units(cfg, train_data)
         check_budget(cfg, train_data.num_users, n_units)
     cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
@@ -879,8 +883,10 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
     if audit is not None:
         context.update(audit.journal_context())
     try:
-        res = E.train(model, data, models.causal_lm_loss, ecfg, checkpoint_dir=str(rd.checkpoints),
-                      resume=engine_resume, callbacks=[on_step], journal_context=context,
+        loss_fn = audit.loss(models.causal_lm_loss) if audit is not None else models.causal_lm_loss
+        callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
+        res = E.train(model, data, loss_fn, ecfg, checkpoint_dir=str(rd.checkpoints),
+                      resume=engine_resume, callbacks=callbacks, journal_context=context,
                       checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log))
     except KeyboardInterrupt as exc:
         mfile.close()
