@@ -60,7 +60,7 @@ def test_a_build_without_noise_is_caught(tmp_path):
 
 @pytest.mark.slow
 def test_gradient_canaries_keep_a_correct_run_below_its_epsilon(tmp_path):
-    s, priv = _audit(tmp_path, ["privacy.epsilon=1"])
+    _, priv = _audit(tmp_path, ["privacy.epsilon=1"])
     a = priv["audit"]
     assert a["score"].startswith("gradient:")
     assert priv["engine_record"]["per_unit"]["strategy"] == "vmap"

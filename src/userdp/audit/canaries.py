@@ -121,7 +121,7 @@ class GradientCanaries:
     scale: float
 
     @classmethod
-    def generate(cls, seed: int, count: int, records: int, param: str, numel: int, scale: float) -> "GradientCanaries":
+    def generate(cls, seed: int, count: int, records: int, param: str, numel: int, scale: float) -> GradientCanaries:
         """Draw ``count`` distinct coordinates of ``param`` (``numel`` entries) and the coin flips.
 
         Raises:
