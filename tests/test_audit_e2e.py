@@ -56,6 +56,7 @@ def test_audit_json_secrets_and_report(tiny, capsys):
     priv = json.loads((out / "privacy.json").read_text())
     a = priv["audit"]
     assert a["canaries"] == 12 and a["canaries_included"] == sum(sec["included"])
+    assert a["score"].startswith("gradient:") and a["steps_observed"] == 4  # every step was read
     assert "included" not in a and "scores" not in a and isinstance(a["score"], str)  # no per-canary data
     # N counts the included canaries; the disclosures say so and name the user-inference touch
     assert priv["num_users"] == 32 + a["canaries_included"]

@@ -162,6 +162,11 @@ class AuditSession:
     def _attach_gradient(self, train_data, model, seed: int, clip_norm: float):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         param, w = max(named, key=lambda x: x[1].numel())
+        if w.dtype not in (torch.float32, torch.float64):
+            # the engine then updates float32 master copies: the model's own .grad stays empty
+            raise UserError(f"audit.score: gradient canaries read each step's update on the model's weights, "
+                            f"but {param} is {str(w.dtype).replace('torch.', '')} (the update goes to separate "
+                            "master weights); load the model in float32 or use audit.score: loss")
         scale = float(self.cfg.gradient_scale) * float(clip_norm)
         self.canaries = GradientCanaries.generate(seed, int(self.cfg.canaries), self.records, param, w.numel(), scale)
         self.grad_scores = np.asarray(self.state.get("grad_scores") or np.zeros(self.canaries.count), dtype=np.float64)
@@ -296,6 +301,8 @@ class AuditSession:
             "secrets_file": str(self.path),
             "seeded": self.cfg.seed is not None,
         }
+        if self.gradient:
+            out["steps_observed"] = int(self.state.get("steps_observed", 0))
         out["statement"] = statement(epsilon, one.epsilon_lower_bound, conf)
         out["mechanism_caught"] = epsilon is not None and one.epsilon_lower_bound > epsilon
         ui = self.state.get("user_inference") or {}
