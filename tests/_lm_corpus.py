@@ -51,3 +51,19 @@ privacy:
   group_size: 2
   lr: 0.001
 {training_extra}{tail}"""
+
+
+def interrupt_after_checkpoint(monkeypatch, step: int, where: str = ""):
+    """Make `userdp train` stop like Ctrl-C right after it saves the weights of ``step`` (in a
+    run whose checkpoint path contains ``where``). Returns the real saver, to restore it."""
+    import userdp.lm.finetune as F
+
+    real = F._save_weights
+
+    def boom(model, path, s, eps):
+        real(model, path, s, eps)
+        if s == step and where in str(path):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(F, "_save_weights", boom)
+    return real

@@ -6,7 +6,7 @@ import os
 import stat
 
 import pytest
-from _lm_corpus import tiny_config, write_tiny_corpus
+from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
 
 from userdp.cli import main as cli
 
@@ -74,14 +74,7 @@ def test_an_interrupted_audit_resumes_with_the_same_canaries(tiny, monkeypatch, 
     out = tmp / "run"
     import userdp.lm.finetune as F
 
-    real = F._save_weights
-
-    def boom(model, rd, step, eps):
-        real(model, rd, step, eps)
-        if step == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(F, "_save_weights", boom)
+    real = interrupt_after_checkpoint(monkeypatch, 2)
     assert cli(["audit", str(cfg), "--canaries", "8", "--output", str(out), "--no-progress"]) == 130
     secrets = tmp / "run.audit-secrets.json"
     before = json.loads(secrets.read_text())
@@ -95,7 +88,7 @@ def test_an_interrupted_audit_resumes_with_the_same_canaries(tiny, monkeypatch, 
     assert s["canaries"] == 8
     # without its secrets file, an audited run cannot be resumed as one
     out2 = tmp / "run2"
-    monkeypatch.setattr(F, "_save_weights", boom)
+    interrupt_after_checkpoint(monkeypatch, 2)
     assert cli(["audit", str(cfg), "--canaries", "8", "--output", str(out2), "--no-progress"]) == 130
     (tmp / "run2.audit-secrets.json").unlink()
     capsys.readouterr()

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from _lm_corpus import tiny_config, write_tiny_corpus
+from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
 from userdp.cli import main as cli
 
 
@@ -77,14 +77,7 @@ def test_interrupted_run_resumes_with_the_same_ledger(tiny, monkeypatch, capsys)
     out = tmp / "run"
     import userdp.lm.finetune as F
 
-    real = F._save_weights
-
-    def boom(model, rd, step, eps):
-        real(model, rd, step, eps)
-        if step == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(F, "_save_weights", boom)
+    real = interrupt_after_checkpoint(monkeypatch, 2)
     assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
     state = json.loads((out / "state.json").read_text())
     assert state["status"] == "interrupted"

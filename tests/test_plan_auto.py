@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from _lm_corpus import tiny_config, write_tiny_corpus
+from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
 from userdp.cli import main as cli
 from userdp.errors import UserError
 from userdp.lm import config as C
@@ -92,14 +92,7 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
     out = tmp / "run"
     import userdp.lm.finetune as F
 
-    real = F._save_weights
-
-    def boom(model, rd, step, eps):
-        real(model, rd, step, eps)
-        if step == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(F, "_save_weights", boom)
+    real = interrupt_after_checkpoint(monkeypatch, 2)
     assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
     err = capsys.readouterr().err
     chose = [ln for ln in err.splitlines() if ln.startswith("plan: auto chose")]

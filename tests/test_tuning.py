@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from _lm_corpus import tiny_config, write_tiny_corpus
+from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
@@ -154,16 +154,7 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
 
     seed = _seed_with_trials(2, TC.with_mean("tnb", 2.0, 1.0))
     monkeypatch.setattr(J.secrets, "randbits", lambda n: seed)
-    real = F._save_weights
-    calls = {"n": 0}
-
-    def boom(model, path, step, eps):  # the second trial dies at its step 2
-        real(model, path, step, eps)
-        calls["n"] += 1
-        if "trial-001" in str(path) and step == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(F, "_save_weights", boom)
+    real = interrupt_after_checkpoint(monkeypatch, 2, where="trial-001")  # the second trial dies at its step 2
     out = tmp / "tune"
     argv = ["tune", str(cfg), "--search", str(space), "--epsilon", "8", "--mean-trials", "2",
             "--output", str(out), "--no-progress"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy import stats
@@ -124,11 +124,6 @@ class OneRunBound:
     k_plus: int
     k_minus: int
     tried: list = field(default_factory=list)  # every Guess, for the record
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["tried"] = [asdict(g) if not isinstance(g, dict) else g for g in self.tried]
-        return d
 
 
 def guess_grid(m: int, grid: Sequence[tuple[float, float]] = GUESS_GRID) -> list[tuple[int, int]]:

@@ -218,12 +218,8 @@ class WithCanaries(DelegatingUserData):
                                dtype=first.dtype)
                 for pos, v in have:
                     t[torch.from_numpy(pos), ..., : v.shape[-1]] = v
-            elif k.startswith("audit_"):
-                t = torch.zeros((n, *first.shape[1:]), dtype=first.dtype)
-                for pos, v in have:
-                    t[torch.from_numpy(pos)] = v
-            else:
-                if len(have) != len(parts):
+            else:  # per-record tensors; the audit keys exist on gradient canaries only (0 elsewhere)
+                if len(have) != len(parts) and not k.startswith("audit_"):
                     raise UserError(f"audit: canary batches lack the data's {k!r}")
                 t = torch.zeros((n, *first.shape[1:]), dtype=first.dtype)
                 for pos, v in have:

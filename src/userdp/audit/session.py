@@ -159,7 +159,8 @@ class AuditSession:
         self.state["steps_observed"] = int(self.state.get("steps_observed", 0)) + 1
         _write_private_json(self.path, self.state)
 
-    def _attach_gradient(self, train_data, model, seed: int, clip_norm: float):
+    def _gradient_canaries(self, model, seed: int, clip_norm: float) -> GradientCanaries:
+        """The gradient canaries on the model's largest trainable tensor (float32 or wider)."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         param, w = max(named, key=lambda x: x[1].numel())
         if w.dtype not in (torch.float32, torch.float64):
@@ -168,9 +169,7 @@ class AuditSession:
                             f"but {param} is {str(w.dtype).replace('torch.', '')} (the update goes to separate "
                             "master weights); load the model in float32 or use audit.score: loss")
         scale = float(self.cfg.gradient_scale) * float(clip_norm)
-        self.canaries = GradientCanaries.generate(seed, int(self.cfg.canaries), self.records, param, w.numel(), scale)
-        self.grad_scores = np.asarray(self.state.get("grad_scores") or np.zeros(self.canaries.count), dtype=np.float64)
-        return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
+        return GradientCanaries.generate(seed, int(self.cfg.canaries), self.records, param, w.numel(), scale)
 
     def attach(self, train_data, eval_data, tok, model, *, group_size: int, seq_len: int,
                clip_norm: float = 1.0):
@@ -182,6 +181,7 @@ class AuditSession:
             model: the starting model (scored now; on a resume, not used).
             group_size: training.group_size, the default records per canary.
             seq_len: tokenizer.seq_len, the default and largest secret length.
+            clip_norm: training.clip_norm (a gradient canary's update is gradient_scale times it).
         """
         self.records = int(self.cfg.records_per_canary or group_size)
         self.length = int(self.cfg.secret_tokens or seq_len)
@@ -195,27 +195,25 @@ class AuditSession:
         else:
             seed = new_seed() if self.cfg.seed is None else int(self.cfg.seed)
         if self.gradient:
-            view = self._attach_gradient(train_data, model, seed, clip_norm)
-            if self.state:
-                self.log(f"audit: resuming with the {self.canaries.count} gradient canaries of {self.path} "
-                         f"({self.state.get('steps_observed', 0)} steps observed)")
-                return view
-            self.log(f"audit: {self.canaries.count} gradient canary users ({self.records} records each, update "
-                     f"{self.canaries.scale:g} on one coordinate of {self.canaries.param}), "
-                     f"{int(self.canaries.included.sum())} drawn into training; seed and scores in {self.path}")
+            self.canaries = self._gradient_canaries(model, seed, clip_norm)
+            self.grad_scores = np.asarray(self.state.get("grad_scores") or np.zeros(self.canaries.count),
+                                          dtype=np.float64)
+            what = (f"gradient canary users ({self.records} records each, update {self.canaries.scale:g} on "
+                    f"one coordinate of {self.canaries.param})")
         else:
             self.canaries = Canaries.generate(seed, int(self.cfg.canaries), self.length, self.records,
                                               ordinary_token_ids(tok))
-        # the starting weights, for the white-box score (on a resume the checkpoint is loaded later,
-        # so the model is still the starting model here)
-        self.start = S.trainable_snapshot(model)
+            # the starting weights, for the white-box alignment score (on a resume the checkpoint is
+            # loaded later, so the model is still the starting model here)
+            self.start = S.trainable_snapshot(model)
+            what = f"canary users of {self.records} records ({self.length}-token secrets)"
+        view = WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
         if self.state:
-            self.log(f"audit: resuming with the {self.canaries.count} canaries of {self.path}")
-            return WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
-        if not self.gradient:
-            self.log(f"audit: {self.canaries.count} canary users of {self.records} records "
-                     f"({self.length}-token secrets), {int(self.canaries.included.sum())} drawn into training; "
-                     f"seed and scores in {self.path} (keep it out of the published outputs)")
+            self.log(f"audit: resuming with the {self.canaries.count} canaries of {self.path}"
+                     + (f" ({self.state.get('steps_observed', 0)} steps observed)" if self.gradient else ""))
+            return view
+        self.log(f"audit: {self.canaries.count} {what}, {int(self.canaries.included.sum())} drawn into training; "
+                 f"seed and scores in {self.path} (keep it out of the published outputs)")
         t0 = time.perf_counter()
         before = np.zeros(self.canaries.count) if self.gradient else S.canary_losses(model, self.canaries)
         ui = {}
@@ -240,9 +238,6 @@ class AuditSession:
         if self.gradient:
             self.state.update(param=self.canaries.param, scale=self.canaries.scale,
                               grad_scores=self.grad_scores.tolist(), steps_observed=0)
-            view = WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
-        else:
-            view = WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
         _write_private_json(self.path, self.state)
         self._wrote = True
         return view

@@ -46,10 +46,6 @@ class Dim:
 class Space:
     dims: tuple
 
-    @property
-    def keys(self) -> list[str]:
-        return [d.key for d in self.dims]
-
     def draw(self, rng: np.random.Generator) -> dict:
         """One trial's hyperparameters."""
         return {d.key: d.draw(rng) for d in self.dims}
