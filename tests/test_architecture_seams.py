@@ -226,7 +226,7 @@ def test_clipping_consumes_norms_alone(clip):
 
 
 # ------------------------------------------------------------------------------ noise mechanisms
-def test_a_registered_noise_mechanism_gets_the_std_on_the_released_mean(tmp_path):
+def test_a_registered_noise_mechanism_gets_the_std_on_the_sum(tmp_path):
     asked = []
 
     class Recording(noise_mod.IIDGaussian):
@@ -242,8 +242,9 @@ def test_a_registered_noise_mechanism_gets_the_std_on_the_released_mean(tmp_path
                           noise="recording", delta=1e-5)
         data = user_data([2] * 20, d=3)
         res = train(Mean(3), data, sq_loss, cfg, checkpoint_dir=str(tmp_path))
-        # std on the sum = z * C, divided by the fixed denominator q * N = 10
-        assert asked == [pytest.approx(2.0 * 0.5 / 10)] * 2 and res.steps == 2
+        # the noise goes on the clipped SUM (on rank 0, before the all-reduce): std z * C; the noised
+        # sum is then divided by the fixed denominator q * N = 10
+        assert asked == [pytest.approx(2.0 * 0.5)] * 2 and res.steps == 2
         st = ckpt.load(str(tmp_path))
         assert st["noise"]["source"] is not None  # seeded: the mechanism's state travels with the checkpoint
     finally:

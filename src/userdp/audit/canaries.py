@@ -254,6 +254,11 @@ class WithCanaries(DelegatingUserData):
             mask[torch.from_numpy(pc)] = m.to(mask.dtype)
         return self._merge(parts, len(users)), mask
 
+    def concat(self, batches):
+        """Units' batches (one row each) as one, by the merge rule of :meth:`_merge`."""
+        pos = np.cumsum([0] + [next(iter(b.values())).shape[0] for b in batches])
+        return self._merge([(np.arange(pos[i], pos[i + 1]), b) for i, b in enumerate(batches)], int(pos[-1]))
+
     def bounded_records(self, group_size, rng):
         u_r, r_r = self.inner.bounded_records(group_size, rng)
         rec, m = uniform_subsets(self.canaries.sizes(), int(group_size), rng)

@@ -11,6 +11,8 @@ The loop is shared (docs/algorithms.md gives the algorithms and their sources).
 * :class:`ULS` — unit = one user; users Poisson-sampled at rate q; update = mean gradient over
   up to G of the user's records drawn fresh each step (``UserData.draw_records``, so selection
   strategies plug in there); event = Poisson-subsampled Gaussian.
+  ``random_load`` says whether ``load`` draws anything: the loop then loads each unit with
+  a generator keyed by (step, unit), so a unit's records do not depend on the rank loading it.
 * :class:`FedAvg` — unit = one user; update = ``theta0 - theta_local`` after E local epochs of
   SGD (local learning rate, local batch size) on up to G of the user's records; optional user
   weights ``w = min(n/w_hat, 1)``; event = Poisson-subsampled Gaussian.
@@ -73,6 +75,7 @@ class ELS(_Sampled):
     name = "els"
     unit = "record"
     update = "gradient"
+    random_load = False  # a unit is one fixed record: loading it draws nothing
     rate_name = "ELS record sampling rate p"
 
     @property
@@ -112,6 +115,7 @@ class ULS(_Sampled):
     name = "uls"
     unit = "user"
     update = "gradient"
+    random_load = True  # each step draws up to G of the user's records (one generator per unit)
     rate_name = "ULS user sampling rate q"
 
     @property

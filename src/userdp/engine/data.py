@@ -73,6 +73,15 @@ class UserData:
         users = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
         return users, records
 
+    def concat(self, batches: list[Batch]) -> Batch:
+        """One batch from the batches of single units (the loop loads each sampled unit with its
+        own generator, so that a unit's records do not depend on which process loads it).
+
+        The default concatenates each key along the first axis, so every unit's batch must have
+        the same keys and trailing shapes; data whose units' batches differ (the audit's canaries
+        carry keys the real users lack) override it."""
+        return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
     def __len__(self) -> int:
         return int(self.num_users)
 
@@ -111,6 +120,9 @@ class DelegatingUserData(UserData):
 
     def bounded_records(self, group_size, rng):
         return self.inner.bounded_records(group_size, rng)
+
+    def concat(self, batches):
+        return self.inner.concat(batches)
 
     def __getattr__(self, name):  # anything beyond the contract (num_tokens, selection, ...)
         if name == "inner":

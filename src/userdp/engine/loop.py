@@ -27,7 +27,7 @@ from userdp import accounting
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.data import UserData
-from userdp.engine.distributed import LocalCombiner
+from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise
 from userdp.engine.per_unit import make_per_unit
@@ -64,18 +64,19 @@ _POOL = ENTROPY_BITS // 32
 
 
 def _seeds(seed: int | None, combiner):
-    """(sampling rng, data rng, noise source or None, torch seed or None).
+    """(sampling rng, data key, noise source or None, torch seed or None).
 
     Unseeded: 256 bits of OS entropy drawn on the main rank and broadcast, so that every rank
     samples the same cohort (the sampling must stay secret: a predictable cohort loses the
     amplification the accountant assumes); the noise source is keyed by a separate 256 bits of
     OS entropy on the main rank only (the noise is drawn there, once per step). Seeded: all of
-    them derive from the seed, reproducibly.
+    them derive from the seed, reproducibly. The data key (which records a sampled user's
+    unit draws) is the same on every rank: see :meth:`_Run._unit_rng`.
     """
     if seed is None:
         words = torch.tensor(np.frombuffer(os.urandom(ENTROPY_BITS // 8), dtype=np.int64).copy())
         if combiner.world_size > 1:
-            words = combiner.broadcast_from_main([words])[0]
+            words = combiner.broadcast_from_main([words])[0].cpu()
         material = int.from_bytes(words.numpy().tobytes(), "little")
         noise = GaussianNoise.from_os_entropy() if combiner.rank == 0 else None
         torch_seed = None
@@ -86,8 +87,7 @@ def _seeds(seed: int | None, combiner):
     if seed is not None:
         noise = GaussianNoise(int.from_bytes(c.generate_state(8, np.uint32).tobytes(), "little"), seeded=True)
         torch_seed = int(d.generate_state(1, np.uint64)[0] >> 1)
-    data_rng = np.random.default_rng(np.random.SeedSequence(material, spawn_key=(1 + combiner.rank,), pool_size=_POOL))
-    return np.random.default_rng(a), data_rng, noise, torch_seed
+    return np.random.default_rng(a), material, noise, torch_seed
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -123,8 +123,8 @@ class _Run:
                                                       for p in self.params})}
         self.dir = checkpoint_dir
         self.seeded = cfg.seed is not None
-        # generators: the cohort (identical on every rank), data loading (per rank), the noise
-        self.rng, self.data_rng, source, torch_seed = _seeds(cfg.seed, self.combiner)
+        # generators: the cohort and the data key (identical on every rank), the noise (main rank)
+        self.rng, self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner)
         self.noise = make_noise(cfg.noise, source)
         self.noise.init(self.master)
         if self.seeded:
@@ -172,9 +172,23 @@ class _Run:
         mask = torch.cat([mask, torch.zeros(b - k, *mask.shape[1:], dtype=mask.dtype)])
         return batch, mask
 
-    def _load(self, cid: np.ndarray):
+    def _unit_rng(self, step: int, unit: int) -> np.random.Generator:
+        """The generator of unit ``unit``'s record draw at ``step``: keyed by the run's data key,
+        the step and the unit alone, so a unit draws the same records whichever rank loads it
+        and however the cohort is chunked (W processes give one process's model; a resume with
+        another world size continues the same run)."""
+        return np.random.default_rng(np.random.SeedSequence(self._data_key, spawn_key=(1, step, int(unit)),
+                                                            pool_size=_POOL))
+
+    def _load(self, cid: np.ndarray, step: int):
         """One chunk's batch and mask, padded to its bucket size, on the device."""
-        batch, mask = self.algo.load(self.data, self.table, cid, self.data_rng)
+        if self.algo.random_load:  # one draw per unit, from the unit's own generator
+            parts = [self.algo.load(self.data, self.table, cid[i : i + 1], self._unit_rng(step, u))
+                     for i, u in enumerate(cid)]
+            batch = self.data.concat([b for b, _ in parts])
+            mask = torch.cat([m for _, m in parts])
+        else:
+            batch, mask = self.algo.load(self.data, self.table, cid, None)
         batch, mask = self._pad(batch, mask, bucket_size(len(cid), self.cfg.chunk_size))
         cuda = self.device.type == "cuda"
         batch = {n: (v.pin_memory() if cuda else v).to(self.device, non_blocking=cuda) for n, v in batch.items()}
@@ -182,15 +196,14 @@ class _Run:
 
     def _prefetch(self, chunks):
         """The chunks' batches in order, the next one loaded by a worker thread while this one
-        computes. One worker, so the data generator is used in the same order as a plain loop
-        (a seeded run gives the same records either way)."""
+        computes (each unit's records come from its own generator, so the order is moot)."""
         if not chunks:
             return
-        pending = self._loader.submit(self._load, chunks[0])
+        pending = self._loader.submit(self._load, chunks[0], self.step)
         for i in range(len(chunks)):
             ready = pending.result()
             if i + 1 < len(chunks):
-                pending = self._loader.submit(self._load, chunks[i + 1])
+                pending = self._loader.submit(self._load, chunks[i + 1], self.step)
             yield ready
 
     def clipped_sum(self, ids: np.ndarray):
@@ -228,43 +241,48 @@ class _Run:
             sums = [torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype)) for p in self.params]
         return sums, stats
 
-    def run_step(self):
-        cfg = self.cfg
+    def run_step(self, stop_requested: bool = False):
+        """One step. ``stop_requested``: this rank wants the run to stop after this step (Ctrl-C);
+        the request is combined with the statistics, so every rank stops after the same step
+        (``metrics["stop"]``)."""
+        cfg, plan, comb = self.cfg, self.plan, self.combiner
         t0 = time.perf_counter()
-        self.ledger.record_step()  # before anything of this step can be seen
+        self.ledger.record_step()  # before anything of this step can be seen (on every rank: before its all-reduce)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
-        mine = ids[self.combiner.rank :: self.combiner.world_size]
+        mine = ids[comb.rank :: comb.world_size]
         sums, stats = self.clipped_sum(mine)
-        # ---- the only cross-process combination: the clipped sum and its statistics
-        combined = self.combiner.all_reduce_sum(sums + [stats.to(self.device)])
-        sums, stats = combined[:-1], combined[-1].double().cpu()
-        n_units, centered, loss_sum, n_clipped, weight, n_bad = stats.tolist()
+        # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
+        main = comb.rank == 0
+        if main and plan.count_stddev:
+            stats[1] += self.noise.scalar(plan.count_stddev)
+        stats = torch.cat([stats, torch.tensor([float(stop_requested)], dtype=torch.float64)])
+        stats = comb.all_reduce_sum([stats])[0].double().cpu()
+        n_units, noisy_centered, loss_sum, n_clipped, weight, n_bad, stops = stats.tolist()
         self.nonfinite_units += int(n_bad)
-        # ---- noise on the sum, drawn once per step for the whole sum (on the main rank), float32+
-        plan = self.plan
+        # ---- 2. noise on the sum, drawn once per step for the whole sum (on the main rank, added to
+        # its partial sum before the all-reduce), float32 or wider; then the clipped sums, in their dtype
         std_sum = plan.update_noise_multiplier * self._sensitivity()
         den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
-        noise = self.noise.noise(sums, est_std)  # est_std is proportional to std_sum: 0 when non-private
-        cn = self.noise.scalar(plan.count_stddev) if plan.count_stddev else 0.0
-        count_noise = torch.tensor([cn], dtype=sums[0].dtype, device=self.device)  # float32 or wider
-        bc = self.combiner.broadcast_from_main(noise + [count_noise])
-        noise, count_noise = bc[:-1], float(bc[-1])
+        if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
+            for x, z in zip(sums, self.noise.noise(sums, est_std * den)):
+                x.add_(z)
+        sums = comb.all_reduce_sum(sums)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
-        for m, s, z in zip(self.master, sums, noise):  # in place: the sums are this step's own buffers
-            m.grad = s.div_(den).add_(z).to(m.dtype)
+        for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
+            m.grad = x.div_(den).to(m.dtype)
         self.optimizer.step()
         if self.master is not self.params:
             with torch.no_grad():
                 for p, m in zip(self.params, self.master):
                     p.copy_(m)
         self.step += 1
-        metrics = {"step": self.step, "loss": loss_sum / max(n_units, 1.0), "units": int(n_units),
+        metrics = {"step": self.step, "loss": loss_sum / max(n_units, 1.0), "units": int(n_units), "stop": stops > 0,
                    "nonfinite_units": int(n_bad),
                    "fraction_clipped": n_clipped / max(n_units, 1.0),
                    "clip_norm": float(self.clip_state["clip_norm"])}
         if cfg.clipping.adaptive:
-            noisy = 0.5 + (centered + count_noise) / plan.expected_units
+            noisy = 0.5 + noisy_centered / plan.expected_units
             metrics["noisy_fraction_unclipped"] = noisy
             self.clip_state = cfg.clipping.update(self.clip_state, noisy)
         dt = time.perf_counter() - t0
@@ -286,7 +304,6 @@ class _Run:
               "nonfinite_units": self.nonfinite_units}
         if self.seeded:  # unseeded random states are secret: never written
             st["numpy_rng"] = self.rng.bit_generator.state
-            st["data_rng"] = self.data_rng.bit_generator.state
             st["noise"] = self.noise.state_dict()
             st["torch_rng"] = torch.get_rng_state()
             perm = self.sampler_state.get("perm")
@@ -321,8 +338,10 @@ class _Run:
         self.history = list(st["history"])
         self.nonfinite_units = int(st.get("nonfinite_units", 0))
         if st["seeded"]:
+            if "data_rng" in st:  # per-rank record draws (userdp 0.1): that stream cannot be continued
+                raise UserError(f"cannot resume from {ckpt.path(self.dir)}: a seeded checkpoint of an older userdp "
+                                "(its record draws used another generator); start the seeded run again")
             self.rng.bit_generator.state = st["numpy_rng"]
-            self.data_rng.bit_generator.state = st["data_rng"]
             self.noise.load_state_dict(st.get("noise") or {})
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
@@ -466,26 +485,32 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
             another run, or a checkpoint that could not be written.
         KeyboardInterrupt: after Ctrl-C, once the step in flight is finished and saved.
     """
+    comb = combiner or LocalCombiner()
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
-    if checkpoint_dir and not resume and (ckpt.exists(checkpoint_dir) or os.path.exists(journal)):
+    # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
+    # would race it. A refusal there ends the main rank, and the others with it (docs/scaling.md).
+    if (comb.rank == 0 and checkpoint_dir and not resume
+            and (ckpt.exists(checkpoint_dir) or os.path.exists(journal))):
         raise UserError(f"{checkpoint_dir} already holds a checkpoint: pass resume=True to continue it, "
                         "or use an empty directory")
     if resume and not checkpoint_dir:
         raise UserError("resume=True needs a checkpoint_dir")
-    if checkpoint_dir:
+    if checkpoint_dir and comb.rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
-    run = _Run(model, data, loss_fn, config, checkpoint_dir, combiner, journal_context)
+    run = _Run(model, data, loss_fn, config, checkpoint_dir, comb, journal_context)
+    if comb.world_size > 1:
+        _agree(run)
     if resume and ckpt.exists(checkpoint_dir):
         run.restore(ckpt.load(checkpoint_dir))
-    elif resume and run.combiner.rank == 0:
+    elif resume and comb.rank == 0:
         # crashed before the first checkpoint: the steps it began are spent all the same
         # (a seeded run replays them); a missing or damaged journal is refused
         run.ledger.resume_without_checkpoint(replayable=run.seeded)
-    elif checkpoint_dir and not resume and run.combiner.rank == 0:
+    elif checkpoint_dir and not resume and comb.rank == 0:
         run.ledger.start_journal()
-    if run.combiner.world_size > 1:  # every rank counts what the main rank's journal says
-        counts = torch.tensor([float(run.ledger.spent), float(run.ledger.lost_steps)], device=run.device)
-        spent, lost = run.combiner.broadcast_from_main([counts])[0].tolist()
+    if comb.world_size > 1:  # every rank counts what the main rank's journal says
+        counts = torch.tensor([float(run.ledger.spent), float(run.ledger.lost_steps)], dtype=torch.float64)
+        spent, lost = comb.broadcast_from_main([counts])[0].tolist()
         run.ledger.spent, run.ledger.lost_steps = int(spent), int(lost)
     if on_start is not None:
         on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
@@ -499,19 +524,41 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
         run._loader.shutdown(wait=True)
 
 
+def _agree(run: _Run) -> None:
+    """Make every rank start from the main rank's model, and refuse ranks whose configuration or
+    data differ from the main rank's (a node with another config file or another corpus would
+    otherwise train on a cohort that is not the one accounted).
+
+    Raises:
+        UserError: this rank's engine config, unit count or data sizes differ from rank 0's.
+    """
+    comb = run.combiner
+    sizes = np.asarray(run.data.sizes(), dtype=np.int64)
+    digest = hashlib.sha256(repr(run.cfg).encode() + np.int64(run.n_units).tobytes() + sizes.tobytes()).digest()
+    mine = torch.tensor(np.frombuffer(digest, dtype=np.int64).copy())
+    main = comb.broadcast_from_main([mine.clone()])[0].cpu()
+    if not torch.equal(mine, main):
+        raise UserError(f"rank {comb.rank}: this process's training config or data differ from rank 0's "
+                        "(every process of a job must read the same config and the same corpus)")
+    # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank
+    broadcast_module_state(comb, run.model, extra=run.master if run.master is not run.params else ())
+
+
 def _train_loop(run: _Run, config: TrainConfig, checkpoint_dir, callbacks, checkpoint_extra) -> TrainResult:
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:
             try:
-                m = run.run_step()
+                # a Ctrl-C on any rank stops every rank after the same step (one-process runs: at once)
+                m = run.run_step(stop_requested=interrupt.requested)
             except BudgetExceededError:
                 stopped = "budget"
                 break
+            agreed = m.pop("stop")
             run.history.append(m)
             for cb in callbacks:
                 cb(m)
-            if interrupt.requested:
+            if agreed or (interrupt.requested and run.combiner.world_size == 1):
                 # Ctrl-C: the step in flight was finished (parameters, optimizer and ledger agree),
                 # so save it and stop: nothing is lost, `resume=True` continues from here.
                 run.save(checkpoint_extra)

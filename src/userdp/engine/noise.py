@@ -179,8 +179,10 @@ class IIDGaussian:
         """Prepare for a run over ``params`` (i.i.d. noise keeps no per-parameter state)."""
 
     def noise(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
-        """This step's noise, one tensor like each of ``tensors`` (float32, or float64 for a
-        float64 tensor); zeros where there is no source or ``std`` is 0."""
+        """This step's noise for the clipped sums ``tensors`` (``std`` is on the scale of the sum;
+        the loop adds it to rank 0's partial sum before the all-reduce, then divides by the
+        denominator): one tensor like each, float32 (float64 for a float64 tensor); zeros where
+        there is no source or ``std`` is 0."""
         if self.source is None or not std > 0:
             return [torch.zeros_like(t) for t in tensors]
         return self.source.like(tensors, std)
