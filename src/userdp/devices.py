@@ -36,7 +36,7 @@ def resolve_device(spec: str, *, name: str = "model.device"):
         raise UserError(f"{name}: {spec} was asked for but this machine has no CUDA device available to torch "
                         f"(torch {torch.__version__}; a CPU-only build or no driver): use auto or cpu")
     dev = torch.device(spec)
-    index = 0 if dev.index is None else dev.index
+    index = torch.cuda.current_device() if dev.index is None else dev.index  # torchrun sets it per process
     if index >= torch.cuda.device_count():
         raise UserError(f"{name}: {spec} does not exist (this machine has {torch.cuda.device_count()} CUDA device(s))")
     return torch.device("cuda", index)

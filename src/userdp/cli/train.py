@@ -27,6 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+                   help="under torchrun: how long a collective waits for another process before the job "
+                        "fails (default 1800)")
     p.set_defaults(func=main)
 
 
@@ -51,7 +54,27 @@ def main(args) -> int:
     if args.print_config:
         print(C.dump_yaml(cfg), end="")
         return 0
-    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, plan_file=args.plan)
+    from userdp import launch
+
+    world = launch.init_world(cfg.model.device, args.dist_timeout or launch.DEFAULT_TIMEOUT_S)
+    try:
+        s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, plan_file=args.plan,
+                world=world)
+    except (launch.PeerLost, launch.JobStopped) as exc:
+        from pathlib import Path
+
+        from userdp.engine.ledger import JOURNAL
+
+        began = world.run_dir is not None and (Path(world.run_dir) / "checkpoints" / JOURNAL).is_file()
+        then = (f"the ledger journal counts every step begun; once every process has stopped, continue with: "
+                f"torchrun ... -m userdp train --resume {world.run_dir}" if began else
+                "no training step had begun (nothing to resume; start the job again)")
+        print(f"userdp: rank {world.rank} of {world.world_size}: {exc}; {then}", file=sys.stderr)
+        return 1
+    finally:
+        world.close()
+    if s is None:  # a rank other than 0: rank 0 prints the summary
+        return 0
     alg = s["algorithm"].upper()
     print(f"run directory:        {s['run_dir']}")
     print(f"algorithm:            {alg}, {s['steps']} steps ({s['stopped']}), "

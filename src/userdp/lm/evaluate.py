@@ -70,11 +70,21 @@ def summarize(users: np.ndarray, nll: np.ndarray, cnt: np.ndarray) -> dict:
             "num_records": int(len(users)), "num_tokens": int(tokens)}
 
 
-def evaluate_lm(model, data, users: Sequence[int] | None = None, batch_size: int = 64) -> dict:
-    """Loss and perplexity over the users of ``data`` (a UserData of held-out users)."""
+def evaluate_lm(model, data, users: Sequence[int] | None = None, batch_size: int = 64, combiner=None) -> dict:
+    """Loss and perplexity over the users of ``data`` (a UserData of held-out users).
+
+    ``combiner`` (:mod:`userdp.engine.distributed`): with several processes each scores every
+    ``world_size``-th record and one all-reduce gives every rank the whole result."""
     u, r = _pairs(data, users)
-    nll, cnt = record_nll(model, data, u, r, batch_size)
-    return summarize(u, nll, cnt)
+    if combiner is None or combiner.world_size == 1:
+        nll, cnt = record_nll(model, data, u, r, batch_size)
+        return summarize(u, nll, cnt)
+    mine = np.arange(combiner.rank, len(u), combiner.world_size)
+    both = torch.zeros(2, len(u), dtype=torch.float64)
+    part_nll, part_cnt = record_nll(model, data, u[mine], r[mine], batch_size)
+    both[0, mine], both[1, mine] = torch.from_numpy(part_nll), torch.from_numpy(part_cnt)
+    both = combiner.all_reduce_sum([both])[0].cpu()
+    return summarize(u, both[0].numpy(), both[1].numpy())
 
 
 def personalize(model, data, users: Sequence[int] | None = None, *, lr: float = 0.05,

@@ -690,7 +690,7 @@ def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
 
 
 def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
-        progress: bool = True, log: Log = _stderr, plan_file: Optional[str] = None) -> dict:
+        progress: bool = True, log: Log = _stderr, plan_file: Optional[str] = None, world=None) -> Optional[dict]:
     """Run (or resume) a training job; returns the summary (also in the run directory).
 
     ``plan_file``: a plan saved by ``userdp plan`` to apply (its data touches and its DP median's
@@ -699,27 +699,59 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     nothing half-written blocks the rerun; once a step has begun, the directory (and its ledger)
     stays.
 
+    ``world``: the job's processes (:func:`userdp.launch.init_world`; None: one process). Under
+    torchrun every rank calls this; rank 0 alone writes and logs (docs/scaling.md), and only
+    rank 0 returns the summary (the others return None).
+
     Raises:
         UserError: bad configuration or data, a damaged run directory, an unmet budget.
-        KeyboardInterrupt: after Ctrl-C (the run can be resumed)."""
+        KeyboardInterrupt: after Ctrl-C (the run can be resumed).
+        userdp.launch.PeerLost: another process of a torchrun job failed (the run can be resumed)."""
+    from userdp.launch import JobStopped, World, translate
+
+    world = world or World()
+    if not world.is_main:
+        log, progress = (lambda msg: None), False
+    try:
+        return _run_top(cfg, output, resume_dir, progress, log, plan_file, world)
+    except (Exception, JobStopped) as exc:
+        lost = exc if isinstance(exc, JobStopped) else translate(exc) if world.distributed else None
+        if lost is None:
+            raise
+        if world.is_main and world.run_dir and Path(world.run_dir, "state.json").is_file():
+            RunDir(Path(world.run_dir)).write_state(status="interrupted", stopped=str(lost))
+        raise lost from None
+
+
+def _run_top(cfg, output, resume_dir, progress, log, plan_file, world) -> Optional[dict]:
     from userdp.engine.ledger import JOURNAL
 
+    if world.distributed and cfg.audit.canaries:
+        raise UserError("audit.canaries: the empirical audit runs in one process only (its canaries and "
+                        "secrets file are not shared out yet); run `userdp audit` without torchrun")
     if resume_dir is not None:
         rd = existing_run_dir(resume_dir)
         engine_resume = _check_resumable(rd, resume_dir)
         audit = _audit_session(cfg, rd, True, log, steps_begun=engine_resume)
-        return _run(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit)
+        return _run(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
+    if not world.is_main:  # rank 0 makes the run directory; the others use it
+        with world.main_first("creating the run directory"):
+            pass
+        return _run(cfg, existing_run_dir(world.broadcast_object(None)), None, False, progress, log, plan_file,
+                    None, world)
     target = Path(output or cfg.output.dir) if (output or cfg.output.dir) else None
     existed = target is not None and target.is_dir()
-    rd = new_run_dir(output or cfg.output.dir)
-    audit = None
+    rd = audit = None
     try:
-        audit = _audit_session(cfg, rd, False, log)
-        rd.config.write_text(C.dump_yaml(cfg))
-        rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        return _run(cfg, rd, None, False, progress, log, plan_file, audit)
+        with world.main_first("creating the run directory"):
+            rd = new_run_dir(output or cfg.output.dir)
+            audit = _audit_session(cfg, rd, False, log)
+            rd.config.write_text(C.dump_yaml(cfg))
+            rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        world.broadcast_object(str(rd.root.resolve()))
+        return _run(cfg, rd, None, False, progress, log, plan_file, audit, world)
     except BaseException:
-        if not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
+        if rd is not None and not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
             import shutil
 
             shutil.rmtree(rd.root, ignore_errors=True)
@@ -740,29 +772,37 @@ def _audit_session(cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log, steps_b
 
 
 def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
-         plan_file: Optional[str], audit=None) -> dict:
+         plan_file: Optional[str], audit, world) -> Optional[dict]:
     if cfg.output.cache == "run":  # every cached copy of this run's data stays in the run directory
         from userdp.lm.pretrain import cache_in
 
         with cache_in(rd.root / "cache"):
-            return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit)
-    return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit)
+            return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
+    return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
 
 
 def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
-             plan_file: Optional[str], audit=None) -> dict:
+             plan_file: Optional[str], audit, world) -> Optional[dict]:
     from userdp import engine as E
     from userdp.engine import checkpoint as ckpt
     from userdp.lm.evaluate import evaluate_lm
 
+    from userdp.engine.distributed import broadcast_module_state
+
     t_start = time.time()
+    main = world.is_main
+    world.run_dir = str(rd.root)
     log(f"run directory: {rd.root}")
-    prep = prepare_data(cfg, log)
+    if world.distributed:
+        log(f"processes: {world.world_size} ({world.backend}); rank 0 writes the run directory")
+    with world.main_first("preparing the data"):
+        prep = prepare_data(cfg, log)
     n_units = _num_units(cfg, prep.train_subset)
     if cfg.plan != "auto":
         check_cohort(cfg, n_units)
     check_budget(cfg, prep.train_subset.num_users, n_units)
-    tok, model, notes = get_tokenizer_and_model(cfg, prep, log, progress)
+    with world.main_first("building the tokenizer and the model"):
+        tok, model, notes = get_tokenizer_and_model(cfg, prep, log, progress)
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
@@ -770,11 +810,15 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
 
     device = resolve_device(cfg.model.device)
     model.to(device)
-    notes["device"] = describe(device)
-    log(f"device: {describe(device)}")
+    if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's
+        broadcast_module_state(world.combiner(), model)
+        notes["processes"] = {"world_size": world.world_size, "backend": world.backend}
+    notes["device"] = describe(device) + (f" x {world.world_size} processes" if world.distributed else "")
+    log(f"device: {notes['device']}")
     model.train()
     models.lint_model(model)
-    train_data, eval_data = build_datasets(cfg, prep, tok, log, model, notes)
+    with world.main_first("tokenizing the data"):
+        train_data, eval_data = build_datasets(cfg, prep, tok, log, model, notes)
     plan = None
     if plan_file is not None:
         if cfg.plan == "auto":
@@ -785,9 +829,10 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             raise UserError(f"--plan {plan_file}: cannot read it ({type(exc).__name__})") from None
         cfg = apply_plan(cfg, saved, source=f"--plan {plan_file}", data_fingerprint=prep.data_fingerprint)
         plan = saved
-        write_json_atomic(rd.root / "plan.json", plan)
-        rd.config.write_text("# training.algorithm, group_size and cohort_size come from the plan in plan.json\n"
-                             + C.dump_yaml(cfg))
+        if main:
+            write_json_atomic(rd.root / "plan.json", plan)
+            rd.config.write_text("# training.algorithm, group_size and cohort_size come from the plan in plan.json\n"
+                                 + C.dump_yaml(cfg))
         n_units = _num_units(cfg, prep.train_subset)
         check_budget(cfg, prep.train_subset.num_users, n_units)
     elif resume_dir is not None and cfg.plan != "auto" and (rd.root / "plan.json").is_file():
@@ -803,12 +848,17 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             raise UserError(f"--resume {resume_dir}: the config says plan: auto but the run "
                             "directory has no plan.json (start the run again instead)")
         else:
-            cfg, plan = plan_auto(cfg, train_data, model, log, data_fingerprint=prep.data_fingerprint)
-            write_json_atomic(saved_plan_path, plan)
-            rd.config.write_text(
-                "# plan: auto chose training.algorithm, group_size and cohort_size below "
-                "(see plan.json);\n# `userdp train --resume` keeps them, a new run plans again\n"
-                + C.dump_yaml(cfg))
+            with world.main_first("planning"):  # once, on rank 0 (its DP median is spent once)
+                if main:
+                    cfg, plan = plan_auto(cfg, train_data, model, log, data_fingerprint=prep.data_fingerprint)
+                    write_json_atomic(saved_plan_path, plan)
+                    rd.config.write_text(
+                        "# plan: auto chose training.algorithm, group_size and cohort_size below "
+                        "(see plan.json);\n# `userdp train --resume` keeps them, a new run plans again\n"
+                        + C.dump_yaml(cfg))
+                else:
+                    plan = json.loads(saved_plan_path.read_text())
+                    cfg = apply_plan(cfg, plan, source=str(saved_plan_path), data_fingerprint=prep.data_fingerprint)
             n_units = _num_units(cfg, prep.train_subset)
             check_budget(cfg, prep.train_subset.num_users, n_units)
     if audit is not None:  # canary users join the training data (before any step; docs/audit.md)
@@ -820,18 +870,22 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             log("audit: gradient canaries: per-unit gradients by vmap")
         n_units = _num_units(cfg, train_data)
         check_budget(cfg, train_data.num_users, n_units)
-    cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
+    with world.main_first("choosing the chunk size"):  # rank 0's choice, saved, is every rank's
+        cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
     if chunk_info:
         notes["chunk_size"] = chunk_info
     ecfg = engine_config(cfg, n_units)
-    models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
+    if main:
+        models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
 
-    # ---- evaluation before
+    # ---- evaluation before (each rank scores a share of the held-out records)
+    combiner = world.combiner()
     ev_state = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
     if cfg.eval.before and "before" not in ev_state:
         log("evaluating the starting model on held-out users ...")
-        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)
-        write_json_atomic(rd.eval, ev_state)
+        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
+        if main:
+            write_json_atomic(rd.eval, ev_state)
         log(f"  before: loss {ev_state['before']['loss']:.4f}, perplexity {ev_state['before']['perplexity']:.2f}")
     model.train()
 
@@ -841,8 +895,9 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
     start_step = 0
     if engine_resume:
         start_step = ckpt.step_of(str(rd.checkpoints))
-        rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
-        rd.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if main:
+            rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
+            rd.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
         log(f"resuming at step {start_step} of {cfg.training.steps}")
     bar = None
     if progress:
@@ -850,10 +905,12 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
 
         bar = tqdm(total=cfg.training.steps, initial=start_step, desc=f"train {cfg.training.algorithm}",
                    unit="step", dynamic_ncols=True, file=sys.stderr)
-    mfile = open(rd.metrics, "a")
+    mfile = open(rd.metrics, "a") if main else None
     last_tok = [0, time.time()]
 
     def on_step(m: dict) -> None:
+        if mfile is None:  # one writer
+            return
         now = time.time()
         toks = counter.tokens - last_tok[0]
         dt = max(1e-9, m.get("step_time") or (now - last_tok[1]))
@@ -878,7 +935,8 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         return {"model.safetensors": lambda path: _save_weights(model, path, run.step, eps),
                 "ledger.json": lambda path: _write_ledger_summary(path, run.step, run.ledger.spent, eps)}
 
-    rd.write_state(status="running")
+    if main:
+        rd.write_state(status="running")
     context = journal_context(rd, prep)
     if audit is not None:
         context.update(audit.journal_context())
@@ -887,11 +945,15 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
         res = E.train(model, data, loss_fn, ecfg, checkpoint_dir=str(rd.checkpoints),
                       resume=engine_resume, callbacks=callbacks, journal_context=context,
-                      checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log))
+                      checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
+                      combiner=combiner)
     except KeyboardInterrupt as exc:
-        mfile.close()
+        if mfile is not None:
+            mfile.close()
         if bar is not None:
             bar.close()
+        if not main:
+            raise
         rd.write_state(status="interrupted")
         if isinstance(exc, E.TrainingInterrupted):  # the step in flight finished: state what was spent
             from userdp.lm.report import write_report
@@ -902,17 +964,19 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             write_json_atomic(rd.privacy, priv)
             write_report(rd.root)
         log(f"interrupted: the last checkpoint in {rd.checkpoints} and the ledger journal are kept; "
-            f"continue with: userdp train --resume {rd.root}")
+            f"continue with: {'torchrun ... -m ' if world.distributed else ''}userdp train --resume {rd.root}")
         raise
     finally:
-        if not mfile.closed:
+        if mfile is not None and not mfile.closed:
             mfile.close()
     if bar is not None:
         bar.close()
     model.eval()
 
-    # ---- outputs
-    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)
+    # ---- outputs (rank 0 alone writes them)
+    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
+    if not main:
+        return None
     if cfg.eval.personalize:
         from userdp.lm.evaluate import personalize
 
