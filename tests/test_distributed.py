@@ -1,0 +1,226 @@
+"""userdp on torch.distributed, launched by torchrun (CPU, gloo; docs/scaling.md).
+
+* Two processes give one process's model for the same seed — ULS, ELS and FedAvg, with record
+  draws that matter (G below most users' sizes) — with exactly two all-reduces per step: the
+  statistics (float64, a few numbers), then the noised clipped sums in float32.
+* ``torchrun -m userdp train`` end to end: the same model as one process; rank 0 alone writes.
+* A process killed mid-run ends the job with a clear message; ``--resume`` (on another world
+  size) continues, and the ledger counts every step begun once.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
+from userdp.errors import UserError
+
+from _engine_helpers import Mean, sq_loss, user_data
+from _lm_corpus import tiny_config, write_tiny_corpus
+
+HERE = Path(__file__).parent
+TORCHRUN = shutil.which("torchrun")
+needs_torchrun = pytest.mark.skipif(TORCHRUN is None or not torch.distributed.is_available()
+                                    or not sys.platform.startswith("linux"),
+                                    reason="needs torchrun and torch.distributed (gloo) on Linux")
+
+
+def _env(tmp_path):
+    env = dict(os.environ, USERDP_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _torchrun(n, args, tmp_path, **kw):
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={n}", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300, **kw)
+
+
+# ----------------------------------------------------------------------------- the engine, 2 processes
+@needs_torchrun
+def test_two_processes_give_one_processs_parameters_for_uls_els_and_fedavg(tmp_path):
+    import _dist_worker as worker
+
+    out = _torchrun(2, [str(HERE / "_dist_worker.py"), str(tmp_path)], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref = worker.run_all()
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["world_size"] == 2
+        for algo, params in ref.items():
+            for name, p in params.items():
+                # per-rank noise or per-rank record draws would move these by ~1e-1
+                assert torch.allclose(got["params"][algo][name], p, atol=1e-5), (rank, algo, name)
+        calls = got["all_reduce"]
+        n_params = sum(p.numel() for p in ref["uls"].values())
+        steps = 3 * 4
+        assert len(calls) == 2 * steps  # per step: the statistics, then the noised clipped sums
+        assert calls[0::2] == [("torch.float64", 7)] * steps
+        assert calls[1::2] == [("torch.float32", n_params)] * steps  # one float32 bucket, not widened
+
+
+# ----------------------------------------------------------------------------- userdp train under torchrun
+def _tiny(tmp_path, training_extra):
+    data, public = write_tiny_corpus(tmp_path)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(tiny_config(data, public, training_extra=training_extra))
+    return cfg
+
+
+def _weights(run_dir):
+    from safetensors.torch import load_file
+
+    (f,) = list(Path(run_dir, "model").glob("*.safetensors"))
+    return load_file(str(f))
+
+
+@needs_torchrun
+def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
+    cfg = _tiny(tmp_path, "  seed: 5\n  checkpoint_every: 1\n")
+    one = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--output", "one", "--no-progress",
+                          "--json"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _torchrun(2, ["-m", "userdp", "train", str(cfg), "--output", "two", "--no-progress", "--json"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("run directory:") == 1  # one summary, from rank 0
+    s1, s2 = json.loads(one.stdout.splitlines()[-1]), json.loads(two.stdout.splitlines()[-1])
+    assert s2["steps"] == s1["steps"] == 4 and s2["epsilon"] == s1["epsilon"]
+    assert s2["loss_after"] == pytest.approx(s1["loss_after"], abs=1e-5)
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert max(float((w1[k].float() - w2[k].float()).abs().max()) for k in w1) < 1e-4
+    run = tmp_path / "two"
+    assert len(run.joinpath("metrics.jsonl").read_text().splitlines()) == 4  # one writer: no duplicate rows
+    assert len(run.joinpath("checkpoints", "ledger_journal.jsonl").read_text().splitlines()) == 1 + 4
+    priv = json.loads(run.joinpath("privacy.json").read_text())
+    assert priv["compute"]["device"] == "cpu x 2 processes"
+
+
+def _children(pid):
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(x) for x in task.joinpath("children").read_text().split()]
+    return out
+
+
+def _rank_of(pid):
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
+
+
+@needs_torchrun
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_process_ends_the_job_and_resume_counts_every_step_once(tmp_path, victim):
+    cfg = _tiny(tmp_path, "  checkpoint_every: 1\n")  # unseeded: steps begun and lost are spent
+    cfg.write_text(cfg.read_text().replace("steps: 4", "steps: 30"))
+    run = tmp_path / "run"
+    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "userdp", "train", str(cfg),
+                             "--output", str(run), "--no-progress"], cwd=tmp_path, env=_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            m = run / "metrics.jsonl"
+            if m.is_file() and len(m.read_text().splitlines()) >= 3:
+                break
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        (pid,) = [p for p in _children(proc.pid) if _rank_of(p) == victim]
+        os.kill(pid, 9)
+        _, err = proc.communicate(timeout=120)  # every process ends: no hang
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    if victim == 1:  # the survivor (rank 0) says what happened and how to go on
+        assert "rank 0 of 2: lost contact with another process of the job" in err
+        assert f"--resume {run}" in err
+    journal = run / "checkpoints" / "ledger_journal.jsonl"
+    begun = len(journal.read_text().splitlines()) - 1
+    ckpt_step = json.loads((run / "checkpoints" / "ledger.json").read_text())["step"]
+    assert begun >= ckpt_step >= 2
+    # resume on ONE process: the checkpoint holds no per-rank state
+    res = subprocess.run([sys.executable, "-m", "userdp", "train", "--resume", str(run), "--no-progress", "--json"],
+                         cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    priv = json.loads((run / "privacy.json").read_text())
+    accounted = len(journal.read_text().splitlines()) - 1
+    applied = len((run / "metrics.jsonl").read_text().splitlines())
+    assert priv["steps_taken"] == accounted  # every step begun counted once
+    assert priv["steps_lost_to_crashes"] == begun - ckpt_step
+    assert priv["steps_applied"] == applied and accounted == applied + (begun - ckpt_step)
+    assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, applied + 1))
+
+
+# ----------------------------------------------------------------------------- refusals, in process
+def test_a_torchrun_environment_that_cannot_be_used_is_refused(monkeypatch):
+    from userdp.launch import init_world
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(UserError, match="RANK or LOCAL_RANK is missing"):
+        init_world("cpu")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(UserError, match="names one GPU"):
+        init_world("cuda:1")
+    with pytest.raises(UserError, match="dist-timeout"):
+        init_world("cpu", timeout_s=0)
+
+
+def test_the_audit_is_refused_on_several_processes(tmp_path):
+    from userdp.launch import World
+    from userdp.lm import config as C
+    from userdp.lm.finetune import run
+
+    cfg = _tiny(tmp_path, "")
+    c = C.load_config(str(cfg), ["audit.canaries=10"])
+    with pytest.raises(UserError, match="audit runs in one process"):
+        run(c, output=str(tmp_path / "r"), world=World(rank=0, world_size=2))
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_rank_whose_config_differs_from_rank_0s_is_refused():
+    """Threads stand in for processes (tests/test_engine_distributed.py); rank 1 reads another config."""
+    from test_engine_distributed import _ThreadCombiner
+
+    shared = {"barrier": threading.Barrier(2), "slots": [None, None], "calls": [0, 0]}
+    errors = [None, None]
+
+    def rank(r):
+        cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=3 + r, clipping=FlatClip(0.5), optimizer=SGD(0.5),
+                          noise_multiplier=1.0, delta=1e-5, seed=1, track_epsilon=False, accountant="rdp")
+        try:
+            train(Mean(4), user_data([3] * 8, d=4), sq_loss, cfg, combiner=_ThreadCombiner(r, 2, shared))
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            errors[r] = e
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert isinstance(errors[1], UserError) and "differ from rank 0's" in str(errors[1])
+    assert isinstance(errors[0], threading.BrokenBarrierError)  # rank 0 stops too (a process would see PeerLost)
+
+
+def test_units_draw_the_same_records_whatever_the_chunking():
+    """The record draw of a unit is keyed by (run, step, unit): a chunk size that splits the cohort
+    differently (as W ranks do) trains the same model."""
+    cfgs = [TrainConfig(algorithm=ULS(2, 0.6), steps=3, clipping=FlatClip(0.5), optimizer=SGD(0.5),
+                        noise_multiplier=1.0, delta=1e-5, seed=9, chunk_size=c, track_epsilon=False, accountant="rdp")
+            for c in (1, 5)]
+    models = [Mean(4), Mean(4)]
+    for m, c in zip(models, cfgs):
+        train(m, user_data(np.arange(1, 13), d=4, seed=3), sq_loss, c)
+    assert torch.allclose(models[0].theta, models[1].theta, atol=1e-6)
