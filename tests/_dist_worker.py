@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from userdp import launch
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
+from userdp.engine.data import DelegatingUserData
 
 from _engine_helpers import MLP, ce_loss, mlp_data
 
@@ -26,13 +27,29 @@ def configs():
             "fedavg": TrainConfig(algorithm=FedAvg(2, 0.5, local_epochs=2, local_lr=0.3), **common)}
 
 
+class Recorded(DelegatingUserData):
+    """Records the users whose records this process loads."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.loaded = []
+
+    def draw_records(self, users, group_size, rng):
+        self.loaded += [int(u) for u in users]
+        return self.inner.draw_records(users, group_size, rng)
+
+
 def run_all(combiner=None) -> dict:
+    """{algorithm: final parameters}, plus "loaded_uls": the users this process loaded for ULS."""
     out = {}
     for name, cfg in configs().items():
         torch.manual_seed(0)
         model = MLP()
-        train(model, mlp_data(SIZES, seed=2), ce_loss, cfg, combiner=combiner)
+        data = Recorded(mlp_data(SIZES, seed=2))
+        train(model, data, ce_loss, cfg, combiner=combiner)
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if name == "uls":
+            out["loaded_uls"] = data.loaded
     return out
 
 

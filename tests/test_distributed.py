@@ -53,8 +53,13 @@ def test_two_processes_give_one_processs_parameters_for_uls_els_and_fedavg(tmp_p
     out = _torchrun(2, [str(HERE / "_dist_worker.py"), str(tmp_path)], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     ref = worker.run_all()
+    loaded = [torch.load(tmp_path / f"rank{r}.pt")["params"].pop("loaded_uls") for r in (0, 1)]
+    # each rank reads only its share of every cohort: together, exactly what one process reads
+    assert sorted(loaded[0] + loaded[1]) == sorted(ref.pop("loaded_uls"))
+    assert 0 < len(loaded[0]) < len(loaded[0]) + len(loaded[1]) and len(loaded[1]) > 0
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")
+        got["params"].pop("loaded_uls")
         assert got["world_size"] == 2
         for algo, params in ref.items():
             for name, p in params.items():
