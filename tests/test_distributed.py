@@ -10,6 +10,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,9 +146,10 @@ def test_a_killed_process_ends_the_job_and_resume_counts_every_step_once(tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    if victim == 1:  # the survivor (rank 0) says what happened and how to go on
-        assert "rank 0 of 2: lost contact with another process of the job" in err
-        assert f"--resume {run}" in err
+    if victim == 1:  # the survivor (rank 0) says what happened and how to go on: its collective fails,
+        # or torchrun's SIGTERM reaches it first
+        assert re.search(r"rank 0 of 2: (lost contact with another process of the job|stopped by SIGTERM)", err), err
+        assert f"--resume {run}" in err, err
     journal = run / "checkpoints" / "ledger_journal.jsonl"
     begun = len(journal.read_text().splitlines()) - 1
     ckpt_step = json.loads((run / "checkpoints" / "ledger.json").read_text())["step"]
