@@ -91,3 +91,14 @@ def test_large_T_calibration_stays_within_one_percent():
     sigma = A.calibrate_noise_multiplier(make, T, eps, delta)
     fine = lambda z: A.epsilon(A.compose(make(z), T), delta)  # noqa: E731
     assert fine(sigma) <= eps < fine(sigma / 1.01)
+
+
+def test_els_calibration_converges_where_epsilon_falls_off_a_cliff():
+    """ELS with G = 11 at p = 0.0016 over 6 steps: epsilon drops from 4 to 0.1 between sigma 1.09
+    and 1.33, and the secant's nearest points lay on one side, so it crept down by 0.13% a step and
+    gave up ("no noise multiplier up to 10000") — found by benchmarks/bench_tradeoffs.py on blogs."""
+    p, G, T, eps, delta = 0.0016, 11, 6, 1.0, 8.8e-4
+    make = lambda z: A.els_step_event(z, p, G)  # noqa: E731
+    sigma = A.calibrate_noise_multiplier(make, T, eps, delta)
+    fine = lambda z: A.epsilon(A.compose(make(z), T), delta)  # noqa: E731
+    assert fine(sigma) <= eps < fine(sigma / 1.01)

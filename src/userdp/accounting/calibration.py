@@ -176,6 +176,7 @@ def _secant_search(f: Callable[[float], float], s: float, pts: list, rtol: float
     """
     pts = list(pts)
     evaluate = True
+    widths: list[float] = []  # log(hi / lo) after each evaluation inside a bracket
     for _ in range(60):
         if evaluate:
             pts.append((s, f(s)))
@@ -205,9 +206,15 @@ def _secant_search(f: Callable[[float], float], s: float, pts: list, rtol: float
             if s < 1e-3:
                 return float(hi), None, slope
         else:
+            widths.append(math.log(hi / lo))
             r = min(max(r, lo), hi)
             s = r * (1 + step) if hi / r > r / lo else r * (1 - step)
             if not (lo * (1 + 1e-9) < s < hi * (1 - 1e-9)) or hi / s < 1 + rtol / 10 or s / lo < 1 + rtol / 10:
+                s = math.sqrt(lo * hi)
+            elif len(widths) >= 3 and widths[-1] > 0.5 * widths[-3]:
+                # the secant has not halved the bracket in two steps (a steep ε(σ), e.g. ELS with a
+                # large G at a tiny rate, where the nearest points lie on one side): bisect, so the
+                # bracket at least halves every three evaluations
                 s = math.sqrt(lo * hi)
     raise RuntimeError("calibration did not converge")  # pragma: no cover
 
