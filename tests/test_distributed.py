@@ -107,6 +107,7 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
     assert len(run.joinpath("checkpoints", "ledger_journal.jsonl").read_text().splitlines()) == 1 + 4
     priv = json.loads(run.joinpath("privacy.json").read_text())
     assert priv["compute"]["device"] == "cpu x 2 processes"
+    assert priv["compute"]["processes"] == {"world_size": 2, "backend": "gloo"}
 
 
 def _children(pid):

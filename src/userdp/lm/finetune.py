@@ -655,7 +655,8 @@ def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total,
                "precision": rec.get("precision"),
                # where and how the run computed (no privacy role; for reproducing the cost)
                "compute": {"per_unit": rec.get("per_unit"), "device": notes.get("device"),
-                           "chunk_size": notes.get("chunk_size")}})
+                           "chunk_size": notes.get("chunk_size"),
+                           "processes": notes.get("processes", {"world_size": 1, "backend": None})}})
 
 
 def journal_context(rd: RunDir, prep: Prepared) -> dict:
@@ -785,9 +786,8 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
              plan_file: Optional[str], audit, world) -> Optional[dict]:
     from userdp import engine as E
     from userdp.engine import checkpoint as ckpt
-    from userdp.lm.evaluate import evaluate_lm
-
     from userdp.engine.distributed import broadcast_module_state
+    from userdp.lm.evaluate import evaluate_lm
 
     t_start = time.time()
     main = world.is_main
