@@ -166,8 +166,13 @@ def _worker(a) -> dict:
         step = run.run_step
         extra["per_unit"] = run.per_unit.name
         z = [torch.zeros_like(p) for p in run.params]
+        run.noise.noise(z, 1.0)  # once untimed (a compiled device generator compiles here)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        run.noise.noise(z, 1.0)  # the host-side noise draw alone (part of every DP step)
+        run.noise.noise(z, 1.0)  # the noise draw alone (part of every DP step): PCG64 on the host, ChaCha20 on CUDA
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         extra["noise_s"] = time.perf_counter() - t0
     try:
         for _ in range(a.warmup):

@@ -29,7 +29,7 @@ from userdp.engine.algorithms import UnitTable
 from userdp.engine.data import UserData
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
-from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise
+from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan  # noqa: F401  (re-exported)
 from userdp.engine.precision import Precision
@@ -63,7 +63,7 @@ def _cfg_dict(obj) -> Any:
 _POOL = ENTROPY_BITS // 32
 
 
-def _seeds(seed: int | None, combiner):
+def _seeds(seed: int | None, combiner, device="cpu"):
     """(sampling rng, data key, noise source or None, torch seed or None).
 
     Unseeded: 256 bits of OS entropy drawn on the main rank and broadcast, so that every rank
@@ -78,14 +78,14 @@ def _seeds(seed: int | None, combiner):
         if combiner.world_size > 1:
             words = combiner.broadcast_from_main([words])[0].cpu()
         material = int.from_bytes(words.numpy().tobytes(), "little")
-        noise = GaussianNoise.from_os_entropy() if combiner.rank == 0 else None
+        noise = source_for(device, os_entropy(), seeded=False) if combiner.rank == 0 else None
         torch_seed = None
     else:
         material = int(seed)
     root = np.random.SeedSequence(material, pool_size=_POOL)
     a, _b, c, d = root.spawn(4)
     if seed is not None:
-        noise = GaussianNoise(int.from_bytes(c.generate_state(8, np.uint32).tobytes(), "little"), seeded=True)
+        noise = source_for(device, int.from_bytes(c.generate_state(8, np.uint32).tobytes(), "little"), seeded=True)
         torch_seed = int(d.generate_state(1, np.uint64)[0] >> 1)
     return np.random.default_rng(a), material, noise, torch_seed
 
@@ -124,7 +124,7 @@ class _Run:
         self.dir = checkpoint_dir
         self.seeded = cfg.seed is not None
         # generators: the cohort and the data key (identical on every rank), the noise (main rank)
-        self.rng, self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner)
+        self.rng, self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner, self.device)
         self.noise = make_noise(cfg.noise, source)
         self.noise.init(self.master)
         if self.seeded:
@@ -375,7 +375,7 @@ class _Run:
                           if self.seeded else
                           f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), "
                           "never stored",
-            "noise_generator": GaussianNoise.algorithm + "; " + GaussianNoise.keying_text(self.seeded),
+            "noise_generator": source_class(self.device).algorithm + "; " + GaussianNoise.keying_text(self.seeded),
             "precision": self.precision,
             "per_unit": {"strategy": self.per_unit.name, "requested": cfg.per_unit,
                          "fallback_reason": getattr(self.per_unit, "fallback_reason", None),

@@ -162,6 +162,28 @@ class GaussianNoise:
             g.bit_generator.state = st
 
 
+def _device_sources() -> dict:
+    from userdp.engine.chacha import ChaChaNoise
+
+    return {"cuda": ChaChaNoise}
+
+
+#: device type -> the noise source used for parameters there (others: :class:`GaussianNoise`)
+DEVICE_SOURCES: dict = {}
+
+
+def source_for(device, key_material: int, *, seeded: bool):
+    """The keyed noise source for parameters on ``device``: ChaCha20 computed on the device for
+    CUDA (:mod:`userdp.engine.chacha`: no host draw, no copy), numpy's PCG64 in parallel host
+    threads elsewhere (faster on a CPU). Both are keyed by the same ≥ 128-bit material."""
+    return source_class(device)(key_material, seeded=seeded)
+
+
+def source_class(device) -> type:
+    """The class :func:`source_for` uses on ``device``."""
+    return (DEVICE_SOURCES or _device_sources()).get(torch.device(device).type, GaussianNoise)
+
+
 class IIDGaussian:
     """Independent N(0, std^2 I) noise every step: the mechanism DP-SGD and DP-FedAvg account.
 

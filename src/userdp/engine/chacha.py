@@ -1,0 +1,198 @@
+"""ChaCha20 (RFC 8439) as torch tensor operations: a keyed, counter-based generator of Gaussian
+noise that runs on the device holding the parameters.
+
+Why by hand: the noise must come from a generator keyed by ≥ 128 bits of secret entropy.
+torch's device generators (Philox on CUDA) take a 64-bit seed, so 2^64 seeds could be searched
+by whoever sees two checkpoints; numpy's PCG64 is keyed well but runs on the host, and drawing
+hundreds of millions of normals there and copying them over is the serial part of a GPU step
+(docs/scaling.md). No maintained library offers a ≥ 128-bit-keyed Gaussian generator on a GPU,
+so this module implements the ChaCha20 block function (a 256-bit key, a 96-bit nonce and a
+32-bit block counter, 20 rounds) with integer tensor operations that run unchanged on any torch
+device, checked against RFC 8439's test vector and against the ``cryptography`` package.
+
+Each block gives 16 32-bit words; two words make one 53-bit uniform in (0, 1), and Box–Muller
+turns two uniforms into two standard normals, computed in float64 (8 normals a block). The
+uniforms are never 0, so the normals are finite, and 53-bit uniforms put the largest value at
+about 8.6 standard deviations.
+
+Draw ``k`` of a run uses nonce ``(k mod 2^32, k >> 32, purpose)`` and block counters from 0, so
+no (nonce, counter) pair is ever used twice under one key; the state to checkpoint (for a seeded
+run) is the draw count alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+_MASK = 0xFFFFFFFF
+_CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
+_SLAB_BLOCKS = 1 << 20  # blocks per pass (8M normals; ~1 GB of int64 temporaries at most)
+_VECTOR, _SCALAR = 0, 1  # the nonce's purpose word: model-sized draws, scalar draws
+
+
+def _rotl(x: torch.Tensor, n: int) -> torch.Tensor:
+    return ((x << n) | (x >> (32 - n))) & _MASK
+
+
+def _quarter(s: list, a: int, b: int, c: int, d: int) -> None:
+    s[a] = (s[a] + s[b]) & _MASK
+    s[d] = _rotl(s[d] ^ s[a], 16)
+    s[c] = (s[c] + s[d]) & _MASK
+    s[b] = _rotl(s[b] ^ s[c], 12)
+    s[a] = (s[a] + s[b]) & _MASK
+    s[d] = _rotl(s[d] ^ s[a], 8)
+    s[c] = (s[c] + s[d]) & _MASK
+    s[b] = _rotl(s[b] ^ s[c], 7)
+
+
+def _words(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+    """The block function on tensors: ``fixed`` holds the 16 input words (word 12, the counter,
+    is replaced by ``ctr``); returns ``[len(ctr), 16]`` output words."""
+    init = [ctr if i == 12 else fixed[i].expand_as(ctr) for i in range(16)]
+    s = list(init)
+    for _ in range(10):
+        _quarter(s, 0, 4, 8, 12)
+        _quarter(s, 1, 5, 9, 13)
+        _quarter(s, 2, 6, 10, 14)
+        _quarter(s, 3, 7, 11, 15)
+        _quarter(s, 0, 5, 10, 15)
+        _quarter(s, 1, 6, 11, 12)
+        _quarter(s, 2, 7, 8, 13)
+        _quarter(s, 3, 4, 9, 14)
+    return torch.stack([(x + y) & _MASK for x, y in zip(s, init)], dim=1)
+
+
+_COMPILED: dict = {}
+
+
+def _block_fn(device: torch.device):
+    """:func:`_words`, fused into one kernel by ``torch.compile`` on CUDA (eagerly it is about
+    2,000 small kernels a slab), used only after it has matched the eager function on a test
+    input; eager elsewhere, or where compiling fails."""
+    if device.type != "cuda":
+        return _words
+    if "cuda" not in _COMPILED:
+        fn = _words
+        try:
+            compiled = torch.compile(_words, dynamic=True)
+            ctr = torch.arange(1, 34, dtype=torch.int64, device=device)
+            fixed = torch.arange(7, 7 + 16 * 977, 977, dtype=torch.int64, device=device)
+            if torch.equal(compiled(ctr, fixed), _words(ctr, fixed)):
+                fn = compiled
+        except Exception:  # noqa: BLE001 - no compiler here: the eager function is the same function
+            pass
+        _COMPILED["cuda"] = fn
+    return _COMPILED["cuda"]
+
+
+def chacha20_blocks(key: Sequence[int], nonce: Sequence[int], counter: int, n: int,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """``n`` ChaCha20 blocks with block counters ``counter, counter + 1, ...``.
+
+    Args:
+        key: eight 32-bit words (the 256-bit key, little-endian words as in RFC 8439).
+        nonce: three 32-bit words.
+        counter: the first block counter (``counter + n`` must stay below 2^32).
+        n: how many blocks.
+        device: where to compute.
+
+    Returns:
+        An int64 tensor ``[n, 16]`` of 32-bit words (the serialized block, word by word).
+
+    Raises:
+        ValueError: a key or nonce of the wrong length, or counters past 2^32.
+    """
+    if len(key) != 8 or len(nonce) != 3:
+        raise ValueError("ChaCha20 needs an 8-word key and a 3-word nonce")
+    if counter < 0 or counter + n > 1 << 32:
+        raise ValueError("ChaCha20 block counters must stay below 2^32")
+    dev = torch.device(device)
+    ctr = torch.arange(counter, counter + n, dtype=torch.int64, device=dev)
+    fixed = torch.tensor([*_CONSTANTS, *(int(k) & _MASK for k in key), 0, *(int(x) & _MASK for x in nonce)],
+                         dtype=torch.int64, device=dev)
+    return _block_fn(dev)(ctr, fixed)
+
+
+def _normals_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Eight float64 standard normals per block (Box–Muller on 53-bit uniforms in (0, 1))."""
+    w = blocks.reshape(-1, 2)
+    u = ((w[:, 0] >> 5) * 67108864 + (w[:, 1] >> 6)).to(torch.float64)  # 27 + 26 bits
+    u = (u + 0.5) / 9007199254740992.0  # (0, 1): never 0, never 1
+    u1, u2 = u.reshape(-1, 2).unbind(1)
+    r = torch.sqrt(-2.0 * torch.log(u1))
+    theta = (2.0 * math.pi) * u2
+    return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).reshape(-1)
+
+
+class ChaChaNoise:
+    """i.i.d. N(0, std²) noise drawn on the parameters' device from ChaCha20 keyed by 256 bits.
+
+    The same interface as :class:`userdp.engine.noise.GaussianNoise` (``like``, ``scalar``,
+    ``state_dict``): the noise mechanism does not know which source it has.
+
+    Args:
+        key_material: an integer of at least 128 bits of entropy (256 used).
+        seeded: whether the key came from a user-given seed (then the state may be saved).
+    """
+
+    algorithm = ("ChaCha20 (RFC 8439, 256-bit key, 20 rounds) in torch on the parameters' device; "
+                 "53-bit uniforms, Box-Muller in float64; one nonce per draw")
+
+    def __init__(self, key_material: int, *, seeded: bool):
+        ss = np.random.SeedSequence(int(key_material), spawn_key=(0x63686163,), pool_size=8)
+        self._key = [int(x) for x in ss.generate_state(8, np.uint32)]
+        self.seeded = bool(seeded)
+        self._draws = 0
+
+    def _normals(self, count: int, device, purpose: int) -> torch.Tensor:
+        k = self._draws
+        self._draws += 1
+        nonce = (k & _MASK, (k >> 32) & _MASK, purpose)
+        blocks = -(-count // 8)
+        out = []
+        for start in range(0, blocks, _SLAB_BLOCKS):
+            n = min(_SLAB_BLOCKS, blocks - start)
+            out.append(_normals_from_blocks(chacha20_blocks(self._key, nonce, start, n, device)))
+        return torch.cat(out)[:count] if len(out) > 1 else out[0][:count]
+
+    def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """One draw of N(0, std² I) over the concatenation of ``tensors``, computed on the first
+        tensor's device; float32 (float64 where a tensor is float64), on each tensor's device."""
+        if not tensors:
+            return []
+        total = sum(t.numel() for t in tensors)
+        z = self._normals(total, tensors[0].device, _VECTOR)
+        z.mul_(float(std))
+        out, i = [], 0
+        for t in tensors:
+            piece = z[i : i + t.numel()].view(t.shape)
+            out.append(piece.to(t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))
+            i += t.numel()
+        return out
+
+    def scalar(self, std: float) -> float:
+        """One draw of N(0, std²) in float64 (the adaptive-clipping count query)."""
+        return float(self._normals(1, "cpu", _SCALAR)[0]) * float(std)
+
+    def state_dict(self) -> dict:
+        """The draw count (seeded runs only: the key is the secret)."""
+        if not self.seeded:
+            raise RuntimeError("an unseeded noise generator's state is secret and is never saved")
+        return {"chacha20_draws": self._draws}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        Raises:
+            userdp.errors.UserError: a state of another generator.
+        """
+        from userdp.errors import UserError
+
+        if not (isinstance(state, dict) and "chacha20_draws" in state):
+            raise UserError("the checkpoint's noise generator state is of another generator (a run made on "
+                            "another device type): resume on the device the seeded run began on")
+        self._draws = int(state["chacha20_draws"])

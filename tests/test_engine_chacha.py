@@ -1,0 +1,108 @@
+"""The device-side noise generator: ChaCha20 (RFC 8439) in torch, and the normals drawn from it.
+
+Its correctness is checked on the CPU (the same torch operations run on a GPU): the RFC's block
+test vector, agreement with the ``cryptography`` package's keystream, and statistical tests of
+the normals with fixed keys and sound tolerances.
+"""
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
+from userdp.engine import noise as noise_mod
+from userdp.engine.chacha import ChaChaNoise, chacha20_blocks
+from userdp.errors import UserError
+
+from _engine_helpers import Mean, sq_loss, user_data
+
+RFC_KEY = [int.from_bytes(bytes(range(4 * i, 4 * i + 4)), "little") for i in range(8)]
+RFC_NONCE = [0x09000000, 0x4A000000, 0x00000000]
+RFC_BLOCK_1 = [0xE4E7F110, 0x15593BD1, 0x1FDD0F50, 0xC47120A3, 0xC7F4D1C7, 0x0368C033, 0x9AAA2204, 0x4E6CD4C3,
+               0x466482D2, 0x09AA9F07, 0x05D7C214, 0xA2028BD9, 0xD19C12B5, 0xB94E16DE, 0xE883D0CB, 0x4E3C50A2]
+
+
+def test_the_block_function_reproduces_rfc_8439_2_3_2():
+    out = chacha20_blocks(RFC_KEY, RFC_NONCE, 1, 1)
+    assert out.shape == (1, 16) and [int(x) for x in out[0]] == RFC_BLOCK_1
+
+
+def test_the_keystream_equals_the_cryptography_packages():
+    ciphers = pytest.importorskip("cryptography.hazmat.primitives.ciphers")
+    rng = np.random.default_rng(5)
+    key = [int(x) for x in rng.integers(0, 2**32, 8, dtype=np.uint64)]
+    nonce = [int(x) for x in rng.integers(0, 2**32, 3, dtype=np.uint64)]
+    key_bytes = b"".join(k.to_bytes(4, "little") for k in key)
+    nonce16 = (7).to_bytes(4, "little") + b"".join(n.to_bytes(4, "little") for n in nonce)
+    enc = ciphers.Cipher(ciphers.algorithms.ChaCha20(key_bytes, nonce16), mode=None).encryptor()
+    want = np.frombuffer(enc.update(b"\0" * 64 * 5), dtype="<u4").reshape(5, 16)
+    got = chacha20_blocks(key, nonce, 7, 5).numpy()
+    assert (got == want.astype(np.int64)).all()
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError):
+        chacha20_blocks([1] * 7, [0, 0, 0], 0, 1)
+    with pytest.raises(ValueError):
+        chacha20_blocks([1] * 8, [0, 0, 0], 2**32 - 1, 2)
+
+
+def test_the_normals_are_standard_gaussian_and_independent():
+    g = ChaChaNoise(2**200 + 17, seeded=True)
+    a = g.like([torch.zeros(100_000)], 1.0)[0].double().numpy()
+    b = g.like([torch.zeros(100_000)], 1.0)[0].double().numpy()
+    assert a.dtype == np.float64 and np.isfinite(a).all()
+    # fixed key: these p-values are fixed numbers; a wrong transform (e.g. a missing sqrt) gives ~0
+    assert stats.kstest(a, "norm").pvalue > 1e-3 and stats.kstest(b, "norm").pvalue > 1e-3
+    assert abs(a.mean()) < 5 / np.sqrt(a.size) and abs(a.var() - 1) < 5 * np.sqrt(2 / a.size)
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / np.sqrt(a.size)  # successive draws use other nonces
+    assert abs(np.corrcoef(a[:-1], a[1:])[0, 1]) < 5 / np.sqrt(a.size)  # the Box-Muller pairs
+    # the tails are there: P(|z| > 4) = 6.3e-5, so ~6 of 1e5 (a uniform of too few bits would cut them)
+    assert np.abs(np.concatenate([a, b])).max() > 3.9
+    # 53-bit uniforms: the radius sqrt(-2 ln u1) of every Box-Muller pair is distinct (16-bit ones would
+    # give at most 65,536 radii for these 50,000 pairs: thousands of repeats)
+    radii = np.hypot(a[0::2], a[1::2])
+    assert len(np.unique(radii)) == len(radii)
+
+
+def test_the_std_dtype_and_device_of_each_piece():
+    g = ChaChaNoise(123, seeded=True)
+    out = g.like([torch.zeros(3, 4), torch.zeros(5, dtype=torch.float64), torch.zeros(2, dtype=torch.bfloat16)], 2.5)
+    assert [o.shape for o in out] == [(3, 4), (5,), (2,)]
+    assert [o.dtype for o in out] == [torch.float32, torch.float64, torch.float32]  # never below float32
+    big = g.like([torch.zeros(200_000)], 2.5)[0]
+    assert abs(float(big.std()) - 2.5) < 5 * 2.5 / np.sqrt(2 * big.numel())
+
+
+def test_keys_draws_and_resume():
+    a, b, c = ChaChaNoise(1, seeded=True), ChaChaNoise(1, seeded=True), ChaChaNoise(2, seeded=True)
+    x = a.like([torch.zeros(64)], 1.0)[0]
+    assert torch.equal(x, b.like([torch.zeros(64)], 1.0)[0])  # the same key: the same draw
+    assert not torch.equal(x, c.like([torch.zeros(64)], 1.0)[0])  # another key: another draw
+    y = a.like([torch.zeros(64)], 1.0)[0]
+    assert not torch.equal(x, y)  # the next draw: another nonce
+    d = ChaChaNoise(1, seeded=True)
+    d.load_state_dict(ChaChaNoise(1, seeded=True).state_dict() | {"chacha20_draws": 1})
+    assert torch.equal(d.like([torch.zeros(64)], 1.0)[0], y)  # a resumed seeded run continues the stream
+    with pytest.raises(RuntimeError):
+        ChaChaNoise(1, seeded=False).state_dict()  # an unseeded key's state is never saved
+    with pytest.raises(UserError, match="another generator"):
+        d.load_state_dict({"streams": []})
+    s = [ChaChaNoise(9, seeded=True).scalar(1.0) for _ in range(1)] + [a.scalar(3.0)]
+    assert all(np.isfinite(s))
+
+
+def test_the_engine_draws_from_chacha_where_the_device_says_so(monkeypatch):
+    """CUDA parameters get the ChaCha source; forced on the CPU here, a seeded run is reproducible,
+    its record names the generator, and the noise it adds has the accounted scale."""
+    monkeypatch.setattr(noise_mod, "DEVICE_SOURCES", {"cuda": ChaChaNoise, "cpu": ChaChaNoise})
+    cfg = TrainConfig(algorithm=ULS(1, 1.0), steps=1, clipping=FlatClip(1e-9), optimizer=SGD(1.0),
+                      noise_multiplier=2.0, delta=1e-5, seed=4, track_epsilon=False, accountant="rdp")
+    models = [Mean(20_000), Mean(20_000)]
+    for m in models:  # every update clipped to ~0: the step is the noise alone, std z*C/(qN) = 2e-9/10
+        res = train(m, user_data([1] * 10, d=20_000), sq_loss, cfg)
+    assert "ChaCha20" in res.record["noise_generator"]
+    assert torch.equal(models[0].theta, models[1].theta)
+    std = float(models[0].theta.detach().double().std())
+    assert abs(std / (2.0 * 1e-9 / 10) - 1) < 5 / np.sqrt(2 * 20_000)
