@@ -732,7 +732,10 @@ def _run_top(cfg, output, resume_dir, progress, log, plan_file, world) -> Option
                         "secrets file are not shared out yet); run `userdp audit` without torchrun")
     if resume_dir is not None:
         rd = existing_run_dir(resume_dir)
-        engine_resume = _check_resumable(rd, resume_dir)
+        # rank 0 reads the journal and metrics (the others would race its rewrite of metrics.jsonl)
+        with world.main_first("checking the run directory"):
+            checked = _check_resumable(rd, resume_dir) if world.is_main else None
+        engine_resume = world.broadcast_object(checked)
         audit = _audit_session(cfg, rd, True, log, steps_begun=engine_resume)
         return _run(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
     if not world.is_main:  # rank 0 makes the run directory; the others use it
