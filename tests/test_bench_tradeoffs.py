@@ -1,0 +1,44 @@
+"""benchmarks/bench_tradeoffs.py --quick: the rows the issue asks for, each run within its epsilon,
+and the figures written (Stack Exchange only, to stay within CI's time)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SE = Path(os.environ.get("USERDP_SHARED_DATA", REPO.parent / "shared" / "data")) / "stackexchange"
+
+
+@pytest.mark.skipif(not SE.is_dir(), reason=f"needs the shared Stack Exchange data at {SE}")
+def test_quick_rows_epsilons_and_figures(tmp_path):
+    figs = tmp_path / "figs"
+    env = dict(os.environ, USERDP_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_tradeoffs.py"), "--quick", "--json",
+                          "--datasets", "stackexchange", "--parts", "grid,els_group_sweep",
+                          "--figures", str(figs)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout.splitlines()[-1])
+    grid = [r for r in rows if r["kind"] == "grid"]
+    for r in rows:
+        assert {"dataset", "algorithm", "epsilon", "compute_budget", "loss", "seeds"} <= set(r)
+        assert r["dataset"] == "stackexchange" and r["loss"] == r["loss"] and r["seeds"] == 1
+    cells = {(r["algorithm"], r["epsilon"], r["compute_budget"]) for r in grid}
+    for eps in (1.0, 8.0):
+        for b in (8, 16):
+            assert {("els", eps, b), ("uls", eps, b), ("fedavg", eps, b)} <= cells
+    assert ("pretrained", None, None) in cells and {("nonprivate", None, 8), ("nonprivate", None, 16)} <= cells
+    for r in rows:  # every private run spent at most its epsilon (sigma calibrated by the engine)
+        if r["epsilon"] is not None:
+            assert 0 < r["epsilon_spent"] <= r["epsilon"] * (1 + 1e-9)
+    uls = [r for r in grid if r["algorithm"] == "uls"]
+    assert all(r["group_size"] * r["cohort"] <= r["compute_budget"] for r in uls)  # Estimate-and-Double within B
+    sweep = [r for r in rows if r["kind"] == "els_group_sweep"]
+    assert sorted(r["group_size"] for r in sweep) == [1, 2, 4]
+    names = {p.name for p in figs.iterdir()}
+    assert {"stackexchange_loss_vs_epsilon.png", "stackexchange_loss_vs_compute.png",
+            "stackexchange_els_group_size.png"} <= names
+    assert all((figs / n).stat().st_size > 5000 for n in names if n.endswith(".png"))
