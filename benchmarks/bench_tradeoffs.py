@@ -339,6 +339,12 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
     out = []
     colors = {"els": "tab:blue", "uls": "tab:orange", "fedavg": "tab:green"}
 
+    def save(fig, name: str) -> Path:
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=110)
+        plt.close(fig)
+        return folder / name
+
     def meta(sub: list[dict]) -> str:
         r0 = sub[0]
         return (f"{r0['model']} GPT ({r0['params'] / 1e6:.2f}M params), T = {r0['steps']} steps, "
@@ -370,11 +376,7 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
                 ax.set_ylabel("held-out loss / token")
             axes[0][0].legend(fontsize=7)
             fig.suptitle(f"{ds}: {meta(g)}", fontsize=9)
-            fig.tight_layout()
-            p = folder / f"{ds}_{fig_name}.png"
-            fig.savefig(p, dpi=110)
-            plt.close(fig)
-            out.append(p)
+            out.append(save(fig, f"{ds}_{fig_name}.png"))
     for ds in sorted({r["dataset"] for r in rows if r["kind"] == "els_group_sweep"}):
         s = sorted((r["group_size"], r["loss"], r["median_group_size"]) for r in rows
                    if r["dataset"] == ds and r["kind"] == "els_group_sweep")
@@ -388,11 +390,7 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
         sub = [r for r in rows if r["dataset"] == ds and r["kind"] == "els_group_sweep"]
         ax.set_title(f"{ds}: ELS group size (eps {sub[0]['epsilon']:g}, B {sub[0]['compute_budget']})\n{meta(sub)}",
                      fontsize=7)
-        fig.tight_layout()
-        p = folder / f"{ds}_els_group_size.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        out.append(p)
+        out.append(save(fig, f"{ds}_els_group_size.png"))
     for ds in sorted({r["dataset"] for r in rows if r["kind"] == "uls_heatmap"}):
         h = [r for r in rows if r["dataset"] == ds and r["kind"] == "uls_heatmap"]
         ms, gs = sorted({r["cohort"] for r in h}), sorted({r["group_size"] for r in h})
@@ -415,11 +413,7 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
         ax.set_title(f"{ds}: ULS loss, eps {h[0]['epsilon']:g} (red: Estimate-and-Double at B = "
                      f"{max(r['compute_budget'] for r in h)})\n{meta(h)}", fontsize=7)
         fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        p = folder / f"{ds}_uls_heatmap.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        out.append(p)
+        out.append(save(fig, f"{ds}_uls_heatmap.png"))
     sel = [r for r in rows if r["kind"] == "selection"]
     if sel:
         lines = ["| corpus | selection | ELS (group-privacy style) | ULS (user-wise) |", "|---|---|---|---|"]

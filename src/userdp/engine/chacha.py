@@ -165,14 +165,11 @@ class ChaChaNoise:
         if not tensors:
             return []
         total = sum(t.numel() for t in tensors)
+        from userdp.engine.noise import split_like
+
         z = self._normals(total, tensors[0].device, _VECTOR)
         z.mul_(float(std))
-        out, i = [], 0
-        for t in tensors:
-            piece = z[i : i + t.numel()].view(t.shape)
-            out.append(piece.to(t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))
-            i += t.numel()
-        return out
+        return split_like(z, tensors)
 
     def scalar(self, std: float) -> float:
         """One draw of N(0, std²) in float64 (the adaptive-clipping count query)."""

@@ -64,6 +64,17 @@ def _seed_sequence(material: int, *, spawn_key: tuple = ()) -> np.random.SeedSeq
     return np.random.SeedSequence(int(material), spawn_key=spawn_key, pool_size=_POOL_WORDS)
 
 
+def split_like(z: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``z`` (one flat draw) cut into one piece shaped like each of ``tensors``, on its device, in
+    float32 (float64 for a float64 tensor): never below float32, whatever the model's dtype."""
+    out, i = [], 0
+    for t in tensors:
+        piece = z[i : i + t.numel()].view(t.shape)
+        out.append(piece.to(t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))
+        i += t.numel()
+    return out
+
+
 class GaussianNoise:
     """i.i.d. N(0, std²) noise from a ≥ 128-bit keyed generator, always computed in float32+.
 
@@ -129,12 +140,7 @@ class GaussianNoise:
                 fill(k)
         z = torch.from_numpy(z)
         z.mul_(float(std))
-        out, i = [], 0
-        for t in tensors:
-            piece = z[i : i + t.numel()].view(t.shape)
-            out.append(piece.to(t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))
-            i += t.numel()
-        return out
+        return split_like(z, tensors)
 
     def scalar(self, std: float) -> float:
         """One draw of N(0, std²) in float64 (the adaptive-clipping count query)."""
