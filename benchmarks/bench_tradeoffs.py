@@ -438,6 +438,7 @@ def main(argv=None) -> int:
     ap.add_argument("--figures", help="folder for the PNGs and the selection table (default: a temporary one)")
     ap.add_argument("--save", help="also write the rows to this JSON file")
     ap.add_argument("--seeds", type=int, help="seeds per grid cell (default 2; --quick 1)")
+    ap.add_argument("--budgets", help="records per step B, comma-separated (default 16,32,64; --quick 8,16)")
     ap.add_argument("--steps", type=int, help="steps per run (default 80; --quick 6)")
     ap.add_argument("--from-json", nargs="+", metavar="FILE", help="draw the figures from saved rows only")
     ap.add_argument("--fedavg-budgets", help="the budgets at which FedAvg runs (default: all; its local SGD "
@@ -458,7 +459,7 @@ def main(argv=None) -> int:
     a.lg_users = 16 if q else 128
     a.steps = a.steps or (6 if q else 80)
     a.eps = [1.0, 8.0] if q else [0.5, 1.0, 3.0, 8.0]
-    a.budgets = [8, 16] if q else [16, 32, 64]
+    a.budgets = [int(x) for x in a.budgets.split(",")] if a.budgets else ([8, 16] if q else [16, 32, 64])
     a.fedavg_budgets = [int(x) for x in a.fedavg_budgets.split(",")] if a.fedavg_budgets else a.budgets
     a.seeds = a.seeds or (1 if q else 2)
     a.algorithms = ("els", "uls", "fedavg")

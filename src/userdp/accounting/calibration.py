@@ -64,7 +64,8 @@ def _initial_guess(make_step_event: Callable[[float], dpe.DpEvent], steps: int, 
     prod = np.outer(sens, sens)
 
     def chi2(s: float) -> float:
-        return float(np.expm1(logsumexp(outer + prod / s**2)))
+        with np.errstate(over="ignore"):  # inf at tiny sigma is the right answer for the search
+            return float(np.expm1(logsumexp(outer + prod / s**2)))
 
     lo, hi = 1e-3, 1e3  # μ bracket
     if _gdp_delta(eps, hi) < dlt:
