@@ -438,6 +438,8 @@ def main(argv=None) -> int:
     ap.add_argument("--figures", help="folder for the PNGs and the selection table (default: a temporary one)")
     ap.add_argument("--save", help="also write the rows to this JSON file")
     ap.add_argument("--seeds", type=int, help="seeds per grid cell (default 2; --quick 1)")
+    ap.add_argument("--eval", metavar="USERS,RECORDS", help="held-out users evaluated and records per user "
+                    "(default 150,16; --quick 40,4)")
     ap.add_argument("--budgets", help="records per step B, comma-separated (default 16,32,64; --quick 8,16)")
     ap.add_argument("--steps", type=int, help="steps per run (default 80; --quick 6)")
     ap.add_argument("--from-json", nargs="+", metavar="FILE", help="draw the figures from saved rows only")
@@ -454,7 +456,8 @@ def main(argv=None) -> int:
     q = a.quick
     a.model, a.vocab, a.seq_len = "tiny", 2048, 64
     a.pretrain_steps = 150 if q else 600
-    a.eval_users, a.eval_records = (40, 4) if q else (150, 16)
+    a.eval_users, a.eval_records = (tuple(int(x) for x in a.eval.split(",")) if a.eval
+                                    else (40, 4) if q else (150, 16))
     a.max_users = 600 if q else None
     a.lg_users = 16 if q else 128
     a.steps = a.steps or (6 if q else 80)
