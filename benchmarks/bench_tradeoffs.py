@@ -414,6 +414,25 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
                      f"{max(r['compute_budget'] for r in h)})\n{meta(h)}", fontsize=7)
         fig.colorbar(im, ax=ax)
         out.append(save(fig, f"{ds}_uls_heatmap.png"))
+    grid_rows = [r for r in rows if r["kind"] == "grid"]
+    if grid_rows:  # the grid as a table: loss, and the share of the non-private gain recovered
+        lines = ["| corpus | B | epsilon | ELS | ULS | FedAvg | non-private | pretrained | share of the non-private "
+                 "gain: ELS / ULS / FedAvg |", "|---|---|---|---|---|---|---|---|---|"]
+        for ds in sorted({r["dataset"] for r in grid_rows}):
+            g = [r for r in grid_rows if r["dataset"] == ds]
+            pre = next(r["loss"] for r in g if r["algorithm"] == "pretrained")
+            for b in sorted({r["compute_budget"] for r in g if r["compute_budget"] is not None}):
+                npv = next((r["loss"] for r in g if r["algorithm"] == "nonprivate" and r["compute_budget"] == b), None)
+                for eps in sorted({r["epsilon"] for r in g if r["epsilon"] is not None}):
+                    cell = {r["algorithm"]: r["loss"] for r in g if r["compute_budget"] == b and r["epsilon"] == eps}
+                    losses = [f"{cell[k]:.4f}" if k in cell else "—" for k in ("els", "uls", "fedavg")]
+                    shares = [f"{(pre - cell[k]) / (pre - npv):.0%}" if k in cell and npv is not None and pre > npv
+                              else "—" for k in ("els", "uls", "fedavg")]
+                    lines.append(f"| {ds} | {b} | {eps:g} | " + " | ".join(losses) +
+                                 f" | {npv:.4f} | {pre:.4f} | " + " / ".join(shares) + " |")
+        p = folder / "grid_table.md"
+        p.write_text("\n".join(lines) + "\n")
+        out.append(p)
     sel = [r for r in rows if r["kind"] == "selection"]
     if sel:
         lines = ["| corpus | selection | ELS (group-privacy style) | ULS (user-wise) |", "|---|---|---|---|"]
