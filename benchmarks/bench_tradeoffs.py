@@ -509,14 +509,12 @@ def main(argv=None) -> int:
         a.lr, a.clip, a.lr_nonprivate, rows = tune(a, public)
     for ds in [d for d in a.datasets.split(",") if d]:
         c = prepare(ds, a, public)
-        if "grid" in parts:
-            rows += grid(c, a)
-        if "els_group_sweep" in parts:
-            rows += els_sweep(c, a)
-        if "uls_heatmap" in parts:
-            rows += uls_heatmap(c, a)
-        if "selection" in parts and (ds == "blogs" or not q):
-            rows += selections(c, a)
+        for part, fn in (("grid", grid), ("els_group_sweep", els_sweep), ("uls_heatmap", uls_heatmap),
+                         ("selection", selections)):
+            if part in parts and (part != "selection" or ds == "blogs" or not q):
+                rows += fn(c, a)
+                if a.save:  # after every part: a long run stopped later keeps what it measured
+                    Path(a.save).write_text(json.dumps(rows, indent=1))
     for r in rows:
         r["lr"], r["clip_norm"] = r.get("lr", a.lr), r.get("clip", None if r["algorithm"] == "nonprivate" else a.clip)
         r["tuned_on"] = "not tuned (--quick)" if q else "Stack Exchange meta-site users (declared public)"
