@@ -328,6 +328,28 @@ def selections(c: Corpus, a) -> list[dict]:
     return rows
 
 
+def merge_repeats(rows: list[dict]) -> list[dict]:
+    """Rows of the same cell from several runs (files) as one row: the losses of every repeat in
+    ``loss_seeds``, their mean in ``loss``, their count in ``seeds``; the largest epsilon spent."""
+    out: dict = {}
+    for r in rows:
+        key = tuple(r.get(k) for k in ("dataset", "kind", "algorithm", "epsilon", "compute_budget", "group_size",
+                                       "cohort", "selection"))
+        if key not in out:
+            out[key] = dict(r, loss_seeds=list(r["loss_seeds"]))
+            continue
+        m = out[key]
+        m["loss_seeds"] += list(r["loss_seeds"])
+        m["seeds"] = len(m["loss_seeds"])
+        m["loss"] = float(np.mean(m["loss_seeds"]))
+        m["seconds"] = m.get("seconds", 0.0) + r.get("seconds", 0.0)
+        spent = [x for x in (m.get("epsilon_spent"), r.get("epsilon_spent")) if x is not None]
+        m["epsilon_spent"] = max(spent) if spent else None
+        m["noise_multiplier"] = m.get("noise_multiplier") or r.get("noise_multiplier")
+        m["recovered_from_log"] = bool(m.get("recovered_from_log") or r.get("recovered_from_log"))
+    return list(out.values())
+
+
 # ------------------------------------------------------------------------------------ figures
 def figures(rows: list[dict], folder: Path, a) -> list[Path]:
     import matplotlib
@@ -495,7 +517,9 @@ def main(argv=None) -> int:
                                                      "random_chunk"]
     parts = set(a.parts.split(","))
     if a.from_json:
-        rows = [r for f in a.from_json for r in json.loads(Path(f).read_text())]
+        rows = merge_repeats([r for f in a.from_json for r in json.loads(Path(f).read_text())])
+        if a.save:
+            Path(a.save).write_text(json.dumps(rows, indent=1))
         made = figures(rows, Path(a.figures or "."), a)
         _log(f"wrote {len(made)} figures/tables to {made[0].parent if made else '-'}")
         return 0
