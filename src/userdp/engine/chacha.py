@@ -28,6 +28,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from userdp.errors import UserError
+
 _MASK = 0xFFFFFFFF
 _CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
 _SLAB_BLOCKS = 1 << 20  # blocks per pass (8M normals; ~1 GB of int64 temporaries at most)
@@ -165,6 +167,7 @@ class ChaChaNoise:
         if not tensors:
             return []
         total = sum(t.numel() for t in tensors)
+        # noise imports this module, so this import waits until the call
         from userdp.engine.noise import split_like
 
         z = self._normals(total, tensors[0].device, _VECTOR)
@@ -187,8 +190,6 @@ class ChaChaNoise:
         Raises:
             userdp.errors.UserError: a state of another generator.
         """
-        from userdp.errors import UserError
-
         if not (isinstance(state, dict) and "chacha20_draws" in state):
             raise UserError("the checkpoint's noise generator state is of another generator (a run made on "
                             "another device type): resume on the device the seeded run began on")

@@ -36,7 +36,6 @@ class LocalCombiner:
 
     rank = 0
     world_size = 1
-    device = None
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(tensors)
@@ -88,7 +87,6 @@ class TorchDistributedCombiner:
             gloo = dist.get_backend(group) == "gloo"
             device = torch.device("cpu") if gloo else torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
-        self.calls = 0  # collectives issued (a test reads it)
 
     def _collective(self, tensors: Sequence[torch.Tensor], op) -> list[torch.Tensor]:
         out = list(tensors)
@@ -105,7 +103,6 @@ class TorchDistributedCombiner:
                 n = out[i].numel()
                 out[i].copy_(flat[pos : pos + n].view_as(out[i]))  # back in place (across devices too)
                 pos += n
-        self.calls += 1
         return out
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

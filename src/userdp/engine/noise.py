@@ -35,6 +35,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from userdp.engine.chacha import ChaChaNoise
 from userdp.errors import UserError
 from userdp.validation import check_choice
 
@@ -168,14 +169,8 @@ class GaussianNoise:
             g.bit_generator.state = st
 
 
-def _device_sources() -> dict:
-    from userdp.engine.chacha import ChaChaNoise
-
-    return {"cuda": ChaChaNoise}
-
-
 #: device type -> the noise source used for parameters there (others: :class:`GaussianNoise`)
-DEVICE_SOURCES: dict = {}
+DEVICE_SOURCES: dict = {"cuda": ChaChaNoise}
 
 
 def source_for(device, key_material: int, *, seeded: bool):
@@ -187,7 +182,7 @@ def source_for(device, key_material: int, *, seeded: bool):
 
 def source_class(device) -> type:
     """The class :func:`source_for` uses on ``device``."""
-    return (DEVICE_SOURCES or _device_sources()).get(torch.device(device).type, GaussianNoise)
+    return DEVICE_SOURCES.get(torch.device(device).type, GaussianNoise)
 
 
 class IIDGaussian:

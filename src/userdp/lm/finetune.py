@@ -813,8 +813,9 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
 
     device = resolve_device(cfg.model.device)
     model.to(device)
+    combiner = world.combiner()
     if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's
-        broadcast_module_state(world.combiner(), model)
+        broadcast_module_state(combiner, model)
         notes["processes"] = {"world_size": world.world_size, "backend": world.backend}
     notes["device"] = describe(device) + (f" x {world.world_size} processes" if world.distributed else "")
     log(f"device: {notes['device']}")
@@ -882,7 +883,6 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
 
     # ---- evaluation before (each rank scores a share of the held-out records)
-    combiner = world.combiner()
     ev_state = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
     if cfg.eval.before and "before" not in ev_state:
         log("evaluating the starting model on held-out users ...")
