@@ -53,6 +53,15 @@ privacy:
 {training_extra}{tail}"""
 
 
+def write_tiny_run(folder, training_extra: str = "", name: str = "tiny.yaml", **config_kw):
+    """The tiny corpus and a config over it in ``folder``; returns (config path, data path).
+    ``training_extra`` and ``config_kw`` (privacy_extra, tail) go to :func:`tiny_config`."""
+    data, public = write_tiny_corpus(folder)
+    cfg = folder / name
+    cfg.write_text(tiny_config(data, public, training_extra, **config_kw))
+    return cfg, data
+
+
 def interrupt_after_checkpoint(monkeypatch, step: int, where: str = ""):
     """Make `userdp train` stop like Ctrl-C right after it saves the weights of ``step`` (in a
     run whose checkpoint path contains ``where``). Returns the real saver, to restore it."""

@@ -6,7 +6,7 @@ import os
 import stat
 
 import pytest
-from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
+from _lm_corpus import interrupt_after_checkpoint, write_tiny_run
 
 from userdp.cli import main as cli
 
@@ -14,10 +14,8 @@ from userdp.cli import main as cli
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("audit_e2e")
-    data, public = write_tiny_corpus(tmp_path)
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n  seed: 3\n",
-                               tail="audit:\n  inference_users: 5\n  inference_records: 2\n"))
+    cfg, _ = write_tiny_run(tmp_path, "  checkpoint_every: 1\n  seed: 3\n",
+                            tail="audit:\n  inference_users: 5\n  inference_records: 2\n")
     return tmp_path, cfg
 
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from _engine_helpers import Mean, sq_loss, user_data
-from _lm_corpus import tiny_config, write_tiny_corpus
+from _lm_corpus import write_tiny_run
 
 from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
 from userdp.errors import UserError
@@ -75,10 +75,7 @@ def test_two_processes_give_one_processs_parameters_for_uls_els_and_fedavg(tmp_p
 
 # ----------------------------------------------------------------------------- userdp train under torchrun
 def _tiny(tmp_path, training_extra):
-    data, public = write_tiny_corpus(tmp_path)
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(tiny_config(data, public, training_extra=training_extra))
-    return cfg
+    return write_tiny_run(tmp_path, training_extra, name="cfg.yaml")[0]
 
 
 def _weights(run_dir):

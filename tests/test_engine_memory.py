@@ -52,13 +52,11 @@ def test_a_model_without_a_transformer_config_gets_the_default_chunk():
 
 @pytest.mark.slow
 def test_an_lm_run_with_chunk_size_auto_records_the_choice(tmp_path, monkeypatch, capsys):
-    from _lm_corpus import tiny_config, write_tiny_corpus
+    from _lm_corpus import write_tiny_run
 
     from userdp.cli import main as cli
 
-    data, public = write_tiny_corpus(tmp_path)
-    cfg = tmp_path / "auto.yaml"
-    cfg.write_text(tiny_config(data, public, "  chunk_size: auto\n  memory_gb: 2\n  seed: 3\n"))
+    cfg, _ = write_tiny_run(tmp_path, "  chunk_size: auto\n  memory_gb: 2\n  seed: 3\n", name="auto.yaml")
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     assert cli(["train", str(cfg), "--output", str(out), "--json", "--no-progress"]) == 0

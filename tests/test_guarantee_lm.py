@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from _lm_corpus import write_tiny_run
 
-from _lm_corpus import tiny_config, write_tiny_corpus
 from userdp import accounting
 from userdp.cli import main as cli
 from userdp.engine import checkpoint as ckpt
@@ -29,9 +29,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guarantee_lm")
-    data, public = write_tiny_corpus(tmp)
-    cfg = tmp / "tiny.yaml"
-    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n"))
+    cfg, data = write_tiny_run(tmp, "  checkpoint_every: 1\n")
     return tmp, cfg, data
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
+from _lm_corpus import interrupt_after_checkpoint, write_tiny_run
 from userdp.cli import main as cli
 
 
@@ -12,9 +12,7 @@ from userdp.cli import main as cli
 def tiny_files(tmp_path_factory):
     """Data, public text and config, shared by the module (so is the store/pretraining cache)."""
     tmp_path = tmp_path_factory.mktemp("lm_e2e")
-    data, public = write_tiny_corpus(tmp_path)
-    cfg = tmp_path / "tiny.yaml"
-    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n  seed: 3\n"))
+    cfg, _ = write_tiny_run(tmp_path, "  checkpoint_every: 1\n  seed: 3\n")
     return tmp_path, cfg
 
 

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 import pytest
-from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
+from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus, write_tiny_run
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
@@ -122,9 +122,7 @@ def test_space_parsing_and_refusals():
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tune")
-    data, public = write_tiny_corpus(tmp)
-    cfg = tmp / "tiny.yaml"
-    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n"))
+    cfg, _ = write_tiny_run(tmp, "  checkpoint_every: 1\n")
     space = tmp / "space.yaml"
     space.write_text("training.lr: {log_uniform: [0.0001, 0.01]}\ntraining.group_size: [1, 2]\n")
     return tmp, cfg, space

@@ -168,11 +168,9 @@ def test_ctrl_c_in_train_writes_an_honest_record_and_report(tmp_path, monkeypatc
     import signal
 
     import userdp.lm.finetune as F
-    from _lm_corpus import tiny_config, write_tiny_corpus
+    from _lm_corpus import write_tiny_run
 
-    data, public = write_tiny_corpus(tmp_path)
-    cfg = tmp_path / "c.yaml"
-    cfg.write_text(tiny_config(data, public, "  checkpoint_every: 1\n"))
+    cfg, _ = write_tiny_run(tmp_path, "  checkpoint_every: 1\n", name="c.yaml")
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
     real = F._save_weights
 
