@@ -165,15 +165,16 @@ def _worker(a) -> dict:
         run = _Run(model, data, causal_lm_loss, cfg, None, None)
         step = run.run_step
         extra["per_unit"] = run.per_unit.name
-        z = [torch.zeros_like(p) for p in run.params]
-        run.noise.noise(z, 1.0)  # once untimed (a compiled device generator compiles here)
+        z = [torch.zeros_like(p, dtype=torch.float32) for p in run.params]
+        run.noise.add_noise(z, 1.0)  # once untimed (a compiled device generator compiles here)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        run.noise.noise(z, 1.0)  # the noise draw alone (part of every DP step): PCG64 on the host, ChaCha20 on CUDA
+        run.noise.add_noise(z, 1.0)  # the noise draw alone (part of every DP step): PCG64 on the host, ChaCha20 on CUDA
         if device.type == "cuda":
             torch.cuda.synchronize()
         extra["noise_s"] = time.perf_counter() - t0
+        del z  # a model-sized buffer: not alive while the step's peak memory is measured
     try:
         for _ in range(a.warmup):
             step()

@@ -232,9 +232,9 @@ def test_a_registered_noise_mechanism_gets_the_std_on_the_sum(tmp_path):
     class Recording(noise_mod.IIDGaussian):
         name = "recording"
 
-        def noise(self, tensors, std):
+        def add_noise(self, tensors, std):
             asked.append(std)
-            return super().noise(tensors, std)
+            return super().add_noise(tensors, std)
 
     noise_mod.NOISE_MECHANISMS["recording"] = Recording
     try:

@@ -161,18 +161,44 @@ class ChaChaNoise:
             out.append(_normals_from_blocks(chacha20_blocks(self._key, nonce, start, n, device)))
         return torch.cat(out)[:count] if len(out) > 1 else out[0][:count]
 
-    def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
-        """One draw of N(0, std² I) over the concatenation of ``tensors``, computed on the first
-        tensor's device; float32 (float64 where a tensor is float64), on each tensor's device."""
-        if not tensors:
-            return []
-        total = sum(t.numel() for t in tensors)
-        # noise imports this module, so this import waits until the call
-        from userdp.engine.noise import split_like
+    def add_(self, tensors: Sequence[torch.Tensor], std: float) -> Sequence[torch.Tensor]:
+        """Add one draw of N(0, std² I) over the concatenation of ``tensors`` to them, in place,
+        computed on the first tensor's device a slab (8M normals) at a time: no model-sized
+        noise buffer. Normals are float64, scaled in float64, added in each tensor's dtype
+        (float32 or float64).
 
-        z = self._normals(total, tensors[0].device, _VECTOR)
-        z.mul_(float(std))
-        return split_like(z, tensors)
+        Returns:
+            ``tensors``.
+
+        Raises:
+            ValueError: a tensor narrower than float32, or not contiguous.
+        """
+        if not tensors:
+            return tensors
+        # noise imports this module, so this import waits until the call
+        from userdp.engine.noise import _flat_views, add_piece, check_wide
+
+        check_wide(tensors)
+        flats, offsets = _flat_views(tensors)
+        total, device = offsets[-1], tensors[0].device
+        k = self._draws
+        self._draws += 1
+        nonce = (k & _MASK, (k >> 32) & _MASK, _VECTOR)
+        blocks = -(-total // 8)
+        for start in range(0, blocks, _SLAB_BLOCKS):
+            n = min(_SLAB_BLOCKS, blocks - start)
+            z = _normals_from_blocks(chacha20_blocks(self._key, nonce, start, n, device))
+            lo = start * 8
+            z = z[: total - lo].mul_(float(std))
+            add_piece(flats, offsets, z, lo)
+        return tensors
+
+    def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """One draw of N(0, std² I) shaped like ``tensors`` (float32, float64 where a tensor is
+        float64; on each tensor's device): :meth:`add_` on zeros."""
+        from userdp.engine.noise import zeros_for_noise
+
+        return list(self.add_(zeros_for_noise(tensors), std))
 
     def scalar(self, std: float) -> float:
         """One draw of N(0, std²) in float64 (the adaptive-clipping count query)."""

@@ -265,8 +265,7 @@ class _Run:
         std_sum = plan.update_noise_multiplier * self._sensitivity()
         den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
         if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
-            for x, z in zip(sums, self.noise.noise(sums, est_std * den)):
-                x.add_(z)
+            self.noise.add_noise(sums, est_std * den)  # in place, streamed: no model-sized noise buffer
         sums = comb.all_reduce_sum(sums)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
