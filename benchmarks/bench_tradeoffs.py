@@ -483,6 +483,8 @@ def main(argv=None) -> int:
                     "(default 150,16; --quick 40,4)")
     ap.add_argument("--budgets", help="records per step B, comma-separated (default 16,32,64; --quick 8,16)")
     ap.add_argument("--steps", type=int, help="steps per run (default 80; --quick 6)")
+    ap.add_argument("--epsilons", help="target epsilons of the grid, comma-separated (default 0.5,1,3,8; "
+                    "--quick 1,8)")
     ap.add_argument("--from-json", nargs="+", metavar="FILE", help="draw the figures from saved rows only")
     ap.add_argument("--fedavg-budgets", help="the budgets at which FedAvg runs (default: all; its local SGD "
                     "through per-user vmap is ~5x an ELS/ULS step on a CPU)")
@@ -502,7 +504,8 @@ def main(argv=None) -> int:
     a.max_users = 600 if q else None
     a.lg_users = 16 if q else 128
     a.steps = a.steps or (6 if q else 80)
-    a.eps = [1.0, 8.0] if q else [0.5, 1.0, 3.0, 8.0]
+    a.eps = ([float(x) for x in a.epsilons.split(",")] if a.epsilons
+             else [1.0, 8.0] if q else [0.5, 1.0, 3.0, 8.0])
     a.budgets = [int(x) for x in a.budgets.split(",")] if a.budgets else ([8, 16] if q else [16, 32, 64])
     a.fedavg_budgets = [int(x) for x in a.fedavg_budgets.split(",")] if a.fedavg_budgets else a.budgets
     a.seeds = a.seeds or (1 if q else 2)
