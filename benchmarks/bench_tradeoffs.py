@@ -174,7 +174,7 @@ def selection_data(c: Corpus, selection: str):
 
 
 def train_eval(c: Corpus, algo: str, *, eps, steps, lr, clip, seed, group_size=None, cohort=None,
-               budget=None, data=None) -> dict:
+               budget=None, data=None, local_lr=0.1) -> dict:
     """Fine-tune the pretrained model once; returns what was run and the held-out loss."""
     import torch
 
@@ -204,7 +204,6 @@ def train_eval(c: Corpus, algo: str, *, eps, steps, lr, clip, seed, group_size=N
         cfg = E.TrainConfig(algorithm=E.ULS(group_size, min(1.0, cohort / n_users)), clipping=E.FlatClip(clip),
                             target_epsilon=eps, **common)
     elif algo == "fedavg":  # two local epochs of SGD on the user's G records; the clip scales with the delta
-        local_lr = 0.1
         cfg = E.TrainConfig(algorithm=E.FedAvg(group_size, min(1.0, cohort / n_users), local_epochs=2,
                                                local_lr=local_lr, local_batch_size=max(1, group_size // 2)),
                             clipping=E.FlatClip(clip * local_lr * 2 * math.ceil(group_size / max(1, group_size // 2))),
@@ -263,6 +262,26 @@ def tune(a, public_file: Path) -> tuple[float, float, float, list]:
     return best[1], best[2], best_np[1], rows
 
 
+def tune_fedavg(a, public_file: Path) -> tuple[float, list]:
+    """FedAvg's local learning rate, on the same proxy (declared public) at epsilon 3 and the
+    smallest budget FedAvg runs at, with the server's lr and the clip already tuned (the clip on
+    the delta scales with the local lr and the local steps, as the docs recommend)."""
+    if a.quick or "fedavg" not in a.algorithms or not set(a.fedavg_budgets) & set(a.budgets):
+        return a.fedavg_lr, []
+    proxy = prepare("proxy", a, public_file)
+    b = min(set(a.fedavg_budgets) & set(a.budgets))
+    p = plan(proxy, 3.0, b, a.steps)
+    rows, best = [], None
+    for llr in a.tune_local_lrs:
+        r = train_eval(proxy, "fedavg", eps=3.0, steps=a.steps, lr=a.lr, clip=a.clip, seed=0,
+                       group_size=p.uls["group_size"], cohort=p.uls["cohort_size"], local_lr=llr)
+        rows.append(_row(proxy, a, "tuning", "fedavg", 3.0, b, [r], local_lr=llr))
+        if best is None or r["loss"] < best[0]:
+            best = (r["loss"], llr)
+    _log(f"tuned on the proxy: FedAvg local lr {best[1]}")
+    return best[1], rows
+
+
 def grid(c: Corpus, a) -> list[dict]:
     rows = [_row(c, a, "grid", "pretrained", None, None, [{"loss": heldout_loss(c)}])]
     seeds = range(a.seeds)
@@ -277,9 +296,10 @@ def grid(c: Corpus, a) -> list[dict]:
             for algo, kw in (("els", els), ("uls", uls), ("fedavg", uls)):
                 if algo not in a.algorithms or (algo == "fedavg" and b not in a.fedavg_budgets):
                     continue
+                extra = {"local_lr": a.fedavg_lr} if algo == "fedavg" else {}
                 rows.append(_row(c, a, "grid", algo, eps, b,
-                                 [train_eval(c, algo, eps=eps, steps=a.steps, lr=a.lr, clip=a.clip, seed=s, **kw)
-                                  for s in seeds]))
+                                 [train_eval(c, algo, eps=eps, steps=a.steps, lr=a.lr, clip=a.clip, seed=s, **kw,
+                                             **extra) for s in seeds], **extra))
     return rows
 
 
@@ -330,11 +350,12 @@ def selections(c: Corpus, a) -> list[dict]:
 
 def merge_repeats(rows: list[dict]) -> list[dict]:
     """Rows of the same cell from several runs (files) as one row: the losses of every repeat in
-    ``loss_seeds``, their mean in ``loss``, their count in ``seeds``; the largest epsilon spent."""
+    ``loss_seeds``, their mean in ``loss``, their count in ``seeds``; the largest epsilon spent.
+    Rows with other hyperparameters (lr, clip, FedAvg's local lr) are other cells, not repeats."""
     out: dict = {}
     for r in rows:
         key = tuple(r.get(k) for k in ("dataset", "kind", "algorithm", "epsilon", "compute_budget", "group_size",
-                                       "cohort", "selection"))
+                                       "cohort", "selection", "lr", "clip_norm", "local_lr"))
         if key not in out:
             out[key] = dict(r, loss_seeds=list(r["loss_seeds"]))
             continue
@@ -488,6 +509,8 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", nargs="+", metavar="FILE", help="draw the figures from saved rows only")
     ap.add_argument("--fedavg-budgets", help="the budgets at which FedAvg runs (default: all; its local SGD "
                     "through per-user vmap is ~5x an ELS/ULS step on a CPU)")
+    ap.add_argument("--algorithms", default="els,uls,fedavg", help="the private algorithms of the grid")
+    ap.add_argument("--fedavg-lr", type=float, help="FedAvg's local lr: skip its tuning on the proxy")
     ap.add_argument("--tuned", metavar="LR,CLIP,LR_NONPRIVATE", help="skip the proxy tuning: use these (e.g. the "
                     "values an earlier run's log printed)")
     a = ap.parse_args(argv)
@@ -509,7 +532,10 @@ def main(argv=None) -> int:
     a.budgets = [int(x) for x in a.budgets.split(",")] if a.budgets else ([8, 16] if q else [16, 32, 64])
     a.fedavg_budgets = [int(x) for x in a.fedavg_budgets.split(",")] if a.fedavg_budgets else a.budgets
     a.seeds = a.seeds or (1 if q else 2)
-    a.algorithms = ("els", "uls", "fedavg")
+    a.algorithms = tuple(x for x in a.algorithms.split(",") if x)
+    if set(a.algorithms) - {"els", "uls", "fedavg"}:
+        ap.error(f"--algorithms: one of els, uls, fedavg, not {a.algorithms}")
+    a.tune_local_lrs = (0.01, 0.03, 0.1, 0.3)
     a.lr, a.clip, a.lr_nonprivate = 3e-3, 1.0, 1e-3
     a.tune_lrs, a.tune_clips, a.tune_lrs_nonprivate = (1e-3, 3e-3, 1e-2), (0.3, 1.0), (3e-4, 1e-3, 3e-3)
     a.sweep_eps = 3.0
@@ -534,6 +560,10 @@ def main(argv=None) -> int:
         rows = []
     else:
         a.lr, a.clip, a.lr_nonprivate, rows = tune(a, public)
+    if a.fedavg_lr is None:
+        a.fedavg_lr = 0.1  # --quick's untuned value
+        a.fedavg_lr, more = tune_fedavg(a, public)
+        rows += more
     for ds in [d for d in a.datasets.split(",") if d]:
         c = prepare(ds, a, public)
         for part, fn in (("grid", grid), ("els_group_sweep", els_sweep), ("uls_heatmap", uls_heatmap),

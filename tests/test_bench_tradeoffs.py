@@ -42,3 +42,26 @@ def test_quick_rows_epsilons_and_figures(tmp_path):
     assert {"stackexchange_loss_vs_epsilon.png", "stackexchange_loss_vs_compute.png",
             "stackexchange_els_group_size.png"} <= names
     assert all((figs / n).stat().st_size > 5000 for n in names if n.endswith(".png"))
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_tradeoffs", REPO / "benchmarks" / "bench_tradeoffs.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_tradeoffs", mod)  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_repeats_merge_only_when_the_hyperparameters_match():
+    merge = _bench_module().merge_repeats
+    cell = dict(dataset="blogs", kind="grid", algorithm="fedavg", epsilon=8.0, compute_budget=8, group_size=1,
+                cohort=8.0, lr=1e-3, clip_norm=0.3)
+    rows = [dict(cell, loss=5.7, loss_seeds=[5.7], seeds=1, local_lr=0.1),
+            dict(cell, loss=5.5, loss_seeds=[5.5], seeds=1, local_lr=0.01),
+            dict(cell, loss=5.3, loss_seeds=[5.3], seeds=1, local_lr=0.01, epsilon_spent=7.9)]
+    out = sorted(merge(rows), key=lambda r: r["local_lr"])
+    assert [r["local_lr"] for r in out] == [0.01, 0.1]  # another local lr is another cell, not a repeat
+    assert out[0]["loss_seeds"] == [5.5, 5.3] and out[0]["seeds"] == 2 and abs(out[0]["loss"] - 5.4) < 1e-12
+    assert out[0]["epsilon_spent"] == 7.9 and out[1]["loss_seeds"] == [5.7]
