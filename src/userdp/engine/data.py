@@ -178,6 +178,39 @@ def uniform_subsets(sizes: np.ndarray, group_size: int, rng: np.random.Generator
     return rec, mask
 
 
+def compact_groups(batch: Batch, mask: torch.Tensor) -> tuple[Batch, torch.Tensor]:
+    """A chunk of user units with the padding slots trimmed: each unit's real records moved to
+    the front (in their order) and the group axis cut to the chunk's largest record count.
+
+    For an update that is the unit's masked mean gradient (ULS) this changes nothing but the
+    work: a padding slot has mask 0, so it adds nothing to the unit's loss, its gradient or its
+    ghost norm (whose G·L tokens form one sequence, in any order). On blogs with G = 16, a third
+    of the slots are padding (median 11 posts); trimmed chunks of users sorted by record count
+    hold about 10%. Not for FedAvg, whose local SGD depends on the order and the slot count.
+
+    Args:
+        batch: tensors ``[m, G, ...]``.
+        mask: ``[m, G]``, > 0 for a real record.
+
+    Returns:
+        ``(batch, mask)`` with ``G' <= G`` slots (the model is not compiled, so a new width costs
+        nothing); the same objects when nothing can be trimmed.
+    """
+    m, g = mask.shape
+    if g <= 1 or m == 0:
+        return batch, mask
+    real = mask > 0
+    most = max(1, int(real.sum(1).max()))
+    width = min(g, most)
+    if width == g:
+        return batch, mask
+    order = torch.argsort((~real).to(torch.int8), dim=1, stable=True)[:, :width]  # real slots first
+    if torch.equal(order, torch.arange(width).expand(m, width)):  # already first (draw_records puts them there)
+        return {k: v[:, :width] for k, v in batch.items()}, mask[:, :width]
+    rows = torch.arange(m)[:, None]
+    return {k: v[rows, order] for k, v in batch.items()}, mask[rows, order]
+
+
 class TensorUserData(UserData):
     """In-memory user data: ``tensors`` hold all records, contiguous by user.
 

@@ -26,7 +26,7 @@ from torch import nn
 from userdp import accounting
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
-from userdp.engine.data import UserData
+from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
@@ -103,6 +103,8 @@ class _Run:
             raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
         self.model, self.data, self.cfg = model, data, cfg
         self.algo = cfg.algorithm
+        # a user's masked mean gradient does not see its padding slots: trim them (engine.data.compact_groups)
+        self._compact = self.algo.unit == "user" and self.algo.update == "gradient" and self.algo.records_per_unit > 1
         self.combiner = combiner or LocalCombiner()
         precision = Precision(cfg.precision)
         self.per_unit = make_per_unit(cfg.per_unit, model, loss_fn, self.algo, precision)
@@ -189,6 +191,8 @@ class _Run:
             mask = torch.cat([m for _, m in parts])
         else:
             batch, mask = self.algo.load(self.data, self.table, cid, None)
+        if self._compact:
+            batch, mask = compact_groups(batch, mask)
         batch, mask = self._pad(batch, mask, bucket_size(len(cid), self.cfg.chunk_size))
         cuda = self.device.type == "cuda"
         batch = {n: (v.pin_memory() if cuda else v).to(self.device, non_blocking=cuda) for n, v in batch.items()}
@@ -216,6 +220,8 @@ class _Run:
         c_now = float(self.clip_state["clip_norm"])
         reproject = (cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
                      if getattr(algo, "reproject", False) else None)
+        if self._compact:  # users of like record counts share a chunk, so little padding is left to compute
+            ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
         chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
         for cid, (batch, mask) in zip(chunks, self._prefetch(chunks)):
             k = len(cid)
