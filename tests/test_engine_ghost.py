@@ -137,6 +137,39 @@ def test_ghost_equals_vmap_on_a_llama_style_model_via_the_vjp_fallback():
     assert g.fallback_layers == ["LlamaRMSNorm"]  # grouped-query attention, RoPE: no handler needed
 
 
+def test_ghost_equals_vmap_on_a_pythia_style_gpt_neox_model():
+    """GPT-NeoX (Pythia): fused query_key_value Linear, partial rotary embeddings, parallel
+    attention + MLP residual, untied embed_in / embed_out; LayerNorm and Linear have handlers."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=32, use_parallel_residual=True,
+                        tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    model = GPTNeoXForCausalLM(cfg).double()
+    batch, mask = _lm_chunk(vocab=40, seed=6)
+    a, b, g = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask, torch.ones(3, dtype=F64), FlatClip(0.5))
+    _assert_same(a, b, 1e-10)
+    assert g.fallback_layers == []  # every parameter sits in a layer with a ghost handler
+
+
+def test_ghost_equals_vmap_on_a_qwen2_style_model():
+    """Qwen2: Llama's layout with biases on q/k/v and grouped-query attention."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                      tie_word_embeddings=True)
+    cfg._attn_implementation = "eager"
+    model = Qwen2ForCausalLM(cfg).double()
+    batch, mask = _lm_chunk(vocab=40, seed=7)
+    a, b, g = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask, torch.ones(3, dtype=F64), FlatClip(0.5))
+    _assert_same(a, b, 1e-10)
+    assert g.fallback_layers == ["Qwen2RMSNorm"]
+
+
 def test_ghost_in_float32_matches_at_float_tolerance():
     model = _gpt2()
     batch, mask = _lm_chunk(seed=5)

@@ -169,3 +169,42 @@ def test_perplexity_selection_is_disclosed_in_the_report(tiny, capsys):
     priv = json.loads((out / "privacy.json").read_text())
     assert priv["selection"] == "highest_ppl"
     assert any("scored" in s and "private records" in s for s in priv["not_accounted"])
+
+
+@pytest.mark.slow
+def test_train_fine_tunes_a_local_pythia_style_gpt_neox_folder_with_ghost_norms(tiny, capsys):
+    """A local AutoModelForCausalLM folder of another family than GPT-2: GPT-NeoX (Pythia's),
+    with the tokenizer of a userdp pretraining; the ghost strategy clips it, and the result
+    reloads as the same family."""
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tmp, cfg = tiny
+    folder = tmp / "neox"
+    assert cli(["pretrain", "--public-text", str(cfg.parent / "public.txt"), "--declare-public", "--output",
+                str(folder), "--steps", "1", "--batch-size", "4", "--vocab-size", "300", "--seq-len", "16"]) == 0
+    vocab = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).config.vocab_size
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25,
+                                            max_position_embeddings=64, tie_word_embeddings=False))
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    neox.save_pretrained(folder)
+    out = tmp / "run-neox"
+    capsys.readouterr()
+    assert cli(["train", str(cfg), "--set", f"model.path={folder}", "--set", "training.per_unit=ghost",
+                "--set", "training.steps=2", "--set", "eval.before=false", "--output", str(out), "--json",
+                "--no-progress"]) == 0, capsys.readouterr().err
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0 < summary["epsilon"] <= 8.0
+    priv = json.loads((out / "privacy.json").read_text())
+    assert priv["compute"]["per_unit"]["strategy"] == "ghost"
+    trained = AutoModelForCausalLM.from_pretrained(out / "model", local_files_only=True)
+    assert type(trained).__name__ == "GPTNeoXForCausalLM"
+    before = dict(neox.named_parameters())
+    assert any(not torch_equal(p, before[n]) for n, p in trained.named_parameters())  # it trained
+
+
+def torch_equal(a, b):
+    import torch
+
+    return torch.equal(a.detach(), b.detach())
