@@ -170,6 +170,47 @@ def test_ghost_equals_vmap_on_a_qwen2_style_model():
     assert g.fallback_layers == ["Qwen2RMSNorm"]
 
 
+def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_path):
+    """QLoRA-style: a Llama whose linear layers bitsandbytes holds in 4 bits (NF4, frozen), LoRA
+    adapters trained. vmap cannot run bitsandbytes' matmul, so the reference is a Python loop of
+    one autograd pass per unit: its clipped sum and norms must equal the ghost strategy's."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=32)).save_pretrained(tmp_path)
+    base = models.load_local(tmp_path, quantize="nf4", device="cpu")
+    assert models.is_quantized(base)
+    model = models.apply_lora(base, models.LoraSpec(4, 8.0, ("q_proj", "v_proj")))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p, std=0.2)  # B starts at zero: give the units gradients in A
+    batch, mask = _lm_chunk(vocab=40, seed=8)
+    mask = mask.float()
+    clip = FlatClip(0.05)
+    g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), None)
+    sums, norms, losses, bad = g.clipped_sum(batch, mask, torch.ones(3), clip, clip.initial_state(), torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    want = [torch.zeros_like(p) for p in params]
+    want_norms = []
+    for u in range(3):
+        flat = {k: v[u] for k, v in batch.items()}
+        unit_loss = (causal_lm_loss(model, flat) * mask[u]).sum() / mask[u].sum()
+        grads = torch.autograd.grad(unit_loss, params)
+        norm = torch.sqrt(sum((x.double() ** 2).sum() for x in grads))
+        want_norms.append(float(norm))
+        f = min(1.0, 0.05 / float(norm))
+        for w, x in zip(want, grads):
+            w += f * x
+    assert norms.dtype == torch.float32 and all(x.dtype == torch.float32 for x in sums)
+    torch.testing.assert_close(norms.double(), torch.tensor(want_norms, dtype=F64), rtol=1e-4, atol=1e-7)
+    assert min(want_norms) > 0.05  # every unit was clipped: the factors matter
+    for x, w in zip(sums, want):
+        torch.testing.assert_close(x, w, rtol=1e-4, atol=1e-6)
+
+
 def test_ghost_in_float32_matches_at_float_tolerance():
     model = _gpt2()
     batch, mask = _lm_chunk(seed=5)

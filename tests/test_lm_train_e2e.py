@@ -208,3 +208,72 @@ def torch_equal(a, b):
     import torch
 
     return torch.equal(a.detach(), b.detach())
+
+
+def _llama_folder(tmp, cfg, name):
+    """A local Llama-style folder (nn.Linear projections) with a userdp-pretrained tokenizer."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp / name
+    assert cli(["pretrain", "--public-text", str(cfg.parent / "public.txt"), "--declare-public", "--output",
+                str(folder), "--steps", "1", "--batch-size", "4", "--vocab-size", "300", "--seq-len", "16"]) == 0
+    vocab = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).config.vocab_size
+    import torch
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    llama.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_qlora_trains_lora_on_a_4bit_base_and_saves_a_model_that_reloads_the_same(tiny, capsys):
+    pytest.importorskip("bitsandbytes")
+    import torch
+
+    from userdp.lm import models
+
+    tmp, cfg = tiny
+    folder = _llama_folder(tmp, cfg, "llama")
+    out = tmp / "run-qlora"
+    capsys.readouterr()
+    assert cli(["train", str(cfg), "--set", f"model.path={folder}", "--set", "model.lora.enabled=true",
+                "--set", "model.lora.quantize=nf4", "--set", "training.steps=2", "--set", "eval.before=false",
+                "--output", str(out), "--json", "--no-progress"]) == 0, capsys.readouterr().err
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    priv = json.loads((out / "privacy.json").read_text())
+    assert priv["compute"]["per_unit"]["strategy"] == "ghost" and "nf4" in priv["compute"]["quantization"]
+    assert 0 < priv["epsilon"] <= 8.0
+    # model/ holds the adapter and the note that rebuilds the quantized base: the evaluated model
+    assert (out / "model" / "adapter_config.json").is_file() and (out / "model" / models.QUANTIZATION_FILE).is_file()
+    again = models.load_local(out / "model")
+    assert models.is_quantized(again) and models.is_lora(again)
+    ev = json.loads((out / "eval.json").read_text())["after"]
+    from userdp.lm.evaluate import evaluate_lm  # noqa: F401  (the job's own scorer, via the CLI below)
+
+    assert cli(["evaluate", str(out), "--json"]) == 0, capsys.readouterr().err
+    re_eval = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert re_eval["heldout"]["loss"] == pytest.approx(ev["loss"], rel=1e-5)  # the reloaded model is the one evaluated
+    trained = {n: p for n, p in again.named_parameters() if "lora_B" in n}
+    assert trained and any(float(p.abs().max()) > 0 for p in trained.values())  # B starts at 0: it trained
+    assert all(p.dtype == torch.float32 for p in trained.values())
+
+
+@pytest.mark.parametrize("sets, match", [
+    (["model.lora.quantize=nf4"], "lora.enabled"),
+    (["model.lora.enabled=true", "model.lora.quantize=nf4"], "model.path"),
+    (["model.lora.enabled=true", "model.lora.quantize=nf4", "model.path=x", "training.algorithm=fedavg"], "vmap"),
+    (["model.lora.enabled=true", "model.lora.quantize=int3"], "quantize"),
+])
+def test_qlora_misconfigurations_are_refused_in_one_line(tiny, capsys, sets, match):
+    tmp, cfg = tiny
+    args = ["train", str(cfg), "--output", str(tmp / "never")]
+    for s in sets:
+        args += ["--set", s]
+    assert cli(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert match in err and len(err.splitlines()) == 1
+    assert not (tmp / "never").exists()

@@ -63,6 +63,7 @@ class LoraConfig:
     alpha: float = 16.0
     target_modules: Optional[tuple[str, ...]] = None
     save_adapter: bool = False            # save the adapter instead of the merged model
+    quantize: str = _choice("none", "nf4", "fp4", default="none")  # QLoRA-style: a 4-bit frozen base (bitsandbytes)
 
 
 @dataclass(frozen=True)
@@ -378,6 +379,11 @@ def _numbers(obj, prefix: str = ""):
             yield key, v
 
 
+def _gradient_canaries(cfg: RunConfig) -> bool:
+    """Whether the run audits with gradient canaries (they need the vmap strategy)."""
+    return cfg.audit.score == "gradient" and bool(cfg.audit.canaries)
+
+
 def validate(cfg: RunConfig, where: str = "config") -> None:
     """Cross-field checks (types and choices are checked while building)."""
     def bad(msg):
@@ -420,6 +426,20 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"model.device must be auto, cpu, cuda or cuda:<index>, got {m.device!r}")
     if t.algorithm == "fedavg" and t.per_unit == "ghost":
         bad("training.per_unit: ghost clips gradients; FedAvg's update is a local-SGD delta (use auto or vmap)")
+    if m.lora.quantize != "none":
+        q = f"model.lora.quantize: {m.lora.quantize}"
+        if not m.lora.enabled:
+            bad(f"{q} needs model.lora.enabled: true (a 4-bit base is frozen; only the LoRA adapters train)")
+        if not m.path:
+            bad(f"{q} quantizes a local model folder (model.path); the presets are GPT-2, whose Conv1D layers "
+                "bitsandbytes does not quantize")
+        if t.algorithm == "fedavg" or t.per_unit == "vmap":
+            bad(f"{q} needs the ghost per-unit strategy (ULS, ELS or nonprivate with training.per_unit: auto or "
+                "ghost): torch.func.vmap, which FedAvg and per_unit: vmap use, cannot run bitsandbytes' 4-bit matmul")
+        if _gradient_canaries(cfg):
+            bad(f"{q}: gradient canaries (audit.score: gradient) run the vmap strategy; use audit.score: loss")
+        if cfg.eval.personalize:
+            bad(f"{q}: eval.personalize fine-tunes every weight of the merged model, which a 4-bit base cannot be")
     if d.source in ("jsonl", "csv", "stackexchange") and not d.path:
         bad(f"data.path is required for data.source = {d.source}")
     if tok.path and tok.trained_on_private and not tok.declared_public:

@@ -37,10 +37,13 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
     from userdp.data.tokenize import load_tokenizer
 
     t = Path(target)
-    if (t / "config.yaml").is_file() and (t / "model" / "config.json").is_file():
+    def holds_model(d: Path) -> bool:  # a saved model, or a LoRA adapter (a quantized base's is always one)
+        return (d / "config.json").is_file() or (d / "adapter_config.json").is_file()
+
+    if (t / "config.yaml").is_file() and holds_model(t / "model"):
         model_dir = t / "model"
         cfg = C.load_config(t / "config.yaml", overrides or [])
-    elif (t / "config.json").is_file():
+    elif holds_model(t):
         model_dir = t
         if config:
             cfg = C.load_config(config, overrides or [])

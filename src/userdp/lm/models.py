@@ -96,11 +96,50 @@ def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
     return _force_eager(_no_dropout(model))
 
 
-def load_local(path: str | os.PathLike) -> nn.Module:
+QUANTIZATION_FILE = "userdp_quantization.json"  # beside a saved adapter whose base was quantized
+
+
+def quantization_config(kind: str, device):
+    """bitsandbytes' 4-bit configuration for a QLoRA-style frozen base: ``kind`` (nf4 or fp4),
+    double quantization, matmuls computed in bf16 on a GPU that has it, float32 elsewhere.
+
+    Raises:
+        UserError: bitsandbytes is not installed."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise UserError(f"model.lora.quantize: {kind} needs the bitsandbytes package: "
+                        "pip install 'userdp[qlora]'") from None
+    from transformers import BitsAndBytesConfig
+
+    dev = torch.device(device or "cpu")
+    compute = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute)
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` holds bitsandbytes 4-bit weights."""
+    return any(type(m).__name__ == "Linear4bit" for m in model.modules())
+
+
+def load_local(path: str | os.PathLike, *, quantize: str = "none", device=None) -> nn.Module:
     """Load a causal LM from a local directory (never the hub), eager attention, no dropout.
 
     A directory holding a LoRA adapter (``adapter_config.json``) is loaded onto its base model
-    (which must also be local) and merged.
+    (which must also be local) and merged; an adapter trained on a quantized base (it has
+    ``userdp_quantization.json``) is loaded onto the base quantized the same way, unmerged
+    (merging into 4-bit weights would round the update away), so it is the model evaluated.
+
+    Args:
+        path: the directory.
+        quantize: ``none``, or ``nf4``/``fp4``: load the base's linear layers in 4 bits
+            (bitsandbytes), frozen, on ``device`` (a QLoRA-style base for LoRA adapters).
+        device: where a quantized model is placed (quantization happens while loading).
+
+    Raises:
+        UserError: not a directory, no config, a damaged model, bitsandbytes missing, or a
+            model with no layer bitsandbytes quantizes (GPT-2's Conv1D).
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
@@ -114,18 +153,31 @@ def load_local(path: str | os.PathLike) -> nn.Module:
         from peft import PeftModel
 
         base = json.loads((p / "adapter_config.json").read_text())["base_model_name_or_path"]
+        qfile = p / QUANTIZATION_FILE
+        if qfile.is_file():
+            kind = json.loads(qfile.read_text())["quantize"]
+            base_model = load_local(base, quantize=kind, device=device)
+            return PeftModel.from_pretrained(base_model, str(p), local_files_only=True)
         base_model = load_local(base)
         model = PeftModel.from_pretrained(base_model, str(p), local_files_only=True)
         return _force_eager(_no_dropout(model.merge_and_unload()))
     if not (p / "config.json").is_file():
         raise UserError(f"model.path: {path} holds no config.json (expected a model saved with "
                         "save_pretrained, or a userdp run's model/ directory)")
+    kwargs = {}
+    if quantize != "none":
+        kwargs = {"quantization_config": quantization_config(quantize, device),
+                  "device_map": {"": str(device or "cpu")}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True,
-                                                     attn_implementation="eager")
+        # the absolute path: a saved adapter names its base by it (base_model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(str(p.resolve()), local_files_only=True,
+                                                     attn_implementation="eager", **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"model.path: cannot load a causal LM from {path} (damaged or incomplete: {first})") from None
+    if quantize != "none" and not is_quantized(model):
+        raise UserError(f"model.lora.quantize: {quantize}: no layer of {path} was quantized (bitsandbytes "
+                        "quantizes nn.Linear; GPT-2's Conv1D layers are not): drop model.lora.quantize")
     return _force_eager(_no_dropout(model))
 
 
@@ -256,13 +308,22 @@ def _token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.
 
 
 def save_model(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
-               adapter: bool = False) -> Path:
+               adapter: bool = False, quantize: str = "none") -> Path:
     """Save a model ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads (LoRA merged), or,
-    with ``adapter=True`` and a LoRA model, the adapter only (peft format)."""
+    with ``adapter=True`` and a LoRA model, the adapter only (peft format). A LoRA model on a
+    quantized base (``quantize`` nf4/fp4) is always saved as its adapter, with a
+    ``userdp_quantization.json`` that makes :func:`load_local` rebuild the same model."""
     _quiet_transformers()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if adapter and is_lora(model):
+    if quantize != "none" and is_lora(model):
+        model.save_pretrained(str(out))
+        (out / QUANTIZATION_FILE).write_text(json.dumps({
+            "quantize": quantize, "library": "bitsandbytes",
+            "note": "LoRA adapter trained on a 4-bit base; load with userdp (models.load_local), which "
+                    "quantizes the base the same way; merging into 4-bit weights would round the update away"},
+            indent=1))
+    elif adapter and is_lora(model):
         model.save_pretrained(str(out))
     else:
         plain = merged(model)
