@@ -54,7 +54,7 @@ def broken_build(fault: str, times: int = 8):
 
     patch(loop._Run, "record", marked_record)
     if fault == "noise_off":
-        patch(noise.IIDGaussian, "noise", lambda self, tensors, std: [torch.zeros_like(t) for t in tensors])
+        patch(noise.IIDGaussian, "add_noise", lambda self, tensors, std: None)
     elif fault == "clipping_off":
         flat = clipping.FlatClip.factors_from_norms
 
