@@ -254,7 +254,7 @@ def test_qlora_trains_lora_on_a_4bit_base_and_saves_a_model_that_reloads_the_sam
     ev = json.loads((out / "eval.json").read_text())["after"]
     from userdp.lm.evaluate import evaluate_lm  # noqa: F401  (the job's own scorer, via the CLI below)
 
-    assert cli(["evaluate", str(out), "--json"]) == 0, capsys.readouterr().err
+    assert cli(["evaluate", str(out), "--json", "--device", "cpu"]) == 0, capsys.readouterr().err
     re_eval = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert re_eval["heldout"]["loss"] == pytest.approx(ev["loss"], rel=1e-5)  # the reloaded model is the one evaluated
     trained = {n: p for n, p in again.named_parameters() if "lora_B" in n}
@@ -277,3 +277,16 @@ def test_qlora_misconfigurations_are_refused_in_one_line(tiny, capsys, sets, mat
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1
     assert not (tmp / "never").exists()
+
+
+@pytest.mark.parametrize("cmd", [["evaluate", "no-such-run"], ["plan", "--compute-budget", "8"]])
+def test_evaluate_and_plan_take_a_device_and_refuse_a_missing_one(cmd, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: cuda is not missing here")
+    assert cli(cmd + ["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--device" in err and "no CUDA" in err
+    assert cli(cmd + ["--device", "tpu"]) == 2
+    assert "--device" in capsys.readouterr().err

@@ -24,6 +24,8 @@ def register(subparsers) -> None:
     p.add_argument("--personalize", action="store_true",
                    help="also run the personalization evaluation (docs/lm.md)")
     p.add_argument("--max-users", type=A.positive_int, help="evaluate at most this many held-out users")
+    p.add_argument("--device", metavar="D", help="where to score: auto, cpu, cuda or cuda:<i> (default: the "
+                   "config's model.device)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=main)
 
@@ -35,9 +37,13 @@ def _fmt(x):
 def main(args) -> int:
     from userdp.lm.evaluate_job import evaluate_target
 
+    if args.device is not None:
+        from userdp.devices import resolve_device
+
+        resolve_device(args.device, name="--device")  # refused here, naming the flag
     res = evaluate_target(args.target, data=args.data, fmt=args.format, config=args.config,
                           overrides=args.overrides, personalize=args.personalize,
-                          max_users=args.max_users)
+                          max_users=args.max_users, device=args.device)
     if args.json:
         print(jsonout.dumps(res))
         return 0

@@ -45,6 +45,9 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
+    from userdp.devices import resolve_device
+
+    model.to(resolve_device(cfg.model.device))  # the L(G) gradients run where training will (model.device)
     model.train()
     train_data, eval_data = finetune.build_datasets(cfg, prep, tok, log)
     return ResolvedTraining(cfg, train_data, model, models.causal_lm_loss, eval_data, prep.data_fingerprint)
@@ -76,7 +79,12 @@ def _plan(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    r = resolve_training(args.config, args.set, log)
+    if args.device:
+        from userdp.devices import resolve_device
+
+        resolve_device(args.device, name="--device")  # refused here, naming the flag
+    sets = list(args.set or []) + ([f"model.device={args.device}"] if args.device else [])
+    r = resolve_training(args.config, sets, log)
     cfg, data, model, loss_fn, data_fp = r.cfg, r.train_data, r.model, r.loss_fn, r.data_fingerprint
     epsilon = args.epsilon if args.epsilon is not None else cfg.privacy.epsilon
     steps = args.steps if args.steps is not None else cfg.training.steps
@@ -136,6 +144,8 @@ def register(subparsers) -> None:
     p.add_argument("--save", metavar="PLAN.json", default=None,
                    help="where to save the plan for `userdp train --plan` (default: "
                         "userdp-plan-<UTC time>.json in the current directory)")
+    p.add_argument("--device", metavar="D", help="where the gradient norms run: auto, cpu, cuda or cuda:<i> "
+                   "(default: the config's model.device)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with keys els, uls, recommended, data_touches")
     p.set_defaults(func=_run)

@@ -32,7 +32,7 @@ def _run_context(run: Path) -> dict:
 
 def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = None,
                     config: str | None = None, overrides: list[str] | None = None,
-                    personalize: bool = False, max_users: int | None = None) -> dict:
+                    personalize: bool = False, max_users: int | None = None, device: str | None = None) -> dict:
     from userdp.lm import config as C
     from userdp.data.tokenize import load_tokenizer
 
@@ -65,9 +65,16 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
     extra = ["training.selection=random"]  # evaluation reads held-out users only
     if max_users is not None:
         extra.append(f"data.max_eval_users={max_users}")
+    if device is not None:
+        extra.append(f"model.device={device}")
     cfg = C.from_dict(C.apply_overrides(C.to_dict(cfg), extra))
     run_context = _run_context(t) if model_dir == t / "model" else None
-    model = models.load_local(model_dir)
+    from userdp.devices import resolve_device
+
+    dev = resolve_device(cfg.model.device)  # before loading: a wrong --device costs nothing
+    model = models.load_local(model_dir, device=dev)
+    if not models.is_quantized(model):  # a quantized base is placed while loading
+        model.to(dev)
     tok = load_tokenizer(model_dir)
     if cfg.output.cache == "run":  # the run keeps the private caches of its data in <run>/cache
         import tempfile
