@@ -123,51 +123,44 @@ def test_ghost_equals_vmap_on_gpt2_els():
     _assert_same(a, b, 1e-10)
 
 
-def test_ghost_equals_vmap_on_a_llama_style_model_via_the_vjp_fallback():
+def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg).double()
-    batch, mask = _lm_chunk(vocab=40, seed=4)
-    a, b, g = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask, torch.ones(3, dtype=F64), FlatClip(0.5))
-    _assert_same(a, b, 1e-10)
-    assert g.fallback_layers == ["LlamaRMSNorm"]  # grouped-query attention, RoPE: no handler needed
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        attn_implementation="eager"))
 
 
-def test_ghost_equals_vmap_on_a_pythia_style_gpt_neox_model():
-    """GPT-NeoX (Pythia): fused query_key_value Linear, partial rotary embeddings, parallel
-    attention + MLP residual, untied embed_in / embed_out; LayerNorm and Linear have handlers."""
+def _neox():  # Pythia: fused query_key_value, partial rotary, parallel residual, untied embed_in/embed_out
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    torch.manual_seed(0)
-    cfg = GPTNeoXConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=32, use_parallel_residual=True,
-                        tie_word_embeddings=False)
-    cfg._attn_implementation = "eager"
-    model = GPTNeoXForCausalLM(cfg).double()
-    batch, mask = _lm_chunk(vocab=40, seed=6)
-    a, b, g = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask, torch.ones(3, dtype=F64), FlatClip(0.5))
-    _assert_same(a, b, 1e-10)
-    assert g.fallback_layers == []  # every parameter sits in a layer with a ghost handler
+    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=32,
+                                            use_parallel_residual=True, tie_word_embeddings=False,
+                                            attn_implementation="eager"))
 
 
-def test_ghost_equals_vmap_on_a_qwen2_style_model():
-    """Qwen2: Llama's layout with biases on q/k/v and grouped-query attention."""
+def _qwen2():  # Llama's layout with biases on q/k/v, tied embeddings
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        tie_word_embeddings=True, attn_implementation="eager"))
+
+
+@pytest.mark.parametrize("build, seed, fallback", [
+    (_llama, 4, ["LlamaRMSNorm"]),  # grouped-query attention, RoPE: no handler needed; RMSNorm via the vjp
+    (_neox, 6, []),  # every parameter sits in a layer with a ghost handler
+    (_qwen2, 7, ["Qwen2RMSNorm"]),
+], ids=["llama", "pythia_gpt_neox", "qwen2"])
+def test_ghost_equals_vmap_on_other_causal_lm_families(build, seed, fallback):
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                      tie_word_embeddings=True)
-    cfg._attn_implementation = "eager"
-    model = Qwen2ForCausalLM(cfg).double()
-    batch, mask = _lm_chunk(vocab=40, seed=7)
+    model = build().double()
+    assert model.config._attn_implementation == "eager"
+    batch, mask = _lm_chunk(vocab=40, seed=seed)
     a, b, g = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask, torch.ones(3, dtype=F64), FlatClip(0.5))
     _assert_same(a, b, 1e-10)
-    assert g.fallback_layers == ["Qwen2RMSNorm"]
+    assert g.fallback_layers == fallback
 
 
 def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_path):
