@@ -201,9 +201,9 @@ def _worker(a) -> dict:
             "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
 
 
-def _configs(quick: bool, device: str, untied: bool = True):
+def _configs(quick: bool, device: str, untied: bool = True, lora: bool = False):
     models = [("gpt2-small", "full", 0)]
-    if not quick:
+    if not quick or lora:
         models += [("gpt2-small", "lora", 8), ("gpt2-small", "lora", 32)]
         if device.startswith("cuda"):
             models += [("gpt2-medium", "full", 0)]
@@ -230,6 +230,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=max(1, os.cpu_count() or 1))
     ap.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
     ap.add_argument("--no-untied", action="store_true", help="skip the untied-GPT-2 rows (Opacus ghost comparison)")
+    ap.add_argument("--lora", action="store_true", help="with --quick: add the LoRA r = 8 and r = 32 rows")
     # worker mode (one configuration, in its own process)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="gpt2-small", help=argparse.SUPPRESS)
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
         return 0
     rows, base = [], {}
     hw = platform.processor() or platform.machine()
-    for model, mode, r, alg, g in _configs(a.quick, a.device, untied=not a.no_untied):
+    for model, mode, r, alg, g in _configs(a.quick, a.device, untied=not a.no_untied, lora=a.lora):
         untied = model.endswith("-untied")
         cmd = [sys.executable, __file__, "--worker", "--model", model.removesuffix("-untied"), "--mode", mode, "--lora-rank", str(r),
                "--algorithm", alg, "--group-size", str(g), "--device", a.device, "--dtype", a.dtype,
