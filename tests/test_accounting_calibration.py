@@ -102,3 +102,17 @@ def test_els_calibration_converges_where_epsilon_falls_off_a_cliff():
     sigma = A.calibrate_noise_multiplier(make, T, eps, delta)
     fine = lambda z: A.epsilon(A.compose(make(z), T), delta)  # noqa: E731
     assert fine(sigma) <= eps < fine(sigma / 1.01)
+
+
+def test_els_calibration_reaches_below_the_old_pld_guard():
+    """blogs, ELS at G = 11, 8 records a step (p = 8/43,578), 80 steps, epsilon = 1: the PLD
+    accountant refused sigma / G < 0.1 and RDP answered there (epsilon 10.8 at sigma 1.0 where the
+    PLD says 4.1), so calibration stopped at sigma 1.101, which spends epsilon 0.06. The PLD now
+    answers mixtures down to sigma / G = 0.05: sigma is about 0.58 and spends the epsilon asked for."""
+    p, G, T, eps, delta = 8 / 43578, 11, 80, 1.0, 7.84e-5
+    make = lambda z: A.els_step_event(z, p, G)  # noqa: E731
+    sigma = A.calibrate_noise_multiplier(make, T, eps, delta)
+    spent, backend = A.epsilon_and_accountant(A.compose(make(sigma), T), delta)
+    assert backend == "pld" and 0.9 * eps < spent <= eps
+    assert sigma < 0.7  # was 1.101
+    assert A.epsilon(A.compose(make(sigma / 1.01), T), delta) > eps  # and the smallest such sigma, to 1%
