@@ -198,6 +198,7 @@ def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_pat
         for w, x in zip(want, grads):
             w += f * x
     assert norms.dtype == torch.float32 and all(x.dtype == torch.float32 for x in sums)
+    assert not bad.any() and bool(torch.isfinite(losses).all())
     torch.testing.assert_close(norms.double(), torch.tensor(want_norms, dtype=F64), rtol=1e-4, atol=1e-7)
     assert min(want_norms) > 0.05  # every unit was clipped: the factors matter
     for x, w in zip(sums, want):

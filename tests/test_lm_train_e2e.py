@@ -246,14 +246,12 @@ def test_qlora_trains_lora_on_a_4bit_base_and_saves_a_model_that_reloads_the_sam
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     priv = json.loads((out / "privacy.json").read_text())
     assert priv["compute"]["per_unit"]["strategy"] == "ghost" and "nf4" in priv["compute"]["quantization"]
-    assert 0 < priv["epsilon"] <= 8.0
+    assert 0 < priv["epsilon"] == summary["epsilon"] <= 8.0
     # model/ holds the adapter and the note that rebuilds the quantized base: the evaluated model
     assert (out / "model" / "adapter_config.json").is_file() and (out / "model" / models.QUANTIZATION_FILE).is_file()
     again = models.load_local(out / "model")
     assert models.is_quantized(again) and models.is_lora(again)
     ev = json.loads((out / "eval.json").read_text())["after"]
-    from userdp.lm.evaluate import evaluate_lm  # noqa: F401  (the job's own scorer, via the CLI below)
-
     assert cli(["evaluate", str(out), "--json", "--device", "cpu"]) == 0, capsys.readouterr().err
     re_eval = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert re_eval["heldout"]["loss"] == pytest.approx(ev["loss"], rel=1e-5)  # the reloaded model is the one evaluated
