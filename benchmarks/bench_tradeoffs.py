@@ -235,12 +235,20 @@ def _row(c: Corpus, a, kind, algo, eps, budget, runs, **extra) -> dict:
     return row
 
 
+def proxy_corpus(a, public_file: Path) -> Corpus:
+    """The proxy corpus (the meta sites' users, declared public), prepared once per run: both
+    tunings use it."""
+    if getattr(a, "proxy", None) is None:
+        a.proxy = prepare("proxy", a, public_file)
+    return a.proxy
+
+
 def tune(a, public_file: Path) -> tuple[float, float, float, list]:
     """lr and clip from the proxy corpus (declared public): ULS at epsilon 3, the middle budget;
     and the non-private baseline's own lr (no clip), so that it is not handicapped."""
     if a.quick:
         return a.lr, a.clip, a.lr_nonprivate, []
-    proxy = prepare("proxy", a, public_file)
+    proxy = proxy_corpus(a, public_file)
     b = a.budgets[len(a.budgets) // 2]
     p = plan(proxy, 3.0, b, a.steps)
     rows, best = [], None
@@ -268,18 +276,16 @@ def tune_fedavg(a, public_file: Path) -> tuple[float, list]:
     the delta scales with the local lr and the local steps, as the docs recommend)."""
     if a.quick or "fedavg" not in a.algorithms or not set(a.fedavg_budgets) & set(a.budgets):
         return a.fedavg_lr, []
-    proxy = prepare("proxy", a, public_file)
+    proxy = proxy_corpus(a, public_file)
     b = min(set(a.fedavg_budgets) & set(a.budgets))
     p = plan(proxy, 3.0, b, a.steps)
-    rows, best = [], None
-    for llr in a.tune_local_lrs:
-        r = train_eval(proxy, "fedavg", eps=3.0, steps=a.steps, lr=a.lr, clip=a.clip, seed=0,
-                       group_size=p.uls["group_size"], cohort=p.uls["cohort_size"], local_lr=llr)
-        rows.append(_row(proxy, a, "tuning", "fedavg", 3.0, b, [r], local_lr=llr))
-        if best is None or r["loss"] < best[0]:
-            best = (r["loss"], llr)
-    _log(f"tuned on the proxy: FedAvg local lr {best[1]}")
-    return best[1], rows
+    rows = [_row(proxy, a, "tuning", "fedavg", 3.0, b,
+                 [train_eval(proxy, "fedavg", eps=3.0, steps=a.steps, lr=a.lr, clip=a.clip, seed=0,
+                             group_size=p.uls["group_size"], cohort=p.uls["cohort_size"], local_lr=llr)],
+                 local_lr=llr) for llr in a.tune_local_lrs]
+    best = min(rows, key=lambda r: r["loss"])["local_lr"]  # the first of equal losses, as before
+    _log(f"tuned on the proxy: FedAvg local lr {best}")
+    return best, rows
 
 
 def grid(c: Corpus, a) -> list[dict]:

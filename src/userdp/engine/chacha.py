@@ -150,16 +150,21 @@ class ChaChaNoise:
         self.seeded = bool(seeded)
         self._draws = 0
 
-    def _normals(self, count: int, device, purpose: int) -> torch.Tensor:
+    def _slabs(self, count: int, device, purpose: int):
+        """The next draw: ``count`` float64 normals as ``(offset, slab)`` pieces of at most 8M,
+        computed on ``device``. The draw's nonce is taken now (also for ``count`` = 0), so every
+        call is one draw whether or not its pieces are read."""
         k = self._draws
         self._draws += 1
         nonce = (k & _MASK, (k >> 32) & _MASK, purpose)
         blocks = -(-count // 8)
-        out = []
-        for start in range(0, blocks, _SLAB_BLOCKS):
-            n = min(_SLAB_BLOCKS, blocks - start)
-            out.append(_normals_from_blocks(chacha20_blocks(self._key, nonce, start, n, device)))
-        return torch.cat(out)[:count] if len(out) > 1 else out[0][:count]
+
+        def pieces():
+            for start in range(0, blocks, _SLAB_BLOCKS):
+                n = min(_SLAB_BLOCKS, blocks - start)
+                yield start * 8, _normals_from_blocks(chacha20_blocks(self._key, nonce, start, n, device))[: count - start * 8]
+
+        return pieces()
 
     def add_(self, tensors: Sequence[torch.Tensor], std: float) -> Sequence[torch.Tensor]:
         """Add one draw of N(0, std² I) over the concatenation of ``tensors`` to them, in place,
@@ -180,17 +185,8 @@ class ChaChaNoise:
 
         check_wide(tensors)
         flats, offsets = _flat_views(tensors)
-        total, device = offsets[-1], tensors[0].device
-        k = self._draws
-        self._draws += 1
-        nonce = (k & _MASK, (k >> 32) & _MASK, _VECTOR)
-        blocks = -(-total // 8)
-        for start in range(0, blocks, _SLAB_BLOCKS):
-            n = min(_SLAB_BLOCKS, blocks - start)
-            z = _normals_from_blocks(chacha20_blocks(self._key, nonce, start, n, device))
-            lo = start * 8
-            z = z[: total - lo].mul_(float(std))
-            add_piece(flats, offsets, z, lo)
+        for lo, z in self._slabs(offsets[-1], tensors[0].device, _VECTOR):
+            add_piece(flats, offsets, z.mul_(float(std)), lo)
         return tensors
 
     def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
@@ -202,7 +198,8 @@ class ChaChaNoise:
 
     def scalar(self, std: float) -> float:
         """One draw of N(0, std²) in float64 (the adaptive-clipping count query)."""
-        return float(self._normals(1, "cpu", _SCALAR)[0]) * float(std)
+        _, z = next(iter(self._slabs(1, "cpu", _SCALAR)))
+        return float(z[0]) * float(std)
 
     def state_dict(self) -> dict:
         """The draw count (seeded runs only: the key is the secret)."""

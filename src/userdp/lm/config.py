@@ -464,7 +464,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"audit.confidence must be in (0, 1), got {a.confidence}")
     if a.seed is not None and a.seed < 0:
         bad(f"audit.seed must be >= 0, got {a.seed}")
-    if a.score == "gradient" and a.canaries:
+    if _gradient_canaries(cfg):
         if t.algorithm == "fedavg":
             bad("audit.score: gradient canaries need a gradient update (uls, els or nonprivate), not fedavg")
         if t.per_unit == "ghost":

@@ -238,15 +238,15 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
     else:
         tok = None
     if model_dir is not None:
-        q = m.lora.quantize
-        if q != "none":
+        q, device = m.lora.quantize, None
+        if q != "none":  # quantized while loading, so loaded onto the device
             from userdp.devices import resolve_device
 
+            device = resolve_device(m.device)
             log(f"loading {m.path} with its linear layers quantized to 4 bits ({q}, bitsandbytes; frozen) ...")
-        model = models.load_local(model_dir, quantize=q, device=resolve_device(m.device) if q != "none" else None)
-        if q != "none":
             notes["quantization"] = (f"base model's linear layers quantized to 4 bits ({q}, double quantization, "
                                      "bitsandbytes) and frozen; only the LoRA adapters are trained (QLoRA-style)")
+        model = models.load_local(model_dir, quantize=q, device=device)
         if made_by_us:
             info = json.loads((model_dir / "userdp_pretrain.json").read_text())
             notes["pretraining"] = (f"model pretrained non-privately by userdp on "
@@ -1006,7 +1006,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         priv["not_accounted"] = list(priv.get("not_accounted") or []) + audit_disclosures(priv["audit"])
         log(f"audit: {priv['audit']['statement']}")
     write_json_atomic(rd.privacy, priv)
-    models.save_model(model, rd.model, tok, quantize=cfg.model.lora.quantize if cfg.model.lora.enabled else "none")
+    models.save_model(model, rd.model, tok, quantize=cfg.model.lora.quantize)  # validate(): quantize needs LoRA
     if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
         models.save_model(model, rd.adapter, None, adapter=True)
     if cfg.output.plot:
