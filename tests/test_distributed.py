@@ -149,7 +149,9 @@ def test_a_killed_process_ends_the_job_and_resume_counts_every_step_once(tmp_pat
         assert f"--resume {run}" in err, err
     journal = run / "checkpoints" / "ledger_journal.jsonl"
     begun = len(journal.read_text().splitlines()) - 1
-    ckpt_step = json.loads((run / "checkpoints" / "ledger.json").read_text())["step"]
+    # the committed checkpoint's step is MANIFEST.json's: a kill between that commit and the renames
+    # leaves the previous ledger.json in place, and the resume rolls the commit forward
+    ckpt_step = json.loads((run / "checkpoints" / "MANIFEST.json").read_text())["step"]
     assert begun >= ckpt_step >= 2
     # resume on ONE process: the checkpoint holds no per-rank state
     res = subprocess.run([sys.executable, "-m", "userdp", "train", "--resume", str(run), "--no-progress", "--json"],
