@@ -57,28 +57,47 @@ PLD_GRID = [(1, 0.01, 1.0, 300), (1, 0.2, 3.0, 10), (2, 0.05, 10.0, 300), (4, 0.
             (16, 0.02, 100.0, 1000)]
 
 
+def _reference_with_tails_dropped(event, delta, iv=None):
+    """dp_accounting's ε at δ − S, plus η, on the event with its mixture tails dropped (the
+    bound of accounting.pld.truncate_mixture_tails), and the untruncated reference ε."""
+    from userdp.accounting import pld as P
+
+    cut, S, eta = P.truncate_mixture_tails(event, P.MIXTURE_TAIL_SHARE * delta)
+    kw = {} if iv is None else {"value_discretization_interval": iv}
+    acc_cut, acc_full = pld_privacy_accountant.PLDAccountant(**kw), pld_privacy_accountant.PLDAccountant(**kw)
+    acc_cut.compose(cut)
+    acc_full.compose(event)
+    return acc_cut.get_epsilon(delta - S) + eta, acc_full.get_epsilon(delta), S
+
+
 @pytest.mark.parametrize("G,q,sigma,T", PLD_GRID)
 def test_pld_agrees_with_dp_accounting(G, q, sigma, T):
     iv = 1e-3
     ours = A.compose(A.els_step_event(sigma, q, G), T)
-    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=iv)
     if G == 1:  # G = 1 is the Poisson-subsampled Gaussian event itself
-        acc.compose(dpe.SelfComposedDpEvent(dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma)), T))
+        ref_event = dpe.SelfComposedDpEvent(dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma)), T)
     else:
-        acc.compose(reference_group_event(T, q, sigma, G))
+        ref_event = reference_group_event(T, q, sigma, G)
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=iv)
+    acc.compose(ref_event)
     for delta in (1e-5, 1e-9):
-        eps_ref = acc.get_epsilon(delta)
+        eps_ref, eps_full, S = _reference_with_tails_dropped(ref_event, delta, iv)
+        assert S <= 1e-6 * delta
         assert A.epsilon(ours, delta, value_discretization_interval=iv) == pytest.approx(eps_ref, rel=1e-12)
+        # dropping tails of mass <= 1e-6·δ moves ε by less than 1e-6 relative
+        assert A.epsilon(ours, delta, value_discretization_interval=iv) == pytest.approx(eps_full, rel=1e-6)
     for eps in (0.1, 1.0, 4.0):
         assert A.delta(ours, eps, value_discretization_interval=iv) == pytest.approx(
-            acc.get_delta(eps), rel=1e-12, abs=1e-300)
+            acc.get_delta(eps), rel=1e-6, abs=1e-13)  # δ ~ 1e-15 is at the PLD's own resolution
 
 
 def test_pld_default_discretization_agrees_with_dp_accounting():
-    acc = pld_privacy_accountant.PLDAccountant()
-    acc.compose(reference_group_event(100, 0.02, 100.0, 16))
+    ref_event = reference_group_event(100, 0.02, 100.0, 16)
     ours = A.compose(A.els_step_event(100.0, 0.02, 16), 100)
-    assert A.epsilon(ours, 1e-6) == pytest.approx(acc.get_epsilon(1e-6), rel=1e-12)
+    eps_ref, eps_full, S = _reference_with_tails_dropped(ref_event, 1e-6)
+    assert S > 0  # this event does drop a tail (K >= 10 or so has probability ~1e-14)
+    assert A.epsilon(ours, 1e-6) == pytest.approx(eps_ref, rel=1e-12)
+    assert A.epsilon(ours, 1e-6) == pytest.approx(eps_full, rel=1e-6)
     eps = A.epsilon(ours, 1e-6)
     assert A.delta(ours, eps) <= 1e-6 * 1.0001
 

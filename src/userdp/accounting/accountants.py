@@ -93,18 +93,31 @@ class PLDAccountant:
     discretized = True
 
     def epsilon(self, event, delta, *, interval=None, orders=None):
-        why = _pld_infeasible(event)
+        # mixtures lose their improbable largest sensitivities first (a δ share of
+        # MIXTURE_TAIL_SHARE; see truncate_mixture_tails): ε' at δ − S, plus η
+        cut, slack, shift = _pld_mod.truncate_mixture_tails(event, _pld_mod.MIXTURE_TAIL_SHARE * delta)
+        why = _pld_infeasible(cut)
         if why is None:
-            eps = float(_pld_mod._pld(event, interval or PLD_INTERVAL).get_epsilon(delta))
+            eps = float(_pld_mod._pld(cut, interval or PLD_INTERVAL).get_epsilon(delta - slack)) + shift
             if math.isfinite(eps):
                 return eps, "pld"
             why = "it cannot resolve this delta (its tails are truncated)"
         return _RDP.epsilon(event, delta, orders=orders)[0], f"rdp (PLD infeasible: {why})"
 
     def delta(self, event, epsilon, *, interval=None, orders=None):
-        if _pld_infeasible(event) is None:
-            return float(_pld_mod._pld(event, interval or PLD_INTERVAL).get_delta(epsilon))
-        return _RDP.delta(event, epsilon, orders=orders)
+        # δ is unknown before it is computed: drop MIXTURE_TAIL_FLOOR first, then, with that
+        # answer δ₁, the same δ share as epsilon() drops (the tighter of the two, both sound)
+        best = None
+        budget = _pld_mod.MIXTURE_TAIL_FLOOR
+        for _ in range(2):
+            cut, slack, shift = _pld_mod.truncate_mixture_tails(event, budget)
+            if _pld_infeasible(cut) is None:
+                d = float(_pld_mod._pld(cut, interval or PLD_INTERVAL).get_delta(epsilon - shift)) + slack
+                best = d if best is None else min(best, d)
+            if best is None or _pld_mod.MIXTURE_TAIL_SHARE * best <= budget:
+                break
+            budget = _pld_mod.MIXTURE_TAIL_SHARE * best
+        return min(best, 1.0) if best is not None else _RDP.delta(event, epsilon, orders=orders)
 
     def epsilon_of_steps(self, step_event, steps, delta):
         # a 1e-3 grid: within ~1e-5 relative of the 1e-4 figure at ledger sizes, 10x cheaper

@@ -4,6 +4,7 @@ ELS mixture of Gaussians (the PLD built equals dp_accounting's)."""
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from typing import Any
 
@@ -29,8 +30,97 @@ PLD_SIGMA_RANGE = (0.1, 1e6)
 # sigma / G = 0.1 RDP answered instead, so loosely that calibration could not go below sigma 1.1
 # (epsilon jumped from 8.5 by RDP to 3.3 by PLD across sigma = 1.1: ELS ran with up to 40% more
 # noise than its epsilon needed). A PLD evaluation at sigma / G = 0.05 takes ~20 s (T = 80).
+# The largest sensitivity is the one left after truncate_mixture_tails (K ~ Binomial(G, p) with
+# p ~ 1e-4 keeps K <= 4 of 11): ELS at G = 11 is then answered by the PLD down to sigma ~ 0.2.
 PLD_MIXTURE_RATIO_MIN = 0.05
 PLD_MAX_STEPS = 10**7
+
+#: The share of δ that the dropped tails of mixtures of Gaussians may take (see
+#: :func:`truncate_mixture_tails`): the ε this costs is below 1e-6 relative.
+MIXTURE_TAIL_SHARE = 1e-6
+#: The tail mass :meth:`~userdp.accounting.accountants.PLDAccountant.delta` first drops (δ is
+#: not known before it is computed): an absolute addition to δ of at most this.
+MIXTURE_TAIL_FLOOR = 1e-18
+
+
+def _mixture_steps(event: dpe.DpEvent, count: int = 1) -> int:
+    """How many mixture-of-Gaussians steps the composed ``event`` holds."""
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        return _mixture_steps(event.event, count * int(event.count))
+    if isinstance(event, dpe.ComposedDpEvent):
+        return sum(_mixture_steps(e, count) for e in event.events)
+    return count if isinstance(event, dpe.MixtureOfGaussiansDpEvent) else 0
+
+
+def _truncate_mixture(event: dpe.MixtureOfGaussiansDpEvent, tail_max: float):
+    """The mixture without its largest-sensitivity components of total probability ≤
+    ``tail_max``, renormalized, and the mass dropped (the event itself and 0 if none is)."""
+    sens = np.asarray(event.sensitivities, float)
+    probs = np.asarray(event.sampling_probs, float)
+    order = np.argsort(-sens, kind="stable")
+    tail = np.cumsum(probs[order])
+    n_drop = int(np.searchsorted(tail, tail_max, side="right"))  # tail[:n_drop] <= tail_max
+    n_drop = min(n_drop, len(order) - 1)  # one component always stays
+    while n_drop and sens[order[n_drop]] == sens[order[n_drop - 1]]:
+        n_drop -= 1  # never split equal sensitivities (dropping one of them would not lower the maximum)
+    if n_drop == 0:
+        return event, 0.0
+    dropped = float(tail[n_drop - 1])
+    keep = np.sort(order[n_drop:])
+    kept = probs[keep] / (1.0 - dropped)
+    return (dpe.MixtureOfGaussiansDpEvent(event.standard_deviation, [float(x) for x in sens[keep]],
+                                          [float(x) for x in kept]), dropped)
+
+
+def truncate_mixture_tails(event: dpe.DpEvent, budget: float) -> tuple[dpe.DpEvent, float, float]:
+    """Drop the improbable largest sensitivities of every mixture of Gaussians in ``event``.
+
+    An ELS step's sensitivity is K ~ Binomial(G, p): with p ~ 1e-4 the components K ≥ 4 carry
+    ~1e-13 of the probability but stretch the PLD's loss grid to K = G (the cost, and the reason
+    small σ used to fall back to the looser RDP). Write one step as P = (1 − τ)·P' + τ·P_tail,
+    P' the mixture of the components kept (renormalized) and τ the mass dropped, Q = N(0, σ²).
+    Over the run's n mixture steps (adaptive composition included: K is drawn independently of
+    everything released):
+
+    * remove one user: couple the runs on "no step drew a dropped K", which fails with
+      probability ≤ S = Σ τ; so Pⁿ(E) ≤ P'ⁿ(E) + S for every event E;
+    * add one user: the density of P is ≥ (1 − τ)·that of P' everywhere, so
+      Pⁿ(E) ≥ e^{−η}·P'ⁿ(E) with η = −Σ log(1 − τ).
+
+    Hence if the truncated run is (ε', δ')-DP, the real one is (ε' + η, δ' + S)-DP, and
+    δ(ε) ≤ δ'(ε − η) + S. The mixtures keep the largest set of components whose dropped mass is
+    at most ``budget`` shared equally over the n steps.
+
+    Args:
+        event: a composed DpEvent (other event types pass through unchanged).
+        budget: the largest total S allowed (≥ 0; 0 drops nothing).
+
+    Returns:
+        (the truncated event, S, η); (``event``, 0, 0) when nothing is dropped.
+    """
+    n = _mixture_steps(event)
+    if n == 0 or not budget > 0:
+        return event, 0.0, 0.0
+    tail_max = float(budget) / n
+    slack = [0.0, 0.0]
+
+    def walk(ev: dpe.DpEvent, count: int) -> dpe.DpEvent:
+        if isinstance(ev, dpe.SelfComposedDpEvent):
+            inner = walk(ev.event, count * int(ev.count))
+            return ev if inner is ev.event else dpe.SelfComposedDpEvent(inner, ev.count)
+        if isinstance(ev, dpe.ComposedDpEvent):
+            parts = [walk(e, count) for e in ev.events]
+            return ev if all(a is b for a, b in zip(parts, ev.events)) else dpe.ComposedDpEvent(parts)
+        if isinstance(ev, dpe.MixtureOfGaussiansDpEvent):
+            out, tau = _truncate_mixture(ev, tail_max)
+            slack[0] += count * tau
+            slack[1] += -count * math.log1p(-tau)
+            return out
+        return ev
+
+    out = walk(event, 1)
+    return out, slack[0], slack[1]
+
 
 # ----------------------------------------------------------------------------------- PLD
 _PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
