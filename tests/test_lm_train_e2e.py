@@ -277,14 +277,22 @@ def test_qlora_misconfigurations_are_refused_in_one_line(tiny, capsys, sets, mat
     assert not (tmp / "never").exists()
 
 
-@pytest.mark.parametrize("cmd", [["evaluate", "no-such-run"], ["plan", "--compute-budget", "8"]])
-def test_evaluate_and_plan_take_a_device_and_refuse_a_missing_one(cmd, capsys):
+@pytest.mark.parametrize("cmd", [["evaluate", "no-such-run"], ["plan", "--compute-budget", "8"],
+                                 ["train", "--output", "{tmp}/never"], ["pretrain", "--output", "{tmp}/never"]])
+def test_every_job_takes_a_device_and_refuses_a_missing_one(cmd, capsys, tmp_path):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: cuda is not missing here")
+    cmd = [c.format(tmp=tmp_path) for c in cmd]
     assert cli(cmd + ["--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "--device" in err and "no CUDA" in err
     assert cli(cmd + ["--device", "tpu"]) == 2
     assert "--device" in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def test_train_device_overrides_the_config(capsys):
+    assert cli(["train", "--set", "model.device=cuda", "--device", "CPU", "--print-config"]) == 0
+    assert "  device: cpu\n" in capsys.readouterr().out

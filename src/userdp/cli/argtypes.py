@@ -68,6 +68,24 @@ def list_of(item: Callable[[str], float | int]) -> Callable[[str], tuple]:
     return parse
 
 
+def device(text: str) -> str:
+    """A device spec: auto, cpu, cuda or cuda:<index> (lower-cased). Whether the machine has it is
+    checked when the job starts (``userdp.devices.resolve_device``), not here."""
+    from userdp.devices import DEVICE_SPEC
+
+    spec = text.strip().lower()
+    if not DEVICE_SPEC.match(spec):
+        raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:<index>, got {text!r}")
+    return spec
+
+
+def add_device_option(parser: argparse.ArgumentParser, what: str, default: str | None = None) -> None:
+    """``--device D`` on ``parser``: where ``what`` runs (None: the config's ``model.device``)."""
+    tail = f"default: {default}" if default else "default: the config's model.device"
+    parser.add_argument("--device", type=device, default=default, metavar="D",
+                        help=f"where {what}: auto (a GPU when there is one), cpu, cuda or cuda:<index> ({tail})")
+
+
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 
 

@@ -24,8 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--personalize", action="store_true",
                    help="also run the personalization evaluation (docs/lm.md)")
     p.add_argument("--max-users", type=A.positive_int, help="evaluate at most this many held-out users")
-    p.add_argument("--device", metavar="D", help="where to score: auto, cpu, cuda or cuda:<i> (default: the "
-                   "config's model.device)")
+    A.add_device_option(p, "scoring runs")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=main)
 

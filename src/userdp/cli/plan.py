@@ -144,8 +144,7 @@ def register(subparsers) -> None:
     p.add_argument("--save", metavar="PLAN.json", default=None,
                    help="where to save the plan for `userdp train --plan` (default: "
                         "userdp-plan-<UTC time>.json in the current directory)")
-    p.add_argument("--device", metavar="D", help="where the gradient norms run: auto, cpu, cuda or cuda:<i> "
-                   "(default: the config's model.device)")
+    A.add_device_option(p, "the gradient norms run")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with keys els, uls, recommended, data_touches")
     p.set_defaults(func=_run)

@@ -36,8 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--batch-size", type=A.positive_int, default=32, help="sequences per step")
     p.add_argument("--lr", type=A.positive_float, default=3e-3, help="peak learning rate (AdamW)")
     p.add_argument("--seed", type=int, default=0, help='seed of the pretraining (public data: no privacy role)')
-    p.add_argument("--device", default="auto", metavar="D",
-                   help="auto (a GPU when there is one), cpu, cuda or cuda:<index> (default: auto)")
+    A.add_device_option(p, "pretraining runs", default="auto")
     p.add_argument("--json", action="store_true", help='print the pretraining summary as one JSON object')
     p.set_defaults(func=main)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
+from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.errors import UserError
 
@@ -27,6 +29,7 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    A.add_device_option(p, "training runs (also with --resume: the device does not change the guarantee)")
     p.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
                    help="under torchrun: how long a collective waits for another process before the job "
                         "fails (default 1800)")
@@ -51,6 +54,11 @@ def main(args) -> int:
         cfg = C.load_config(rd.config)
     else:
         cfg = C.load_config(args.config, args.overrides)
+    if args.device is not None:  # a resumed run may move, e.g. onto a GPU (same ledger, same guarantee)
+        from userdp.devices import resolve_device
+
+        resolve_device(args.device, name="--device")  # refused here, naming the flag
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=args.device))
     if args.print_config:
         print(C.dump_yaml(cfg), end="")
         return 0
