@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ def main(argv=None) -> int:
 
     from userdp import heuristics
     from userdp.cli.plan import resolve_training
-    from userdp.engine import SGD, Adam, FlatClip, TrainConfig, ULS, train
+    from userdp.engine import Adam, FlatClip, TrainConfig, ULS, train
     from userdp.lm.evaluate import evaluate_lm
 
     def log(msg):

@@ -16,7 +16,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from _engine_helpers import MLP, Mean, ce_loss, linear_loss, mlp_data, sq_loss, user_data
 from userdp import accounting
-from userdp.engine import ELS, ULS, AdaptiveClip, FedAvg, FlatClip, PerLayerClip, SGD, TrainConfig, train
+from userdp.engine import ELS, ULS, AdaptiveClip, FedAvg, FlatClip, PerLayerClip, TrainConfig, train
 from userdp.engine import checkpoint as ckpt
 from userdp.engine import noise as noise_mod
 from userdp.engine import per_unit as per_unit_mod
@@ -98,7 +98,6 @@ def test_lm_budget_check_honours_the_sampler(tmp_path):
 
     data, public = write_tiny_corpus(tmp_path)
     (tmp_path / "c.yaml").write_text(tiny_config(data, public, privacy_extra="  noise_multiplier: 3.0\n"))
-    cfg = C.load_config(str(tmp_path / "c.yaml"))
     poisson = C.load_config(str(tmp_path / "c.yaml"), ["privacy.epsilon=0.5"])
     assert check_budget(poisson, 32, 32) is None  # Poisson: 4 steps at q = 1/4, sigma 3: within 0.5
     shuffled = C.load_config(str(tmp_path / "c.yaml"), ["privacy.sampler=shuffle", "privacy.epsilon=0.5"])

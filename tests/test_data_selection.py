@@ -7,7 +7,6 @@ import pytest
 
 from userdp.data import build_store, open_source
 from userdp.data.selection import bound_contributions, perplexity_scores
-from userdp.data.subset import UserSubset
 from userdp.errors import UserError
 
 

@@ -4,7 +4,6 @@ import csv
 import gzip
 import json
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest

@@ -8,7 +8,6 @@ than the test budget); the real ``torch.distributed`` combiner runs on a one-pro
 
 import threading
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist

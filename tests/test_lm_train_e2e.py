@@ -121,7 +121,6 @@ def test_refuses_steps_beyond_the_budget(tiny, capsys):
 
 
 def test_refuses_batchnorm_model(tmp_path, capsys):
-    import torch
     from torch import nn
 
     from userdp.errors import UserError

@@ -21,7 +21,6 @@ import gzip
 import zlib
 import io
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Iterator, Optional

@@ -31,7 +31,7 @@ import shutil
 import time
 import zlib
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa

@@ -102,7 +102,7 @@ def personalize(model, data, users: Sequence[int] | None = None, *, lr: float = 
     base_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     work = copy.deepcopy(model)
     params = [p for p in work.parameters() if p.requires_grad]
-    eu, er, base_nll, base_cnt, pers_nll, pers_cnt = [], [], [], [], [], []
+    eu, base_nll, base_cnt, pers_nll, pers_cnt = [], [], [], [], []
     skipped = 0
     for u in users:
         n = int(sizes[u])

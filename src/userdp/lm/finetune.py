@@ -526,7 +526,7 @@ _build_datasets = build_datasets  # the former private name (userdp.lm.evaluate_
 
 def plan_touches(plan: dict) -> list[str]:
     """The plan's non-private touches of the training data, one line each (for not_accounted)."""
-    e, u, i = plan["els"], plan["uls"], plan["inputs"]
+    e, i = plan["els"], plan["inputs"]
     gs = sorted(int(g) for g in (plan.get("l_of_g_evaluated") or []))
     k = i.get("l_of_g_sample_users")
     median = ("released by an epsilon-DP median (its epsilon is counted above)"
