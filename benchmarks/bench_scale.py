@@ -11,10 +11,14 @@ same records per step: ULS = M users x G records, ELS = M*G record units, FedAvg
 records (one local epoch), non-private and Opacus = one batch of M*G records. All DP steps clip
 and add noise (sigma = 1). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the
 timed steps; on a CPU the process's peak resident set over the timed steps (Linux ``VmHWM`` after
-a reset through ``/proc/self/clear_refs``: weights, optimizer state, activations, the noise
-buffer and the Python/torch runtime). Ratios are against the non-private
-step of the same model and mode in the same run. ``noise_s`` is the host-side noise draw alone
-(one draw for all parameters), part of every DP step's time.
+a reset through ``/proc/self/clear_refs``: weights, optimizer state, activations, the sums and
+the Python/torch runtime). Ratios are against the non-private
+step of the same model and mode in the same run. ``noise_s`` is the noise draw alone
+(one draw for all parameters), part of every DP step's time. ``estimated_bytes`` is the memory
+model that ``chunk_size: auto`` uses (``userdp.engine.memory``) for the step's chunk, and
+``estimate_over_measured`` divides it by the measured peak above what the process held before
+the model was built (on a CPU the interpreter and torch's libraries; 0 on CUDA): above 1 the
+model is conservative, below 1 an auto chunk could overrun its cap.
 """
 
 from __future__ import annotations
@@ -96,6 +100,10 @@ def _worker(a) -> dict:
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
+    # what the process holds before the model exists (the CPU's peak RSS counts the interpreter and
+    # torch's libraries; CUDA's allocator counts tensors only): the memory model is compared with
+    # the peak above it
+    base_bytes = 0 if device.type == "cuda" else _peak_rss()
     M, G = a.users, a.group_size
     B = M * G
     model, data = _setup(a.model, a.mode, a.lora_rank, a.vocab, a.seq_len, 4 * M, max(G, 2), device, a.untied)
@@ -165,6 +173,13 @@ def _worker(a) -> dict:
         run = _Run(model, data, causal_lm_loss, cfg, None, None)
         step = run.run_step
         extra["per_unit"] = run.per_unit.name
+        # the memory model that chunk_size: auto uses, for this step's chunk (one chunk: chunk = M)
+        from userdp.engine.memory import fixed_bytes, unit_bytes
+
+        recs, units = (1, chunk * G) if a.algorithm == "els" else (G, chunk)
+        per = unit_bytes(model, recs, a.seq_len, strategy=run.per_unit.name, low_precision=a.dtype != "float32")
+        if per is not None:
+            extra["estimated_bytes"] = fixed_bytes(model, optimizer_states=0) + units * per
         z = [torch.zeros_like(p, dtype=torch.float32) for p in run.params]
         run.noise.add_noise(z, 1.0)  # once untimed (a compiled device generator compiles here)
         if device.type == "cuda":
@@ -197,6 +212,8 @@ def _worker(a) -> dict:
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, do not hide (OOM, unsupported layer)
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", "params": params}
     s = statistics.median(times)
+    if "estimated_bytes" in extra:
+        extra["estimate_over_measured"] = extra["estimated_bytes"] / max(mem - base_bytes, 1)
     return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem,
             "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
 
@@ -275,7 +292,9 @@ def main(argv=None) -> int:
                "algorithm": alg, "group_size": g, "device": a.device, "dtype": a.dtype,
                "records_per_step": a.users * g, "seq_len": a.seq_len, "per_unit": res.get("per_unit"),
                "s_per_step": res.get("s_per_step"), "tokens_per_s": res.get("tokens_per_s"),
-               "peak_bytes": res.get("peak_bytes"), "noise_s": res.get("noise_s"), "error": res.get("error")}
+               "peak_bytes": res.get("peak_bytes"), "noise_s": res.get("noise_s"),
+               "estimated_bytes": res.get("estimated_bytes"), "estimate_over_measured": res.get("estimate_over_measured"),
+               "error": res.get("error")}
         if "s_per_step" in res and "s_per_step" in b and g == 4:
             row["time_ratio"] = res["s_per_step"] / b["s_per_step"]
             row["memory_ratio"] = res["peak_bytes"] / b["peak_bytes"]

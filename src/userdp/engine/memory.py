@@ -14,8 +14,10 @@ width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype 
 * ghost: the two Gram matrices of the layer being reduced, ``2 · T² · 4`` (one layer at a time);
 * vmap: one float32 copy of the trainable parameters' gradient per unit.
 
-Fixed, whatever the chunk: weights, the float32 sum, the noise, the master weights and the
-optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap
+Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the step's running sum
+and the chunk's partial sum being added to it; the noise is streamed into the sum in 4 MB pieces
+and the sum becomes the optimizer's gradient in place); float32 master weights where the
+parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap
 given by the user is a cap on this estimate (``benchmarks/bench_scale.py`` measures the real peak).
 """
 
@@ -71,10 +73,14 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
 
 
 def fixed_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
-    """Bytes that do not grow with the chunk: weights, float32 sum, noise, masters, optimizer."""
+    """Bytes that do not grow with the chunk: the weights, the float32 running and partial sums,
+    float32 masters of parameters narrower than float32, and ``optimizer_states`` float32 states
+    per trainable parameter (Adam: 2)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return int(total + trainable * 4 * (3 + optimizer_states))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in trainable)
+    masters = sum(p.numel() for p in trainable if p.element_size() < 4)
+    return int(total + 4 * (n * (2 + optimizer_states) + masters))
 
 
 def free_bytes(device: torch.device) -> int:
