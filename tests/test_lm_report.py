@@ -62,3 +62,11 @@ def test_nonprivate_run_says_so():
     rec = _record(algorithm="nonprivate", epsilon_spent=None, noise_multiplier=0.0)
     assert rec["tier"]["tier"] is None
     assert "No differential-privacy guarantee" in R.render_markdown(rec)
+
+
+def test_the_els_record_discloses_the_dropped_mixture_tail():
+    els = _record(algorithm="els", dp_event=A.compose(A.els_step_event(1.1, 0.05, 4), 20))["accountant"]
+    assert "Binomial(G, q)" in els and "1e-6 of delta" in els
+    # ULS has no mixture, and RDP drops nothing
+    assert "1e-6" not in _record()["accountant"]
+    assert "1e-6" not in _record(algorithm="els", accountant="rdp")["accountant"]

@@ -167,7 +167,10 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "algorithm": algorithm,
         "accountant": {"pld": "PLD (privacy-loss distributions, dp_accounting; add/remove)",
                        "rdp": "RDP (Renyi DP, dp_accounting; add/remove)"}.get(accountant, accountant)
-        + (" with a mixture-of-Gaussians step event (Binomial(G, q) sensitivity)" if algorithm == "els" else ""),
+        + (" with a mixture-of-Gaussians step event (Binomial(G, q) sensitivity)" if algorithm == "els" else "")
+        + ("; the PLD drops the mixture's components of largest sensitivity whose total probability is at "
+           "most 1e-6 of delta and adds their exact cost to epsilon and delta (docs/accounting.md)"
+           if algorithm == "els" and accountant == "pld" else ""),
         "assumptions": assumptions or ["none"],
         "sampler_assumed": sampler_assumed,
         "sampler_used": sampler_used,
