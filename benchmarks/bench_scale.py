@@ -5,6 +5,8 @@ on the ELS-equivalent job, all measured in this run.
     python benchmarks/bench_scale.py --quick --json   # CPU-sized: gpt2-small, ULS G=4 and ELS
     python benchmarks/bench_scale.py                  # + G=16, FedAvg, LoRA r=8/32, gpt2-medium
     python benchmarks/bench_scale.py --device cuda --dtype bfloat16
+    python benchmarks/bench_scale.py --fit 24,40,80 --json   # the largest chunk of each preset that fits
+    python benchmarks/bench_scale.py --fit 6 --fit-check     # ... and one measured against its cap (CPU)
 
 Every configuration runs in its own process (so peak memory is that job's alone) and takes the
 same records per step: ULS = M users x G records, ELS = M*G record units, FedAvg = M users x G
@@ -218,6 +220,44 @@ def _worker(a) -> dict:
             "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
 
 
+FIT_MODELS = ("gpt2-small", "gpt2-medium", "gpt2-large")
+
+
+def _fit_rows(caps_gib, dtype: str, seq_len: int, vocab: int) -> list[dict]:
+    """The largest chunk (units per per-unit call) of each preset that the memory model fits in
+    each cap, for full fine-tuning and LoRA r = 8, ULS (G = 16) and ELS, Adam. Models are built on
+    the meta device: nothing is allocated. Any cohort then runs by accumulating chunks."""
+    import torch
+
+    from userdp.engine.memory import auto_chunk_size
+    from userdp.errors import UserError
+    from userdp.lm import models
+
+    rows = []
+    for name in FIT_MODELS:
+        for mode in ("full", "lora-r8"):
+            with torch.device("meta"):
+                model = models.build_preset(name, vocab_size=vocab, n_positions=max(seq_len, 128))
+                if mode != "full":
+                    model = models.apply_lora(model, models.LoraSpec(rank=8, alpha=16.0))
+            params = sum(p.numel() for p in model.parameters())
+            for alg, g in (("uls", 16), ("els", 1)):
+                for cap in caps_gib:
+                    row = {"fit": True, "memory_cap_gib": cap, "model": name, "params": params, "mode": mode,
+                           "algorithm": alg, "records_per_unit": g, "seq_len": seq_len, "dtype": dtype,
+                           "optimizer": "adam"}
+                    try:
+                        chunk, info = auto_chunk_size(model, g, seq_len, device=torch.device("cpu"), strategy="ghost",
+                                                      low_precision=dtype != "float32",
+                                                      memory_cap_bytes=int(cap * 2**30), optimizer_states=2)
+                        row.update(chunk=chunk, fixed_bytes=info["fixed_bytes"], unit_bytes=info["unit_bytes"],
+                                   estimated_bytes=info["fixed_bytes"] + chunk * info["unit_bytes"])
+                    except UserError:
+                        row.update(chunk=0, note="one unit does not fit")
+                    rows.append(row)
+    return rows
+
+
 def _configs(quick: bool, device: str, untied: bool = True, lora: bool = False):
     models = [("gpt2-small", "full", 0)]
     if not quick or lora:
@@ -248,6 +288,12 @@ def main(argv=None) -> int:
     ap.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
     ap.add_argument("--no-untied", action="store_true", help="skip the untied-GPT-2 rows (Opacus ghost comparison)")
     ap.add_argument("--lora", action="store_true", help="with --quick: add the LoRA r = 8 and r = 32 rows")
+    ap.add_argument("--fit", default=None, metavar="GIB,...",
+                    help="instead: the largest chunk of gpt2-small/medium/large (full, LoRA r = 8; ULS G = 16, ELS; "
+                         "Adam) that the memory model fits in each cap, in GiB")
+    ap.add_argument("--fit-check", action="store_true",
+                    help="with --fit CAP: run one ULS step (G = 4) of gpt2-medium at the chunk the model fits in "
+                         "CAP (SGD, --seq-len) and measure its peak above the process's start against the cap")
     # worker mode (one configuration, in its own process)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="gpt2-small", help=argparse.SUPPRESS)
@@ -261,6 +307,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
+    if a.fit:
+        return _fit_main(a)
     if a.users is None:
         a.users = (16 if gpu else 2) if not a.quick or gpu else 2
     if a.seq_len is None:
@@ -316,6 +364,55 @@ def main(argv=None) -> int:
         print(json.dumps(rows))
     else:
         print(f"device {a.device} ({hw}), dtype {a.dtype}, {a.users} users x G records of {a.seq_len} tokens")
+    return 0
+
+
+def _fit_main(a) -> int:
+    caps = [float(x) for x in a.fit.split(",")]
+    rows = _fit_rows(caps, a.dtype, a.seq_len or 128, a.vocab)
+    a.seq_len = a.seq_len or 64  # the check's step: gpt2-medium on a CPU at 128 tokens is slow
+    if a.fit_check:  # the model's chunk for the first cap, run, and its measured peak against the cap
+        import torch
+
+        from userdp.engine.memory import auto_chunk_size
+        from userdp.lm import models
+
+        with torch.device("meta"):
+            model = models.build_preset("gpt2-medium", vocab_size=a.vocab, n_positions=max(a.seq_len, 128))
+        cap = int(caps[0] * 2**30)
+        chunk, info = auto_chunk_size(model, 4, a.seq_len, device=torch.device("cpu"), strategy="ghost",
+                                      low_precision=a.dtype != "float32", memory_cap_bytes=cap, optimizer_states=0)
+        cmd = [sys.executable, __file__, "--worker", "--model", "gpt2-medium", "--mode", "full", "--algorithm", "uls",
+               "--group-size", "4", "--device", a.device, "--dtype", a.dtype, "--users", str(chunk),
+               "--seq-len", str(a.seq_len), "--vocab", str(a.vocab), "--threads", str(a.threads),
+               "--reps", "1", "--warmup", "1"]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                             check=False)
+        try:
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            res = {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+        measured = res["estimated_bytes"] / res["estimate_over_measured"] if "estimate_over_measured" in res else None
+        rows.append({"fit_check": True, "memory_cap_gib": caps[0], "model": "gpt2-medium", "mode": "full",
+                     "algorithm": "uls", "records_per_unit": 4, "seq_len": a.seq_len, "dtype": a.dtype,
+                     "optimizer": "sgd", "chunk": chunk, "estimated_bytes": res.get("estimated_bytes"),
+                     "measured_bytes": measured, "within_cap": measured is not None and measured <= cap,
+                     "s_per_step": res.get("s_per_step"), "device": a.device, "error": res.get("error")})
+    if a.json:
+        print(json.dumps(rows))
+        return 0
+    for r in rows:
+        if r.get("fit_check"):
+            m = r["measured_bytes"]
+            print(f"check: gpt2-medium full ULS G=4 x {r['seq_len']} tokens, cap {r['memory_cap_gib']} GiB -> chunk "
+                  f"{r['chunk']}: estimated {r['estimated_bytes'] / 2**30:.2f} GiB, measured "
+                  f"{(m or float('nan')) / 2**30:.2f} GiB above the start ({'within' if r['within_cap'] else 'OVER'} the cap)"
+                  f" {r['error'] or ''}")
+        else:
+            est = r.get("estimated_bytes")
+            print(f"{r['memory_cap_gib']:5g} GiB  {r['model']:11s} {r['mode']:7s} {r['algorithm']} G={r['records_per_unit']:<2d} "
+                  f"x {r['seq_len']} tokens {r['dtype']}: chunk {r['chunk']:3d} units"
+                  + (f" ({est / 2**30:.1f} GiB estimated)" if est else f" ({r.get('note', '')})"))
     return 0
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from userdp.engine.memory import auto_chunk_size, fixed_bytes, unit_bytes
+from userdp.engine.memory import MODEL_MARGIN, auto_chunk_size, fixed_bytes, unit_bytes
 from userdp.errors import UserError
 from userdp.lm import models
 
@@ -23,20 +23,47 @@ def test_the_chunk_is_the_largest_power_of_two_that_fits(gpt2):
     per = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=False)
     fixed = fixed_bytes(gpt2)
     for want in (1, 4, 32):
-        cap = fixed + want * per + per // 2  # room for want units and a half
+        cap = int((fixed + want * per + per // 2) / MODEL_MARGIN)  # the usable share: want units and a half
         chunk, info = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
                                       memory_cap_bytes=cap)
         assert chunk == want and info["unit_bytes"] == per and info["cap_source"] == "training.memory_gb"
-        assert fixed + chunk * per <= cap < fixed + 2 * chunk * per
+        assert fixed + chunk * per <= MODEL_MARGIN * cap < fixed + 2 * chunk * per
+    # the estimate may fill only MODEL_MARGIN of a cap: a chunk that would fill all of it is halved
+    cap = fixed + 4 * per
+    assert auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
+                           memory_cap_bytes=cap)[0] == 2
 
 
 def test_the_estimate_grows_with_tokens_and_shrinks_with_low_precision_and_ghost(gpt2):
     base = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=False)
     assert unit_bytes(gpt2, 8, 64, strategy="ghost", low_precision=False) > 1.9 * base
     assert unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=True) < base
-    # vmap holds one float32 gradient copy per unit: at least 4 bytes per trainable parameter more
-    n = sum(p.numel() for p in gpt2.parameters())
-    assert unit_bytes(gpt2, 4, 64, strategy="vmap", low_precision=False) >= base - 2 * 256**2 * 4 + 4 * n
+
+
+def test_vmap_counts_a_gradient_copy_and_ghost_the_output_gradients_of_trainable_layers(gpt2):
+    """Freezing one transformer block takes 4 bytes per frozen parameter off vmap's estimate (its
+    per-unit gradient copy) and the block's output widths x tokens x 4 off ghost's (the float32
+    output gradients held for the book-keeping sum)."""
+    import copy
+
+    frozen = copy.deepcopy(gpt2)
+    block = frozen.transformer.h[0]
+    block.requires_grad_(False)
+    d, t = gpt2.config.n_embd, 4 * 64
+    n_block = sum(p.numel() for p in block.parameters())
+
+    def drop(strategy):
+        return (unit_bytes(gpt2, 4, 64, strategy=strategy, low_precision=False)
+                - unit_bytes(frozen, 4, 64, strategy=strategy, low_precision=False))
+
+    assert drop("vmap") == 4 * n_block
+    # ln_1, c_attn (3d), attn.c_proj, ln_2, mlp.c_fc (4d), mlp.c_proj: 11 d per token
+    assert drop("ghost") == t * 4 * 11 * d
+    # a narrower forward adds float32 copies of those layers' inputs: ln_1 d, c_attn d, c_proj d,
+    # ln_2 d, c_fc d, mlp.c_proj 4d = 9 d per token (and halves the activations)
+    low = (unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=True)
+           - unit_bytes(frozen, 4, 64, strategy="ghost", low_precision=True))
+    assert low == t * 4 * (11 + 9) * d
 
 
 def test_a_cap_that_cannot_hold_one_unit_is_refused_with_both_figures(gpt2):

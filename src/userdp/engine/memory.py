@@ -10,15 +10,21 @@ width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype 
 
 * activations kept for the backward: ``T · n · (17·d + f + 2.5·h·L) · b`` (Korthikanti et al. 2022's
   34·d + 5·h·L bytes per token per layer at 2 bytes, with the 4·d feed-forward made explicit);
-* the logits, their float32 log-softmax and its gradient: ``T · V · (b + 8)``;
-* ghost: the two Gram matrices of the layer being reduced, ``2 · T² · 4`` (one layer at a time);
+* the logits, their float32 log-softmax, and in the backward the gradients of both (float32),
+  alive together: ``T · V · (b + 12)``;
+* ghost: the float32 output gradients of every layer that owns a trainable parameter, all held
+  until the clipped sum is formed (``T · Σ d_out · 4``; a layer as wide as the vocabulary is the
+  logits', counted above), float32 copies of those layers' inputs when the forward is narrower
+  (``T · Σ d_in · 4``), and the two Gram matrices of the layer being reduced, ``2 · T² · 4``;
 * vmap: one float32 copy of the trainable parameters' gradient per unit.
 
 Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the step's running sum
 and the chunk's partial sum being added to it; the noise is streamed into the sum in 4 MB pieces
 and the sum becomes the optimizer's gradient in place); float32 master weights where the
 parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap
-given by the user is a cap on this estimate (``benchmarks/bench_scale.py`` measures the real peak).
+given by the user is a cap on this estimate, which may fill 90% of it (``MODEL_MARGIN``). ``benchmarks/bench_scale.py`` measures the real peak
+beside it (``estimate_over_measured``): on a CPU (peak RSS, gpt2-small, ghost, float32) 1.07 at
+256 tokens a chunk and 1.02–1.03 at 2,048 (benchmarks/README.md); not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from userdp.errors import UserError
 
 MAX_AUTO_CHUNK = 256
 HEADROOM = 0.8  # of the free memory, when no cap is given
+#: the share of a cap the estimate may fill: the model has measured 0.95-1.02x the real peak
+#: (benchmarks/README.md), so a chunk filling the cap to the byte could overrun it by a few %
+MODEL_MARGIN = 0.9
 
 
 def _dims(model: nn.Module) -> dict | None:
@@ -56,6 +65,29 @@ def _dims(model: nn.Module) -> dict | None:
             "ff": first("intermediate_size", "n_inner", default=4 * d), "vocab": first("vocab_size", default=0)}
 
 
+def _ghost_widths(model: nn.Module, vocab: int) -> tuple[int, int]:
+    """(Σ d_out, Σ d_in) over the layers the ghost strategy captures (those owning a trainable
+    parameter), leaving out a layer whose output is the vocabulary (the logits)."""
+    outs = ins = 0
+    for mod in model.modules():
+        if not any(p.requires_grad for p in mod.parameters(recurse=False)):
+            continue
+        if isinstance(mod, nn.Linear):
+            d_out, d_in = mod.out_features, mod.in_features
+        elif type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and mod.weight.dim() == 2:
+            d_in, d_out = mod.weight.shape  # transformers' Conv1D stores [in, out]
+        elif isinstance(mod, nn.Embedding):
+            d_out, d_in = mod.embedding_dim, 0  # its input is token ids
+        elif isinstance(mod, nn.LayerNorm):
+            d_out = d_in = int(torch.Size(mod.normalized_shape).numel())
+        else:  # a fallback layer's per-unit gradient: counted by the caller's vmap-like margin, not here
+            continue
+        if vocab and d_out == vocab:
+            continue
+        outs, ins = outs + int(d_out), ins + int(d_in)
+    return outs, ins
+
+
 def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str, low_precision: bool) -> int | None:
     """Estimated peak bytes one unit adds to a per-unit call (None: not a transformer config we know)."""
     dims = _dims(model)
@@ -64,11 +96,12 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
     b = 2 if low_precision else 4
     t = group_size * seq_len
     act = t * dims["layers"] * (17 * dims["d"] + dims["ff"] + 2.5 * dims["heads"] * seq_len) * b
-    logits = t * dims["vocab"] * (b + 8)
+    logits = t * dims["vocab"] * (b + 12)
     if strategy == "vmap":
         extra = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     else:
-        extra = 2 * t * t * 4
+        outs, ins = _ghost_widths(model, dims["vocab"])
+        extra = 2 * t * t * 4 + t * 4 * (outs + (ins if low_precision else 0))
     return int(act + logits + extra)
 
 
@@ -115,14 +148,16 @@ def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: 
     if per is None:
         info["rule"] = "no transformer config to estimate from: the default chunk of 8"
         return 8, info
-    room = cap - fixed
+    room = int(MODEL_MARGIN * cap) - fixed
     if room < per:
         raise UserError(f"training.chunk_size: auto — one unit ({group_size} records x {seq_len} tokens) needs about "
                         f"{(fixed + per) / 2**30:.2f} GiB with the model's fixed {fixed / 2**30:.2f} GiB, more than the "
-                        f"{cap / 2**30:.2f} GiB cap ({info['cap_source']}); lower group_size or seq_len, use LoRA, or "
+                        f"{MODEL_MARGIN * cap / 2**30:.2f} GiB usable of the {cap / 2**30:.2f} GiB cap "
+                        f"({info['cap_source']}; {int(MODEL_MARGIN * 100)}% for the estimate's error); lower "
+                        "group_size or seq_len, use LoRA, or "
                         "raise training.memory_gb")
     chunk = 1
     while chunk * 2 <= MAX_AUTO_CHUNK and chunk * 2 * per <= room:
         chunk *= 2
-    info["rule"] = "largest power of two with fixed + chunk x unit <= cap"
+    info["rule"] = f"largest power of two with fixed + chunk x unit <= {MODEL_MARGIN:g} x cap"
     return chunk, info
