@@ -195,3 +195,19 @@ def test_ctrl_c_in_train_writes_an_honest_record_and_report(tmp_path, monkeypatc
     assert ckpt.verify(str(run / "checkpoints"))["step"] == 3  # weights, ledger and state of step 3
     assert json.loads((run / "checkpoints" / "ledger.json").read_text())["step"] == 3
     assert cli(["report", str(run)]) == 0  # and `userdp report` agrees
+
+
+def test_the_cli_keeps_the_hub_libraries_offline():
+    """Nothing is downloaded at run time: the command line sets HF_HUB_OFFLINE before any hub
+    library is imported, so a library beneath userdp (bitsandbytes fetching a kernel, say)
+    cannot reach the network either; without it the hub constant reads False here."""
+    code = ("import os, sys\n"
+            "os.environ.pop('HF_HUB_OFFLINE', None)\n"
+            "from userdp.cli import main\n"
+            "assert 'huggingface_hub' not in sys.modules\n"
+            "main(['train', '--print-config'])\n"
+            "import huggingface_hub.constants as c\n"
+            "print('offline', c.HF_HUB_OFFLINE)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert out.stdout.strip().splitlines()[-1] == "offline True"

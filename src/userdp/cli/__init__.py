@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from userdp import __version__
@@ -54,9 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _offline() -> None:
+    """Nothing is downloaded at run time: userdp loads models and tokenizers from local folders
+    (``local_files_only``), and this also stops the libraries beneath it from reaching the
+    Hugging Face hub on their own (bitsandbytes, for one, fetches a CPU kernel with ``kernels``
+    when that package is installed). Set before those libraries are imported; the warning
+    bitsandbytes logs when that optional kernel is missing is silenced."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``userdp`` command line; returns the exit status (2: bad input, one line on stderr;
     130: interrupted). argparse's own exits (usage errors, --help, --version) are returned too."""
+    _offline()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
