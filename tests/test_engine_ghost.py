@@ -353,6 +353,41 @@ def test_bf16_autocast_keeps_norms_sums_and_losses_in_float32_and_agrees_with_fl
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights untouched
 
 
+@pytest.mark.parametrize("lora,materialize", [(False, False), (True, False), (False, True)])
+def test_bf16_factors_kept_narrow_give_bit_identical_norms_and_sums(monkeypatch, lora, materialize):
+    """Under bf16 autocast the captured activations and output gradients stay bf16 and are upcast
+    at each use; that must give exactly what upcasting them once at capture gives (float32 Grams,
+    norms and sums from the same values), with the chunk's factors held at half the bytes. GPT-2
+    covers Conv1D, the tied wte/lm_head (an embedding's index factor with a dense one: the cross
+    terms) and LayerNorm; LoRA covers nn.Linear; ``materialize`` forces every use to be
+    materialized (mixed ghost clipping's other branch) instead of kept as Gram matrices."""
+    import userdp.engine.ghost as ghost_mod
+
+    if materialize:
+        monkeypatch.setattr(ghost_mod.Factored, "tokens", property(lambda self: 10**9))
+
+    model = _gpt2()
+    if lora:
+        model = models.apply_lora(model, models.LoraSpec(rank=4, alpha=8.0))
+    batch, mask = _lm_chunk(seed=8)
+    mask = mask.float()
+    w = torch.tensor([1.0, 0.5, 2.0])
+
+    def run(keep, clip):
+        monkeypatch.setattr(ghost_mod, "KEEP_NARROW", keep)
+        g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16"))
+        out = g.clipped_sum(batch, mask, w, clip, clip.initial_state(), torch.float32)
+        return out, g.last_choice
+
+    for clip in (FlatClip(0.5), PerLayerClip(0.05)):
+        (narrow, choice_n), (wide, choice_w) = run(True, clip), run(False, clip)
+        assert choice_n == choice_w
+        assert ("ghost" not in choice_n.values()) if materialize else ("ghost" in choice_n.values())
+        for a, b in zip(narrow[0], wide[0]):
+            assert a.dtype == torch.float32 and torch.equal(a, b)
+        assert torch.equal(narrow[1], wide[1]) and torch.equal(narrow[2], wide[2])
+
+
 def test_float16_autocast_is_refused_on_cpu():
     with pytest.raises(UserError, match="training.precision.*GPU"):
         Precision("float16").check_device(torch.device("cpu"))

@@ -24,7 +24,11 @@ parameters falls back to per-unit gradients **for that layer only**, computed by
 by several layers (GPT-2's tied ``wte``/``lm_head``) gets the cross terms of its contributions.
 
 Precision: Gram matrices, norms, factors and sums are computed in float32 (float64 for a float64
-model) from the captured tensors, whatever the autocast dtype of the forward.
+model) from the captured tensors, whatever the autocast dtype of the forward. Under bf16/fp16
+autocast the captured activations and output gradients are *kept* in that dtype and upcast at
+each use (one layer at a time): the values are the same as upcasting them once at capture, so the
+norms and the sums are bit-identical to that, while the chunk holds half the bytes (no float32
+copy of every captured layer's input and output gradient until the clipped sum is formed).
 
 Assumptions, checked: every layer sees a batch-first input whose leading dimension is the chunk's
 record count (the engine's ``loss_fn`` contract); on its first chunk the strategy compares the
@@ -64,6 +68,20 @@ class Factored:
     y: torch.Tensor
     size_x: int
     index: bool = False
+    #: the dtype everything is computed in (float32, or float64); ``x``/``y`` may be stored narrower
+    dtype: torch.dtype | None = None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.dtype or self.y.dtype
+
+    def fx(self) -> torch.Tensor:
+        """``x`` in the compute dtype (token ids as they are)."""
+        return self.x if self.index else self.x.to(self.compute_dtype)
+
+    def fy(self) -> torch.Tensor:
+        """``y`` in the compute dtype."""
+        return self.y.to(self.compute_dtype)
 
     @property
     def tokens(self) -> int:
@@ -77,56 +95,65 @@ class Factored:
         """Unit-wise gradients ``[m, X, Y]``."""
         if self.index:
             m, _, y = self.y.shape
-            out = torch.zeros(m * self.size_x, y, dtype=self.y.dtype, device=self.y.device)
+            out = torch.zeros(m * self.size_x, y, dtype=self.compute_dtype, device=self.y.device)
             rows = (self.x + self.size_x * torch.arange(m, device=self.x.device).unsqueeze(1)).reshape(-1)
-            out.index_add_(0, rows, self.y.reshape(-1, y))
+            out.index_add_(0, rows, self.fy().reshape(-1, y))
             return out.view(m, self.size_x, y)
-        return torch.bmm(self.x.transpose(1, 2), self.y)
+        return torch.bmm(self.fx().transpose(1, 2), self.fy())
 
     def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
         """``Σ_u c_u Σ_t x[u,t] ⊗ y[u,t]`` (``[X, Y]``): the clipped sum of this use."""
-        y = (self.y * c.view(-1, 1, 1)).reshape(-1, self.y.shape[2])
+        y = (self.fy() * c.view(-1, 1, 1)).reshape(-1, self.y.shape[2])
         if self.index:
             out = torch.zeros(self.size_x, y.shape[1], dtype=y.dtype, device=y.device)
             return out.index_add_(0, self.x.reshape(-1), y)
-        return self.x.reshape(-1, self.x.shape[2]).T @ y
+        return self.fx().reshape(-1, self.x.shape[2]).T @ y
 
     def zero_units(self, bad: torch.Tensor) -> Factored:
         keep = ~bad.view(-1, 1, 1)
         x = self.x if self.index else torch.where(keep, self.x, 0.0)
-        return Factored(x, torch.where(keep, self.y, 0.0), self.size_x, self.index)
+        return Factored(x, torch.where(keep, self.y, 0.0), self.size_x, self.index, self.dtype)
 
 
 def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
     """``[m, Ta, Tb]``: the inner products of a's and b's x rows."""
     if a.index and b.index:
-        return (a.x.unsqueeze(2) == b.x.unsqueeze(1)).to(a.y.dtype)
+        return (a.x.unsqueeze(2) == b.x.unsqueeze(1)).to(a.compute_dtype)
     if a.index:  # one-hot row ids_t against dense rows: b.x[u, s, ids_t]
-        return torch.gather(b.x, 2, a.x.unsqueeze(1).expand(-1, b.x.shape[1], -1)).transpose(1, 2)
+        return torch.gather(b.fx(), 2, a.x.unsqueeze(1).expand(-1, b.x.shape[1], -1)).transpose(1, 2)
     if b.index:
         return _x_gram(b, a).transpose(1, 2)
-    return torch.bmm(a.x, b.x.transpose(1, 2))
+    return torch.bmm(a.fx(), b.fx().transpose(1, 2))
 
 
 def _inner(a: Factored, b: Factored) -> torch.Tensor:
     """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, Σ_s b.x_s ⊗ b.y_s>`` per unit, from two Gram matrices."""
-    return (_x_gram(a, b) * torch.bmm(a.y, b.y.transpose(1, 2))).sum(dim=(1, 2))
+    return (_x_gram(a, b) * torch.bmm(a.fy(), b.fy().transpose(1, 2))).sum(dim=(1, 2))
 
 
 def _inner_dense(a: Factored, mat: torch.Tensor) -> torch.Tensor:
     """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, M_u>`` for materialized ``M [m, X, Y]``: ``Σ_t x_tᵀ M y_t``."""
-    my = torch.bmm(a.y, mat.transpose(1, 2))  # [m, T, X]
+    my = torch.bmm(a.fy(), mat.transpose(1, 2))  # [m, T, X]
     if a.index:
         return torch.gather(my, 2, a.x.unsqueeze(2)).sum(dim=(1, 2))
-    return (a.x * my).sum(dim=(1, 2))
+    return (a.fx() * my).sum(dim=(1, 2))
 
 
-def _by_units(t: torch.Tensor, m: int, n: int, dtype: torch.dtype, what: str) -> torch.Tensor:
-    """``[n, ..., d] -> [m, T, d]`` in ``dtype`` (a unit's records are consecutive rows)."""
+#: keep bf16/fp16 captures narrow in Factored (upcast at each use); False upcasts at capture
+#: (the reference the tests compare with: the results are bit-identical)
+KEEP_NARROW = True
+
+
+def _by_units(t: torch.Tensor, m: int, n: int, dtype: torch.dtype, what: str, *, store: bool = False) -> torch.Tensor:
+    """``[n, ..., d] -> [m, T, d]`` in ``dtype`` (a unit's records are consecutive rows); with
+    ``store``, a bf16/fp16 tensor stays in its dtype (a factor kept until the clipped sum)."""
     if t.dim() < 2 or t.shape[0] != n:
         raise GhostUnsupported(f"per_unit=ghost: {what} has shape {tuple(t.shape)}, expected the chunk's {n} records "
                         "first; this model is not batch-first here: use training.per_unit: vmap")
-    return t.reshape(m, -1, t.shape[-1]).to(dtype)
+    t = t.reshape(m, -1, t.shape[-1])
+    if store and KEEP_NARROW and t.dtype in (torch.bfloat16, torch.float16):
+        return t
+    return t.to(dtype)
 
 
 # --------------------------------------------------------------------------- layer registry
@@ -149,20 +176,20 @@ def register_ghost_layer(*types: type):
 @register_ghost_layer(nn.Linear)
 def _linear(mod: nn.Linear, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
     n = gout.shape[0]
-    a = _by_units(inputs[0], m, n, dtype, f"the input of {type(mod).__name__}")
-    g = _by_units(gout, m, n, dtype, f"the output of {type(mod).__name__}")
-    out = {"weight": [Factored(g, a, mod.out_features)]}
+    a = _by_units(inputs[0], m, n, dtype, f"the input of {type(mod).__name__}", store=True)
+    g = _by_units(gout, m, n, dtype, f"the output of {type(mod).__name__}", store=True)
+    out = {"weight": [Factored(g, a, mod.out_features, dtype=dtype)]}
     if mod.bias is not None:
-        out["bias"] = [g.sum(1)]
+        out["bias"] = [g.to(dtype).sum(1)]
     return out
 
 
 def _conv1d(mod, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
     """transformers' ``Conv1D`` (GPT-2): ``y = a W + b`` with ``W`` stored ``[in, out]``."""
     n = gout.shape[0]
-    a = _by_units(inputs[0], m, n, dtype, "the input of Conv1D")
-    g = _by_units(gout, m, n, dtype, "the output of Conv1D")
-    return {"weight": [Factored(a, g, a.shape[2])], "bias": [g.sum(1)]}
+    a = _by_units(inputs[0], m, n, dtype, "the input of Conv1D", store=True)
+    g = _by_units(gout, m, n, dtype, "the output of Conv1D", store=True)
+    return {"weight": [Factored(a, g, a.shape[2], dtype=dtype)], "bias": [g.to(dtype).sum(1)]}
 
 
 @register_ghost_layer(nn.Embedding)
@@ -175,10 +202,10 @@ def _embedding(mod: nn.Embedding, inputs: tuple, gout: torch.Tensor, m: int, dty
     if ids.shape[0] != n:
         raise GhostUnsupported(f"per_unit=ghost: embedding ids have shape {tuple(ids.shape)}, expected {n} records first")
     ids = ids.reshape(m, -1)
-    g = _by_units(gout, m, n, dtype, "the output of nn.Embedding")
-    if mod.padding_idx is not None:  # PyTorch gives the padding row no gradient
-        g = g * (ids != mod.padding_idx).unsqueeze(2).to(dtype)
-    return {"weight": [Factored(ids.long(), g, mod.num_embeddings, index=True)]}
+    g = _by_units(gout, m, n, dtype, "the output of nn.Embedding", store=True)
+    if mod.padding_idx is not None:  # PyTorch gives the padding row no gradient (x 0/1: exact in any dtype)
+        g = g * (ids != mod.padding_idx).unsqueeze(2).to(g.dtype)
+    return {"weight": [Factored(ids.long(), g, mod.num_embeddings, index=True, dtype=dtype)]}
 
 
 @register_ghost_layer(nn.LayerNorm)
@@ -410,8 +437,9 @@ class GhostPerUnit:
                 raise GhostUnsupported(f"per_unit=ghost: parameter {name!r} is used by the loss but not through the "
                                        "forward of a layer that owns it, so no per-unit norm can be formed from "
                                        "activations: use training.per_unit: vmap")
-            some = d if d is not None else fs[0].y
-            ours = _weighted_sum(d, fs, torch.ones(some.shape[0], dtype=some.dtype, device=p.device), p)
+            m_units = (d if d is not None else fs[0].y).shape[0]
+            dt = d.dtype if d is not None else fs[0].compute_dtype
+            ours = _weighted_sum(d, fs, torch.ones(m_units, dtype=dt, device=p.device), p)
             ref = torch.zeros_like(ours) if bg is None else bg.to(ours.dtype) / scale
             if not (torch.isfinite(ours).all() and torch.isfinite(ref).all()):
                 complete = False  # a non-finite chunk says nothing about coverage: check the next one

@@ -12,10 +12,11 @@ width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype 
   34·d + 5·h·L bytes per token per layer at 2 bytes, with the 4·d feed-forward made explicit);
 * the logits, their float32 log-softmax, and in the backward the gradients of both (float32),
   alive together: ``T · V · (b + 12)``;
-* ghost: the float32 output gradients of every layer that owns a trainable parameter, all held
-  until the clipped sum is formed (``T · Σ d_out · 4``; a layer as wide as the vocabulary is the
-  logits', counted above), float32 copies of those layers' inputs when the forward is narrower
-  (``T · Σ d_in · 4``), and the two Gram matrices of the layer being reduced, ``2 · T² · 4``;
+* ghost: the output gradients of every layer that owns a trainable parameter, all held until the
+  clipped sum is formed, in the forward's dtype (``T · Σ d_out · b``; a layer as wide as the
+  vocabulary is the logits', counted above; the layers' inputs are activations, counted above, and
+  are upcast one layer at a time), and the two Gram matrices of the layer being reduced,
+  ``2 · T² · 4``;
 * vmap: one float32 copy of the trainable parameters' gradient per unit.
 
 Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the step's running sum
@@ -65,27 +66,27 @@ def _dims(model: nn.Module) -> dict | None:
             "ff": first("intermediate_size", "n_inner", default=4 * d), "vocab": first("vocab_size", default=0)}
 
 
-def _ghost_widths(model: nn.Module, vocab: int) -> tuple[int, int]:
-    """(Σ d_out, Σ d_in) over the layers the ghost strategy captures (those owning a trainable
-    parameter), leaving out a layer whose output is the vocabulary (the logits)."""
-    outs = ins = 0
+def _ghost_widths(model: nn.Module, vocab: int) -> int:
+    """Σ d_out over the layers the ghost strategy captures (those owning a trainable parameter),
+    leaving out a layer whose output is the vocabulary (the logits)."""
+    outs = 0
     for mod in model.modules():
         if not any(p.requires_grad for p in mod.parameters(recurse=False)):
             continue
         if isinstance(mod, nn.Linear):
-            d_out, d_in = mod.out_features, mod.in_features
+            d_out = mod.out_features
         elif type(mod).__name__ == "Conv1D" and getattr(mod, "weight", None) is not None and mod.weight.dim() == 2:
-            d_in, d_out = mod.weight.shape  # transformers' Conv1D stores [in, out]
+            d_out = mod.weight.shape[1]  # transformers' Conv1D stores [in, out]
         elif isinstance(mod, nn.Embedding):
-            d_out, d_in = mod.embedding_dim, 0  # its input is token ids
+            d_out = mod.embedding_dim
         elif isinstance(mod, nn.LayerNorm):
-            d_out = d_in = int(torch.Size(mod.normalized_shape).numel())
-        else:  # a fallback layer's per-unit gradient: counted by the caller's vmap-like margin, not here
+            d_out = int(torch.Size(mod.normalized_shape).numel())
+        else:  # a layer without a handler: its per-unit gradient (the fallback), not estimated here
             continue
         if vocab and d_out == vocab:
             continue
-        outs, ins = outs + int(d_out), ins + int(d_in)
-    return outs, ins
+        outs += int(d_out)
+    return outs
 
 
 def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str, low_precision: bool) -> int | None:
@@ -100,8 +101,8 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
     if strategy == "vmap":
         extra = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
     else:
-        outs, ins = _ghost_widths(model, dims["vocab"])
-        extra = 2 * t * t * 4 + t * 4 * (outs + (ins if low_precision else 0))
+        outs = _ghost_widths(model, dims["vocab"])
+        extra = 2 * t * t * 4 + t * b * outs
     return int(act + logits + extra)
 
 
