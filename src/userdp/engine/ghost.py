@@ -377,15 +377,22 @@ class GhostPerUnit:
         tn = torch.stack([self._norm2(d, fs) for d, fs in zip(dense, factored)], dim=1).clamp(min=0).sqrt()
         if check:
             self._verify(contrib, dense, factored, batch_grads, scale)
+        # from here on only dense/factored hold the captured tensors: each parameter's are released
+        # once its share of the sum is formed, so the sums do not pile up on top of every capture
+        cap = go = None  # the loop variables above hold the last layer's tensors
+        del captures, outs, grads, out_grads, batch_grads, contrib, cap, go
         f, norms = clipping.factors_from_norms(tn, clip_state)
         bad = ~torch.isfinite(norms)
         c = torch.where(bad.unsqueeze(1), 0.0, f.to(acc_dtype)) * weights.to(acc_dtype).unsqueeze(1)
         sums = []
-        for j, (d, fs, p) in enumerate(zip(dense, factored, self.params)):
+        for j, p in enumerate(self.params):
+            d, fs = dense[j], factored[j]
+            dense[j] = factored[j] = None
             if bool(bad.any()):
                 d = torch.where(bad.view(-1, *([1] * (d.dim() - 1))), 0.0, d) if d is not None else None
                 fs = [x.zero_units(bad) for x in fs]
             sums.append(_weighted_sum(d, fs, c[:, j], p))
+            del d, fs
         return sums, torch.where(bad, 0.0, norms), unit_loss.detach(), bad
 
     def _arrange(self, contrib, m, dtype):
