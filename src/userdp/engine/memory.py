@@ -24,8 +24,8 @@ and the chunk's partial sum being added to it; the noise is streamed into the su
 and the sum becomes the optimizer's gradient in place); float32 master weights where the
 parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap
 given by the user is a cap on this estimate, which may fill 90% of it (``MODEL_MARGIN``). ``benchmarks/bench_scale.py`` measures the real peak
-beside it (``estimate_over_measured``): on a CPU (peak RSS, gpt2-small, ghost, float32) 1.07 at
-256 tokens a chunk and 1.02–1.03 at 2,048 (benchmarks/README.md); not yet measured on a GPU.
+beside it (``estimate_over_measured``): on a CPU (peak RSS, gpt2-small, ghost, float32) 1.24–1.29
+at 256 tokens a chunk and 0.99 at 2,048 (benchmarks/README.md); not yet measured on a GPU.
 """
 
 from __future__ import annotations
