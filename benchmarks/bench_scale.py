@@ -214,8 +214,9 @@ def _worker(a) -> dict:
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, do not hide (OOM, unsupported layer)
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", "params": params}
     s = statistics.median(times)
+    extra["peak_above_start_bytes"] = mem - base_bytes
     if "estimated_bytes" in extra:
-        extra["estimate_over_measured"] = extra["estimated_bytes"] / max(mem - base_bytes, 1)
+        extra["estimate_over_measured"] = extra["estimated_bytes"] / max(extra["peak_above_start_bytes"], 1)
     return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem,
             "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
 
@@ -256,6 +257,17 @@ def _fit_rows(caps_gib, dtype: str, seq_len: int, vocab: int) -> list[dict]:
                         row.update(chunk=0, note="one unit does not fit")
                     rows.append(row)
     return rows
+
+
+def _run_worker(worker_args: list[str]) -> dict:
+    """One configuration in its own process (``--worker`` plus ``worker_args``): its JSON result,
+    or ``{"error": ...}`` with the last line of its stderr."""
+    out = subprocess.run([sys.executable, __file__, "--worker", *worker_args], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONWARNINGS="ignore"), check=False)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
 
 
 def _configs(quick: bool, device: str, untied: bool = True, lora: bool = False):
@@ -320,18 +332,12 @@ def main(argv=None) -> int:
     hw = platform.processor() or platform.machine()
     for model, mode, r, alg, g in _configs(a.quick, a.device, untied=not a.no_untied, lora=a.lora):
         untied = model.endswith("-untied")
-        cmd = [sys.executable, __file__, "--worker", "--model", model.removesuffix("-untied"), "--mode", mode, "--lora-rank", str(r),
-               "--algorithm", alg, "--group-size", str(g), "--device", a.device, "--dtype", a.dtype,
-               "--users", str(a.users), "--seq-len", str(a.seq_len), "--vocab", str(a.vocab),
-               "--threads", str(a.threads), "--per-unit", a.per_unit,
-               "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"] + \
-            (["--untied"] if untied else [])
-        env = dict(os.environ, PYTHONWARNINGS="ignore")
-        out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-        try:
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            res = {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+        res = _run_worker(["--model", model.removesuffix("-untied"), "--mode", mode, "--lora-rank", str(r),
+                           "--algorithm", alg, "--group-size", str(g), "--device", a.device, "--dtype", a.dtype,
+                           "--users", str(a.users), "--seq-len", str(a.seq_len), "--vocab", str(a.vocab),
+                           "--threads", str(a.threads), "--per-unit", a.per_unit,
+                           "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"]
+                          + (["--untied"] if untied else []))
         if alg == "nonprivate":
             base[(model, mode, r)] = res
         b = base.get((model, mode, r), {})
@@ -380,19 +386,12 @@ def _fit_main(a) -> int:
         with torch.device("meta"):
             model = models.build_preset("gpt2-medium", vocab_size=a.vocab, n_positions=max(a.seq_len, 128))
         cap = int(caps[0] * 2**30)
-        chunk, info = auto_chunk_size(model, 4, a.seq_len, device=torch.device("cpu"), strategy="ghost",
-                                      low_precision=a.dtype != "float32", memory_cap_bytes=cap, optimizer_states=0)
-        cmd = [sys.executable, __file__, "--worker", "--model", "gpt2-medium", "--mode", "full", "--algorithm", "uls",
-               "--group-size", "4", "--device", a.device, "--dtype", a.dtype, "--users", str(chunk),
-               "--seq-len", str(a.seq_len), "--vocab", str(a.vocab), "--threads", str(a.threads),
-               "--reps", "1", "--warmup", "1"]
-        out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"),
-                             check=False)
-        try:
-            res = json.loads(out.stdout.strip().splitlines()[-1])
-        except (IndexError, json.JSONDecodeError):
-            res = {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
-        measured = res["estimated_bytes"] / res["estimate_over_measured"] if "estimate_over_measured" in res else None
+        chunk, _ = auto_chunk_size(model, 4, a.seq_len, device=torch.device("cpu"), strategy="ghost",
+                                   low_precision=a.dtype != "float32", memory_cap_bytes=cap, optimizer_states=0)
+        res = _run_worker(["--model", "gpt2-medium", "--mode", "full", "--algorithm", "uls", "--group-size", "4",
+                           "--device", a.device, "--dtype", a.dtype, "--users", str(chunk), "--seq-len", str(a.seq_len),
+                           "--vocab", str(a.vocab), "--threads", str(a.threads), "--reps", "1", "--warmup", "1"])
+        measured = res.get("peak_above_start_bytes")
         rows.append({"fit_check": True, "memory_cap_gib": caps[0], "model": "gpt2-medium", "mode": "full",
                      "algorithm": "uls", "records_per_unit": 4, "seq_len": a.seq_len, "dtype": a.dtype,
                      "optimizer": "sgd", "chunk": chunk, "estimated_bytes": res.get("estimated_bytes"),

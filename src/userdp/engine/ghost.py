@@ -123,12 +123,14 @@ def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
         return torch.gather(b.fx(), 2, a.x.unsqueeze(1).expand(-1, b.x.shape[1], -1)).transpose(1, 2)
     if b.index:
         return _x_gram(b, a).transpose(1, 2)
-    return torch.bmm(a.fx(), b.fx().transpose(1, 2))
+    ax = a.fx()
+    return torch.bmm(ax, (ax if b is a else b.fx()).transpose(1, 2))
 
 
 def _inner(a: Factored, b: Factored) -> torch.Tensor:
     """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, Σ_s b.x_s ⊗ b.y_s>`` per unit, from two Gram matrices."""
-    return (_x_gram(a, b) * torch.bmm(a.fy(), b.fy().transpose(1, 2))).sum(dim=(1, 2))
+    ay = a.fy()  # a use's own norm (b is a): one upcast, not two
+    return (_x_gram(a, b) * torch.bmm(ay, (ay if b is a else b.fy()).transpose(1, 2))).sum(dim=(1, 2))
 
 
 def _inner_dense(a: Factored, mat: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,11 @@ width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype 
 Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the step's running sum
 and the chunk's partial sum being added to it; the noise is streamed into the sum in 4 MB pieces
 and the sum becomes the optimizer's gradient in place); float32 master weights where the
-parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap
-given by the user is a cap on this estimate, which may fill 90% of it (``MODEL_MARGIN``). ``benchmarks/bench_scale.py`` measures the real peak
-beside it (``estimate_over_measured``): on a CPU (peak RSS, gpt2-small, ghost, float32) 1.24–1.29
-at 256 tokens a chunk and 0.99 at 2,048 (benchmarks/README.md); not yet measured on a GPU.
+parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen
+chunk is reported, and a cap given by the user is a cap on this estimate, which may fill 90% of
+it (``MODEL_MARGIN``). ``benchmarks/bench_scale.py`` measures the real peak beside it
+(``estimate_over_measured``): on a CPU (peak RSS, gpt2-small, ghost, float32) 1.24–1.29 at 256
+tokens a chunk and 0.99 at 2,048 (benchmarks/README.md); not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from userdp.errors import UserError
 
 MAX_AUTO_CHUNK = 256
 HEADROOM = 0.8  # of the free memory, when no cap is given
-#: the share of a cap the estimate may fill: the model has measured 0.95-1.02x the real peak
+#: the share of a cap the estimate may fill: the model has measured 0.95-1.29x the real peak
 #: (benchmarks/README.md), so a chunk filling the cap to the byte could overrun it by a few %
 MODEL_MARGIN = 0.9
 
