@@ -226,6 +226,53 @@ def test_truncated_journal_refuses_resume(tmp_path):
         train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
 
 
+def test_journal_cut_back_to_a_valid_prefix_after_the_checkpoint_refuses_resume(tmp_path):
+    """Crash at step 6 with a checkpoint at 4; the journal lines after the checkpoint are deleted
+    (a valid prefix of the chain, so the chain itself verifies): the resume would account 8 steps
+    instead of 10. ledger_head.json, written after every line, still cites line 6."""
+    data = _crashed_run(tmp_path)
+    lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
+    assert len(lines) == 1 + 6
+    (tmp_path / JOURNAL).write_text("".join(lines[:1 + 4]))
+    with pytest.raises(UserError, match="truncated or replaced by an older copy"):
+        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_an_older_copy_of_the_journal_refuses_resume(tmp_path):
+    """The journal as it was at the checkpoint, restored over the crashed run's."""
+    data = user_data([3] * 30, d=4)
+    saved = {}
+
+    def copy_at_checkpoint(m):
+        if m["step"] == 4:
+            saved["journal"] = (tmp_path / JOURNAL).read_bytes()
+        if m["step"] == 6:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), callbacks=[copy_at_checkpoint])
+    (tmp_path / JOURNAL).write_bytes(saved["journal"])
+    with pytest.raises(UserError, match="truncated or replaced by an older copy"):
+        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_deleted_journal_head_refuses_resume(tmp_path):
+    data = _crashed_run(tmp_path)
+    os.unlink(tmp_path / "ledger_head.json")
+    with pytest.raises(UserError, match="ledger_head.json.*missing"):
+        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+
+
+def test_every_step_metric_cites_the_journal_head(tmp_path):
+    """The engine hands each step's journal head to the callbacks (the LM job writes it into
+    metrics.jsonl), so a record outside the journal binds its length."""
+    data = user_data([3] * 30, d=4)
+    seen = []
+    train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), callbacks=[seen.append])
+    assert [m["journal"]["lines"] for m in seen] == list(range(1, 9))
+    assert len({m["journal"]["head"] for m in seen}) == 8 and len({m["journal"]["run"] for m in seen}) == 1
+
+
 def test_edited_journal_line_refuses_resume(tmp_path):
     data = _crashed_run(tmp_path)
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)

@@ -241,6 +241,48 @@ def test_journal_truncated_to_the_checkpoint_refuses_resume(interrupted, capsys)
     assert rc == 2 and "truncated" in _one_error_line(err)
 
 
+def test_journal_cut_with_its_head_file_is_caught_by_the_metrics(interrupted, capsys):
+    """The journal cut back to the checkpoint AND ledger_head.json rewritten to match (a
+    consistent pair): metrics.jsonl's step-4 line still cites line 4 of the chain."""
+    ck = interrupted / "checkpoints"
+    j = ck / JOURNAL
+    lines = j.read_text().splitlines(keepends=True)
+    j.write_text("".join(lines[:4]))
+    head = json.loads((ck / "ledger_head.json").read_text())
+    head.update(lines=3, head=json.loads(lines[3])["hash"])
+    (ck / "ledger_head.json").write_text(json.dumps(head))
+    rc, _, err = _train(["--resume", str(interrupted)], capsys)
+    line = _one_error_line(err)
+    assert rc == 2 and "metrics.jsonl (step 4)" in line and "truncated or replaced by an older copy" in line
+
+
+def test_an_older_copy_of_journal_and_head_is_caught_by_the_metrics(tiny, capsys, monkeypatch):
+    """The journal and its head file as they were at the checkpoint (step 3), restored over the
+    run interrupted at step 4."""
+    import userdp.lm.finetune as F
+
+    tmp, cfg, _ = tiny
+    out = tmp / "run"
+    real = F._save_weights
+    saved = {}
+
+    def boom(model, path, s, eps):
+        if s == 3:
+            for name in (JOURNAL, "ledger_head.json"):
+                saved[name] = (out / "checkpoints" / name).read_bytes()
+        if s == 4:
+            raise KeyboardInterrupt
+        real(model, path, s, eps)
+
+    monkeypatch.setattr(F, "_save_weights", boom)
+    assert _train([str(cfg), "--output", str(out)], capsys)[0] == 130
+    monkeypatch.setattr(F, "_save_weights", real)
+    for name, raw in saved.items():
+        (out / "checkpoints" / name).write_bytes(raw)
+    rc, _, err = _train(["--resume", str(out)], capsys)
+    assert rc == 2 and "truncated or replaced by an older copy" in _one_error_line(err)
+
+
 def test_edited_split_seed_refuses_resume_and_evaluate(tiny, interrupted, capsys):
     c = interrupted / "config.yaml"
     conf = yaml.safe_load(c.read_text())

@@ -89,12 +89,24 @@ def main(args) -> int:
     print(f"trials run:           {s['trials_run']} ({s['trial_count']['kind']}, mean {s['trial_count']['mean']:.3g})")
     print(f"best:                 {s['best']['run_dir']} (held-out loss {s['best']['heldout_loss']:.4f}): "
           + ", ".join(f"{k} = {v}" for k, v in s["best"]["params"].items()))
-    print(f"privacy:              tuning + final model: epsilon = {s['epsilon_total']:.4g}; final model alone: "
-          f"epsilon = {s['epsilon_final_model']:.4g}; delta = {s['delta']:.3g}"
-          + (" (tuned on public data; the private data was touched once)" if s["on"] == "public" else ""))
-    if s.get("epsilon_all_trials_published") is not None:
-        print(f"                      publishing every trial (results.csv, all models) would be epsilon = "
-              f"{s['epsilon_all_trials_published']:.4g}: keep them private")
+    if s["on"] == "private":
+        print(f"privacy:              released model (selected among {s['trials_run']} trials): epsilon = "
+              f"{s['epsilon_total']:.4g} at delta = {s['delta']:.3g}, the smaller of private selection "
+              f"({s['epsilon_selection_bound']:.4g}) and the composition of the trials run "
+              f"({s['epsilon_trials_run_composed']:.4g})")
+        print(f"                      one trial's own epsilon, {s['epsilon_one_trial']:.4g}, is not a guarantee "
+              "for the selected model")
+        pub = s["epsilon_trials_run_composed"]
+        if pub <= s["epsilon_total"]:
+            print(f"                      publishing every trial (results.csv, all models) is covered by the same "
+                  f"epsilon = {pub:.4g} (the composition of the trials run)")
+        else:
+            print(f"                      publishing every trial (results.csv, all models) would cost epsilon = "
+                  f"{pub:.4g} (their composition), more than the released model's {s['epsilon_total']:.4g}: "
+                  "keep them private")
+    else:
+        print(f"privacy:              epsilon = {s['epsilon_total']:.4g}; delta = {s['delta']:.3g} (tuned on "
+              "public data; the private data was touched once, by the final run)")
     sys.stdout.flush()
     if args.json:
         print(jsonout.dumps(s))

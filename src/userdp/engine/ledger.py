@@ -23,9 +23,14 @@ with one line naming the file — it is never read as "fewer steps". The only de
 is a torn final line (a crash while writing it: that step had not begun, since a step runs
 only after its line is fsynced).
 
-This protects against accidental damage and naive edits. Someone with write access to the
-run directory who recomputes the chain can forge it; the threat model (docs/threat_model.md)
-says so.
+The journal's length is also bound outside it. After every line is fsynced, the head of the
+chain (run, line count, hash) is written atomically to ``ledger_head.json`` beside it, and a
+caller may cite the head in its own records (the LM job writes it into every ``metrics.jsonl``
+line; a checkpoint stores it). A journal shorter than any record that cites it — cut back to a
+valid prefix of its own chain, or an older copy restored — is refused, whichever record caught
+it. What remains out of scope, and says so in docs/threat_model.md: a rollback of *every* file
+that cites the journal to one earlier moment (indistinguishable from a crash at that moment),
+and forging the chain by recomputing its hashes.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from userdp.errors import BudgetExceededError, UserError
 from userdp.fileio import fsync_path
 
 JOURNAL = "ledger_journal.jsonl"
+HEAD = "ledger_head.json"
 _MAGIC = "userdp-ledger-journal"
 
 
@@ -86,6 +92,65 @@ def journal_header(path: str | os.PathLike) -> dict:
     return header
 
 
+def read_chain(path: str | os.PathLike) -> tuple[dict, dict[int, str], int]:
+    """Read and verify a journal's hash chain without changing the file: (header, line number ->
+    hash, most steps recorded as begun). A torn final line (a crash while writing it) is ignored.
+
+    Raises:
+        UserError: naming the file, when it is missing, unreadable, headerless or the chain breaks."""
+    def bad(why):
+        return UserError(f"{path}: {why}; the ledger cannot be trusted")
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        raise bad("the ledger journal is missing or unreadable") from None
+    raw = raw[:raw.rfind(b"\n") + 1]
+    try:
+        rows = [json.loads(x) for x in raw.decode("utf-8").splitlines()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"unreadable line ({exc})") from None
+    if not rows or not isinstance(rows[0], dict) or rows[0].get("journal") != _MAGIC:
+        raise bad("no journal header (the file was replaced or truncated)")
+    header = rows[0]
+    if header.get("hash") != _header_hash(header):
+        raise bad("the header was edited (hash mismatch)")
+    prev, best, hashes = header["hash"], 0, {0: header["hash"]}
+    for i, row in enumerate(rows[1:], 1):
+        try:
+            k, h = int(row["spent"]), str(row["hash"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"line {i + 1} is not a ledger entry") from None
+        if h != _line_hash(prev, k):
+            raise bad(f"line {i + 1} breaks the hash chain (edited, reordered or spliced)")
+        prev, best, hashes[i] = h, max(best, k), h
+    return header, hashes, best
+
+
+def check_cited(path: str | os.PathLike, hashes: dict[int, str], run: Optional[str], cited: dict,
+                by: str) -> None:
+    """A record (``by``) cited the journal at ``cited`` = {"run", "lines", "head"}: the journal must
+    still hold that line with that hash.
+
+    Raises:
+        UserError: naming the journal and the record, when it was cut short, replaced by an older
+            copy, or belongs to another run."""
+    try:
+        c_run, c_lines, c_head = cited.get("run"), int(cited["lines"]), str(cited["head"])
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise UserError(f"{by}: malformed reference to the ledger journal ({cited!r})") from None
+    if c_run is not None and run is not None and c_run != run:
+        raise UserError(f"{path}: it belongs to another run than {by}; the ledger cannot be trusted")
+    have = max(hashes)
+    if c_lines > have:
+        raise UserError(f"{path}: it holds {have} steps but {by} saw {c_lines}: the journal was truncated or "
+                        "replaced by an older copy; the ledger cannot be trusted")
+    if hashes.get(c_lines) != c_head:
+        raise UserError(f"{path}: line {c_lines + 1} differs from what {by} saw (edited or replaced); "
+                        "the ledger cannot be trusted")
+
+
 class Journal:
     """The append-only, hash-chained record of steps begun (see the module docstring).
 
@@ -118,13 +183,33 @@ class Journal:
         fsync_path(os.path.dirname(self.path) or ".")
         self.run, self.head, self.lines, self.max_spent = header["run"], header["hash"], 0, 0
         self._hashes = {0: self.head}
+        self._write_head()
+
+    @property
+    def head_path(self) -> str:
+        return os.path.join(os.path.dirname(self.path) or ".", HEAD)
+
+    def cite(self) -> dict:
+        """The journal's head, for a record that wants to bind the journal's length."""
+        return {"run": self.run, "lines": self.lines, "head": self.head}
+
+    def _write_head(self) -> None:
+        # after the journal line is fsynced, so the head file is never ahead of the journal; a
+        # lost rename (power loss) leaves an older head, which is never a false refusal
+        tmp = self.head_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.cite(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.head_path)
 
     def _bad(self, why: str) -> UserError:
         return UserError(f"{self.path}: {why}; the ledger cannot be trusted, so the run cannot be "
                          "resumed (restore the run directory from a backup, or start a new run)")
 
     def load(self) -> None:
-        """Read and verify the whole chain; repair only a torn final line."""
+        """Read and verify the whole chain (and that it is not shorter than its head file);
+        repair only a torn final line."""
         if not os.path.isfile(self.path):
             raise self._bad("the ledger journal is missing")
         with open(self.path, "rb") as f:
@@ -135,16 +220,10 @@ class Journal:
                 f.truncate(cut)
                 f.flush()
                 os.fsync(f.fileno())
-            raw = raw[:cut]
         try:
-            rows = [json.loads(x) for x in raw.decode("utf-8").splitlines()]
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise self._bad(f"unreadable line ({exc})") from None
-        if not rows or not isinstance(rows[0], dict) or rows[0].get("journal") != _MAGIC:
-            raise self._bad("no journal header (the file was replaced or truncated)")
-        header = rows[0]
-        if header.get("hash") != _header_hash(header):
-            raise self._bad("the header was edited (hash mismatch)")
+            header, hashes, best = read_chain(self.path)
+        except UserError as exc:
+            raise self._bad(str(exc).split(": ", 1)[1].split("; the ledger")[0]) from None
         if header.get("event") != self.event_json:
             raise self._bad("it records a different step event than this configuration "
                             f"({header.get('event')} != {self.event_json})")
@@ -153,17 +232,16 @@ class Journal:
                           if (header.get("context") or {}).get(k) != self.context.get(k))
             raise self._bad(f"it was written for a different {', '.join(diff) or 'context'} "
                             "(the configuration or the data changed since the run began)")
-        prev, best, hashes = header["hash"], 0, {0: header["hash"]}
-        for i, row in enumerate(rows[1:], 1):
-            try:
-                k, h = int(row["spent"]), str(row["hash"])
-            except (KeyError, TypeError, ValueError):
-                raise self._bad(f"line {i + 1} is not a ledger entry") from None
-            if h != _line_hash(prev, k):
-                raise self._bad(f"line {i + 1} breaks the hash chain (edited, reordered or spliced)")
-            prev, best, hashes[i] = h, max(best, k), h
+        if not os.path.isfile(self.head_path):
+            raise self._bad(f"{HEAD} beside it is missing (deleted), so the journal's length cannot be checked")
+        try:
+            with open(self.head_path) as f:
+                cited = json.load(f)
+        except (OSError, ValueError):
+            raise self._bad(f"{HEAD} beside it is unreadable") from None
+        check_cited(self.path, hashes, header["run"], cited, self.head_path)
         self.run, self.head, self.lines, self.max_spent, self._hashes = (
-            header["run"], prev, len(rows) - 1, best, hashes)
+            header["run"], hashes[max(hashes)], max(hashes), best, hashes)
 
     def verify_checkpoint(self, run: Optional[str], lines: Optional[int], head: Optional[str]) -> None:
         """The checkpoint saw ``lines`` lines ending in ``head``: the journal must still hold them."""
@@ -186,6 +264,7 @@ class Journal:
         self.head = h
         self._hashes[self.lines] = h
         self.max_spent = max(self.max_spent, int(spent))
+        self._write_head()
 
 
 class PrivacyLedger:

@@ -138,7 +138,11 @@ class _Run:
         self.plan: RunPlan = make_plan(cfg, num_users=data.num_users, num_units=len(self.table),
                                        total_weight=float(self.table.weights.sum()) if self.table.weights is not None
                                        else None)
-        context = {"engine_config_sha256": hashlib.sha256(repr(cfg).encode()).hexdigest()}
+        # the journal is bound to everything its epsilon depends on: the config, delta (a default
+        # delta is computed from N) and the accountant, so a privacy record that names others is caught
+        context = {"engine_config_sha256": hashlib.sha256(repr(cfg).encode()).hexdigest(),
+                   "delta": None if self.plan.delta is None else float(self.plan.delta),
+                   "accountant": cfg.accountant}
         context.update(journal_context or {})
         # one writer: only the main rank keeps the journal (every rank counts the same steps)
         self.ledger = PrivacyLedger(self.plan.step_event, self.plan.delta, target_epsilon=cfg.target_epsilon,
@@ -295,6 +299,8 @@ class _Run:
         metrics["units_per_s"] = n_units / dt if dt > 0 else float("nan")
         if cfg.track_epsilon:
             metrics["epsilon_spent"] = self.ledger.epsilon_upper_bound()
+        if self.ledger.journal is not None:  # a record of this step that binds the journal's length
+            metrics["journal"] = self.ledger.journal.cite()
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
@@ -374,6 +380,7 @@ class _Run:
             "step_event": accounting.event_to_dict(plan.step_event) if plan.private else None,
             "adjacency": plan.mechanism.adjacency if plan.private else None,
             "dp_event_total": accounting.event_to_dict(total) if total is not None else None,
+            "journal": self.ledger.journal.cite() if self.ledger.journal is not None else None,
             "seeded": self.seeded,
             "randomness": ("seeded by the user (seed given): sampling and noise are reproducible by whoever "
                            "holds the seed; the guarantee holds only against parties who do not know it")

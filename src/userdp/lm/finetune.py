@@ -677,7 +677,7 @@ def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
     """Whether the engine has anything to resume (False: the run crashed before its first step,
     and simply starts in the same directory). Refuses a run directory whose ledger was lost."""
     from userdp.engine import checkpoint as ckpt
-    from userdp.engine.ledger import JOURNAL, steps_begun
+    from userdp.engine.ledger import JOURNAL
 
     state = rd.read_state()
     if state.get("status") == "done":
@@ -690,12 +690,28 @@ def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
                             "be counted; the run cannot be resumed (restore it from a backup, or start a "
                             "new run in an empty --output)")
         return False
-    begun = steps_begun(journal)
-    done = max((int(r.get("step", 0)) for r in metrics), default=0)
-    if done > begun:
-        raise UserError(f"{journal}: it records {begun} steps begun but {rd.metrics} records step {done}: "
-                        "the journal was truncated; the run cannot be resumed")
+    check_metrics_cite_journal(rd)
     return True
+
+
+def check_metrics_cite_journal(rd: RunDir) -> int:
+    """Every metrics.jsonl line cites the ledger journal's head after its step: the journal must
+    still hold each (it was not cut back or replaced by an older copy). Returns the steps begun.
+
+    Raises:
+        UserError: naming the journal and metrics.jsonl."""
+    from userdp.engine.ledger import JOURNAL, check_cited, read_chain
+
+    journal = rd.checkpoints / JOURNAL
+    header, hashes, begun = read_chain(journal)
+    for row in rd.read_metrics():
+        cited = row.get("journal") if isinstance(row, dict) else None
+        if cited is not None:
+            check_cited(journal, hashes, header.get("run"), cited, f"{rd.metrics} (step {row.get('step')})")
+        elif isinstance(row, dict) and int(row.get("step", 0) or 0) > begun:
+            raise UserError(f"{journal}: it records {begun} steps begun but {rd.metrics} records step "
+                            f"{row.get('step')}: the journal was truncated; the ledger cannot be trusted")
+    return begun
 
 
 def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
@@ -931,7 +947,8 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
                "units_per_s": m.get("units_per_s"), "units": m.get("units"), "tokens": toks,
                "step_time": m.get("step_time"), "clip_norm": m.get("clip_norm"),
                "nonfinite_units": m.get("nonfinite_units", 0),  # a non-private diagnostic
-               "time": round(now - t_start, 3)}
+               "time": round(now - t_start, 3),
+               "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
         mfile.write(json.dumps(row) + "\n")
         mfile.flush()
         if bar is not None:

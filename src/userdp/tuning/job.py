@@ -26,11 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+from userdp.accounting import compose, event_to_dict
 from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.lm.run_dir import read_json, write_json_atomic
 from userdp.tuning import accounting as TA
-from userdp.tuning.selection import TrialCount, epsilon_from_rdp
+from userdp.tuning import guarantee as TG
+from userdp.tuning.selection import TrialCount
 from userdp.tuning.space import Space, mechanism_key
 
 Log = Callable[[str], None]
@@ -88,10 +90,11 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
             f"{epsilon:g} at delta {delta:.3g} ({count.kind}, mean {count.mean():.3g} trials) ...")
         cal = TA.calibrate(make, list(keys), count, delta, epsilon)
         sigma = {k: p.noise_multiplier for k, p in cal.plans.items()}
-        guarantee = {"epsilon_total": cal.epsilon_total, "per_trial_target": cal.tau,
-                     "epsilon_final_model_by_mechanism": cal.epsilon_trial,
-                     "rdp_orders": TA.ORDERS.tolist(),
-                     "rdp": {k: TA.run_rdp(p).tolist() for k, p in cal.plans.items()}}
+        # each mechanism's whole-run DpEvent: every guarantee below is re-derived from these
+        guarantee = {"epsilon_selection_bound": cal.epsilon_total, "per_trial_target": cal.tau,
+                     "epsilon_one_trial_by_mechanism": cal.epsilon_trial,
+                     "run_events": {k: event_to_dict(compose(p.step_event, p.config.steps))
+                                    for k, p in cal.plans.items()}}
     else:
         sigma, guarantee = {}, {}
     rng = np.random.default_rng(np.random.SeedSequence(secrets.randbits(128) if seed is None else seed))
@@ -161,7 +164,7 @@ def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
         extra = [f"privacy.delta={state['delta']!r}"]
         if state["on"] == "private":
             sig = state["sigma"][t["mechanism"]]
-            eps_t = state["epsilon_final_model_by_mechanism"][t["mechanism"]]
+            eps_t = state["epsilon_one_trial_by_mechanism"][t["mechanism"]]
             extra += [f"privacy.noise_multiplier={sig!r}", f"privacy.epsilon={eps_t * (1 + 1e-9) + 1e-9!r}"]
         log(f"tune: trial {t['index'] + 1} of {state['trials_planned']}: "
             + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in t["params"].items()))
@@ -202,21 +205,35 @@ def _guarantee(state: dict, best: dict) -> dict:
     s = {"on": state["on"], "trials_run": k, "delta": state["delta"],
          "trial_count": state["count"], "seeded": state["seeded"],
          "best": {"run_dir": best["run_dir"], "index": best["index"], "params": best["params"],
+                  "mechanism": best.get("mechanism"),
                   "heldout_loss": best["score"], "heldout_perplexity": best["perplexity"]},
          "scoring": ("held-out loss per token on the held-out users (data.heldout_users): those users are "
                      "excluded from training and declared outside the guarantee; selecting on their loss "
                      "is a non-private use of their records")}
     if state["on"] == "private":
-        s.update(epsilon_total=state["epsilon_total"], epsilon_final_model=best["epsilon"],
-                 epsilon_budget=state["epsilon"],
-                 method=("private selection (Papernot & Steinke 2022): the number of trials K was drawn "
+        if "run_events" not in state:
+            raise UserError("tune.json was written by an older userdp (no run events to derive the "
+                            "guarantee from); start the tuning run again")
+        g = TG.derive(state["run_events"], [t["mechanism"] for t in state["trials"]],
+                      TG.trial_count_from_dict(state["count"], STATE), state["delta"], source=STATE)
+        s.update(epsilon_total=g["epsilon_released_model"], epsilon_budget=state["epsilon"],
+                 epsilon_selection_bound=g["epsilon_selection_bound"],
+                 epsilon_trials_run_composed=g["epsilon_trials_run_composed"],
+                 released_bound=g["released_bound"],
+                 epsilon_one_trial=best["epsilon"],
+                 epsilon_one_trial_note=("the epsilon of the winning trial's own run: NOT a guarantee for the "
+                                         "released model, which was selected among the trials"),
+                 run_events=state["run_events"],
+                 trial_mechanisms=[t["mechanism"] for t in state["trials"]],
+                 method=("the smaller of two valid bounds for the released (selected) model: private "
+                         "selection (Papernot & Steinke 2022): the number of trials K was drawn "
                          f"from {state['count']['kind']} (mean {state['count']['mean']:.3g}) before any trial "
                          "and only the best trial is released; per-trial RDP curves (the max over the space's "
-                         "mechanisms) -> their theorem -> (epsilon, delta)"))
-        # publishing every trial (the table, every model) is their plain composition: K and the
-        # hyperparameters are data-independent, so the realized trials' RDP curves add up
-        rho = np.sum([np.asarray(state["rdp"][t["mechanism"]]) for t in state["trials"]], axis=0)
-        s["epsilon_all_trials_published"] = epsilon_from_rdp(TA.ORDERS, rho, state["delta"])
+                         "mechanisms) -> their theorem -> (epsilon, delta); and the composition of the K trials "
+                         "run (K and every trial's hyperparameters are data-independent, so given K the "
+                         "trials compose; the released model is their post-processing)"))
+        # publishing every trial (the table, every model) is their plain composition
+        s["epsilon_all_trials_published"] = g["epsilon_trials_run_composed"]
     else:
         s.update(epsilon_total=best["epsilon"], epsilon_final_model=best["epsilon"],
                  method="trials on data declared public; the private data was touched once (the final run)")
@@ -231,10 +248,12 @@ def _annotate_best(summary: dict, best: dict) -> None:
     rec = read_json(p)
     if summary["on"] == "private":
         rec["tuning_guarantee"] = (
-            f"tuning + final model: epsilon = {summary['epsilon_total']:.4g} at delta = {summary['delta']:.3g} "
-            f"({summary['method']}; {summary['trials_run']} trials run); final model alone: epsilon = "
-            f"{summary['epsilon_final_model']:.4g}; trials were scored on held-out users declared outside the guarantee")
+            f"the released model was selected among {summary['trials_run']} trials: epsilon = "
+            f"{summary['epsilon_total']:.4g} at delta = {summary['delta']:.3g} ({summary['method']}); "
+            f"the epsilon of this trial alone, {summary['epsilon_one_trial']:.4g}, is not a guarantee for the "
+            "selected model; trials were scored on held-out users declared outside the guarantee")
         rec["epsilon_tuning_total"] = summary["epsilon_total"]
+        rec["epsilon_total"] = summary["epsilon_total"]  # the headline: the released model's guarantee
         rec["not_accounted"] = [n for n in rec.get("not_accounted", []) if not n.startswith("hyperparameter tuning")]
         rec["not_accounted"].append("the held-out users' records scored each trial (selection used them; "
                                     "they are outside the guarantee)")
