@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     from userdp import engine as E
     from userdp.engine.plan import make_plan
     from userdp.tuning import accounting as TA
-    from userdp.tuning.selection import TrialCount
+    from userdp.accounting.selection import TrialCount
 
     n, steps, cohort = 1175, 100, 64
 

@@ -13,7 +13,7 @@ from scipy import stats
 from userdp.cli import main as cli
 from userdp.errors import UserError
 from userdp.tuning import accounting as TA
-from userdp.tuning.selection import TrialCount, selection_rdp
+from userdp.accounting.selection import TrialCount, selection_rdp
 from userdp.tuning.space import parse_space
 
 ORDERS = TA.ORDERS
@@ -148,7 +148,7 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
     tmp, cfg, space = tiny
     import userdp.lm.finetune as F
     import userdp.tuning.job as J
-    from userdp.tuning.selection import TrialCount as TC
+    from userdp.accounting.selection import TrialCount as TC
 
     seed = _seed_with_trials(2, TC.with_mean("tnb", 2.0, 1.0))
     monkeypatch.setattr(J.secrets, "randbits", lambda n: seed)
@@ -169,16 +169,35 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     after = json.loads((out / "tune.json").read_text())
     assert [t["params"] for t in after["trials"]] == [t["params"] for t in plan["trials"]]
-    assert s["trials_run"] == 2 and 0 < s["epsilon_final_model"] < s["epsilon_total"] <= 8.0
+    # the headline is the released model's guarantee (selection leaks): the smaller of the two
+    # valid bounds, never one trial's own epsilon
+    assert s["trials_run"] == 2 and 0 < s["epsilon_one_trial"] < s["epsilon_total"] <= 8.0
+    assert s["epsilon_total"] == min(s["epsilon_selection_bound"], s["epsilon_trials_run_composed"])
+    assert "epsilon_final_model" not in s
     assert s["best"]["heldout_loss"] == min(t["score"] for t in after["trials"])
-    for key in ("epsilon_total", "epsilon_final_model", "delta", "trials_run", "best"):
-        assert key in s
-    # the released run's report states both guarantees; the results table and plot exist
+    # the released run's report states the tuning guarantee as its headline
     best = out / "best"
     priv = json.loads((best / "privacy.json").read_text())
-    assert priv["tuning"]["epsilon_total"] == s["epsilon_total"]
-    assert "tuning + final model" in (best / "report.md").read_text()
+    assert priv["tuning"]["epsilon_total"] == s["epsilon_total"] == priv["epsilon_total"]
     assert not any(n.startswith("hyperparameter tuning") for n in priv["not_accounted"])
+    capsys.readouterr()
+    assert cli(["report", str(best), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["epsilon_total"] == pytest.approx(s["epsilon_total"], rel=1e-9)
+    assert rep["tier"]["meaning"] == priv["tier"]["meaning"]
+    assert cli(["report", str(best)]) == 0
+    md = capsys.readouterr().out
+    headline = md.split("## 1.")[0]
+    assert f"({s['epsilon_total']:.4g}, " in headline and "best of 2 trials" in headline
+    assert "not a guarantee for the selected model" in headline
+    # the tuning figure is re-derived: an edited one is refused
+    good = (best / "privacy.json").read_text()
+    rec = json.loads(good)
+    rec["tuning"]["epsilon_total"] = s["epsilon_one_trial"]
+    (best / "privacy.json").write_text(json.dumps(rec))
+    assert cli(["report", str(best)]) == 2
+    assert "privacy.json (tuning): epsilon_total" in capsys.readouterr().err
+    (best / "privacy.json").write_text(good)
     rows = json.loads((out / "results.json").read_text())
     assert len(rows) == 2 and (out / "results.csv").is_file() and (out / "scores.png").is_file()
     # a second tuning run into the same directory is refused

@@ -18,7 +18,7 @@ relies on is an upper bound on epsilon (pessimistic PLD, or RDP), and the return
 which such an evaluation met the target. docs/accounting.md gives the formulas and their sources.
 """
 
-from userdp.accounting.accountants import (ACCOUNTANTS, Accountant, PLDAccountant, RDPAccountant, clear_caches,
+from userdp.accounting.accountants import (ACCOUNTANTS, Accountant, PLDAccountant, RDPAccountant, check_supports, clear_caches,
                                            delta, epsilon, epsilon_and_accountant, get_accountant, max_steps,
                                            register_accountant)
 from userdp.accounting.calibration import MAX_CALIBRATION_EPSILON, SIGMA_MAX, calibrate_noise_multiplier
@@ -34,7 +34,7 @@ from userdp.accounting.pld import _PLD_CACHE, _mixture_gaussian_pld, _pld  # noq
 from userdp.accounting.rdp import RDP_ORDERS, mog_rdp, moments_accountant_epsilon, rdp_orders, step_rdp
 
 __all__ = [
-    "ACCOUNTANTS", "Accountant", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",
+    "ACCOUNTANTS", "Accountant", "check_supports", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",
     "Mechanism", "els_step_event", "uls_step_event", "fixed_cohort_step_event", "no_amplification_step_event",
     "binomial_sensitivity", "compose", "compose_after", "epsilon", "delta", "calibrate_noise_multiplier", "max_steps",
     "default_delta", "adjacency", "event_to_dict", "event_to_json", "event_from_dict", "epsilon_and_accountant",

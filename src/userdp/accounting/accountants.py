@@ -59,12 +59,18 @@ class Accountant(Protocol):
         ledger's running figure; may be looser than :meth:`epsilon`, never below the truth)."""
         ...
 
+    # Optional: ``supports(event) -> str | None``: why the accountant cannot account ``event``
+    # (None: it can). Without it, :func:`check_supports` asks for one step's epsilon.
+
 
 class RDPAccountant:
     """Rényi DP: additive over steps; epsilon by dp_accounting's conversion."""
 
     name = "rdp"
     discretized = False
+
+    def supports(self, event):
+        return None  # every event userdp builds; dp_accounting refuses others at once
 
     def __init__(self) -> None:
         self._step_rdp: dict[str, np.ndarray] = {}
@@ -91,6 +97,9 @@ class PLDAccountant:
 
     name = "pld"
     discretized = True
+
+    def supports(self, event):
+        return None  # where the PLD cannot, RDP answers (and says so)
 
     def epsilon(self, event, delta, *, interval=None, orders=None):
         # mixtures lose their improbable largest sensitivities first (a δ share of
@@ -125,6 +134,31 @@ class PLDAccountant:
 
 
 ACCOUNTANTS: dict[str, Accountant] = {}
+
+
+def check_supports(name: str, step_event: dpe.DpEvent, delta: float) -> None:
+    """Refuse, before any step, an accountant that cannot account a run's step event (e.g. a
+    plugin without mixtures of Gaussians under ELS): its ``supports(event)`` when it has one, else
+    one step's epsilon, which must be a number.
+
+    Raises:
+        UserError: naming the accountant and why."""
+    acc = get_accountant(name)
+    supports = getattr(acc, "supports", None)
+    if supports is not None:
+        why = supports(step_event)
+    else:
+        try:
+            eps = acc.epsilon(step_event, delta)[0]
+            why = None if isinstance(eps, (int, float)) and not math.isnan(eps) and eps >= 0 else f"it answered {eps!r}"
+        except UserError as exc:
+            why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported in one line
+            why = f"{type(exc).__name__}: {exc}"
+    if why:
+        why = why if len(why) <= 240 else why[:240] + " ..."
+        raise UserError(f"privacy.accountant {name}: it cannot account this run's step event "
+                        f"({type(step_event).__name__}): {why}; choose another accountant")
 
 
 def register_accountant(accountant: Accountant) -> Accountant:

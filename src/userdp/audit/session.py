@@ -115,6 +115,9 @@ class AuditSession:
                  steps_begun: bool = True):
         self.cfg = audit_cfg
         self.path = Path(audit_cfg.secrets) if audit_cfg.secrets else default_secrets_path(run_root)
+        if self.path.resolve().is_relative_to(Path(run_root).resolve()):
+            raise UserError(f"audit.secrets {self.path}: inside the run directory {run_root}, which is meant to be "
+                            "shared; the canaries' seed and inclusions must live outside it")
         self.log = log
         self.state: dict = {}
         self.canaries: Canaries | None = None

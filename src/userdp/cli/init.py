@@ -106,6 +106,10 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
         "privacy:",
         "  epsilon: 3.0                # user-level (epsilon, delta); delta null = N^-1.1",
         "  delta: null",
+        "  disclosed_touches:          # non-private touches of the data made by `userdp init` (the report lists them)",
+        "    - " + _yaml_str(f"userdp init: the per-user record counts of all {users:,} users were read to set "
+                            f"training.group_size G = {g} (their exact median, not private) and "
+                            f"training.cohort_size = {cohort} (from the user count, not private)"),
         "training:",
         "  algorithm: uls              # uls (users sampled, per-user clipping), els or fedavg",
         f"  group_size: {g}              # G: records per user per step (the median here)",

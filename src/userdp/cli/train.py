@@ -54,6 +54,11 @@ def main(args) -> int:
         cfg = C.load_config(rd.config)
     else:
         cfg = C.load_config(args.config, args.overrides)
+        if args.plan:  # the plan file is input: validated, and refused where it meets an explicit --set
+            from userdp.lm.plan_file import plan_choices, read_plan, refuse_conflicts
+
+            src = f"--plan {args.plan}"
+            refuse_conflicts(plan_choices(read_plan(args.plan, src), src), args.overrides, src)
     if args.device is not None:  # a resumed run may move, e.g. onto a GPU (same ledger, same guarantee)
         from userdp.devices import resolve_device
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 from userdp.cli import jsonout
 from userdp.errors import UserError
+
+
+MAX_MEAN_TRIALS = 1000  # a tuning run of more trials is not a tuning run this tool can finish
+MAX_ETA = 100.0
+MAX_EPSILON = 1000.0
 
 
 def register(subparsers) -> None:
@@ -49,7 +55,7 @@ def main(args) -> int:
     from userdp.lm import config as C
     from userdp.lm.run_dir import read_json
     from userdp.tuning import job
-    from userdp.tuning.selection import TrialCount
+    from userdp.accounting.selection import TrialCount
     from userdp.tuning.space import load_space
 
     if args.resume:
@@ -59,9 +65,7 @@ def main(args) -> int:
         out = Path(args.resume)
         if not (out / job.STATE).is_file():
             raise UserError(f"--resume {out}: no {job.STATE} there (not a tuning directory)")
-        state = read_json(out / job.STATE)
-        if not isinstance(state, dict) or state.get("format") != "userdp-tune-1":
-            raise UserError(f"{out / job.STATE}: not a tuning plan written by userdp")
+        state = job.check_state(read_json(out / job.STATE), out / job.STATE)
         _log(f"tune: resuming {out}: {state['trials_planned']} trials as drawn, "
              f"{sum(t.get('score') is not None for t in state['trials'])} done")
     else:
@@ -73,6 +77,14 @@ def main(args) -> int:
             raise UserError("--on public needs --public-config PUBLIC.yaml (a config whose data you declare public)")
         if args.public_config and args.on != "public":
             raise UserError("--public-config is for --on public")
+        if not (math.isfinite(args.epsilon) and args.epsilon <= MAX_EPSILON):
+            raise UserError(f"--epsilon must be a finite number <= {MAX_EPSILON:g}, got {args.epsilon}")
+        if not (math.isfinite(args.mean_trials) and 0 < args.mean_trials <= MAX_MEAN_TRIALS):
+            raise UserError(f"--mean-trials must be a finite number in (0, {MAX_MEAN_TRIALS}], got {args.mean_trials}")
+        if not (math.isfinite(args.eta) and 0 <= args.eta <= MAX_ETA):
+            raise UserError(f"--eta must be a finite number in [0, {MAX_ETA:g}], got {args.eta}")
+        if args.output and Path(args.output).exists() and not Path(args.output).is_dir():
+            raise UserError(f"--output {args.output}: exists and is not a folder")
         space = load_space(args.search)
         cfg = C.load_config(args.config, args.overrides + [f"privacy.epsilon={args.epsilon!r}"])
         if cfg.training.algorithm == "nonprivate":

@@ -41,7 +41,18 @@ class UnitTable:
 
     users: np.ndarray
     records: Optional[np.ndarray] = None
-    weights: Optional[np.ndarray] = None  # per-unit weight w (FedAvg user weights), else None
+    weights: Optional[np.ndarray] = None  # per-unit weight w in [0, 1] (FedAvg user weights), else None
+
+    def __post_init__(self):
+        # the noise is sized by the clip norm C alone: a unit moves the sum by at most w * C, so
+        # the contract is 0 <= w <= 1 (a weight above 1 would need its sensitivity and accounting scaled)
+        if self.weights is not None:
+            w = np.asarray(self.weights, dtype=np.float64)
+            if w.shape != (len(self.users),) or not np.all(np.isfinite(w)) or w.min(initial=0.0) < 0 \
+                    or w.max(initial=0.0) > 1:
+                raise UserError("unit weights must be finite and in [0, 1], one per unit (the noise is sized by "
+                                f"the clip norm alone); got min {np.nanmin(w) if w.size else 'n/a'}, max "
+                                f"{np.nanmax(w) if w.size else 'n/a'} over {w.size} weights for {len(self.users)} units")
 
     def __len__(self) -> int:
         return len(self.users)

@@ -119,14 +119,33 @@ def chacha20_blocks(key: Sequence[int], nonce: Sequence[int], counter: int, n: i
     return _block_fn(dev)(ctr, fixed)
 
 
+#: Box-Muller's radius is sqrt(-2 ln u1): u1 is drawn with 85 bits (53 + 32), so the radius is
+#: bounded by sqrt(2 * 85 ln 2) = 10.85; the Gaussian mass it drops is 2^-85 per pair of normals,
+#: added to delta by :func:`tail_delta` (the 53-bit u1 of before dropped 2^-53 a pair, which at
+#: GPT-2 size and epsilon = 8 would have added ~2e-5 to delta over 1,000 steps).
+TAIL_MASS_PER_PAIR = 2.0 ** -85
+
+
+def tail_delta(num_coordinates: int, steps: int, epsilon: float, mass_per_pair: float = TAIL_MASS_PER_PAIR) -> float:
+    """What the bounded radius adds to delta: the run's noise differs from exact Gaussians with
+    probability at most p = steps * ceil(d/2) * 2^-85 (total variation, union bound), and a
+    mechanism within total variation p of an (epsilon, delta)-DP one is
+    (epsilon, delta + (1 + e^epsilon) p)-DP."""
+    if steps <= 0 or num_coordinates <= 0:
+        return 0.0
+    p = steps * math.ceil(num_coordinates / 2) * mass_per_pair
+    return p * (1.0 + math.exp(min(float(epsilon), 700.0)))
+
+
 def _normals_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """Eight float64 standard normals per block (Box–Muller on 53-bit uniforms in (0, 1))."""
-    w = blocks.reshape(-1, 2)
-    u = ((w[:, 0] >> 5) * 67108864 + (w[:, 1] >> 6)).to(torch.float64)  # 27 + 26 bits
-    u = (u + 0.5) / 9007199254740992.0  # (0, 1): never 0, never 1
-    u1, u2 = u.reshape(-1, 2).unbind(1)
+    """Eight float64 standard normals per block: Box–Muller, each pair from four 32-bit words:
+    u1 from 85 bits (27 + 26 + 32) in (0, 1), the angle from 32 bits."""
+    w = blocks.reshape(-1, 4)
+    hi = ((w[:, 0] >> 5) * 67108864 + (w[:, 1] >> 6)).to(torch.float64)  # 53 bits
+    lo = (w[:, 2].to(torch.float64) + 0.5) / 4294967296.0  # (0, 1), 32 bits
+    u1 = (hi + lo) / 9007199254740992.0  # (0, 1]: at least 2^-86, never 0
     r = torch.sqrt(-2.0 * torch.log(u1))
-    theta = (2.0 * math.pi) * u2
+    theta = (2.0 * math.pi / 4294967296.0) * (w[:, 3].to(torch.float64) + 0.5)
     return torch.stack([r * torch.cos(theta), r * torch.sin(theta)], dim=1).reshape(-1)
 
 
@@ -142,7 +161,11 @@ class ChaChaNoise:
     """
 
     algorithm = ("ChaCha20 (RFC 8439, 256-bit key, 20 rounds) in torch on the parameters' device; "
-                 "53-bit uniforms, Box-Muller in float64; one nonce per draw")
+                 "Box-Muller in float64 on an 85-bit radius uniform and a 32-bit angle (radius <= 10.85: "
+                 "the dropped tail, 2^-85 a pair, is added to delta); one nonce per draw")
+
+    #: the Gaussian mass the bounded radius drops, per pair of normals (:func:`tail_delta`)
+    tail_mass_per_pair = TAIL_MASS_PER_PAIR
 
     def __init__(self, key_material: int, *, seeded: bool):
         ss = np.random.SeedSequence(int(key_material), spawn_key=(0x63686163,), pool_size=8)

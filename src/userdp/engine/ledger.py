@@ -314,12 +314,14 @@ class PrivacyLedger:
             raise UserError(f"{self.journal.path} already exists: resume that run, or use an empty directory")
         self.journal.create()
 
-    def resume_without_checkpoint(self, *, replayable: bool) -> None:
+    def resume_without_checkpoint(self, *, replayable: bool, replay_refused: Optional[str] = None) -> None:
         """A run that crashed before its first checkpoint: the steps it began are spent (an
         unseeded run's lost steps cannot be replayed), a seeded run replays them."""
         if self.journal is None:
             raise UserError("resuming needs the run's ledger journal (no checkpoint directory given)")
         self.journal.load()
+        if replayable and replay_refused and self.journal.max_spent > 0:
+            raise UserError(replay_refused)
         if not replayable:
             self.spent = self.lost_steps = self.journal.max_spent
 
@@ -446,7 +448,7 @@ class PrivacyLedger:
                 "journal_run": j.run if j else None, "journal_lines": j.lines if j else None,
                 "journal_head": j.head if j else None}
 
-    def load_state_dict(self, state: dict, *, replayable: bool) -> None:
+    def load_state_dict(self, state: dict, *, replayable: bool, replay_refused: Optional[str] = None) -> None:
         """Restore from a checkpoint; the journal must still hold what the checkpoint saw, and the
         steps begun after it are counted as spent (unless ``replayable``: a seeded run replays)."""
         mine = self.event_json()
@@ -463,6 +465,8 @@ class PrivacyLedger:
         self.journal.load()
         self.journal.verify_checkpoint(state.get("journal_run"), state.get("journal_lines"),
                                        state.get("journal_head"))
+        if self.journal.max_spent > self.spent and replayable and replay_refused:
+            raise UserError(replay_refused)
         if self.journal.max_spent > self.spent and not replayable:
             self.lost_steps += self.journal.max_spent - self.spent
             self.spent = self.journal.max_spent

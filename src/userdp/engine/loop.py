@@ -26,6 +26,7 @@ from torch import nn
 from userdp import accounting
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
+from userdp.engine.chacha import tail_delta
 from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
@@ -358,7 +359,19 @@ class _Run:
             s = st["sampler"]
             if s["epoch"] is not None:
                 self.sampler_state = {"epoch": s["epoch"], "perm": s["perm"].numpy()}
-        self.ledger.load_state_dict(st["ledger"], replayable=st["seeded"])
+        self.ledger.load_state_dict(st["ledger"], replayable=st["seeded"], replay_refused=self.replay_refused())
+
+    def replay_refused(self) -> str | None:
+        """Why a seeded run may not replay the steps it began after its checkpoint here (None: it
+        may). On CUDA, index_add_ and the other scatter kernels accumulate with atomics, so a
+        replayed step is not bit-for-bit the crashed one: it would release a different sum under
+        the same seeded noise, and the difference would cancel the noise. Such a resume is refused
+        (docs/threat_model.md); the CPU replays bit for bit."""
+        if self.device.type == "cpu":
+            return None
+        return (f"cannot resume this seeded run on {self.device.type}: it began steps after its last checkpoint, "
+                "and a replay there is not bit-for-bit (atomic accumulation), so it would release a different "
+                "sum under the same seeded noise; resume it with --device cpu, or start an unseeded run")
 
     # ------------------------------------------------------------------ the record
     def record(self) -> dict:
@@ -397,6 +410,12 @@ class _Run:
                                      "this count is computed on the private data and is NOT privatized"),
             "counts_treated_as_public": self._public_counts(),
         }
+        tail_pair = getattr(source_class(self.device), "tail_mass_per_pair", None)
+        if plan.private and tail_pair:  # a sampler with a bounded tail: its dropped mass goes into delta
+            d = int(sum(p.numel() for p in self.master))
+            rec["noise_tail"] = {"coordinates": d, "mass_per_pair": tail_pair, "steps": int(self.ledger.spent),
+                                 "delta": tail_delta(d, self.ledger.spent, eps, tail_pair),
+                                 "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta"}
         if not plan.private:
             rec["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
         elif cfg.sampling == "shuffle":
@@ -517,7 +536,7 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     elif resume and comb.rank == 0:
         # crashed before the first checkpoint: the steps it began are spent all the same
         # (a seeded run replays them); a missing or damaged journal is refused
-        run.ledger.resume_without_checkpoint(replayable=run.seeded)
+        run.ledger.resume_without_checkpoint(replayable=run.seeded, replay_refused=run.replay_refused())
     elif checkpoint_dir and not resume and comb.rank == 0:
         run.ledger.start_journal()
     if comb.world_size > 1:  # every rank counts what the main rank's journal says

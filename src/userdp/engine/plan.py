@@ -263,6 +263,11 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
                    expected_units=expected_units, expected_weight=expected_weight, delta=delta, delta_rule=rule,
                    noise_multiplier=0.0, update_noise_multiplier=0.0, count_stddev=None, mechanism=None,
                    safe_steps=None)
+    if config.noise_multiplier is None or config.noise_multiplier > 0:
+        # the accountant must handle this run's kind of step event: refused now, before a
+        # calibration or an optimizer step asks it (its shape does not depend on sigma)
+        probe = plan.mechanism_for(config.sampling).step_event()
+        accounting.check_supports(config.accountant, probe, delta)
     if config.noise_multiplier is None:
         return plan.calibrated(config.target_epsilon)
     return plan.with_noise_multiplier(config.noise_multiplier)

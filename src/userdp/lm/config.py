@@ -94,6 +94,9 @@ class PrivacyConfig:
     noise_multiplier: Optional[float] = None  # fixed sigma instead of calibrating to epsilon
     accountant: str = _choice("pld", "rdp", default="pld")
     sampler: str = _choice("poisson", "shuffle", default="poisson")
+    # non-private touches of the data made before this run (e.g. `userdp init` read the per-user
+    # counts to choose G): listed in the report's "Not accounted", whichever command made them
+    disclosed_touches: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 from userdp.errors import UserError
+from userdp.fileio import MANIFEST, verify_manifest
 from userdp.lm import models
+from userdp.lm.run_dir import RunDir, verify_files
 
 
 def _run_context(run: Path) -> dict:
@@ -16,7 +18,6 @@ def _run_context(run: Path) -> dict:
     Raises:
         UserError: the journal is missing or unreadable, or config.yaml was edited."""
     from userdp.engine.ledger import JOURNAL, journal_header
-    from userdp.lm.run_dir import RunDir
 
     journal = run / "checkpoints" / JOURNAL
     try:
@@ -69,6 +70,10 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
         extra.append(f"model.device={device}")
     cfg = C.from_dict(C.apply_overrides(C.to_dict(cfg), extra))
     run_context = _run_context(t) if model_dir == t / "model" else None
+    if run_context is not None:  # a run's released model, checkpoint and adapter: verified before use
+        verify_files(RunDir(t))
+    elif (model_dir / MANIFEST).is_file():
+        verify_manifest(model_dir)
     from userdp.devices import resolve_device
 
     dev = resolve_device(cfg.model.device)  # before loading: a wrong --device costs nothing

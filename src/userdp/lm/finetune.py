@@ -32,11 +32,13 @@ import numpy as np
 import torch
 
 from userdp.errors import UserError
-from userdp.fileio import sha256_file
+from userdp.fileio import sha256_file, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models
+from userdp.lm.plan_file import dp_median_event, plan_choices, read_plan
 from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, private_cache_root, save_pretrained
-from userdp.lm.run_dir import RunDir, existing_run_dir, new_run_dir, plot_curves, write_json_atomic
+from userdp.lm.run_dir import (RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir, plot_curves,
+                               write_json_atomic)
 
 Log = Callable[[str], None]
 
@@ -550,6 +552,8 @@ def plan_record(plan, algo: str, choice: str, *, seed, data_fingerprint: str) ->
     out["choice"] = choice
     out["overrides"] = plan.training_overrides(algo)
     out["dp_median_epsilon_spent"] = float(plan.els.get("dp_median_epsilon") or 0.0)
+    if out["dp_median_epsilon_spent"]:  # the event the epsilon is re-derived from wherever it is read
+        out["dp_median_event"] = dp_median_event(out["dp_median_epsilon_spent"])
     out["seeded"] = seed is not None
     out["data_fingerprint"] = data_fingerprint
     gs = {1, int(plan.uls["group_size"])}
@@ -559,28 +563,20 @@ def plan_record(plan, algo: str, choice: str, *, seed, data_fingerprint: str) ->
     return out
 
 
-_PLAN_KEYS = ("applied", "overrides", "els", "uls", "inputs", "data_touches", "dp_median_epsilon_spent",
-              "data_fingerprint")
-
-
 def apply_plan(cfg: C.RunConfig, record: dict, *, source: str, data_fingerprint: str) -> C.RunConfig:
     """The config with a saved plan's choice applied (algorithm, group size, cohort size).
 
     Raises:
-        UserError: the record is not a plan, or was made on other data (naming ``source``).
+        UserError: the record is not a valid plan, or was made on other data (naming ``source``).
     """
-    missing = [k for k in _PLAN_KEYS if not isinstance(record, dict) or k not in record]
-    if missing:
-        raise UserError(f"{source}: not a userdp plan (missing {', '.join(missing)}); make one with `userdp plan`")
+    if not isinstance(record, dict):
+        raise UserError(f"{source}: not a userdp plan (expected a JSON object)")
+    over = plan_choices(record, source)
     if record["data_fingerprint"] != data_fingerprint:
         raise UserError(f"{source}: the plan was made on other data or another split than this config's")
-    over = record["overrides"]
-    try:
-        resolved = dataclasses.replace(cfg, training=dataclasses.replace(
-            cfg.training, algorithm=str(over["training.algorithm"]), group_size=int(over["training.group_size"]),
-            cohort_size=float(over["training.cohort_size"])))
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"{source}: malformed plan overrides {over!r}") from None
+    resolved = dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, algorithm=over["training.algorithm"], group_size=over["training.group_size"],
+        cohort_size=over["training.cohort_size"]))
     C.validate(resolved, source)
     return resolved
 
@@ -651,7 +647,7 @@ def _privacy_json(cfg, res_record, steps_taken, num_records, notes, event_total,
         tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
         selection=t.selection, seq_len=seq_len,
         not_accounted=([notes["data_touch"]] if notes.get("data_touch") else [])
-        + (plan_touches(plan) if plan else []) or None,
+        + list(p.disclosed_touches or []) + (plan_touches(plan) if plan else []) or None,
         plan=plan, engine_record=rec,
         extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
                "steps_applied": rec.get("steps_applied", steps_taken),
@@ -692,26 +688,6 @@ def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
         return False
     check_metrics_cite_journal(rd)
     return True
-
-
-def check_metrics_cite_journal(rd: RunDir) -> int:
-    """Every metrics.jsonl line cites the ledger journal's head after its step: the journal must
-    still hold each (it was not cut back or replaced by an older copy). Returns the steps begun.
-
-    Raises:
-        UserError: naming the journal and metrics.jsonl."""
-    from userdp.engine.ledger import JOURNAL, check_cited, read_chain
-
-    journal = rd.checkpoints / JOURNAL
-    header, hashes, begun = read_chain(journal)
-    for row in rd.read_metrics():
-        cited = row.get("journal") if isinstance(row, dict) else None
-        if cited is not None:
-            check_cited(journal, hashes, header.get("run"), cited, f"{rd.metrics} (step {row.get('step')})")
-        elif isinstance(row, dict) and int(row.get("step", 0) or 0) > begun:
-            raise UserError(f"{journal}: it records {begun} steps begun but {rd.metrics} records step "
-                            f"{row.get('step')}: the journal was truncated; the ledger cannot be trusted")
-    return begun
 
 
 def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
@@ -851,10 +827,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
     if plan_file is not None:
         if cfg.plan == "auto":
             raise UserError("--plan: the config already says plan: auto; give one or the other")
-        try:
-            saved = json.loads(Path(plan_file).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"--plan {plan_file}: cannot read it ({type(exc).__name__})") from None
+        saved = read_plan(plan_file, f"--plan {plan_file}")
         cfg = apply_plan(cfg, saved, source=f"--plan {plan_file}", data_fingerprint=prep.data_fingerprint)
         plan = saved
         if main:
@@ -864,12 +837,14 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         n_units = _num_units(cfg, prep.train_subset)
         check_budget(cfg, prep.train_subset.num_users, n_units)
     elif resume_dir is not None and cfg.plan != "auto" and (rd.root / "plan.json").is_file():
-        plan = json.loads((rd.root / "plan.json").read_text())  # applied by --plan when the run began
+        plan = read_plan(rd.root / "plan.json", str(rd.root / "plan.json"))  # applied by --plan when the run began
+        plan_choices(plan, str(rd.root / "plan.json"))
     elif cfg.plan == "auto":
         saved_plan_path = rd.root / "plan.json"
         if resume_dir is not None and saved_plan_path.is_file():
             # the saved config.yaml already holds the planned values: do not plan again
-            plan = json.loads(saved_plan_path.read_text())
+            plan = read_plan(saved_plan_path, str(saved_plan_path))
+            plan_choices(plan, str(saved_plan_path))
             log(f"plan: auto — resuming with the saved plan ({plan.get('applied', '?').upper()}, "
                 f"group_size {cfg.training.group_size}, cohort_size {cfg.training.cohort_size:g})")
         elif resume_dir is not None:
@@ -885,7 +860,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
                         "(see plan.json);\n# `userdp train --resume` keeps them, a new run plans again\n"
                         + C.dump_yaml(cfg))
                 else:
-                    plan = json.loads(saved_plan_path.read_text())
+                    plan = read_plan(saved_plan_path, str(saved_plan_path))
                     cfg = apply_plan(cfg, plan, source=str(saved_plan_path), data_fingerprint=prep.data_fingerprint)
             n_units = _num_units(cfg, prep.train_subset)
             check_budget(cfg, prep.train_subset.num_users, n_units)
@@ -1024,8 +999,10 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         log(f"audit: {priv['audit']['statement']}")
     write_json_atomic(rd.privacy, priv)
     models.save_model(model, rd.model, tok, quantize=cfg.model.lora.quantize)  # validate(): quantize needs LoRA
+    write_manifest(rd.model)  # evaluate, report and personalize verify the released files against it
     if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
         models.save_model(model, rd.adapter, None, adapter=True)
+        write_manifest(rd.adapter)
     if cfg.output.plot:
         plot_curves(rd.read_metrics(), rd.curves)
     summary = {

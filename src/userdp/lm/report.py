@@ -14,8 +14,17 @@ import platform
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from userdp import accounting as A
+from userdp.accounting import private_selection as TG
+from userdp.accounting.rdp import step_rdp
+from userdp.engine.chacha import ChaChaNoise, tail_delta
+from userdp.engine.ledger import JOURNAL, check_cited, read_chain, steps_begun
 from userdp.errors import UserError
-from userdp.lm.run_dir import RunDir, existing_run_dir, read_json, write_json_atomic
+from userdp.lm.plan_file import plan_median_epsilon
+from userdp.lm.run_dir import (RunDir, check_metrics_cite_journal, existing_run_dir, read_json, verify_files,
+                               write_json_atomic)
 
 SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "
            "clips each sampled user's update, and releases only the noised sum")
@@ -120,6 +129,12 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
             assumptions.append(f"precision: model {', '.join(prec.get('model', []))}; norms, clipped sums, "
                                f"the denominator and the noise in {', '.join(prec.get('norms_sums_noise', []))}; "
                                f"master weights {prec.get('master_weights')}")
+        if er.get("noise_tail"):
+            nt = er["noise_tail"]
+            assumptions.append(f"the noise sampler bounds each Box-Muller pair's radius (ChaCha20, 85-bit uniforms): "
+                               f"the Gaussian mass it drops, {nt['mass_per_pair']:.3g} a pair over "
+                               f"{nt['coordinates']} coordinates and {nt['steps']} steps, adds "
+                               f"{nt['delta']:.3g} to delta (total variation; included in the stated delta)")
         if er.get("seeded"):
             assumptions.append("SEEDED RUN: the sampling and the noise derive from the seed in the "
                                "configuration; whoever holds the seed can recompute the noise, and the "
@@ -150,7 +165,7 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
     if selection in ("highest_ppl", "lowest_ppl"):
         not_acc.append("perplexity-based record selection used the pretrained model on the private "
                        "records (a non-private data touch)")
-    plan_eps = float((plan or {}).get("dp_median_epsilon_spent") or 0.0)
+    plan_eps = plan_median_epsilon(plan, "the plan") if plan else 0.0
     if plan_eps and (plan or {}).get("seeded"):
         assumptions.append("SEEDED DP MEDIAN: the plan's epsilon-DP median drew its noise from the plan's "
                            "seed; whoever holds that seed can undo it")
@@ -223,8 +238,6 @@ def verify_epsilon(rec: dict, path: Path) -> None:
     Raises:
         UserError: naming ``path``, when the saved epsilon, event or step count disagree.
     """
-    from userdp import accounting as A
-
     if not rec.get("private", True):
         return
     ev = rec.get("dp_event")
@@ -248,10 +261,94 @@ def verify_epsilon(rec: dict, path: Path) -> None:
 
 
 def _ledger_steps(rd: RunDir) -> int | None:
-    from userdp.engine.ledger import JOURNAL, steps_begun
-
     p = rd.checkpoints / JOURNAL
     return steps_begun(p) if p.is_file() else None
+
+
+def verify_against_journal(rec: dict, rd: RunDir) -> None:
+    """The ledger journal is the source of truth: privacy.json must belong to this run (the
+    journal's run id and a line of its chain), config.yaml must be the one the journal was bound
+    to, and the saved DpEvent must be the journal's step event composed over exactly the steps it
+    records as begun, at the delta and with the accountant it was bound to. Every metrics.jsonl
+    line's citation of the journal must still hold.
+
+    Raises:
+        UserError: naming the file that disagrees with the journal."""
+    journal = rd.checkpoints / JOURNAL
+    if not journal.is_file():
+        raise UserError(f"{journal}: missing, so {rd.privacy} cannot be checked against the steps the run began")
+    header, hashes, begun = read_chain(journal)
+    ctx = header.get("context") or {}
+    if ctx.get("config_sha256") is not None and ctx["config_sha256"] != rd.config_sha256():
+        raise UserError(f"{rd.config}: not the configuration this run's ledger journal was bound to (edited, or "
+                        "copied in from another run)")
+    check_metrics_cite_journal(rd)
+    if not rec.get("private", True):
+        if header.get("event") != "non-private":
+            raise UserError(f"{rd.privacy}: it says non-private but the ledger journal records a private step event")
+        return
+    cited = (rec.get("engine_record") or {}).get("journal")
+    if not isinstance(cited, dict):
+        raise UserError(f"{rd.privacy}: it carries no reference to this run's ledger journal (written by an "
+                        "older userdp, or copied in from elsewhere)")
+    if cited.get("run") != header.get("run"):
+        raise UserError(f"{rd.privacy}: it belongs to another run (its ledger journal id differs from {journal}'s)")
+    check_cited(journal, hashes, header.get("run"), cited, str(rd.privacy))
+    try:
+        step_event = A.event_from_dict(json.loads(header["event"]))
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{journal}: its header names no step event") from None
+    want = A.event_to_dict(A.compose_after([], step_event, begun)) if begun else None
+    if rec.get("dp_event") != want:
+        raise UserError(f"{rd.privacy}: its DpEvent is not the ledger journal's step event composed over the "
+                        f"{begun} steps the journal records as begun (the file was edited, or is stale)")
+    if "delta" in ctx and ctx["delta"] != rec.get("delta"):
+        raise UserError(f"{rd.privacy}: delta {rec.get('delta')} is not the delta {ctx['delta']} the ledger "
+                        "journal was bound to")
+    acc = (rec.get("engine_record") or {}).get("accountant")
+    if "accountant" in ctx and ctx["accountant"] != acc:
+        raise UserError(f"{rd.privacy}: accountant {acc!r} is not the accountant {ctx['accountant']!r} the "
+                        "ledger journal was bound to")
+
+
+def verify_tuning(rec: dict, path: Path) -> float | None:
+    """A run released by `userdp tune --on private`: re-derive the released model's guarantee from
+    the saved mechanism events and trial-count distribution, check that this run's own event is
+    within its mechanism's, and refuse a stored figure that differs. Returns the re-derived epsilon
+    (None for a run that was not selected by private tuning)."""
+    t = rec.get("tuning")
+    if not isinstance(t, dict) or t.get("on") != "private":
+        return None
+    src = f"{path} (tuning)"
+    try:
+        events, mechs, best_mech = t["run_events"], list(t["trial_mechanisms"]), t["best"]["mechanism"]
+        delta = float(t["delta"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{src}: the tuning section lacks the events its guarantee is derived from") from None
+    if delta != rec.get("delta"):
+        raise UserError(f"{src}: the tuning guarantee's delta {delta} is not the run's {rec.get('delta')}")
+    g = TG.derive(events, mechs, TG.trial_count_from_dict(t.get("trial_count") or {}, src), delta, source=src)
+    if best_mech not in events:
+        raise UserError(f"{src}: the released trial's mechanism {best_mech!r} has no event")
+    own = step_rdp(A.event_from_dict(rec["dp_event"]), TG.ORDERS)
+    allowed = step_rdp(A.event_from_dict(events[best_mech]), TG.ORDERS)
+    if np.any(own > allowed * (1 + 1e-9) + 1e-12):
+        raise UserError(f"{src}: this run spent more than its mechanism's event in the tuning guarantee")
+    eps = g["epsilon_released_model"]
+    for key in ("epsilon_total",):
+        claimed = t.get(key)
+        if not isinstance(claimed, (int, float)) or not math.isclose(claimed, eps, rel_tol=1e-9, abs_tol=1e-12):
+            raise UserError(f"{src}: {key} {claimed} is not the guarantee its events give ({eps:.6g}): the file "
+                            "was edited or damaged")
+    return eps
+
+
+def _plan_epsilon(rec: dict, path: Path) -> float:
+    """The epsilon a plan's DP median spent, re-derived from its pure-DP event (0 without one)."""
+    plan = rec.get("plan")
+    if not plan:
+        return 0.0
+    return plan_median_epsilon(plan, str(path))
 
 
 def build_report(run_dir: str | Path) -> dict:
@@ -272,9 +369,28 @@ def build_report(run_dir: str | Path) -> dict:
             and int(rec["steps_taken"]) < begun:
         raise UserError(f"{rd.privacy}: it accounts {rec['steps_taken']} steps but the ledger journal records "
                         f"{begun} steps begun: the reported epsilon would undercount")
+    verify_against_journal(rec, rd)
+    verify_files(rd)
+    rec = dict(rec)
+    nt = (rec.get("engine_record") or {}).get("noise_tail")
+    if rec.get("private", True) and nt:  # re-derived: the sampler's dropped tail, added to delta
+        try:
+            tail = tail_delta(int(nt["coordinates"]), int(rec["steps_taken"]), float(rec["epsilon"]),
+                              ChaChaNoise.tail_mass_per_pair)
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{rd.privacy}: the noise sampler's tail record is malformed") from None
+        rec["delta_noise_tail"] = tail
+        rec["delta_stated"] = float(rec["delta"]) + tail
+    # every headline figure is re-derived here, never read from the file
+    if rec.get("private", True):
+        plan_eps = _plan_epsilon(rec, rd.privacy)
+        tuned = verify_tuning(rec, rd.privacy)
+        total = tuned if tuned is not None else float(rec["epsilon"]) + plan_eps
+        rec["epsilon_plan"] = plan_eps if rec.get("plan") is not None else None
+        rec["epsilon_total"] = total
+        rec["tier"] = epsilon_tier(total)
     state = rd.read_state()
     ev = read_json(rd.eval) if rd.eval.is_file() else {}
-    rec = dict(rec)
     rec["run_dir"] = str(rd.root)
     rec["status"] = state.get("status", "unknown")
     rec["evaluation"] = ev
@@ -345,16 +461,25 @@ def render_markdown(rep: dict) -> str:
         L.append("")
     plan = rep.get("plan")
     plan_eps = rep.get("epsilon_plan") or 0.0
-    if private and plan_eps:
+    tuning = rep.get("tuning") if isinstance(rep.get("tuning"), dict) else {}
+    if private and tuning.get("on") == "private":
+        L.append(f"**Guarantee.** This model was selected by `userdp tune` as the best of "
+                 f"{tuning.get('trials_run')} trials; the released model (and every checkpoint of this run) "
+                 f"satisfies user-level ({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential "
+                 f"privacy under add/remove-one-user adjacency — {rep['tier']['meaning']}. It is the smaller of "
+                 f"private selection ({_fmt(tuning.get('epsilon_selection_bound'))}) and the composition of the "
+                 f"trials run ({_fmt(tuning.get('epsilon_trials_run_composed'))}). This trial's own epsilon, "
+                 f"{_fmt(rep['epsilon'])}, is the epsilon of one trial, not a guarantee for the selected model.")
+    elif private and plan_eps:
         L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
-                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep['delta'])})-differential privacy "
+                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
                  f"under add/remove-one-user adjacency in total: training spent epsilon = "
                  f"{_fmt(rep['epsilon'])} and the plan's DP median of records per user spent "
                  f"epsilon = {_fmt(plan_eps)} (basic composition) — {rep['tier']['meaning']}. "
                  "The plan's other data touches are not accounted (section 3).")
     elif private:
         L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
-                 f"({_fmt(rep['epsilon'])}, {_fmt(rep['delta'])})-differential privacy "
+                 f"({_fmt(rep['epsilon'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
                  f"under add/remove-one-user adjacency — {rep['tier']['meaning']}.")
     else:
         L.append("**No differential-privacy guarantee**: this run trained without noise.")
@@ -391,9 +516,14 @@ def render_markdown(rep: dict) -> str:
         L.append(f"  - **Mismatch**: the accountant assumed Poisson sampling but training used "
                  f"`{rep['sampler_used']}`. Guarantee without amplification: epsilon = "
                  f"{_fmt(rep.get('epsilon_no_amplification'))}.")
-    L.append(f"- (c) final model: epsilon = {_fmt(rep['epsilon'])} (target "
-             f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
-             f"({rep['delta_rule']})")
+    if tuning.get("on") == "private":
+        L.append(f"- (c) this trial alone: epsilon = {_fmt(rep['epsilon'])} (the epsilon of one trial, not a "
+                 f"guarantee for the selected model); the released model: epsilon = {_fmt(rep['epsilon_total'])}, "
+                 f"delta = {_fmt(rep['delta'])} ({rep['delta_rule']})")
+    else:
+        L.append(f"- (c) final model: epsilon = {_fmt(rep['epsilon'])} (target "
+                 f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
+                 f"({rep['delta_rule']})")
     if plan_eps:
         L.append(f"- (c) extra spend: the plan's epsilon-DP median (ELS group size) spent epsilon = "
                  f"{_fmt(plan_eps)}; total epsilon = {_fmt(rep.get('epsilon_total'))} (basic "

@@ -24,7 +24,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from userdp.engine.ledger import JOURNAL, check_cited, read_chain
 from userdp.errors import UserError
+from userdp.fileio import MANIFEST, verify_manifest
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,39 @@ class RunDir:
                 except json.JSONDecodeError:  # a torn last line after a crash
                     continue
         return rows
+
+
+def check_metrics_cite_journal(rd: RunDir) -> int:
+    """Every metrics.jsonl line cites the ledger journal's head after its step: the journal must
+    still hold each (it was not cut back or replaced by an older copy). Returns the steps begun.
+
+    Raises:
+        UserError: naming the journal and metrics.jsonl."""
+    journal = rd.checkpoints / JOURNAL
+    header, hashes, begun = read_chain(journal)
+    for row in rd.read_metrics():
+        cited = row.get("journal") if isinstance(row, dict) else None
+        if cited is not None:
+            check_cited(journal, hashes, header.get("run"), cited, f"{rd.metrics} (step {row.get('step')})")
+        elif isinstance(row, dict) and int(row.get("step", 0) or 0) > begun:
+            raise UserError(f"{journal}: it records {begun} steps begun but {rd.metrics} records step "
+                            f"{row.get('step')}: the journal was truncated; the ledger cannot be trusted")
+    return begun
+
+
+def verify_files(rd: RunDir) -> None:
+    """Every file a report or an evaluation reads back is checked against its manifest: the
+    committed checkpoint (``checkpoints/MANIFEST.json``) and the released model and adapter
+    (``model/MANIFEST.json``, ``adapter/MANIFEST.json``, written after they are saved).
+
+    Raises:
+        UserError: naming the first file that is missing or differs, or a missing manifest."""
+    ck = rd.checkpoints
+    if (ck / MANIFEST).is_file() or (ck / "checkpoint.pt").is_file():
+        verify_manifest(ck, accept_pending=True)
+    for d in (rd.model, rd.adapter):
+        if d.is_dir():
+            verify_manifest(d)
 
 
 def new_run_dir(output: str | os.PathLike | None) -> RunDir:

@@ -17,22 +17,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from userdp.accounting.rdp import RDP_ORDERS, step_rdp
+from userdp.accounting.private_selection import ORDERS, total_epsilon
+from userdp.accounting.rdp import step_rdp
 from userdp.errors import UserError
-from userdp.tuning.selection import TrialCount, epsilon_from_rdp, selection_rdp
+from userdp.accounting.selection import TrialCount, epsilon_from_rdp, selection_rdp
 
-ORDERS = np.asarray(RDP_ORDERS, dtype=np.float64)
 
 
 def run_rdp(plan) -> np.ndarray:
     """RDP curve (on :data:`ORDERS`) of one training run: steps x the step event's RDP."""
     return plan.config.steps * step_rdp(plan.step_event, ORDERS)
-
-
-def total_epsilon(curves: Sequence[np.ndarray], count: TrialCount, delta: float) -> float:
-    """Epsilon of releasing the best trial, each trial's RDP the pointwise max of ``curves``."""
-    rho = np.max(np.vstack(curves), axis=0)
-    return epsilon_from_rdp(ORDERS, selection_rdp(ORDERS, rho, count), delta)
 
 
 def floor_epsilon(count: TrialCount, delta: float) -> float:

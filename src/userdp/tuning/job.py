@@ -31,9 +31,9 @@ from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.lm.run_dir import read_json, write_json_atomic
 from userdp.tuning import accounting as TA
-from userdp.tuning import guarantee as TG
-from userdp.tuning.selection import TrialCount
-from userdp.tuning.space import Space, mechanism_key
+from userdp.accounting import private_selection as TG
+from userdp.accounting.selection import TrialCount
+from userdp.tuning.space import Space, mechanism_key, validate_space
 
 Log = Callable[[str], None]
 STATE = "tune.json"
@@ -74,10 +74,11 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
         raise UserError(f"{out}: a tuning run is already there (continue it with --resume {out})")
     base = C.to_dict(cfg)
     trial_raw = C.to_dict(public_cfg) if on == "public" else base
-    # every mechanism the space can select must be a valid config on the private data
+    # every point the space can draw must be a valid config, before anything is spent or written
+    validate_space(space, lambda params: _trial_config(base, params, []), "--search")
+    if on == "public":
+        validate_space(space, lambda params: _trial_config(trial_raw, params, []), "--search (on --public-config)")
     mechs = space.mechanisms()
-    for m in mechs:
-        _trial_config(base, m, [])
     prep = prepare_data(cfg, log)
     delta = cfg.privacy.delta or float(prep.train_subset.num_users) ** -1.1
     delta_extra = [f"privacy.delta={delta!r}"]
@@ -109,6 +110,42 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / STATE, state)
     log(f"tune: {k} trials drawn (recorded in {out / STATE} before the first one)")
+    return state
+
+
+def check_state(state, path: Path) -> dict:
+    """A tune.json read back for ``--resume``: its structure, and that every trial names a
+    mechanism it holds an event for (the guarantee is re-derived from those events).
+
+    Raises:
+        UserError: naming the file, for a damaged or foreign plan."""
+    def bad(why):
+        return UserError(f"{path}: {why}; the tuning plan is damaged (start a new tuning run)")
+
+    if not isinstance(state, dict) or state.get("format") != "userdp-tune-1":
+        raise UserError(f"{path}: not a tuning plan written by userdp")
+    need = {"on": str, "epsilon": (int, float), "delta": (int, float), "count": dict, "trials_planned": int,
+            "space": list, "base_config": dict, "trial_config": dict, "sigma": dict, "trials": list}
+    for k, t in need.items():
+        if not isinstance(state.get(k), t) or isinstance(state.get(k), bool):
+            raise bad(f"{k} is missing or has the wrong type")
+    if state["on"] not in ("private", "public"):
+        raise bad(f"on is {state['on']!r}")
+    if len(state["trials"]) != state["trials_planned"]:
+        raise bad("the trials do not match trials_planned")
+    for i, t in enumerate(state["trials"]):
+        if not isinstance(t, dict) or t.get("index") != i or not isinstance(t.get("params"), dict) \
+                or not isinstance(t.get("mechanism"), str):
+            raise bad(f"trial {i + 1} is malformed")
+    if state["on"] == "private":
+        events = state.get("run_events")
+        if not isinstance(events, dict) or not isinstance(state.get("epsilon_one_trial_by_mechanism"), dict):
+            raise bad("the mechanisms' events are missing (written by an older userdp?)")
+        for t in state["trials"]:
+            if t["mechanism"] not in events or t["mechanism"] not in state["sigma"]:
+                raise bad(f"trial {t['index'] + 1} names a mechanism without an event")
+        TG.derive(events, [t["mechanism"] for t in state["trials"]],
+                  TG.trial_count_from_dict(state["count"], str(path)), float(state["delta"]), source=str(path))
     return state
 
 
@@ -242,7 +279,7 @@ def _guarantee(state: dict, best: dict) -> dict:
 
 def _annotate_best(summary: dict, best: dict) -> None:
     """The winning run's privacy.json and report gain both guarantees."""
-    from userdp.lm.report import write_report
+    from userdp.lm.report import epsilon_tier, write_report
 
     p = Path(best["run_dir"]) / "privacy.json"
     rec = read_json(p)
@@ -254,6 +291,7 @@ def _annotate_best(summary: dict, best: dict) -> None:
             "selected model; trials were scored on held-out users declared outside the guarantee")
         rec["epsilon_tuning_total"] = summary["epsilon_total"]
         rec["epsilon_total"] = summary["epsilon_total"]  # the headline: the released model's guarantee
+        rec["tier"] = epsilon_tier(summary["epsilon_total"])
         rec["not_accounted"] = [n for n in rec.get("not_accounted", []) if not n.startswith("hyperparameter tuning")]
         rec["not_accounted"].append("the held-out users' records scored each trial (selection used them; "
                                     "they are outside the guarantee)")

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from userdp.errors import UserError
 
 MECHANISM_KEYS = ("training.algorithm", "training.group_size", "training.cohort_size", "training.steps",
                   "privacy.sampler", "training.clipping", "privacy.accountant", "privacy.delta")
+MAX_CHOICES = 1000
 REFUSED_KEYS = ("privacy.epsilon", "privacy.noise_multiplier", "training.seed", "data.", "audit.", "output.",
                 "plan", "planning.")
 
@@ -65,19 +67,45 @@ def mechanism_key(params: dict) -> str:
     return ",".join(parts) or "default"
 
 
+class _SpaceLoader(yaml.SafeLoader):
+    """A SafeLoader without aliases: ``*name`` is refused (an alias bomb would expand into a space of
+    billions of values), and a key given twice is refused (ambiguous)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not allowed in a search space",
+                                              mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice in one mapping (ambiguous)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_space(path: str) -> Space:
     """Read and check a search space file.
 
     Raises:
         UserError: an unreadable file, a key that must not be tuned, a malformed range.
     """
-    import yaml
-
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"--search {path}: a folder, not a YAML file")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_SpaceLoader)  # noqa: S506 - a SafeLoader subclass
     except OSError as exc:
         raise UserError(f"--search {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"--search {path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise UserError(f"--search {path}: nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
@@ -98,13 +126,22 @@ def parse_space(raw, where: str = "search space") -> Space:
         if isinstance(spec, list):
             if not spec:
                 raise UserError(f"{where}: {key}: an empty list")
+            if len(spec) > MAX_CHOICES:
+                raise UserError(f"{where}: {key}: {len(spec)} values (at most {MAX_CHOICES})")
+            bad = [v for v in spec if isinstance(v, (list, dict)) or (isinstance(v, float) and not math.isfinite(v))]
+            if bad:
+                raise UserError(f"{where}: {key}: {bad[0]!r} is not a single finite value")
+            if key == "training.algorithm" and "nonprivate" in spec:
+                raise UserError(f"{where}: training.algorithm: nonprivate cannot be a trial (it has no guarantee "
+                                "to account tuning against)")
             dims.append(Dim(key, "choice", tuple(spec)))
         elif isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in ("log_uniform", "uniform"):
             kind, rng = next(iter(spec.items()))
-            ok = (isinstance(rng, list) and len(rng) == 2 and all(isinstance(x, (int, float)) for x in rng)
+            ok = (isinstance(rng, list) and len(rng) == 2
+                  and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in rng)
                   and rng[0] < rng[1] and (kind == "uniform" or rng[0] > 0))
             if not ok:
-                raise UserError(f"{where}: {key}: {kind} needs [low, high] with low < high"
+                raise UserError(f"{where}: {key}: {kind} needs finite numbers [low, high] with low < high"
                                 + (" and low > 0" if kind == "log_uniform" else ""))
             if key in MECHANISM_KEYS:
                 raise UserError(f"{where}: {key} changes the privacy mechanism: give a list of values "
@@ -113,3 +150,27 @@ def parse_space(raw, where: str = "search space") -> Space:
         else:
             raise UserError(f"{where}: {key}: expected a list of values or {{log_uniform|uniform: [low, high]}}")
     return Space(tuple(dims))
+
+
+def validate_space(space: Space, check_point, where: str = "search space") -> None:
+    """Every point the space can draw must be a valid config, checked before anything is spent:
+    every value of every list, both ends of every range (one key at a time, the others at their
+    first value), and every combination of the mechanism keys.
+
+    Args:
+        check_point: params dict -> None, raising UserError for an invalid config.
+
+    Raises:
+        UserError: naming the key and the value whose config is invalid."""
+    first = {d.key: d.values[0] for d in space.dims}
+    for d in space.dims:
+        for v in d.values:
+            try:
+                check_point({**first, d.key: v})
+            except UserError as exc:
+                raise UserError(f"{where}: {d.key} = {v!r} gives an invalid config: {exc}") from None
+    for m in space.mechanisms():
+        try:
+            check_point({**first, **m})
+        except UserError as exc:
+            raise UserError(f"{where}: the mechanism {mechanism_key(m)} gives an invalid config: {exc}") from None

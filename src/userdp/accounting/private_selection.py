@@ -22,11 +22,18 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from userdp.accounting import event_from_dict
-from userdp.accounting.rdp import step_rdp
+from userdp.accounting.events import event_from_dict
+from userdp.accounting.rdp import RDP_ORDERS, step_rdp
+from userdp.accounting.selection import TrialCount, epsilon_from_rdp, selection_rdp
 from userdp.errors import UserError
-from userdp.tuning.accounting import ORDERS, total_epsilon
-from userdp.tuning.selection import TrialCount, epsilon_from_rdp
+
+ORDERS = np.asarray(RDP_ORDERS, dtype=np.float64)
+
+
+def total_epsilon(curves: Sequence[np.ndarray], count: TrialCount, delta: float) -> float:
+    """Epsilon of releasing the best trial, each trial's RDP the pointwise max of ``curves``."""
+    rho = np.max(np.vstack(curves), axis=0)
+    return epsilon_from_rdp(ORDERS, selection_rdp(ORDERS, rho, count), delta)
 
 
 def trial_count_from_dict(d: Mapping, source: str) -> TrialCount:
