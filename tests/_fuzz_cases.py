@@ -342,6 +342,93 @@ def cli_cases() -> list[Case]:
 
 
 # ---------------------------------------------------------------------------------- run directories
+def _plan_json(**over) -> str:
+    """A plan file with every key `userdp train --plan` reads, each field replaceable."""
+    plan = {"applied": "uls", "choice": "recommended", "els": {"group_size": 2, "group_size_method": "median"},
+            "uls": {"group_size": 2, "cohort_size": 2}, "inputs": {}, "data_touches": "x",
+            "dp_median_epsilon_spent": 0.0, "data_fingerprint": "f",
+            "overrides": {"training.algorithm": "uls", "training.group_size": 2, "training.cohort_size": 2.0}}
+    for k, v in over.items():
+        plan[k] = v
+    return json.dumps(plan)
+
+
+def guarantee_cases() -> list[Case]:
+    """Issue 25: a plan file, a search space and the tune command are input like any other."""
+    out = []
+
+    def train_plan(text, *sets):
+        def build(w, r):
+            return ["train", str(_tiny_config(w)), "--plan", str(_write(w, "p.json", text)), "--no-progress",
+                    "--output", str(w / "plan-run"), *sets]
+        return build
+
+    over = {"training.algorithm": "uls", "training.group_size": 2, "training.cohort_size": 2.0}
+    median = {"group_size": 2, "group_size_method": "dp_median"}
+    plans = {
+        "negative-median-epsilon": (_plan_json(dp_median_epsilon_spent=-5, els=median), "dp_median_epsilon_spent"),
+        "nan-median-epsilon": (_plan_json(dp_median_epsilon_spent=float("nan"), els=median), "dp_median_epsilon_spent"),
+        "median-epsilon-without-event": (_plan_json(dp_median_epsilon_spent=0.5, els=median), "dp_median_event"),
+        "nonprivate": (_plan_json(applied="nonprivate", overrides={**over, "training.algorithm": "nonprivate"}),
+                       "training.algorithm"),
+        "upper-case-uls": (_plan_json(applied="ULS", overrides={**over, "training.algorithm": "ULS"}),
+                           "training.algorithm"),
+        "extra-override": (_plan_json(overrides={**over, "privacy.noise_multiplier": 0.0}), "overrides"),
+        "group-size-zero": (_plan_json(overrides={**over, "training.group_size": 0}), "training.group_size"),
+        "cohort-inf": (_plan_json(overrides={**over, "training.cohort_size": float("inf")}), "training.cohort_size"),
+        "deep-array": ("[" * 100_000 + "]" * 100_000, "p.json"),
+        "not-utf8": (b"\xff\xfe{", "p.json"),
+    }
+    for name, (text, needle) in plans.items():
+        out.append(Case(f"train-plan-{name}", "plan files", train_plan(text), must_contain=(needle,)))
+    out.append(Case("train-plan-conflicts-with-set", "plan files",
+                    train_plan(_plan_json(), "--set", "training.algorithm=els"),
+                    must_contain=("--set training.algorithm=els", "p.json")))
+
+    def tune(space_text, *flags, cfg_body=""):
+        def build(w, r):
+            space = _write(w, "space.yaml", space_text)
+            return ["tune", str(_tiny_config(w, cfg_body)), "--search", str(space), "--epsilon", "8",
+                    "--output", str(w / "tune-out"), "--no-progress", *flags]
+        return build
+
+    good = "training.lr: {log_uniform: [0.001, 0.1]}\n"
+    spaces = {
+        "unknown-key": ("training.bogus: [1, 2]\n", "training.bogus"),
+        "string-for-number": ("training.lr: [fast]\n", "training.lr"),
+        "negative-lr-range": ("training.lr: {uniform: [-1, 0.1]}\n", "training.lr"),
+        "unknown-preset": ("model.preset: [nope]\n", "model.preset"),
+        "nonprivate-trial": ("training.algorithm: [uls, nonprivate]\n", "nonprivate"),
+        "range-to-overflow": ("training.lr: {uniform: [0.001, 1.0e+309]}\n", "training.lr"),
+        "alias-bomb": ("a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                       "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\ntraining.lr: [*c, *c, *c, *c, *c]\n", "aliases"),
+    }
+    for name, (text, needle) in spaces.items():
+        out.append(Case(f"tune-space-{name}", "tuning", tune(text), must_contain=(needle,)))
+    out.append(Case("tune-space-not-utf8", "tuning",
+                    lambda w, r: ["tune", str(_tiny_config(w)), "--search", str(_write(w, "s.yaml", b"\xff\xfe: [1]")),
+                                  "--epsilon", "8", "--no-progress"], must_contain=("UTF-8",)))
+    for flag, v in (("--mean-trials", "1e15"), ("--mean-trials", "inf"), ("--eta", "1e300"), ("--epsilon", "inf")):
+        out.append(Case(f"tune{flag}={v}", "tuning", tune(good, flag, v), must_contain=(flag,)))
+    out.append(Case("tune-output-is-file", "tuning",
+                    lambda w, r: ["tune", str(_tiny_config(w)), "--search", str(_write(w, "s2.yaml", good)),
+                                  "--epsilon", "8", "--output", str(_write(w, "tune-file", "keep")), "--no-progress"],
+                    untouched=("tune-file",), must_contain=("--output",)))
+
+    def damaged_tune(w, r):
+        d = w / "tune-damaged"
+        d.mkdir(exist_ok=True)
+        (d / "tune.json").write_text(json.dumps({"format": "userdp-tune-1", "trials_planned": 2}))
+        return ["tune", "--resume", str(d), "--no-progress"]
+
+    out.append(Case("tune-resume-damaged-state", "tuning", damaged_tune, must_contain=("tune.json",)))
+    out.append(Case("train-audit-secrets-inside-run-dir", "plan files",
+                    lambda w, r: ["train", str(_tiny_config(w)), "--output", str(w / "audited"), "--no-progress",
+                                  "--set", "audit.canaries=4", "--set", f"audit.secrets={w / 'audited' / 's.json'}"],
+                    must_contain=("audit.secrets",)))
+    return out
+
+
 def run_dir_cases() -> list[Case]:
     def damage(fn):
         def build(w, r):
@@ -395,6 +482,31 @@ def run_dir_cases() -> list[Case]:
         c = (r / "config.yaml").read_text()
         (r / "config.yaml").write_text(c.replace("steps: 4", "steps: 5", 1))
 
+    def recomputed(edit):
+        """Edit privacy.json's DpEvent or delta and recompute epsilon with userdp itself (no hash to forge)."""
+        def f(r):
+            from userdp import accounting as A
+
+            rec = json.loads((r / "privacy.json").read_text())
+            edit(rec)
+            rec["epsilon"] = A.epsilon(A.event_from_dict(rec["dp_event"]), rec["delta"])
+            (r / "privacy.json").write_text(json.dumps(rec))
+        return f
+
+    def raise_sigma(rec):
+        def walk(e):
+            if isinstance(e, dict):
+                for k in ("noise_multiplier", "standard_deviation"):
+                    if k in e:
+                        e[k] = e[k] * 1.5
+                for v in e.values():
+                    walk(v)
+        walk(rec["dp_event"])
+
+    def cut_journal(r):  # a valid prefix of the chain: the header and the first step only
+        p = r / "checkpoints/ledger_journal.jsonl"
+        p.write_text("".join(p.read_text().splitlines(keepends=True)[:2]))
+
     cases = {
         "report-privacy-truncated": damage(truncate("privacy.json")),
         "report-privacy-list": damage(replace("privacy.json", "[1, 2, 3]")),
@@ -407,6 +519,18 @@ def run_dir_cases() -> list[Case]:
         "report-event-bogus-class": damage(edit_privacy("dp_event", lambda e: {"class_name": "os.system"})),
         "report-steps-edited": damage(edit_privacy("steps_taken", lambda s: 1)),
         "report-config-missing": damage(lambda r: (r / "config.yaml").unlink()),
+        "report-sigma-raised-epsilon-recomputed": damage(recomputed(raise_sigma)),
+        "report-delta-raised-epsilon-recomputed": damage(recomputed(lambda rec: rec.update(delta=min(0.9, rec["delta"] * 3)))),
+        "report-privacy-of-another-run": damage(edit_privacy(
+            "engine_record", lambda e: {**e, "journal": {**e["journal"], "run": "0" * 32}})),
+        "report-config-of-another-run": damage(other_config),
+        "report-journal-cut": damage(cut_journal),
+        "report-journal-head-deleted-and-cut": damage(both(cut_journal,
+                                                           lambda r: (r / "checkpoints/ledger_head.json").unlink())),
+        "report-model-weights-flipped": damage(lambda r: _flip(next((r / "model").glob("*.safetensors")))),
+        "report-checkpoint-weights-flipped": damage(lambda r: _flip(r / "checkpoints/model.safetensors")),
+        "report-model-manifest-missing": damage(lambda r: (r / "model/MANIFEST.json").unlink()),
+        "evaluate-weights-flipped": evaluate_after(lambda r: _flip(next((r / "model").glob("*.safetensors")))),
         "resume-checkpoint-truncated": resume_after(both(undone, truncate("checkpoints/checkpoint.pt"))),
         "resume-checkpoint-flipped": resume_after(both(undone, lambda r: _flip(r / "checkpoints/checkpoint.pt"))),
         "resume-weights-flipped": resume_after(both(undone, lambda r: _flip(r / "checkpoints/model.safetensors"))),
@@ -439,7 +563,7 @@ def _truncate_any(folder: Path, suffix: str) -> None:
 
 
 def all_cases(_work: Optional[Path] = None) -> list[Case]:
-    return accounting_cases() + data_cases() + cli_cases() + run_dir_cases()
+    return accounting_cases() + data_cases() + cli_cases() + guarantee_cases() + run_dir_cases()
 
 
 def make_run(work: Path) -> Path:

@@ -23,7 +23,8 @@ CASES = all_cases()
 def test_the_catalogue_is_large_and_covers_every_category():
     assert len(CASES) >= 150
     cats = {c.category for c in CASES}
-    assert {"accounting extremes", "damaged data files", "CLI numbers and paths", "run directories"} <= cats
+    assert {"accounting extremes", "damaged data files", "CLI numbers and paths", "run directories",
+            "plan files", "tuning"} <= cats
     assert len({c.id for c in CASES}) == len(CASES)
 
 
@@ -101,6 +102,8 @@ def test_hostile_input_is_refused_in_one_line(case, fuzz_env, request, capsys):
         assert f"--{flag}" in line, line
     if case.category == "damaged data files" and argv[:2] == ["data", "stats"] and Path(argv[2]).suffix:
         assert Path(argv[2]).name in line or "--" in line, line  # the file, or the option at fault
+    for needle in case.must_contain:  # the line names what is wrong
+        assert needle in line, (needle, line)
     for rel, digest in before.items():
         assert _digest(work / rel) == digest, f"{rel} was changed"
     for p in outputs:  # nothing half-written left behind

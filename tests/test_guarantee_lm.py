@@ -332,6 +332,37 @@ def test_report_refuses_an_edited_epsilon_and_damaged_files(tiny, capsys):
     assert "state.json" in _one_error_line(capsys.readouterr().err)
 
 
+def test_report_refuses_files_from_another_run_and_an_event_edited_with_epsilon_recomputed(tiny, capsys):
+    """Issue 25 (3): privacy.json or config.yaml copied in from another run of the same config, and
+    a DpEvent whose sigma was raised with epsilon recomputed by userdp itself (no hash to forge)."""
+    import shutil
+
+    tmp, cfg, _ = tiny
+    a, b = tmp / "a", tmp / "b"
+    assert _train([str(cfg), "--output", str(a)], capsys)[0] == 0
+    assert _train([str(cfg), "--output", str(b), "--set", "training.lr=0.002"], capsys)[0] == 0
+    good = (b / "privacy.json").read_bytes()
+    shutil.copy(a / "privacy.json", b / "privacy.json")
+    assert cli(["report", str(b)]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "privacy.json" in line and "another run" in line
+    (b / "privacy.json").write_bytes(good)
+    good_cfg = (b / "config.yaml").read_bytes()
+    shutil.copy(a / "config.yaml", b / "config.yaml")
+    assert cli(["report", str(b)]) == 2
+    assert "config.yaml" in _one_error_line(capsys.readouterr().err)
+    (b / "config.yaml").write_bytes(good_cfg)
+    rec = json.loads(good)
+    rec["dp_event"]["event"]["event"]["noise_multiplier"] *= 1.5
+    rec["epsilon"] = accounting.epsilon(accounting.event_from_dict(rec["dp_event"]), rec["delta"])
+    assert rec["epsilon"] < json.loads(good)["epsilon"]
+    (b / "privacy.json").write_text(json.dumps(rec))
+    assert cli(["report", str(b)]) == 2
+    assert "DpEvent is not the ledger journal's" in _one_error_line(capsys.readouterr().err)
+    (b / "privacy.json").write_bytes(good)
+    assert cli(["report", str(b)]) == 0
+
+
 # ------------------------------------------------------------------------------ item 14
 def test_data_cache_is_keyed_by_content_not_size_and_mtime(tiny):
     from userdp.lm import config as C

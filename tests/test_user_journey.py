@@ -53,6 +53,8 @@ def test_the_readme_own_data_commands_run_as_written(tmp_path, monkeypatch, caps
         assert (run / name).is_file(), name
     priv = json.loads((run / "privacy.json").read_text())
     assert any("plan" in n for n in priv["not_accounted"])
+    # init's G (the exact private median) is a non-private touch too: disclosed whichever command made it
+    assert any(n.startswith("userdp init:") and "median" in n for n in priv["not_accounted"])
     # output.cache: run (written by init): no private data left in the shared cache
     assert cli(["cache", "info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -70,6 +72,8 @@ def test_init_guesses_fields_writes_a_valid_config_and_never_overwrites(tmp_path
     cfg = C.load_config(str(out))
     assert (cfg.data.user_field, cfg.data.text_field, cfg.data.source) == ("author", "body", "jsonl")
     assert cfg.training.group_size == 6 and cfg.output.cache == "run"  # median records per user
+    # reading the per-user counts to choose G is a non-private touch, carried to the report
+    assert any("G = 6" in t and "median" in t for t in cfg.privacy.disclosed_touches)
     before = out.read_text()
     assert cli(["init", str(data), "--output", str(out)]) == 2
     assert out.read_text() == before

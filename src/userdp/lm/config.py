@@ -19,6 +19,7 @@ from typing import Any, Optional
 import yaml
 
 from userdp.devices import DEVICE_SPEC
+from userdp.lm.presets import PRESETS
 from userdp.errors import UserError
 
 
@@ -425,6 +426,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"data.heldout_users must be a fraction in (0, 1), got {d.heldout_users}")
     if m.preset is None and m.path is None:
         bad("model: give model.preset (tiny, small, base) or model.path (a local directory)")
+    if m.preset is not None and m.path is None and m.preset not in PRESETS:
+        bad(f"model.preset must be one of {', '.join(PRESETS)}, got {m.preset!r}")
     if not DEVICE_SPEC.match(str(m.device).strip().lower()):
         bad(f"model.device must be auto, cpu, cuda or cuda:<index>, got {m.device!r}")
     if t.algorithm == "fedavg" and t.per_unit == "ghost":

@@ -109,7 +109,7 @@ def load_space(path: str) -> Space:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"--search {path}{where}: not valid YAML") from None
+        raise UserError(f"--search {path}{where}: not valid YAML ({getattr(exc, 'problem', None) or exc})") from None
     return parse_space(raw, str(path))
 
 
