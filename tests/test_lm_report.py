@@ -1,6 +1,5 @@
 """The privacy statement (SPEC §8.3): every checklist field non-empty; tiers; mismatch flagged."""
 
-import json
 
 import pytest
 
