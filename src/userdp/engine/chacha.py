@@ -122,7 +122,7 @@ def chacha20_blocks(key: Sequence[int], nonce: Sequence[int], counter: int, n: i
 #: Box-Muller's radius is sqrt(-2 ln u1): u1 is drawn with 85 bits (53 + 32), so the radius is
 #: bounded by sqrt(2 * 85 ln 2) = 10.85; the Gaussian mass it drops is 2^-85 per pair of normals,
 #: added to delta by :func:`tail_delta` (the 53-bit u1 of before dropped 2^-53 a pair, which at
-#: GPT-2 size and epsilon = 8 would have added ~2e-5 to delta over 1,000 steps).
+#: GPT-2 size and epsilon = 8 would have added about 0.02 to delta over 1,000 steps).
 TAIL_MASS_PER_PAIR = 2.0 ** -85
 
 
