@@ -381,6 +381,15 @@ def guarantee_cases() -> list[Case]:
     }
     for name, (text, needle) in plans.items():
         out.append(Case(f"train-plan-{name}", "plan files", train_plan(text), must_contain=(needle,)))
+    out.append(Case("plan-save-over-its-config", "plan files",
+                    lambda w, r: ["plan", str(_tiny_config(w)), "--compute-budget", "8", "--save", str(w / "c.yaml")],
+                    untouched=("c.yaml",), must_contain=("--save",)))
+    out.append(Case("plan-save-is-a-folder", "plan files",
+                    lambda w, r: ["plan", str(_tiny_config(w)), "--compute-budget", "8", "--save", str(w)],
+                    must_contain=("--save",)))
+    out.append(Case("plan-save-missing-folder", "plan files",
+                    lambda w, r: ["plan", str(_tiny_config(w)), "--compute-budget", "8", "--save",
+                                  str(w / "nowhere" / "p.json")], must_contain=("--save",)))
     out.append(Case("train-plan-conflicts-with-set", "plan files",
                     train_plan(_plan_json(), "--set", "training.algorithm=els"),
                     must_contain=("--set training.algorithm=els", "p.json")))

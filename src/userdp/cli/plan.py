@@ -67,10 +67,26 @@ def _run(args: argparse.Namespace) -> int:
     return _plan(args)
 
 
+def _check_save(args: argparse.Namespace) -> Path:
+    """Where the plan goes, checked before the planning pass: never the config it read, never a
+    folder, never into a missing folder."""
+    save = Path(args.save) if args.save else Path.cwd() / time.strftime("userdp-plan-%Y%m%d-%H%M%S.json", time.gmtime())
+    if save.is_dir():
+        raise UserError(f"--save {save}: a folder; give a file name (e.g. {save / 'plan.json'})")
+    if not save.parent.is_dir():
+        raise UserError(f"--save {save}: the folder {save.parent} does not exist")
+    if args.config and save.exists() and save.resolve() == Path(args.config).resolve():
+        raise UserError(f"--save {save}: that is the config this plan reads; save the plan elsewhere")
+    if save.exists() and not save.is_file():
+        raise UserError(f"--save {save}: exists and is not a regular file")
+    return save
+
+
 def _plan(args: argparse.Namespace) -> int:
     from userdp import heuristics
 
     logging.getLogger("absl").setLevel(logging.ERROR)
+    save = _check_save(args)
     if args.compute_budget < 1:
         raise UserError(f"--compute-budget must be >= 1, got {args.compute_budget}")
     if args.sample_users < 1:
@@ -103,7 +119,6 @@ def _plan(args: argparse.Namespace) -> int:
     out["config"] = args.config or "embedded default of `userdp train`"
     out["config_overrides"] = list(args.set or [])
     out["apply"] = {k: v for k, v in plan.training_overrides().items()}
-    save = Path(args.save) if args.save else Path.cwd() / time.strftime("userdp-plan-%Y%m%d-%H%M%S.json", time.gmtime())
     write_json_atomic(save, out)
     out["saved_to"] = str(save)
     if args.json:

@@ -197,9 +197,26 @@ def read_json(path: Path):
 
 
 def write_json_atomic(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` through a temporary file and a rename: a failed write
+    (a full disk, no permission) leaves the old file whole, no ``.tmp`` behind, and one line.
+
+    Raises:
+        UserError: naming ``path``."""
+    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    text = json.dumps(obj, indent=2, default=_json_default) + "\n"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise UserError(f"{path}: cannot write it ({exc.strerror or exc})") from None
 
 
 def _json_default(o):
