@@ -47,13 +47,53 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
-from userdp.engine.precision import Precision
+from userdp.engine.precision import Precision, exact_float32
 from userdp.errors import UserError
 
 
 class GhostUnsupported(UserError):
     """The model cannot be served by ghost norms (a layer that is not batch-first, an input broadcast
     over the batch, a parameter used outside its layers): ``per_unit: auto`` then uses vmap."""
+
+
+#: where bf16 factors are contracted on tensor cores (bf16 inputs, float32 accumulation and
+#: output: aten ``mm.dtype``/``bmm.dtype``); elsewhere (the CPU) the reference path upcasts first.
+#: "auto" follows the device; tests force "on" to run the same arithmetic on the CPU (emulated).
+TENSOR_CORES = "auto"
+_TC_DEVICES = ("cuda", "meta")
+
+#: each norm is inflated by this many units of the compute dtype's epsilon before the clip factor
+#: is taken from it (2^-15 relative in float32, 6e-14 in float64): a unit's norm and its sum are
+#: reduced in different orders, and the margin keeps what is summed within C all the same
+FACTOR_MARGIN_ULPS = 256
+
+
+def _tensor_cores(device: torch.device) -> bool:
+    return TENSOR_CORES == "on" or (TENSOR_CORES == "auto" and device.type in _TC_DEVICES)
+
+
+def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two bf16 tensors (2-D or batched 3-D) with float32 accumulation and output.
+
+    On CUDA one tensor-core GEMM (aten ``mm.dtype``/``bmm.dtype``); on the CPU the same numbers by
+    upcasting first (a product of two bf16 numbers is exact in float32, so the two differ only in
+    the order of the float32 sums)."""
+    if a.device.type in _TC_DEVICES:
+        return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def round_down_bf16(c: torch.Tensor) -> torch.Tensor:
+    """The largest bf16 values <= ``c`` (float32, >= 0): the float32 mantissa truncated to bf16's
+    7 bits, which for non-negative numbers rounds down. Exact: the result is a bf16 number."""
+    return (c.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+
+
+def split_bf16(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hi, lo)`` bf16 with ``hi + lo == p`` exactly, for ``p`` a float32 product of two bf16
+    numbers (at most 16 significant bits: hi holds the leading 8, lo the rest)."""
+    hi = p.to(torch.bfloat16)
+    return hi, (p - hi.float()).to(torch.bfloat16)
 
 
 @dataclass
@@ -70,6 +110,14 @@ class Factored:
     index: bool = False
     #: the dtype everything is computed in (float32, or float64); ``x``/``y`` may be stored narrower
     dtype: torch.dtype | None = None
+    #: contract bf16 ``x``/``y`` on tensor cores (float32 accumulation) instead of upcasting first
+    tc: bool = False
+
+    @property
+    def narrow(self) -> bool:
+        """Both factors bf16 (token ids count as exact), so tensor cores may contract them."""
+        return (self.tc and self.y.dtype == torch.bfloat16 and self.compute_dtype == torch.float32
+                and (self.index or self.x.dtype == torch.bfloat16))
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -99,10 +147,27 @@ class Factored:
             rows = (self.x + self.size_x * torch.arange(m, device=self.x.device).unsqueeze(1)).reshape(-1)
             out.index_add_(0, rows, self.fy().reshape(-1, y))
             return out.view(m, self.size_x, y)
+        if self.narrow:
+            return _mm32(self.x.transpose(1, 2), self.y)
         return torch.bmm(self.fx().transpose(1, 2), self.fy())
 
     def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
-        """``Σ_u c_u Σ_t x[u,t] ⊗ y[u,t]`` (``[X, Y]``): the clipped sum of this use."""
+        """``Σ_u c_u Σ_t x[u,t] ⊗ y[u,t]`` (``[X, Y]``): the clipped sum of this use.
+
+        On tensor cores (:attr:`narrow`) the factors ``c`` must already be bf16 numbers (see
+        :func:`round_down_bf16`): then each ``c_u · y`` is exact in float32 and splits exactly into
+        two bf16 pieces, and ``xᵀ hi + xᵀ lo`` is one bf16 GEMM with float32 accumulation — the
+        float32 result up to the order of its sums, at twice the bf16 FLOPs instead of float32's."""
+        if self.narrow:
+            p = self.y.float() * c.float().view(-1, 1, 1)  # exact: bf16 x bf16
+            width = self.y.shape[2]
+            if self.index:
+                out = torch.zeros(self.size_x, width, dtype=torch.float32, device=p.device)
+                return out.index_add_(0, self.x.reshape(-1), p.reshape(-1, width))
+            hi, lo = split_bf16(p)
+            both = torch.cat([hi, lo], dim=2).reshape(-1, 2 * width)
+            out = _mm32(self.x.reshape(-1, self.x.shape[2]).T, both)
+            return out[:, :width] + out[:, width:]
         y = (self.fy() * c.view(-1, 1, 1)).reshape(-1, self.y.shape[2])
         if self.index:
             out = torch.zeros(self.size_x, y.shape[1], dtype=y.dtype, device=y.device)
@@ -112,7 +177,7 @@ class Factored:
     def zero_units(self, bad: torch.Tensor) -> Factored:
         keep = ~bad.view(-1, 1, 1)
         x = self.x if self.index else torch.where(keep, self.x, 0.0)
-        return Factored(x, torch.where(keep, self.y, 0.0), self.size_x, self.index, self.dtype)
+        return Factored(x, torch.where(keep, self.y, 0.0), self.size_x, self.index, self.dtype, self.tc)
 
 
 def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
@@ -123,14 +188,23 @@ def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
         return torch.gather(b.fx(), 2, a.x.unsqueeze(1).expand(-1, b.x.shape[1], -1)).transpose(1, 2)
     if b.index:
         return _x_gram(b, a).transpose(1, 2)
+    if a.narrow and b.narrow:  # bf16 x bf16 is exact in float32: tensor cores, float32 accumulation
+        return _mm32(a.x, b.x.transpose(1, 2))
     ax = a.fx()
     return torch.bmm(ax, (ax if b is a else b.fx()).transpose(1, 2))
 
 
+def _y_gram(a: Factored, b: Factored) -> torch.Tensor:
+    """``[m, Ta, Tb]``: the inner products of a's and b's y rows."""
+    if a.narrow and b.narrow:
+        return _mm32(a.y, b.y.transpose(1, 2))
+    ay = a.fy()  # a use's own norm (b is a): one upcast, not two
+    return torch.bmm(ay, (ay if b is a else b.fy()).transpose(1, 2))
+
+
 def _inner(a: Factored, b: Factored) -> torch.Tensor:
     """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, Σ_s b.x_s ⊗ b.y_s>`` per unit, from two Gram matrices."""
-    ay = a.fy()  # a use's own norm (b is a): one upcast, not two
-    return (_x_gram(a, b) * torch.bmm(ay, (ay if b is a else b.fy()).transpose(1, 2))).sum(dim=(1, 2))
+    return (_x_gram(a, b) * _y_gram(a, b)).sum(dim=(1, 2))
 
 
 def _inner_dense(a: Factored, mat: torch.Tensor) -> torch.Tensor:
@@ -259,9 +333,10 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
 
 def _weighted_sum(dense: torch.Tensor | None, factored: list[Factored], c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``Σ_u c_u · (unit u's gradient of p)`` from its materialized part and its factored uses."""
-    s = torch.zeros(p.shape, dtype=c.dtype, device=p.device)
+    wide = c.float() if c.dtype == torch.bfloat16 else c  # a bf16 factor (tensor cores) is exact in float32
+    s = torch.zeros(p.shape, dtype=wide.dtype, device=p.device)
     if dense is not None:
-        s += torch.tensordot(c, dense, dims=1).reshape(p.shape)
+        s += torch.tensordot(wide, dense, dims=1).reshape(p.shape)
     for x in factored:
         s += x.weighted_sum(c).reshape(p.shape)
     return s
@@ -348,6 +423,7 @@ class GhostPerUnit:
         """
         m, g_cap = mask.shape
         n = m * g_cap
+        tc = _tensor_cores(self.params[0].device)
         flat = {k: v.reshape(n, *v.shape[2:]) for k, v in batch.items()}
         losses, captures = self._forward(flat)
         if losses.shape != (n,):
@@ -361,41 +437,53 @@ class GhostPerUnit:
         grads = torch.autograd.grad(unit_loss.sum() * scale, outs + (self.params if check else []),
                                     allow_unused=True)
         out_grads, batch_grads = grads[: len(outs)], grads[len(outs):]
-        contrib: list[list] = [[] for _ in self.params]
-        for cap, go in zip(captures, out_grads):
-            if go is None:
-                continue
-            if go.dim() == 0 or go.shape[0] != n:
-                raise GhostUnsupported(f"per_unit=ghost: the output of a {type(cap.module).__name__} layer has shape "
-                                f"{tuple(go.shape)}, not the chunk's {n} records first (an input broadcast over the "
-                                "batch, e.g. position ids of shape [1, L]: pass them per record), so its gradient "
-                                "mixes units: use training.per_unit: vmap")
-            go = go.to(acc_dtype) / scale if scale != 1.0 else go
-            for attr, parts in self._handler(cap.module)(cap.module, cap.inputs, go, m, acc_dtype).items():
-                p = getattr(cap.module, attr)
-                if p is not None and p.requires_grad:
-                    contrib[self._index[id(p)]].extend(parts)
-        dense, factored = self._arrange(contrib, m, acc_dtype)
-        tn = torch.stack([self._norm2(d, fs) for d, fs in zip(dense, factored)], dim=1).clamp(min=0).sqrt()
-        if check:
-            self._verify(contrib, dense, factored, batch_grads, scale)
-        # from here on only dense/factored hold the captured tensors: each parameter's are released
-        # once its share of the sum is formed, so the sums do not pile up on top of every capture
-        cap = go = None  # the loop variables above hold the last layer's tensors
-        del captures, outs, grads, out_grads, batch_grads, contrib, cap, go
-        f, norms = clipping.factors_from_norms(tn, clip_state)
-        bad = ~torch.isfinite(norms)
-        c = torch.where(bad.unsqueeze(1), 0.0, f.to(acc_dtype)) * weights.to(acc_dtype).unsqueeze(1)
-        sums = []
-        for j, p in enumerate(self.params):
-            d, fs = dense[j], factored[j]
-            dense[j] = factored[j] = None
-            if bool(bad.any()):
+        # every contraction of norms and sums in IEEE float32, whatever the caller's TF32 setting
+        with exact_float32():
+            contrib: list[list] = [[] for _ in self.params]
+            for cap, go in zip(captures, out_grads):
+                if go is None:
+                    continue
+                if go.dim() == 0 or go.shape[0] != n:
+                    raise GhostUnsupported(f"per_unit=ghost: the output of a {type(cap.module).__name__} layer has shape "
+                                    f"{tuple(go.shape)}, not the chunk's {n} records first (an input broadcast over the "
+                                    "batch, e.g. position ids of shape [1, L]: pass them per record), so its gradient "
+                                    "mixes units: use training.per_unit: vmap")
+                go = go.to(acc_dtype) / scale if scale != 1.0 else go
+                for attr, parts in self._handler(cap.module)(cap.module, cap.inputs, go, m, acc_dtype).items():
+                    p = getattr(cap.module, attr)
+                    if p is not None and p.requires_grad:
+                        for part in parts:
+                            if isinstance(part, Factored):
+                                part.tc = tc
+                        contrib[self._index[id(p)]].extend(parts)
+            dense, factored = self._arrange(contrib, m, acc_dtype)
+            tn = torch.stack([self._norm2(d, fs) for d, fs in zip(dense, factored)], dim=1).clamp(min=0).sqrt()
+            if check:
+                self._verify(contrib, dense, factored, batch_grads, scale)
+            # from here on only dense/factored hold the captured tensors: each parameter's are released
+            # once its share of the sum is formed, so the sums do not pile up on top of every capture
+            cap = go = None  # the loop variables above hold the last layer's tensors
+            del captures, outs, grads, out_grads, batch_grads, contrib, cap, go
+            # the factors see each norm inflated by a margin: the norm and the sum of a unit are
+            # reduced in different orders, and the margin keeps what is summed within C all the same
+            margin = FACTOR_MARGIN_ULPS * torch.finfo(tn.dtype).eps
+            f, _ = clipping.factors_from_norms(tn * (1.0 + margin), clip_state)
+            _, norms = clipping.factors_from_norms(tn, clip_state)
+            bad = ~torch.isfinite(norms)
+            c = torch.where(bad.unsqueeze(1), 0.0, f.to(acc_dtype)) * weights.to(acc_dtype).unsqueeze(1)
+            sums = []
+            for j, p in enumerate(self.params):
+                d, fs = dense[j], factored[j]
+                dense[j] = factored[j] = None
+                # unconditionally: `if bad.any()` would wait for the device once per parameter per chunk
                 d = torch.where(bad.view(-1, *([1] * (d.dim() - 1))), 0.0, d) if d is not None else None
                 fs = [x.zero_units(bad) for x in fs]
-            sums.append(_weighted_sum(d, fs, c[:, j], p))
-            del d, fs
-        return sums, torch.where(bad, 0.0, norms), unit_loss.detach(), bad
+                cj = c[:, j]
+                if any(x.narrow for x in fs):  # tensor cores: one bf16 factor (<= c) for all the parameter's parts
+                    cj = round_down_bf16(cj)
+                sums.append(_weighted_sum(d, fs, cj, p))
+                del d, fs
+            return sums, torch.where(bad, 0.0, norms), unit_loss.detach(), bad
 
     def _arrange(self, contrib, m, dtype):
         """Per parameter: the materialized part ``[m, *shape]`` (or None) and the uses kept factored.

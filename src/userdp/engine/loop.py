@@ -33,7 +33,7 @@ from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan  # noqa: F401  (re-exported)
-from userdp.engine.precision import Precision
+from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError
 
@@ -91,6 +91,14 @@ def _seeds(seed: int | None, combiner, device="cpu"):
     return np.random.default_rng(a), material, noise, torch_seed
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a blocking copy: pinned and non-blocking on CUDA (a
+    pageable copy waits for the device), as is elsewhere."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device, non_blocking=device.type != "cpu")
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Norms, clipped sums, the denominator and the noise: float32, or float64 for a float64 model."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -123,7 +131,8 @@ class _Run:
                           "model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
                           "master_weights": "float32" if self.master is not self.params else "the model's own",
                           "norms_sums_noise": sorted({str(_accumulation_dtype(p.dtype)).replace("torch.", "")
-                                                      for p in self.params})}
+                                                      for p in self.params}),
+                          "float32_contractions": EXACT_FLOAT32}
         self.dir = checkpoint_dir
         self.seeded = cfg.seed is not None
         # generators: the cohort and the data key (identical on every rank), the noise (main rank)
@@ -199,9 +208,8 @@ class _Run:
         if self._compact:
             batch, mask = compact_groups(batch, mask)
         batch, mask = self._pad(batch, mask, bucket_size(len(cid), self.cfg.chunk_size))
-        cuda = self.device.type == "cuda"
-        batch = {n: (v.pin_memory() if cuda else v).to(self.device, non_blocking=cuda) for n, v in batch.items()}
-        return batch, mask.to(self.device, dtype=self.params[0].dtype)
+        batch = {n: _to_device(v, self.device) for n, v in batch.items()}
+        return batch, _to_device(mask.to(self.params[0].dtype), self.device)
 
     def _prefetch(self, chunks):
         """The chunks' batches in order, the next one loaded by a worker thread while this one
@@ -221,7 +229,7 @@ class _Run:
         acc = _accumulation_dtype(self.params[0].dtype)
         sums = None  # the first chunk's sums become the accumulators (no extra model-sized buffer)
         # units, centered count, loss, clipped, weight, non-finite units
-        stats = torch.zeros(6, dtype=torch.float64)
+        stats = torch.zeros(6, dtype=torch.float64, device=self.device)  # read once a step, in run_step
         c_now = float(self.clip_state["clip_norm"])
         reproject = (cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
                      if getattr(algo, "reproject", False) else None)
@@ -235,7 +243,7 @@ class _Run:
             valid[:k] = 1.0
             w = valid.clone()
             if self.table.weights is not None:
-                w[:k] *= torch.as_tensor(self.table.weights[cid], dtype=w.dtype, device=self.device)
+                w[:k] *= _to_device(torch.as_tensor(self.table.weights[cid], dtype=w.dtype), self.device)
             part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, cfg.clipping, self.clip_state, acc,
                                                                  reproject=reproject)
             if sums is None:  # the strategy's sums are fresh: keep them (.to is a no-op in the same dtype)
@@ -247,7 +255,7 @@ class _Run:
             losses = torch.where(torch.isfinite(losses), losses.detach(), 0.0).to(acc)
             stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
                                   ((1 - unclipped) * valid).sum(), w.sum(),
-                                  (bad.to(acc) * valid).sum()]).double().cpu()
+                                  (bad.to(acc) * valid).sum()]).double()
         if sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
             sums = [torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype)) for p in self.params]
         return sums, stats
@@ -263,6 +271,7 @@ class _Run:
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
         mine = ids[comb.rank :: comb.world_size]
         sums, stats = self.clipped_sum(mine)
+        stats = stats.cpu()  # the step's one host sync: a few float64 statistics
         # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
         main = comb.rank == 0
         if main and plan.count_stddev:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from userdp.engine.clipping import per_tensor_norms
-from userdp.engine.precision import Precision
+from userdp.engine.precision import Precision, exact_float32
 from userdp.errors import UserError
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
@@ -189,11 +189,12 @@ class PerUnit:
             not finite); ``losses`` the units' losses; ``bad`` True where the update was Inf/NaN.
         """
         updates, losses = self(batch, mask, reproject=reproject)
-        f, norms = clipping.factors_from_norms(per_tensor_norms(updates), clip_state)
-        updates, f, bad = zero_nonfinite(updates, f, norms)
-        norms = torch.where(bad, 0.0, norms)
-        f = f.to(acc_dtype) * weights.unsqueeze(1)
-        sums = [torch.tensordot(f[:, j], u.to(acc_dtype), dims=1) for j, u in enumerate(updates)]
+        with exact_float32():  # norms and sums in IEEE float32 whatever the caller's TF32 setting
+            f, norms = clipping.factors_from_norms(per_tensor_norms(updates), clip_state)
+            updates, f, bad = zero_nonfinite(updates, f, norms)
+            norms = torch.where(bad, 0.0, norms)
+            f = f.to(acc_dtype) * weights.unsqueeze(1)
+            sums = [torch.tensordot(f[:, j], u.to(acc_dtype), dims=1) for j, u in enumerate(updates)]
         return sums, norms, losses, bad
 
 
@@ -203,14 +204,14 @@ def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
     zero: their clipped update would otherwise poison every coordinate of the sum, exactly when
     they are sampled. ``norms`` are the clipping strategy's per-unit norms (no second pass).
 
-    Returns the updates (zeroed rows only when a unit is bad), the factors (0 for bad units) and a
-    boolean [m] flag of the zeroed units.
+    Returns the updates (bad units' rows zeroed), the factors (0 for bad units) and a boolean [m]
+    flag of the zeroed units.
     """
     bad = ~torch.isfinite(norms)
-    if bool(bad.any()):
-        updates = [torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
-                   for u in updates]
-        factors = torch.where(bad.unsqueeze(1), torch.zeros((), dtype=factors.dtype, device=factors.device), factors)
+    # unconditionally (no `if bad.any()`: that would wait for the device once per chunk)
+    updates = [torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
+               for u in updates]
+    factors = torch.where(bad.unsqueeze(1), torch.zeros((), dtype=factors.dtype, device=factors.device), factors)
     return updates, factors, bad
 
 

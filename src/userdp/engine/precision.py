@@ -23,6 +23,42 @@ import torch
 from userdp.errors import UserError
 from userdp.validation import check_choice
 
+#: the backends whose float32 contractions may silently run in TF32 (10-bit mantissas) when a
+#: caller enabled it (HF's ``tf32=True``, Lightning, ``set_float32_matmul_precision("high")``)
+_FP32_BACKENDS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"), ("mkldnn", "matmul"),
+                  ("mkldnn", "conv"), ("mkldnn", "rnn"))
+
+#: what the privacy record says about the float32 contractions of norms and sums
+EXACT_FLOAT32 = "IEEE float32 (TF32 and other reduced float32 modes pinned off inside norms and clipped sums)"
+
+
+def _fp32_handles() -> list:
+    out = []
+    for backend, leaf in _FP32_BACKENDS:
+        h = getattr(getattr(torch.backends, backend, None), leaf, None)
+        if h is not None and hasattr(h, "fp32_precision"):
+            out.append(h)
+    return out
+
+
+@contextlib.contextmanager
+def exact_float32():
+    """Inside: every float32 matmul and convolution is IEEE float32, whatever the caller set
+    (TF32 would round the norms and the clipped sums to 10-bit mantissas, and a norm off by 0.1%
+    lets a unit past its clip bound). The caller's settings are restored on the way out. Uses
+    torch's per-backend ``fp32_precision`` (reading the legacy ``allow_tf32`` after a mix of the
+    two APIs is an error in torch)."""
+    handles = _fp32_handles()
+    before = [h.fp32_precision for h in handles]
+    try:
+        for h in handles:
+            h.fp32_precision = "ieee"
+        yield
+    finally:
+        for h, v in zip(handles, before):
+            h.fp32_precision = v
+
+
 #: ``training.precision`` values -> the autocast dtype (None: no autocast)
 PRECISIONS = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,0 +1,151 @@
+"""The ghost strategy's tensor-core path (issue 27, P1), proven on the CPU.
+
+On CUDA, bf16 factors are contracted by one bf16 GEMM with float32 accumulation and output (aten
+``mm.dtype``/``bmm.dtype``) instead of upcasting them first. Its arithmetic is emulated here
+exactly (``TENSOR_CORES = "on"``: a product of two bf16 numbers is exact in float32, so the
+emulation differs from the GPU only in the order of float32 sums):
+
+* Gram matrices: bf16 x bf16 products are exact in float32 (checked in float64);
+* the clip factor is rounded *down* to bf16, so the sensitivity can only shrink;
+* ``c' y`` splits exactly into two bf16 pieces (hi + lo reconstructs it bit for bit), so
+  ``xᵀ hi + xᵀ lo`` is the float32 clipped sum up to summation order;
+* every unit's clipped contribution stays within C, and the result matches the float32 path.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import userdp.engine.ghost as ghost_mod
+from userdp.engine.algorithms import ULS
+from userdp.engine.clipping import FlatClip, PerLayerClip
+from userdp.engine.ghost import GhostPerUnit, _mm32, round_down_bf16, split_bf16
+from userdp.engine.precision import Precision, _fp32_handles, exact_float32
+from userdp.lm import models
+from userdp.lm.models import causal_lm_loss
+
+BF16 = torch.bfloat16
+
+
+def _bf16(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(BF16)
+
+
+def test_bf16_products_and_grams_are_exact_in_float32():
+    a, b = _bf16(3, 40, 24, seed=1), _bf16(3, 24, 17, seed=2)
+    prods = a.float().unsqueeze(3) * b.float().unsqueeze(1)  # every product, in float32
+    assert torch.equal(prods.double(), a.double().unsqueeze(3) * b.double().unsqueeze(1))
+    got = _mm32(a, b)
+    assert got.dtype == torch.float32
+    exact = a.double() @ b.double()
+    # float32 accumulation of K = 24 exact products: the standard bound K u sum |a_i b_i|, u = 2^-24
+    absdot = a.double().abs() @ b.double().abs()
+    assert bool(((got.double() - exact).abs() <= 24 * 2.0 ** -24 * absdot).all())
+    assert torch.equal(got, a.float() @ b.float())  # the CPU emulation is the float32 Gram
+
+
+def test_the_clip_factor_is_rounded_down_to_the_largest_bf16_below_it():
+    c = torch.cat([torch.rand(10_000, generator=torch.Generator().manual_seed(3)),
+                   torch.tensor([1.0, 0.5, 2.0 ** -20, 0.0, 1.0 - 2.0 ** -24])])
+    r = round_down_bf16(c)
+    assert r.dtype == BF16
+    assert bool((r.float() <= c).all())
+    # the next bf16 number up is above c: nothing was given away
+    up = (r.float().view(torch.int32) + 0x10000).view(torch.float32)
+    assert bool((up > c).all())
+    assert float(round_down_bf16(torch.tensor([1.0]))) == 1.0
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-20, 1e20])
+def test_c_times_y_splits_exactly_into_two_bf16_pieces(scale):
+    y = _bf16(4, 64, 32, seed=4, scale=scale)
+    c = round_down_bf16(torch.rand(4, generator=torch.Generator().manual_seed(5)))
+    p = y.float() * c.float().view(-1, 1, 1)
+    assert torch.equal(p.double(), y.double() * c.double().view(-1, 1, 1))  # the product is exact
+    hi, lo = split_bf16(p)
+    assert hi.dtype == lo.dtype == BF16
+    assert torch.equal(hi.double() + lo.double(), p.double())  # bit for bit, checked in float64
+
+
+def _tiny_gpt2():
+    torch.manual_seed(0)
+    return models.build_preset("tiny", vocab_size=50, n_positions=32)
+
+
+def _chunk(m=4, G=2, L=12, seed=8):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 50, (m, G, L), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}, torch.ones(m, G)
+
+
+def _run(monkeypatch, mode, clip, w, model=None):
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", mode)
+    model = model or _tiny_gpt2()
+    batch, mask = _chunk()
+    return GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
+        batch, mask, w, clip, clip.initial_state(), torch.float32)
+
+
+@pytest.mark.parametrize("clip", [FlatClip(0.5), PerLayerClip(0.05), FlatClip(1e9)],
+                         ids=["flat", "per_layer", "unclipped"])
+def test_tensor_core_sums_match_the_float32_path(monkeypatch, clip):
+    """Same norms bit for bit (Grams of bf16 factors are exact, summed in float32); sums within the
+    bf16 rounding of the clip factor (at most 2^-8 relative a unit) of the float32 reference."""
+    w = torch.tensor([1.0, 0.5, 2.0, 1.0])
+    ref = _run(monkeypatch, "off", clip, w)
+    tc = _run(monkeypatch, "on", clip, w)
+    assert torch.allclose(tc[1], ref[1], rtol=1e-5)
+    num = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(tc[0], ref[0])))
+    den = torch.sqrt(sum((b.double() ** 2).sum() for b in ref[0]))
+    assert float(num / den) < 2.0 ** -7
+    assert all(a.dtype == torch.float32 for a in tc[0])
+
+
+def test_each_units_tensor_core_contribution_is_within_the_bound(monkeypatch):
+    clip = FlatClip(0.05)
+    model = _tiny_gpt2()
+    for u in range(4):
+        w = torch.zeros(4)
+        w[u] = 1.0
+        sums, norms, *_ = _run(monkeypatch, "on", clip, w, model)
+        total = torch.sqrt(sum((s.double() ** 2).sum() for s in sums))
+        assert float(norms[u]) > 0.05 and float(total) <= 0.05
+
+
+def test_the_float32_contractions_run_with_tf32_pinned_off(monkeypatch):
+    """Whatever the caller set (HF's tf32=True sets these), the norms and sums see IEEE float32,
+    and the caller's setting is back afterwards."""
+    handles = _fp32_handles()
+    assert handles, "this torch has per-backend fp32_precision"
+    seen = []
+    real = ghost_mod._inner
+
+    def spy(a, b):
+        seen.append([h.fp32_precision for h in handles])
+        return real(a, b)
+
+    monkeypatch.setattr(ghost_mod, "_inner", spy)
+    before = [h.fp32_precision for h in handles]
+    try:
+        for h in handles:
+            h.fp32_precision = "tf32"
+        _run(monkeypatch, "off", FlatClip(0.5), torch.ones(4))
+        assert seen and all(v == "ieee" for row in seen for v in row)
+        assert [h.fp32_precision for h in handles] == ["tf32"] * len(handles)
+    finally:
+        for h, v in zip(handles, before):
+            h.fp32_precision = v
+    with exact_float32():
+        assert all(h.fp32_precision == "ieee" for h in handles)
+    assert [h.fp32_precision for h in handles] == before
+
+
+def test_meta_runs_the_cuda_contractions():
+    """aten mm.dtype / bmm.dtype (the CUDA path) exist on the meta device: shapes and dtypes."""
+    a = torch.empty(3, 5, 7, dtype=BF16, device="meta")
+    b = torch.empty(3, 7, 2, dtype=BF16, device="meta")
+    out = _mm32(a, b)
+    assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (3, 5, 2)
+    assert _mm32(a[0], b[0]).shape == (5, 2)
+    np.testing.assert_equal(ghost_mod._tensor_cores(torch.device("meta")), True)
