@@ -106,3 +106,37 @@ def test_the_engine_draws_from_chacha_where_the_device_says_so(monkeypatch):
     assert torch.equal(models[0].theta, models[1].theta)
     std = float(models[0].theta.detach().double().std())
     assert abs(std / (2.0 * 1e-9 / 10) - 1) < 5 / np.sqrt(2 * 20_000)
+
+
+def test_the_noise_kernel_is_built_with_the_run_and_a_fallback_says_why(monkeypatch):
+    """Issue 27 (5): compiled and checked when the run is built; a compile failure or a compiled
+    kernel that differs from the eager one falls back to eager and says so (never a bare pass)."""
+    from userdp.engine import chacha as CH
+
+    kernel, status = CH.compile_kernel(torch.device("cpu"))
+    assert kernel is CH._slab_eager and status.startswith("eager (cpu")
+
+    def boom(fn, **kw):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(CH.torch, "compile", boom)
+    kernel, status = CH.compile_kernel(torch.device("cpu"), force=True)
+    assert kernel is CH._slab_eager and "torch.compile failed: RuntimeError: no compiler here" in status
+
+    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: (lambda ctr, fixed: fn(ctr, fixed) + 1.0))
+    kernel, status = CH.compile_kernel(torch.device("cpu"), force=True)
+    assert kernel is CH._slab_eager and "differed" in status
+
+    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: fn)  # a compiler that gets it right
+    kernel, status = CH.compile_kernel(torch.device("cpu"), force=True)
+    assert status == "compiled"
+
+
+def test_the_fused_slab_kernel_draws_what_the_block_function_and_transform_draw():
+    from userdp.engine import chacha as CH
+
+    g = CH.ChaChaNoise(99, seeded=True)
+    key, nonce = g._key, (0, 0, CH._VECTOR)
+    want = CH._normals_from_blocks(CH.chacha20_blocks(key, nonce, 0, 5))[:37]
+    got = g.like([torch.zeros(37, dtype=torch.float64)], 1.0)[0]
+    assert torch.equal(got, want)

@@ -414,3 +414,26 @@ def test_auto_falls_back_to_vmap_for_a_parameter_no_layer_owns_in_its_forward():
     assert auto.name == "vmap" and "theta" in auto.fallback_reason
     assert bad.tolist() == [True, False, False] and float(norms[1]) > 0
     assert all(bool(torch.isfinite(x).all()) for x in sums)  # the inf unit contributes zero
+
+
+def test_ghost_norms_and_sums_are_the_same_under_sdpa_as_under_eager_attention():
+    """Issue 27 (6): models use SDPA (fused, O(L) memory on a GPU); the ghost strategy hooks only
+    layers with parameters, so attention's kernel changes nothing it computes. The vmap strategy
+    runs eager attention inside (fused kernels have no vmap batching rule) and restores SDPA."""
+    from userdp.lm.models import set_attention
+
+    model = _gpt2().double()
+    assert model.config._attn_implementation == "sdpa"
+    batch, mask = _lm_chunk(seed=3)
+    w = torch.tensor([1.0, 0.5, 2.0], dtype=F64)
+    clip = FlatClip(0.5)
+    out = {}
+    for impl in ("sdpa", "eager"):
+        set_attention(model, impl)
+        out[impl] = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
+            batch, mask, w, clip, clip.initial_state(), F64)
+    _assert_same(out["sdpa"], out["eager"], 1e-12)
+    set_attention(model, "sdpa")
+    vm = VmapPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)
+    assert model.config._attn_implementation == "sdpa"  # restored after the vmap strategy ran eager
+    _assert_same(vm, out["sdpa"], 1e-12)

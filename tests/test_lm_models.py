@@ -37,8 +37,10 @@ def test_loss_is_per_record_token_average_ignoring_padding():
 
 
 def test_vmapped_per_record_gradients_match_loop():
+    from userdp.engine.per_unit import eager_attention
+
     m = models.build_preset("tiny", vocab_size=40, n_positions=16)
-    assert m.config._attn_implementation == "eager"
+    assert m.config._attn_implementation == "sdpa"  # fused attention by default; vmap runs eager inside
     b = _batch(n=4, L=10, V=40, pad_from=7, seed=1)
     params = {k: v.detach() for k, v in m.named_parameters()}
 
@@ -56,7 +58,8 @@ def test_vmapped_per_record_gradients_match_loop():
     def one(p, ids, lab):
         return functional_call(w, p, (ids, lab))
 
-    g = vmap(grad(one), in_dims=(None, 0, 0))(params, b["input_ids"], b["labels"])
+    with eager_attention(m):
+        g = vmap(grad(one), in_dims=(None, 0, 0))(params, b["input_ids"], b["labels"])
     key = "m.transformer.h.0.mlp.c_fc.weight"
     for i in (0, 3):
         m.zero_grad()
@@ -108,7 +111,7 @@ def test_load_local_refuses_missing_dir_and_round_trips(tmp_path):
     m = models.build_preset("tiny", vocab_size=30, n_positions=16)
     models.save_model(m, tmp_path / "m")
     re = models.load_local(tmp_path / "m")
-    assert re.config._attn_implementation == "eager"
+    assert re.config._attn_implementation == "sdpa"
     x = torch.randint(0, 30, (1, 6))
     torch.testing.assert_close(re(input_ids=x).logits, m(input_ids=x).logits)
 

@@ -68,27 +68,44 @@ def _words(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
     return torch.stack([(x + y) & _MASK for x, y in zip(s, init)], dim=1)
 
 
-_COMPILED: dict = {}
+_COMPILED: dict = {}  # device type -> (the slab kernel, its status)
+
+
+def _slab_eager(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+    """Blocks ``ctr`` -> their float64 normals: the block function and the normals transform."""
+    return _normals_from_blocks(_words(ctr, fixed))
+
+
+def compile_kernel(device: torch.device, *, force: bool = False) -> tuple:
+    """``(kernel, status)``: the slab kernel (:func:`_slab_eager`) fused by ``torch.compile`` on
+    CUDA (eagerly it is about 2,000 small kernels a slab, ~20x slower), used only after it has
+    matched the eager function bit for bit on a test input; the eager function elsewhere. The
+    status is ``"compiled"`` or ``"eager (reason)"``, logged and recorded in the privacy record,
+    never a silent fallback. ``force`` compiles on any device (tests)."""
+    key = device.type
+    if key in _COMPILED and not force:
+        return _COMPILED[key]
+    if device.type != "cuda" and not force:
+        out = (_slab_eager, f"eager ({device.type}: compiled only on CUDA)")
+    else:
+        try:
+            compiled = torch.compile(_slab_eager, dynamic=True)
+            ctr = torch.arange(1, 34, dtype=torch.int64, device=device)
+            fixed = torch.arange(7, 7 + 16 * 977, 977, dtype=torch.int64, device=device)
+            if torch.equal(compiled(ctr, fixed), _slab_eager(ctr, fixed)):
+                out = (compiled, "compiled")
+            else:
+                out = (_slab_eager, "eager (the compiled kernel differed from the eager one on a test input)")
+        except Exception as exc:  # noqa: BLE001 - reported, not swallowed: the status says why
+            out = (_slab_eager, f"eager (torch.compile failed: {type(exc).__name__}: {str(exc)[:160]})")
+    if not force:
+        _COMPILED[key] = out
+    return out
 
 
 def _block_fn(device: torch.device):
-    """:func:`_words`, fused into one kernel by ``torch.compile`` on CUDA (eagerly it is about
-    2,000 small kernels a slab), used only after it has matched the eager function on a test
-    input; eager elsewhere, or where compiling fails."""
-    if device.type != "cuda":
-        return _words
-    if "cuda" not in _COMPILED:
-        fn = _words
-        try:
-            compiled = torch.compile(_words, dynamic=True)
-            ctr = torch.arange(1, 34, dtype=torch.int64, device=device)
-            fixed = torch.arange(7, 7 + 16 * 977, 977, dtype=torch.int64, device=device)
-            if torch.equal(compiled(ctr, fixed), _words(ctr, fixed)):
-                fn = compiled
-        except Exception:  # noqa: BLE001 - no compiler here: the eager function is the same function
-            pass
-        _COMPILED["cuda"] = fn
-    return _COMPILED["cuda"]
+    """The block function alone (:func:`chacha20_blocks`, the keystream tests): eager."""
+    return _words
 
 
 def chacha20_blocks(key: Sequence[int], nonce: Sequence[int], counter: int, n: int,
@@ -114,11 +131,15 @@ def chacha20_blocks(key: Sequence[int], nonce: Sequence[int], counter: int, n: i
         raise ValueError("ChaCha20 block counters must stay below 2^32")
     dev = torch.device(device)
     ctr = torch.arange(counter, counter + n, dtype=torch.int64, device=dev)
+    return _block_fn(dev)(ctr, _fixed_words(key, nonce, dev))
+
+
+def _fixed_words(key: Sequence[int], nonce: Sequence[int], dev: torch.device) -> torch.Tensor:
+    """The 16 input words (the counter word 0) on ``dev``: pinned and non-blocking on CUDA (a
+    pageable copy would wait for the device), once per draw."""
     fixed = torch.tensor([*_CONSTANTS, *(int(k) & _MASK for k in key), 0, *(int(x) & _MASK for x in nonce)],
                          dtype=torch.int64)
-    # 16 words: pinned and non-blocking on CUDA (a pageable copy would wait for the device)
-    fixed = fixed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else fixed.to(dev, non_blocking=True)
-    return _block_fn(dev)(ctr, fixed)
+    return fixed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else fixed.to(dev, non_blocking=True)
 
 
 #: Box-Muller's radius is sqrt(-2 ln u1): u1 is drawn with 85 bits (53 + 32), so the radius is
@@ -175,6 +196,11 @@ class ChaChaNoise:
         self.seeded = bool(seeded)
         self._draws = 0
 
+    def prepare(self, device) -> str:
+        """Build (compile and check) the slab kernel for ``device`` now, when the run is built,
+        not inside its first step; returns the status (``compiled`` or ``eager (reason)``)."""
+        return compile_kernel(torch.device(device))[1]
+
     def _slabs(self, count: int, device, purpose: int):
         """The next draw: ``count`` float64 normals as ``(offset, slab)`` pieces of at most 8M,
         computed on ``device``. The draw's nonce is taken now (also for ``count`` = 0), so every
@@ -184,10 +210,17 @@ class ChaChaNoise:
         nonce = (k & _MASK, (k >> 32) & _MASK, purpose)
         blocks = -(-count // 8)
 
+        dev = torch.device(device)
+        kernel = compile_kernel(dev)[0]
+        fixed = _fixed_words(self._key, nonce, dev)
+
         def pieces():
             for start in range(0, blocks, _SLAB_BLOCKS):
                 n = min(_SLAB_BLOCKS, blocks - start)
-                yield start * 8, _normals_from_blocks(chacha20_blocks(self._key, nonce, start, n, device))[: count - start * 8]
+                if start + n > 1 << 32:
+                    raise ValueError("ChaCha20 block counters must stay below 2^32")
+                ctr = torch.arange(start, start + n, dtype=torch.int64, device=dev)
+                yield start * 8, kernel(ctr, fixed)[: count - start * 8]
 
         return pieces()
 

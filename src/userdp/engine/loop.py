@@ -139,6 +139,11 @@ class _Run:
         self.rng, self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner, self.device)
         self.noise = make_noise(cfg.noise, source)
         self.noise.init(self.master)
+        # the device noise kernel is built (compiled and checked) now, not inside step 1; its status
+        # is recorded (a fallback to eager is never silent)
+        prepare = getattr(source, "prepare", None)
+        self.noise_kernel = prepare(self.device) if prepare is not None else (
+            "host generator" if source is not None else "none on this rank")
         if self.seeded:
             torch.manual_seed(torch_seed)  # dropout etc. inside the model
         self.table: UnitTable = self.algo.units(data, self.rng)
@@ -410,6 +415,7 @@ class _Run:
                           f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), "
                           "never stored",
             "noise_generator": source_class(self.device).algorithm + "; " + GaussianNoise.keying_text(self.seeded),
+            "noise_kernel": self.noise_kernel,
             "precision": self.precision,
             "per_unit": {"strategy": self.per_unit.name, "requested": cfg.per_unit,
                          "fallback_reason": getattr(self.per_unit, "fallback_reason", None),
@@ -557,7 +563,7 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
                   "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
                   "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode, "accountant": config.accountant,
                   "target_epsilon": config.target_epsilon, "steps_accounted": run.ledger.spent,
-                  "unit": run.plan.unit, "num_units": run.n_units})
+                  "unit": run.plan.unit, "num_units": run.n_units, "noise_kernel": run.noise_kernel})
     try:
         return _train_loop(run, config, checkpoint_dir, callbacks, checkpoint_extra)
     finally:

@@ -19,6 +19,8 @@ whatever the cohort. There is no Python loop over units here: only over FedAvg's
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from typing import Protocol
 
@@ -176,7 +178,8 @@ class PerUnit:
         step (a list with one flat bound, or one bound per trainable tensor)."""
         self._reproject = reproject
         params = tuple(p.detach() for p in self.params) if chunk_params is None else chunk_params
-        updates, losses = vmap(self._update, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
+        with eager_attention(self.model):
+            updates, losses = vmap(self._update, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
         return list(updates), losses
 
     def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
@@ -196,6 +199,23 @@ class PerUnit:
             f = f.to(acc_dtype) * weights.unsqueeze(1)
             sums = [torch.tensordot(f[:, j], u.to(acc_dtype), dims=1) for j, u in enumerate(updates)]
         return sums, norms, losses, bad
+
+
+@contextlib.contextmanager
+def eager_attention(model: nn.Module):
+    """A transformers model with fused attention (SDPA, flash) runs eager attention inside: fused
+    kernels have no vmap batching rule (a slow per-unit loop, or an error), and the math is the
+    same. Restored on the way out, so the ghost strategy and evaluation keep the fused kernels."""
+    cfg = getattr(model, "config", None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl in (None, "eager") or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(impl)
 
 
 def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,

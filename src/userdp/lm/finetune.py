@@ -1056,6 +1056,8 @@ def _announce(info: dict, log: Log) -> None:
         f"{info['num_units']}, {info['steps']} steps, target epsilon {info['target_epsilon']}, "
         f"delta {info['delta']:.3g} ({info['delta_rule']}), accountant {info['accountant']}"
         + (f"; {info['steps_accounted']} steps already accounted" if info["steps_accounted"] else ""))
+    if str(info.get("noise_kernel", "")).startswith("eager (torch.compile") or "differed" in str(info.get("noise_kernel")):
+        log(f"warning: the device noise kernel runs {info['noise_kernel']}: correct, but about 20x slower")
 
 
 def _save_weights(model, path, step: int, eps) -> None:

@@ -8,7 +8,8 @@ Nothing is fetched from a hub.
 Two things make a Hugging Face causal LM usable with the engine's vmapped per-unit gradients
 :
 
-* attention is forced to ``"eager"`` (SDPA has no vmap batching rule on CPU);
+* attention is SDPA (fused kernels on a GPU); the vmap strategy switches to eager while it runs
+  (fused attention has no vmap batching rule);
 * the loss never passes an ``attention_mask`` through the model (transformers' masking code
   branches on the mask's values, which vmap cannot trace). Padding is on the right, so no real
   token attends to a later pad, and the loss ignores targets equal to ``-100``.
@@ -58,21 +59,33 @@ def _no_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def _force_eager(model: nn.Module) -> nn.Module:
+def _prepare(model: nn.Module, attention: str = "sdpa") -> nn.Module:
+    """Attention by SDPA (flash / memory-efficient kernels on a GPU, O(L) memory) — the ghost
+    strategy hooks layers with parameters only, so fused attention is invisible to it; the vmap
+    strategy switches a model to eager attention while it runs (``engine.per_unit.eager_attention``),
+    since fused kernels have no vmap batching rule. No pad token id (see below)."""
     cfg = getattr(model, "config", None)
     if cfg is not None:
         # transformers' padding warning tests `pad_token_id in input_ids` (data-dependent control
         # flow that vmap refuses); padding is handled by the loss (-100 labels), so no pad id.
         if getattr(cfg, "pad_token_id", None) is not None:
             cfg.pad_token_id = None
-        if hasattr(model, "set_attn_implementation"):
-            try:
-                model.set_attn_implementation("eager")
-            except Exception:  # noqa: BLE001 - older/other models: fall back to the attribute
-                cfg._attn_implementation = "eager"
-        else:
-            cfg._attn_implementation = "eager"
+        set_attention(model, attention)
     return model
+
+
+def set_attention(model: nn.Module, impl: str) -> None:
+    """Set a transformers model's attention implementation (``"sdpa"`` or ``"eager"``)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return
+    if hasattr(model, "set_attn_implementation"):
+        try:
+            model.set_attn_implementation(impl)
+            return
+        except Exception:  # noqa: BLE001 - older/other models: fall back to the attribute
+            pass
+    cfg._attn_implementation = impl
 
 
 def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
@@ -90,10 +103,10 @@ def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                      pad_token_id=None, **PRESETS[name])
-    cfg._attn_implementation = "eager"
+    cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(cfg)
-    return _force_eager(_no_dropout(model))
+    return _prepare(_no_dropout(model))
 
 
 QUANTIZATION_FILE = "userdp_quantization.json"  # beside a saved adapter whose base was quantized
@@ -160,7 +173,7 @@ def load_local(path: str | os.PathLike, *, quantize: str = "none", device=None) 
             return PeftModel.from_pretrained(base_model, str(p), local_files_only=True)
         base_model = load_local(base)
         model = PeftModel.from_pretrained(base_model, str(p), local_files_only=True)
-        return _force_eager(_no_dropout(model.merge_and_unload()))
+        return _prepare(_no_dropout(model.merge_and_unload()))
     if not (p / "config.json").is_file():
         raise UserError(f"model.path: {path} holds no config.json (expected a model saved with "
                         "save_pretrained, or a userdp run's model/ directory)")
@@ -171,14 +184,14 @@ def load_local(path: str | os.PathLike, *, quantize: str = "none", device=None) 
     try:
         # the absolute path: a saved adapter names its base by it (base_model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(str(p.resolve()), local_files_only=True,
-                                                     attn_implementation="eager", **kwargs)
+                                                     attn_implementation="sdpa", **kwargs)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"model.path: cannot load a causal LM from {path} (damaged or incomplete: {first})") from None
     if quantize != "none" and not is_quantized(model):
         raise UserError(f"model.lora.quantize: {quantize}: no layer of {path} was quantized (bitsandbytes "
                         "quantizes nn.Linear; GPT-2's Conv1D layers are not): drop model.lora.quantize")
-    return _force_eager(_no_dropout(model))
+    return _prepare(_no_dropout(model))
 
 
 @dataclass(frozen=True)
