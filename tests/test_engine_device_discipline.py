@@ -126,3 +126,17 @@ def test_a_step_syncs_once_and_never_copies_to_the_device_blockingly(monkeypatch
         assert c["sync"] <= 1, (name, i, dict(c))
         assert c["blocking_h2d"] == 0, (name, i, dict(c))
         assert c["ops"] > 100  # the step really ran on the device
+
+
+def test_optimizers_are_fused_on_cuda_only():
+    """Fused Adam/AdamW/SGD on CUDA (no host read of Adam's step count); elsewhere torch's default.
+    The CUDA branch needs a GPU (benchmarks/gpu_check.py runs it); here: the CPU is not fused,
+    and a generator of parameters is built once (the fused check must not consume it)."""
+    from userdp.engine.optimizers import SGD, Adam, _fused
+
+    cpu = [nn.Parameter(torch.zeros(3))]
+    assert _fused(cpu) == {} and _fused([torch.empty(3, device="meta")]) == {}
+    for opt in (SGD(lr=0.1, momentum=0.9), Adam(lr=1e-3), Adam(lr=1e-3, decoupled=True)):
+        built = opt.build(p for p in cpu)
+        assert not built.defaults.get("fused")
+        assert len(built.param_groups[0]["params"]) == 1

@@ -34,8 +34,9 @@ class SGD:
         _lr(self.lr)
 
     def build(self, params) -> torch.optim.Optimizer:
+        params = list(params)
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
-                               nesterov=self.nesterov, weight_decay=self.weight_decay)
+                               nesterov=self.nesterov, weight_decay=self.weight_decay, **_fused(params))
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ class Adam:
         _lr(self.lr)
 
     def build(self, params):
+        params = list(params)
         cls = torch.optim.AdamW if self.decoupled else torch.optim.Adam
-        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay)
+        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
+                   **_fused(params))
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,16 @@ class Adafactor:
     def build(self, params):
         return torch.optim.Adafactor(params, lr=self.lr, beta2_decay=self.beta2_decay, eps=self.eps,
                                      weight_decay=self.weight_decay)
+
+
+def _fused(params) -> dict:
+    """``fused=True`` on CUDA: one kernel for the whole update and no host read of Adam's step count
+    (the foreach and single-tensor forms call ``.item()`` on it, a host sync every step). The
+    arithmetic is the optimizer's, on already-privatized gradients: no privacy role."""
+    if params and all(isinstance(p, torch.Tensor) and p.device.type == "cuda" and p.is_floating_point()
+                      for p in params):
+        return {"fused": True}
+    return {}
 
 
 Optimizer = SGD | Adam | Adafactor
