@@ -104,18 +104,22 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
     else:
         outs = _ghost_widths(model, dims["vocab"])
         extra = 2 * t * t * 4 + t * b * outs
+        if low_precision:  # autocast keeps LayerNorm in float32: the two LayerNorm-fed layers of each
+            extra += t * dims["layers"] * 2 * dims["d"] * 4  # block capture a float32 input the backward does not hold
     return int(act + logits + extra)
 
 
-def fixed_bytes(model: nn.Module, optimizer_states: int = 2) -> int:
+def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "ghost") -> int:
     """Bytes that do not grow with the chunk: the weights, the float32 running and partial sums,
-    float32 masters of parameters narrower than float32, and ``optimizer_states`` float32 states
-    per trainable parameter (Adam: 2)."""
+    float32 masters of parameters narrower than float32, ``optimizer_states`` float32 states per
+    trainable parameter (Adam: 2), and for ghost the first chunk's batch gradient (4 B a trainable
+    parameter, held while the strategy checks its hooks against autograd)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in trainable)
     masters = sum(p.numel() for p in trainable if p.element_size() < 4)
-    return int(total + 4 * (n * (2 + optimizer_states) + masters))
+    verify = n if strategy == "ghost" else 0
+    return int(total + 4 * (n * (2 + optimizer_states) + masters + verify))
 
 
 def free_bytes(device: torch.device) -> int:
@@ -144,7 +148,7 @@ def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: 
     """
     cap = int(memory_cap_bytes) if memory_cap_bytes is not None else int(HEADROOM * free_bytes(device))
     per = unit_bytes(model, group_size, seq_len, strategy=strategy, low_precision=low_precision)
-    fixed = fixed_bytes(model, optimizer_states)
+    fixed = fixed_bytes(model, optimizer_states, strategy)
     info = {"memory_cap_bytes": cap, "cap_source": "training.memory_gb" if memory_cap_bytes is not None
             else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per}
     if per is None:
