@@ -39,7 +39,7 @@ def _worker(a) -> None:
 
     from userdp import launch
     from userdp.engine import SGD, ULS, FlatClip, TensorUserData, TrainConfig, train
-    from userdp.engine.noise import GaussianNoise
+    from userdp.engine.noise import source_for
     from userdp.lm import models
 
     world = launch.init_world(a.device)
@@ -53,7 +53,8 @@ def _worker(a) -> None:
     data = TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.arange(0, n + 1, a.records))
     cfg = TrainConfig(algorithm=ULS(a.group_size, a.cohort / a.users), steps=a.warmup + a.steps,
                       clipping=FlatClip(1.0), optimizer=SGD(1e-3), noise_multiplier=1.0, delta=1e-6, seed=1,
-                      chunk_size=a.chunk, track_epsilon=False, accountant="rdp", per_unit=a.per_unit)
+                      chunk_size=a.chunk, track_epsilon=False, accountant="rdp", per_unit=a.per_unit,
+                      precision=a.dtype)
     times, units = [], []
 
     def on_step(m):
@@ -64,15 +65,25 @@ def _worker(a) -> None:
         torch.cuda.synchronize()
     train(model, data, models.causal_lm_loss, cfg, callbacks=[on_step], combiner=world.combiner())
     params = [p for p in model.parameters() if p.requires_grad]
+    # the draw the run itself uses on this device (ChaCha20 on CUDA, numpy's PCG64 on the CPU),
+    # once to build it, then timed
+    src = source_for(device, 1, seeded=True)
+    if hasattr(src, "prepare"):
+        src.prepare(device)
+    src.like(params, 1.0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    GaussianNoise(1, seeded=True).like(params, 1.0)
+    src.like(params, 1.0)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     noise_s = time.perf_counter() - t0
     if world.is_main:
         timed = times[a.warmup:]
         step_s = float(np.mean(timed))
         n_params = sum(p.numel() for p in params)
         row = {"world_size": world.world_size, "backend": world.backend or "none", "device": str(device),
-               "model": a.model, "params": n_params, "group_size": a.group_size, "cohort": a.cohort,
+               "model": a.model, "dtype": a.dtype, "params": n_params, "group_size": a.group_size, "cohort": a.cohort,
                "seq_len": a.seq_len, "steps_timed": len(timed), "step_s": round(step_s, 4),
                "tokens_per_s": round(float(np.mean(units[a.warmup:])) * a.group_size * a.seq_len / step_s, 1),
                "allreduce_bytes_per_step": 4 * n_params + 8 * 7, "noise_draw_s": round(noise_s, 4),
@@ -92,7 +103,7 @@ def _run(w: int, a, out: str) -> dict:
            "--device", a.device, "--model", a.model, "--users", str(a.users), "--records", str(a.records),
            "--group-size", str(a.group_size), "--cohort", str(a.cohort), "--seq-len", str(a.seq_len),
            "--vocab", str(a.vocab), "--steps", str(a.steps), "--warmup", str(a.warmup), "--chunk", str(a.chunk),
-           "--per-unit", a.per_unit]
+           "--per-unit", a.per_unit, "--dtype", a.dtype]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"bench_distributed: W = {w} failed:\n{res.stderr[-3000:]}")
@@ -117,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8)
     p.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the forward's autocast precision (training.precision)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
