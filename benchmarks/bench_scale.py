@@ -102,6 +102,17 @@ def _worker(a) -> dict:
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
+    if a.tf32_ceiling:  # NOT PRIVATE-SAFE: norms and sums in TF32 (a ceiling on speed, never a mode of userdp)
+        import contextlib
+
+        import userdp.engine.ghost as ghost_mod
+        import userdp.engine.per_unit as per_unit_mod
+        from userdp.engine.precision import _fp32_handles
+
+        ghost_mod.exact_float32 = per_unit_mod.exact_float32 = contextlib.nullcontext
+        ghost_mod.TENSOR_CORES = "off"
+        for h in _fp32_handles():
+            h.fp32_precision = "tf32"
     # what the process holds before the model exists (the CPU's peak RSS counts the interpreter and
     # torch's libraries; CUDA's allocator counts tensors only): the memory model is compared with
     # the peak above it
@@ -211,6 +222,8 @@ def _worker(a) -> dict:
             mem = torch.cuda.max_memory_allocated(device)
         else:
             mem = _peak_rss()
+        if a.profile:
+            extra.update(_profile(step, device))
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, do not hide (OOM, unsupported layer)
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", "params": params}
     s = statistics.median(times)
@@ -219,6 +232,30 @@ def _worker(a) -> dict:
         extra["estimate_over_measured"] = extra["estimated_bytes"] / max(extra["peak_above_start_bytes"], 1)
     return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem,
             "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
+
+
+def _profile(step, device) -> dict:
+    """One more step under torch.profiler: the top ops by device (else CPU) time, and the host
+    syncs and copies it made (CUDA runtime calls named *Synchronize* or *Memcpy*; on a CPU the
+    scalar reads that would be syncs on a GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.events()
+    names = [e.name for e in events]
+    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    avgs = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    return {"profile": {
+        "top_ops": [{"name": e.key, "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)} for e in avgs[:12]],
+        "stream_synchronize": sum("Synchronize" in n for n in names),
+        "memcpy": sum("Memcpy" in n for n in names),
+        "scalar_reads": sum(n == "aten::_local_scalar_dense" for n in names),
+        "ops": sum(n.startswith("aten::") for n in names)}}
 
 
 FIT_MODELS = ("gpt2-small", "gpt2-medium", "gpt2-large")
@@ -317,6 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument("--untied", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tf32-ceiling", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
     if a.fit:

@@ -1,0 +1,79 @@
+"""What only a GPU can show (issue 27): skipped on a machine without CUDA, run by
+``benchmarks/gpu_check.py`` where there is one. Each has a CPU-side twin that runs everywhere
+(tests/test_engine_tensor_cores.py, test_engine_device_discipline.py, test_engine_chacha.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py)")
+
+CUDA = torch.device("cuda") if torch.cuda.is_available() else None
+
+
+def test_chacha_on_cuda_draws_the_cpu_keystream_and_compiles():
+    from userdp.engine.chacha import ChaChaNoise, chacha20_blocks, compile_kernel
+
+    key, nonce = list(range(8)), [1, 2, 3]
+    assert torch.equal(chacha20_blocks(key, nonce, 5, 64, CUDA).cpu(), chacha20_blocks(key, nonce, 5, 64, "cpu"))
+    status = compile_kernel(CUDA)[1]
+    assert status == "compiled" or status.startswith("eager ("), status
+    a = ChaChaNoise(7, seeded=True).like([torch.zeros(10_001, device=CUDA)], 1.0)[0].cpu()
+    b = ChaChaNoise(7, seeded=True).like([torch.zeros(10_001)], 1.0)[0]
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # compiled vs eager transcendental functions
+
+
+def test_tensor_core_grams_and_sums_match_the_cpu_emulation():
+    from userdp.engine.ghost import _mm32, round_down_bf16, split_bf16
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 256, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(4, 64, 96, generator=g).to(torch.bfloat16)
+    got = _mm32(a.to(CUDA), b.to(CUDA)).cpu()
+    exact = a.double() @ b.double()
+    bound = 64 * 2.0 ** -24 * (a.double().abs() @ b.double().abs())
+    assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
+    c = round_down_bf16(torch.rand(4, generator=g)).to(CUDA)
+    p = b.to(CUDA).float() * c.float().view(-1, 1, 1)
+    hi, lo = split_bf16(p)
+    assert torch.equal(hi.double() + lo.double(), p.double())
+
+
+def test_a_bf16_ghost_step_on_cuda_stays_within_the_bound_and_matches_float32():
+    from userdp.engine.algorithms import ULS
+    from userdp.engine.clipping import FlatClip
+    from userdp.engine.ghost import GhostPerUnit
+    from userdp.engine.precision import Precision
+    from userdp.lm import models
+    from userdp.lm.models import causal_lm_loss
+
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=50, n_positions=32).to(CUDA)
+    ids = torch.randint(0, 50, (4, 2, 12), device=CUDA)
+    batch, mask = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2, device=CUDA)
+    clip = FlatClip(0.05)
+    for u in range(4):
+        w = torch.zeros(4, device=CUDA)
+        w[u] = 1.0
+        sums, norms, *_ = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
+            batch, mask, w, clip, clip.initial_state(), torch.float32)
+        total = torch.sqrt(sum((s.double() ** 2).sum() for s in sums))
+        assert float(norms[u]) > 0.05 and float(total) <= 0.05
+
+
+def test_a_training_step_on_cuda_uses_fused_optimizers_and_records_its_kernels():
+    from userdp.engine import ULS, Adam, TrainConfig, train
+    from userdp.engine.data import TensorUserData
+    from userdp.lm import models
+
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=50, n_positions=32).to(CUDA)
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 50, (60, 12)))
+    data = TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.arange(0, 61, 3))
+    cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, track_epsilon=False,
+                      optimizer=Adam(1e-3), precision="bfloat16", chunk_size=4)
+    rec = train(model, data, models.causal_lm_loss, cfg).record
+    assert rec["per_unit"]["strategy"] == "ghost"
+    assert rec["noise_kernel"] == "compiled" or rec["noise_kernel"].startswith("eager (")
+    assert "pinned off" in rec["precision"]["float32_contractions"]
+    assert rec["noise_tail"]["delta"] < 1e-12
