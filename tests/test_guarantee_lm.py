@@ -363,6 +363,45 @@ def test_report_refuses_files_from_another_run_and_an_event_edited_with_epsilon_
     assert cli(["report", str(b)]) == 0
 
 
+def test_run_files_are_strict_json_and_the_report_tells_what_happened(tiny, capsys):
+    """Issue 28 (3): every file follows the --json rule (a non-private run's metrics.jsonl held
+    ``Infinity``); the transparency line comes from the record (ghost, not "vmap" for every run);
+    ``report --delta D`` gives epsilon at another delta from the verified event; the model folder
+    carries a model card with the verified guarantee."""
+    tmp, cfg, _ = tiny
+
+    def strict_load(text):
+        return json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(AssertionError(f"not JSON: {c}")))
+
+    out = tmp / "np"
+    assert _train([str(cfg), "--output", str(out), "--set", "training.algorithm=nonprivate"], capsys)[0] == 0
+    rows = [strict_load(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(r["epsilon"] == "inf" for r in rows)
+    for name in ("privacy.json", "state.json", "eval.json", "report.json"):
+        strict_load((out / name).read_text())
+    card = (out / "model" / "README.md").read_text()
+    assert "No differential-privacy guarantee" in card
+
+    run = tmp / "dp"
+    assert _train([str(cfg), "--output", str(run)], capsys)[0] == 0
+    priv = json.loads((run / "privacy.json").read_text())
+    assert priv["engine_record"]["per_unit"]["strategy"] == "ghost" and "ghost clipping" in priv["transparency"]
+    assert "vmap" not in priv["transparency"]
+    assert cli(["report", str(run), "--delta", "0.05", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    want = accounting.epsilon(accounting.event_from_dict(priv["dp_event"]), 0.05)
+    assert rep["at_delta"]["delta"] == 0.05 and rep["at_delta"]["epsilon"] == pytest.approx(want, rel=1e-9)
+    assert priv["delta"] < 0.05 and want < priv["epsilon"]  # a larger delta, a smaller epsilon
+    assert cli(["report", str(run), "--delta", "2"]) == 2
+    assert "--delta" in _one_error_line(capsys.readouterr().err)
+    card = (run / "model" / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["userdp"]["epsilon"] == pytest.approx(priv["epsilon_total"]) and meta["userdp"]["unit"] == "user"
+    assert "differential-privacy" in meta["tags"] and "userdp report" in card
+    assert all(n in card for n in priv["not_accounted"])
+    assert cli(["evaluate", str(run)]) == 0  # the card is derived: not in the model's manifest
+
+
 # ------------------------------------------------------------------------------ item 14
 def test_data_cache_is_keyed_by_content_not_size_and_mtime(tiny):
     from userdp.lm import config as C

@@ -133,7 +133,11 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
     touches = " ".join(priv["not_accounted"])
     assert "per-user record counts" in touches
     assert "8 training users were sampled" in touches and "gradients at the pretrained model" in touches
-    assert plan["data_touches"] in priv["not_accounted"]
+    # each touch once, in the report's own words (issue 28: the plan's summary sentence, which
+    # repeated them and addressed the report itself, is not listed again)
+    assert plan["data_touches"] not in priv["not_accounted"]
+    assert sum("per-user record counts" in n for n in priv["not_accounted"]) == 1
+    assert not any("report must say so" in n for n in priv["not_accounted"])
     assert cli(["report", str(out)]) == 0
     md = (out / "report.md").read_text()
     assert "## 4b. Plan" in md and "8 training users were sampled" in md

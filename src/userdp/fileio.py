@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+from pathlib import Path
+from typing import Any
 
 from userdp.errors import UserError
 
@@ -30,16 +33,17 @@ def fsync_path(path: str | os.PathLike) -> None:
 MANIFEST = "MANIFEST.json"
 
 
-def write_manifest(directory: str | os.PathLike, name: str = MANIFEST) -> dict:
-    """Write ``directory/MANIFEST.json``: the sha256 and size of every file under it (recursively),
-    written to a temporary name, fsynced and renamed. Returns the manifest."""
+def write_manifest(directory: str | os.PathLike, name: str = MANIFEST, exclude: tuple[str, ...] = ()) -> dict:
+    """Write ``directory/MANIFEST.json``: the sha256 and size of every file under it (recursively;
+    ``exclude``: top-level names left out, e.g. a derived file rewritten later), written to a
+    temporary name, fsynced and renamed. Returns the manifest."""
     root = os.fspath(directory)
     files = {}
     for base, _, names in os.walk(root):
         for n in sorted(names):
             p = os.path.join(base, n)
             rel = os.path.relpath(p, root)
-            if rel == name or n.endswith(".tmp"):
+            if rel == name or n.endswith(".tmp") or rel in exclude:
                 continue
             files[rel] = {"sha256": sha256_file(p), "bytes": os.path.getsize(p)}
     manifest = {"format": 1, "files": files}
@@ -85,3 +89,28 @@ def verify_manifest(directory: str | os.PathLike, name: str = MANIFEST, *, accep
             if not os.path.isfile(p):
                 raise UserError(f"{p}: missing (listed in {mp})")
             raise UserError(f"{p}: checksum mismatch with {mp} (the file is damaged or was edited)")
+
+
+def strict(obj: Any) -> Any:
+    """``obj`` made valid JSON: JSON has no Infinity or NaN, so a non-finite number becomes the
+    string ``"inf"``, ``"-inf"`` or ``"nan"`` (``float()`` reads them back); numpy scalars and
+    arrays become numbers and lists, paths strings. Every file userdp writes and every ``--json``
+    output goes through it."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else ("nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
+    if isinstance(obj, dict):
+        return {str(k): strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item") and hasattr(obj, "dtype") and getattr(obj, "ndim", 1) == 0:  # numpy scalar
+        return strict(obj.item())
+    if hasattr(obj, "tolist"):  # numpy array
+        return strict(obj.tolist())
+    return obj
+
+
+def strict_dumps(obj: Any, **kwargs) -> str:
+    """``json.dumps`` of :func:`strict` ``(obj)``; other types via ``str``; never NaN or Infinity."""
+    return json.dumps(strict(obj), allow_nan=False, default=str, **kwargs)

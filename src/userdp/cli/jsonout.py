@@ -4,28 +4,14 @@ numpy scalars and arrays as numbers and lists, paths as strings."""
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
 from typing import Any
 
+from userdp.fileio import strict, strict_dumps
 
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else ("nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf"))
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    if hasattr(obj, "item") and hasattr(obj, "dtype") and getattr(obj, "ndim", 1) == 0:  # numpy scalar
-        return _clean(obj.item())
-    if hasattr(obj, "tolist"):  # numpy array
-        return _clean(obj.tolist())
-    return obj
+
+_clean = strict  # the one implementation (userdp.fileio), shared with every file userdp writes
 
 
 def dumps(obj: Any, **kwargs) -> str:
     """``json.dumps`` of ``obj`` made strict (see the module docstring); other types via ``str``."""
-    return json.dumps(_clean(obj), allow_nan=False, default=str, **kwargs)
+    return strict_dumps(obj, **kwargs)

@@ -12,13 +12,15 @@ def register(subparsers) -> None:
                                           "the privacy statement (the checklist of Ponomareva et al. 2023, §5.3.3) as Markdown.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the statement as JSON instead")
+    p.add_argument("--delta", type=float, default=None, metavar="D",
+                   help="also state epsilon at this delta, re-derived from the run's DpEvent")
     p.set_defaults(func=main)
 
 
 def main(args) -> int:
     from userdp.lm.report import write_report
 
-    rep, md = write_report(args.run_dir)
+    rep, md = write_report(args.run_dir, args.delta)
     if args.json:
         print(jsonout.dumps(rep, indent=2))
     else:

@@ -32,10 +32,11 @@ import numpy as np
 import torch
 
 from userdp.errors import UserError
-from userdp.fileio import sha256_file, write_manifest
+from userdp.fileio import sha256_file, strict_dumps, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.plan_file import dp_median_event, plan_choices, read_plan
+from userdp.lm.report import MODEL_CARD
 from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, private_cache_root, save_pretrained
 from userdp.lm.run_dir import (RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir, plot_curves,
                                write_json_atomic)
@@ -533,14 +534,14 @@ def plan_touches(plan: dict) -> list[str]:
     k = i.get("l_of_g_sample_users")
     median = ("released by an epsilon-DP median (its epsilon is counted above)"
               if e.get("group_size_method") == "dp_median" else "the exact median, not private")
+    who = plan.get("source") or "plan: auto"
     return [
-        f"plan: auto — the per-user record counts of all {i['num_users']} training users were read "
+        f"{who} — the per-user record counts of all {i['num_users']} training users were read "
         f"to choose the ELS group size G = {e['group_size']} as their median ({median})",
-        f"plan: auto — {k} training users were sampled (without noise) to estimate L(G), and the "
+        f"{who} — {k} training users were sampled (without noise) to estimate L(G), and the "
         f"norms of their mean gradients at the pretrained model were computed"
         + (f" for G in {gs}" if gs else "") + "; these norms chose the cohort and group size "
         "(not private, not accounted)",
-        plan["data_touches"],
     ]
 
 
@@ -829,7 +830,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             raise UserError("--plan: the config already says plan: auto; give one or the other")
         saved = read_plan(plan_file, f"--plan {plan_file}")
         cfg = apply_plan(cfg, saved, source=f"--plan {plan_file}", data_fingerprint=prep.data_fingerprint)
-        plan = saved
+        plan = dict(saved, source=f"userdp plan (applied by --plan {Path(plan_file).name})")
         if main:
             write_json_atomic(rd.root / "plan.json", plan)
             rd.config.write_text("# training.algorithm, group_size and cohort_size come from the plan in plan.json\n"
@@ -899,7 +900,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         start_step = ckpt.step_of(str(rd.checkpoints))
         if main:
             rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
-            rd.metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            rd.metrics.write_text("".join(strict_dumps(r) + "\n" for r in rows))
         log(f"resuming at step {start_step} of {cfg.training.steps}")
     bar = None
     if progress:
@@ -924,7 +925,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
                "nonfinite_units": m.get("nonfinite_units", 0),  # a non-private diagnostic
                "time": round(now - t_start, 3),
                "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
-        mfile.write(json.dumps(row) + "\n")
+        mfile.write(strict_dumps(row) + "\n")  # strict JSON (a non-private run's epsilon is "inf")
         mfile.flush()
         if bar is not None:
             eps = row["epsilon"]
@@ -999,7 +1000,9 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         log(f"audit: {priv['audit']['statement']}")
     write_json_atomic(rd.privacy, priv)
     models.save_model(model, rd.model, tok, quantize=cfg.model.lora.quantize)  # validate(): quantize needs LoRA
-    write_manifest(rd.model)  # evaluate, report and personalize verify the released files against it
+    # evaluate, report and personalize verify the released files against it; the model card
+    # (README.md) is derived from the verified statement and rewritten by every `userdp report`
+    write_manifest(rd.model, exclude=(MODEL_CARD,))
     if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
         models.save_model(model, rd.adapter, None, adapter=True)
         write_manifest(rd.adapter)

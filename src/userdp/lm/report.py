@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from userdp import accounting as A
 from userdp.accounting import private_selection as TG
@@ -217,12 +218,20 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "plan": plan,
         "epsilon_plan": plan_eps if plan is not None else None,
         "epsilon_total": total,
-        "transparency": ("open-source userdp; accounting by Google's dp_accounting; per-unit "
-                         "gradients by torch.func (vmap)"),
+        "transparency": transparency(engine_record),
     }
     if extra:
         rec.update(extra)
     return rec
+
+
+def transparency(engine_record: dict | None) -> str:
+    """How the run computed what it clipped, from its own record (ghost or vmap)."""
+    strategy = ((engine_record or {}).get("per_unit") or {}).get("strategy")
+    how = {"ghost": "per-unit gradient norms and the clipped sum by ghost clipping (from each layer's activations "
+                    "and output gradients, without per-unit gradient copies; userdp.engine.ghost)",
+           "vmap": "per-unit gradients by torch.func (vmap)"}.get(strategy, f"per-unit strategy {strategy or 'n/a'}")
+    return f"open-source userdp; accounting by Google's dp_accounting; {how}"
 
 
 REQUIRED = ["setting", "data_accesses_covered", "mechanism_output", "unit", "adjacency",
@@ -343,6 +352,30 @@ def verify_tuning(rec: dict, path: Path) -> float | None:
     return eps
 
 
+def _at_delta(rec: dict, delta: float, path: Path) -> dict:
+    """Epsilon at another delta (what Opacus users call ``get_epsilon(delta)``), from the verified
+    event: the run's own, plus a plan's pure-DP median, or the tuning guarantee re-derived."""
+    if not rec.get("private", True) or rec.get("dp_event") is None:
+        return {"delta": delta, "epsilon": None, "note": "no guarantee (non-private)"}
+    acc = (rec.get("engine_record") or {}).get("accountant", "pld")
+    own = A.epsilon(A.event_from_dict(rec["dp_event"]), delta, acc)
+    out = {"delta": delta, "epsilon_run": own}
+    t = rec.get("tuning") if isinstance(rec.get("tuning"), dict) else {}
+    if t.get("on") == "private":
+        g = TG.derive(t["run_events"], list(t["trial_mechanisms"]),
+                      TG.trial_count_from_dict(t.get("trial_count") or {}, str(path)), delta, source=str(path))
+        out["epsilon"] = g["epsilon_released_model"]
+        out["note"] = "the released (selected) model's guarantee at this delta"
+    else:
+        out["epsilon"] = own + float(rec.get("epsilon_plan") or 0.0)
+        out["note"] = "re-derived from the run's DpEvent" + (" plus the plan's DP median" if rec.get("epsilon_plan") else "")
+    nt = (rec.get("engine_record") or {}).get("noise_tail")
+    if nt:  # the sampler's tail term grows with epsilon: stated beside the requested delta
+        out["delta_noise_tail"] = tail_delta(int(nt["coordinates"]), int(rec["steps_taken"]), out["epsilon"],
+                                             ChaChaNoise.tail_mass_per_pair)
+    return out
+
+
 def _plan_epsilon(rec: dict, path: Path) -> float:
     """The epsilon a plan's DP median spent, re-derived from its pure-DP event (0 without one)."""
     plan = rec.get("plan")
@@ -351,7 +384,14 @@ def _plan_epsilon(rec: dict, path: Path) -> float:
     return plan_median_epsilon(plan, str(path))
 
 
-def build_report(run_dir: str | Path) -> dict:
+def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
+    """The verified statement of ``run_dir``; with ``delta``, also epsilon at that delta,
+    re-derived from the verified DpEvent (``at_delta``).
+
+    Raises:
+        UserError: a missing, damaged or edited file (naming it), or a delta outside (0, 1)."""
+    if delta is not None and not (isinstance(delta, float) and 0.0 < delta < 1.0):
+        raise UserError(f"--delta must be in (0, 1), got {delta}")
     rd = existing_run_dir(run_dir)
     if not rd.privacy.is_file():
         begun = _ledger_steps(rd)
@@ -389,6 +429,8 @@ def build_report(run_dir: str | Path) -> dict:
         rec["epsilon_plan"] = plan_eps if rec.get("plan") is not None else None
         rec["epsilon_total"] = total
         rec["tier"] = epsilon_tier(total)
+    if delta is not None:
+        rec["at_delta"] = _at_delta(rec, delta, rd.privacy)
     state = rd.read_state()
     ev = read_json(rd.eval) if rd.eval.is_file() else {}
     rec["run_dir"] = str(rd.root)
@@ -483,6 +525,12 @@ def render_markdown(rep: dict) -> str:
                  f"under add/remove-one-user adjacency — {rep['tier']['meaning']}.")
     else:
         L.append("**No differential-privacy guarantee**: this run trained without noise.")
+    ad = rep.get("at_delta")
+    if private and ad and ad.get("epsilon") is not None:
+        L.append("")
+        L.append(f"**At delta = {_fmt(ad['delta'])}:** epsilon = {_fmt(ad['epsilon'])} ({ad['note']})"
+                 + (f"; the noise sampler's tail adds {_fmt(ad['delta_noise_tail'])} to that delta"
+                    if ad.get("delta_noise_tail") else "") + ".")
     if private and rep.get("sampler_used") == "shuffle_fixed_batches":
         L.append("")
         L.append("**Shuffled batches.** Training used shuffled fixed-size batches, which have no proven "
@@ -545,7 +593,7 @@ def render_markdown(rep: dict) -> str:
     if plan:
         ov = plan.get("overrides") or {}
         i = plan.get("inputs") or {}
-        L.append("## 4b. Plan (`plan: auto`, docs/plan.md)")
+        L.append(f"## 4b. Plan ({plan.get('source') or '`plan: auto`'}, docs/plan.md)")
         L.append(f"- applied: {str(plan.get('applied', '')).upper()} ({plan.get('choice', '')}; "
                  f"recommended {str(plan.get('recommended', '')).upper()}) for a compute budget of "
                  f"{_fmt(i.get('compute_budget'))} gradients/step: "
@@ -573,10 +621,55 @@ def render_markdown(rep: dict) -> str:
     return "\n".join(L) + "\n"
 
 
-def write_report(run_dir: str | Path) -> tuple[dict, str]:
-    rep = build_report(run_dir)
+MODEL_CARD = "README.md"
+
+
+def model_card(rep: dict) -> str:
+    """A Hugging Face model card (``README.md`` with YAML metadata) stating the verified guarantee,
+    the unit, the data touches outside it and the tier, so that whoever publishes the model folder
+    publishes the statement with it."""
+    private = rep.get("private", True)
+    eps = rep.get("epsilon_total") if private else None
+    delta = rep.get("delta_stated", rep.get("delta")) if private else None
+    tier = (rep.get("tier") or {})
+    meta = {"library_name": "transformers",
+            "tags": ["differential-privacy", "user-level-differential-privacy", "userdp"],
+            "userdp": {"private": bool(private), "epsilon": eps, "delta": delta,
+                       "unit": "user" if private else None,
+                       "adjacency": "add/remove one user" if private else None,
+                       "algorithm": rep.get("algorithm"), "tier": tier.get("tier")}}
+    lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", ""]
+    lines.append(f"# {Path(str(rep.get('run_dir', 'model'))).name}: fine-tuned by userdp")
+    lines.append("")
+    if private:
+        lines.append(f"**Guarantee.** This model (and every checkpoint of its training run) satisfies user-level "
+                     f"({_fmt(eps)}, {_fmt(delta)})-differential privacy under add/remove-one-user adjacency: "
+                     f"it is almost the same whether or not any one person's data — all of it — was used. "
+                     f"{tier.get('meaning', '')}.")
+        if isinstance(rep.get("tuning"), dict) and rep["tuning"].get("on") == "private":
+            lines.append("")
+            lines.append(f"It was selected by `userdp tune` among {rep['tuning'].get('trials_run')} trials; the "
+                         "epsilon above is the selected model's guarantee, not one trial's.")
+    else:
+        lines.append("**No differential-privacy guarantee.** This model was trained without noise: it may "
+                     "reveal any training user's data.")
+    lines += ["", "## Unit of privacy", "", f"- {rep.get('unit', 'n/a')}", "",
+              "## Not covered by the guarantee (non-private touches of the data, and what is assumed)", ""]
+    lines += [f"- {n}" for n in rep.get("not_accounted") or []]
+    lines += [f"- assumed: {a}" for a in rep.get("assumptions") or [] if a != "none"]
+    lines += ["", "## Check it", "",
+              "The training run directory holds the evidence (the ledger journal, the DpEvent, checksums): "
+              "`userdp report <run directory>` re-derives every figure above and refuses edited files.",
+              ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path, delta: float | None = None) -> tuple[dict, str]:
+    rep = build_report(run_dir, delta)
     md = render_markdown(rep)
     rd = RunDir(Path(run_dir))
     rd.report_md.write_text(md)
     write_json_atomic(rd.report_json, rep)
+    if rd.model.is_dir():  # the released folder carries the verified statement
+        (rd.model / MODEL_CARD).write_text(model_card(rep))
     return rep, md

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from userdp.engine.ledger import JOURNAL, check_cited, read_chain
 from userdp.errors import UserError
-from userdp.fileio import MANIFEST, verify_manifest
+from userdp.fileio import MANIFEST, strict_dumps, verify_manifest
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def write_json_atomic(path: Path, obj) -> None:
         UserError: naming ``path``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    text = json.dumps(obj, indent=2, default=_json_default) + "\n"
+    text = strict_dumps(obj, indent=2) + "\n"  # strict JSON: a non-finite number is "inf" / "nan"
     try:
         with open(tmp, "w") as f:
             f.write(text)
@@ -217,21 +217,6 @@ def write_json_atomic(path: Path, obj) -> None:
         except OSError:
             pass
         raise UserError(f"{path}: cannot write it ({exc.strerror or exc})") from None
-
-
-def _json_default(o):
-    try:
-        import numpy as np
-
-        if isinstance(o, np.generic):
-            return o.item()
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
 def plot_curves(metrics: list[dict], out: Path) -> Path | None:
@@ -249,7 +234,7 @@ def plot_curves(metrics: list[dict], out: Path) -> Path | None:
     a1.set_xlabel("step")
     a1.set_ylabel("training loss (mean over sampled units)")
     if any(m.get("epsilon") is not None for m in metrics):
-        a2.plot(steps, [m.get("epsilon") for m in metrics], color="C3")
+        a2.plot(steps, [float(m["epsilon"]) if m.get("epsilon") is not None else None for m in metrics], color="C3")
     a2.set_xlabel("step")
     a2.set_ylabel("epsilon spent")
     fig.tight_layout()
