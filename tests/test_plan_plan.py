@@ -81,6 +81,15 @@ def test_make_plan_with_injected_parts():
     assert "non-private" in d["data_touches"] and "32 users" in d["data_touches"]
     assert plan.training_overrides("uls") == {"training.algorithm": "uls", "training.group_size": 8,
                                               "training.cohort_size": 16.0}
+    # the plan says what its choice means for the data (issue 28, 4)
+    from userdp.heuristics import explain, format_plan
+
+    words = " ".join(explain(plan))
+    if plan.recommended == "uls":
+        assert "up to 8 of their records" in words and "8/n" in words and "about 13 times" in words
+    else:
+        assert "at most G = 9 records" in words and "never used" in words
+    assert "what this means for the data" in format_plan(plan)
 
 
 def test_make_plan_budget_not_a_power_of_two_and_few_users():

@@ -74,6 +74,12 @@ def test_init_guesses_fields_writes_a_valid_config_and_never_overwrites(tmp_path
     assert cfg.training.group_size == 6 and cfg.output.cache == "run"  # median records per user
     # reading the per-user counts to choose G is a non-private touch, carried to the report
     assert any("G = 6" in t and "median" in t for t in cfg.privacy.disclosed_touches)
+    # every key a newcomer will want to change is written, with what it does (issue 28, 4)
+    text = out.read_text()
+    for key in ("steps: 400", "max_eval_users:", "cohort_size:", "checkpoint_every:", "clip_norm:"):
+        line = next(ln for ln in text.splitlines() if ln.strip().startswith(key))
+        assert "#" in line, line
+    assert cfg.model.pretraining.steps == 400 and cfg.data.max_eval_users == 150
     before = out.read_text()
     assert cli(["init", str(data), "--output", str(out)]) == 2
     assert out.read_text() == before

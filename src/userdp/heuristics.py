@@ -508,7 +508,29 @@ def format_plan(plan: Plan) -> str:
         "",
         f"  recommended: {plan.recommended.upper()} (lower noise std proxy, docs/plan.md)",
     ]
+    lines += ["", "  what this means for the data:"] + [f"    {x}" for x in explain(plan)]
     for note in plan.notes:
         lines.append(f"  note: {note}")
     lines.append(f"  {plan.data_touches}")
     return "\n".join(lines)
+
+
+def explain(plan: Plan) -> list[str]:
+    """What the recommended choice does to the data, in words (issue 28): who is seen how often."""
+    i, t = plan.inputs, int(plan.inputs["steps"])
+    if plan.recommended == "uls":
+        u = plan.uls
+        g, q = int(u["group_size"]), float(u["sampling_rate"])
+        per = "one record" if g == 1 else f"up to {g} of their records (drawn afresh each step)"
+        return [f"ULS: each step samples each of the {i['num_users']:,} users with probability q = {q:.3g} "
+                f"(about {u['cohort_size']:g} users a step); a sampled user contributes {per}, averaged and "
+                "clipped as one update.",
+                f"a user with n > {g} records has each record in a step they are sampled with probability {g}/n, "
+                f"so the heaviest users' records are mostly unseen in any one step; over {t} steps a user is "
+                f"sampled about {t * q:.2g} times."]
+    e = plan.els
+    g, p = int(e["group_size"]), float(e["sampling_rate"])
+    return [f"ELS: each user keeps at most G = {g} records (D' holds {e['dataset_size']:,} records); records beyond "
+            f"G are never used, so the heaviest users are capped at {g}.",
+            f"each step samples each kept record with probability p = {p:.3g} (about {e['expected_batch_size']:g} "
+            f"records a step) and clips it alone; over {t} steps a record is used about {t * p:.2g} times."]

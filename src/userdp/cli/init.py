@@ -88,6 +88,7 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
         f"  user_field: {_yaml_str(user_field)}        # one user = one person: the privacy unit",
         f"  text_field: {_yaml_str(text_field)}",
         f"  heldout_users: {heldout}                 # users kept out of training, for evaluation",
+        "  max_eval_users: 150         # evaluate on at most this many held-out users (null: all of them)",
     ]
     if public:
         lines.append(f"  public_path: {_yaml_str(public)}   # text DECLARED PUBLIC: trains the tokenizer and "
@@ -102,7 +103,11 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
         "  seq_len: 64                 # tokens per record (longer records are truncated)",
         "model:",
         "  preset: tiny                # or path: a local AutoModelForCausalLM folder (declared public)",
-        "  pretrain: true              # pretrain on the public text first (cached)",
+        "  pretrain: true              # pretrain on the public text first (cached; the first run's main cost)",
+        "  pretraining:",
+        "    steps: 400                # non-private pretraining on the public text; fewer = a faster first run",
+        "    batch_size: 32",
+        "    lr: 0.003",
         "privacy:",
         "  epsilon: 3.0                # user-level (epsilon, delta); delta null = N^-1.1",
         "  delta: null",
@@ -114,9 +119,12 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
         "  algorithm: uls              # uls (users sampled, per-user clipping), els or fedavg",
         f"  group_size: {g}              # G: records per user per step (the median here)",
         f"  cohort_size: {cohort}             # expected users per step (of {train_users:,} training users)",
-        "  steps: 100",
+        "  steps: 100                  # DP steps; sigma is calibrated so that all of them meet epsilon",
         "  lr: 0.001",
-        "  clip_norm: 1.0",
+        "  clip_norm: 1.0              # C: each user's (ULS) or record's (ELS) update is clipped to this norm",
+        "  checkpoint_every: 25        # resume with `userdp train --resume RUN_DIR`",
+        "eval:",
+        "  before: true                # also evaluate the starting model (a before/after comparison)",
         "output:",
         "  cache: run                  # keep cached copies of this data inside the run directory",
     ]
