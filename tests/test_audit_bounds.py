@@ -125,3 +125,23 @@ def test_auc_and_tpr_at_fpr_against_brute_force():
     pos = np.array([98.5, 99.5, 50.0, 120.0])
     assert B.tpr_at_fpr(pos, neg, 0.01) == pytest.approx(0.75)  # threshold 98 (one negative above): 98.5, 99.5, 120
     assert math.isnan(B.roc_auc([], [1.0]))
+
+
+def test_the_audit_states_its_power_the_largest_bound_it_could_report():
+    """Issue 28 (4): with m canaries the largest reportable bound is the perfect guess's; a real
+    audit never exceeds it; more canaries can show more; the statement says it."""
+    from userdp.audit import bounds as B
+    from userdp.audit.session import statement
+
+    rng = np.random.default_rng(0)
+    powers = [B.largest_bound(m, delta=1e-5, confidence=0.95) for m in (50, 200, 1000)]
+    assert powers[0] < powers[1] < powers[2]
+    m = 200
+    inc = rng.random(m) < 0.5
+    perfect = B.one_run_bound(inc.astype(float), inc, delta=1e-5)  # a score that separates them exactly
+    # perfect separation reaches most of it (the grid's largest guesses can exceed the ~m/2 included)
+    assert 0.5 * powers[1] < perfect.epsilon_lower_bound <= powers[1] + 1e-12
+    for _ in range(5):
+        noisy = B.one_run_bound(inc + rng.normal(0, 1.0, m), inc, delta=1e-5)
+        assert noisy.epsilon_lower_bound <= powers[1] + 1e-12
+    assert "could have shown at most ε = " in statement(3.0, 0.0, 0.95, powers[1])

@@ -137,6 +137,16 @@ def guess_grid(m: int, grid: Sequence[tuple[float, float]] = GUESS_GRID) -> list
     return out
 
 
+def largest_bound(m: int, *, delta: float, confidence: float = 0.95,
+                  grid: Sequence[tuple[float, float]] = GUESS_GRID) -> float:
+    """The audit's power: the largest bound :func:`one_run_bound` could report with ``m``
+    canaries — every guess of the best grid point correct. An audited ε of 0 then reads as "this
+    design could have shown at most this much", not as evidence that the accounting is tight."""
+    pairs = guess_grid(m, grid)
+    beta = (1.0 - confidence) / len(pairs)
+    return max(epsilon_lower_bound(m, kp + km, kp + km, delta, beta) for kp, km in pairs)
+
+
 def one_run_bound(scores: Sequence[float], included: Sequence[bool], *, delta: float,
                   confidence: float = 0.95, grid: Sequence[tuple[float, float]] = GUESS_GRID) -> OneRunBound:
     """Steinke et al.'s one-run epsilon lower bound from canary scores (higher = "more likely in").

@@ -301,7 +301,8 @@ class AuditSession:
         }
         if self.gradient:
             out["steps_observed"] = int(self.state.get("steps_observed", 0))
-        out["statement"] = statement(epsilon, one.epsilon_lower_bound, conf)
+        out["largest_possible_bound"] = B.largest_bound(c.count, delta=delta, confidence=conf)
+        out["statement"] = statement(epsilon, one.epsilon_lower_bound, conf, out["largest_possible_bound"])
         out["mechanism_caught"] = epsilon is not None and one.epsilon_lower_bound > epsilon
         ui = self.state.get("user_inference") or {}
         if ui:
@@ -325,10 +326,11 @@ class AuditSession:
         return out
 
 
-def statement(eps_upper: float | None, eps_lower: float, confidence: float) -> str:
-    """"accounted eps <= 3.0; audited eps >= 0.4 (95%)"."""
+def statement(eps_upper: float | None, eps_lower: float, confidence: float, power: float | None = None) -> str:
+    """"accounted eps <= 3.0; audited eps >= 0.4 (95%; this audit could have shown at most 2.1)"."""
     up = "no guarantee (non-private run)" if eps_upper is None else f"accounted ε ≤ {eps_upper:.3g}"
-    return f"{up}; audited ε ≥ {eps_lower:.3g} ({confidence:.0%})"
+    most = f"; this audit could have shown at most ε = {power:.3g}" if power is not None else ""
+    return f"{up}; audited ε ≥ {eps_lower:.3g} ({confidence:.0%}{most})"
 
 
 def combine_runs(run_dirs: list[str], confidence: float | None = None) -> dict:
@@ -388,4 +390,6 @@ def combine_runs(run_dirs: list[str], confidence: float | None = None) -> dict:
             "epsilon_lower_bound": one.epsilon_lower_bound, "guesses": one.guesses, "correct": one.correct,
             "mechanism_caught": eps is not None and one.epsilon_lower_bound > eps,
             "clopper_pearson_diagnostic": {**cp, "note": "pooled trials; independent across runs only"},
-            "statement": statement(eps, one.epsilon_lower_bound, conf)}
+            "largest_possible_bound": B.largest_bound(len(scores), delta=delta, confidence=conf),
+            "statement": statement(eps, one.epsilon_lower_bound, conf,
+                                   B.largest_bound(len(scores), delta=delta, confidence=conf))}
