@@ -5,9 +5,11 @@
   config.yaml          the resolved configuration (defaults + file + --set)
   metrics.jsonl        one JSON object per step: step, loss, epsilon, frac_clipped, tokens_per_s, ...
   eval.json            held-out-user loss and perplexity before and after
-  checkpoints/         engine checkpoints (safetensors + the privacy ledger)
+  checkpoints/         engine checkpoints (safetensors + the privacy ledger: ledger_journal.jsonl, a hash
+                       chain, and ledger_head.json, its head, rewritten after every line)
   tokenizer/           the tokenizer used (trained on declared-public text)
-  model/               the final model: AutoModelForCausalLM.from_pretrained(<run>/model)
+  model/               the final model: AutoModelForCausalLM.from_pretrained(<run>/model); MANIFEST.json
+                       (checksums, verified on every read) and README.md (a model card stating the guarantee)
   adapter/             the LoRA adapter (only with model.lora.save_adapter)
   privacy.json         the privacy statement's data (Ponomareva et al. 2023, §5.3.3)
   report.md, report.json   the privacy statement (written by `userdp train`, and again by `userdp report`)
