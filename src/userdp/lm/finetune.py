@@ -263,8 +263,11 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
             raise UserError("no public text to train a tokenizer on: give data.public_path (text "
                             "declared public) or tokenizer.path (declared public)")
     cdir = _pretrained_dir(cfg, prep)
+    partial = cdir.with_name(cdir.name + ".partial")  # an interrupted pretraining: its tokenizer and state
     if tok is None and (cdir / "tokenizer.json").is_file():
         tok = load_tokenizer(cdir)
+    elif tok is None and (partial / "tokenizer.json").is_file():
+        tok = load_tokenizer(partial)
     if tok is None:
         log(f"training a byte-level BPE tokenizer (vocab {t.vocab_size}) on the public text ...")
         tok = train_bpe(PublicText(prep.public_texts, description=prep.public_description), t.vocab_size)
@@ -281,10 +284,18 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
             t0 = time.time()
             from userdp.devices import resolve_device
 
-            model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
-                                         steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
-                                         warmup=pc.warmup, seed=pc.seed, progress=progress,
-                                         device=resolve_device(m.device))
+            partial.mkdir(parents=True, exist_ok=True)  # public data only, in the shared cache
+            if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
+                tok.save(str(partial / "tokenizer.json"))
+            try:
+                model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
+                                             steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
+                                             warmup=pc.warmup, seed=pc.seed, progress=progress,
+                                             device=resolve_device(m.device), state_path=partial / "state.pt",
+                                             say=log)
+            except KeyboardInterrupt:
+                log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
+                raise
             info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
                         preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
             tmp = cdir.with_name(cdir.name + f".tmp{os.getpid()}")
@@ -295,6 +306,9 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
                 import shutil
 
                 shutil.rmtree(tmp, ignore_errors=True)
+            import shutil
+
+            shutil.rmtree(partial, ignore_errors=True)
             model = models.load_local(cdir)
             log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
         notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"

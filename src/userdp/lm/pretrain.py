@@ -81,13 +81,41 @@ def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int | None)
 
 def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_size: int,
              lr: float, warmup: int = 0, seed: int = 0, weight_decay: float = 0.01,
-             progress: bool = True, desc: str = "pretrain", log=None) -> list[float]:
-    """Plain (non-private) LM training on packed blocks; returns the loss per step."""
+             progress: bool = True, desc: str = "pretrain", log=None, state_path: Path | None = None,
+             every: int = 50, say=None) -> list[float]:
+    """Plain (non-private) LM training on packed blocks; returns the loss per step.
+
+    ``state_path``: a checkpoint of this training (model, optimizer, batch generator, step),
+    written atomically every ``every`` steps and removed at the end; a run that finds one made
+    with the same settings continues from it (bit for bit what an uninterrupted run computes).
+    ``say``: a line of progress (where it resumed, how long it will take)."""
     if steps < 1:
         raise UserError(f"pretrain: steps must be >= 1, got {steps}")
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    setting = fingerprint(steps, batch_size, lr, warmup, seed, weight_decay, tuple(blocks.shape),
+                          int(blocks.sum()), sum(p.numel() for p in params))
+    start, losses = 0, []
+    if state_path is not None and Path(state_path).is_file():
+        try:
+            st = torch.load(state_path, map_location="cpu", weights_only=True)
+            assert st["setting"] == setting
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["optimizer"])
+            gen.set_state(st["generator"])
+            start, losses = int(st["step"]), [float(x) for x in st["losses"]]
+            if say is not None:
+                say(f"pretraining: continuing from step {start} of {steps} ({state_path})")
+        except Exception:  # noqa: BLE001 - another setting, or a damaged file: start over (public data only)
+            start, losses = 0, []
+            gen = torch.Generator().manual_seed(seed)
+
+    def save(step: int) -> None:
+        tmp = Path(str(state_path) + ".tmp")
+        torch.save({"setting": setting, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "generator": gen.get_state(), "step": step, "losses": losses}, tmp)
+        os.replace(tmp, state_path)
 
     def lr_at(step: int) -> float:
         if warmup and step < warmup:
@@ -96,14 +124,13 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
     model.train()
-    losses = []
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, leave=False)
+        bar = tqdm(total=steps, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False)
     t0 = time.time()
-    for step in range(steps):
+    for step in range(start, steps):
         idx = torch.randint(0, blocks.shape[0], (min(batch_size, blocks.shape[0]),), generator=gen)
         x = blocks[idx].to(params[0].device)
         for g in opt.param_groups:
@@ -118,17 +145,26 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
             bar.update(1)
             tok_s = (step + 1) * x.numel() / max(1e-9, time.time() - t0)
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:.0f}")
+        if say is not None and step - start == 4 and steps - step > 1:
+            left = (time.time() - t0) / 5 * (steps - step - 1)
+            say(f"pretraining: about {left:.0f} s for the {steps - step - 1} steps left "
+                f"(checkpointed every {every} steps; stopping loses at most that many)")
+        if state_path is not None and (step + 1) % every == 0 and step + 1 < steps:
+            save(step + 1)
         if log is not None:
             log(step, losses[-1])
     if bar is not None:
         bar.close()
+    if state_path is not None:
+        Path(state_path).unlink(missing_ok=True)
     model.eval()
     return losses
 
 
 def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq_len: int = 64,
                    steps: int = 600, batch_size: int = 32, lr: float = 3e-3, warmup: int = 30,
-                   seed: int = 0, base_model: str | None = None, progress: bool = True, device=None):
+                   seed: int = 0, base_model: str | None = None, progress: bool = True, device=None,
+                   state_path: Path | None = None, say=None, log=None, every: int = 50):
     """Build (preset) or load (``base_model``) a causal LM and train it on public ``texts``
     (on ``device``, default the CPU; the model is returned on the CPU)."""
     from userdp.lm.tokenization import encode_texts, special_ids
@@ -146,7 +182,8 @@ def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq
     if device is not None:
         model.to(device)
     losses = train_lm(model, blocks, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
-                      seed=seed, progress=progress)
+                      seed=seed, progress=progress, state_path=state_path, say=say, log=log,
+                      every=every)
     model.cpu()
     return model, {"blocks": int(blocks.shape[0]), "tokens": int(blocks.numel()),
                    "final_loss": float(np.mean(losses[-20:])), "steps": steps}
