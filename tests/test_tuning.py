@@ -244,3 +244,28 @@ def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, 
     assert s["epsilon_total"] == s["epsilon_final_model"] == priv["epsilon"] <= 3.0
     assert "touched once" in priv["tuning_guarantee"]
     assert s["best"]["params"] == plan["trials"][plan["final"]["index"]]["params"]
+
+
+@pytest.mark.slow
+def test_trials_share_one_private_cache_in_the_tuning_directory(tiny, monkeypatch):
+    """Issue 28 (1): with output.cache: run every trial re-read and re-tokenized the private file;
+    trials of one tuning run share the tuning directory's cache (still in the user's directory)."""
+    import userdp.tuning.job as J
+    from userdp.lm.pretrain import run_cache, shared_run_cache
+
+    seed = _seed_with_trials(2, TrialCount.with_mean("tnb", 2.0, 1.0))
+    monkeypatch.setattr(J.secrets, "randbits", lambda n: seed)
+
+    tmp, cfg, space = tiny
+    assert run_cache(tmp / "r") == tmp / "r" / "cache"
+    with shared_run_cache(tmp / "shared"):
+        assert run_cache(tmp / "r") == tmp / "shared"
+    out = tmp / "tune_cache"
+    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "8", "--mean-trials", "2",
+                "--set", "output.cache=run", "--output", str(out), "--no-progress"]) == 0
+    plan = json.loads((out / "tune.json").read_text())
+    trials = [out / "trials" / f"trial-{t['index']:03d}" for t in plan["trials"]]
+    assert len(trials) == 2 and all((d / "privacy.json").is_file() for d in trials)
+    # one private cache for both trials, inside the tuning directory; none in the trial directories
+    assert (out / "cache").is_dir() and any((out / "cache").iterdir())
+    assert all(not (d / "cache").exists() for d in trials)

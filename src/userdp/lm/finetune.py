@@ -793,9 +793,9 @@ def _audit_session(cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log, steps_b
 def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
          plan_file: Optional[str], audit, world) -> Optional[dict]:
     if cfg.output.cache == "run":  # every cached copy of this run's data stays in the run directory
-        from userdp.lm.pretrain import cache_in
+        from userdp.lm.pretrain import cache_in, run_cache  # (or the tuning directory its trials share)
 
-        with cache_in(rd.root / "cache"):
+        with cache_in(run_cache(rd.root)):
             return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
     return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
 

@@ -26,6 +26,7 @@ from userdp.lm import models
 
 
 _CACHE_OVERRIDE: list[Path] = []
+_SHARED_RUN_CACHE: list[Path] = []
 
 
 def cache_root() -> Path:
@@ -40,6 +41,24 @@ def private_cache_root() -> Path:
     perplexity scores): a run's own ``<run>/cache`` while a run with ``output.cache: run`` is active
     (a temporary folder during `userdp plan`), else :func:`cache_root`."""
     return _CACHE_OVERRIDE[-1] if _CACHE_OVERRIDE else cache_root()
+
+
+def run_cache(run_root: Path) -> Path:
+    """The private cache of a run with ``output.cache: run``: ``<run>/cache``, or the folder of
+    :func:`shared_run_cache` when runs that share a data configuration (a tuning run's trials)
+    are made inside one."""
+    return _SHARED_RUN_CACHE[-1] if _SHARED_RUN_CACHE else Path(run_root) / "cache"
+
+
+@contextlib.contextmanager
+def shared_run_cache(path: Path):
+    """Runs started inside share ``path`` as their ``output.cache: run`` private cache (still in the
+    user's chosen directory): their data is read and tokenized once, not once a run."""
+    _SHARED_RUN_CACHE.append(Path(path))
+    try:
+        yield
+    finally:
+        _SHARED_RUN_CACHE.pop()
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ import numpy as np
 from userdp.accounting import compose, event_to_dict
 from userdp.errors import UserError
 from userdp.lm import config as C
+from userdp.lm.pretrain import shared_run_cache
 from userdp.lm.run_dir import read_json, write_json_atomic
 from userdp.tuning import accounting as TA
 from userdp.accounting import private_selection as TG
@@ -151,10 +152,13 @@ def check_state(state, path: Path) -> dict:
 
 def run_trials(state: dict, out: Path, *, progress: bool, log: Log) -> dict:
     """Run (or continue) every trial, then release the best (with ``on: public``, train once on the
-    private data with the best trial's hyperparameters). Returns the summary."""
-    _trials(state, out, progress=progress, log=log)
-    if state["on"] == "public":
-        _final_private_run(state, out, progress=progress, log=log)
+    private data with the best trial's hyperparameters). Returns the summary. Trials with
+    ``output.cache: run`` share one private cache in the tuning directory (``cache/``): the data
+    is read and tokenized once, not once a trial."""
+    with shared_run_cache(out / "cache"):
+        _trials(state, out, progress=progress, log=log)
+        if state["on"] == "public":
+            _final_private_run(state, out, progress=progress, log=log)
     return release(state, out, log)
 
 
