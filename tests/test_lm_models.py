@@ -119,3 +119,29 @@ def test_load_local_refuses_missing_dir_and_round_trips(tmp_path):
 def test_unknown_preset():
     with pytest.raises(UserError, match="preset"):
         models.build_preset("huge", vocab_size=30)
+
+
+def test_a_hub_id_resolves_through_the_local_hugging_face_cache_and_never_downloads(tmp_path, monkeypatch):
+    """Issue 28 (5): ``model.path: org/name`` finds the model in the local Hugging Face cache (as
+    ``huggingface-cli download`` leaves it); a model not there is one clear line, no download."""
+    import huggingface_hub.constants as hc
+
+    from userdp.errors import UserError
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-gpt" / "snapshots" / ("a" * 40)
+    m = models.build_preset("tiny", vocab_size=40, n_positions=16)
+    m.save_pretrained(str(snap))
+    (cache / "models--acme--tiny-gpt" / "refs").mkdir(parents=True)
+    (cache / "models--acme--tiny-gpt" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models.resolve_model_path("acme/tiny-gpt") == snap
+    loaded = models.load_local("acme/tiny-gpt")
+    for (n, a), (_, b) in zip(m.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n
+    with pytest.raises(UserError, match="model.path acme/absent: not a local directory, and not in the local "
+                                        "Hugging Face cache"):
+        models.resolve_model_path("acme/absent")
+    with pytest.raises(UserError, match="not a directory"):
+        models.resolve_model_path(str(tmp_path / "no" / "such" / "dir"))

@@ -219,7 +219,7 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
 
     m, t = cfg.model, cfg.tokenizer
     notes = {}
-    model_dir = Path(m.path) if m.path else None
+    model_dir = models.resolve_model_path(m.path) if m.path else None  # a folder, or a hub id already cached
     made_by_us = model_dir is not None and (model_dir / "userdp_pretrain.json").is_file()
     if t.path:
         if not t.declared_public:

@@ -21,6 +21,7 @@ and would make each unit's gradient depend on the RNG state of the batch.
 from __future__ import annotations
 
 import json
+import re
 import os
 import warnings
 from dataclasses import dataclass
@@ -158,10 +159,7 @@ def load_local(path: str | os.PathLike, *, quantize: str = "none", device=None) 
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    p = Path(path)
-    if not p.is_dir():
-        raise UserError(f"model.path: {path} is not a directory (models are loaded from local "
-                        "directories only; nothing is downloaded)")
+    p = resolve_model_path(path)
     if (p / "adapter_config.json").is_file() and not (p / "config.json").is_file():
         from peft import PeftModel
 
@@ -192,6 +190,36 @@ def load_local(path: str | os.PathLike, *, quantize: str = "none", device=None) 
         raise UserError(f"model.lora.quantize: {quantize}: no layer of {path} was quantized (bitsandbytes "
                         "quantizes nn.Linear; GPT-2's Conv1D layers are not): drop model.lora.quantize")
     return _prepare(_no_dropout(model))
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A local model folder: ``path`` itself, or — when ``path`` is a Hugging Face hub id such as
+    ``gpt2`` or ``org/name`` and no such folder exists — its snapshot in the local Hugging Face
+    cache (``HF_HUB_CACHE``), found without any network access. Nothing is ever downloaded.
+
+    Raises:
+        UserError: neither a folder nor a model already in the local cache (one line saying how to
+            get it there)."""
+    p = Path(path)
+    if p.is_dir():
+        return p
+    if not p.exists() and _HUB_ID.match(str(path)):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(str(path), local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            from huggingface_hub.constants import HF_HUB_CACHE
+
+            raise UserError(f"model.path {path}: not a local directory, and not in the local Hugging Face cache "
+                            f"({HF_HUB_CACHE}); nothing is downloaded at run time: fetch it once where there is "
+                            f"internet (`huggingface-cli download {path}`) or give a directory") from None
+    raise UserError(f"model.path: {path} is not a directory (models are loaded from local "
+                    "directories or the local Hugging Face cache only; nothing is downloaded)")
 
 
 @dataclass(frozen=True)
