@@ -269,7 +269,7 @@ def default_yaml_text() -> str:
     return resources.files("userdp").joinpath("configs/default.yaml").read_text()
 
 
-class _StrictLoader(yaml.SafeLoader):
+class StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
 
     def construct_mapping(self, node, deep=False):
@@ -298,7 +298,7 @@ def load_yaml(path: str | Path) -> dict:
     except UnicodeDecodeError as exc:
         raise UserError(f"config: {path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
     try:
-        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        raw = yaml.load(text, Loader=StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""

@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 
 from userdp.errors import UserError
+from userdp.lm.config import StrictLoader
 
 MECHANISM_KEYS = ("training.algorithm", "training.group_size", "training.cohort_size", "training.steps",
                   "privacy.sampler", "training.clipping", "privacy.accountant", "privacy.delta")
@@ -67,9 +68,9 @@ def mechanism_key(params: dict) -> str:
     return ",".join(parts) or "default"
 
 
-class _SpaceLoader(yaml.SafeLoader):
-    """A SafeLoader without aliases: ``*name`` is refused (an alias bomb would expand into a space of
-    billions of values), and a key given twice is refused (ambiguous)."""
+class _SpaceLoader(StrictLoader):
+    """The config's loader (a key given twice is refused) without aliases: ``*name`` is refused (an
+    alias bomb would expand into a space of billions of values)."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.events.AliasEvent):
@@ -77,16 +78,6 @@ class _SpaceLoader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not allowed in a search space",
                                               mark)
         return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} appears twice in one mapping (ambiguous)", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 def load_space(path: str) -> Space:
