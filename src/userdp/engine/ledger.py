@@ -92,14 +92,16 @@ def journal_header(path: str | os.PathLike) -> dict:
     return header
 
 
-def read_chain(path: str | os.PathLike) -> tuple[dict, dict[int, str], int]:
+def read_chain(path: str | os.PathLike, bad=None) -> tuple[dict, dict[int, str], int]:
     """Read and verify a journal's hash chain without changing the file: (header, line number ->
     hash, most steps recorded as begun). A torn final line (a crash while writing it) is ignored.
+    ``bad``: why -> the UserError to raise (default: one naming the file).
 
     Raises:
         UserError: naming the file, when it is missing, unreadable, headerless or the chain breaks."""
-    def bad(why):
-        return UserError(f"{path}: {why}; the ledger cannot be trusted")
+    if bad is None:
+        def bad(why):
+            return UserError(f"{path}: {why}; the ledger cannot be trusted")
 
     try:
         with open(path, "rb") as f:
@@ -220,10 +222,7 @@ class Journal:
                 f.truncate(cut)
                 f.flush()
                 os.fsync(f.fileno())
-        try:
-            header, hashes, best = read_chain(self.path)
-        except UserError as exc:
-            raise self._bad(str(exc).split(": ", 1)[1].split("; the ledger")[0]) from None
+        header, hashes, best = read_chain(self.path, bad=self._bad)
         if header.get("event") != self.event_json:
             raise self._bad("it records a different step event than this configuration "
                             f"({header.get('event')} != {self.event_json})")
