@@ -209,7 +209,7 @@ def data_cases() -> list[Case]:
 
 
 # ---------------------------------------------------------------------------------- CLI numbers and paths
-RAW_YAML = ("dup-key", "tab-indent", "not-yaml", "anchor-bomb")
+RAW_YAML = ("dup-key", "tab-indent", "not-yaml", "anchor-bomb", "deep-list-unknown-key")
 
 
 def _tiny_config(w: Path, body: str = "", name: str = "c.yaml") -> Path:
@@ -243,7 +243,7 @@ def cli_cases() -> list[Case]:
         return lambda w, r: ["pretrain", "--public-text", str(_write(w, "pub.txt", pub)), "--declare-public",
                              "--output", str(w / "model-out"), "--steps", "1", *flags]
 
-    for flag, values in {"--vocab-size": ("0", "-5", "10", "nan"), "--seq-len": ("0", "-1", "1"),
+    for flag, values in {"--vocab-size": ("0", "-5", "10", "nan"), "--seq-len": ("0", "-1", "1", "3"),
                          "--batch-size": ("0", "-2"), "--steps": ("0", "-1"), "--lr": ("nan", "inf", "-1", "0")}.items():
         for v in values:
             out.append(Case(f"pretrain{flag}={v}", "CLI numbers and paths", pretrain(flag, v)))
@@ -308,6 +308,7 @@ def cli_cases() -> list[Case]:
         "dup-key": "training:\n  steps: 3\n  steps: 4\n",
         "tab-indent": "training:\n\tsteps: 3\n",
         "not-yaml": "training: [unclosed\n",
+        "deep-list-unknown-key": "nosuch: " + "[" * 5000 + "]" * 5000 + "\n",
         "anchor-bomb": "a: &a [1,2]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n",
     }
     for name, body in yaml_cases.items():
@@ -316,10 +317,28 @@ def cli_cases() -> list[Case]:
                                                       "--output", str(w / f"run-{n}")], timeout=90))
     for name, setting in {"set-nan": "privacy.epsilon=nan", "set-inf-lr": "training.lr=inf",
                           "set-unknown": "training.bogus=1", "set-no-equals": "training.steps",
-                          "set-neg": "training.steps=-1", "set-empty-key": "=3"}.items():
+                          "set-neg": "training.steps=-1", "set-empty-key": "=3",
+                          # issue 26's hostile tester: tracebacks after data preparation, or run as given
+                          "set-inf-steps": "training.steps=.inf", "set-nan-steps": "training.steps=.nan",
+                          "set-overflow-steps": "training.steps=1.0e+309", "set-neg-seed": "training.seed=-1",
+                          "set-neg-split-seed": "data.split_seed=-1", "set-neg-planning-seed": "planning.seed=-1",
+                          "set-neg-momentum": "training.momentum=-1", "set-neg-decay": "training.weight_decay=-1",
+                          "set-zero-eval-batch": "eval.batch_size=0", "set-neg-eval-batch": "eval.batch_size=-1",
+                          "set-neg-eval-users": "data.max_eval_users=-1",
+                          "set-zero-pretrain-batch": "model.pretraining.batch_size=0",
+                          "set-neg-pretrain-lr": "model.pretraining.lr=-1",
+                          "set-neg-warmup": "model.pretraining.warmup=-5",
+                          "set-neg-personalize-epochs": "eval.personalize_epochs=-1",
+                          "set-subnormal-clip": "training.clip_norm=1e-320",
+                          "set-deep-list": "nosuch=" + "[" * 5000 + "]" * 5000,
+                          "set-string-int": "training.steps='5'", "set-typo": "training.stpes=5"}.items():
         out.append(Case(f"train-{name}", "CLI numbers and paths",
                         lambda w, r, s=setting: ["train", str(_tiny_config(w)), "--set", s, "--no-progress",
                                                  "--output", str(w / "run-set")]))
+    for v in ("-1", "nan", "0", "inf"):
+        out.append(Case(f"train--dist-timeout={v}", "CLI numbers and paths",
+                        lambda w, r, v=v: ["train", str(_tiny_config(w)), "--dist-timeout", v, "--no-progress",
+                                           "--output", str(w / "run-dist")]))
     out.append(Case("train-config-is-dir", "CLI numbers and paths", lambda w, r: ["train", str(w), "--no-progress"]))
     out.append(Case("train-config-missing", "CLI numbers and paths",
                     lambda w, r: ["train", str(w / "none.yaml"), "--no-progress"]))

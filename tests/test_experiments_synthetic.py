@@ -193,3 +193,16 @@ def test_quick_settings_are_reduced_and_valid():
     # at most a fifth of the default run's engine steps (the default sweeps 7 settings)
     assert runs(q, 1 + sum(len(v) for v in sweeps.values())) <= runs(base, 7) / 5
     assert list(sweeps) == ["within_user_variance"] and q.num_users <= 1000
+
+
+def test_mean_estimation_quick_runs_as_docs_experiments_md_shows(capsys):
+    # it always failed: --quick's check ran after the defaults were filled in (issue 26)
+    import json
+
+    from userdp.cli import main
+
+    assert main(["experiment", "mean-estimation", "--quick", "--no-sweeps", "--json", "--dimension", "4"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["algorithm"] for r in rows} >= {"ELS", "ULS"}
+    assert main(["experiment", "mean-estimation", "--quick", "--steps", "5000"]) == 2
+    assert "--quick sets --steps itself" in capsys.readouterr().err

@@ -110,6 +110,9 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
     from userdp.experiments import mean_estimation as me
 
     _quiet_absl()
+    if args.quick:  # before the defaults are filled in: only what the user gave is refused
+        _refuse_quick_overrides(args, args._defaults, ("users", "steps", "uls_group_sizes", "learning_rates",
+                                                       "clip_norms", "trials", "sweep_within_user_variance"))
     D = me.MeanEstimationConfig()  # defaults filled here, so `userdp --help` need not import torch
     for name, field_ in (("dimension", "dimension"), ("users", "num_users"), ("records_per_user", "records_per_user"),
                          ("heavy_tail_sigma", "heavy_tail_sigma"), ("population_scale", "population_scale"),
@@ -135,8 +138,6 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
         "epsilon": args.sweep_epsilon,
     }
     if args.quick:
-        _refuse_quick_overrides(args, args._defaults, ("users", "steps", "uls_group_sizes", "learning_rates",
-                                                       "clip_norms", "trials", "sweep_within_user_variance"))
         base, sweeps = me.quick_settings(base, sweeps)
     if args.no_sweeps:
         sweeps = {}

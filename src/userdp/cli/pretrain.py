@@ -31,7 +31,7 @@ def register(subparsers) -> None:
     p.add_argument("--base-model", metavar="DIR", help="continue pretraining a local model instead")
     p.add_argument("--vocab-size", type=A.int_range(260, 1_000_000), default=2048,
                    help="BPE vocabulary (>= 260: the 256 bytes plus special tokens)")
-    p.add_argument("--seq-len", type=A.int_range(2, 1_000_000), default=64, help="tokens per sequence")
+    p.add_argument("--seq-len", type=A.int_range(4, 1_000_000), default=64, help="tokens per sequence")
     p.add_argument("--steps", type=A.positive_int, default=600, help="optimizer steps")
     p.add_argument("--batch-size", type=A.positive_int, default=32, help="sequences per step")
     p.add_argument("--lr", type=A.positive_float, default=3e-3, help="peak learning rate (AdamW)")

@@ -30,7 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     A.add_device_option(p, "training runs (also with --resume: the device does not change the guarantee)")
-    p.add_argument("--dist-timeout", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--dist-timeout", type=A.positive_float, default=None, metavar="SECONDS",
                    help="under torchrun: how long a collective waits for another process before the job "
                         "fails (default 1800)")
     p.set_defaults(func=main)
@@ -38,6 +38,15 @@ def register(subparsers) -> None:
 
 def _fmt(x, spec=".2f"):
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _audit_hooks(cfg):
+    """The audit's hooks when the config asks for canaries (the LM job does not import the audit)."""
+    if not cfg.audit.canaries:
+        return None
+    from userdp.audit.session import AuditSession
+
+    return AuditSession
 
 
 def main(args) -> int:
@@ -72,7 +81,7 @@ def main(args) -> int:
     world = launch.init_world(cfg.model.device, args.dist_timeout or launch.DEFAULT_TIMEOUT_S)
     try:
         s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, plan_file=args.plan,
-                world=world)
+                world=world, audit=_audit_hooks(cfg))
     except (launch.PeerLost, launch.JobStopped) as exc:
         from pathlib import Path
 
