@@ -6,7 +6,8 @@ import pytest
 from userdp import accounting as A
 from userdp.lm import report as R
 from userdp.errors import UserError
-from userdp.lm.run_dir import RunDir, write_json_atomic
+from userdp.fileio import write_json
+from userdp.lm.run_dir import RunDir
 
 
 def _record(**kw):
@@ -25,7 +26,7 @@ def _record(**kw):
 def test_every_checklist_field_is_present_and_non_empty(tmp_path):
     rd = RunDir(tmp_path)
     rd.config.write_text("x: 1\n")
-    write_json_atomic(rd.privacy, _record())
+    write_json(rd.privacy, _record())
     # a record without the run's ledger journal beside it is not reported: the journal is the
     # source of truth its DpEvent is checked against
     with pytest.raises(UserError, match="ledger_journal.jsonl: missing"):

@@ -1,11 +1,24 @@
-"""Small file primitives shared by the checkpoint, the ledger journal and the caches."""
+"""Small file primitives shared by the checkpoint, the ledger journal and the caches, and the
+one way userdp writes a file (:func:`write_atomic`) or a folder (:func:`atomic_dir`).
+
+Every write of a run directory, a cache, a plan, a config or tuning state goes through those two:
+the new content is written under a temporary name in the same folder, fsynced and renamed over
+the target, so that a reader sees the old file or the new one, never half of one. A failure (a
+full disk, no permission, a read-only file system, a file where a folder is expected, a dangling
+symbolic link) removes the temporary and becomes one line naming the path (:func:`os_error`).
+A file the running command read as input (:func:`note_input`) is never overwritten.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +127,159 @@ def strict(obj: Any) -> Any:
 def strict_dumps(obj: Any, **kwargs) -> str:
     """``json.dumps`` of :func:`strict` ``(obj)``; other types via ``str``; never NaN or Infinity."""
     return json.dumps(strict(obj), allow_nan=False, default=str, **kwargs)
+
+
+# ------------------------------------------------------------------------------ one way to write
+
+_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "a read-only file system",
+    errno.ENOTDIR: "a file is where a folder is expected",
+    errno.EISDIR: "a folder is where a file is expected",
+    errno.ENOENT: "a folder on the way is missing or a symbolic link dangles",
+    errno.ELOOP: "a loop of symbolic links",
+    errno.ENAMETOOLONG: "the name is too long",
+    errno.EFBIG: "the file is too large for the file system",
+    errno.EIO: "an input/output error of the disk",
+}
+
+#: the errors of the environment (not of userdp) that the CLI reports in one line
+ENVIRONMENT_ERRNOS = frozenset(_REASONS)
+
+_INPUTS: set[str] = set()
+
+
+def os_error(path: str | os.PathLike, exc: OSError, doing: str = "cannot write it") -> UserError:
+    """One line for an ``OSError`` met at ``path``: ``"<path>: <doing> (<reason>)"``."""
+    reason = _REASONS.get(exc.errno) or exc.strerror or str(exc)
+    return UserError(f"{os.fspath(path)}: {doing} ({reason})")
+
+
+def note_input(path: str | os.PathLike) -> None:
+    """Record that the running command read ``path``: :func:`write_atomic` refuses to replace it."""
+    _INPUTS.add(os.path.realpath(path))
+
+
+def forget_inputs() -> None:
+    """Start a new command (the CLI calls it before each one)."""
+    _INPUTS.clear()
+
+
+def make_dir(path: str | os.PathLike) -> Path:
+    """``mkdir -p path``; a file on the way, no permission or a read-only disk is one line."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UserError(f"{path}: cannot make this folder (a file is where a folder is expected)") from None
+    except OSError as exc:
+        raise os_error(path, exc, "cannot make this folder") from None
+    return path
+
+
+def _check_target(path: Path) -> None:
+    if os.path.realpath(path) in _INPUTS:
+        raise UserError(f"{path}: is an input of this command; refusing to overwrite it (write elsewhere)")
+    if path.is_symlink() and not path.exists():
+        raise UserError(f"{path}: a dangling symbolic link; refusing to write through it")
+    if path.is_dir():
+        raise UserError(f"{path}: cannot write it (a folder is where a file is expected)")
+
+
+def _unlink_quietly(p: Path) -> None:
+    with contextlib.suppress(OSError):
+        p.unlink()
+
+
+def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str], None], *,
+                 private: bool = False) -> Path:
+    """Write ``content`` to ``path`` atomically (temporary in the same folder, fsync, rename,
+    fsync of the folder); missing parent folders are made.
+
+    ``content``: text (UTF-8), bytes, or a callable that writes the file at the path it is given
+    (``torch.save``, ``safetensors.torch.save_file``, ``matplotlib``'s ``savefig``).
+    ``private``: the file is made with mode 0600 (secrets: only its owner may read it).
+
+    Raises:
+        UserError: one line naming ``path`` (an input of this command, a dangling link, a full disk,
+            no permission, a read-only file system, a file where a folder is expected); no
+            temporary file is left behind."""
+    path = Path(path)
+    _check_target(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if callable(content):
+            content(str(tmp))
+            fsync_path(tmp)
+        else:
+            data = content.encode("utf-8") if isinstance(content, str) else content
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        with contextlib.suppress(OSError):
+            fsync_path(path.parent)
+    except OSError as exc:
+        _unlink_quietly(tmp)
+        raise os_error(path, exc) from None
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return path
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, *, private: bool = False) -> Path:
+    """:func:`write_atomic` of ``obj`` as strict JSON (a non-finite number is "inf" / "nan")."""
+    return write_atomic(path, strict_dumps(obj, indent=indent) + "\n", private=private)
+
+
+def _fsync_tree(root: Path) -> None:
+    for base, _, names in os.walk(root):
+        for n in names:
+            fsync_path(os.path.join(base, n))
+        fsync_path(base)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, *, keep_existing: bool = True) -> Iterator[Path]:
+    """Build the folder ``path`` under a temporary sibling name (yielded); when the block ends
+    without an error its files are fsynced and it is renamed to ``path``.
+
+    ``keep_existing``: a folder already at ``path`` (another process built the same cache entry
+    first) is kept and the new one dropped; otherwise it is replaced.
+
+    Raises:
+        UserError: one line naming ``path`` for an ``OSError`` in the block or in the rename; the
+            temporary folder is removed whatever happens."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        if path.is_symlink() and not path.exists():
+            raise UserError(f"{path}: a dangling symbolic link; refusing to write through it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        yield tmp
+        _fsync_tree(tmp)
+        if path.is_dir() and not keep_existing:
+            old = path.with_name(f".{path.name}.old{os.getpid()}")
+            os.replace(path, old)
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not path.is_dir():
+                raise
+            # another process made it first: theirs is as good as ours
+        with contextlib.suppress(OSError):
+            fsync_path(path.parent)
+    except OSError as exc:
+        raise os_error(path, exc) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

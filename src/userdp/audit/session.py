@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +38,7 @@ from userdp.audit.canaries import (
     ordinary_token_ids,
 )
 from userdp.errors import UserError
+from userdp.fileio import write_json
 
 DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023): {k} synthetic canary users, each holding "
           "{r} copies of its own random {s}-token secret, were each included in the training data "
@@ -85,15 +85,7 @@ def default_secrets_path(run_root: Path) -> Path:
 
 def _write_private_json(path: Path, obj: dict) -> None:
     """Write ``obj`` to ``path`` atomically with mode 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_json(path, obj, indent=1, private=True)
 
 
 class AuditSession:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from userdp.cli import jsonout
+from userdp.errors import UserError
 
 KINDS = {"stores": True, "tokenized": True, "perplexity": True, "pretrained": False}  # kind -> private
 
@@ -63,6 +64,12 @@ def _run(args: argparse.Namespace) -> int:
               "--private-only`, or set output.cache: run to keep it inside each run directory")
         return 0
     kinds = [k for k, private in KINDS.items() if private or not args.private_only]
+    for kind in kinds:  # checked before anything is removed
+        if (root / kind).is_symlink():
+            raise UserError(f"{root / kind}: a symbolic link; `cache clear` does not follow links to delete "
+                            f"(remove the link and what it points to yourself; nothing was removed)")
+        if (root / kind).exists() and not (root / kind).is_dir():
+            raise UserError(f"{root / kind}: not a folder; nothing was removed")
     removed = 0
     for kind in kinds:
         d = root / kind

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from userdp.errors import UserError
+from userdp.fileio import write_atomic
 
 USER_FIELDS = ("user", "user_id", "userid", "author", "author_id", "username", "speaker", "sender", "owner")
 TEXT_FIELDS = ("text", "body", "message", "content", "msg", "post", "comment")
@@ -154,10 +155,7 @@ def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="userdp-init-") as tmp:
         stats = corpus_stats(build_store(source, Path(tmp) / "store").store)
     text = build_config(path, fmt, uf, tf, args.public_text, stats, str(out))
-    try:
-        out.write_text(text)
-    except OSError as exc:
-        raise UserError(f"--output {out}: cannot write ({exc.strerror or exc})") from None
+    write_atomic(out, text)  # a failed write leaves no file (it left a 0-byte config)
     print(f"wrote {out}: {stats['users']:,} users, {stats['records']:,} records. Next: "
           f"userdp plan {out} --compute-budget 64   or   userdp train {out}", file=sys.stderr)
     if args.public_text is None:

@@ -113,13 +113,13 @@ def _plan(args: argparse.Namespace) -> int:
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
         chunk_size=cfg.training.chunk_size or 8, log=log)
     from userdp.lm.finetune import plan_record
-    from userdp.lm.run_dir import write_json_atomic
+    from userdp.fileio import write_json
 
     out = plan_record(plan, plan.recommended, "recommended", seed=args.seed, data_fingerprint=data_fp)
     out["config"] = args.config or "embedded default of `userdp train`"
     out["config_overrides"] = list(args.set or [])
     out["apply"] = {k: v for k, v in plan.training_overrides().items()}
-    write_json_atomic(save, out)
+    write_json(save, out)
     out["saved_to"] = str(save)
     if args.json:
         print(jsonout.dumps(out, indent=1))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
+import io
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -30,6 +30,7 @@ import numpy as np
 
 from userdp.data.subset import UserSubset
 from userdp.errors import UserError
+from userdp.fileio import write_atomic
 
 STRATEGIES = ("random", "longest", "shortest", "highest_ppl", "lowest_ppl")
 
@@ -154,8 +155,12 @@ def perplexity_scores(
         if not np.all(np.isfinite(vals)) or (vals <= 0).any():
             raise UserError("the perplexity function returned a non-finite or non-positive value")
         out[r] = vals
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-    np.save(tmp, out)
-    os.replace(tmp, path)
+    write_atomic(path, _npy_bytes(out))
     return out, touch(False)
+
+
+def _npy_bytes(a: np.ndarray) -> bytes:
+    """``a`` in NumPy's .npy format (what ``np.load`` reads)."""
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()

@@ -21,12 +21,14 @@ import gzip
 import zlib
 import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
 from userdp.data.records import DropReport, RecordBatch
 from userdp.errors import UserError
+from userdp.fileio import note_input
 
 FORMATS = ("jsonl", "csv", "parquet", "hf", "stackexchange", "shakespeare")
 BLANK_LINES = "jsonl_blank_lines"
@@ -109,6 +111,8 @@ def open_source(
 ):
     """Open ``source`` (a path, or ``shakespeare``) as a streaming record source."""
     fmt = format or detect_format(source)
+    if fmt != "shakespeare" and os.path.exists(source):
+        note_input(source)
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "shakespeare":

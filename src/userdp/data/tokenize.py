@@ -23,8 +23,6 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -34,6 +32,7 @@ import numpy as np
 from userdp.data.store import PrivateTexts, UserStore
 from userdp.data.subset import UserSubset
 from userdp.errors import UserError
+from userdp.fileio import atomic_dir
 
 MODES = ("truncate", "pack", "full")
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
@@ -245,10 +244,26 @@ def tokenize_store(
         tok = Tokenizer.from_str(tokenizer.to_str())
         tok.no_padding()
         tok.no_truncation()
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = cache_root / f".tmp-{key}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with atomic_dir(folder) as tmp:  # renamed to folder when whole; another process's entry is kept
+        _write_tokens(tmp, tok, store, subset, seq_len, mode, add_eos, eos_id, pad_id, key, tokenizer, block)
+    ts = _load(folder)
+    ts.from_cache = False
+    ts.seconds = time.perf_counter() - t0
+    return ts
+
+
+def record_token_lengths(store: UserStore, tokenizer, *, cache_dir=None) -> np.ndarray:
+    """int64 [num_records]: tokens per store record (no EOS), for longest/shortest selection.
+
+    Reuses (and fills) the ``full`` tokenization cache of the whole store.
+    """
+    ts = tokenize_store(store, tokenizer, 2**30, mode="full", add_eos=False, cache_dir=cache_dir)
+    return ts.seq_lengths().astype(np.int64)
+
+
+def _write_tokens(tmp: Path, tok, store, subset, seq_len: int, mode: str, add_eos: bool, eos_id, pad_id,
+                  key: str, tokenizer, block: int) -> None:
+    """Tokenize ``subset``'s records into the (temporary) cache folder ``tmp``."""
     rows = subset.rows(store.offsets)
     rec_lens = np.empty(len(rows), dtype=np.int64)
     n_tok = 0
@@ -287,21 +302,4 @@ def tokenize_store(
     np.save(tmp / "users.npy", subset.users.astype(np.int64))
     meta = dict(key=key, num_tokens=n_tok, seq_len=int(seq_len), mode=mode, eos_id=eos_id, pad_id=int(pad_id),
                 add_eos=add_eos, store=store.fingerprint, tokenizer=tokenizer_fingerprint(tokenizer))
-    (tmp / "meta.json").write_text(json.dumps(meta))
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process cached the same key first
-        shutil.rmtree(tmp, ignore_errors=True)
-    ts = _load(folder)
-    ts.from_cache = False
-    ts.seconds = time.perf_counter() - t0
-    return ts
-
-
-def record_token_lengths(store: UserStore, tokenizer, *, cache_dir=None) -> np.ndarray:
-    """int64 [num_records]: tokens per store record (no EOS), for longest/shortest selection.
-
-    Reuses (and fills) the ``full`` tokenization cache of the whole store.
-    """
-    ts = tokenize_store(store, tokenizer, 2**30, mode="full", add_eos=False, cache_dir=cache_dir)
-    return ts.seq_lengths().astype(np.int64)
+    (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a folder with meta.json is whole

@@ -45,7 +45,7 @@ from typing import Optional
 
 from userdp import accounting
 from userdp.errors import BudgetExceededError, UserError
-from userdp.fileio import fsync_path
+from userdp.fileio import fsync_path, write_atomic
 
 JOURNAL = "ledger_journal.jsonl"
 HEAD = "ledger_head.json"
@@ -198,12 +198,7 @@ class Journal:
     def _write_head(self) -> None:
         # after the journal line is fsynced, so the head file is never ahead of the journal; a
         # lost rename (power loss) leaves an older head, which is never a false refusal
-        tmp = self.head_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.cite(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.head_path)
+        write_atomic(self.head_path, json.dumps(self.cite()))
 
     def _bad(self, why: str) -> UserError:
         return UserError(f"{self.path}: {why}; the ledger cannot be trusted, so the run cannot be "

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from userdp.errors import UserError
-from userdp.fileio import MANIFEST, verify_manifest
+from userdp.fileio import MANIFEST, verify_manifest, write_json
 from userdp.lm import models
 from userdp.lm.run_dir import RunDir, verify_files
 
@@ -110,5 +109,5 @@ def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personaliz
         res["personalization"] = run_personalize(model, eval_data, lr=cfg.eval.personalize_lr,
                                                  epochs=cfg.eval.personalize_epochs)
     if (t / "config.yaml").is_file():
-        (t / "evaluate.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+        write_json(t / "evaluate.json", res)
     return res

@@ -16,6 +16,7 @@ import dp_accounting
 
 from userdp.accounting import MAX_ELS_GROUP, event_from_dict, event_to_dict
 from userdp.errors import UserError
+from userdp.fileio import note_input
 
 #: the only keys a plan may set, and what ``plan: auto`` may choose for them
 PLAN_CHOICES = ("training.algorithm", "training.group_size", "training.cohort_size")
@@ -40,6 +41,7 @@ def _rr_epsilon(event) -> float:
 def read_plan(path: str | Path, source: str) -> dict:
     """The JSON object in ``path`` (no tracebacks: a missing, unreadable, non-UTF-8, too deeply
     nested or non-object file is one line naming ``source``)."""
+    note_input(path)
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from userdp.errors import UserError
+from userdp.fileio import write_atomic, write_json
 from userdp.lm import models
 
 
@@ -131,10 +132,9 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
             gen = torch.Generator().manual_seed(seed)
 
     def save(step: int) -> None:
-        tmp = Path(str(state_path) + ".tmp")
-        torch.save({"setting": setting, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "generator": gen.get_state(), "step": step, "losses": losses}, tmp)
-        os.replace(tmp, state_path)
+        state = {"setting": setting, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                 "generator": gen.get_state(), "step": step, "losses": losses}
+        write_atomic(state_path, lambda p: torch.save(state, p))
 
     def lr_at(step: int) -> float:
         if warmup and step < warmup:
@@ -210,5 +210,5 @@ def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq
 
 def save_pretrained(model, tokenizer, out_dir: str | Path, info: dict) -> Path:
     out = models.save_model(model, out_dir, tokenizer)
-    (out / "userdp_pretrain.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    write_json(out / "userdp_pretrain.json", info)
     return out

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
 from userdp.errors import UserError
+from userdp.fileio import atomic_dir
 from userdp.lm.pretrain import pretrain_model, save_pretrained
 
 
@@ -67,13 +67,6 @@ def pretrain_job(args) -> dict:
                                  base_model=args.base_model, device=device)
     info.update(public_text=desc, seconds=round(time.time() - t0, 1), preset=args.preset,
                 vocab_size=tok.get_vocab_size(), seq_len=args.seq_len, output=str(out))
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    try:
+    with atomic_dir(out, keep_existing=False) as tmp:  # an empty folder there (checked above) is replaced
         save_pretrained(model, tok, tmp, info)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"--output {out}: could not write the model ({exc.strerror or exc})") from None
     return info

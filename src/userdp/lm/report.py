@@ -23,9 +23,9 @@ from userdp.accounting.rdp import step_rdp
 from userdp.engine.chacha import ChaChaNoise, tail_delta
 from userdp.engine.ledger import JOURNAL, check_cited, read_chain, steps_begun
 from userdp.errors import UserError
+from userdp.fileio import write_atomic, write_json
 from userdp.lm.plan_file import plan_median_epsilon
-from userdp.lm.run_dir import (RunDir, check_metrics_cite_journal, existing_run_dir, read_json, verify_files,
-                               write_json_atomic)
+from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, read_json, verify_files
 
 SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "
            "clips each sampled user's update, and releases only the noised sum")
@@ -663,8 +663,8 @@ def write_report(run_dir: str | Path, delta: float | None = None) -> tuple[dict,
     rep = build_report(run_dir, delta)
     md = render_markdown(rep)
     rd = RunDir(Path(run_dir))
-    rd.report_md.write_text(md)
-    write_json_atomic(rd.report_json, rep)
+    write_atomic(rd.report_md, md)
+    write_json(rd.report_json, rep)
     if rd.model.is_dir():  # the released folder carries the verified statement
-        (rd.model / MODEL_CARD).write_text(model_card(rep))
+        write_atomic(rd.model / MODEL_CARD, model_card(rep))
     return rep, md

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from userdp.engine.ledger import JOURNAL, check_cited, read_chain
 from userdp.errors import UserError
-from userdp.fileio import MANIFEST, strict_dumps, verify_manifest
+from userdp.fileio import MANIFEST, verify_manifest, write_json
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ class RunDir:
     def write_state(self, **updates) -> dict:
         state = self.read_state()
         state.update(updates)
-        write_json_atomic(self.state, state)
+        write_json(self.state, state)
         return state
 
     def read_metrics(self) -> list[dict]:
@@ -196,29 +196,6 @@ def read_json(path: Path):
         return json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{path}: unreadable ({type(exc).__name__}); the file is damaged") from None
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` through a temporary file and a rename: a failed write
-    (a full disk, no permission) leaves the old file whole, no ``.tmp`` behind, and one line.
-
-    Raises:
-        UserError: naming ``path``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    text = strict_dumps(obj, indent=2) + "\n"  # strict JSON: a non-finite number is "inf" / "nan"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise UserError(f"{path}: cannot write it ({exc.strerror or exc})") from None
 
 
 def plot_curves(metrics: list[dict], out: Path) -> Path | None:

@@ -16,6 +16,7 @@ The tuning directory holds:
 from __future__ import annotations
 
 import csv
+import io
 import dataclasses
 import json
 import os
@@ -30,7 +31,8 @@ from userdp.accounting import compose, event_to_dict
 from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.lm.pretrain import shared_run_cache
-from userdp.lm.run_dir import read_json, write_json_atomic
+from userdp.fileio import write_atomic, write_json
+from userdp.lm.run_dir import read_json
 from userdp.tuning import accounting as TA
 from userdp.accounting import private_selection as TG
 from userdp.accounting.selection import TrialCount
@@ -109,7 +111,7 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
                  {"index": i, "params": p, "mechanism": mechanism_key(p)} for i, p in enumerate(trials)],
              **guarantee, "status": "running"}
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / STATE, state)
+    write_json(out / STATE, state)
     log(f"tune: {k} trials drawn (recorded in {out / STATE} before the first one)")
     return state
 
@@ -175,7 +177,7 @@ def _final_private_run(state: dict, out: Path, *, progress: bool, log: Log) -> N
                                                 [f"privacy.epsilon={state['epsilon']!r}"]), progress, log)
     state["final"] = {"index": best["index"], "params": best["params"], "run_dir": str(d), "score": s["loss_after"],
                       "perplexity": s["perplexity_after"], "epsilon": s["epsilon"]}
-    write_json_atomic(out / STATE, state)
+    write_json(out / STATE, state)
 
 
 def _run_or_resume(d: Path, make_cfg: Callable[[], C.RunConfig], progress: bool, log: Log) -> dict:
@@ -211,7 +213,7 @@ def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
             + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in t["params"].items()))
         s = _run_or_resume(d, lambda t=t, extra=extra: _trial_config(base, t["params"], extra), progress, log)
         t.update(run_dir=str(d), score=s["loss_after"], perplexity=s["perplexity_after"], epsilon=s["epsilon"])
-        write_json_atomic(out / STATE, state)
+        write_json(out / STATE, state)
         log(f"tune: trial {t['index'] + 1}: held-out loss {s['loss_after']:.4f} (perplexity {s['perplexity_after']:.2f})")
 
 
@@ -220,7 +222,7 @@ def release(state: dict, out: Path, log: Log) -> dict:
     done = [t for t in state["trials"] if t.get("score") is not None]
     if not done:
         state["status"] = "done"
-        write_json_atomic(out / STATE, state)
+        write_json(out / STATE, state)
         raise UserError(f"{out}: the trial count drawn was 0 (Poisson): nothing is released; the budget "
                         "is spent all the same")
     best = min(done, key=lambda t: t["score"])
@@ -235,8 +237,8 @@ def release(state: dict, out: Path, log: Log) -> dict:
     summary = _guarantee(state, best)
     _annotate_best(summary, best)
     state.update(status="done", best=best["index"])
-    write_json_atomic(out / STATE, state)
-    write_json_atomic(out / "tuning.json", summary)
+    write_json(out / STATE, state)
+    write_json(out / "tuning.json", summary)
     log(f"tune: best trial {best['index'] + 1} (held-out loss {best['score']:.4f}): {best['run_dir']}")
     return summary
 
@@ -304,7 +306,7 @@ def _annotate_best(summary: dict, best: dict) -> None:
                                    "touched once, by this run (its epsilon is the whole guarantee)")
         rec["not_accounted"] = [n for n in rec.get("not_accounted", []) if not n.startswith("hyperparameter tuning")]
     rec["tuning"] = summary
-    write_json_atomic(p, rec)
+    write_json(p, rec)
     write_report(best["run_dir"])
 
 
@@ -313,13 +315,12 @@ def _write_table(state: dict, out: Path) -> None:
     rows = [{"trial": t["index"] + 1, **{k: t["params"].get(k) for k in keys}, "mechanism": t["mechanism"],
              "heldout_loss": t.get("score"), "heldout_perplexity": t.get("perplexity"),
              "epsilon_trial": t.get("epsilon"), "run_dir": t.get("run_dir")} for t in state["trials"]]
-    tmp = out / "results.csv.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, out / "results.csv")
-    write_json_atomic(out / "results.json", rows)
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    write_atomic(out / "results.csv", text.getvalue())
+    write_json(out / "results.json", rows)
 
 
 def _plot(state: dict, out: Path) -> None:
@@ -346,7 +347,5 @@ def _plot(state: dict, out: Path) -> None:
         ax.set_ylabel("held-out loss")
     fig.suptitle(f"{len(done)} trials")
     fig.tight_layout()
-    tmp = out / "scores.tmp.png"
-    fig.savefig(tmp, dpi=90)
+    write_atomic(out / "scores.png", lambda p: fig.savefig(p, dpi=90, format="png"))
     plt.close(fig)
-    os.replace(tmp, out / "scores.png")
