@@ -11,6 +11,7 @@ import json
 import pytest
 
 from userdp.audit.faults import broken_build
+from userdp.audit.session import AuditSession
 from userdp.lm import config as C
 from userdp.lm.finetune import run
 
@@ -22,9 +23,9 @@ def _audit(tmp_path, overrides, fault=None, times=16):
     cfg = C.load_config(None, AUDIT + overrides)
     if fault:
         with broken_build(fault, times):
-            s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None)
+            s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, audit=AuditSession)
     else:
-        s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None)
+        s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, audit=AuditSession)
     return s, json.loads((tmp_path / "run" / "privacy.json").read_text())
 
 

@@ -67,7 +67,9 @@ def main(args) -> int:
         cfg = C.load_config(args.config, args.overrides)
         k = args.canaries if args.canaries is not None else (cfg.audit.canaries or DEFAULT_CANARIES)
         cfg = C.load_config(args.config, args.overrides + [f"audit.canaries={k}"])
-    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress)
+    from userdp.audit.session import AuditSession
+
+    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, audit=AuditSession)
     a = s["audit"]
     print(f"run directory:        {s['run_dir']}")
     print(f"audit:                {a['statement']} — {a['canaries']} canary users, "

@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from userdp.engine.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
 
 _MASK = 0xFFFFFFFF
@@ -238,11 +239,8 @@ class ChaChaNoise:
         """
         if not tensors:
             return tensors
-        # noise imports this module, so this import waits until the call
-        from userdp.engine.noise import _flat_views, add_piece, check_wide
-
         check_wide(tensors)
-        flats, offsets = _flat_views(tensors)
+        flats, offsets = flat_views(tensors)
         for lo, z in self._slabs(offsets[-1], tensors[0].device, _VECTOR):
             add_piece(flats, offsets, z.mul_(float(std)), lo)
         return tensors
@@ -250,8 +248,6 @@ class ChaChaNoise:
     def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
         """One draw of N(0, std² I) shaped like ``tensors`` (float32, float64 where a tensor is
         float64; on each tensor's device): :meth:`add_` on zeros."""
-        from userdp.engine.noise import zeros_for_noise
-
         return list(self.add_(zeros_for_noise(tensors), std))
 
     def scalar(self, std: float) -> float:

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
+from userdp.engine.model_lint import lint_model
 from userdp.engine.precision import Precision, exact_float32
 from userdp.errors import UserError
 
@@ -368,8 +369,6 @@ class GhostPerUnit:
     name = "ghost"
 
     def __init__(self, model: nn.Module, loss_fn, algorithm, precision: Precision | None = None):
-        from userdp.engine.per_unit import lint_model
-
         lint_model(model)
         if algorithm.update != "gradient":
             raise GhostUnsupported(f"per_unit=ghost clips gradients; {type(algorithm).__name__}'s unit update is "

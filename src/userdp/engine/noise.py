@@ -29,7 +29,6 @@ factorization) are one new class and no change to the loop:
 
 from __future__ import annotations
 
-import bisect
 import os
 from typing import Sequence
 
@@ -37,6 +36,7 @@ import numpy as np
 import torch
 
 from userdp.engine.chacha import ChaChaNoise
+from userdp.engine.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
 from userdp.validation import check_choice
 
@@ -65,46 +65,6 @@ def os_entropy(bits: int = ENTROPY_BITS) -> int:
 
 def _seed_sequence(material: int, *, spawn_key: tuple = ()) -> np.random.SeedSequence:
     return np.random.SeedSequence(int(material), spawn_key=spawn_key, pool_size=_POOL_WORDS)
-
-
-def check_wide(tensors: Sequence[torch.Tensor]) -> None:
-    """Noise is added in float32 or wider, never below (a privacy rule: a bf16 sum would round
-    the noise's low-order bits away).
-
-    Raises:
-        ValueError: a tensor narrower than float32."""
-    for t in tensors:
-        if t.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"noise is added to float32 or float64 tensors only, not {t.dtype}")
-
-
-def _flat_views(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-    """Flat views of contiguous ``tensors`` and the offsets of each in their concatenation."""
-    offsets = [0]
-    for t in tensors:
-        if not t.is_contiguous():
-            raise ValueError("noise is added in place to contiguous tensors only")
-        offsets.append(offsets[-1] + t.numel())
-    return [t.view(-1) for t in tensors], offsets
-
-
-def add_piece(flats: Sequence[torch.Tensor], offsets: Sequence[int], z: torch.Tensor, lo: int) -> None:
-    """Add ``z``, the piece ``[lo, lo + len(z))`` of one flat draw over the concatenation of
-    ``flats``, into the tensors it covers (converted to each one's device and dtype: float32 or
-    float64). The draws stream through such pieces, so no model-sized noise buffer exists."""
-    hi, start = lo + z.numel(), lo
-    j = bisect.bisect_right(offsets, lo) - 1
-    while lo < hi:
-        end = min(hi, offsets[j + 1])
-        seg = flats[j][lo - offsets[j] : end - offsets[j]]
-        seg.add_(z[lo - start : end - start].to(seg.device, dtype=seg.dtype))
-        lo, j = end, j + 1
-
-
-def zeros_for_noise(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Zeros shaped like ``tensors`` on their devices, in float32 (float64 for a float64 tensor)."""
-    return [torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-            for t in tensors]
 
 
 class GaussianNoise:
@@ -166,7 +126,7 @@ class GaussianNoise:
         if not tensors:
             return tensors
         check_wide(tensors)
-        flats, offsets = _flat_views(tensors)
+        flats, offsets = flat_views(tensors)
         total = offsets[-1]
         dtype = np.float64 if any(t.dtype == torch.float64 for t in tensors) else np.float32
         bounds = np.linspace(0, total, _STREAMS + 1).astype(np.int64)

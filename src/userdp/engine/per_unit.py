@@ -29,6 +29,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from userdp.engine.clipping import per_tensor_norms
+from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
+from userdp.engine.model_lint import lint_model
 from userdp.engine.precision import Precision, exact_float32
 from userdp.errors import UserError
 
@@ -45,28 +47,6 @@ class _LossModule(nn.Module):
 
     def forward(self, batch):
         return self.loss_fn(self.model, batch)
-
-
-def lint_model(model: nn.Module) -> None:
-    """Refuse components that mix records within a batch: BatchNorm in training mode (a unit's
-    update would then depend on the other units of the batch, so clipping no longer bounds it).
-
-    Raises:
-        UserError: naming the module at fault and the fix.
-    """
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._BatchNorm) and mod.training:
-            raise UserError(
-                f"module {name or type(model).__name__!r} is {type(mod).__name__} in training mode: "
-                "it mixes records of a batch, so per-unit clipping no longer bounds a user's "
-                "influence. Use LayerNorm/GroupNorm, or freeze it (module.eval()) with statistics "
-                "from public data"
-            )
-        if isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats and mod.training:
-            raise UserError(
-                f"module {name!r} ({type(mod).__name__}) tracks running statistics in training mode; "
-                "set track_running_stats=False or call .eval() on it"
-            )
 
 
 class PerUnitStrategy(Protocol):
@@ -237,7 +217,6 @@ def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
 
 VmapPerUnit = PerUnit
 
-from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
 
 #: name -> strategy class; ``TrainConfig.per_unit`` picks one ("auto": see :func:`resolve_per_unit`)
 PER_UNIT_STRATEGIES: dict[str, type] = {"vmap": VmapPerUnit, "ghost": GhostPerUnit}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -32,14 +32,13 @@ import numpy as np
 import torch
 
 from userdp.errors import UserError
-from userdp.fileio import sha256_file, strict_dumps, write_manifest
+from userdp.fileio import atomic_dir, make_dir, sha256_file, strict_dumps, write_atomic, write_json, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.plan_file import dp_median_event, plan_choices, read_plan
 from userdp.lm.report import MODEL_CARD
 from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, private_cache_root, save_pretrained
-from userdp.lm.run_dir import (RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir, plot_curves,
-                               write_json_atomic)
+from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir, plot_curves
 
 Log = Callable[[str], None]
 
@@ -82,15 +81,8 @@ def _cached_store(source, key: str, log: Log):
         except UserError:
             pass
     log(f"building the user store ({source.description}) ...")
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    res = build_store(source, tmp, overwrite=True)
-    del res
-    try:
-        os.replace(tmp, folder)
-    except OSError:  # another process built it first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(folder) as tmp:  # another process's store, if it built it first, is kept
+        build_store(source, tmp, overwrite=True)
     return open_store(folder)
 
 
@@ -284,7 +276,7 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
             t0 = time.time()
             from userdp.devices import resolve_device
 
-            partial.mkdir(parents=True, exist_ok=True)  # public data only, in the shared cache
+            make_dir(partial)  # public data only, in the shared cache
             if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
                 tok.save(str(partial / "tokenizer.json"))
             try:
@@ -298,16 +290,8 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
                 raise
             info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
                         preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
-            tmp = cdir.with_name(cdir.name + f".tmp{os.getpid()}")
-            save_pretrained(model, tok, tmp, info)
-            try:
-                os.replace(tmp, cdir)
-            except OSError:
-                import shutil
-
-                shutil.rmtree(tmp, ignore_errors=True)
-            import shutil
-
+            with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
+                save_pretrained(model, tok, tmp, info)
             shutil.rmtree(partial, ignore_errors=True)
             model = models.load_local(cdir)
             log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
@@ -351,7 +335,7 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = _
                                       memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None,
                                       optimizer_states=states)
         info["chunk_size"] = chunk
-        write_json_atomic(saved, info)
+        write_json(saved, info)
     per = info.get("unit_bytes")
     log(f"chunk size: auto -> {info['chunk_size']} units per call (cap {info['memory_cap_bytes'] / 2**30:.1f} GiB, "
         f"{info['cap_source']}; about {(per or 0) / 2**20:.0f} MiB per unit)")
@@ -706,8 +690,15 @@ def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
 
 
 def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
-        progress: bool = True, log: Log = _stderr, plan_file: Optional[str] = None, world=None) -> Optional[dict]:
+        progress: bool = True, log: Log = _stderr, plan_file: Optional[str] = None, world=None,
+        audit: Optional[Callable] = None) -> Optional[dict]:
     """Run (or resume) a training job; returns the summary (also in the run directory).
+
+    ``audit``: the empirical audit's hooks, needed when ``cfg.audit.canaries > 0``: a factory
+    ``audit(audit_cfg, run_root, resume=, log=, steps_begun=)`` returning a session with
+    ``attach``, ``gradient``, ``loss``, ``observe_step``, ``journal_context``, ``finish`` and
+    ``discard`` (``userdp.audit.session.AuditSession``, which ``userdp train`` and ``userdp audit``
+    pass). The LM job does not import the audit: it is a layer above it.
 
     ``plan_file``: a plan saved by ``userdp plan`` to apply (its data touches and its DP median's
     epsilon then go into the report, as with ``plan: auto``). A new run that fails before its
@@ -729,7 +720,7 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     if not world.is_main:
         log, progress = (lambda msg: None), False
     try:
-        return _run_top(cfg, output, resume_dir, progress, log, plan_file, world)
+        return _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit)
     except (Exception, JobStopped) as exc:
         lost = exc if isinstance(exc, JobStopped) else translate(exc) if world.distributed else None
         if lost is None:
@@ -739,7 +730,7 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         raise lost from None
 
 
-def _run_top(cfg, output, resume_dir, progress, log, plan_file, world) -> Optional[dict]:
+def _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit_hooks) -> Optional[dict]:
     from userdp.engine.ledger import JOURNAL
 
     if world.distributed and cfg.audit.canaries:
@@ -751,7 +742,7 @@ def _run_top(cfg, output, resume_dir, progress, log, plan_file, world) -> Option
         with world.main_first("checking the run directory"):
             checked = _check_resumable(rd, resume_dir) if world.is_main else None
         engine_resume = world.broadcast_object(checked)
-        audit = _audit_session(cfg, rd, True, log, steps_begun=engine_resume)
+        audit = _audit_session(audit_hooks, cfg, rd, True, log, steps_begun=engine_resume)
         return _run(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
     if not world.is_main:  # rank 0 makes the run directory; the others use it
         with world.main_first("creating the run directory"):
@@ -764,14 +755,13 @@ def _run_top(cfg, output, resume_dir, progress, log, plan_file, world) -> Option
     try:
         with world.main_first("creating the run directory"):
             rd = new_run_dir(output or cfg.output.dir)
-            audit = _audit_session(cfg, rd, False, log)
-            rd.config.write_text(C.dump_yaml(cfg))
+            audit = _audit_session(audit_hooks, cfg, rd, False, log)
+            write_atomic(rd.config, C.dump_yaml(cfg))
             rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         world.broadcast_object(str(rd.root.resolve()))
         return _run(cfg, rd, None, False, progress, log, plan_file, audit, world)
     except BaseException:
         if rd is not None and not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
-            import shutil
 
             shutil.rmtree(rd.root, ignore_errors=True)
             if existed:
@@ -781,13 +771,15 @@ def _run_top(cfg, output, resume_dir, progress, log, plan_file, world) -> Option
         raise
 
 
-def _audit_session(cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log, steps_begun: bool = False):
-    """The run's :class:`~userdp.audit.session.AuditSession` when ``audit.canaries > 0``, else None."""
+def _audit_session(hooks: Optional[Callable], cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log,
+                   steps_begun: bool = False):
+    """The run's audit session (from ``hooks``, see :func:`run`) when ``audit.canaries > 0``, else None."""
     if not cfg.audit.canaries:
         return None
-    from userdp.audit.session import AuditSession
-
-    return AuditSession(cfg.audit, rd.root, resume=resume, log=log, steps_begun=steps_begun)
+    if hooks is None:
+        raise UserError("audit.canaries: this run was started without the audit's hooks; use `userdp train` or "
+                        "`userdp audit`, or pass audit=userdp.audit.session.AuditSession to finetune.run")
+    return hooks(cfg.audit, rd.root, resume=resume, log=log, steps_begun=steps_begun)
 
 
 def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
@@ -846,9 +838,9 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         cfg = apply_plan(cfg, saved, source=f"--plan {plan_file}", data_fingerprint=prep.data_fingerprint)
         plan = dict(saved, source=f"userdp plan (applied by --plan {Path(plan_file).name})")
         if main:
-            write_json_atomic(rd.root / "plan.json", plan)
-            rd.config.write_text("# training.algorithm, group_size and cohort_size come from the plan in plan.json\n"
-                                 + C.dump_yaml(cfg))
+            write_json(rd.root / "plan.json", plan)
+            write_atomic(rd.config, "# training.algorithm, group_size and cohort_size come from the plan in "
+                         "plan.json\n" + C.dump_yaml(cfg))
         n_units = _num_units(cfg, prep.train_subset)
         check_budget(cfg, prep.train_subset.num_users, n_units)
     elif resume_dir is not None and cfg.plan != "auto" and (rd.root / "plan.json").is_file():
@@ -869,8 +861,9 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             with world.main_first("planning"):  # once, on rank 0 (its DP median is spent once)
                 if main:
                     cfg, plan = plan_auto(cfg, train_data, model, log, data_fingerprint=prep.data_fingerprint)
-                    write_json_atomic(saved_plan_path, plan)
-                    rd.config.write_text(
+                    write_json(saved_plan_path, plan)
+                    write_atomic(
+                        rd.config,
                         "# plan: auto chose training.algorithm, group_size and cohort_size below "
                         "(see plan.json);\n# `userdp train --resume` keeps them, a new run plans again\n"
                         + C.dump_yaml(cfg))
@@ -894,7 +887,8 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         notes["chunk_size"] = chunk_info
     ecfg = engine_config(cfg, n_units)
     if main:
-        models.hf_tokenizer(tok).save_pretrained(str(rd.tokenizer))
+        with atomic_dir(rd.tokenizer, keep_existing=False) as tmp:
+            models.hf_tokenizer(tok).save_pretrained(str(tmp))
 
     # ---- evaluation before (each rank scores a share of the held-out records)
     ev_state = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
@@ -902,7 +896,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         log("evaluating the starting model on held-out users ...")
         ev_state["before"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
         if main:
-            write_json_atomic(rd.eval, ev_state)
+            write_json(rd.eval, ev_state)
         log(f"  before: loss {ev_state['before']['loss']:.4f}, perplexity {ev_state['before']['perplexity']:.2f}")
     model.train()
 
@@ -914,7 +908,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         start_step = ckpt.step_of(str(rd.checkpoints))
         if main:
             rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
-            rd.metrics.write_text("".join(strict_dumps(r) + "\n" for r in rows))
+            write_atomic(rd.metrics, "".join(strict_dumps(r) + "\n" for r in rows))
         log(f"resuming at step {start_step} of {cfg.training.steps}")
     bar = None
     if progress:
@@ -979,7 +973,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
             priv = _privacy_json(cfg, exc.record, exc.steps, prep.train_subset.num_records, notes, None,
                                  cfg.tokenizer.seq_len, plan)
             priv["split"], priv["data_drops"], priv["stopped"] = prep.split_rule, prep.drops, "interrupted"
-            write_json_atomic(rd.privacy, priv)
+            write_json(rd.privacy, priv)
             write_report(rd.root)
         log(f"interrupted: the last checkpoint in {rd.checkpoints} and the ledger journal are kept; "
             f"continue with: {'torchrun ... -m ' if world.distributed else ''}userdp train --resume {rd.root}")
@@ -1001,7 +995,7 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         log("personalization evaluation (docs/lm.md) ...")
         ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=cfg.eval.personalize_lr,
                                                   epochs=cfg.eval.personalize_epochs)
-    write_json_atomic(rd.eval, ev_state)
+    write_json(rd.eval, ev_state)
     priv = _privacy_json(cfg, res.record, res.steps, prep.train_subset.num_records, notes, None,
                          cfg.tokenizer.seq_len, plan)
     priv["split"] = prep.split_rule
@@ -1012,14 +1006,16 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         priv["audit"] = audit.finish(model, train_data, eval_data, epsilon=priv["epsilon"], delta=delta)
         priv["not_accounted"] = list(priv.get("not_accounted") or []) + audit_disclosures(priv["audit"])
         log(f"audit: {priv['audit']['statement']}")
-    write_json_atomic(rd.privacy, priv)
-    models.save_model(model, rd.model, tok, quantize=cfg.model.lora.quantize)  # validate(): quantize needs LoRA
-    # evaluate, report and personalize verify the released files against it; the model card
-    # (README.md) is derived from the verified statement and rewritten by every `userdp report`
-    write_manifest(rd.model, exclude=(MODEL_CARD,))
+    write_json(rd.privacy, priv)
+    with atomic_dir(rd.model, keep_existing=False) as tmp:  # validate(): quantize needs LoRA
+        models.save_model(model, tmp, tok, quantize=cfg.model.lora.quantize)
+        # evaluate, report and personalize verify the released files against it; the model card
+        # (README.md) is derived from the verified statement and rewritten by every `userdp report`
+        write_manifest(tmp, exclude=(MODEL_CARD,))
     if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
-        models.save_model(model, rd.adapter, None, adapter=True)
-        write_manifest(rd.adapter)
+        with atomic_dir(rd.adapter, keep_existing=False) as tmp:
+            models.save_model(model, tmp, None, adapter=True)
+            write_manifest(tmp)
     if cfg.output.plot:
         plot_curves(rd.read_metrics(), rd.curves)
     summary = {

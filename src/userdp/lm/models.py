@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from userdp.engine.model_lint import lint_model  # noqa: F401  (the LM jobs lint up front)
 from userdp.errors import UserError
 from userdp.lm.presets import PRESETS  # noqa: F401  (re-exported)
 
@@ -279,22 +280,6 @@ def merged(model: nn.Module) -> nn.Module:
 
 def num_trainable(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-# ---------------------------------------------------------------------------------------
-# The linter (Ponomareva et al. 2023, §5.5.1): modules that mix records within a batch
-
-
-def lint_model(model: nn.Module) -> None:
-    """Refuse components that mix records within a batch (BatchNorm in training mode, Ponomareva et al. 2023, §5.5.1).
-
-    The check itself is the engine's (``userdp.engine.per_unit.lint_model``, which the engine
-    also runs before training); the LM jobs call it up front so a bad model is refused before
-    any pretraining or data preparation.
-    """
-    from userdp.engine.per_unit import lint_model as engine_lint
-
-    engine_lint(model)
 
 
 # ---------------------------------------------------------------------------------------
