@@ -3,8 +3,11 @@
 This is the moments accountant of Abadi et al. (2016), the figure older papers report; the
 registered ``rdp`` accountant uses dp_accounting's finer order grid and is never looser at the
 orders both share. Importing this module registers it, after which ``accountant="rdp_integer"``
-works everywhere an accountant is named: ``TrainConfig``, the ledger, calibration and
-:func:`userdp.accounting.epsilon`.
+works everywhere an accountant is named: ``TrainConfig``, the ledger, calibration,
+:func:`userdp.accounting.epsilon`, and with no edit to userdp the command line:
+
+    userdp train config.yaml --plugin examples/plugins/integer_rdp.py --set privacy.accountant=rdp_integer
+    userdp account --plugin examples/plugins/integer_rdp.py --accountant rdp_integer ...
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ Records are taken in store order (the order the data file lists them; sort it by
 
     # load this file, then
     train(model, data, loss_fn, TrainConfig(algorithm=ULSRecent(group_size=4, sampling_rate=0.1), ...))
+
+    # or, with no edit to userdp:
+    userdp train config.yaml --plugin examples/plugins/recent_records.py --set training.algorithm=uls_recent
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from userdp.engine import ULS
+from userdp.engine import ALGORITHMS, ULS, register_algorithm
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class ULSRecent(ULS):
     """ULS over each user's last ``group_size`` records (fixed, not redrawn each step)."""
 
     name = "uls_recent"
+    unit_text = "user (ULS over each user's G most recent records: their mean gradient, clipped once)"
 
     def load(self, data, table, ids, rng):
         """[m, G, ...] tensors of each user's last min(n_u, G) records, real records first, and the mask."""
@@ -37,3 +41,7 @@ class ULSRecent(ULS):
         flat = data.gather(np.repeat(users, g), records.reshape(-1))
         batch = {k: v.reshape(len(users), g, *v.shape[1:]) for k, v in flat.items()}
         return batch, torch.from_numpy((slot < take[:, None]).astype(np.float32))
+
+
+if ULSRecent.name not in ALGORITHMS:  # importing this file twice registers it once
+    register_algorithm(ULSRecent)

@@ -28,6 +28,7 @@ from userdp.accounting.events import _check_delta, compose, compose_after
 from userdp.accounting.pld import PLD_INTERVAL, _pld_infeasible
 from userdp.accounting.rdp import _rdp
 from userdp.errors import UserError
+from userdp.registry import Registry
 
 
 class Accountant(Protocol):
@@ -133,7 +134,8 @@ class PLDAccountant:
         return self.epsilon(compose(step_event, steps), delta, interval=1e-3)[0]
 
 
-ACCOUNTANTS: dict[str, Accountant] = {}
+#: name -> accountant; ``privacy.accountant`` / ``TrainConfig.accountant`` pick one
+ACCOUNTANTS: Registry = Registry("accountant")
 
 
 def check_supports(name: str, step_event: dpe.DpEvent, delta: float) -> None:
@@ -167,10 +169,7 @@ def register_accountant(accountant: Accountant) -> Accountant:
     Raises:
         UserError: the name is taken.
     """
-    if accountant.name in ACCOUNTANTS:
-        raise UserError(f"an accountant named {accountant.name!r} is already registered")
-    ACCOUNTANTS[accountant.name] = accountant
-    return accountant
+    return ACCOUNTANTS.register(accountant)
 
 
 def get_accountant(name: str) -> Accountant:
@@ -179,10 +178,7 @@ def get_accountant(name: str) -> Accountant:
     Raises:
         UserError: no accountant has that name (the message lists the registered ones).
     """
-    acc = ACCOUNTANTS.get(name) if isinstance(name, str) else None
-    if acc is None:
-        raise UserError(f"accountant must be one of {', '.join(ACCOUNTANTS)} (got {name!r})")
-    return acc
+    return ACCOUNTANTS.lookup(name)
 
 
 _RDP = register_accountant(RDPAccountant())  # also the PLD's fallback where it cannot answer

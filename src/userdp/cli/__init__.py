@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from userdp import __version__, fileio
+from userdp import __version__, fileio, plugins
 from userdp.errors import UserError
 
 # Module names under userdp.cli, in the order they appear in `userdp --help`.
@@ -53,7 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
                 continue
             raise
         module.register(sub)
+    _add_plugin_option(parser)
     return parser
+
+
+def _add_plugin_option(parser: argparse.ArgumentParser) -> None:
+    """``--plugin`` on every command (main reads it before parsing; argparse only lists it)."""
+    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
+                        help="load a plugin first (a module name or a .py file that registers an algorithm, "
+                             "accountant, per-unit strategy, noise mechanism or sampler; repeatable)")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                _add_plugin_option(child)
 
 
 def _offline() -> None:
@@ -70,6 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``userdp`` command line; returns the exit status (2: bad input, one line on stderr;
     130: interrupted). argparse's own exits (usage errors, --help, --version) are returned too."""
     _offline()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fileio.forget_inputs()
+    try:  # before the parser is built: its choices include the names plugins register
+        plugins.load_entry_points()
+        for spec in plugins.from_argv(argv):
+            plugins.load(spec, source="--plugin")
+    except UserError as exc:
+        print(f"userdp: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -78,7 +99,6 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    fileio.forget_inputs()
     try:
         return int(args.func(args) or 0)
     except UserError as exc:

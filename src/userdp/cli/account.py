@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.errors import UserError
 
@@ -44,9 +45,9 @@ def add_mechanism_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most G records per user (default 1)")
     p.add_argument("--delta", type=open_unit, metavar="D",
                    help="target delta; default N^-1.1 when --users is given, else required")
-    p.add_argument("--accountant", choices=["pld", "rdp"], default=None,
-                   help="pld (default; tight) or rdp (fast, for tiny delta). Fixed cohorts "
-                        "always use rdp")
+    p.add_argument("--accountant", choices=A.ACCOUNTANT_NAMES, metavar="NAME", default=None,
+                   help="%(choices)s: pld (default; tight) or rdp (fast, for tiny delta), or a plugin's. "
+                        "Fixed cohorts always use rdp")
     p.add_argument("--count-noise-stddev", type=positive_float, metavar="S",
                    help="adaptive clipping: std of the noise on the clipped-count (sigma_b). "
                         "The noise multiplier is then the effective one (Andrew et al. Thm 1) "

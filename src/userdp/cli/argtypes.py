@@ -107,3 +107,30 @@ def output_dir(text: str) -> str:
     if p.exists() and not p.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")
     return text
+
+
+class registered:
+    """argparse ``choices`` read from a registry (:mod:`userdp.registry`) when first used, so that
+    a plugin's names are accepted and ``userdp --help`` does not import the registry's module."""
+
+    def __init__(self, module: str, attr: str, *extra: str):
+        self.module, self.attr, self.extra = module, attr, extra
+
+    def _names(self) -> tuple[str, ...]:
+        import importlib
+
+        return (*self.extra, *getattr(importlib.import_module(self.module), self.attr).names())
+
+    def __contains__(self, value) -> bool:
+        return value in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+#: the registered accountants' names (a plugin's included); give the option a ``metavar``, since
+#: argparse lists plain choices while it builds the parser, which would import the accountants
+ACCOUNTANT_NAMES = registered("userdp.accounting.accountants", "ACCOUNTANTS")

@@ -97,7 +97,8 @@ def _add_variance(sub) -> None:
                    help="comma-separated epsilons (default 1,2,4,8,16)")
     p.add_argument("--cohort-sizes", type=_ints, default=None,
                    help="comma-separated M values (default: powers of 2 from B/G_max to min(B, N))")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="accountant for sigma (default: pld)")
+    p.add_argument("--accountant", choices=A.ACCOUNTANT_NAMES, metavar="NAME", default="pld",
+                   help="accountant for sigma: %(choices)s (default: pld)")
     p.add_argument("--quick", action="store_true", help="T <= 200 and every other epsilon")
     p.add_argument("--plot", metavar="DIR", help="write variance_ratio.png into DIR")
     p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
@@ -190,7 +191,8 @@ def _add_mean_estimation(sub) -> None:
     p.add_argument("--clip-norms", type=_floats, default=None, help='comma-separated clip norms to tune over')
     p.add_argument("--trials", type=A.positive_int, default=None, help='repetitions per setting (different seeds)')
     p.add_argument("--seed", type=int, default=None, help='base seed of the data and the runs')
-    p.add_argument("--accountant", choices=("pld", "rdp"), default="pld", help="accountant for sigma (default: pld)")
+    p.add_argument("--accountant", choices=A.ACCOUNTANT_NAMES, metavar="NAME", default="pld",
+                   help="accountant for sigma: %(choices)s (default: pld)")
     p.add_argument("--average-fraction", type=A.rate, default=None,
                    help="report the mean of the last fraction of the iterates (tail averaging, "
                         "post-processing); 0 = the final iterate")

@@ -52,6 +52,7 @@ def _log(msg: str) -> None:
 def main(args) -> int:
     import time
 
+    from userdp.engine.algorithms import ALGORITHMS
     from userdp.lm import config as C
     from userdp.lm.run_dir import read_json
     from userdp.tuning import job
@@ -87,8 +88,9 @@ def main(args) -> int:
             raise UserError(f"--output {args.output}: exists and is not a folder")
         space = load_space(args.search)
         cfg = C.load_config(args.config, args.overrides + [f"privacy.epsilon={args.epsilon!r}"])
-        if cfg.training.algorithm == "nonprivate":
-            raise UserError("training.algorithm is nonprivate: there is no guarantee to account tuning against")
+        if not ALGORITHMS.lookup(cfg.training.algorithm).private:
+            raise UserError(f"training.algorithm is {cfg.training.algorithm}, which is not private: there is no "
+                            "guarantee to account tuning against")
         if cfg.audit.canaries:
             raise UserError("audit.canaries: audit the tuned model's run with userdp audit, not every trial")
         public_cfg = C.load_config(args.public_config, []) if args.public_config else None

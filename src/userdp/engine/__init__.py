@@ -8,7 +8,7 @@ Public API::
 """
 
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
-from userdp.engine.algorithms import ELS, ULS, FedAvg, FedSGD
+from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg, FedSGD, NonPrivate, register_algorithm
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.data import DelegatingUserData, TensorUserData, UserData
 from userdp.engine.ledger import PrivacyLedger
@@ -19,7 +19,7 @@ __all__ = [
     "TrainingInterrupted",
     "DelegatingUserData",
     "train", "TrainConfig", "TrainResult",
-    "ELS", "ULS", "FedAvg", "FedSGD",
+    "ELS", "ULS", "FedAvg", "FedSGD", "NonPrivate", "ALGORITHMS", "register_algorithm",
     "FlatClip", "PerLayerClip", "AdaptiveClip",
     "FixedDenominator", "ClippedDenominator",
     "SGD", "Adam", "Adafactor",

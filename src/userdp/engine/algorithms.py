@@ -22,9 +22,10 @@ The loop is shared (docs/algorithms.md gives the algorithms and their sources).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ import torch
 from userdp.engine.data import UserData
 from userdp.engine.per_unit import fedavg_epoch_batches
 from userdp.errors import UserError
+from userdp.registry import Registry
 from userdp.validation import check_int, check_rate
 
 
@@ -60,15 +62,50 @@ class UnitTable:
 
 @dataclass(frozen=True)
 class _Sampled:
-    """What every algorithm has: a group size G and a Poisson sampling rate of its units."""
+    """What every algorithm has: a group size G and a Poisson sampling rate of its units; and what
+    every algorithm says of itself, so that no caller compares its name (a plugin's algorithm is
+    served like a built-in one): whether it is private, what its unit is, how many units data
+    with given record counts has, and the report's sentences about it."""
 
     group_size: int
     sampling_rate: float
     rate_name = "sampling rate"
+    #: False: trained without clipping or noise (epsilon = inf); the run's record says so
+    private: ClassVar[bool] = True
+    #: the report's description of the privacy unit and the unit's update
+    unit_text: ClassVar[str] = "user"
+    #: the log's name for the units the sampler draws from
+    units_label: ClassVar[str] = "training users"
 
     def __post_init__(self):
         check_int(self.group_size, "group size G")
         check_rate(self.sampling_rate, self.rate_name)
+
+    @classmethod
+    def from_settings(cls, settings, sampling_rate: float):
+        """The algorithm from a run's settings: any object carrying ``group_size`` and, by the same
+        names, whichever of the class's other fields it has (the LM config's ``training:``
+        section carries ``local_epochs`` and ``local_lr`` for FedAvg)."""
+        extra = {f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)
+                 if f.name not in ("group_size", "sampling_rate") and hasattr(settings, f.name)}
+        return cls(group_size=int(settings.group_size), sampling_rate=float(sampling_rate), **extra)
+
+    @classmethod
+    def count_units(cls, sizes: np.ndarray, group_size: int) -> int:
+        """How many units data with these per-user record counts has: its users, or |D'| (the
+        records kept at G per user) when the unit is a record."""
+        sizes = np.asarray(sizes)
+        return int(np.minimum(sizes, group_size).sum()) if cls.unit == "record" else int(len(sizes))
+
+    @classmethod
+    def assumptions(cls, group_size: int) -> list[str]:
+        """What the guarantee assumes of this algorithm beyond the sampler (the report lists it)."""
+        return []
+
+    @classmethod
+    def event_text(cls, accountant: str) -> str:
+        """What the report adds to the accountant's name about this algorithm's step event."""
+        return ""
 
 
 @dataclass(frozen=True)
@@ -88,6 +125,20 @@ class ELS(_Sampled):
     update = "gradient"
     random_load = False  # a unit is one fixed record: loading it draws nothing
     rate_name = "ELS record sampling rate p"
+    unit_text = ("user (ELS: at most G records per user; per-record clipping; the user-level guarantee comes "
+                 "from the mixture-of-Gaussians accountant)")
+    units_label = "records of D'"
+
+    @classmethod
+    def assumptions(cls, group_size: int) -> list[str]:
+        return [f"each user contributes at most G = {group_size} records (enforced when the unit table D' is built)"]
+
+    @classmethod
+    def event_text(cls, accountant: str) -> str:
+        return (" with a mixture-of-Gaussians step event (Binomial(G, q) sensitivity)"
+                + ("; the PLD drops the mixture's components of largest sensitivity whose total probability is "
+                   "at most 1e-6 of delta and adds their exact cost to epsilon and delta (docs/accounting.md)"
+                   if accountant == "pld" else ""))
 
     @property
     def records_per_unit(self) -> int:
@@ -128,6 +179,7 @@ class ULS(_Sampled):
     update = "gradient"
     random_load = True  # each step draws up to G of the user's records (one generator per unit)
     rate_name = "ULS user sampling rate q"
+    unit_text = "user (ULS: a sampled user's gradient averaged over up to G records, clipped once)"
 
     @property
     def records_per_unit(self) -> int:
@@ -163,6 +215,7 @@ class FedAvg(ULS):
     reproject: bool = False
     name = "fedavg"
     update = "local_sgd"
+    unit_text = "user (DP-FedAvg: a sampled user's model delta after local SGD, clipped once)"
 
     def __post_init__(self):
         super().__post_init__()
@@ -206,4 +259,27 @@ def FedSGD(group_size: int, sampling_rate: float, weight_cap: Optional[float] = 
                   weight_cap=weight_cap)
 
 
+@dataclass(frozen=True)
+class NonPrivate(ULS):
+    """Non-private training over the same loop (the baseline a private run is compared with): ULS's
+    units and loading, run without clipping or noise; its epsilon is infinite and says so."""
+
+    name = "nonprivate"
+    private = False
+    unit_text = "none (non-private training)"
+
+
 Algorithm = ELS | ULS | FedAvg
+
+#: name -> algorithm class; ``training.algorithm`` picks one (``register_algorithm`` adds one)
+ALGORITHMS: Registry = Registry("training.algorithm", {"uls": ULS, "els": ELS, "fedavg": FedAvg,
+                                                      "nonprivate": NonPrivate})
+
+
+def register_algorithm(cls: type) -> type:
+    """Make an algorithm class available by its ``name`` everywhere (``training.algorithm`` in a
+    config, ``userdp train``); usable as a class decorator.
+
+    Raises:
+        UserError: the name is taken."""
+    return ALGORITHMS.register(cls)

@@ -38,7 +38,7 @@ import torch
 from userdp.engine.chacha import ChaChaNoise
 from userdp.engine.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
-from userdp.validation import check_choice
+from userdp.registry import Registry
 
 ENTROPY_BITS = 256
 _POOL_WORDS = ENTROPY_BITS // 32
@@ -234,7 +234,7 @@ class IIDGaussian:
 
 
 #: name -> mechanism class; ``TrainConfig.noise`` picks one
-NOISE_MECHANISMS: dict[str, type] = {"iid_gaussian": IIDGaussian}
+NOISE_MECHANISMS: Registry = Registry("noise", {"iid_gaussian": IIDGaussian})
 
 
 def make_noise(name: str, source: "GaussianNoise | None") -> IIDGaussian:
@@ -243,5 +243,4 @@ def make_noise(name: str, source: "GaussianNoise | None") -> IIDGaussian:
     Raises:
         UserError: an unknown name (the message lists the registered ones).
     """
-    check_choice(name, "noise", NOISE_MECHANISMS)
-    return NOISE_MECHANISMS[name](source)
+    return NOISE_MECHANISMS.lookup(name)(source)

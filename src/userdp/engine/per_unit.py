@@ -33,6 +33,7 @@ from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
 from userdp.engine.model_lint import lint_model
 from userdp.engine.precision import Precision, exact_float32
 from userdp.errors import UserError
+from userdp.registry import Registry
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
 
@@ -219,7 +220,7 @@ VmapPerUnit = PerUnit
 
 
 #: name -> strategy class; ``TrainConfig.per_unit`` picks one ("auto": see :func:`resolve_per_unit`)
-PER_UNIT_STRATEGIES: dict[str, type] = {"vmap": VmapPerUnit, "ghost": GhostPerUnit}
+PER_UNIT_STRATEGIES: Registry = Registry("per_unit", {"vmap": VmapPerUnit, "ghost": GhostPerUnit})
 
 
 def resolve_per_unit(name: str, algorithm) -> str:
@@ -273,9 +274,7 @@ def make_per_unit(name: str, model: nn.Module, loss_fn: LossFn, algorithm,
     if name == "auto" and algorithm.update == "gradient":
         return AutoPerUnit(model, loss_fn, algorithm, precision)
     name = resolve_per_unit(name, algorithm)
-    if name not in PER_UNIT_STRATEGIES:
-        raise UserError(f"per_unit must be auto or one of {', '.join(PER_UNIT_STRATEGIES)} (got {name!r})")
-    return PER_UNIT_STRATEGIES[name](model, loss_fn, algorithm, precision)
+    return PER_UNIT_STRATEGIES.lookup(name)(model, loss_fn, algorithm, precision)
 
 
 def fedavg_epoch_batches(batch: dict, mask: torch.Tensor, epochs: int, rng) -> tuple[dict, torch.Tensor]:

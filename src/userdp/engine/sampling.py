@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from userdp.errors import UserError
+from userdp.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,16 @@ class Shuffle:
         return np.sort(state["perm"][k * m : (k + 1) * m])
 
 
-SAMPLERS = {"poisson": Poisson(), "fixed_size": FixedSize(), "shuffle": Shuffle()}
+#: name -> sampler; ``TrainConfig.sampling`` picks one
+SAMPLERS: Registry = Registry("sampling", {"poisson": Poisson(), "fixed_size": FixedSize(), "shuffle": Shuffle()})
 
 
 def get_sampler(name: str):
-    try:
-        return SAMPLERS[name]
-    except KeyError:
-        raise UserError(f"sampling must be one of {sorted(SAMPLERS)}, got {name!r}") from None
+    """The sampler called ``name``.
+
+    Raises:
+        UserError: an unknown name (the message lists the registered ones)."""
+    return SAMPLERS.lookup(name)
 
 
 def bucket_size(n: int, max_size: int) -> int:

@@ -17,10 +17,11 @@ import dp_accounting
 from userdp.accounting import MAX_ELS_GROUP, event_from_dict, event_to_dict
 from userdp.errors import UserError
 from userdp.fileio import note_input
+from userdp.lm.config import PLANNED_ALGORITHMS
 
 #: the only keys a plan may set, and what ``plan: auto`` may choose for them
 PLAN_CHOICES = ("training.algorithm", "training.group_size", "training.cohort_size")
-PLAN_ALGORITHMS = ("uls", "els")
+PLAN_ALGORITHMS = PLANNED_ALGORITHMS
 REQUIRED = ("applied", "overrides", "els", "uls", "inputs", "data_touches", "dp_median_epsilon_spent",
             "data_fingerprint")
 

@@ -20,6 +20,7 @@ import yaml
 from userdp import accounting as A
 from userdp.accounting import private_selection as TG
 from userdp.accounting.rdp import step_rdp
+from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.chacha import ChaChaNoise, tail_delta
 from userdp.engine.ledger import JOURNAL, check_cited, read_chain, steps_begun
 from userdp.errors import UserError
@@ -101,18 +102,16 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
                    not_accounted: list[str] | None = None, tokenizer_note: str = "",
                    pretraining_note: str = "", selection: str = "random",
                    seq_len: int | None = None, plan: dict | None = None,
-                   engine_record: dict | None = None, extra: dict | None = None) -> dict:
+                   engine_record: dict | None = None, extra: dict | None = None,
+                   plugins: list[str] | None = None) -> dict:
     """The data behind the privacy statement; saved as ``privacy.json``.
 
     ``plan`` is the ``plan: auto`` plan (``Plan.to_dict()`` plus what was applied): it is saved
     under ``plan``; an epsilon-DP median it released is an extra spend, composed basically with
     the training run's epsilon into ``epsilon_total`` (the tier is that of the total)."""
-    private = algorithm != "nonprivate"
-    unit = {"els": "user (ELS: at most G records per user; per-record clipping; the user-level "
-                   "guarantee comes from the mixture-of-Gaussians accountant)",
-            "uls": "user (ULS: a sampled user's gradient averaged over up to G records, clipped once)",
-            "fedavg": "user (DP-FedAvg: a sampled user's model delta after local SGD, clipped once)",
-            "nonprivate": "none (non-private training)"}[algorithm]
+    algo = ALGORITHMS.lookup(algorithm)  # a plugin's algorithm speaks for itself too
+    private = algo.private
+    unit = algo.unit_text
     unit += (f"; each record is at most {seq_len} tokens; features and labels (all text) are "
              "protected") if seq_len else ""
     met = sampler_assumed == sampler_used
@@ -140,9 +139,7 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
             assumptions.append("SEEDED RUN: the sampling and the noise derive from the seed in the "
                                "configuration; whoever holds the seed can recompute the noise, and the "
                                "guarantee holds only against parties who do not know it")
-        if algorithm == "els":
-            assumptions.append(f"each user contributes at most G = {group_size} records (enforced "
-                               "when the unit table D' is built)")
+        assumptions.extend(algo.assumptions(group_size))
         for c in er.get("counts_treated_as_public") or [
                 f"the number of users N = {num_users} (in q and delta)"]:
             assumptions.append(f"treated as public (computed on the private data, not noised): {c}")
@@ -155,6 +152,9 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
     if private:
         assumptions.append("the unit is the author: people *mentioned* in other users' text are not "
                            "protected by a user-level guarantee")
+    if plugins:
+        assumptions.append(f"plugin code ran inside training ({', '.join(plugins)}): the guarantee assumes "
+                           "it is correct, as it assumes of userdp's own code")
     not_acc = list(not_accounted or [])
     not_acc.append("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
                    "them are not accounted; tune on public data or account it with `userdp tune` "
@@ -183,10 +183,7 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "algorithm": algorithm,
         "accountant": {"pld": "PLD (privacy-loss distributions, dp_accounting; add/remove)",
                        "rdp": "RDP (Renyi DP, dp_accounting; add/remove)"}.get(accountant, accountant)
-        + (" with a mixture-of-Gaussians step event (Binomial(G, q) sensitivity)" if algorithm == "els" else "")
-        + ("; the PLD drops the mixture's components of largest sensitivity whose total probability is at "
-           "most 1e-6 of delta and adds their exact cost to epsilon and delta (docs/accounting.md)"
-           if algorithm == "els" and accountant == "pld" else ""),
+        + algo.event_text(accountant),
         "assumptions": assumptions or ["none"],
         "sampler_assumed": sampler_assumed,
         "sampler_used": sampler_used,
@@ -220,6 +217,7 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "epsilon_total": total,
         "transparency": transparency(engine_record),
     }
+    rec["plugins"] = list(plugins or [])
     if extra:
         rec.update(extra)
     return rec
@@ -288,7 +286,7 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
         raise UserError(f"{journal}: missing, so {rd.privacy} cannot be checked against the steps the run began")
     header, hashes, begun = read_chain(journal)
     ctx = header.get("context") or {}
-    if ctx.get("config_sha256") is not None and ctx["config_sha256"] != rd.config_sha256():
+    if ("config_sha256" in ctx or "config_privacy_sha256" in ctx) and not rd.matches_journal(ctx):
         raise UserError(f"{rd.config}: not the configuration this run's ledger journal was bound to (edited, or "
                         "copied in from another run)")
     check_metrics_cite_journal(rd)
