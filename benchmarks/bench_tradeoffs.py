@@ -94,7 +94,7 @@ def _sets(name: str, a, public_file: Path) -> list[str]:
 
 def _public_file(out: Path) -> Path:
     """The meta sites' text as JSON lines, so that blogs pretrain on exactly Stack Exchange's public text."""
-    from userdp.lm import finetune as F
+    from userdp.lm import prepare as F
 
     path = out / "public-se-meta.jsonl"
     if not path.is_file():
@@ -125,12 +125,13 @@ def prepare(name: str, a, public_file: Path) -> Corpus:
 
     from userdp.heuristics import GradientNormEstimator
     from userdp.lm import config as C
-    from userdp.lm import finetune as F
+    from userdp.lm import prepare as F
+    from userdp.lm.starting_model import get_tokenizer_and_model
     from userdp.lm import models
 
     cfg = C.load_config(None, _sets(name, a, public_file))
     prep = F.prepare_data(cfg, _log)
-    tok, model, _notes = F.get_tokenizer_and_model(cfg, prep, _log, progress=False)
+    tok, model, _notes = get_tokenizer_and_model(cfg, prep, _log, progress=False)
     model.train()
     train, heldout = F.build_datasets(cfg, prep, tok, _log)
     torch.manual_seed(0)
@@ -164,7 +165,7 @@ def selection_data(c: Corpus, selection: str):
     """The training view with another record selection (tokenized once, cached)."""
     import dataclasses
 
-    from userdp.lm import finetune as F
+    from userdp.lm import prepare as F
 
     if selection not in c.data_by_selection:
         cfg = dataclasses.replace(c.cfg, training=dataclasses.replace(c.cfg.training, selection=selection))

@@ -65,7 +65,7 @@ def write_tiny_run(folder, training_extra: str = "", name: str = "tiny.yaml", **
 def interrupt_after_checkpoint(monkeypatch, step: int, where: str = ""):
     """Make `userdp train` stop like Ctrl-C right after it saves the weights of ``step`` (in a
     run whose checkpoint path contains ``where``). Returns the real saver, to restore it."""
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     real = F._save_weights
 

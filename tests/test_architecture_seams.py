@@ -94,7 +94,7 @@ def test_lm_budget_check_honours_the_sampler(tmp_path):
     # still be refused when the no-amplification epsilon passes it (the old check assumed Poisson)
     from _lm_corpus import tiny_config, write_tiny_corpus
     from userdp.lm import config as C
-    from userdp.lm.finetune import check_budget
+    from userdp.lm.job_plan import check_budget
 
     data, public = write_tiny_corpus(tmp_path)
     (tmp_path / "c.yaml").write_text(tiny_config(data, public, privacy_extra="  noise_multiplier: 3.0\n"))

@@ -70,7 +70,7 @@ def test_audit_json_secrets_and_report(tiny, capsys):
 def test_an_interrupted_audit_resumes_with_the_same_canaries(tiny, monkeypatch, capsys):
     tmp, cfg = tiny
     out = tmp / "run"
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     real = interrupt_after_checkpoint(monkeypatch, 2)
     assert cli(["audit", str(cfg), "--canaries", "8", "--output", str(out), "--no-progress"]) == 130
@@ -114,7 +114,7 @@ def test_bad_audit_input_is_one_line_and_exit_2(tiny, capsys):
 @pytest.mark.slow
 def test_a_leftover_secrets_file_is_refused_and_a_failed_start_leaves_none(tiny, monkeypatch, capsys):
     tmp, cfg = tiny
-    import userdp.lm.finetune as F
+    import userdp.lm.finetune as F  # the orchestrator calls the plan phase's resolve_chunk_size
     from userdp.errors import UserError
 
     (tmp / "run.audit-secrets.json").write_text("{}")

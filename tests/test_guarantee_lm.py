@@ -74,7 +74,7 @@ def test_shuffle_headline_is_the_guarantee_without_amplification(tiny, capsys):
 
 # ------------------------------------------------------------------------------ items 5, 12
 def _interrupt_at(monkeypatch, step, exc=KeyboardInterrupt):
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     real = F._save_weights
 
@@ -96,7 +96,7 @@ def test_crash_before_the_first_checkpoint_resumes_with_begun_steps_counted(tiny
     rc, _, _ = _train([str(cfg), "--output", str(out), "--set", "training.checkpoint_every=2"], capsys)
     assert rc == 130
     assert not ckpt.exists(str(out / "checkpoints"))  # the first checkpoint never committed
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     monkeypatch.setattr(F, "_save_weights", real)
     rc, stdout, err = _train(["--resume", str(out)], capsys)
@@ -200,7 +200,7 @@ class _Ranked(TensorUserData):
 
 def test_wrappers_delegate_ranked_selection():
     from userdp.engine.data import DelegatingUserData
-    from userdp.lm.finetune import _TokenCounter
+    from userdp.lm.training import _TokenCounter
 
     sizes = np.array([5, 1, 7, 3])
     data = _Ranked({"x": torch.arange(16.0), "labels": torch.zeros(16, dtype=torch.long)},
@@ -221,7 +221,7 @@ def interrupted(tiny, capsys, monkeypatch):
     real = _interrupt_at(monkeypatch, 4)
     rc, _, _ = _train([str(cfg), "--output", str(out)], capsys)
     assert rc == 130
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     monkeypatch.setattr(F, "_save_weights", real)
     return out
@@ -259,7 +259,7 @@ def test_journal_cut_with_its_head_file_is_caught_by_the_metrics(interrupted, ca
 def test_an_older_copy_of_journal_and_head_is_caught_by_the_metrics(tiny, capsys, monkeypatch):
     """The journal and its head file as they were at the checkpoint (step 3), restored over the
     run interrupted at step 4."""
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     tmp, cfg, _ = tiny
     out = tmp / "run"
@@ -405,7 +405,7 @@ def test_run_files_are_strict_json_and_the_report_tells_what_happened(tiny, caps
 # ------------------------------------------------------------------------------ item 14
 def test_data_cache_is_keyed_by_content_not_size_and_mtime(tiny):
     from userdp.lm import config as C
-    from userdp.lm.finetune import prepare_data
+    from userdp.lm.prepare import prepare_data
 
     tmp, cfg, data = tiny
     path = tmp / "users.jsonl"

@@ -80,7 +80,7 @@ def test_dump_round_trips():
 
 
 def test_engine_config_maps_each_algorithm():
-    from userdp.lm.finetune import engine_config
+    from userdp.lm.job_plan import engine_config
 
     e = engine_config(C.load_config(None, ["training.algorithm=els", "training.cohort_size=50",
                                            "training.group_size=3"]), 1000)
@@ -135,7 +135,7 @@ def test_unknown_keys_get_a_did_you_mean_at_every_depth():
         C.load_config(None, ["model.lora.rnak=5"])
     with pytest.raises(UserError, match=r"unknown key 'privcy' \(did you mean privacy\?\)"):
         C.load_config(None, ["privcy.epsilon=5"])
-    with pytest.raises(UserError, match=r"unknown key 'zzz' \(known keys: plan, planning, data"):
+    with pytest.raises(UserError, match=r"unknown key 'zzz' \(known keys: plugins, plan, planning, data"):
         C.load_config(None, ["zzz=1"])
 
 

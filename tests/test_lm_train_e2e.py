@@ -73,7 +73,7 @@ def test_train_run_directory_reload_report_evaluate(tiny, capsys):
 def test_interrupted_run_resumes_with_the_same_ledger(tiny, monkeypatch, capsys):
     tmp, cfg = tiny
     out = tmp / "run"
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     real = interrupt_after_checkpoint(monkeypatch, 2)
     assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
@@ -92,6 +92,38 @@ def test_interrupted_run_resumes_with_the_same_ledger(tiny, monkeypatch, capsys)
     assert priv["epsilon"] <= 8.0
     assert cli(["train", "--resume", str(out)]) == 2  # a finished run is not resumed
     assert "already finished" in capsys.readouterr().err
+
+
+def test_a_resume_may_change_performance_settings_but_not_privacy_ones(tiny, monkeypatch, capsys):
+    """Issue 26: chunk size, per-unit strategy, precision and checkpoint cadence do not block a
+    resume (the journal is bound to the rest); a privacy setting does, before anything runs."""
+    tmp, cfg = tiny
+    out = tmp / "run"
+    import userdp.lm.training as F
+
+    real = interrupt_after_checkpoint(monkeypatch, 2)
+    assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
+    monkeypatch.setattr(F, "_save_weights", real)
+    capsys.readouterr()
+    saved = (out / "config.yaml").read_text()
+    for privacy in ("training.lr=0.5", "privacy.epsilon=100", "training.steps=9", "data.split_seed=4"):
+        assert cli(["train", "--resume", str(out), "--set", privacy, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "a resumed run may change only performance settings" in err and err.count("\n") == 1
+    assert (out / "config.yaml").read_text() == saved
+    assert cli(["train", "--resume", str(out), "--set", "training.chunk_size=3", "--set", "training.per_unit=vmap",
+                "--set", "training.checkpoint_every=2", "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["steps"] == 4
+    now = (out / "config.yaml").read_text()
+    assert "chunk_size: 3" in now and "per_unit: vmap" in now and now != saved
+    priv = json.loads((out / "privacy.json").read_text())
+    assert priv["steps_taken"] == 4 and priv["compute"]["per_unit"]["strategy"] == "vmap"
+    assert cli(["report", str(out)]) == 0  # the journal still vouches for the config
+    # an edit of a privacy setting in config.yaml is still caught
+    (out / "config.yaml").write_text(now.replace("clip_norm: 1.0", "clip_norm: 0.5"))
+    assert cli(["report", str(out)]) == 2
+    assert "not the configuration this run's ledger journal was bound to" in capsys.readouterr().err
 
 
 def test_unknown_key_and_bad_type_are_one_line_errors(tiny, capsys):
@@ -145,7 +177,8 @@ def test_pretrain_cli_writes_a_folder_train_accepts(tiny, capsys):
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["steps"] == 3 and "public.txt" in info["public_text"]
     from userdp.lm import config as C
-    from userdp.lm.finetune import get_tokenizer_and_model, prepare_data
+    from userdp.lm.prepare import prepare_data
+    from userdp.lm.starting_model import get_tokenizer_and_model
 
     c = C.load_config(cfg, [f"model.path={out}"])
     prep = prepare_data(c, log=lambda m: None)

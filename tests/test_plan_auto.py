@@ -90,7 +90,7 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
     cfg = tmp / "c.yaml"
     cfg.write_text(base)
     out = tmp / "run"
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
 
     real = interrupt_after_checkpoint(monkeypatch, 2)
     assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
@@ -120,7 +120,9 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
     def no_replan(*a, **k):
         raise AssertionError("resume must not plan again")
 
-    monkeypatch.setattr(F, "plan_auto", no_replan)
+    import userdp.lm.plan_auto as P
+
+    monkeypatch.setattr(P, "plan_auto", no_replan)
     assert cli(["train", "--resume", str(out), "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["steps"] == 4 and summary["algorithm"] == algo

@@ -146,7 +146,7 @@ def _seed_with_trials(k_wanted, count):
 @pytest.mark.slow
 def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, capsys):
     tmp, cfg, space = tiny
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
     import userdp.tuning.job as J
     from userdp.accounting.selection import TrialCount as TC
 

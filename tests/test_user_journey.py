@@ -177,7 +177,7 @@ def test_ctrl_c_in_train_writes_an_honest_record_and_report(tmp_path, monkeypatc
     import os
     import signal
 
-    import userdp.lm.finetune as F
+    import userdp.lm.training as F
     from _lm_corpus import write_tiny_run
 
     cfg, _ = write_tiny_run(tmp_path, "  checkpoint_every: 1\n", name="c.yaml")

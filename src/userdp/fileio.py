@@ -180,8 +180,8 @@ def make_dir(path: str | os.PathLike) -> Path:
     return path
 
 
-def _check_target(path: Path) -> None:
-    if os.path.realpath(path) in _INPUTS:
+def _check_target(path: Path, replaces_input: bool = False) -> None:
+    if os.path.realpath(path) in _INPUTS and not replaces_input:
         raise UserError(f"{path}: is an input of this command; refusing to overwrite it (write elsewhere)")
     if path.is_symlink() and not path.exists():
         raise UserError(f"{path}: a dangling symbolic link; refusing to write through it")
@@ -195,20 +195,22 @@ def _unlink_quietly(p: Path) -> None:
 
 
 def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str], None], *,
-                 private: bool = False) -> Path:
+                 private: bool = False, replaces_input: bool = False) -> Path:
     """Write ``content`` to ``path`` atomically (temporary in the same folder, fsync, rename,
     fsync of the folder); missing parent folders are made.
 
     ``content``: text (UTF-8), bytes, or a callable that writes the file at the path it is given
     (``torch.save``, ``safetensors.torch.save_file``, ``matplotlib``'s ``savefig``).
     ``private``: the file is made with mode 0600 (secrets: only its owner may read it).
+    ``replaces_input``: the command means to update a file it read (a run directory's own
+    config.yaml on resume); otherwise a file the command read is never overwritten.
 
     Raises:
         UserError: one line naming ``path`` (an input of this command, a dangling link, a full disk,
             no permission, a read-only file system, a file where a folder is expected); no
             temporary file is left behind."""
     path = Path(path)
-    _check_target(path)
+    _check_target(path, replaces_input)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,11 +37,13 @@ class ResolvedTraining(NamedTuple):
 def resolve_training(config_path: str | None, overrides: list[str] | None, log) -> ResolvedTraining:
     """Resolve data, tokenizer and model exactly as ``userdp train`` does (see ResolvedTraining)."""
     from userdp.lm import config as C
-    from userdp.lm import finetune, models
+    from userdp.lm import models
+    from userdp.lm.prepare import build_datasets, prepare_data
+    from userdp.lm.starting_model import get_tokenizer_and_model
 
     cfg = C.load_config(config_path, overrides or [])
-    prep = finetune.prepare_data(cfg, log)
-    tok, model, _notes = finetune.get_tokenizer_and_model(cfg, prep, log, progress=True)
+    prep = prepare_data(cfg, log)
+    tok, model, _notes = get_tokenizer_and_model(cfg, prep, log, progress=True)
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
@@ -49,7 +51,7 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
 
     model.to(resolve_device(cfg.model.device))  # the L(G) gradients run where training will (model.device)
     model.train()
-    train_data, eval_data = finetune.build_datasets(cfg, prep, tok, log)
+    train_data, eval_data = build_datasets(cfg, prep, tok, log)
     return ResolvedTraining(cfg, train_data, model, models.causal_lm_loss, eval_data, prep.data_fingerprint)
 
 
@@ -112,7 +114,7 @@ def _plan(args: argparse.Namespace) -> int:
         delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
         chunk_size=cfg.training.chunk_size or 8, log=log)
-    from userdp.lm.finetune import plan_record
+    from userdp.lm.plan_auto import plan_record
     from userdp.fileio import write_json
 
     out = plan_record(plan, plan.recommended, "recommended", seed=args.seed, data_fingerprint=data_fp)
@@ -152,7 +154,8 @@ def register(subparsers) -> None:
     p.add_argument("--sample-users", type=A.positive_int, default=128, help="users sampled to estimate L(G) (128)")
     p.add_argument("--dp-median-epsilon", type=A.positive_float, default=None,
                    help="release the ELS median with this epsilon-DP (counted by the report)")
-    p.add_argument("--accountant", choices=("pld", "rdp"), default=None, help="pld (default: the config's) or rdp, for sigma's calibration")
+    p.add_argument("--accountant", choices=A.ACCOUNTANT_NAMES, metavar="NAME", default=None,
+                   help="the accountant for sigma's calibration: %(choices)s (default: the config's)")
     p.add_argument("--seed", type=int, default=None, help="seed for the user sample and record draws")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set data.max_users=300")

@@ -54,13 +54,19 @@ def main(args) -> int:
     from userdp.lm.finetune import run
 
     if args.resume:
-        if args.config or args.overrides or args.output or args.plan:
+        if args.config or args.output or args.plan:
             raise UserError("--resume RUN_DIR continues a run with its saved config: give no "
-                            "CONFIG, --set, --output or --plan with it")
+                            "CONFIG, --output or --plan with it")
+        privacy = [o.split("=", 1)[0].strip() for o in args.overrides
+                   if not C.is_performance_key(o.split("=", 1)[0].strip())]
+        if privacy:
+            perf = ", ".join(f"{s}.{k}" for s, keys in C.PERFORMANCE_KEYS.items() for k in keys)
+            raise UserError(f"--resume: --set {privacy[0]} changes a setting the run's ledger is bound to; a "
+                            f"resumed run may change only performance settings ({perf})")
         from userdp.lm.run_dir import existing_run_dir
 
         rd = existing_run_dir(args.resume)
-        cfg = C.load_config(rd.config)
+        cfg = C.load_config(rd.config, args.overrides)
     else:
         cfg = C.load_config(args.config, args.overrides)
         if args.plan:  # the plan file is input: validated, and refused where it meets an explicit --set

@@ -10,6 +10,7 @@ and FedAvg differ only in their :mod:`~userdp.engine.algorithms` dataclass.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import signal
 import threading
@@ -32,7 +33,7 @@ from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
-from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan  # noqa: F401  (re-exported)
+from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError
@@ -107,9 +108,12 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class _Run:
     """State of one training run (kept small: everything here is saved in a checkpoint)."""
 
-    def __init__(self, model, data, loss_fn, cfg: TrainConfig, checkpoint_dir, combiner, journal_context=None):
+    def __init__(self, model, data, loss_fn, config: TrainConfig | RunPlan, checkpoint_dir, combiner,
+                 journal_context=None):
         if not isinstance(data, UserData):
             raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
+        given_plan = config if isinstance(config, RunPlan) else None
+        cfg = given_plan.config if given_plan is not None else config
         self.model, self.data, self.cfg = model, data, cfg
         self.algo = cfg.algorithm
         # a user's masked mean gradient does not see its padding slots: trim them (engine.data.compact_groups)
@@ -150,12 +154,17 @@ class _Run:
         self.sampler = get_sampler(cfg.sampling)
         self.sampler_state: dict = {}
         # the frozen plan: mechanism, noise, denominator, delta (calibrated if a target is given)
-        self.plan: RunPlan = make_plan(cfg, num_users=data.num_users, num_units=len(self.table),
-                                       total_weight=float(self.table.weights.sum()) if self.table.weights is not None
-                                       else None)
+        total_weight = float(self.table.weights.sum()) if self.table.weights is not None else None
+        if given_plan is None:
+            self.plan: RunPlan = make_plan(cfg, num_users=data.num_users, num_units=len(self.table),
+                                           total_weight=total_weight)
+        else:  # the caller's plan (already calibrated): it must be the plan of this data
+            _check_plan_fits(given_plan, data.num_users, len(self.table), total_weight)
+            self.plan = given_plan
         # the journal is bound to everything its epsilon depends on: the config, delta (a default
         # delta is computed from N) and the accountant, so a privacy record that names others is caught
-        context = {"engine_config_sha256": hashlib.sha256(repr(cfg).encode()).hexdigest(),
+        # (performance settings — chunk size, per-unit strategy, precision, checkpoint cadence — may change)
+        context = {"engine_privacy_config_sha256": hashlib.sha256(privacy_repr(cfg).encode()).hexdigest(),
                    "delta": None if self.plan.delta is None else float(self.plan.delta),
                    "accountant": cfg.accountant}
         context.update(journal_context or {})
@@ -326,7 +335,7 @@ class _Run:
               "optimizer": self.optimizer.state_dict(), "clip_state": dict(self.clip_state),
               "table_users": torch.from_numpy(self.table.users),
               "table_records": torch.from_numpy(self.table.records) if self.table.records is not None else None,
-              "seeded": self.seeded, "config": repr(self.cfg), "history": self.history,
+              "seeded": self.seeded, "config": privacy_repr(self.cfg), "history": self.history,
               "nonfinite_units": self.nonfinite_units}
         if self.seeded:  # unseeded random states are secret: never written
             st["numpy_rng"] = self.rng.bit_generator.state
@@ -343,8 +352,10 @@ class _Run:
             ckpt.save(self.dir, self.state(), extra(self) if extra is not None else None)
 
     def restore(self, st: dict):
-        if st["config"] != repr(self.cfg):
-            raise UserError(f"cannot resume from {ckpt.path(self.dir)}: it was written with a different config")
+        if st["config"] != privacy_repr(self.cfg):
+            raise UserError(f"cannot resume from {ckpt.path(self.dir)}: it was written with a different config "
+                            "(only performance settings may change: chunk size, per-unit strategy, precision, "
+                            "checkpoint cadence)")
         if st["param_names"] != self.per_unit.names:
             raise UserError(f"cannot resume from {ckpt.path(self.dir)}: the model's trainable parameters differ")
         with torch.no_grad():
@@ -504,13 +515,30 @@ class _DeferredInterrupt:
         return False
 
 
-def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *,
+def _check_plan_fits(plan: RunPlan, num_users: int, num_units: int, total_weight: float | None) -> None:
+    """A plan made elsewhere (``make_plan``) must count the data it trains on: its mechanism, delta
+    and denominator were derived from those counts.
+
+    Raises:
+        UserError: the plan's counts differ from the data's."""
+    expected_weight = plan.expected_units * (total_weight if total_weight is not None else num_units) / num_units
+    if (plan.num_users, plan.num_units) != (int(num_users), int(num_units)) or not math.isclose(
+            plan.expected_weight, expected_weight, rel_tol=1e-12):
+        raise UserError(f"the run plan was made for {plan.num_users} users and {plan.num_units} units; this data "
+                        f"has {num_users} users and {num_units} units (make the plan from this data: make_plan)")
+
+
+def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan, *,
           checkpoint_dir: str | None = None, resume: bool = False,
           callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None,
           journal_context: dict | None = None,
           checkpoint_extra: Callable[[_Run], dict] | None = None,
           on_start: Callable[[dict], Any] | None = None) -> TrainResult:
     """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
+
+    ``config``: the run's :class:`TrainConfig`, or the :class:`RunPlan` already made from it for
+    this data (:func:`make_plan`; it must count this data's users and units): the engine then
+    trains by that plan, calibrated once, instead of making its own.
 
     ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable). Each callback
     receives the step's metrics dict (step, loss, units, fraction_clipped, clip_norm,
@@ -544,6 +572,7 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     if checkpoint_dir and comb.rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
     run = _Run(model, data, loss_fn, config, checkpoint_dir, comb, journal_context)
+    config = run.cfg
     if comb.world_size > 1:
         _agree(run)
     if resume and ckpt.exists(checkpoint_dir):

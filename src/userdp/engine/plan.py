@@ -62,7 +62,7 @@ class TrainConfig:
         UserError: a value out of range or a combination that cannot be accounted.
     """
 
-    algorithm: ELS | ULS | FedAvg
+    algorithm: ELS | ULS | FedAvg  # or any registered algorithm class (engine.algorithms.ALGORITHMS)
     steps: int
     clipping: FlatClip | PerLayerClip | AdaptiveClip = FlatClip(1.0)
     optimizer: SGD | Adam | Adafactor = SGD(0.1)
@@ -94,13 +94,26 @@ class TrainConfig:
             raise UserError(f"chunk_size must be >= 1, got {self.chunk_size}")
         get_sampler(self.sampling)
         accounting.get_accountant(self.accountant)
-        check_choice(self.per_unit, "per_unit", ["auto", *PER_UNIT_STRATEGIES])
-        check_choice(self.noise, "noise", NOISE_MECHANISMS)
+        if self.per_unit != "auto":
+            PER_UNIT_STRATEGIES.lookup(self.per_unit)
+        NOISE_MECHANISMS.lookup(self.noise)
         check_choice(self.precision, "precision", PRECISIONS)
         if self.sampling == "fixed_size" and self.accountant != "rdp":
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:
             raise UserError("adaptive clipping uses the fixed denominator")
+
+
+#: TrainConfig fields that change how a run computes, not what it releases: a resumed run may
+#: change them (the journal and the checkpoint are bound to the other fields, :func:`privacy_repr`)
+PERFORMANCE_FIELDS = ("chunk_size", "per_unit", "precision", "checkpoint_every", "track_epsilon")
+
+
+def privacy_repr(config: TrainConfig) -> str:
+    """``repr`` of ``config`` with its performance fields at their defaults: what a run's ledger
+    journal and checkpoints are bound to."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in PERFORMANCE_FIELDS}
+    return repr(dataclasses.replace(config, **defaults))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ a user's file is layered over it, then the ``--set`` overrides.
 import dataclasses
 import difflib
 import functools
+import hashlib
+import json
 import math
 import typing
 from dataclasses import dataclass
@@ -28,7 +30,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from userdp import plugins
+from userdp.accounting.accountants import ACCOUNTANTS
 from userdp.devices import DEVICE_SPEC
+from userdp.engine.algorithms import ALGORITHMS
+from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.errors import UserError
 from userdp.fileio import note_input
 from userdp.lm.presets import PRESETS
@@ -104,7 +110,9 @@ def _one_of(*options: str):
     def check(v: str) -> str:
         names = [n for o in options for n in (o() if callable(o) else (o,))]
         if v not in names:
-            raise _bad("userdp_choice", f"must be one of {', '.join(names)}", v)
+            close = difflib.get_close_matches(str(v), names, n=2, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise _bad("userdp_choice", f"must be one of {', '.join(names)}{hint}", v)
         return v
     return AfterValidator(check)
 
@@ -121,6 +129,9 @@ NonNegative = Annotated[Int, Ge(0)]
 Positive = Annotated[Float, Gt(0)]
 Fraction = Annotated[Float, Gt(0), Lt(1)]
 
+
+#: what ``plan: auto`` chooses between (docs/plan.md)
+PLANNED_ALGORITHMS = ("uls", "els")
 
 #: Largest group size G (userdp.accounting.MAX_ELS_GROUP; a ULS step pads every user to G).
 MAX_GROUP_SIZE = 10_000
@@ -203,7 +214,7 @@ class PrivacyConfig:
     epsilon: Float = 3.0                  # > 0 unless training.algorithm is nonprivate
     delta: Fraction | None = None      # null: N^-1.1 with N = training users
     noise_multiplier: Positive | None = None  # fixed sigma instead of calibrating to epsilon
-    accountant: _choice("pld", "rdp") = "pld"
+    accountant: _choice(ACCOUNTANTS.choices()) = "pld"  # a registered accountant (plugins add names)
     sampler: _choice("poisson", "shuffle") = "poisson"
     # non-private touches of the data made before this run (e.g. `userdp init` read the per-user
     # counts to choose G): listed in the report's "Not accounted", whichever command made them
@@ -213,7 +224,7 @@ class PrivacyConfig:
 @with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class TrainingConfig:
-    algorithm: _choice("uls", "els", "fedavg", "nonprivate") = "uls"
+    algorithm: _choice(ALGORITHMS.choices()) = "uls"  # uls, els, fedavg, nonprivate, or a plugin's
     steps: Annotated[Int, Ge(1), Le(10**9)] = 200
     cohort_size: Positive = 64.0          # expected units per step (q = cohort / units)
     #                                       G: records per user (ULS average / ELS cap); the ELS accountant's limit
@@ -230,7 +241,7 @@ class TrainingConfig:
     #                                       units per per-unit call; auto (null): fit memory_gb
     chunk_size: Annotated[Count | None, BeforeValidator(_auto_is_none)] = 8
     memory_gb: Positive | None = None  # cap for chunk_size: auto (null: 80% of the free device memory)
-    per_unit: _choice("auto", "ghost", "vmap") = "auto"  # auto: ghost norms for ELS/ULS
+    per_unit: _choice(PER_UNIT_STRATEGIES.choices("auto")) = "auto"  # auto: ghost norms for gradient updates
     precision: _choice("auto", "float32", "bfloat16", "float16") = "auto"  # autocast dtype
     seed: Seed | None = None           # null: sampling and noise from OS entropy (secret)
     checkpoint_every: Count = 25
@@ -262,7 +273,7 @@ class PlanningConfig:
     compute_budget: Count | None = None  # B: gradients per step (required with plan: auto)
     sample_users: Count = 128             # users sampled to estimate L(G) (a non-private touch)
     dp_median_epsilon: Positive | None = None  # release the ELS median with this eps-DP (counted)
-    algorithm: _choice("recommended", "uls", "els") = "recommended"
+    algorithm: _choice("recommended", *PLANNED_ALGORITHMS) = "recommended"
     seed: Seed | None = None           # the user sample / record draws (null: OS entropy)
 
 
@@ -284,6 +295,9 @@ class AuditConfig:
 @with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class RunConfig:
+    #                                       modules to import first: they register algorithms, accountants,
+    #                                       per-unit strategies... (userdp.plugins; names, never file paths)
+    plugins: Names = ()
     plan: _choice("auto") | None = None  # auto: choose algorithm/G/cohort (docs/plan.md)
     planning: PlanningConfig = PlanningConfig()
     data: DataConfig = DataConfig()
@@ -449,7 +463,20 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return out
 
 
+def _load_plugins(raw: Any, where: str) -> None:
+    """Import the modules a config's ``plugins:`` names, before its choices are checked."""
+    names = raw.get("plugins") if isinstance(raw, dict) else None
+    if names is None:
+        return
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UserError(f"{where}: plugins must be a list of module names, got {_show(names)}")
+    for name in names:
+        plugins.load(name, source=f"{where}: plugins", allow_path=False)
+
+
 def from_dict(raw: dict, where: str = "config") -> RunConfig:
+    _load_plugins(raw, where)
     cfg = _build(RunConfig, raw, where)
     validate(cfg, where)
     return cfg
@@ -462,6 +489,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         user = load_yaml(path)
         # validate the user's file on its own first so that errors name it
+        _load_plugins(user, f"config {path}")
         _build(RunConfig, user, f"config {path}")
         base = _merge(base, user)
         where = f"config {path}"
@@ -482,7 +510,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         raise UserError(f"{where}: {msg}")
 
     p, t, d, m, tok = cfg.privacy, cfg.training, cfg.data, cfg.model, cfg.tokenizer
-    if t.algorithm != "nonprivate" and not p.epsilon > 0:
+    algo = ALGORITHMS.lookup(t.algorithm)
+    gradient = algo.update == "gradient"  # the ghost strategy and gradient canaries need a gradient update
+    if algo.private and not p.epsilon > 0:
         bad(f"privacy.epsilon must be > 0, got {p.epsilon}")
     if m.preset is None and m.path is None:
         bad("model: give model.preset (tiny, small, base) or model.path (a local directory)")
@@ -490,8 +520,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"model.preset must be one of {', '.join(PRESETS)}, got {m.preset!r}")
     if not DEVICE_SPEC.match(str(m.device).strip().lower()):
         bad(f"model.device must be auto, cpu, cuda or cuda:<index>, got {m.device!r}")
-    if t.algorithm == "fedavg" and t.per_unit == "ghost":
-        bad("training.per_unit: ghost clips gradients; FedAvg's update is a local-SGD delta (use auto or vmap)")
+    if not gradient and t.per_unit == "ghost":
+        bad(f"training.per_unit: ghost clips gradients; {algo.__name__}'s update is {algo.update}, not a gradient "
+            "(use auto or vmap)")
     if m.lora.quantize != "none":
         q = f"model.lora.quantize: {m.lora.quantize}"
         if not m.lora.enabled:
@@ -499,9 +530,10 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         if not m.path:
             bad(f"{q} quantizes a local model folder (model.path); the presets are GPT-2, whose Conv1D layers "
                 "bitsandbytes does not quantize")
-        if t.algorithm == "fedavg" or t.per_unit == "vmap":
-            bad(f"{q} needs the ghost per-unit strategy (ULS, ELS or nonprivate with training.per_unit: auto or "
-                "ghost): torch.func.vmap, which FedAvg and per_unit: vmap use, cannot run bitsandbytes' 4-bit matmul")
+        if not gradient or t.per_unit == "vmap":
+            bad(f"{q} needs the ghost per-unit strategy (a gradient update, such as ULS, ELS or nonprivate, with "
+                "training.per_unit: auto or ghost): torch.func.vmap, which FedAvg and per_unit: vmap use, cannot "
+                "run bitsandbytes' 4-bit matmul")
         if _gradient_canaries(cfg):
             bad(f"{q}: gradient canaries (audit.score: gradient) run the vmap strategy; use audit.score: loss")
         if cfg.eval.personalize:
@@ -518,8 +550,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     if a.secret_tokens is not None and not 2 <= a.secret_tokens <= tok.seq_len:
         bad(f"audit.secret_tokens must be in [2, tokenizer.seq_len = {tok.seq_len}], got {a.secret_tokens}")
     if _gradient_canaries(cfg):
-        if t.algorithm == "fedavg":
-            bad("audit.score: gradient canaries need a gradient update (uls, els or nonprivate), not fedavg")
+        if not gradient:
+            bad(f"audit.score: gradient canaries need a gradient update (uls, els or nonprivate), not "
+                f"{t.algorithm}'s {algo.update}")
         if t.per_unit == "ghost":
             bad("audit.score: gradient canaries add a term the ghost strategy cannot see; use "
                 "training.per_unit: auto or vmap (an audit with them runs vmap)")
@@ -529,11 +562,34 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     if cfg.plan == "auto":
         if pl.compute_budget is None:
             bad("plan: auto needs planning.compute_budget (gradients per step, e.g. 256)")
-        if t.algorithm in ("nonprivate", "fedavg"):
+        if t.algorithm not in PLANNED_ALGORITHMS:
             bad(f"plan: auto chooses between uls and els; training.algorithm is {t.algorithm} "
                 "(drop plan: auto, or set training.algorithm: uls)")
         if p.noise_multiplier is not None:
             bad("plan: auto calibrates sigma to privacy.epsilon; drop privacy.noise_multiplier")
+
+
+#: settings that change how a run computes, not what it releases: `userdp train --resume RUN --set`
+#: may change them, and a run's ledger journal is bound to everything else (:func:`privacy_fingerprint`)
+PERFORMANCE_KEYS = {
+    "training": ("chunk_size", "memory_gb", "per_unit", "precision", "checkpoint_every"),
+    "model": ("device",),
+    "eval": ("batch_size",),
+    "output": ("plot",),
+}
+
+
+def is_performance_key(dotted: str) -> bool:
+    section, _, key = dotted.partition(".")
+    return key in PERFORMANCE_KEYS.get(section, ())
+
+
+def privacy_fingerprint(raw: dict) -> str:
+    """sha256 of a config mapping without its performance settings (canonical JSON): what a run's
+    ledger journal is bound to. Comments, key order and the performance keys do not count."""
+    kept = {k: ({kk: vv for kk, vv in v.items() if kk not in PERFORMANCE_KEYS.get(k, ())} if isinstance(v, dict)
+                else v) for k, v in raw.items()}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def to_dict(cfg) -> dict:

@@ -24,7 +24,7 @@ def _run_context(run: Path) -> dict:
     except UserError:
         raise UserError(f"{journal}: missing or unreadable, so the run's held-out users cannot be "
                         "verified") from None
-    if context.get("config_sha256") != RunDir(run).config_sha256():
+    if not RunDir(run).matches_journal(context):
         raise UserError(f"{run / 'config.yaml'}: edited since the run trained (its checksum differs from "
                         f"the one in {journal})")
     return context
@@ -95,14 +95,14 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
 
 def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personalize: bool) -> dict:
     from userdp.lm.evaluate import evaluate_lm, personalize as run_personalize
-    from userdp.lm.finetune import _build_datasets, prepare_data
+    from userdp.lm.prepare import build_datasets, prepare_data
 
     prep = prepare_data(cfg, log=lambda m: None)
     if run_context is not None and run_context.get("data_fingerprint") != prep.data_fingerprint:
         raise UserError(f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "
                         "trained with (a changed data file, data.split_seed or --set): users it trained on "
                         "would be evaluated as held out")
-    _, eval_data = _build_datasets(cfg, prep, tok, log=lambda m: None)
+    _, eval_data = build_datasets(cfg, prep, tok, log=lambda m: None)
     res = {"model": str(model_dir), "split": prep.split_rule,
            "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)}
     if personalize:

@@ -39,7 +39,6 @@ from userdp.lm.presets import PRESETS  # noqa: F401  (re-exported)
 IGNORE_INDEX = -100
 
 
-
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
-from userdp.lm.pretrain import pretrain_model, save_pretrained
+from userdp.lm.prepare import _cached_store, _file_sig, _read_public_file, _stackexchange_source
+from userdp.lm.pretrain import fingerprint, pretrain_model, save_pretrained
 
 
 def public_texts(args) -> tuple[list[str], str]:
@@ -16,16 +17,10 @@ def public_texts(args) -> tuple[list[str], str]:
         if not args.declare_public:
             raise UserError("--public-text: pass --declare-public to state that this text is public "
                             "(pretraining is not private; it must not contain the users' records)")
-        from userdp.lm.finetune import _read_public_file
-
         return _read_public_file(args.public_text, args.text_field), f"declared-public file {args.public_text}"
     if args.stackexchange:
         if not args.declare_public:
             raise UserError("--stackexchange: pass --declare-public to state that these sites are public")
-        from userdp.lm.finetune import _stackexchange_source, _cached_store
-        from userdp.lm.pretrain import fingerprint
-        from userdp.lm.finetune import _file_sig
-
         sites = tuple(s for s in (args.sites or "").split(",") if s) or None
         src = _stackexchange_source(args.stackexchange, sites, public=True)
         key = "se-" + fingerprint(_file_sig(Path(args.stackexchange)), [s.name for s in src.sites])

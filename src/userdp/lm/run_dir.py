@@ -28,7 +28,8 @@ from pathlib import Path
 
 from userdp.engine.ledger import JOURNAL, check_cited, read_chain
 from userdp.errors import UserError
-from userdp.fileio import MANIFEST, verify_manifest, write_json
+from userdp.fileio import MANIFEST, sha256_file, verify_manifest, write_json
+from userdp.lm import config as C
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,22 @@ class RunDir:
         return self.root / "state.json"
 
     def config_sha256(self) -> str:
-        """sha256 of config.yaml's bytes (what a run's ledger journal is bound to)."""
-        from userdp.fileio import sha256_file
-
+        """sha256 of config.yaml's bytes (what the journal of a run begun before userdp 0.3 is bound to)."""
         return sha256_file(self.config)
+
+    def config_fingerprint(self) -> str:
+        """The privacy fingerprint of config.yaml (:func:`userdp.lm.config.privacy_fingerprint`):
+        what a run's ledger journal is bound to; its performance settings may change on resume.
+
+        Raises:
+            UserError: config.yaml is missing or not a valid YAML mapping."""
+        return C.privacy_fingerprint(C.load_yaml(self.config))
+
+    def matches_journal(self, context: dict) -> bool:
+        """Whether config.yaml is the configuration a journal ``context`` was bound to."""
+        if "config_privacy_sha256" in context:
+            return context["config_privacy_sha256"] == self.config_fingerprint()
+        return context.get("config_sha256") == self.config_sha256()  # a run begun before 0.3
 
     def read_state(self) -> dict:
         """state.json's content ({} when absent).

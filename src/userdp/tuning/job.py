@@ -32,7 +32,10 @@ from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.lm.pretrain import shared_run_cache
 from userdp.fileio import write_atomic, write_json
-from userdp.lm.run_dir import read_json
+from userdp.lm.finetune import run
+from userdp.lm.job_plan import check_cohort, num_units, run_plan
+from userdp.lm.prepare import prepare_data
+from userdp.lm.run_dir import RunDir, read_json
 from userdp.tuning import accounting as TA
 from userdp.accounting import private_selection as TG
 from userdp.accounting.selection import TrialCount
@@ -53,14 +56,11 @@ def _trial_config(base: dict, params: dict, extra: list[str]) -> C.RunConfig:
 
 def _plan_for(cfg: C.RunConfig, prep, tau: float | None):
     """The trial's RunPlan (calibrated to tau, or at the config's fixed sigma when tau is None)."""
-    from userdp.engine.plan import make_plan
-    from userdp.lm.finetune import _num_units, check_cohort, engine_config
-
-    n_units = _num_units(cfg, prep.train_subset)
+    n_units = num_units(cfg, prep.train_subset)
     check_cohort(cfg, n_units)
     if tau is not None:
         cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, epsilon=tau, noise_multiplier=None))
-    return make_plan(engine_config(cfg, n_units), num_users=prep.train_subset.num_users, num_units=n_units)
+    return run_plan(cfg, prep.train_subset.num_users, n_units)
 
 
 def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCount, out: Path,
@@ -71,8 +71,6 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
     Raises:
         UserError: an unusable space, a budget that cannot cover tuning, an existing directory.
     """
-    from userdp.lm.finetune import prepare_data
-
     if (out / STATE).exists():
         raise UserError(f"{out}: a tuning run is already there (continue it with --resume {out})")
     base = C.to_dict(cfg)
@@ -183,9 +181,6 @@ def _final_private_run(state: dict, out: Path, *, progress: bool, log: Log) -> N
 def _run_or_resume(d: Path, make_cfg: Callable[[], C.RunConfig], progress: bool, log: Log) -> dict:
     """The summary of the training run in ``d``: read when it finished, resumed when it began
     (its own ledger decides what is left), started from ``make_cfg()`` otherwise."""
-    from userdp.lm.finetune import run
-    from userdp.lm.run_dir import RunDir
-
     if d.is_dir() and (d / "config.yaml").is_file():
         st = RunDir(d).read_state()
         if st.get("status") == "done":

@@ -1,0 +1,138 @@
+"""Phase 3 of ``userdp train``: the plan. The LM config's training and privacy sections become
+the engine's frozen :class:`~userdp.engine.plan.TrainConfig`, and with the data's counts one
+:class:`~userdp.engine.plan.RunPlan` (:func:`run_plan`, made once per config and counts): the
+budget check asks it, and the engine trains by it. The algorithm is the registered class the
+config names (:func:`algorithm_of`); nothing here compares its name."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Optional
+
+from userdp import engine as E
+from userdp.devices import resolve_device, resolve_precision
+from userdp.engine.algorithms import ALGORITHMS
+from userdp.engine.memory import auto_chunk_size
+from userdp.engine.plan import RunPlan, make_plan
+from userdp.errors import UserError
+from userdp.fileio import write_json
+from userdp.lm import config as C
+from userdp.lm.prepare import Log, _stderr
+from userdp.lm.run_dir import RunDir
+
+
+def algorithm_of(cfg: C.RunConfig) -> type:
+    """The registered algorithm class ``training.algorithm`` names (engine.algorithms.ALGORITHMS)."""
+    return ALGORITHMS.lookup(cfg.training.algorithm)
+
+
+def check_cohort(cfg: C.RunConfig, num_units: int) -> None:
+    """The expected cohort must fit the units (a larger one used to be capped at q = 1 silently)."""
+    t = cfg.training
+    unit = algorithm_of(cfg).units_label
+    if t.cohort_size > num_units:
+        raise UserError(f"training.cohort_size = {t.cohort_size:g} is more than the {num_units} {unit}; "
+                        f"give at most {num_units} (sampling rate 1)")
+
+
+def engine_config(cfg: C.RunConfig, num_units_hint: int):
+    t, p = cfg.training, cfg.privacy
+    check_cohort(cfg, num_units_hint)
+    rate = t.cohort_size / max(1, num_units_hint)
+    algo = algorithm_of(cfg).from_settings(t, rate)
+    if t.optimizer == "sgd":
+        opt = E.SGD(lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    elif t.optimizer == "adam":
+        opt = E.Adam(lr=t.lr, weight_decay=t.weight_decay)
+    else:
+        opt = E.Adafactor(lr=t.lr, weight_decay=t.weight_decay)
+    normalized = t.clipping == "normalized"
+    if not algo.private:
+        clip = E.FlatClip(1e12)
+    elif t.clipping == "per_layer":
+        clip = E.PerLayerClip(t.clip_norm)
+    else:
+        clip = E.FlatClip(t.clip_norm, normalized=normalized)
+
+    precision = resolve_precision(t.precision, resolve_device(cfg.model.device))
+    kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
+              accountant=p.accountant, sampling=p.sampler, chunk_size=t.chunk_size, seed=t.seed,
+              checkpoint_every=t.checkpoint_every, per_unit=t.per_unit, precision=precision)
+    if not algo.private:
+        kw["noise_multiplier"] = 0.0
+    elif p.noise_multiplier is not None:
+        kw.update(noise_multiplier=p.noise_multiplier, target_epsilon=p.epsilon)
+    else:
+        kw["target_epsilon"] = p.epsilon
+    return E.TrainConfig(**kw)
+
+
+def num_units(cfg: C.RunConfig, data) -> int:
+    """The units the sampler draws from in ``data`` (users, or |D'| for a record-level unit)."""
+    return algorithm_of(cfg).count_units(data.sizes(), cfg.training.group_size)
+
+
+@functools.lru_cache(maxsize=8)
+def run_plan(cfg: C.RunConfig, num_users: int, num_units: int) -> RunPlan:
+    """The engine's plan for ``cfg`` on data with these counts (calibrated when the config gives a
+    target and no sigma); made once per (config, counts), so the budget check and the engine
+    read the same plan instead of making more."""
+    return make_plan(engine_config(cfg, num_units), num_users=num_users, num_units=num_units)
+
+
+def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[str]:
+    """Refuse up front a fixed sigma whose configured steps pass the target epsilon.
+
+    The figure comes from the run plan the engine will use (the same mechanism, sampler and
+    delta), so it cannot disagree with the ledger.
+
+    Raises:
+        UserError: the configured steps would spend more than ``privacy.epsilon``.
+    """
+
+    p, t = cfg.privacy, cfg.training
+    if not algorithm_of(cfg).private or p.noise_multiplier is None:
+        return None
+    plan = make_plan(engine_config(cfg, num_units), num_users=num_users, num_units=num_units)
+    eps = plan.mechanism.epsilon(plan.delta, p.accountant)
+    if eps > p.epsilon:
+        raise UserError(
+            f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {plan.sampling_rate:.4g}, the "
+            f"configured {t.steps} steps spend epsilon = {eps:.3g} > the target {p.epsilon} at "
+            f"delta = {plan.delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
+            "to calibrate sigma to the target")
+    return None
+
+
+def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = _stderr):
+    """``training.chunk_size: auto`` -> the largest power-of-two chunk that fits the memory cap
+    (:func:`userdp.engine.memory.auto_chunk_size`), saved in the run directory so that a resume
+    uses the same one. Returns the config with the chunk fixed and the choice (None when fixed).
+
+    Raises:
+        UserError: one unit does not fit the cap.
+    """
+    t = cfg.training
+    if t.chunk_size is not None:
+        return cfg, None
+
+    saved = rd.root / "chunk_size.json"
+    if saved.is_file():
+        info = json.loads(saved.read_text())
+    else:
+        algo = algorithm_of(cfg).from_settings(t, 1.0)
+        strategy = "vmap" if algo.update != "gradient" or t.per_unit == "vmap" else "ghost"
+        records = algo.records_per_unit
+        states = {"adam": 2, "adafactor": 1}.get(t.optimizer, 1 if t.momentum else 0)
+        chunk, info = auto_chunk_size(model, records, cfg.tokenizer.seq_len, device=device, strategy=strategy,
+                                      low_precision=resolve_precision(t.precision, device) != "float32",
+                                      memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None,
+                                      optimizer_states=states)
+        info["chunk_size"] = chunk
+        write_json(saved, info)
+    per = info.get("unit_bytes")
+    log(f"chunk size: auto -> {info['chunk_size']} units per call (cap {info['memory_cap_bytes'] / 2**30:.1f} GiB, "
+        f"{info['cap_source']}; about {(per or 0) / 2**20:.0f} MiB per unit)")
+    return dataclasses.replace(cfg, training=dataclasses.replace(t, chunk_size=int(info["chunk_size"]))), info

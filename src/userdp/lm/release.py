@@ -1,0 +1,151 @@
+"""Phases 5-7 of ``userdp train``: evaluate, save, report. The held-out users are scored before and
+after training; privacy.json states what the ledger counted (the published DpEvent is the
+ledger's own); the model and its manifest are written atomically; the report and model card are
+derived from the verified statement."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from userdp import plugins
+from userdp.engine.plan import SAMPLER_MODE
+from userdp.fileio import atomic_dir, write_json, write_manifest
+from userdp.lm import config as C
+from userdp.lm import models
+from userdp.lm.evaluate import evaluate_lm, personalize
+from userdp.lm.job_plan import algorithm_of
+from userdp.lm.plan_auto import plan_touches
+from userdp.lm.prepare import Log, Prepared
+from userdp.lm.report import MODEL_CARD, privacy_record, write_report
+from userdp.lm.run_dir import RunDir, plot_curves
+
+
+def _sampler_assumed(cfg) -> str:
+    """What the accountant assumed: Poisson for the default sampler; shuffled batches are
+    accounted without amplification and fixed-size cohorts as sampling without replacement."""
+    return SAMPLER_MODE[(cfg.privacy.sampler, algorithm_of(cfg).unit)]
+
+
+def privacy_json(cfg, res_record, steps_taken, num_records, notes, seq_len, plan=None):
+    """privacy.json's content. The published DpEvent is the ledger's own (every step counted,
+    lost steps included), so that epsilon recomputed from it is the reported epsilon."""
+    t, p = cfg.training, cfg.privacy
+    rec = res_record
+    private = algorithm_of(cfg).private
+    return privacy_record(
+        algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=_sampler_assumed(cfg),
+        sampler_used=rec.get("sampler_mode", "unknown"),
+        epsilon_spent=rec.get("epsilon") if private else None, epsilon_target=p.epsilon if private else None,
+        delta=rec.get("delta"), delta_rule=rec.get("delta_rule", ""),
+        noise_multiplier=rec.get("noise_multiplier"),
+        sampling_rate=(rec.get("algorithm") or {}).get("sampling_rate"),
+        steps_taken=int(rec.get("steps_accounted", steps_taken)), steps_planned=t.steps,
+        clip_norm=rec.get("final_clip_norm") if private else None, group_size=t.group_size,
+        num_users=int(rec.get("num_users", 0)), num_records=num_records,
+        expected_cohort=rec.get("expected_units_per_step"), clipping=t.clipping,
+        dp_event=rec.get("dp_event_total") if private else None,
+        epsilon_no_amplification=rec.get("epsilon_no_amplification"),
+        tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
+        selection=t.selection, seq_len=seq_len,
+        not_accounted=([notes["data_touch"]] if notes.get("data_touch") else [])
+        + list(p.disclosed_touches or []) + (plan_touches(plan) if plan else []) or None,
+        plan=plan, engine_record=rec, plugins=plugins.loaded(),
+        extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
+               "steps_applied": rec.get("steps_applied", steps_taken),
+               "randomness": rec.get("randomness"), "seeded": bool(rec.get("seeded")),
+               "epsilon_assuming_poisson": rec.get("epsilon_assuming_poisson"),
+               "sampling_warning": rec.get("sampling_warning"),
+               "nonfinite_units": rec.get("nonfinite_units", 0),
+               "nonfinite_units_note": rec.get("nonfinite_units_note"),
+               "precision": rec.get("precision"),
+               # where and how the run computed (no privacy role; for reproducing the cost)
+               "compute": {"per_unit": rec.get("per_unit"), "device": notes.get("device"),
+                           "chunk_size": notes.get("chunk_size"), "quantization": notes.get("quantization"),
+                           "processes": notes.get("processes", {"world_size": 1, "backend": None})}})
+
+
+def audit_disclosures(section: dict) -> list[str]:
+    """The audit's non-private touches of real users' data, one line each (for not_accounted)."""
+    out = [f"audit: {section['canaries_included']} synthetic canary users were added to the training data "
+           "(they are counted in N; they are not people)"]
+    ui = section.get("user_inference")
+    if ui:
+        out.append(f"audit: the user-inference AUC and TPR were computed without noise on the records of "
+                   f"{ui['trained_users']} training users and {ui['heldout_users']} held-out users "
+                   "(a non-private statistic of the data)")
+    return out
+
+
+def evaluate_before(cfg: C.RunConfig, model, eval_data, rd: RunDir, combiner, main: bool, log: Log) -> dict:
+    """The held-out evaluation state (eval.json), with the starting model's figures when asked and
+    not already there (a resumed run keeps its first ones); each rank scores a share."""
+    ev_state = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
+    if cfg.eval.before and "before" not in ev_state:
+        log("evaluating the starting model on held-out users ...")
+        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
+        if main:
+            write_json(rd.eval, ev_state)
+        log(f"  before: loss {ev_state['before']['loss']:.4f}, perplexity {ev_state['before']['perplexity']:.2f}")
+    model.train()
+    return ev_state
+
+
+def release(cfg: C.RunConfig, model, tok, res, rd: RunDir, prep: Prepared, train_data, eval_data, ev_state: dict,
+            notes: dict, plan, audit, combiner, main: bool, log: Log, t_start: float):
+    """Evaluate the trained model, then (rank 0) write privacy.json, the model, the curves, the
+    state's summary and the report; returns the summary (None on the other ranks)."""
+    model.eval()
+    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
+    if not main:
+        return None
+    if cfg.eval.personalize:
+        log("personalization evaluation (docs/lm.md) ...")
+        ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=cfg.eval.personalize_lr,
+                                                  epochs=cfg.eval.personalize_epochs)
+    write_json(rd.eval, ev_state)
+    priv = privacy_json(cfg, res.record, res.steps, prep.train_subset.num_records, notes, cfg.tokenizer.seq_len, plan)
+    priv["split"] = prep.split_rule
+    priv["data_drops"] = prep.drops
+    if audit is not None:
+        log("audit: scoring the canaries under the trained model ...")
+        delta = priv["delta"] or cfg.privacy.delta or float(train_data.num_users) ** -1.1
+        priv["audit"] = audit.finish(model, train_data, eval_data, epsilon=priv["epsilon"], delta=delta)
+        priv["not_accounted"] = list(priv.get("not_accounted") or []) + audit_disclosures(priv["audit"])
+        log(f"audit: {priv['audit']['statement']}")
+    write_json(rd.privacy, priv)
+    with atomic_dir(rd.model, keep_existing=False) as tmp:  # validate(): quantize needs LoRA
+        models.save_model(model, tmp, tok, quantize=cfg.model.lora.quantize)
+        # evaluate, report and personalize verify the released files against it; the model card
+        # (README.md) is derived from the verified statement and rewritten by every `userdp report`
+        write_manifest(tmp, exclude=(MODEL_CARD,))
+    if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
+        with atomic_dir(rd.adapter, keep_existing=False) as tmp:
+            models.save_model(model, tmp, None, adapter=True)
+            write_manifest(tmp)
+    if cfg.output.plot:
+        plot_curves(rd.read_metrics(), rd.curves)
+    summary = {
+        "run_dir": str(rd.root), "algorithm": cfg.training.algorithm,
+        "perplexity_before": (ev_state.get("before") or {}).get("perplexity"),
+        "perplexity_after": ev_state["after"]["perplexity"],
+        "loss_before": (ev_state.get("before") or {}).get("loss"),
+        "loss_after": ev_state["after"]["loss"],
+        "epsilon": priv["epsilon"], "delta": priv["delta"], "epsilon_target": priv["epsilon_target"],
+        "epsilon_total": priv.get("epsilon_total", priv["epsilon"]),
+        "epsilon_plan": priv.get("epsilon_plan"), "seeded": priv.get("seeded", False),
+        "sampler": cfg.privacy.sampler, "epsilon_assuming_poisson": priv.get("epsilon_assuming_poisson"),
+        "nonfinite_units": priv.get("nonfinite_units", 0),
+        "group_size": cfg.training.group_size, "cohort_size": cfg.training.cohort_size,
+        "plan": (plan or {}).get("applied"),
+        "noise_multiplier": priv["noise_multiplier"], "sampling_rate": priv["sampling_rate"],
+        "steps": res.steps, "stopped": res.stopped, "train_users": prep.train_subset.num_users,
+        "eval_users": prep.eval_subset.num_users, "seconds": round(time.time() - t_start, 1),
+    }
+    if audit is not None:
+        a = priv["audit"]
+        summary["audit"] = {k: a.get(k) for k in ("statement", "epsilon_lower_bound", "confidence",
+                                                   "canaries", "canaries_included", "mechanism_caught")}
+    rd.write_state(status="done", summary=summary)
+    write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
+    return summary

@@ -1,0 +1,145 @@
+"""Phase 2 of ``userdp train``: the tokenizer and the starting model — a local model declared
+public, or a preset pretrained non-privately on the declared-public text (cached by content) —
+placed on the device, with LoRA when asked, and the notes the report needs about what touched
+which text."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
+from userdp.devices import describe, resolve_device
+from userdp.engine.distributed import broadcast_module_state
+from userdp.errors import UserError
+from userdp.fileio import atomic_dir, make_dir
+from userdp.lm import config as C
+from userdp.lm import models
+from userdp.lm.prepare import Log, Prepared, _stderr
+from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, save_pretrained
+from userdp.lm.tokenization import special_ids
+
+
+def _pretrained_dir(cfg: C.RunConfig, prep: Prepared) -> Path:
+    m, t = cfg.model, cfg.tokenizer
+    key = fingerprint(fingerprint(prep.public_texts), t.vocab_size, t.seq_len, m.preset,
+                      dataclasses.asdict(m.pretraining), "v1")
+    return cache_root() / "pretrained" / f"{m.preset}-{key}"
+
+
+def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr, progress=True):
+    """(tokenizer, model, notes) — notes describe what touched which text (for the report)."""
+
+    m, t = cfg.model, cfg.tokenizer
+    notes = {}
+    model_dir = models.resolve_model_path(m.path) if m.path else None  # a folder, or a hub id already cached
+    made_by_us = model_dir is not None and (model_dir / "userdp_pretrain.json").is_file()
+    if t.path:
+        if not t.declared_public:
+            raise UserError(
+                f"tokenizer.path {t.path}: declare what it was trained on. A tokenizer trained on the "
+                "private training records leaks them outside the guarantee (docs/threat_model.md); if it was "
+                "trained on public text only, set tokenizer.declared_public: true")
+        tok = load_tokenizer(t.path)
+        notes["tokenizer"] = f"tokenizer {t.path} declared public by the configuration"
+    elif model_dir is not None:
+        if not made_by_us and not t.declared_public:
+            raise UserError(
+                f"model.path {m.path}: its tokenizer (and weights) must come from public data; "
+                "set tokenizer.declared_public: true to declare it (a tokenizer trained on the "
+                "private records is refused; see docs/threat_model.md)")
+        tok = load_tokenizer(model_dir)
+        notes["tokenizer"] = (f"tokenizer of {m.path} " + ("(trained by userdp pretrain on declared-"
+                              "public text)" if made_by_us else "declared public by the configuration"))
+    else:
+        tok = None
+    if model_dir is not None:
+        q, device = m.lora.quantize, None
+        if q != "none":  # quantized while loading, so loaded onto the device
+
+            device = resolve_device(m.device)
+            log(f"loading {m.path} with its linear layers quantized to 4 bits ({q}, bitsandbytes; frozen) ...")
+            notes["quantization"] = (f"base model's linear layers quantized to 4 bits ({q}, double quantization, "
+                                     "bitsandbytes) and frozen; only the LoRA adapters are trained (QLoRA-style)")
+        model = models.load_local(model_dir, quantize=q, device=device)
+        if made_by_us:
+            info = json.loads((model_dir / "userdp_pretrain.json").read_text())
+            notes["pretraining"] = (f"model pretrained non-privately by userdp on "
+                                    f"{info.get('public_text', 'declared-public text')}")
+        else:
+            notes["pretraining"] = f"model {m.path} declared public (its training data is outside the guarantee)"
+        return tok, model, notes
+    # a preset: tokenizer + (pretrained) model, cached by the public text and settings
+    if not prep.public_texts:
+        if tok is None:
+            raise UserError("no public text to train a tokenizer on: give data.public_path (text "
+                            "declared public) or tokenizer.path (declared public)")
+    cdir = _pretrained_dir(cfg, prep)
+    partial = cdir.with_name(cdir.name + ".partial")  # an interrupted pretraining: its tokenizer and state
+    if tok is None and (cdir / "tokenizer.json").is_file():
+        tok = load_tokenizer(cdir)
+    elif tok is None and (partial / "tokenizer.json").is_file():
+        tok = load_tokenizer(partial)
+    if tok is None:
+        log(f"training a byte-level BPE tokenizer (vocab {t.vocab_size}) on the public text ...")
+        tok = train_bpe(PublicText(prep.public_texts, description=prep.public_description), t.vocab_size)
+        notes["tokenizer"] = f"byte-level BPE trained on public text only: {prep.public_description}"
+    notes.setdefault("tokenizer", f"byte-level BPE trained on public text only: {prep.public_description}")
+    if m.pretrain and prep.public_texts:
+        if (cdir / "config.json").is_file() and (cdir / "tokenizer.json").is_file():
+            log(f"using the cached pretrained model {cdir}")
+            model = models.load_local(cdir)
+        else:
+            pc = m.pretraining
+            log(f"pretraining a {m.preset} GPT non-privately on the public text "
+                f"({pc.steps} steps; cached in {cdir}) ...")
+            t0 = time.time()
+
+            make_dir(partial)  # public data only, in the shared cache
+            if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
+                tok.save(str(partial / "tokenizer.json"))
+            try:
+                model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
+                                             steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
+                                             warmup=pc.warmup, seed=pc.seed, progress=progress,
+                                             device=resolve_device(m.device), state_path=partial / "state.pt",
+                                             say=log)
+            except KeyboardInterrupt:
+                log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
+                raise
+            info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
+                        preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
+            with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
+                save_pretrained(model, tok, tmp, info)
+            shutil.rmtree(partial, ignore_errors=True)
+            model = models.load_local(cdir)
+            log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
+        notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
+    else:
+        sp = special_ids(tok)
+        model = models.build_preset(m.preset, tok.get_vocab_size(), max(t.seq_len, 128),
+                                    eos_token_id=sp.get("eos"), pad_token_id=sp.get("pad"))
+        notes["pretraining"] = "none (randomly initialised preset)"
+    return tok, model, notes
+
+
+def place_model(cfg: C.RunConfig, model, world, notes: dict, log: Log = _stderr):
+    """The model as training uses it: LoRA applied when configured, on the configured device,
+    rank 0's weights on every process, linted; returns (model, device, combiner)."""
+    if cfg.model.lora.enabled:
+        lc = cfg.model.lora
+        model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
+    device = resolve_device(cfg.model.device)
+    model.to(device)
+    combiner = world.combiner()
+    if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's
+        broadcast_module_state(combiner, model)
+        notes["processes"] = {"world_size": world.world_size, "backend": world.backend}
+    notes["device"] = describe(device) + (f" x {world.world_size} processes" if world.distributed else "")
+    log(f"device: {notes['device']}")
+    model.train()
+    models.lint_model(model)
+    return model, device, combiner

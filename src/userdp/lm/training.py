@@ -1,0 +1,173 @@
+"""Phase 4 of ``userdp train``: training. The engine trains the model by the job's run plan; this
+module adds what the LM job keeps beside it — metrics.jsonl (one row per step, citing the ledger
+journal), the progress bar, the weights and ledger summary committed with each engine checkpoint,
+and on Ctrl-C a privacy statement of the steps spent."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from userdp import engine as E
+from userdp.engine import checkpoint as ckpt
+from userdp.engine.data import DelegatingUserData
+from userdp.engine.plan import RunPlan
+from userdp.fileio import strict_dumps, write_atomic, write_json
+from userdp.lm import config as C
+from userdp.lm import models
+from userdp.lm.prepare import Log, Prepared
+from userdp.lm.release import privacy_json
+from userdp.lm.report import write_report
+from userdp.lm.run_dir import RunDir
+
+
+class _TokenCounter:
+    """Wraps a UserData and counts the target tokens the engine pulls (for tokens/s).
+
+    The wrapper is a :class:`~userdp.engine.data.DelegatingUserData`: everything it does not
+    count (``bounded_records`` above all — ELS's D' under ranked selection) goes to the data."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.tokens = 0
+
+    def wrap(self):
+        outer = self
+
+        class Counted(DelegatingUserData):
+            def gather(self, users, records):
+                b = self.inner.gather(users, records)
+                outer.tokens += int((b["labels"] != -100).sum())
+                return b
+
+            def draw_records(self, users, group_size, rng):
+                b, mask = self.inner.draw_records(users, group_size, rng)
+                real = (b["labels"] != -100).sum(-1).to(mask.dtype) * mask
+                outer.tokens += int(real.sum())
+                return b, mask
+
+        return Counted(self.inner)
+
+
+def journal_context(rd: RunDir, prep: Prepared) -> dict:
+    """What a run's ledger journal is bound to: the saved config (less its performance settings,
+    which a resume may change) and the data + split."""
+    return {"config_privacy_sha256": rd.config_fingerprint(),
+            "data_fingerprint": prep.data_fingerprint}
+
+
+def train_model(cfg: C.RunConfig, model, train_data, plan: RunPlan, rd: RunDir, prep: Prepared, *, audit, combiner,
+                world, engine_resume: bool, progress: bool, log: Log, t_start: float, notes: dict, job_plan):
+    """Train ``model`` by the engine under ``plan``; returns the engine's result.
+
+    Raises:
+        KeyboardInterrupt: after Ctrl-C, once the step in flight is saved (with a privacy
+            statement of the steps spent written to the run directory)."""
+    main = world.is_main
+    counter = _TokenCounter(train_data)
+    data = counter.wrap()
+    start_step = 0
+    if engine_resume:
+        start_step = ckpt.step_of(str(rd.checkpoints))
+        if main:
+            rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
+            write_atomic(rd.metrics, "".join(strict_dumps(r) + "\n" for r in rows))
+        log(f"resuming at step {start_step} of {cfg.training.steps}")
+    bar = (tqdm(total=cfg.training.steps, initial=start_step, desc=f"train {cfg.training.algorithm}", unit="step",
+                dynamic_ncols=True, file=sys.stderr) if progress else None)
+    mfile = open(rd.metrics, "a") if main else None  # noqa: SIM115 - closed below, whatever happens
+    last_tok = [0, time.time()]
+
+    def on_step(m: dict) -> None:
+        if mfile is None:  # one writer
+            return
+        now = time.time()
+        toks = counter.tokens - last_tok[0]
+        dt = max(1e-9, m.get("step_time") or (now - last_tok[1]))
+        last_tok[0], last_tok[1] = counter.tokens, now
+        row = {"step": m["step"], "loss": m["loss"], "epsilon": m.get("epsilon_spent"),
+               "fraction_clipped": m.get("fraction_clipped"), "tokens_per_s": toks / dt,
+               "units_per_s": m.get("units_per_s"), "units": m.get("units"), "tokens": toks,
+               "step_time": m.get("step_time"), "clip_norm": m.get("clip_norm"),
+               "nonfinite_units": m.get("nonfinite_units", 0),  # a non-private diagnostic
+               "time": round(now - t_start, 3),
+               "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
+        mfile.write(strict_dumps(row) + "\n")  # strict JSON (a non-private run's epsilon is "inf")
+        mfile.flush()
+        if bar is not None:
+            eps = row["epsilon"]
+            bar.update(1)
+            bar.set_postfix_str(f"loss {row['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} "
+                                f"tok/s {row['tokens_per_s']:.0f}")
+
+    def checkpoint_files(run) -> dict:
+        """The LM files committed with each engine checkpoint, as one unit."""
+        eps = run.ledger.epsilon_upper_bound()
+        return {"model.safetensors": lambda path: _save_weights(model, path, run.step, eps),
+                "ledger.json": lambda path: _write_ledger_summary(path, run.step, run.ledger.spent, eps)}
+
+    if main:
+        rd.write_state(status="running")
+    context = journal_context(rd, prep)
+    if audit is not None:
+        context.update(audit.journal_context())
+    try:
+        loss_fn = audit.loss(models.causal_lm_loss) if audit is not None else models.causal_lm_loss
+        callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
+        return E.train(model, data, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
+                       resume=engine_resume, callbacks=callbacks, journal_context=context,
+                       checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
+                       combiner=combiner)
+    except KeyboardInterrupt as exc:
+        if main:
+            rd.write_state(status="interrupted")
+            if isinstance(exc, E.TrainingInterrupted):  # the step in flight finished: state what was spent
+                priv = privacy_json(cfg, exc.record, exc.steps, prep.train_subset.num_records, notes,
+                                    cfg.tokenizer.seq_len, job_plan)
+                priv["split"], priv["data_drops"], priv["stopped"] = prep.split_rule, prep.drops, "interrupted"
+                write_json(rd.privacy, priv)
+                write_report(rd.root)
+            log(f"interrupted: the last checkpoint in {rd.checkpoints} and the ledger journal are kept; "
+                f"continue with: {'torchrun ... -m ' if world.distributed else ''}userdp train --resume {rd.root}")
+        raise
+    finally:
+        if mfile is not None:
+            mfile.close()
+        if bar is not None:
+            bar.close()
+
+
+def _announce(info: dict, log: Log) -> None:
+    """What the run will do, before its first step."""
+    if info["noise_multiplier"] == 0:
+        log(f"training {info['steps']} steps WITHOUT noise (non-private): no privacy guarantee")
+        return
+    unit = "records" if info["unit"] == "record" else "users"
+    log(f"privacy: sigma {info['noise_multiplier']:.4g}, sampling rate q {info['sampling_rate']:.4g} "
+        f"({info['sampler_mode']}), expected {info['expected_units']:.4g} {unit} per step of "
+        f"{info['num_units']}, {info['steps']} steps, target epsilon {info['target_epsilon']}, "
+        f"delta {info['delta']:.3g} ({info['delta_rule']}), accountant {info['accountant']}"
+        + (f"; {info['steps_accounted']} steps already accounted" if info["steps_accounted"] else ""))
+    if str(info.get("noise_kernel", "")).startswith("eager (torch.compile") or "differed" in str(info.get("noise_kernel")):
+        log(f"warning: the device noise kernel runs {info['noise_kernel']}: correct, but about 20x slower")
+
+
+def _save_weights(model, path, step: int, eps) -> None:
+    """Write the trainable weights to ``path`` (checkpoints/model.safetensors, committed with the
+    engine's checkpoint as one unit)."""
+
+    tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    save_file(tensors, str(path), metadata={"step": str(step), "epsilon_spent_upper_bound": str(eps)})
+
+
+def _write_ledger_summary(path, step: int, spent: int, eps) -> None:
+    """A readable summary of the ledger; the authoritative state is checkpoint.pt and the journal."""
+    with open(path, "w") as f:
+        json.dump({"step": step, "steps_accounted": spent, "epsilon_spent_upper_bound": eps,
+                   "authoritative": ["checkpoint.pt (ledger state)", "ledger_journal.jsonl (hash chain)"]},
+                  f, indent=2)
+        f.write("\n")
