@@ -5,7 +5,7 @@ pretrained on the public plays), for each compute budget B sweep the anti-diagon
 powers of two (M = expected cohort, G = records per user), fine-tune with ULS at (eps, delta)
 for T steps from the same pretrained model, and evaluate the held-out users' loss. Then report the
 sub-optimality (loss - best loss on the anti-diagonal) of the (M, G) chosen by
-Estimate-and-Double (userdp.heuristics.plan_for_training), Max Cohort, Max Group Size and
+Estimate-and-Double (userdp.planning.plan_for_training), Max Cohort, Max Group Size and
 Random (the expectation over the anti-diagonal). A heatmap PNG shows the whole grid.
 
     python benchmarks/bench_plan.py            # budgets 32,64,128; T = 40
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     if args.quick and args.pretrain_steps is None:
         args.pretrain_steps = 100
 
-    from userdp import heuristics
+    from userdp import planning
     from userdp.cli.plan import resolve_training
     from userdp.engine import Adam, FlatClip, TrainConfig, ULS, train
     from userdp.lm.evaluate import evaluate_lm
@@ -72,14 +72,14 @@ def main(argv=None) -> int:
           f"eps={args.epsilon}, delta={delta:.3g}, Adam lr={args.lr}, clip={args.clip}; "
           f"pretrained held-out loss {base:.4f}", flush=True)
 
-    sigma_of_m = heuristics.uls_sigma_of_m(n, steps, args.epsilon, delta)
-    est = heuristics.GradientNormEstimator(model0, data, loss_fn, num_users=args.sample_users,
+    sigma_of_m = planning.uls_sigma_of_m(n, steps, args.epsilon, delta)
+    est = planning.GradientNormEstimator(model0, data, loss_fn, num_users=args.sample_users,
                                            rng=np.random.default_rng(args.seed))
     results = {}
     t_train_total, runs = 0.0, 0
     for b in budgets:
         t0 = time.time()
-        ed = heuristics.estimate_and_double(b, n, sigma_of_m, est)
+        ed = planning.estimate_and_double(b, n, sigma_of_m, est)
         t_plan = time.time() - t0
         grid = []
         g = 1

@@ -123,7 +123,7 @@ def _eval_pairs(data, per_user: int, seed: int = 0):
 def prepare(name: str, a, public_file: Path) -> Corpus:
     import torch
 
-    from userdp.heuristics import GradientNormEstimator
+    from userdp.planning import GradientNormEstimator
     from userdp.lm import config as C
     from userdp.lm import prepare as F
     from userdp.lm.starting_model import get_tokenizer_and_model
@@ -152,7 +152,7 @@ def heldout_loss(c: Corpus) -> float:
 
 
 def plan(c: Corpus, eps: float, budget: int, steps: int):
-    from userdp.heuristics import make_plan
+    from userdp.planning import plan_for_budget as make_plan
 
     key = (eps, budget, steps)
     if key not in c.plans:

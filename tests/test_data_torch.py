@@ -8,7 +8,8 @@ import torch
 
 from userdp.data import build_store, open_source
 from userdp.data.tokenize import PublicText, tokenize_store, train_bpe
-from userdp.data.torch_data import RandomChunkUserData, TokenizedUserData
+from userdp.data.selection import RandomChunkUserData
+from userdp.data.torch_data import TokenizedUserData
 from userdp.engine.data import UserData
 from userdp.errors import UserError
 
@@ -88,7 +89,7 @@ def test_random_chunk_needs_whole_streams(store, tok):
 
 
 def test_lm_user_data_selections(store, tok):
-    from userdp.data.torch_data import LMUserData, RankedUserData
+    from userdp.data.selection import LMUserData, RankedUserData
 
     ts = tokenize_store(store, tok, 64, mode="truncate")
     mid = store.user_index()["mid"]
@@ -120,7 +121,7 @@ def test_lm_user_data_selections(store, tok):
 def test_els_contribution_bound_honours_the_selection(store, tok):
     """ELS builds D' once through ``bounded_records``: a ranked selection (longest) must decide it,
     exactly as it decides ULS's draws, and no user may keep more than G records."""
-    from userdp.data.torch_data import LMUserData
+    from userdp.data.selection import LMUserData
     from userdp.engine import ELS
 
     ts = tokenize_store(store, tok, 64, mode="truncate")

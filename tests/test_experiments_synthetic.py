@@ -127,7 +127,7 @@ def test_sigma_is_calibrated_once_per_setting_and_reused(monkeypatch):
     rows = me.run_study(cfg, {"within_user_variance": (1.0,)})
     assert len(rows) == 4  # base (variance 10) + the swept variance, ELS and ULS each
     # ULS G=2 calibrated once, although it ran 2 clips x 2 variances times
-    # (ELS's sigma goes through userdp.heuristics, which may calibrate in its own way)
+    # (ELS's sigma goes through userdp.planning, which may calibrate in its own way)
     uls = [r["noise_multiplier"] for r in rows if r["algorithm"] == "ULS"]
     assert uls[0] == uls[1] > 0
     assert len(calls) <= 2

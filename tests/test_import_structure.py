@@ -15,7 +15,7 @@ LAYERS = {
     "userdp.data": 2,
     "userdp.engine": 3,
     # the engine's data contract, implemented over a user store; devices pick an engine precision
-    "userdp.data.torch_data": 4, "userdp.devices": 4, "userdp.launch": 4, "userdp.heuristics": 4,
+    "userdp.data.torch_data": 4, "userdp.data.selection": 4, "userdp.devices": 4, "userdp.launch": 4, "userdp.planning": 4,
     "userdp.lm": 5,
     "userdp.audit": 6, "userdp.tuning": 6, "userdp.experiments": 6,
     "userdp.cli": 7, "userdp.__main__": 8,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from userdp.errors import UserError
-from userdp.heuristics import (
+from userdp.planning import (
     dp_median,
     dp_median_probabilities,
     els_group_size,

@@ -1,4 +1,4 @@
-"""Tests of the plan: the L(G) estimator on the engine's per-unit code, make_plan, `userdp plan`."""
+"""Tests of the plan: the L(G) estimator on the engine's per-unit code, plan_for_budget, `userdp plan`."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 
 from userdp.engine.data import TensorUserData
 from userdp.experiments.mean_estimation import MeanModel, loss_fn
-from userdp.heuristics import GradientNormEstimator, make_plan, plan_for_training
+from userdp.planning import GradientNormEstimator, plan_for_budget, plan_for_training
 
 
 def _gaussian_users(n_users, dim, sizes, seed=0):
@@ -53,7 +53,7 @@ def fake_sigma(m):
     return max(1.0, m / 16.0)
 
 
-def test_make_plan_with_injected_parts():
+def test_plan_for_budget_with_injected_parts():
     sizes = np.array([1] * 50 + [9] * 40 + [500] * 30)  # median over users = 9
     calls = []
 
@@ -61,7 +61,7 @@ def test_make_plan_with_injected_parts():
         calls.append((p, g))
         return 3.0
 
-    plan = make_plan(sizes, compute_budget=128, epsilon=1.0, steps=100, delta=1e-5,
+    plan = plan_for_budget(sizes, compute_budget=128, epsilon=1.0, steps=100, delta=1e-5,
                      l_of_g=lambda g: 4.0 / math.sqrt(g), sigma_of_m=fake_sigma, els_sigma=els_sigma,
                      sample_users=32)
     e, u = plan.els, plan.uls
@@ -82,7 +82,7 @@ def test_make_plan_with_injected_parts():
     assert plan.training_overrides("uls") == {"training.algorithm": "uls", "training.group_size": 8,
                                               "training.cohort_size": 16.0}
     # the plan says what its choice means for the data (issue 28, 4)
-    from userdp.heuristics import explain, format_plan
+    from userdp.planning import explain, format_plan
 
     words = " ".join(explain(plan))
     if plan.recommended == "uls":
@@ -92,8 +92,8 @@ def test_make_plan_with_injected_parts():
     assert "what this means for the data" in format_plan(plan)
 
 
-def test_make_plan_budget_not_a_power_of_two_and_few_users():
-    plan = make_plan(np.full(10, 50), compute_budget=100, epsilon=1.0, steps=10, delta=1e-5,
+def test_plan_for_budget_budget_not_a_power_of_two_and_few_users():
+    plan = plan_for_budget(np.full(10, 50), compute_budget=100, epsilon=1.0, steps=10, delta=1e-5,
                      l_of_g=lambda g: 1.0 / math.sqrt(g), sigma_of_m=lambda m: 1.0,
                      els_sigma=lambda p, g: 1.0)
     u = plan.uls
@@ -101,7 +101,7 @@ def test_make_plan_budget_not_a_power_of_two_and_few_users():
     assert u["cohort_size"] * u["group_size"] == pytest.approx(100) or u["cohort_size"] == 10
     assert any("power" in n for n in plan.notes)
     # ELS: budget above |D'| -> p = 1 and a note
-    plan2 = make_plan(np.full(4, 2), compute_budget=64, epsilon=1.0, steps=10, delta=1e-5,
+    plan2 = plan_for_budget(np.full(4, 2), compute_budget=64, epsilon=1.0, steps=10, delta=1e-5,
                       l_of_g=lambda g: 1.0, sigma_of_m=lambda m: 1.0, els_sigma=lambda p, g: 1.0)
     assert plan2.els["sampling_rate"] == 1.0 and plan2.els["expected_batch_size"] == 8
     assert plan2.uls["cohort_size"] <= 4

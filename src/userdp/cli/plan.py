@@ -1,7 +1,7 @@
 """``userdp plan [CONFIG.yaml] --compute-budget B --epsilon E [--steps T] [--json]``.
 
 Resolves the training data and (pretrained) model exactly as ``userdp train`` would (the
-embedded Shakespeare default without a CONFIG), then runs :func:`userdp.heuristics.plan_for_training`:
+embedded Shakespeare default without a CONFIG), then runs :func:`userdp.planning.plan_for_training`:
 G_ELS = median records per user, ULS (M, G) by Estimate-and-Double, sigma for each, and the noise
 std proxies of Charles et al. 2024, §3, App. B with a recommendation.
 """
@@ -85,7 +85,7 @@ def _check_save(args: argparse.Namespace) -> Path:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from userdp import heuristics
+    from userdp import planning
 
     logging.getLogger("absl").setLevel(logging.ERROR)
     save = _check_save(args)
@@ -109,7 +109,7 @@ def _plan(args: argparse.Namespace) -> int:
     delta = args.delta if args.delta is not None else cfg.privacy.delta
     log(f"planning: estimating L(G) on {min(args.sample_users, data.num_users)} sampled users, "
         "calibrating sigma(M) ...")
-    plan = heuristics.plan_for_training(
+    plan = planning.plan_for_training(
         data, model, loss_fn, compute_budget=args.compute_budget, epsilon=epsilon, steps=steps,
         delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
@@ -126,7 +126,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(jsonout.dumps(out, indent=1))
     else:
-        print(heuristics.format_plan(plan))
+        print(planning.format_plan(plan))
         if args.seed is not None and plan.els.get("group_size_method") == "dp_median":
             print("  note: SEEDED DP median (--seed): whoever holds the seed can undo its noise")
         sets = "".join(f" --set {shlex.quote(x)}" for x in (args.set or []))

@@ -157,14 +157,14 @@ class Row:
 # ------------------------------------------------------------------------------- running
 
 def _median_group_size(sizes: np.ndarray) -> int:
-    from userdp.heuristics import els_group_size
+    from userdp.planning import els_group_size
 
     return els_group_size(sizes).group_size
 
 
 def _noise_multiplier(algorithm: str, group_size: int, rate: float, config: MeanEstimationConfig,
                       delta: float, cache: dict) -> float:
-    from userdp.heuristics import els_noise_multiplier, uls_noise_multiplier
+    from userdp.planning import els_noise_multiplier, uls_noise_multiplier
 
     key = (algorithm, group_size, round(rate, 15), config.steps, config.epsilon, delta, config.accountant)
     if key not in cache:

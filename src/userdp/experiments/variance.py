@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from userdp.errors import UserError
-from userdp.heuristics import els_noise_multiplier, uls_sigma_of_m, variance_ratio
+from userdp.planning import els_noise_multiplier, uls_sigma_of_m, variance_ratio
 
 
 @dataclass(frozen=True)

@@ -268,7 +268,7 @@ class OutputConfig:
 @with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class PlanningConfig:
-    """Options of ``plan: auto`` (docs/plan.md, ``userdp.heuristics.plan_for_training``)."""
+    """Options of ``plan: auto`` (docs/plan.md, ``userdp.planning.plan_for_training``)."""
 
     compute_budget: Count | None = None  # B: gradients per step (required with plan: auto)
     sample_users: Count = 128             # users sampled to estimate L(G) (a non-private touch)

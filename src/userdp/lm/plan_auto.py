@@ -1,5 +1,5 @@
 """The plan's choices for ``plan: auto`` and ``userdp train --plan PLAN.json``: which algorithm,
-group size and cohort size (``userdp.heuristics.plan_for_training``), saved as plan.json with the
+group size and cohort size (``userdp.planning.plan_for_training``), saved as plan.json with the
 data touches the report must list and the epsilon a DP median spent."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from userdp import heuristics
+from userdp import planning
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
@@ -85,7 +85,7 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr,
     k = min(pl.sample_users, int(train_data.num_users))
     log(f"plan: auto — estimating L(G) on {k} sampled users and calibrating sigma(M) "
         f"(compute budget {pl.compute_budget} gradients/step) ...")
-    plan = heuristics.plan_for_training(
+    plan = planning.plan_for_training(
         train_data, model, models.causal_lm_loss, compute_budget=pl.compute_budget,
         epsilon=p.epsilon, steps=t.steps, delta=p.delta, sample_users=pl.sample_users,
         dp_median_epsilon=pl.dp_median_epsilon, accountant=p.accountant, seed=pl.seed,

@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from userdp.data.selection import perplexity_scores
+from userdp.data.selection import LMUserData, perplexity_scores
 from userdp.data.shakespeare import ShakespeareSource, public_text
 from userdp.data.sources import open_source
 from userdp.data.splits import heldout_users
@@ -31,7 +31,6 @@ from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.pretrain import fingerprint, private_cache_root
 from userdp.lm.tokenization import encode_texts
-from userdp.lm.userdata import userdata
 
 Log = Callable[[str], None]
 
@@ -224,5 +223,5 @@ def build_datasets(cfg, prep, tok, log, model=None, notes=None):
         scores, touch = _perplexity_scores(cfg, prep, tok, model, log)
         if notes is not None:
             notes["data_touch"] = touch.statement
-    return (userdata(tr, cfg.tokenizer.seq_len, sel, scores),
-            userdata(ev, cfg.tokenizer.seq_len, "random"))
+    return (LMUserData(tr, sel, cfg.tokenizer.seq_len, scores),
+            LMUserData(ev, "random", cfg.tokenizer.seq_len))
