@@ -13,3 +13,21 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"needs the shared data folder {SHARED_DATA} (absent here)")
     return SHARED_DATA
+
+
+@pytest.fixture
+def isolated_registries():
+    """The registries and the loaded plugins as they were before the test (a test that loads a
+    plugin, directly or through `userdp --plugin`, must not leave its names to the tests after)."""
+    from userdp import plugins
+    from userdp.accounting import accountants
+    from userdp.engine import algorithms, noise, per_unit, sampling
+
+    registries = (algorithms.ALGORITHMS, accountants.ACCOUNTANTS, per_unit.PER_UNIT_STRATEGIES,
+                  noise.NOISE_MECHANISMS, sampling.SAMPLERS)
+    saved = [dict(r._items) for r in registries], dict(plugins._LOADED)
+    yield
+    for r, items in zip(registries, saved[0]):
+        r._items = items
+    plugins._LOADED.clear()
+    plugins._LOADED.update(saved[1])

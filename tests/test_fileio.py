@@ -160,3 +160,21 @@ def test_a_cache_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, caps
     assert err[-1].startswith("userdp: error: ") and "Traceback" not in "\n".join(err)
     assert "folder" in err[-1] or "a file is where" in err[-1]
     assert not (tmp_path / "run").exists()
+
+
+def test_init_on_a_full_disk_leaves_no_config(tmp_path, monkeypatch, capsys):
+    # it left a 0-byte config (issue 26)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"user": "u{i % 5}", "text": "a message number {i}"}}\n' for i in range(40)))
+    real = fileio.os.fsync
+
+    def full(fd):
+        if "my.yaml" in os.path.basename(os.readlink(f"/proc/self/fd/{fd}")):  # the config's temporary
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(fileio.os, "fsync", full)
+    assert main(["init", str(data), "--output", str(tmp_path / "my.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"userdp: error: {tmp_path / 'my.yaml'}: cannot write it (the disk is full)"
+    assert not (tmp_path / "my.yaml").exists() and _leftovers(tmp_path) == []

@@ -15,25 +15,14 @@ from userdp import plugins
 from userdp.accounting import accountants
 from userdp.accounting.events import event_from_dict
 from userdp.cli import main
-from userdp.engine import algorithms, noise, per_unit, sampling
+from userdp.engine import algorithms
 from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.registry import Registry
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
-REGISTRIES = (algorithms.ALGORITHMS, accountants.ACCOUNTANTS, per_unit.PER_UNIT_STRATEGIES,
-              noise.NOISE_MECHANISMS, sampling.SAMPLERS)
-
-
-@pytest.fixture(autouse=True)
-def isolated_registries():
-    """Every test starts from the built-in names and leaves them so (other tests list them)."""
-    saved = [dict(r._items) for r in REGISTRIES], dict(plugins._LOADED)
-    yield
-    for r, items in zip(REGISTRIES, saved[0]):
-        r._items = items
-    plugins._LOADED.clear()
-    plugins._LOADED.update(saved[1])
+# every test leaves the registries and the loaded plugins as it found them (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("isolated_registries")
 
 
 # ------------------------------------------------------------------------------ the registry
@@ -137,7 +126,8 @@ def test_a_plugin_accountant_runs_through_userdp_train(tmp_path, tiny, monkeypat
     monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
     plugin = EXAMPLES / "integer_rdp.py"
     out, priv = _train(tmp_path, tiny[1], "--plugin", str(plugin), "--set", "privacy.accountant=rdp_integer")
-    assert priv["plugins"] == [str(plugin)] and priv["accountant"].startswith("rdp_integer")
+    # every plugin loaded in the process is named (here, at least this one)
+    assert str(plugin) in priv["plugins"] and priv["accountant"].startswith("rdp_integer")
     assert any("plugin code ran inside training" in a for a in priv["assumptions"])
     # the run's epsilon is the plugin's on the run's own event (integer orders: never below the finer grid)
     event = event_from_dict(priv["dp_event"])
