@@ -126,6 +126,27 @@ def test_a_resume_may_change_performance_settings_but_not_privacy_ones(tiny, mon
     assert "not the configuration this run's ledger journal was bound to" in capsys.readouterr().err
 
 
+def test_a_fixed_sigma_run_makes_one_run_plan_for_its_budget_check_and_the_engine(tiny, monkeypatch):
+    # it made up to 5 (issue 26): the budget check and the engine now read the same plan
+    import userdp.engine.loop as L
+    import userdp.engine.plan as P
+    import userdp.lm.job_plan as J
+
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(k.get("num_units"))
+        return P.make_plan(*a, **k)
+
+    monkeypatch.setattr(J, "make_plan", counting)
+    monkeypatch.setattr(L, "make_plan", counting)
+    J.run_plan.cache_clear()
+    tmp, cfg = tiny
+    assert cli(["train", str(cfg), "--output", str(tmp / "run"), "--no-progress",
+                "--set", "privacy.noise_multiplier=1.5", "--set", "privacy.epsilon=50"]) == 0
+    assert len(calls) == 1
+
+
 def test_unknown_key_and_bad_type_are_one_line_errors(tiny, capsys):
     tmp, cfg = tiny
     assert cli(["train", str(cfg), "--set", "training.stepz=3"]) == 2

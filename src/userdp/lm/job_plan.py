@@ -91,11 +91,10 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[s
     Raises:
         UserError: the configured steps would spend more than ``privacy.epsilon``.
     """
-
     p, t = cfg.privacy, cfg.training
     if not algorithm_of(cfg).private or p.noise_multiplier is None:
         return None
-    plan = make_plan(engine_config(cfg, num_units), num_users=num_users, num_units=num_units)
+    plan = run_plan(cfg, num_users, num_units)  # the plan the engine will train by (made once)
     eps = plan.mechanism.epsilon(plan.delta, p.accountant)
     if eps > p.epsilon:
         raise UserError(
