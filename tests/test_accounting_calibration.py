@@ -10,6 +10,7 @@ from userdp import accounting as A
 from userdp.errors import UserError
 
 
+@pytest.mark.slow
 def test_uls_calibration_matches_dp_accounting_and_is_pessimistic():
     q, T, eps, delta = 0.01, 100, 0.3, 1e-5
     make = lambda z: A.uls_step_event(z, q)  # noqa: E731
@@ -38,6 +39,7 @@ def test_rdp_calibration():
     assert rdp(sigma) <= eps < rdp(sigma / 1.005)
 
 
+@pytest.mark.slow
 def test_fixed_cohort_calibration_reproduces_andrew_z():
     # SPEC A5 SHAKESPEARE: T=1200, m=510 of 1e6, z=0.510 gives eps 4.982 ~ (5, n^-1.1)
     n = 10**6
@@ -93,6 +95,7 @@ def test_large_T_calibration_stays_within_one_percent():
     assert fine(sigma) <= eps < fine(sigma / 1.01)
 
 
+@pytest.mark.slow
 def test_els_calibration_converges_where_epsilon_falls_off_a_cliff():
     """ELS with G = 11 at p = 0.0016 over 6 steps: epsilon drops from 4 to 0.1 between sigma 1.09
     and 1.33, and the secant's nearest points lay on one side, so it crept down by 0.13% a step and
@@ -104,6 +107,7 @@ def test_els_calibration_converges_where_epsilon_falls_off_a_cliff():
     assert fine(sigma) <= eps < fine(sigma / 1.01)
 
 
+@pytest.mark.slow
 def test_els_calibration_reaches_below_the_old_pld_guard():
     """blogs, ELS at G = 11, 8 records a step (p = 8/43,578), 80 steps, epsilon = 1: the PLD
     accountant refused sigma / G < 0.1 and RDP answered there (epsilon 10.8 at sigma 1.0 where the

@@ -65,6 +65,7 @@ def test_account_count_noise_stddev(capsys):
     assert d["epsilon"] == A.epsilon(A.compose(A.uls_step_event(1.0, 0.01), 100), 1e-5)
 
 
+@pytest.mark.slow
 def test_calibrate_json_and_pessimism(capsys):
     rc, out, _ = run(["calibrate", "--mechanism", "uls", "--epsilon", "1", "--sampling-rate", "0.01",
                       "--steps", "300", "--delta", "1e-6", "--count-noise-stddev", "10", "--json"], capsys)

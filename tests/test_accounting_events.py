@@ -70,6 +70,7 @@ def _reference_with_tails_dropped(event, delta, iv=None):
     return acc_cut.get_epsilon(delta - S) + eta, acc_full.get_epsilon(delta), S
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G,q,sigma,T", PLD_GRID)
 def test_pld_agrees_with_dp_accounting(G, q, sigma, T):
     iv = 1e-3

@@ -3,6 +3,7 @@
 import logging
 
 import numpy as np
+import pytest
 from dp_accounting.pld import privacy_loss_distribution as PLD
 
 from userdp import accounting as A
@@ -25,6 +26,7 @@ def test_vectorized_mixture_pld_equals_dp_accounting():
     assert ours.get_epsilon_for_delta(1e-5) == ref.get_epsilon_for_delta(1e-5)
 
 
+@pytest.mark.slow
 def test_small_sigma_els_calibration_is_sound_and_tight():
     # ELS with few steps (training.algorithm=els, short runs): sigma ~ 1.65. This took
     # ~50-60 s before the vectorized mixture PLD; the properties, not the time, are asserted.

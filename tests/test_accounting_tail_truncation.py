@@ -82,6 +82,7 @@ def test_truncated_bound_holds_against_exact_one_step_divergences(budget):
     assert needed
 
 
+@pytest.mark.slow
 def test_els_calibration_goes_below_the_old_guard():
     """Blogs ELS at B = 8, ε = 8 (G = 11, p = 8 / 43,578, T = 80) sat on σ = 0.05·G = 0.55, below
     which RDP answered and overshot. With K ≥ 5 dropped (mass ~1e-17) the PLD answers down to

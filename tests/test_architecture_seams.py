@@ -76,6 +76,7 @@ def test_adaptive_plan_splits_the_noise_by_theorem_one():
     assert (plan.update_noise_multiplier ** -2 + (2 * sb) ** -2) ** -0.5 == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_the_record_step_event_is_the_mechanisms():
     data = user_data([3] * 20, d=3)
     for algo, sampling in [(ELS(2, 0.3), "poisson"), (ULS(2, 0.3), "fixed_size"), (ELS(2, 0.3), "shuffle")]:
@@ -142,6 +143,7 @@ def _built(*parts):
     return b.build()
 
 
+@pytest.mark.slow
 def test_ledger_composes_heterogeneous_events():
     step = accounting.uls_step_event(1.0, 0.1)
     median = dpe.GaussianDpEvent(8.0)  # e.g. a Gaussian query spent planning the run
@@ -168,6 +170,7 @@ def test_ledger_composes_heterogeneous_events():
     assert again.total_event() == want2
 
 
+@pytest.mark.slow
 def test_ledger_budget_includes_spent_events():
     step = accounting.uls_step_event(1.0, 0.1)
     plain = PrivacyLedger(step, 1e-6, target_epsilon=3.0)
@@ -181,6 +184,7 @@ def test_ledger_budget_includes_spent_events():
 
 
 # ------------------------------------------------------------------------------ per-unit strategies
+@pytest.mark.slow
 def test_a_registered_per_unit_strategy_is_chosen_by_configuration():
     calls = []
 

@@ -22,6 +22,7 @@ def _alpha_brute(r, v, q):
 
 @pytest.mark.parametrize("m,r,v,eps,delta", [(100, 50, 40, 1.0, 0.0), (100, 50, 40, 1.0, 1e-3),
                                               (400, 200, 195, 2.5, 3.5e-4), (10, 10, 3, 0.2, 0.01)])
+@pytest.mark.slow
 def test_p_value_is_the_theorem_computed_directly(m, r, v, eps, delta):
     q = math.exp(eps) / (1 + math.exp(eps))
     tail = sum(stats.binom.pmf(j, r, q) for j in range(v, r + 1))
@@ -71,6 +72,7 @@ def _randomized_response_scores(rng, m, eps):
     return bit + 0.01 * rng.random(m), inc
 
 
+@pytest.mark.slow
 def test_the_bound_is_valid_for_an_eps_dp_mechanism():
     """Against a mechanism that is exactly eps-DP per canary, the 95% bound may exceed eps in at
     most 5% of audits: 300 audits, and 5% + 4 standard errors of slack (fixed seed)."""

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 SE = Path(os.environ.get("USERDP_SHARED_DATA", REPO.parent / "shared" / "data")) / "stackexchange"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SE.is_dir(), reason=f"needs the shared Stack Exchange data at {SE}")
 def test_quick_rows_epsilons_and_figures(tmp_path):
     figs = tmp_path / "figs"

@@ -46,6 +46,7 @@ def _torchrun(n, args, tmp_path, **kw):
 
 
 # ----------------------------------------------------------------------------- the engine, 2 processes
+@pytest.mark.slow
 @needs_torchrun
 def test_two_processes_give_one_processs_parameters_for_uls_els_and_fedavg(tmp_path):
     import _dist_worker as worker
@@ -85,6 +86,7 @@ def _weights(run_dir):
     return load_file(str(f))
 
 
+@pytest.mark.slow
 @needs_torchrun
 def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
     cfg = _tiny(tmp_path, "  seed: 5\n  checkpoint_every: 1\n")
@@ -119,6 +121,7 @@ def _rank_of(pid):
     return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
 
 
+@pytest.mark.slow
 @needs_torchrun
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_process_ends_the_job_and_resume_counts_every_step_once(tmp_path, victim):

@@ -165,6 +165,7 @@ def test_a_synopsis_names_only_options_the_command_has(where, cmd):
         assert flag in known, f"{where}: `{cmd}` shows {flag}, which `{parser.prog}` does not have"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("isolated_registries")  # a command may load a plugin (--plugin)
 @pytest.mark.parametrize("where, cmd", [(w, c) for w, c in SHOWN if not _is_synopsis(c)], ids=lambda x: str(x)[:60])
 def test_a_command_shown_runs_or_parses(where, cmd, tmp_path, monkeypatch, capsys):

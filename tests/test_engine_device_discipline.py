@@ -99,6 +99,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,algo,per_unit,clip,precision", CASES, ids=[c[0] for c in CASES])
 def test_a_step_syncs_once_and_never_copies_to_the_device_blockingly(monkeypatch, name, algo, per_unit, clip,
                                                                      precision):

@@ -308,6 +308,7 @@ def test_auto_picks_ghost_for_gradients_and_vmap_for_fedavg():
     assert nn.Linear in GHOST_LAYERS and nn.Embedding in GHOST_LAYERS and nn.LayerNorm in GHOST_LAYERS
 
 
+@pytest.mark.slow
 def test_training_with_ghost_matches_training_with_vmap():
     data = mlp_data([3, 1, 5, 2, 7, 4, 6, 2], seed=3)
     out = {}

@@ -130,6 +130,7 @@ def test_poisson_cohort_sizes_follow_binomial():
     assert sizes.mean() == pytest.approx(N * q, abs=4 * math.sqrt(N * q * (1 - q) / T))
 
 
+@pytest.mark.slow
 def test_engine_cohorts_are_poisson_and_buckets_pad():
     N, q = 120, 0.1
     data = user_data([2] * N, d=2)
@@ -156,6 +157,7 @@ def test_ledger_refuses_a_step_past_the_budget():
     assert led.epsilon_upper_bound() >= led.epsilon() - 1e-9
 
 
+@pytest.mark.slow
 def test_train_stops_before_the_budget():
     data = user_data([3] * 50, d=2)
     res = train(Mean(2), data, sq_loss,
@@ -185,6 +187,7 @@ def test_calibrated_sigma_meets_target_and_adaptive_split():
                           clipping=AdaptiveClip(), accountant="rdp"))
 
 
+@pytest.mark.slow
 def test_shuffle_and_fixed_size_records_say_so():
     data = user_data([2] * 40, d=2)
     for sampling, acc in [("shuffle", "pld"), ("fixed_size", "rdp")]:

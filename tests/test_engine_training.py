@@ -133,6 +133,7 @@ def test_fedsgd_with_lr_eta_equals_uls_step():
     assert torch.allclose(a.theta, b.theta, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_adaptive_clipping_tracks_the_quantile_of_lognormal_norms():
     """A8: unit norms log-normal(0, 0.5); C converges near their gamma-quantile despite count noise."""
     N, d = 2000, 4
@@ -182,6 +183,7 @@ def _crash_at(step):
     return cb
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", [ULS(3, 0.3), ELS(2, 0.2), FedAvg(3, 0.3, local_epochs=2, local_batch_size=2)])
 def test_interrupted_and_resumed_run_equals_uninterrupted(tmp_path, algo):
     data = mlp_data([3, 5, 2, 7, 1, 4, 6, 2, 3, 8] * 4, seed=6)

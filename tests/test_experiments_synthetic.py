@@ -35,6 +35,7 @@ def test_variance_rows_match_the_direct_variances(monkeypatch):
         assert r.ratio_orthogonal == pytest.approx(r.ratio_identical / r.group_size_uls)
 
 
+@pytest.mark.slow
 def test_variance_with_the_accountant_shows_the_papers_pattern():
     # one real (PLD) comparison at G_ULS = 1 vs large G: with identical within-user gradients
     # ELS is better at large G_ULS; at G_ULS = 1 (q = B/N) ULS ~ ELS (sigma_ELS almost G-free
@@ -113,6 +114,7 @@ def test_tail_averaging_reports_the_mean_of_the_last_iterates():
         replace(cfg, average_fraction=1.5).validate()
 
 
+@pytest.mark.slow
 def test_sigma_is_calibrated_once_per_setting_and_reused(monkeypatch):
     from userdp import accounting
 
@@ -195,6 +197,7 @@ def test_quick_settings_are_reduced_and_valid():
     assert list(sweeps) == ["within_user_variance"] and q.num_users <= 1000
 
 
+@pytest.mark.slow
 def test_mean_estimation_quick_runs_as_docs_experiments_md_shows(capsys):
     # it always failed: --quick's check ran after the defaults were filled in (issue 26)
     import json

@@ -111,6 +111,7 @@ def test_atomic_dir_full_disk_is_one_line_naming_the_folder(tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_plan_save_refuses_to_overwrite_the_data_it_read(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "d.jsonl"

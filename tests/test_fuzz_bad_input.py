@@ -62,6 +62,7 @@ def _outputs(argv: list[str]) -> list[Path]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_hostile_input_is_refused_in_one_line(case, fuzz_env, request, capsys):
     work = fuzz_env / "cases" / case.id

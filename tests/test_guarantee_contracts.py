@@ -125,6 +125,7 @@ def test_chacha_radius_is_bounded_where_the_tail_constant_says():
     assert tail_delta(10, 0, 3.0) == 0.0
 
 
+@pytest.mark.slow
 def test_a_chacha_run_adds_its_tail_to_the_stated_delta(monkeypatch):
     from userdp.engine import noise as N
     from userdp.engine.chacha import ChaChaNoise

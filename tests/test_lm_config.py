@@ -149,6 +149,7 @@ def test_yaml_merge_keys_load_and_may_be_overridden(tmp_path):
         C.load_config(f)
 
 
+@pytest.mark.slow
 def test_deeply_nested_values_are_one_line_not_a_recursion_error(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("nosuch: " + "[" * 5000 + "]" * 5000 + "\n")

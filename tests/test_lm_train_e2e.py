@@ -94,6 +94,7 @@ def test_interrupted_run_resumes_with_the_same_ledger(tiny, monkeypatch, capsys)
     assert "already finished" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_resume_may_change_performance_settings_but_not_privacy_ones(tiny, monkeypatch, capsys):
     """Issue 26: chunk size, per-unit strategy, precision and checkpoint cadence do not block a
     resume (the journal is bound to the rest); a privacy setting does, before anything runs."""
@@ -126,6 +127,7 @@ def test_a_resume_may_change_performance_settings_but_not_privacy_ones(tiny, mon
     assert "not the configuration this run's ledger journal was bound to" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_fixed_sigma_run_makes_one_run_plan_for_its_budget_check_and_the_engine(tiny, monkeypatch):
     # it made up to 5 (issue 26): the budget check and the engine now read the same plan
     import userdp.engine.loop as L

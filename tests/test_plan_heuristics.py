@@ -65,6 +65,7 @@ def test_dp_median_probabilities_satisfy_epsilon_dp_for_neighbours():
         assert np.max(np.abs(np.log(p) - np.log(q))) <= eps + 1e-9
 
 
+@pytest.mark.slow
 def test_dp_median_sampling_matches_its_distribution():
     # chi-square goodness of fit of the sampler against the stated probabilities (fixed seed)
     from scipy import stats

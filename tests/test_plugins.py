@@ -122,6 +122,7 @@ def _train(tmp_path, cfg, *args):
     return out, json.loads((out / "privacy.json").read_text())
 
 
+@pytest.mark.slow
 def test_a_plugin_accountant_runs_through_userdp_train(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
     plugin = EXAMPLES / "integer_rdp.py"
@@ -146,6 +147,7 @@ def test_a_plugin_uls_variant_runs_through_userdp_train(tmp_path, tiny, monkeypa
     assert 0 < priv["epsilon"] <= 8.0
 
 
+@pytest.mark.slow
 def test_a_plugin_per_unit_strategy_runs_through_userdp_train_and_matches_vmap(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
     out_loop, priv = _train(tmp_path / "loop", tiny[1], "--plugin", str(EXAMPLES / "loop_per_unit.py"),

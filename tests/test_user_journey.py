@@ -105,6 +105,7 @@ def test_cache_info_marks_private_kinds_and_clear_removes_them(tmp_path, monkeyp
     assert not (tmp_path / "pretrained").exists()
 
 
+@pytest.mark.slow
 def test_epsilon_curve_is_tight_not_capped_at_the_target():
     # a run calibrated for 200 steps: at step 141 the curve must show epsilon(141), not the target
     step = A.uls_step_event(0.9, 0.05)
@@ -158,6 +159,7 @@ def test_help_and_version_start_in_well_under_a_second():
     assert out[1:] == ["False", "False"], out
 
 
+@pytest.mark.slow
 def test_train_announces_the_mechanism_before_the_first_step(tmp_path, capsys):
     from _engine_helpers import Mean, sq_loss, user_data
     from userdp.engine import ULS, TrainConfig, train
@@ -207,6 +209,7 @@ def test_ctrl_c_in_train_writes_an_honest_record_and_report(tmp_path, monkeypatc
     assert cli(["report", str(run)]) == 0  # and `userdp report` agrees
 
 
+@pytest.mark.slow
 def test_the_cli_keeps_the_hub_libraries_offline():
     """Nothing is downloaded at run time: the command line sets HF_HUB_OFFLINE before any hub
     library is imported, so a library beneath userdp (bitsandbytes fetching a kernel, say)
