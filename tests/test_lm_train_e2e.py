@@ -142,9 +142,11 @@ def test_a_fixed_sigma_run_makes_one_run_plan_for_its_budget_check_and_the_engin
 
     monkeypatch.setattr(J, "make_plan", counting)
     monkeypatch.setattr(L, "make_plan", counting)
-    J.run_plan.cache_clear()
+    J._mechanism_plan.cache_clear()
     tmp, cfg = tiny
-    assert cli(["train", str(cfg), "--output", str(tmp / "run"), "--no-progress",
+    # chunk_size auto with a fixed sigma was a traceback: the early budget check built a TrainConfig
+    # with chunk_size None; performance settings no longer reach the plan's mechanism
+    assert cli(["train", str(cfg), "--output", str(tmp / "run"), "--no-progress", "--set", "training.chunk_size=auto",
                 "--set", "privacy.noise_multiplier=1.5", "--set", "privacy.epsilon=50"]) == 0
     assert len(calls) == 1
 

@@ -58,7 +58,8 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int):
 
     precision = resolve_precision(t.precision, resolve_device(cfg.model.device))
     kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
-              accountant=p.accountant, sampling=p.sampler, chunk_size=t.chunk_size, seed=t.seed,
+              accountant=p.accountant, sampling=p.sampler, seed=t.seed,
+              chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
               checkpoint_every=t.checkpoint_every, per_unit=t.per_unit, precision=precision)
     if not algo.private:
         kw["noise_multiplier"] = 0.0
@@ -74,11 +75,25 @@ def num_units(cfg: C.RunConfig, data) -> int:
     return algorithm_of(cfg).count_units(data.sizes(), cfg.training.group_size)
 
 
-@functools.lru_cache(maxsize=8)
 def run_plan(cfg: C.RunConfig, num_users: int, num_units: int) -> RunPlan:
     """The engine's plan for ``cfg`` on data with these counts (calibrated when the config gives a
-    target and no sigma); made once per (config, counts), so the budget check and the engine
-    read the same plan instead of making more."""
+    target and no sigma). The mechanism is made once per privacy settings and counts
+    (:func:`_mechanism_plan`), so the budget check and the engine read the same plan instead of
+    making more; the performance settings — an ``auto`` chunk size before it is resolved, the
+    per-unit strategy, the precision — are this config's own."""
+    base = _mechanism_plan(_performance_neutral(cfg), num_users, num_units)
+    return dataclasses.replace(base, config=engine_config(cfg, num_units))
+
+
+def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
+    """``cfg`` with its performance settings fixed (they change how a run computes, not its plan)."""
+    t = dataclasses.replace(cfg.training, chunk_size=1, memory_gb=None, per_unit="auto", precision="float32",
+                            checkpoint_every=1)
+    return dataclasses.replace(cfg, training=t, model=dataclasses.replace(cfg.model, device="cpu"))
+
+
+@functools.lru_cache(maxsize=8)
+def _mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int) -> RunPlan:
     return make_plan(engine_config(cfg, num_units), num_users=num_users, num_units=num_units)
 
 
