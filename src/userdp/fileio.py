@@ -49,7 +49,7 @@ MANIFEST = "MANIFEST.json"
 def write_manifest(directory: str | os.PathLike, name: str = MANIFEST, exclude: tuple[str, ...] = ()) -> dict:
     """Write ``directory/MANIFEST.json``: the sha256 and size of every file under it (recursively;
     ``exclude``: top-level names left out, e.g. a derived file rewritten later), written to a
-    temporary name, fsynced and renamed. Returns the manifest."""
+    temporary name, fsynced and renamed (:func:`write_atomic`). Returns the manifest."""
     root = os.fspath(directory)
     files = {}
     for base, _, names in os.walk(root):
@@ -60,12 +60,7 @@ def write_manifest(directory: str | os.PathLike, name: str = MANIFEST, exclude: 
                 continue
             files[rel] = {"sha256": sha256_file(p), "bytes": os.path.getsize(p)}
     manifest = {"format": 1, "files": files}
-    tmp = os.path.join(root, name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, name))
+    write_atomic(os.path.join(root, name), json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
 

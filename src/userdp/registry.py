@@ -14,11 +14,11 @@ and remove entries with ``monkeypatch.setitem``.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator, MutableMapping
 from typing import Generic, TypeVar
 
 from userdp.errors import UserError
+from userdp.validation import close_names
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
         raise UserError(f"{self.kind} must be one of {', '.join(self._items)}{self.hint(name)} (got {name!r})")
 
     def hint(self, name) -> str:
-        close = difflib.get_close_matches(str(name), list(self._items), n=2, cutoff=0.6)
+        close = close_names(name, self._items)
         return f"; did you mean {' or '.join(close)}?" if close else ""
 
     def choices(self, *extra: str) -> Callable[[], tuple[str, ...]]:

@@ -9,6 +9,7 @@ its keys (``training.steps``); the CLI names its flags (``--steps``) through
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Iterable
 
@@ -112,3 +113,8 @@ def check_choice(value, name: str, choices: Iterable[str]) -> str:
     if value not in options:
         raise UserError(f"{name} must be one of {', '.join(map(str, options))} (got {value!r})")
     return value
+
+
+def close_names(name, names: Iterable[str], n: int = 2) -> list[str]:
+    """The names closest to ``name``, best first (a did-you-mean; empty when none is close)."""
+    return difflib.get_close_matches(str(name), list(names), n=n, cutoff=0.6)

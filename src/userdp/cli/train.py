@@ -57,8 +57,8 @@ def main(args) -> int:
         if args.config or args.output or args.plan:
             raise UserError("--resume RUN_DIR continues a run with its saved config: give no "
                             "CONFIG, --output or --plan with it")
-        privacy = [o.split("=", 1)[0].strip() for o in args.overrides
-                   if not C.is_performance_key(o.split("=", 1)[0].strip())]
+        keys = [".".join(C.parse_override(o)[0]) for o in args.overrides]
+        privacy = [k for k in keys if not C.is_performance_key(k)]
         if privacy:
             perf = ", ".join(f"{s}.{k}" for s, keys in C.PERFORMANCE_KEYS.items() for k in keys)
             raise UserError(f"--resume: --set {privacy[0]} changes a setting the run's ledger is bound to; a "

@@ -7,7 +7,6 @@ a user's file is layered over it, then the ``--set`` overrides.
 """
 
 import dataclasses
-import difflib
 import functools
 import hashlib
 import json
@@ -38,6 +37,7 @@ from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.errors import UserError
 from userdp.fileio import note_input
 from userdp.lm.presets import PRESETS
+from userdp.validation import close_names
 
 # --- the schema's value types ----------------------------------------------------------
 # pydantic v2 validates the dataclasses below (``TypeAdapter(RunConfig)``): unknown keys, types,
@@ -110,7 +110,7 @@ def _one_of(*options: str):
     def check(v: str) -> str:
         names = [n for o in options for n in (o() if callable(o) else (o,))]
         if v not in names:
-            close = difflib.get_close_matches(str(v), names, n=2, cutoff=0.6)
+            close = close_names(v, names)
             hint = f" (did you mean {' or '.join(close)}?)" if close else ""
             raise _bad("userdp_choice", f"must be one of {', '.join(names)}{hint}", v)
         return v
@@ -335,7 +335,7 @@ def _dotted(loc: tuple) -> str:
 def _hint(section, key: str) -> str:
     """" (did you mean …?)" for an unknown ``key`` of a config section, else its known keys."""
     names = [f.name for f in dataclasses.fields(section)]
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.6) or [n for n in names if n.startswith(key[:3])]
+    close = close_names(key, names, n=3) or [n for n in names if n.startswith(key[:3])]
     return f" (did you mean {', '.join(close)}?)" if close else f" (known keys: {', '.join(names)})"
 
 

@@ -62,13 +62,13 @@ def _keep_performance_changes(rd: RunDir, cfg: C.RunConfig, log: Log) -> None:
 
     Raises:
         UserError: anything but a performance setting differs from the saved config."""
-    saved = C.load_config(rd.config)
-    if C.to_dict(saved) == C.to_dict(cfg):
+    saved, new = C.to_dict(C.load_config(rd.config)), C.to_dict(cfg)
+    if saved == new:
         return
-    if C.privacy_fingerprint(C.to_dict(saved)) != C.privacy_fingerprint(C.to_dict(cfg)):
+    if C.privacy_fingerprint(saved) != C.privacy_fingerprint(new):
         raise UserError(f"--resume {rd.root}: only performance settings may change on resume")
-    changed = sorted(f"{s}.{k}" for s, sec in C.to_dict(cfg).items() if isinstance(sec, dict)
-                     for k, v in sec.items() if C.to_dict(saved)[s].get(k) != v)
+    changed = sorted(f"{s}.{k}" for s, sec in new.items() if isinstance(sec, dict)
+                     for k, v in sec.items() if saved[s].get(k) != v)
     header = "".join(ln for ln in rd.config.read_text().splitlines(keepends=True) if ln.startswith("#"))
     write_atomic(rd.config, header + C.dump_yaml(cfg), replaces_input=True)  # the run's own, on purpose
     log(f"resume: performance settings changed ({', '.join(changed)}); saved in {rd.config}")

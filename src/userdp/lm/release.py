@@ -5,7 +5,6 @@ derived from the verified statement."""
 
 from __future__ import annotations
 
-import json
 import time
 
 from userdp import plugins
@@ -18,7 +17,7 @@ from userdp.lm.job_plan import algorithm_of
 from userdp.lm.plan_auto import plan_touches
 from userdp.lm.prepare import Log, Prepared
 from userdp.lm.report import MODEL_CARD, privacy_record, write_report
-from userdp.lm.run_dir import RunDir, plot_curves
+from userdp.lm.run_dir import RunDir, plot_curves, read_json
 
 
 def _sampler_assumed(cfg) -> str:
@@ -80,7 +79,7 @@ def audit_disclosures(section: dict) -> list[str]:
 def evaluate_before(cfg: C.RunConfig, model, eval_data, rd: RunDir, combiner, main: bool, log: Log) -> dict:
     """The held-out evaluation state (eval.json), with the starting model's figures when asked and
     not already there (a resumed run keeps its first ones); each rank scores a share."""
-    ev_state = json.loads(rd.eval.read_text()) if rd.eval.is_file() else {}
+    ev_state = read_json(rd.eval) if rd.eval.is_file() else {}
     if cfg.eval.before and "before" not in ev_state:
         log("evaluating the starting model on held-out users ...")
         ev_state["before"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
