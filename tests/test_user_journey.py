@@ -224,3 +224,27 @@ def test_the_cli_keeps_the_hub_libraries_offline():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.strip().splitlines()[-1] == "offline True"
+
+
+def test_sample_trains_on_a_counted_seeded_slice(tmp_path, monkeypatch, capsys):
+    from userdp.lm import config as C
+    from userdp.lm.prepare import prepare_data
+
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
+    assert cli(["train", "--sample", "25", "--print-config"]) == 0
+    assert "max_users: 25" in capsys.readouterr().out
+    assert cli(["train", "--sample", "5", "--set", "data.max_users=3"]) == 2
+    assert "give one of --sample and --set data.max_users" in capsys.readouterr().err
+    assert cli(["train", "--sample", "0"]) == 2
+    assert "--sample: must be an integer >= 1" in capsys.readouterr().err
+    # what the slice is: 25 of the training users, the rest counted in the log; the same 25 each time
+    logs = []
+    whole = prepare_data(C.load_config(None, []), log=lambda m: None)
+    first = prepare_data(C.load_config(None, ["data.max_users=25"]), log=logs.append)
+    again = prepare_data(C.load_config(None, ["data.max_users=25"]), log=lambda m: None)
+    assert first.train_subset.num_users == 25 < whole.train_subset.num_users
+    assert list(first.train_subset.users) == list(again.train_subset.users)
+    assert set(first.train_subset.users) <= set(whole.train_subset.users)
+    left = whole.train_subset.num_users - 25
+    assert any(f"({left} left out of this run" in m for m in logs), logs
+    assert list(first.eval_subset.users) == list(whole.eval_subset.users)  # the held-out users do not change

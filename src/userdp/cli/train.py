@@ -1,4 +1,4 @@
-"""`userdp train [CONFIG.yaml] [--set key=value ...] [--output DIR] [--resume RUN_DIR] [--json]`."""
+"""`userdp train [CONFIG.yaml] [--set key=value ...] [--sample N] [--output DIR] [--resume RUN_DIR] [--json]`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("config", nargs="?", help="YAML config layered over the embedded default")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (dotted, e.g. training.steps=100); repeatable")
+    p.add_argument("--sample", type=A.positive_int, default=None, metavar="N",
+                   help="a first try of the whole pipeline on a seeded sample of N training users "
+                        "(data.max_users=N; only their records are tokenized and trained on)")
     p.add_argument("--output", metavar="DIR", help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (same ledger)")
     p.add_argument("--plan", metavar="PLAN.json", help="apply a plan saved by `userdp plan` (its data "
@@ -53,6 +56,10 @@ def main(args) -> int:
     from userdp.lm import config as C
     from userdp.lm.finetune import run
 
+    if args.sample is not None:
+        if any(C.parse_override(o)[0] == ["data", "max_users"] for o in args.overrides):
+            raise UserError("--sample N sets data.max_users: give one of --sample and --set data.max_users")
+        args.overrides = [*args.overrides, f"data.max_users={args.sample}"]
     if args.resume:
         if args.config or args.output or args.plan:
             raise UserError("--resume RUN_DIR continues a run with its saved config: give no "

@@ -5,6 +5,12 @@ Public API::
     from userdp.engine import train, TrainConfig, ULS, ELS, FedAvg, FlatClip, SGD
     result = train(model, data, loss_fn, TrainConfig(algorithm=ULS(group_size=8, sampling_rate=0.1),
                                                      steps=100, target_epsilon=3.0))
+
+or, in the caller's own loop (docs/engine.md, "Your own loop")::
+
+    private = make_private(model, optimizer, data, loss_fn, config)
+    for step in private:
+        optimizer.zero_grad(); step.backward(); optimizer.step()
 """
 
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
@@ -14,11 +20,12 @@ from userdp.engine.data import DelegatingUserData, TensorUserData, UserData
 from userdp.engine.ledger import PrivacyLedger
 from userdp.engine.loop import TrainConfig, TrainingInterrupted, TrainResult, train
 from userdp.engine.optimizers import SGD, Adafactor, Adam
+from userdp.engine.private_loop import PrivateTraining, make_private
 
 __all__ = [
     "TrainingInterrupted",
     "DelegatingUserData",
-    "train", "TrainConfig", "TrainResult",
+    "train", "TrainConfig", "TrainResult", "make_private", "PrivateTraining",
     "ELS", "ULS", "FedAvg", "FedSGD", "NonPrivate", "ALGORITHMS", "register_algorithm",
     "FlatClip", "PerLayerClip", "AdaptiveClip",
     "FixedDenominator", "ClippedDenominator",

@@ -105,11 +105,43 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _own_optimizer(optimizer: torch.optim.Optimizer, run: "_Run") -> torch.optim.Optimizer:
+    """The caller's optimizer (make_private), checked: it must step exactly the trainable
+    parameters the engine privatizes, and they must be float32 or wider (with narrower weights the
+    engine steps float32 masters of its own, which a caller's optimizer does not hold).
+
+    Raises:
+        UserError: the optimizer holds other tensors, misses a trainable parameter, or the
+            parameters are float16/bfloat16."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if run.master is not run.params:
+        raise UserError("make_private: the model's trainable parameters are float16/bfloat16; keep float32 "
+                        "weights and set TrainConfig(precision='bfloat16') for mixed precision, or use train(), "
+                        "which steps float32 master weights")
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    mine = {id(p) for p in run.params}
+    if {id(p) for p in held} != mine or len(held) != len(mine):
+        raise UserError(f"make_private: the optimizer must hold exactly the model's {len(mine)} trainable "
+                        f"parameters (it holds {len(held)} tensors, {len({id(p) for p in held} & mine)} of them "
+                        "trainable parameters of the model)")
+    return optimizer
+
+
+def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
+    """The privacy record's description of a caller's optimizer: its class and hyperparameters
+    (post-processing of the released gradient; listed so that the record says what stepped)."""
+    groups = [{k: v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)
+               for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
+            "source": "the caller's own (make_private)"}
+
+
 class _Run:
     """State of one training run (kept small: everything here is saved in a checkpoint)."""
 
     def __init__(self, model, data, loss_fn, config: TrainConfig | RunPlan, checkpoint_dir, combiner,
-                 journal_context=None):
+                 journal_context=None, optimizer: torch.optim.Optimizer | None = None):
         if not isinstance(data, UserData):
             raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
         given_plan = config if isinstance(config, RunPlan) else None
@@ -174,7 +206,9 @@ class _Run:
                                     journal_dir=self.dir if self.combiner.rank == 0 else None,
                                     journal_context=context)
         self.clip_state = cfg.clipping.initial_state()
-        self.optimizer = cfg.optimizer.build(self.master)
+        # the config's optimizer, or the caller's own (make_private): it steps the trainable parameters
+        self.external_optimizer = optimizer is not None
+        self.optimizer = cfg.optimizer.build(self.master) if optimizer is None else _own_optimizer(optimizer, self)
         self.step = 0
         self.nonfinite_units = 0  # units whose update was Inf/NaN (zeroed); NOT a private statistic
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="userdp-load")
@@ -278,8 +312,21 @@ class _Run:
         """One step. ``stop_requested``: this rank wants the run to stop after this step (Ctrl-C);
         the request is combined with the statistics, so every rank stops after the same step
         (``metrics["stop"]``)."""
-        cfg, plan, comb = self.cfg, self.plan, self.combiner
         t0 = time.perf_counter()
+        metrics, noisy_centered = self.release(stop_requested)
+        self.optimizer.step()
+        if self.master is not self.params:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.master):
+                    p.copy_(m)
+        return self.end_step(metrics, noisy_centered, t0)
+
+    def release(self, stop_requested: bool = False) -> tuple[dict, float]:
+        """The step's release: the ledger counts the step first, then a cohort is sampled, its
+        units' updates clipped and summed, the noise added once to the sum, and the sum divided by
+        the public denominator becomes ``.grad`` of the parameters the optimizer steps (replacing
+        whatever was there). Returns the step's metrics so far and the count query's noisy value."""
+        cfg, plan, comb = self.cfg, self.plan, self.combiner
         self.ledger.record_step()  # before anything of this step can be seen (on every rank: before its all-reduce)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
@@ -304,23 +351,24 @@ class _Run:
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
             m.grad = x.div_(den).to(m.dtype)
-        self.optimizer.step()
-        if self.master is not self.params:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.master):
-                    p.copy_(m)
-        self.step += 1
-        metrics = {"step": self.step, "loss": loss_sum / max(n_units, 1.0), "units": int(n_units), "stop": stops > 0,
-                   "nonfinite_units": int(n_bad),
+        metrics = {"step": self.step + 1, "loss": loss_sum / max(n_units, 1.0), "units": int(n_units),
+                   "stop": stops > 0, "nonfinite_units": int(n_bad),
                    "fraction_clipped": n_clipped / max(n_units, 1.0),
                    "clip_norm": float(self.clip_state["clip_norm"])}
+        return metrics, noisy_centered
+
+    def end_step(self, metrics: dict, noisy_centered: float, t0: float) -> dict:
+        """After the optimizer's step: the step counts as applied, the adaptive clip norm moves,
+        and the metrics get the step's time and the epsilon spent."""
+        cfg, plan = self.cfg, self.plan
+        self.step += 1
         if cfg.clipping.adaptive:
             noisy = 0.5 + noisy_centered / plan.expected_units
             metrics["noisy_fraction_unclipped"] = noisy
             self.clip_state = cfg.clipping.update(self.clip_state, noisy)
         dt = time.perf_counter() - t0
         metrics["step_time"] = dt
-        metrics["units_per_s"] = n_units / dt if dt > 0 else float("nan")
+        metrics["units_per_s"] = metrics["units"] / dt if dt > 0 else float("nan")
         if cfg.track_epsilon:
             metrics["epsilon_spent"] = self.ledger.epsilon_upper_bound()
         if self.ledger.journal is not None:  # a record of this step that binds the journal's length
@@ -410,7 +458,8 @@ class _Run:
             "denominator_kind": cfg.denominator.name, "sampler_mode": plan.sampler_mode,
             "noise_multiplier": self.noise_multiplier, "update_noise_multiplier": self.update_z,
             "count_noise_stddev": plan.count_stddev, "clipping": _cfg_dict(cfg.clipping),
-            "final_clip_norm": float(self.clip_state["clip_norm"]), "optimizer": _cfg_dict(cfg.optimizer),
+            "final_clip_norm": float(self.clip_state["clip_norm"]),
+            "optimizer": _optimizer_record(self.optimizer) if self.external_optimizer else _cfg_dict(cfg.optimizer),
             "accountant": cfg.accountant, "steps_applied": self.step, "steps_accounted": self.ledger.spent,
             "steps_lost_to_crashes": self.ledger.lost_steps, "epsilon": eps, "delta": self.delta,
             "delta_rule": plan.delta_rule, "target_epsilon": cfg.target_epsilon,
@@ -559,6 +608,31 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
             another run, or a checkpoint that could not be written.
         KeyboardInterrupt: after Ctrl-C, once the step in flight is finished and saved.
     """
+    run = start_run(model, data, loss_fn, config, checkpoint_dir=checkpoint_dir, resume=resume, combiner=combiner,
+                    journal_context=journal_context)
+    config = run.cfg
+    if on_start is not None:
+        on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
+                  "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
+                  "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode, "accountant": config.accountant,
+                  "target_epsilon": config.target_epsilon, "steps_accounted": run.ledger.spent,
+                  "unit": run.plan.unit, "num_units": run.n_units, "noise_kernel": run.noise_kernel})
+    try:
+        return _train_loop(run, config, checkpoint_dir, callbacks, checkpoint_extra)
+    finally:
+        run._loader.shutdown(wait=True)
+
+
+def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan, *,
+              checkpoint_dir: str | None = None, resume: bool = False, combiner=None,
+              journal_context: dict | None = None, optimizer: torch.optim.Optimizer | None = None) -> _Run:
+    """A run ready for its first step (shared by :func:`train` and
+    :func:`userdp.engine.private_loop.make_private`): its plan made or checked, its journal started
+    (or, on ``resume``, its checkpoint restored and its journal's begun steps counted), every rank
+    agreeing on the config, the data and the starting model.
+
+    Raises:
+        UserError: see :func:`train`."""
     comb = combiner or LocalCombiner()
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
@@ -571,8 +645,7 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
         raise UserError("resume=True needs a checkpoint_dir")
     if checkpoint_dir and comb.rank == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
-    run = _Run(model, data, loss_fn, config, checkpoint_dir, comb, journal_context)
-    config = run.cfg
+    run = _Run(model, data, loss_fn, config, checkpoint_dir, comb, journal_context, optimizer=optimizer)
     if comb.world_size > 1:
         _agree(run)
     if resume and ckpt.exists(checkpoint_dir):
@@ -587,16 +660,7 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
         counts = torch.tensor([float(run.ledger.spent), float(run.ledger.lost_steps)], dtype=torch.float64)
         spent, lost = comb.broadcast_from_main([counts])[0].tolist()
         run.ledger.spent, run.ledger.lost_steps = int(spent), int(lost)
-    if on_start is not None:
-        on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
-                  "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
-                  "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode, "accountant": config.accountant,
-                  "target_epsilon": config.target_epsilon, "steps_accounted": run.ledger.spent,
-                  "unit": run.plan.unit, "num_units": run.n_units, "noise_kernel": run.noise_kernel})
-    try:
-        return _train_loop(run, config, checkpoint_dir, callbacks, checkpoint_extra)
-    finally:
-        run._loader.shutdown(wait=True)
+    return run
 
 
 def _agree(run: _Run) -> None:

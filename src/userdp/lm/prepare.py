@@ -156,6 +156,9 @@ def prepare_data(cfg: C.RunConfig, log: Log = _stderr) -> Prepared:
     rng = np.random.default_rng(d.split_seed + 1)
     if d.max_users is not None and train.num_users > d.max_users:
         keep = np.sort(rng.choice(train.num_users, d.max_users, replace=False))
+        log(f"data.max_users = {d.max_users}: training on a seeded sample of {d.max_users} of the "
+            f"{train.num_users} training users ({train.num_users - d.max_users} left out of this run; "
+            "drop --sample / data.max_users for the real run)")
         train = UserSubset.from_lists(train.users[keep], [train.records_of(i) for i in keep])
     if d.max_eval_users is not None and ev.num_users > d.max_eval_users:
         keep = np.sort(rng.choice(ev.num_users, d.max_eval_users, replace=False))

@@ -1,0 +1,175 @@
+"""User-level DP in the caller's own training loop: :func:`make_private`.
+
+Opacus users keep their loop and call ``make_private(model, optimizer, data_loader)``. The
+user-level equivalent cannot hand back a data loader: what a step releases is the noisy sum of
+per-*user* clipped updates, and a user's update needs the user's records together (ELS clips per
+record, ULS averages up to G of a user's records, FedAvg runs local SGD). So the loop gets one
+object per step, and that object's :meth:`PrivateStep.backward` does what ``loss.backward()``
+does in a non-private loop — it leaves the privatized gradient in ``p.grad`` — while the caller
+keeps the optimizer, the learning-rate schedule, logging and evaluation::
+
+    private = make_private(model, optimizer, data, loss_fn, config)
+    for step in private:              # config.steps steps (fewer if the budget runs out)
+        optimizer.zero_grad()
+        metrics = step.backward()     # ledger first; Poisson cohort; clipped sum + noise -> p.grad
+        optimizer.step()
+        scheduler.step()              # anything that reads only the privatized gradient
+    print(private.epsilon(), private.record())
+
+Each step is exactly a step of :func:`userdp.engine.train` (the same sampler, per-unit strategy,
+noise, denominator and ledger, in the same order): with a seed and an optimizer equal to the
+config's, the two give the same model (tests/test_engine_private_loop.py). What the caller's loop
+may not do is touch the private data itself: a ``loss.backward()`` on private records, or a
+metric computed on them, is outside the guarantee (docs/engine.md, "Your own loop").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Optional
+
+import torch
+from torch import nn
+
+from userdp import accounting
+from userdp.engine.data import UserData
+from userdp.engine.loop import RunPlan, TrainConfig, _Run, start_run
+from userdp.errors import UserError
+
+
+class PrivateStep:
+    """One step of a :class:`PrivateTraining`; :meth:`backward` releases it, once."""
+
+    def __init__(self, owner: "PrivateTraining", index: int):
+        self._owner = owner
+        self.index = index  # 1-based step number
+        self.metrics: Optional[dict] = None
+
+    def backward(self) -> dict:
+        """Release this step: the ledger counts it (fsynced to the journal when there is one)
+        before anything is computed, then a Poisson cohort of users is drawn, each unit's update
+        clipped, the sum noised once and divided by the public denominator, and the result put in
+        ``p.grad`` of every trainable parameter (replacing what was there). Returns the step's
+        metrics (loss, units, fraction_clipped, clip_norm, epsilon_spent, ...: the loss and the
+        fraction clipped are computed on private data and NOT privatized — for monitoring by the
+        data holder only).
+
+        Raises:
+            UserError: called twice for one step, or after the loop moved on.
+        """
+        return self._owner._release(self)
+
+
+class PrivateTraining:
+    """What :func:`make_private` returns: iterate it for the steps, then ask it for epsilon and
+    the privacy record. Also a context manager (closing frees the data loader's thread)."""
+
+    def __init__(self, run: _Run):
+        self._run = run
+        self._current: Optional[PrivateStep] = None
+        self._t0 = 0.0
+        self.stopped: Optional[str] = None  # "completed" | "budget" once the iteration ends
+        self.history: list[dict] = run.history
+
+    # the run's facts, read from its frozen plan
+    model = property(lambda self: self._run.model)
+    optimizer = property(lambda self: self._run.optimizer)
+    plan = property(lambda self: self._run.plan)
+    steps = property(lambda self: self._run.cfg.steps)
+    step = property(lambda self: self._run.step)
+    noise_multiplier = property(lambda self: self._run.noise_multiplier)
+    sampling_rate = property(lambda self: self._run.rate)
+    delta = property(lambda self: self._run.delta)
+
+    def __iter__(self) -> Iterator[PrivateStep]:
+        """The steps, ``config.steps`` of them (fewer when the next would pass the target
+        epsilon: :attr:`stopped` is then ``"budget"``). With a ``checkpoint_dir``, a checkpoint is
+        written after every ``config.checkpoint_every``-th step and at the end — after the loop's
+        body, so after the caller's ``optimizer.step()``."""
+        run = self._run
+        every = run.cfg.checkpoint_every if run.dir else 0
+        try:
+            while run.step < run.cfg.steps:
+                if not run.ledger.allows(1):  # the next step would pass the target: stop before it
+                    self.stopped = "budget"
+                    break
+                self._current = PrivateStep(self, run.step + 1)
+                yield self._current
+                if self._current.metrics is None:
+                    raise UserError(f"make_private: step {self._current.index} ended without step.backward(); "
+                                    "call it once in every step of the loop")
+                if every and run.step % every == 0:
+                    run.save()
+            else:
+                self.stopped = "completed"
+            if run.dir:
+                run.save()
+        finally:
+            self._current = None
+
+    def _release(self, step: PrivateStep) -> dict:
+        if step is not self._current:
+            raise UserError("make_private: this step is over; call backward() on the step the loop yields")
+        if step.metrics is not None:
+            raise UserError(f"make_private: step {step.index} was already released (backward() twice); each call "
+                            "would be another release, counted by the ledger: call it once per step")
+        run = self._run
+        t0 = time.perf_counter()
+        metrics, noisy_centered = run.release()
+        metrics.pop("stop")
+        step.metrics = run.end_step(metrics, noisy_centered, t0)
+        run.history.append(step.metrics)
+        return step.metrics
+
+    def epsilon(self, delta: Optional[float] = None) -> float:
+        """The epsilon spent so far at the run's delta, or at ``delta`` (an Opacus user's
+        ``get_epsilon(delta)``); recomputed from the ledger's DpEvent."""
+        ledger = self._run.ledger
+        if delta is None or not ledger.private:
+            return ledger.epsilon()
+        event = ledger.total_event()
+        return 0.0 if event is None else accounting.epsilon(event, delta, self._run.cfg.accountant)
+
+    def record(self) -> dict:
+        """The privacy record, as :func:`userdp.engine.train` returns it (``stopped`` included)."""
+        rec = self._run.record()
+        rec["stopped"] = self.stopped or "in progress"
+        return rec
+
+    def close(self) -> None:
+        self._run._loader.shutdown(wait=True)
+
+    def __enter__(self) -> "PrivateTraining":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserData, loss_fn: Callable,
+                 config: TrainConfig | RunPlan, *, checkpoint_dir: Optional[str] = None, resume: bool = False,
+                 journal_context: Optional[dict] = None) -> PrivateTraining:
+    """User-level DP for a training loop the caller writes (see the module docstring).
+
+    Args:
+        model: the model; its parameters with ``requires_grad`` are the ones trained (float32 or
+            wider: mixed precision is ``config.precision``).
+        optimizer: the caller's ``torch.optim`` optimizer over exactly those parameters; it only
+            ever sees the privatized gradient. ``config.optimizer`` is not used.
+        data: the user-partitioned data (:class:`userdp.engine.UserData`).
+        loss_fn: ``loss_fn(model, batch) -> Tensor[n]``, one loss per record (as for ``train``).
+        config: the run's :class:`TrainConfig` (algorithm, steps, clipping, noise or target
+            epsilon, delta, sampler, seed), or a :class:`RunPlan` made from it for this data.
+        checkpoint_dir: where the ledger's journal and the checkpoints go (every
+            ``config.checkpoint_every`` steps and at the end); None keeps the ledger in memory only.
+        resume: continue the run in ``checkpoint_dir``.
+
+    Raises:
+        UserError: a bad configuration, an optimizer that does not hold exactly the trainable
+            parameters, float16/bfloat16 parameters, or a checkpoint_dir that holds another run.
+    """
+    run = start_run(model, data, loss_fn, config, checkpoint_dir=checkpoint_dir, resume=resume,
+                    journal_context=journal_context, optimizer=optimizer)
+    return PrivateTraining(run)
