@@ -353,3 +353,48 @@ def test_every_job_takes_a_device_and_refuses_a_missing_one(cmd, capsys, tmp_pat
 def test_train_device_overrides_the_config(capsys):
     assert cli(["train", "--set", "model.device=cuda", "--device", "CPU", "--print-config"]) == 0
     assert "  device: cpu\n" in capsys.readouterr().out
+
+
+def _scalars(folder):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_tensorboard_scalars_follow_metrics_jsonl_through_a_resume(tiny, monkeypatch, capsys):
+    pytest.importorskip("tensorboard")
+    tmp, cfg = tiny
+    out = tmp / "run"
+    import userdp.lm.training as F
+
+    real = interrupt_after_checkpoint(monkeypatch, 2)
+    assert cli(["train", str(cfg), "--output", str(out), "--no-progress", "--set", "output.tensorboard=true"]) == 130
+    monkeypatch.setattr(F, "_save_weights", real)
+    assert cli(["train", "--resume", str(out), "--no-progress"]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    tb = _scalars(out / "tensorboard")
+    # the interrupted run's steps past its checkpoint were dropped (purge_step), as metrics.jsonl was cut back
+    assert [s for s, _ in tb["train/loss"]] == [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [v for _, v in tb["train/loss"]] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    assert [v for _, v in tb["privacy/epsilon_spent"]] == pytest.approx([r["epsilon"] for r in rows], rel=1e-6)
+    ev = json.loads((out / "eval.json").read_text())
+    assert tb["eval/heldout_perplexity"] == [(0, pytest.approx(ev["before"]["perplexity"], rel=1e-6)),
+                                             (4, pytest.approx(ev["after"]["perplexity"], rel=1e-6))]
+    priv = json.loads((out / "privacy.json").read_text())
+    assert any("tensorboard/" in n and "without noise" in n for n in priv["not_accounted"])
+
+
+def test_tensorboard_without_the_package_is_refused_before_anything_runs(tiny, monkeypatch, capsys):
+    import importlib.util
+
+    tmp, cfg = tiny
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    out = tmp / "never"
+    assert cli(["train", str(cfg), "--output", str(out), "--set", "output.tensorboard=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "output.tensorboard" in err[0] and "userdp[tensorboard]" in err[0]
+    assert not out.exists()

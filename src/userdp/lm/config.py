@@ -263,6 +263,7 @@ class OutputConfig:
     dir: Str | None = None             # default runs/<timestamp> under the cwd
     plot: Bool = True
     cache: _choice("shared", "run") = "shared"  # run: caches of this run's data in <run>/cache
+    tensorboard: Bool = False             # also TensorBoard scalars in <run>/tensorboard (userdp[tensorboard])
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -575,7 +576,7 @@ PERFORMANCE_KEYS = {
     "training": ("chunk_size", "memory_gb", "per_unit", "precision", "checkpoint_every"),
     "model": ("device",),
     "eval": ("batch_size",),
-    "output": ("plot",),
+    "output": ("plot", "tensorboard"),
 }
 
 

@@ -35,6 +35,7 @@ from userdp.lm.pretrain import cache_in, run_cache
 from userdp.lm.release import evaluate_before, release
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir
 from userdp.lm.starting_model import get_tokenizer_and_model, place_model
+from userdp.lm.tensorboard_log import check_available
 from userdp.lm.training import train_model
 
 
@@ -114,6 +115,7 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
 
 
 def _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit_hooks) -> Optional[dict]:
+    check_available(cfg.output.tensorboard)  # before anything is read or made
     if world.distributed and cfg.audit.canaries:
         raise UserError("audit.canaries: the empirical audit runs in one process only (its canaries and "
                         "secrets file are not shared out yet); run `userdp audit` without torchrun")

@@ -18,6 +18,7 @@ from userdp.lm.plan_auto import plan_touches
 from userdp.lm.prepare import Log, Prepared
 from userdp.lm.report import MODEL_CARD, privacy_record, write_report
 from userdp.lm.run_dir import RunDir, plot_curves, read_json
+from userdp.lm.tensorboard_log import Scalars
 
 
 def _sampler_assumed(cfg) -> str:
@@ -48,7 +49,7 @@ def privacy_json(cfg, res_record, steps_taken, num_records, notes, seq_len, plan
         tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
         selection=t.selection, seq_len=seq_len,
         not_accounted=([notes["data_touch"]] if notes.get("data_touch") else [])
-        + list(p.disclosed_touches or []) + (plan_touches(plan) if plan else []) or None,
+        + list(p.disclosed_touches or []) + (plan_touches(plan) if plan else []) + _monitoring(cfg) or None,
         plan=plan, engine_record=rec, plugins=plugins.loaded(),
         extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
                "steps_applied": rec.get("steps_applied", steps_taken),
@@ -62,6 +63,13 @@ def privacy_json(cfg, res_record, steps_taken, num_records, notes, seq_len, plan
                "compute": {"per_unit": rec.get("per_unit"), "device": notes.get("device"),
                            "chunk_size": notes.get("chunk_size"), "quantization": notes.get("quantization"),
                            "processes": notes.get("processes", {"world_size": 1, "backend": None})}})
+
+
+def _monitoring(cfg) -> list[str]:
+    """The run's monitoring files, which hold statistics of the private data without noise."""
+    where = "metrics.jsonl and tensorboard/" if cfg.output.tensorboard else "metrics.jsonl"
+    return [f"monitoring: the training loss, fraction clipped and non-finite count per step in {where} are "
+            "computed on the private data without noise (for the data holder; not part of the release)"]
 
 
 def audit_disclosures(section: dict) -> list[str]:
@@ -147,4 +155,9 @@ def release(cfg: C.RunConfig, model, tok, res, rd: RunDir, prep: Prepared, train
                                                    "canaries", "canaries_included", "mechanism_caught")}
     rd.write_state(status="done", summary=summary)
     write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
+    if cfg.output.tensorboard:
+        scalars = Scalars(rd.root, True)
+        scalars.evaluation(ev_state, res.steps)
+        scalars.text("privacy/statement", (rd.root / "report.md").read_text(), res.steps)
+        scalars.close()
     return summary

@@ -4,6 +4,7 @@
 <run>/
   config.yaml          the resolved configuration (defaults + file + --set)
   metrics.jsonl        one JSON object per step: step, loss, epsilon, frac_clipped, tokens_per_s, ...
+  tensorboard/         (output.tensorboard) the same rows as TensorBoard scalars
   eval.json            held-out-user loss and perplexity before and after
   checkpoints/         engine checkpoints (safetensors + the privacy ledger: ledger_journal.jsonl, a hash
                        chain, and ledger_head.json, its head, rewritten after every line)

@@ -23,6 +23,7 @@ from userdp.lm.prepare import Log, Prepared
 from userdp.lm.release import privacy_json
 from userdp.lm.report import write_report
 from userdp.lm.run_dir import RunDir
+from userdp.lm.tensorboard_log import Scalars
 
 
 class _TokenCounter:
@@ -80,6 +81,7 @@ def train_model(cfg: C.RunConfig, model, train_data, plan: RunPlan, rd: RunDir, 
     bar = (tqdm(total=cfg.training.steps, initial=start_step, desc=f"train {cfg.training.algorithm}", unit="step",
                 dynamic_ncols=True, file=sys.stderr) if progress else None)
     mfile = open(rd.metrics, "a") if main else None  # noqa: SIM115 - closed below, whatever happens
+    scalars = Scalars(rd.root, cfg.output.tensorboard and main, start_step)  # closed below too
     last_tok = [0, time.time()]
 
     def on_step(m: dict) -> None:
@@ -98,6 +100,7 @@ def train_model(cfg: C.RunConfig, model, train_data, plan: RunPlan, rd: RunDir, 
                "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
         mfile.write(strict_dumps(row) + "\n")  # strict JSON (a non-private run's epsilon is "inf")
         mfile.flush()
+        scalars.step(row)
         if bar is not None:
             eps = row["epsilon"]
             bar.update(1)
@@ -137,6 +140,7 @@ def train_model(cfg: C.RunConfig, model, train_data, plan: RunPlan, rd: RunDir, 
     finally:
         if mfile is not None:
             mfile.close()
+        scalars.close()
         if bar is not None:
             bar.close()
 
