@@ -37,6 +37,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from userdp import progress
 from userdp.data.records import EMPTY_TEXT, USERS_WITHOUT_RECORDS, DropReport
 from userdp.errors import UserError
 
@@ -99,8 +100,10 @@ def build_store(
     seq = 0
     try:
         # pass 1: hash-partition by user
+        reading = progress.bar(None, "reading records", "rec")
         for batch in source.batches(batch_size):
             n = len(batch)
+            reading.update(n)
             if n == 0:
                 continue
             shards = np.empty(n, dtype=np.int32)
@@ -135,6 +138,7 @@ def build_store(
                 if writers[s] is None:
                     writers[s] = pa.ipc.new_stream(str(tmp / f"shard-{s:05d}.arrows"), schema)
                 writers[s].write_batch(taken.slice(int(a), int(b - a)))
+        reading.close()
         for w in writers:
             if w is not None:
                 w.close()

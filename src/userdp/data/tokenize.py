@@ -29,6 +29,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from userdp import progress
 from userdp.data.store import PrivateTexts, UserStore
 from userdp.data.subset import UserSubset
 from userdp.errors import UserError
@@ -267,7 +268,7 @@ def _write_tokens(tmp: Path, tok, store, subset, seq_len: int, mode: str, add_eo
     rows = subset.rows(store.offsets)
     rec_lens = np.empty(len(rows), dtype=np.int64)
     n_tok = 0
-    with open(tmp / "tokens.bin", "wb") as out:
+    with open(tmp / "tokens.bin", "wb") as out, progress.bar(len(rows), "tokenizing", "rec") as shown:
         for a in range(0, len(rows), block):
             r = rows[a : a + block]
             texts = store._column_rows("text", r)
@@ -281,6 +282,7 @@ def _write_tokens(tmp: Path, tok, store, subset, seq_len: int, mode: str, add_eo
             out.write(flat.tobytes())
             rec_lens[a : a + len(r)] = lens
             n_tok += int(lens.sum())
+            shown.update(len(r))
     rec_offsets = np.concatenate([[0], np.cumsum(rec_lens)]).astype(np.int64)
     rec_per_user = subset.sizes()
     if mode == "pack":

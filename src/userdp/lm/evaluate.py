@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from userdp import progress
 from userdp.lm import models
 
 
@@ -45,12 +46,14 @@ def record_nll(model, data, users: np.ndarray, records: np.ndarray, batch_size: 
     nll = np.zeros(len(users))
     cnt = np.zeros(len(users))
     pos = 0
-    for _, batch in _batches(data, users, records, batch_size):
-        s, c = models.token_nll(model, batch)
-        n = len(s)
-        nll[pos : pos + n] = s.double().numpy()
-        cnt[pos : pos + n] = c.double().numpy()
-        pos += n
+    with progress.bar(len(users), "evaluating", "rec") as shown:
+        for _, batch in _batches(data, users, records, batch_size):
+            s, c = models.token_nll(model, batch)
+            n = len(s)
+            nll[pos : pos + n] = s.double().numpy()
+            cnt[pos : pos + n] = c.double().numpy()
+            pos += n
+            shown.update(n)
     return nll, cnt
 
 

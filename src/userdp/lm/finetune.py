@@ -26,6 +26,7 @@ from userdp.engine.ledger import JOURNAL
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, write_atomic
 from userdp.launch import JobStopped, World, translate
+from userdp.progress import shown as bars_shown
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve_chunk_size, run_plan
@@ -104,7 +105,8 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
     if not world.is_main:
         log, progress = (lambda msg: None), False
     try:
-        return _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit)
+        with bars_shown(progress):  # every phase's bar, as the training bar, follows --no-progress
+            return _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit)
     except (Exception, JobStopped) as exc:
         lost = exc if isinstance(exc, JobStopped) else translate(exc) if world.distributed else None
         if lost is None:

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+from userdp import progress
 from userdp.engine.algorithms import ULS
 from userdp.engine.per_unit import PerUnit
 from userdp.errors import UserError
@@ -40,12 +41,14 @@ class GradientNormEstimator:
     def user_norms(self, group_size: int) -> np.ndarray:
 
         out = []
-        for lo in range(0, len(self.users), self.chunk_size):
-            users = self.users[lo: lo + self.chunk_size]
-            batch, mask = self.data.draw_records(users, int(group_size), self.rng)
-            updates, _ = self._per_unit(batch, mask)
-            sq = sum(u.reshape(u.shape[0], -1).double().pow(2).sum(1) for u in updates)
-            out.append(sq.sqrt().detach().cpu().numpy())
+        with progress.bar(len(self.users), f"planning: L(G = {int(group_size)})", "user") as shown:
+            for lo in range(0, len(self.users), self.chunk_size):
+                users = self.users[lo: lo + self.chunk_size]
+                batch, mask = self.data.draw_records(users, int(group_size), self.rng)
+                updates, _ = self._per_unit(batch, mask)
+                sq = sum(u.reshape(u.shape[0], -1).double().pow(2).sum(1) for u in updates)
+                out.append(sq.sqrt().detach().cpu().numpy())
+                shown.update(len(users))
         return np.concatenate(out)
 
     def __call__(self, group_size: int) -> float:
