@@ -130,10 +130,11 @@ def prepare(name: str, a, public_file: Path) -> Corpus:
     from userdp.lm import models
 
     cfg = C.load_config(None, _sets(name, a, public_file))
-    prep = F.prepare_data(cfg, _log)
-    tok, model, _notes = get_tokenizer_and_model(cfg, prep, _log, progress=False)
+    prep = F.prepare_data(cfg.data, _log)
+    tok, model, _notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, _log, progress=False)
     model.train()
-    train, heldout = F.build_datasets(cfg, prep, tok, _log)
+    train, heldout = F.build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection,
+                                      log=_log)
     torch.manual_seed(0)
     est = GradientNormEstimator(model, train, models.causal_lm_loss, num_users=a.lg_users, chunk_size=8,
                                 rng=np.random.default_rng(0), log=_log)
@@ -170,7 +171,8 @@ def selection_data(c: Corpus, selection: str):
     if selection not in c.data_by_selection:
         cfg = dataclasses.replace(c.cfg, training=dataclasses.replace(c.cfg.training, selection=selection))
         c.model.load_state_dict(c.start)
-        c.data_by_selection[selection] = F.build_datasets(cfg, c.prep, c.tok, _log, c.model, {})[0]
+        c.data_by_selection[selection] = F.build_datasets(c.prep, c.tok, seq_len=cfg.tokenizer.seq_len,
+                                                          selection=selection, log=_log, model=c.model, notes={})[0]
     return c.data_by_selection[selection]
 
 

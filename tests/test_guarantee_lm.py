@@ -413,12 +413,12 @@ def test_data_cache_is_keyed_by_content_not_size_and_mtime(tiny):
     path.write_text("\n".join(rows) + "\n")
     st = path.stat()
     c = C.load_config(str(cfg), [f"data.path={path}"])
-    first = prepare_data(c, log=lambda m: None)
+    first = prepare_data(c.data, log=lambda m: None)
     # same size, same mtime, other content (other users)
     other = [json.dumps({"user": f"v{i % 7}", "text": f"record {i:03d} alpha"}) for i in range(40)]
     path.write_text("\n".join(other) + "\n")
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
-    second = prepare_data(c, log=lambda m: None)
+    second = prepare_data(c.data, log=lambda m: None)
     assert second.store.fingerprint != first.store.fingerprint
     assert second.data_fingerprint != first.data_fingerprint

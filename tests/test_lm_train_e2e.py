@@ -206,15 +206,15 @@ def test_pretrain_cli_writes_a_folder_train_accepts(tiny, capsys):
     from userdp.lm.starting_model import get_tokenizer_and_model
 
     c = C.load_config(cfg, [f"model.path={out}"])
-    prep = prepare_data(c, log=lambda m: None)
-    tok, model, notes = get_tokenizer_and_model(c, prep, log=lambda m: None, progress=False)
+    prep = prepare_data(c.data, log=lambda m: None)
+    tok, model, notes = get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False)
     assert "userdp" in notes["pretraining"] and tok.get_vocab_size() <= 300
     # another folder (not made by userdp pretrain) needs the tokenizer declared public
     (out / "userdp_pretrain.json").unlink()
     from userdp.errors import UserError
 
     with pytest.raises(UserError, match="declared_public"):
-        get_tokenizer_and_model(c, prep, log=lambda m: None, progress=False)
+        get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False)
 
 
 @pytest.mark.slow

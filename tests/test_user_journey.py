@@ -239,9 +239,9 @@ def test_sample_trains_on_a_counted_seeded_slice(tmp_path, monkeypatch, capsys):
     assert "--sample: must be an integer >= 1" in capsys.readouterr().err
     # what the slice is: 25 of the training users, the rest counted in the log; the same 25 each time
     logs = []
-    whole = prepare_data(C.load_config(None, []), log=lambda m: None)
-    first = prepare_data(C.load_config(None, ["data.max_users=25"]), log=logs.append)
-    again = prepare_data(C.load_config(None, ["data.max_users=25"]), log=lambda m: None)
+    whole = prepare_data(C.load_config(None, []).data, log=lambda m: None)
+    first = prepare_data(C.load_config(None, ["data.max_users=25"]).data, log=logs.append)
+    again = prepare_data(C.load_config(None, ["data.max_users=25"]).data, log=lambda m: None)
     assert first.train_subset.num_users == 25 < whole.train_subset.num_users
     assert list(first.train_subset.users) == list(again.train_subset.users)
     assert set(first.train_subset.users) <= set(whole.train_subset.users)

@@ -42,8 +42,8 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
     from userdp.lm.starting_model import get_tokenizer_and_model
 
     cfg = C.load_config(config_path, overrides or [])
-    prep = prepare_data(cfg, log)
-    tok, model, _notes = get_tokenizer_and_model(cfg, prep, log, progress=True)
+    prep = prepare_data(cfg.data, log)
+    tok, model, _notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, progress=True)
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
@@ -51,7 +51,8 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
 
     model.to(resolve_device(cfg.model.device))  # the L(G) gradients run where training will (model.device)
     model.train()
-    train_data, eval_data = build_datasets(cfg, prep, tok, log)
+    train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
+                                           selection=cfg.training.selection, log=log)
     return ResolvedTraining(cfg, train_data, model, models.causal_lm_loss, eval_data, prep.data_fingerprint)
 
 

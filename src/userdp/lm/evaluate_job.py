@@ -97,12 +97,13 @@ def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personaliz
     from userdp.lm.evaluate import evaluate_lm, personalize as run_personalize
     from userdp.lm.prepare import build_datasets, prepare_data
 
-    prep = prepare_data(cfg, log=lambda m: None)
+    prep = prepare_data(cfg.data, log=lambda m: None)
     if run_context is not None and run_context.get("data_fingerprint") != prep.data_fingerprint:
         raise UserError(f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "
                         "trained with (a changed data file, data.split_seed or --set): users it trained on "
                         "would be evaluated as held out")
-    _, eval_data = build_datasets(cfg, prep, tok, log=lambda m: None)
+    _, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection,
+                                  log=lambda m: None)
     res = {"model": str(model_dir), "split": prep.split_rule,
            "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)}
     if personalize:

@@ -29,7 +29,7 @@ from userdp.launch import JobStopped, World, translate
 from userdp.progress import shown as bars_shown
 from userdp.lm import config as C
 from userdp.lm import models
-from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve_chunk_size, run_plan
+from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
 from userdp.lm.plan_auto import planned_config
 from userdp.lm.prepare import Log, _stderr, build_datasets, prepare_data
 from userdp.lm.pretrain import cache_in, run_cache
@@ -189,16 +189,17 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         log(f"processes: {world.world_size} ({world.backend}); rank 0 writes the run directory")
     # 1. the data (refused early when the cohort or a fixed sigma's budget cannot work)
     with world.main_first("preparing the data"):
-        prep = prepare_data(cfg, log)
+        prep = prepare_data(cfg.data, log)
     if cfg.plan != "auto":
         check_cohort(cfg, num_units(cfg, prep.train_subset))
     check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
     # 2. the tokenizer and the starting model
     with world.main_first("building the tokenizer and the model"):
-        tok, model, notes = get_tokenizer_and_model(cfg, prep, log, progress)
-    model, device, combiner = place_model(cfg, model, world, notes, log)
+        tok, model, notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, progress)
+    model, device, combiner = place_model(cfg.model, model, world, notes, log)
     with world.main_first("tokenizing the data"):
-        train_data, eval_data = build_datasets(cfg, prep, tok, log, model, notes)
+        train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
+                                               selection=cfg.training.selection, log=log, model=model, notes=notes)
     # 3. the plan: its choices, the audit's canaries (before any step), the chunk size, the run plan
     cfg, plan = planned_config(cfg, rd, prep, train_data, model, plan_file=plan_file, resume_dir=resume_dir,
                                world=world, log=log)
@@ -213,16 +214,15 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
         cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
     if chunk_info:
         notes["chunk_size"] = chunk_info
-    check_budget(cfg, train_data.num_users, num_units(cfg, train_data))
-    plan_of_run = run_plan(cfg, train_data.num_users, num_units(cfg, train_data))
+    # the job plan: the sections the later phases read and the one run plan (budget checked)
+    job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan)
     if main:
         with atomic_dir(rd.tokenizer, keep_existing=False) as tmp:
             models.hf_tokenizer(tok).save_pretrained(str(tmp))
     # 4. train (the held-out users scored first)
-    ev_state = evaluate_before(cfg, model, eval_data, rd, combiner, main, log)
-    res = train_model(cfg, model, train_data, plan_of_run, rd, prep, audit=audit, combiner=combiner, world=world,
-                      engine_resume=engine_resume, progress=progress, log=log, t_start=t_start, notes=notes,
-                      job_plan=plan)
+    ev_state = evaluate_before(job.eval, model, eval_data, rd, combiner, main, log)
+    res = train_model(job, model, train_data, rd, prep, audit=audit, combiner=combiner, world=world,
+                      engine_resume=engine_resume, progress=progress, log=log, t_start=t_start, notes=notes)
     # 5. evaluate, save, report (rank 0 writes)
-    return release(cfg, model, tok, res, rd, prep, train_data, eval_data, ev_state, notes, plan, audit, combiner,
+    return release(job, model, tok, res, rd, prep, train_data, eval_data, ev_state, notes, audit, combiner,
                    main, log, t_start)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from dataclasses import dataclass
 from typing import Optional
 
 from userdp import engine as E
 from userdp.devices import resolve_device, resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.memory import auto_chunk_size
-from userdp.engine.plan import RunPlan, make_plan
+from userdp.engine.plan import SAMPLER_MODE, RunPlan, make_plan
 from userdp.errors import UserError
 from userdp.fileio import write_json
 from userdp.lm import config as C
@@ -118,6 +119,50 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[s
             f"delta = {plan.delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
             "to calibrate sigma to the target")
     return None
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The job after planning, frozen: what the phases after it read (training, evaluation, the
+    release). Made once by :func:`resolve` when the data's counts, the plan's choices and the
+    chunk size are known; no later phase sees the whole configuration.
+
+    ``engine`` is the engine's frozen :class:`~userdp.engine.plan.RunPlan` (``engine.config``, a
+    :class:`~userdp.engine.plan.TrainConfig`, holds the privacy and the performance settings);
+    ``training`` and ``privacy`` are the resolved sections the report describes; ``plan`` is the
+    applied plan's record (``plan: auto`` or ``--plan``), or None."""
+
+    engine: RunPlan
+    training: C.TrainingConfig
+    privacy: C.PrivacyConfig
+    seq_len: int
+    eval: C.EvalConfig
+    output: C.OutputConfig
+    lora: C.LoraConfig
+    plan: Optional[dict] = None
+
+    @property
+    def algorithm(self) -> type:
+        """The registered algorithm class ``training.algorithm`` names."""
+        return ALGORITHMS.lookup(self.training.algorithm)
+
+    @property
+    def sampler_assumed(self) -> str:
+        """What the accountant assumed: Poisson for the default sampler; shuffled batches are
+        accounted without amplification and fixed-size cohorts as sampling without replacement."""
+        return SAMPLER_MODE[(self.privacy.sampler, self.algorithm.unit)]
+
+
+def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dict] = None) -> JobPlan:
+    """The job plan of a resolved config (plan applied, chunk size fixed) on data with these
+    counts: the budget checked and the one run plan made (:func:`run_plan`).
+
+    Raises:
+        UserError: the cohort does not fit the units, or a fixed sigma passes the budget."""
+    check_budget(cfg, num_users, num_units)
+    return JobPlan(engine=run_plan(cfg, num_users, num_units), training=cfg.training, privacy=cfg.privacy,
+                   seq_len=cfg.tokenizer.seq_len, eval=cfg.eval, output=cfg.output, lora=cfg.model.lora,
+                   plan=plan)
 
 
 def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = _stderr):

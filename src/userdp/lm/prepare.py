@@ -117,8 +117,9 @@ def _read_public_file(path: str, text_field: str) -> list[str]:
     return [t for t in p.read_text(encoding="utf-8").split("\n\n") if t.strip()]
 
 
-def prepare_data(cfg: C.RunConfig, log: Log = _stderr) -> Prepared:
-    d = cfg.data
+def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
+    """The data phase, from the config's ``data`` section: the user store (cached), the public
+    text, the held-out split and the training and held-out subsets."""
     if d.source != "shakespeare":
         if not d.path:
             raise UserError(f"data.path: give the {d.source} data to train on (data.source is {d.source})")
@@ -172,11 +173,9 @@ def prepare_data(cfg: C.RunConfig, log: Log = _stderr) -> Prepared:
     return Prepared(store, public, desc, train, ev, split.rule, drops, data_fp)
 
 
-def _perplexity_scores(cfg, prep, tok, model, log):
+def _perplexity_scores(L: int, prep, tok, model, log):
     """Per-record perplexity of the training records under the starting model (Chua et al. 2024, §4.1):
     a non-private touch of the private data, returned with its DataTouch for the report."""
-
-    L = cfg.tokenizer.seq_len
     model_id = fingerprint([float(p.detach().double().sum()) for p in model.parameters()], L)
 
     @torch.no_grad()
@@ -203,28 +202,26 @@ def _perplexity_scores(cfg, prep, tok, model, log):
     return np.asarray(scores)[rows], touch
 
 
-def build_datasets(cfg, prep, tok, log, model=None, notes=None):
-    """(training UserData, held-out UserData) as ``userdp train`` builds them (tokenized, cached).
+def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None, notes=None):
+    """(training UserData, held-out UserData) as ``userdp train`` builds them (tokenized, cached):
+    ``seq_len`` is ``tokenizer.seq_len``, ``selection`` is ``training.selection``.
 
     ``model`` is needed only for perplexity-based record selection (whose data touch is then
     noted in ``notes["data_touch"]``)."""
 
     cache = private_cache_root() / "tokenized"
     t0 = time.time()
-    sel = cfg.training.selection
+    sel = selection
     mode = "full" if sel == "random_chunk" else "truncate"
-    tr = tokenize_store(prep.store, tok, cfg.tokenizer.seq_len, mode=mode,
-                        subset=prep.train_subset, cache_dir=cache)
-    ev = tokenize_store(prep.store, tok, cfg.tokenizer.seq_len, mode="truncate",
-                        subset=prep.eval_subset, cache_dir=cache)
+    tr = tokenize_store(prep.store, tok, seq_len, mode=mode, subset=prep.train_subset, cache_dir=cache)
+    ev = tokenize_store(prep.store, tok, seq_len, mode="truncate", subset=prep.eval_subset, cache_dir=cache)
     log(f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
         f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)")
     scores = None
     if sel in ("highest_ppl", "lowest_ppl"):
         if model is None:
             raise UserError(f"training.selection = {sel} needs the starting model")
-        scores, touch = _perplexity_scores(cfg, prep, tok, model, log)
+        scores, touch = _perplexity_scores(seq_len, prep, tok, model, log)
         if notes is not None:
             notes["data_touch"] = touch.statement
-    return (LMUserData(tr, sel, cfg.tokenizer.seq_len, scores),
-            LMUserData(ev, "random", cfg.tokenizer.seq_len))
+    return (LMUserData(tr, sel, seq_len, scores), LMUserData(ev, "random", seq_len))

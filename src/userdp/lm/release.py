@@ -8,12 +8,11 @@ from __future__ import annotations
 import time
 
 from userdp import plugins
-from userdp.engine.plan import SAMPLER_MODE
 from userdp.fileio import atomic_dir, write_json, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.evaluate import evaluate_lm, personalize
-from userdp.lm.job_plan import algorithm_of
+from userdp.lm.job_plan import JobPlan
 from userdp.lm.plan_auto import plan_touches
 from userdp.lm.prepare import Log, Prepared
 from userdp.lm.report import MODEL_CARD, privacy_record, write_report
@@ -21,20 +20,14 @@ from userdp.lm.run_dir import RunDir, plot_curves, read_json
 from userdp.lm.tensorboard_log import Scalars
 
 
-def _sampler_assumed(cfg) -> str:
-    """What the accountant assumed: Poisson for the default sampler; shuffled batches are
-    accounted without amplification and fixed-size cohorts as sampling without replacement."""
-    return SAMPLER_MODE[(cfg.privacy.sampler, algorithm_of(cfg).unit)]
-
-
-def privacy_json(cfg, res_record, steps_taken, num_records, notes, seq_len, plan=None):
+def privacy_json(job: JobPlan, res_record, steps_taken, num_records, notes):
     """privacy.json's content. The published DpEvent is the ledger's own (every step counted,
     lost steps included), so that epsilon recomputed from it is the reported epsilon."""
-    t, p = cfg.training, cfg.privacy
+    t, p, plan, seq_len = job.training, job.privacy, job.plan, job.seq_len
     rec = res_record
-    private = algorithm_of(cfg).private
+    private = job.algorithm.private
     return privacy_record(
-        algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=_sampler_assumed(cfg),
+        algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=job.sampler_assumed,
         sampler_used=rec.get("sampler_mode", "unknown"),
         epsilon_spent=rec.get("epsilon") if private else None, epsilon_target=p.epsilon if private else None,
         delta=rec.get("delta"), delta_rule=rec.get("delta_rule", ""),
@@ -49,7 +42,7 @@ def privacy_json(cfg, res_record, steps_taken, num_records, notes, seq_len, plan
         tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
         selection=t.selection, seq_len=seq_len,
         not_accounted=([notes["data_touch"]] if notes.get("data_touch") else [])
-        + list(p.disclosed_touches or []) + (plan_touches(plan) if plan else []) + _monitoring(cfg) or None,
+        + list(p.disclosed_touches or []) + (plan_touches(plan) if plan else []) + _monitoring(job.output) or None,
         plan=plan, engine_record=rec, plugins=plugins.loaded(),
         extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
                "steps_applied": rec.get("steps_applied", steps_taken),
@@ -65,9 +58,9 @@ def privacy_json(cfg, res_record, steps_taken, num_records, notes, seq_len, plan
                            "processes": notes.get("processes", {"world_size": 1, "backend": None})}})
 
 
-def _monitoring(cfg) -> list[str]:
+def _monitoring(output: C.OutputConfig) -> list[str]:
     """The run's monitoring files, which hold statistics of the private data without noise."""
-    where = "metrics.jsonl and tensorboard/" if cfg.output.tensorboard else "metrics.jsonl"
+    where = "metrics.jsonl and tensorboard/" if output.tensorboard else "metrics.jsonl"
     return [f"monitoring: the training loss, fraction clipped and non-finite count per step in {where} are "
             "computed on the private data without noise (for the data holder; not part of the release)"]
 
@@ -84,13 +77,14 @@ def audit_disclosures(section: dict) -> list[str]:
     return out
 
 
-def evaluate_before(cfg: C.RunConfig, model, eval_data, rd: RunDir, combiner, main: bool, log: Log) -> dict:
-    """The held-out evaluation state (eval.json), with the starting model's figures when asked and
-    not already there (a resumed run keeps its first ones); each rank scores a share."""
+def evaluate_before(ev: C.EvalConfig, model, eval_data, rd: RunDir, combiner, main: bool, log: Log) -> dict:
+    """The held-out evaluation state (eval.json), with the starting model's figures when asked
+    (the config's ``eval`` section) and not already there (a resumed run keeps its first ones);
+    each rank scores a share."""
     ev_state = read_json(rd.eval) if rd.eval.is_file() else {}
-    if cfg.eval.before and "before" not in ev_state:
+    if ev.before and "before" not in ev_state:
         log("evaluating the starting model on held-out users ...")
-        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
+        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=ev.batch_size, combiner=combiner)
         if main:
             write_json(rd.eval, ev_state)
         log(f"  before: loss {ev_state['before']['loss']:.4f}, perplexity {ev_state['before']['perplexity']:.2f}")
@@ -98,42 +92,43 @@ def evaluate_before(cfg: C.RunConfig, model, eval_data, rd: RunDir, combiner, ma
     return ev_state
 
 
-def release(cfg: C.RunConfig, model, tok, res, rd: RunDir, prep: Prepared, train_data, eval_data, ev_state: dict,
-            notes: dict, plan, audit, combiner, main: bool, log: Log, t_start: float):
+def release(job: JobPlan, model, tok, res, rd: RunDir, prep: Prepared, train_data, eval_data, ev_state: dict,
+            notes: dict, audit, combiner, main: bool, log: Log, t_start: float):
     """Evaluate the trained model, then (rank 0) write privacy.json, the model, the curves, the
     state's summary and the report; returns the summary (None on the other ranks)."""
+    ev, plan = job.eval, job.plan
     model.eval()
-    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size, combiner=combiner)
+    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=ev.batch_size, combiner=combiner)
     if not main:
         return None
-    if cfg.eval.personalize:
+    if ev.personalize:
         log("personalization evaluation (docs/lm.md) ...")
-        ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=cfg.eval.personalize_lr,
-                                                  epochs=cfg.eval.personalize_epochs)
+        ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=ev.personalize_lr,
+                                                  epochs=ev.personalize_epochs)
     write_json(rd.eval, ev_state)
-    priv = privacy_json(cfg, res.record, res.steps, prep.train_subset.num_records, notes, cfg.tokenizer.seq_len, plan)
+    priv = privacy_json(job, res.record, res.steps, prep.train_subset.num_records, notes)
     priv["split"] = prep.split_rule
     priv["data_drops"] = prep.drops
     if audit is not None:
         log("audit: scoring the canaries under the trained model ...")
-        delta = priv["delta"] or cfg.privacy.delta or float(train_data.num_users) ** -1.1
+        delta = priv["delta"] or job.privacy.delta or float(train_data.num_users) ** -1.1
         priv["audit"] = audit.finish(model, train_data, eval_data, epsilon=priv["epsilon"], delta=delta)
         priv["not_accounted"] = list(priv.get("not_accounted") or []) + audit_disclosures(priv["audit"])
         log(f"audit: {priv['audit']['statement']}")
     write_json(rd.privacy, priv)
     with atomic_dir(rd.model, keep_existing=False) as tmp:  # validate(): quantize needs LoRA
-        models.save_model(model, tmp, tok, quantize=cfg.model.lora.quantize)
+        models.save_model(model, tmp, tok, quantize=job.lora.quantize)
         # evaluate, report and personalize verify the released files against it; the model card
         # (README.md) is derived from the verified statement and rewritten by every `userdp report`
         write_manifest(tmp, exclude=(MODEL_CARD,))
-    if cfg.model.lora.enabled and cfg.model.lora.save_adapter:
+    if job.lora.enabled and job.lora.save_adapter:
         with atomic_dir(rd.adapter, keep_existing=False) as tmp:
             models.save_model(model, tmp, None, adapter=True)
             write_manifest(tmp)
-    if cfg.output.plot:
+    if job.output.plot:
         plot_curves(rd.read_metrics(), rd.curves)
     summary = {
-        "run_dir": str(rd.root), "algorithm": cfg.training.algorithm,
+        "run_dir": str(rd.root), "algorithm": job.training.algorithm,
         "perplexity_before": (ev_state.get("before") or {}).get("perplexity"),
         "perplexity_after": ev_state["after"]["perplexity"],
         "loss_before": (ev_state.get("before") or {}).get("loss"),
@@ -141,9 +136,9 @@ def release(cfg: C.RunConfig, model, tok, res, rd: RunDir, prep: Prepared, train
         "epsilon": priv["epsilon"], "delta": priv["delta"], "epsilon_target": priv["epsilon_target"],
         "epsilon_total": priv.get("epsilon_total", priv["epsilon"]),
         "epsilon_plan": priv.get("epsilon_plan"), "seeded": priv.get("seeded", False),
-        "sampler": cfg.privacy.sampler, "epsilon_assuming_poisson": priv.get("epsilon_assuming_poisson"),
+        "sampler": job.privacy.sampler, "epsilon_assuming_poisson": priv.get("epsilon_assuming_poisson"),
         "nonfinite_units": priv.get("nonfinite_units", 0),
-        "group_size": cfg.training.group_size, "cohort_size": cfg.training.cohort_size,
+        "group_size": job.training.group_size, "cohort_size": job.training.cohort_size,
         "plan": (plan or {}).get("applied"),
         "noise_multiplier": priv["noise_multiplier"], "sampling_rate": priv["sampling_rate"],
         "steps": res.steps, "stopped": res.stopped, "train_users": prep.train_subset.num_users,
@@ -155,7 +150,7 @@ def release(cfg: C.RunConfig, model, tok, res, rd: RunDir, prep: Prepared, train
                                                    "canaries", "canaries_included", "mechanism_caught")}
     rd.write_state(status="done", summary=summary)
     write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
-    if cfg.output.tensorboard:
+    if job.output.tensorboard:
         scalars = Scalars(rd.root, True)
         scalars.evaluation(ev_state, res.steps)
         scalars.text("privacy/statement", (rd.root / "report.md").read_text(), res.steps)

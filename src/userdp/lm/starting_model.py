@@ -23,17 +23,17 @@ from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, save_pre
 from userdp.lm.tokenization import special_ids
 
 
-def _pretrained_dir(cfg: C.RunConfig, prep: Prepared) -> Path:
-    m, t = cfg.model, cfg.tokenizer
+def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> Path:
     key = fingerprint(fingerprint(prep.public_texts), t.vocab_size, t.seq_len, m.preset,
                       dataclasses.asdict(m.pretraining), "v1")
     return cache_root() / "pretrained" / f"{m.preset}-{key}"
 
 
-def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr, progress=True):
-    """(tokenizer, model, notes) — notes describe what touched which text (for the report)."""
+def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = _stderr,
+                            progress=True):
+    """(tokenizer, model, notes) from the config's ``tokenizer`` and ``model`` sections — notes
+    describe what touched which text (for the report)."""
 
-    m, t = cfg.model, cfg.tokenizer
     notes = {}
     model_dir = models.resolve_model_path(m.path) if m.path else None  # a folder, or a hub id already cached
     made_by_us = model_dir is not None and (model_dir / "userdp_pretrain.json").is_file()
@@ -77,7 +77,7 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
         if tok is None:
             raise UserError("no public text to train a tokenizer on: give data.public_path (text "
                             "declared public) or tokenizer.path (declared public)")
-    cdir = _pretrained_dir(cfg, prep)
+    cdir = _pretrained_dir(m, t, prep)
     partial = cdir.with_name(cdir.name + ".partial")  # an interrupted pretraining: its tokenizer and state
     if tok is None and (cdir / "tokenizer.json").is_file():
         tok = load_tokenizer(cdir)
@@ -126,13 +126,14 @@ def get_tokenizer_and_model(cfg: C.RunConfig, prep: Prepared, log: Log = _stderr
     return tok, model, notes
 
 
-def place_model(cfg: C.RunConfig, model, world, notes: dict, log: Log = _stderr):
-    """The model as training uses it: LoRA applied when configured, on the configured device,
-    rank 0's weights on every process, linted; returns (model, device, combiner)."""
-    if cfg.model.lora.enabled:
-        lc = cfg.model.lora
+def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = _stderr):
+    """The model as training uses it (the config's ``model`` section): LoRA applied when
+    configured, on the configured device, rank 0's weights on every process, linted; returns
+    (model, device, combiner)."""
+    if m.lora.enabled:
+        lc = m.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
-    device = resolve_device(cfg.model.device)
+    device = resolve_device(m.device)
     model.to(device)
     combiner = world.combiner()
     if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's

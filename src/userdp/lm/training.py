@@ -12,13 +12,12 @@ import time
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from userdp import engine as E
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.data import DelegatingUserData
-from userdp.engine.plan import RunPlan
+from userdp.engine.loop import TrainingInterrupted, train
 from userdp.fileio import strict_dumps, write_atomic, write_json
-from userdp.lm import config as C
 from userdp.lm import models
+from userdp.lm.job_plan import JobPlan
 from userdp.lm.prepare import Log, Prepared
 from userdp.lm.release import privacy_json
 from userdp.lm.report import write_report
@@ -61,14 +60,17 @@ def journal_context(rd: RunDir, prep: Prepared) -> dict:
             "data_fingerprint": prep.data_fingerprint}
 
 
-def train_model(cfg: C.RunConfig, model, train_data, plan: RunPlan, rd: RunDir, prep: Prepared, *, audit, combiner,
-                world, engine_resume: bool, progress: bool, log: Log, t_start: float, notes: dict, job_plan):
-    """Train ``model`` by the engine under ``plan``; returns the engine's result.
+def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, audit, combiner,
+                world, engine_resume: bool, progress: bool, log: Log, t_start: float, notes: dict):
+    """Train ``model`` by the engine under the job's run plan (``job.engine``); returns the
+    engine's result.
 
     Raises:
         KeyboardInterrupt: after Ctrl-C, once the step in flight is saved (with a privacy
             statement of the steps spent written to the run directory)."""
     main = world.is_main
+    plan = job.engine  # the frozen run plan the engine trains by
+    steps = plan.config.steps
     counter = _TokenCounter(train_data)
     data = counter.wrap()
     start_step = 0
@@ -77,11 +79,11 @@ def train_model(cfg: C.RunConfig, model, train_data, plan: RunPlan, rd: RunDir, 
         if main:
             rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
             write_atomic(rd.metrics, "".join(strict_dumps(r) + "\n" for r in rows))
-        log(f"resuming at step {start_step} of {cfg.training.steps}")
-    bar = (tqdm(total=cfg.training.steps, initial=start_step, desc=f"train {cfg.training.algorithm}", unit="step",
+        log(f"resuming at step {start_step} of {steps}")
+    bar = (tqdm(total=steps, initial=start_step, desc=f"train {job.training.algorithm}", unit="step",
                 dynamic_ncols=True, file=sys.stderr) if progress else None)
     mfile = open(rd.metrics, "a") if main else None  # noqa: SIM115 - closed below, whatever happens
-    scalars = Scalars(rd.root, cfg.output.tensorboard and main, start_step)  # closed below too
+    scalars = Scalars(rd.root, job.output.tensorboard and main, start_step)  # closed below too
     last_tok = [0, time.time()]
 
     def on_step(m: dict) -> None:
@@ -121,16 +123,15 @@ def train_model(cfg: C.RunConfig, model, train_data, plan: RunPlan, rd: RunDir, 
     try:
         loss_fn = audit.loss(models.causal_lm_loss) if audit is not None else models.causal_lm_loss
         callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
-        return E.train(model, data, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
+        return train(model, data, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
                        resume=engine_resume, callbacks=callbacks, journal_context=context,
                        checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
                        combiner=combiner)
     except KeyboardInterrupt as exc:
         if main:
             rd.write_state(status="interrupted")
-            if isinstance(exc, E.TrainingInterrupted):  # the step in flight finished: state what was spent
-                priv = privacy_json(cfg, exc.record, exc.steps, prep.train_subset.num_records, notes,
-                                    cfg.tokenizer.seq_len, job_plan)
+            if isinstance(exc, TrainingInterrupted):  # the step in flight finished: state what was spent
+                priv = privacy_json(job, exc.record, exc.steps, prep.train_subset.num_records, notes)
                 priv["split"], priv["data_drops"], priv["stopped"] = prep.split_rule, prep.drops, "interrupted"
                 write_json(rd.privacy, priv)
                 write_report(rd.root)

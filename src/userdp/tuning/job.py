@@ -80,7 +80,7 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
     if on == "public":
         validate_space(space, lambda params: _trial_config(trial_raw, params, []), "--search (on --public-config)")
     mechs = space.mechanisms()
-    prep = prepare_data(cfg, log)
+    prep = prepare_data(cfg.data, log)
     delta = cfg.privacy.delta or float(prep.train_subset.num_users) ** -1.1
     delta_extra = [f"privacy.delta={delta!r}"]
     keys = {mechanism_key(m): m for m in mechs}
