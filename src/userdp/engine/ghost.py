@@ -176,9 +176,11 @@ class Factored:
         return self.fx().reshape(-1, self.x.shape[2]).T @ y
 
     def zero_units(self, bad: torch.Tensor) -> Factored:
-        keep = ~bad.view(-1, 1, 1)
-        x = self.x if self.index else torch.where(keep, self.x, 0.0)
-        return Factored(x, torch.where(keep, self.y, 0.0), self.size_x, self.index, self.dtype, self.tc)
+        """This use with the units ``bad`` (bool ``[m]``) zeroed in both factors (Inf and NaN
+        included: masked_fill writes the zeros, it does not multiply)."""
+        drop = bad.view(-1, 1, 1)
+        x = self.x if self.index else self.x.masked_fill(drop, 0)
+        return Factored(x, self.y.masked_fill(drop, 0), self.size_x, self.index, self.dtype, self.tc)
 
 
 def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
@@ -335,11 +337,11 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
 def _weighted_sum(dense: torch.Tensor | None, factored: list[Factored], c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """``Σ_u c_u · (unit u's gradient of p)`` from its materialized part and its factored uses."""
     wide = c.float() if c.dtype == torch.bfloat16 else c  # a bf16 factor (tensor cores) is exact in float32
-    s = torch.zeros(p.shape, dtype=wide.dtype, device=p.device)
-    if dense is not None:
-        s += torch.tensordot(wide, dense, dims=1).reshape(p.shape)
+    # the first term is the sum's buffer (each term is a fresh tensor): no zeros + add per parameter
+    s = torch.tensordot(wide, dense, dims=1).reshape(p.shape).to(wide.dtype) if dense is not None else None
     for x in factored:
-        s += x.weighted_sum(c).reshape(p.shape)
+        part = x.weighted_sum(c).reshape(p.shape)
+        s = part.to(wide.dtype) if s is None else s.add_(part)
     return s
 
 
@@ -475,7 +477,7 @@ class GhostPerUnit:
                 d, fs = dense[j], factored[j]
                 dense[j] = factored[j] = None
                 # unconditionally: `if bad.any()` would wait for the device once per parameter per chunk
-                d = torch.where(bad.view(-1, *([1] * (d.dim() - 1))), 0.0, d) if d is not None else None
+                d = d.masked_fill(bad.view(-1, *([1] * (d.dim() - 1))), 0) if d is not None else None
                 fs = [x.zero_units(bad) for x in fs]
                 cj = c[:, j]
                 if any(x.narrow for x in fs):  # tensor cores: one bf16 factor (<= c) for all the parameter's parts
