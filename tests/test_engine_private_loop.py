@@ -232,3 +232,27 @@ def test_the_examples_run_as_documented():
         assert expect in out.stdout
     eps = float(out.stdout.split("spent epsilon = ")[1].split()[0])
     assert 0 < eps <= 2.0
+
+
+def test_two_ranks_of_the_own_loop_give_one_process_model():
+    from test_engine_distributed import SIZES as DSIZES
+    from test_engine_distributed import _cfg as dcfg
+    from test_engine_distributed import _run_ranks
+
+    def loop(model, combiner=None):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        with make_private(model, opt, user_data(DSIZES, d=64, seed=2), sq_loss, dcfg(), combiner=combiner) as p:
+            for step in p:
+                opt.zero_grad()
+                step.backward()
+                opt.step()
+            return p.record()
+
+    models = [Mean(64) for _ in range(2)]
+    records, shared = _run_ranks(2, lambda r, comb: loop(models[r], comb))
+    single = Mean(64)
+    ref = loop(single)
+    assert shared["calls"] == [8, 8]  # per step: the statistics, then the noised clipped sum
+    for r in range(2):
+        assert torch.allclose(models[r].theta, single.theta, atol=1e-6)
+        assert records[r]["steps_accounted"] == ref["steps_accounted"] == 4

@@ -150,7 +150,7 @@ class PrivateTraining:
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserData, loss_fn: Callable,
                  config: TrainConfig | RunPlan, *, checkpoint_dir: Optional[str] = None, resume: bool = False,
-                 journal_context: Optional[dict] = None) -> PrivateTraining:
+                 journal_context: Optional[dict] = None, combiner=None) -> PrivateTraining:
     """User-level DP for a training loop the caller writes (see the module docstring).
 
     Args:
@@ -165,11 +165,15 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserD
         checkpoint_dir: where the ledger's journal and the checkpoints go (every
             ``config.checkpoint_every`` steps and at the end); None keeps the ledger in memory only.
         resume: continue the run in ``checkpoint_dir``.
+        combiner: the job's processes (:mod:`userdp.engine.distributed`, e.g.
+            ``TorchDistributedCombiner()`` under torchrun; None: one process). Every rank runs the
+            same loop over its share of each cohort; the noisy sum is all-reduced, so every rank's
+            optimizer steps the same gradient and rank 0 alone keeps the journal and checkpoints.
 
     Raises:
         UserError: a bad configuration, an optimizer that does not hold exactly the trainable
             parameters, float16/bfloat16 parameters, or a checkpoint_dir that holds another run.
     """
     run = start_run(model, data, loss_fn, config, checkpoint_dir=checkpoint_dir, resume=resume,
-                    journal_context=journal_context, optimizer=optimizer)
+                    journal_context=journal_context, optimizer=optimizer, combiner=combiner)
     return PrivateTraining(run)
