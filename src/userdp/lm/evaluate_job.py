@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
+from userdp.data.sources import detect_format
+from userdp.data.tokenize import load_tokenizer
+from userdp.devices import resolve_device
+from userdp.engine.ledger import JOURNAL, journal_header
 from userdp.errors import UserError
 from userdp.fileio import MANIFEST, verify_manifest, write_json
+from userdp.lm import config as C
 from userdp.lm import models
+from userdp.lm.evaluate import evaluate_lm
+from userdp.lm.evaluate import personalize as run_personalize
+from userdp.lm.prepare import build_datasets, prepare_data
+from userdp.lm.pretrain import cache_in
 from userdp.lm.run_dir import RunDir, verify_files
 
 
@@ -16,8 +26,6 @@ def _run_context(run: Path) -> dict:
 
     Raises:
         UserError: the journal is missing or unreadable, or config.yaml was edited."""
-    from userdp.engine.ledger import JOURNAL, journal_header
-
     journal = run / "checkpoints" / JOURNAL
     try:
         context = journal_header(journal)["context"]
@@ -33,8 +41,6 @@ def _run_context(run: Path) -> dict:
 def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = None,
                     config: str | None = None, overrides: list[str] | None = None,
                     personalize: bool = False, max_users: int | None = None, device: str | None = None) -> dict:
-    from userdp.lm import config as C
-    from userdp.data.tokenize import load_tokenizer
 
     t = Path(target)
     def holds_model(d: Path) -> bool:  # a saved model, or a LoRA adapter (a quantized base's is always one)
@@ -52,8 +58,6 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
             if data == "shakespeare":
                 sets.append("data.source=shakespeare")
             else:
-                from userdp.data.sources import detect_format
-
                 sets += [f"data.source={fmt or detect_format(data)}", f"data.path={data}"]
             cfg = C.load_config(None, sets)
         else:
@@ -73,7 +77,6 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
         verify_files(RunDir(t))
     elif (model_dir / MANIFEST).is_file():
         verify_manifest(model_dir)
-    from userdp.devices import resolve_device
 
     dev = resolve_device(cfg.model.device)  # before loading: a wrong --device costs nothing
     model = models.load_local(model_dir, device=dev)
@@ -81,10 +84,6 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
         model.to(dev)
     tok = load_tokenizer(model_dir)
     if cfg.output.cache == "run":  # the run keeps the private caches of its data in <run>/cache
-        import tempfile
-
-        from userdp.lm.pretrain import cache_in
-
         if run_context is not None:
             with cache_in(t / "cache"):
                 return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
@@ -94,9 +93,6 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
 
 
 def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personalize: bool) -> dict:
-    from userdp.lm.evaluate import evaluate_lm, personalize as run_personalize
-    from userdp.lm.prepare import build_datasets, prepare_data
-
     prep = prepare_data(cfg.data, log=lambda m: None)
     if run_context is not None and run_context.get("data_fingerprint") != prep.data_fingerprint:
         raise UserError(f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "
