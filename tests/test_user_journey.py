@@ -235,6 +235,8 @@ def test_sample_trains_on_a_counted_seeded_slice(tmp_path, monkeypatch, capsys):
     assert "max_users: 25" in capsys.readouterr().out
     assert cli(["train", "--sample", "5", "--set", "data.max_users=3"]) == 2
     assert "give one of --sample and --set data.max_users" in capsys.readouterr().err
+    assert cli(["train", "--resume", str(tmp_path), "--sample", "5"]) == 2
+    assert "a resumed run keeps the users it was started with" in capsys.readouterr().err
     assert cli(["train", "--sample", "0"]) == 2
     assert "--sample: must be an integer >= 1" in capsys.readouterr().err
     # what the slice is: 25 of the training users, the rest counted in the log; the same 25 each time

@@ -57,6 +57,9 @@ def main(args) -> int:
     from userdp.lm.finetune import run
 
     if args.sample is not None:
+        if args.resume:
+            raise UserError("--sample: a resumed run keeps the users it was started with (its ledger is bound to "
+                            "them); give --sample when starting a run")
         if any(C.parse_override(o)[0] == ["data", "max_users"] for o in args.overrides):
             raise UserError("--sample N sets data.max_users: give one of --sample and --set data.max_users")
         args.overrides = [*args.overrides, f"data.max_users={args.sample}"]
