@@ -124,7 +124,9 @@ class PrivateTraining:
 
     def epsilon(self, delta: Optional[float] = None) -> float:
         """The epsilon spent so far at the run's delta, or at ``delta`` (an Opacus user's
-        ``get_epsilon(delta)``); recomputed from the ledger's DpEvent."""
+        ``get_epsilon(delta)``); recomputed from the ledger's DpEvent. On a GPU the device noise
+        sampler's bounded tail adds ``record()["noise_tail"]["delta"]`` (about 1e-14 at 1e8
+        coordinates and 1e4 steps) to the delta, as the report states."""
         ledger = self._run.ledger
         if delta is None or not ledger.private:
             return ledger.epsilon()
