@@ -143,6 +143,7 @@ def test_optimizers_are_fused_on_cuda_only():
         assert len(built.param_groups[0]["params"]) == 1
 
 
+@pytest.mark.slow
 def test_a_ghost_chunk_launches_few_kernels_beyond_a_nonprivate_step():
     """Per-parameter bookkeeping costs a launch per op on a GPU. A ghost ULS chunk of the tiny GPT
     preset dispatched 2.99x the kernels of a non-private forward + backward before the bad-unit

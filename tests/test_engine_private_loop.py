@@ -36,8 +36,10 @@ def _own_loop(model, optimizer, data, cfg, **kw):
 @pytest.mark.parametrize("algorithm,opt,torch_opt", [
     (ULS(group_size=3, sampling_rate=0.3), SGD(lr=0.2, momentum=0.9),
      lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)),
-    (ELS(group_size=2, sampling_rate=0.2), Adam(lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01)),
-    (FedAvg(group_size=3, sampling_rate=0.3, local_lr=0.1), SGD(lr=1.0), lambda ps: torch.optim.SGD(ps, lr=1.0)),
+    pytest.param(ELS(group_size=2, sampling_rate=0.2), Adam(lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01),
+                 marks=pytest.mark.slow),
+    pytest.param(FedAvg(group_size=3, sampling_rate=0.3, local_lr=0.1), SGD(lr=1.0),
+                 lambda ps: torch.optim.SGD(ps, lr=1.0), marks=pytest.mark.slow),
 ])
 def test_same_seed_same_model_as_train(algorithm, opt, torch_opt):
     data = mlp_data(SIZES)
@@ -96,6 +98,7 @@ def test_grad_is_replaced_not_accumulated_and_stray_grads_never_leak():
         assert torch.equal(a, b) and float(a.abs().max()) < 1e3
 
 
+@pytest.mark.slow
 def test_budget_stops_the_loop_before_the_step_that_would_pass_it():
     data = mlp_data(SIZES)
     cfg = _cfg(ULS(group_size=3, sampling_rate=0.5), SGD(lr=0.1), steps=400, noise_multiplier=2.0,
