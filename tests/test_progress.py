@@ -76,13 +76,23 @@ def test_reading_tokenizing_planning_and_evaluating_each_count_their_whole_work(
             return type("Out", (), {"logits": self.w.expand(*input_ids.shape, 7)})()
 
     class Data:
+        num_users = 1
+
+        def sizes(self):
+            return np.array([70])
+
         def gather(self, users, records):
             n = len(users)
             return {"input_ids": torch.ones(n, 5, dtype=torch.long), "labels": torch.ones(n, 5, dtype=torch.long)}
 
+    from userdp.lm.evaluate import evaluate_lm
+
+    made = len(bars)
     nll, cnt = record_nll(LM(), Data(), np.zeros(70, np.int64), np.arange(70), batch_size=16)
+    assert len(bars) == made and len(nll) == 70  # the per-user calls (personalization, audit) show none
+    evaluate_lm(LM(), Data(), batch_size=16)
     (evaluating,) = [b for b in bars if b.desc == "evaluating"]
-    assert evaluating.total == evaluating.n == 70 and len(nll) == 70
+    assert evaluating.total == evaluating.n == 70
 
 
 def test_no_progress_turns_every_bar_off_and_the_setting_is_scoped(tmp_path, bars):

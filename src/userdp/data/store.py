@@ -98,9 +98,9 @@ def build_store(
     shard_of: dict[str, int] = {}
     drops = DropReport()
     seq = 0
+    reading = progress.bar(None, "reading records", "rec")  # closed after pass 1, or in `finally`
     try:
         # pass 1: hash-partition by user
-        reading = progress.bar(None, "reading records", "rec")
         for batch in source.batches(batch_size):
             n = len(batch)
             reading.update(n)
@@ -196,6 +196,7 @@ def build_store(
         shutil.rmtree(out, ignore_errors=True)  # no half-built store left behind
         raise
     finally:
+        reading.close()
         for w in writers:
             if w is not None:
                 w.close()

@@ -68,7 +68,6 @@ class PrivateTraining:
     def __init__(self, run: _Run):
         self._run = run
         self._current: Optional[PrivateStep] = None
-        self._t0 = 0.0
         self.stopped: Optional[str] = None  # "completed" | "budget" once the iteration ends
         self.history: list[dict] = run.history
 

@@ -15,6 +15,7 @@ training guarantee if the evaluation numbers are released).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Sequence
@@ -40,20 +41,22 @@ def _pairs(data, users: Sequence[int] | None = None) -> tuple[np.ndarray, np.nda
 
 
 @torch.no_grad()
-def record_nll(model, data, users: np.ndarray, records: np.ndarray, batch_size: int = 64):
-    """Summed NLL and target-token count of each (user, record) pair."""
+def record_nll(model, data, users: np.ndarray, records: np.ndarray, batch_size: int = 64, show: bool = False):
+    """Summed NLL and target-token count of each (user, record) pair; ``show``: a progress bar
+    (the held-out evaluation; not the per-user calls of personalization or the audit's scores)."""
     model.eval()
     nll = np.zeros(len(users))
     cnt = np.zeros(len(users))
     pos = 0
-    with progress.bar(len(users), "evaluating", "rec") as shown:
+    with progress.bar(len(users), "evaluating", "rec") if show else contextlib.nullcontext() as shown:
         for _, batch in _batches(data, users, records, batch_size):
             s, c = models.token_nll(model, batch)
             n = len(s)
             nll[pos : pos + n] = s.double().numpy()
             cnt[pos : pos + n] = c.double().numpy()
             pos += n
-            shown.update(n)
+            if shown is not None:
+                shown.update(n)
     return nll, cnt
 
 
@@ -80,11 +83,11 @@ def evaluate_lm(model, data, users: Sequence[int] | None = None, batch_size: int
     ``world_size``-th record and one all-reduce gives every rank the whole result."""
     u, r = _pairs(data, users)
     if combiner is None or combiner.world_size == 1:
-        nll, cnt = record_nll(model, data, u, r, batch_size)
+        nll, cnt = record_nll(model, data, u, r, batch_size, show=True)
         return summarize(u, nll, cnt)
     mine = np.arange(combiner.rank, len(u), combiner.world_size)
     both = torch.zeros(2, len(u), dtype=torch.float64)
-    part_nll, part_cnt = record_nll(model, data, u[mine], r[mine], batch_size)
+    part_nll, part_cnt = record_nll(model, data, u[mine], r[mine], batch_size, show=True)
     both[0, mine], both[1, mine] = torch.from_numpy(part_nll), torch.from_numpy(part_cnt)
     both = combiner.all_reduce_sum([both])[0].cpu()
     return summarize(u, both[0].numpy(), both[1].numpy())

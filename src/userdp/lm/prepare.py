@@ -211,17 +211,16 @@ def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None, 
 
     cache = private_cache_root() / "tokenized"
     t0 = time.time()
-    sel = selection
-    mode = "full" if sel == "random_chunk" else "truncate"
+    mode = "full" if selection == "random_chunk" else "truncate"
     tr = tokenize_store(prep.store, tok, seq_len, mode=mode, subset=prep.train_subset, cache_dir=cache)
     ev = tokenize_store(prep.store, tok, seq_len, mode="truncate", subset=prep.eval_subset, cache_dir=cache)
     log(f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
         f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)")
     scores = None
-    if sel in ("highest_ppl", "lowest_ppl"):
+    if selection in ("highest_ppl", "lowest_ppl"):
         if model is None:
-            raise UserError(f"training.selection = {sel} needs the starting model")
+            raise UserError(f"training.selection = {selection} needs the starting model")
         scores, touch = _perplexity_scores(seq_len, prep, tok, model, log)
         if notes is not None:
             notes["data_touch"] = touch.statement
-    return (LMUserData(tr, sel, seq_len, scores), LMUserData(ev, "random", seq_len))
+    return (LMUserData(tr, selection, seq_len, scores), LMUserData(ev, "random", seq_len))

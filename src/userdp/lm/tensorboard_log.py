@@ -15,6 +15,7 @@ Writing uses ``torch.utils.tensorboard`` (it needs the ``tensorboard`` package: 
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +40,11 @@ def check_available(enabled: bool) -> None:
                         "(or set output.tensorboard: false; metrics.jsonl holds the same rows)")
 
 
+def _finite(v) -> bool:
+    """A number TensorBoard can plot (a non-private run's epsilon "inf", a NaN loss: skipped)."""
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
 class Scalars:
     """The run's TensorBoard writer (a no-op when disabled or on a rank other than 0)."""
 
@@ -56,7 +62,7 @@ class Scalars:
             return
         for key, tag in TAGS.items():
             v = row.get(key)
-            if isinstance(v, (int, float)) and v == v and abs(v) != float("inf"):
+            if _finite(v):
                 self._w.add_scalar(tag, v, row["step"])
 
     def evaluation(self, eval_json: dict, step: int) -> None:
@@ -67,7 +73,7 @@ class Scalars:
             part: Optional[dict] = eval_json.get(when)
             for k in ("perplexity", "loss"):
                 v = part.get(k) if isinstance(part, dict) else None
-                if isinstance(v, (int, float)) and v == v:
+                if _finite(v):
                     self._w.add_scalar(f"eval/heldout_{k}", v, at)
 
     def text(self, tag: str, body: str, step: int) -> None:

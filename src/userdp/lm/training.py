@@ -124,9 +124,9 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
         loss_fn = audit.loss(models.causal_lm_loss) if audit is not None else models.causal_lm_loss
         callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
         return train(model, data, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
-                       resume=engine_resume, callbacks=callbacks, journal_context=context,
-                       checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
-                       combiner=combiner)
+                     resume=engine_resume, callbacks=callbacks, journal_context=context,
+                     checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
+                     combiner=combiner)
     except KeyboardInterrupt as exc:
         if main:
             rd.write_state(status="interrupted")
