@@ -8,9 +8,10 @@ expand, ...) launch no kernel and are counted apart.
 
     python benchmarks/bench_ops.py            # tiny preset and gpt2-small
     python benchmarks/bench_ops.py --quick    # tiny preset only
+    python benchmarks/bench_ops.py --users 64 --tokens 64   # a GPU-sized chunk (16,384 tokens)
 
-Prints, per model: the ghost chunk's ops (ULS, G = 4, 8 users x 4 records x 16 tokens, flat
-clipping), the non-private forward + backward's over the same 32 records, and their ratio; the
+Prints, per model: the ghost chunk's ops (ULS, G = 4, by default 8 users x 4 records x 16 tokens,
+flat clipping), the non-private forward + backward's over the same 32 records, and their ratio; the
 per-op excess names where the rest goes.
 """
 
@@ -89,9 +90,13 @@ def chunk_ops(preset: str, *, users: int = 8, records: int = 4, tokens: int = 16
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the tiny preset only")
+    ap.add_argument("--users", type=int, default=8, help="units in the chunk (default 8)")
+    ap.add_argument("--records", type=int, default=4, help="records a unit, G (default 4)")
+    ap.add_argument("--tokens", type=int, default=16, help="tokens a record (default 16)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    rows = [chunk_ops(p) for p in (("tiny",) if args.quick else ("tiny", "gpt2-small"))]
+    rows = [chunk_ops(p, users=args.users, records=args.records, tokens=args.tokens)
+            for p in (("tiny",) if args.quick else ("tiny", "gpt2-small"))]
     if args.json:
         print(json.dumps(rows))
         return 0

@@ -145,10 +145,12 @@ def test_optimizers_are_fused_on_cuda_only():
 
 @pytest.mark.slow
 def test_a_ghost_chunk_launches_few_kernels_beyond_a_nonprivate_step():
-    """Per-parameter bookkeeping costs a launch per op on a GPU. A ghost ULS chunk of the tiny GPT
-    preset dispatched 2.99x the kernels of a non-private forward + backward before the bad-unit
-    zeroing became one masked_fill per factor and the sums began from their first term (2.39x
-    now; gpt2-small 2.82x -> 2.20x: `python benchmarks/bench_ops.py`)."""
+    """Per-parameter bookkeeping costs a launch per op on a GPU. A ghost ULS chunk dispatched 2.99x
+    (tiny preset) / 2.82x (gpt2-small) the kernels of a non-private forward + backward at first;
+    one masked_fill per factor and sums begun from their first term gave 2.39x / 2.20x; stacking
+    same-shaped parameters (one batched Gram product per factor and one batched sum per group,
+    a fused LayerNorm recompute, a Gram pair reduced by one batched dot) gives 1.70x / 1.24x, inside
+    issue 27's 1.5x (`python benchmarks/bench_ops.py`)."""
     import sys
     from pathlib import Path
 
@@ -157,7 +159,9 @@ def test_a_ghost_chunk_launches_few_kernels_beyond_a_nonprivate_step():
         from bench_ops import chunk_ops
     finally:
         sys.path.pop(0)
+    small = chunk_ops("gpt2-small")
+    assert small["nonprivate_kernels"] > 500 and small["kernel_ratio"] <= 1.5, small
     row = chunk_ops("tiny")
     assert row["nonprivate_kernels"] > 100  # the baseline really ran
-    assert row["kernel_ratio"] <= 2.5, row
+    assert row["kernel_ratio"] <= 1.8, row
     assert "scalar_tensor.default" not in row["excess"] and "zeros.default" not in row["excess"], row["excess"]

@@ -17,7 +17,7 @@ from torch import nn
 from userdp.engine import TrainConfig, train
 from userdp.engine.algorithms import ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
-from userdp.engine.ghost import GHOST_LAYERS, GhostPerUnit
+from userdp.engine.ghost import GHOST_LAYERS, GROUP_ELEMENTS, GhostPerUnit
 from userdp.engine.optimizers import SGD
 from userdp.engine.per_unit import VmapPerUnit, make_per_unit, resolve_per_unit
 from userdp.engine.precision import Precision
@@ -438,3 +438,158 @@ def test_ghost_norms_and_sums_are_the_same_under_sdpa_as_under_eager_attention()
     vm = VmapPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)
     assert model.config._attn_implementation == "sdpa"  # restored after the vmap strategy ran eager
     _assert_same(vm, out["sdpa"], 1e-12)
+
+
+# --------------------------------------------------------------------------- stacked groups (issue 27)
+def _grouped_and_alone(monkeypatch, model, loss, algo, batch, mask, w, clip, acc, precision=None):
+    """The strategy's output with same-shaped parameters stacked (the default) and one parameter at a
+    time (``GROUP_ELEMENTS = 0``), and the group sizes each run formed."""
+    import userdp.engine.ghost as ghost_mod
+
+    sizes = {}
+    real_f, real_v = ghost_mod._factor_groups, ghost_mod._vector_groups
+
+    def spy(name, real):
+        def f(*a):
+            out = real(*a)
+            sizes[name] = [len(g) for g in out]
+            return out
+        return f
+
+    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")  # the CPU keeps one layer at a time by default
+    monkeypatch.setattr(ghost_mod, "_factor_groups", spy("factor", real_f))
+    monkeypatch.setattr(ghost_mod, "_vector_groups", spy("vector", real_v))
+    runs = []
+    for elements in (GROUP_ELEMENTS, 0):
+        monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", elements)
+        sizes.clear()
+        out = GhostPerUnit(model, loss, algo, precision).clipped_sum(batch, mask, w, clip, clip.initial_state(), acc)
+        runs.append((out, dict(sizes)))
+    return runs
+
+
+@pytest.mark.parametrize("clip", [FlatClip(0.5), PerLayerClip(0.05)], ids=["flat", "per_layer"])
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_stacked_groups_give_what_one_parameter_at_a_time_gives(monkeypatch, clip, lora):
+    """GPT-2's same-shaped layers (its blocks' c_attn, c_fc, ...; the biases and LayerNorms; LoRA's
+    A and B) are stacked so that their Grams and sums are one batched product per group: the norms
+    and sums must be those of one parameter at a time (float64: to rounding)."""
+    model = _gpt2(lora=lora).double()
+    batch, mask = _lm_chunk(m=3, seed=11)
+    w = torch.tensor([1.0, 0.5, 2.0], dtype=F64)
+    (grouped, gs), (alone, ga) = _grouped_and_alone(monkeypatch, model, causal_lm_loss, ULS(2, 0.5), batch, mask, w,
+                                                    clip, F64)
+    assert max(gs["vector"]) >= 2 and (lora or max(gs["factor"]) >= 2), gs  # groups really formed
+    assert ga == {"vector": [], "factor": []}
+    _assert_same(alone, grouped, 1e-12)
+
+
+def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(monkeypatch):
+    """The bf16 tensor-core path (forced on the CPU: the same arithmetic, emulated) stacked: same
+    norms (float32 Grams of the same bf16 products) and the same sums up to float32 summation order,
+    and every unit's contribution still within C."""
+    import userdp.engine.ghost as ghost_mod
+
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    model = _gpt2()
+    batch, mask = _lm_chunk(m=4, seed=12)
+    mask = mask.float()
+    for clip in (FlatClip(0.05), PerLayerClip(0.02)):
+        (grouped, gs), (alone, _) = _grouped_and_alone(monkeypatch, model, causal_lm_loss, ULS(2, 0.5), batch, mask,
+                                                       torch.ones(4), clip, torch.float32, Precision("bfloat16"))
+        assert max(gs["factor"]) >= 2
+        assert torch.allclose(grouped[1], alone[1], rtol=1e-5)
+        for a, b in zip(grouped[0], alone[0]):
+            assert a.dtype == torch.float32 and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        for u in range(4):  # one unit at a time: its whole clipped contribution within the bound
+            w = torch.zeros(4)
+            w[u] = 1.0
+            g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16"))
+            sums, norms, *_ = g.clipped_sum(batch, mask, w, clip, clip.initial_state(), torch.float32)
+            bound = clip.sensitivity(clip.initial_state(), len(sums))
+            assert float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums))) <= bound
+
+
+class _Deep(nn.Module):
+    """Three hidden Linears of one shape (a stacked group), with biases (a stacked vector group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.hidden = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for lin in self.hidden:
+            h = torch.tanh(lin(h))
+        return self.out(h)
+
+
+def test_a_nonfinite_unit_in_a_stacked_group_contributes_zero(monkeypatch):
+    """A NaN in one unit's input makes every one of its factors non-finite, in every stacked group:
+    the unit is zeroed (masked_fill, not a multiply by 0) and the others' sums are as without it."""
+    import userdp.engine.ghost as ghost_mod
+
+    torch.manual_seed(0)
+    model = _Deep().double()
+    batch, mask = _mlp_chunk()
+    batch["x"][2, 0, 0] = float("nan")
+    w = torch.ones(5, dtype=F64)
+    clip = PerLayerClip(0.3)
+    seen = []
+    real = ghost_mod._FactorStack.__init__
+
+    def spy(self, members, factored):
+        seen.append(len(members))
+        real(self, members, factored)
+
+    monkeypatch.setattr(ghost_mod._FactorStack, "__init__", spy)
+    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, w, clip,
+                                                                                 clip.initial_state(), F64)
+    assert 3 in seen  # the three hidden weights were one stack
+    assert bad.tolist() == [False, False, True, False, False] and float(norms[2]) == 0.0
+    w_ok, mask_ok = w.clone(), mask.clone()
+    w_ok[2] = mask_ok[2] = 0.0
+    batch_ok = {k: v.clone() for k, v in batch.items()}
+    batch_ok["x"][2] = 0.0
+    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch_ok, mask_ok, w_ok, clip,
+                                                                    clip.initial_state(), F64)
+    for s, r in zip(sums, ref):
+        assert torch.isfinite(s).all() and torch.allclose(s, r, atol=1e-12)
+
+
+def test_stacked_groups_are_split_to_bound_their_temporaries(monkeypatch):
+    """A group never holds more than GROUP_ELEMENTS in its largest temporary: a smaller cap splits
+    the groups (more, smaller stacks; a group of one is not stacked at all) and the result does not
+    change. Tiny GPT-2's 128-vectors (LayerNorms, biases) take m·128 elements each."""
+    import userdp.engine.ghost as ghost_mod
+
+    model = _gpt2().double()
+    batch, mask = _lm_chunk(m=3, seed=13)
+    w = torch.ones(3, dtype=F64)
+    clip = FlatClip(0.5)
+    sizes = []
+    real = ghost_mod._vector_groups
+    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    monkeypatch.setattr(ghost_mod, "_vector_groups", lambda *a: sizes.append([len(g) for g in real(*a)]) or real(*a))
+    outs = []
+    for cap in (GROUP_ELEMENTS, 2 * 3 * 128, 1):  # unbounded here; two 128-vectors a group; none
+        monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", cap)
+        outs.append(GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, clip,
+                                                                                 clip.initial_state(), F64))
+    big, two, none = sizes
+    assert max(big) > 2 and max(two) == 2 and len(two) > len(big) and none == []
+    _assert_same(outs[0], outs[1], 1e-12)
+    _assert_same(outs[0], outs[2], 1e-12)
+
+
+def test_the_cpu_keeps_one_layer_at_a_time_and_the_gpu_stand_in_stacks():
+    """Stacking saves launches, which the CPU does not have (there it measured slower): by default
+    only CUDA and the meta device stack factors."""
+    import userdp.engine.ghost as ghost_mod
+
+    assert ghost_mod.STACK_FACTORS == "auto"
+    assert not ghost_mod._stack_factors(torch.device("cpu"))
+    assert ghost_mod._stack_factors(torch.device("meta")) and ghost_mod._stack_factors(torch.device("cuda"))

@@ -16,7 +16,8 @@ width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype 
   clipped sum is formed, in the forward's dtype (``T · Σ d_out · b``; a layer as wide as the
   vocabulary is the logits', counted above; the layers' inputs are activations, counted above, and
   are upcast one layer at a time), and the two Gram matrices of the layer being reduced,
-  ``2 · T² · 4``;
+  ``2 · T² · 4`` (where same-shaped layers are stacked, a group's temporaries are bounded apart, a
+  fixed :data:`STACK_TRANSIENT_BYTES`);
 * vmap: one float32 copy of the trainable parameters' gradient per unit.
 
 Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the step's running sum
@@ -36,9 +37,14 @@ import os
 import torch
 from torch import nn
 
+from userdp.engine.ghost import GROUP_ELEMENTS
 from userdp.errors import UserError
 
 MAX_AUTO_CHUNK = 256
+#: ghost stacks same-shaped layers so a group's Grams and sum are one batched product each; a group's
+#: temporaries are capped at GROUP_ELEMENTS elements each: its two float32 Gram stacks and the stacked
+#: copy of one factor (at most 4 B an element) are alive together, 12 B an element in all
+STACK_TRANSIENT_BYTES = 12 * GROUP_ELEMENTS
 HEADROOM = 0.8  # of the free memory, when no cap is given
 #: the share of a cap the estimate may fill: the model has measured 0.95-1.29x the real peak
 #: (benchmarks/README.md), so a chunk filling the cap to the byte could overrun it by a few %
@@ -113,13 +119,15 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
     """Bytes that do not grow with the chunk: the weights, the float32 running and partial sums,
     float32 masters of parameters narrower than float32, ``optimizer_states`` float32 states per
     trainable parameter (Adam: 2), and for ghost the first chunk's batch gradient (4 B a trainable
-    parameter, held while the strategy checks its hooks against autograd)."""
+    parameter, held while the strategy checks its hooks against autograd) and the temporaries of
+    its stacked groups (:data:`STACK_TRANSIENT_BYTES`)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in trainable)
     masters = sum(p.numel() for p in trainable if p.element_size() < 4)
     verify = n if strategy == "ghost" else 0
-    return int(total + 4 * (n * (2 + optimizer_states) + masters + verify))
+    stacks = STACK_TRANSIENT_BYTES if strategy == "ghost" else 0
+    return int(total + 4 * (n * (2 + optimizer_states) + masters + verify) + stacks)
 
 
 def free_bytes(device: torch.device) -> int:
