@@ -226,21 +226,52 @@ def test_both_ghost_norms_and_materialized_layer_gradients_are_used_and_agree():
     assert choices["transformer.h.0.ln_1.weight"] == "materialized"  # a d-vector
 
 
-def test_a_unit_with_a_nonfinite_gradient_contributes_zero():
+class _Deep(nn.Module):
+    """Three hidden Linears of one shape (a stacked group), with biases (a stacked vector group)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.hidden = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for lin in self.hidden:
+            h = torch.tanh(lin(h))
+        return self.out(h)
+
+
+@pytest.mark.parametrize("build,clip", [(MLP, FlatClip(0.3)), (_Deep, PerLayerClip(0.3))], ids=["mlp", "stacked"])
+def test_a_unit_with_a_nonfinite_gradient_contributes_zero(monkeypatch, build, clip):
+    """A NaN in one unit's input makes every one of its factors non-finite: the unit is zeroed
+    (masked_fill, not a multiply by 0) and the others' sums are as without it. In ``_Deep`` the
+    unit sits inside stacked groups (the three hidden weights; the biases)."""
+    import userdp.engine.ghost as ghost_mod
+
+    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    seen = []
+    real = ghost_mod._FactorStack.__init__
+
+    def spy(self, members, factored):
+        seen.append(len(members))
+        real(self, members, factored)
+
+    monkeypatch.setattr(ghost_mod._FactorStack, "__init__", spy)
     torch.manual_seed(0)
-    model = MLP().double()
+    model = build().double()
     batch, mask = _mlp_chunk()
     batch["x"][2, 0, 0] = float("nan")
     w = torch.ones(5, dtype=F64)
-    clip = FlatClip(0.3)
     st = clip.initial_state()
     sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, w, clip, st, F64)
+    assert (3 in seen) == (build is _Deep)  # the three hidden weights were one stack
     assert bad.tolist() == [False, False, True, False, False] and float(norms[2]) == 0.0
-    w_ok = w.clone()
-    w_ok[2] = 0.0
-    mask_ok = mask.clone()
-    mask_ok[2] = 0.0
-    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask_ok, w_ok, clip, st, F64)
+    w_ok, mask_ok = w.clone(), mask.clone()
+    w_ok[2] = mask_ok[2] = 0.0
+    batch_ok = {k: v.clone() for k, v in batch.items()}
+    batch_ok["x"][2] = 0.0
+    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch_ok, mask_ok, w_ok, clip, st, F64)
     for s, r in zip(sums, ref):
         assert torch.isfinite(s).all() and torch.allclose(s, r, atol=1e-12)
 
@@ -508,56 +539,6 @@ def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(
             sums, norms, *_ = g.clipped_sum(batch, mask, w, clip, clip.initial_state(), torch.float32)
             bound = clip.sensitivity(clip.initial_state(), len(sums))
             assert float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums))) <= bound
-
-
-class _Deep(nn.Module):
-    """Three hidden Linears of one shape (a stacked group), with biases (a stacked vector group)."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.hidden = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.out = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        for lin in self.hidden:
-            h = torch.tanh(lin(h))
-        return self.out(h)
-
-
-def test_a_nonfinite_unit_in_a_stacked_group_contributes_zero(monkeypatch):
-    """A NaN in one unit's input makes every one of its factors non-finite, in every stacked group:
-    the unit is zeroed (masked_fill, not a multiply by 0) and the others' sums are as without it."""
-    import userdp.engine.ghost as ghost_mod
-
-    torch.manual_seed(0)
-    model = _Deep().double()
-    batch, mask = _mlp_chunk()
-    batch["x"][2, 0, 0] = float("nan")
-    w = torch.ones(5, dtype=F64)
-    clip = PerLayerClip(0.3)
-    seen = []
-    real = ghost_mod._FactorStack.__init__
-
-    def spy(self, members, factored):
-        seen.append(len(members))
-        real(self, members, factored)
-
-    monkeypatch.setattr(ghost_mod._FactorStack, "__init__", spy)
-    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
-    sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, w, clip,
-                                                                                 clip.initial_state(), F64)
-    assert 3 in seen  # the three hidden weights were one stack
-    assert bad.tolist() == [False, False, True, False, False] and float(norms[2]) == 0.0
-    w_ok, mask_ok = w.clone(), mask.clone()
-    w_ok[2] = mask_ok[2] = 0.0
-    batch_ok = {k: v.clone() for k, v in batch.items()}
-    batch_ok["x"][2] = 0.0
-    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch_ok, mask_ok, w_ok, clip,
-                                                                    clip.initial_state(), F64)
-    for s, r in zip(sums, ref):
-        assert torch.isfinite(s).all() and torch.allclose(s, r, atol=1e-12)
 
 
 def test_stacked_groups_are_split_to_bound_their_temporaries(monkeypatch):
