@@ -110,6 +110,24 @@ def split_bf16(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, (p - hi.float()).to(torch.bfloat16)
 
 
+def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narrow: bool,
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``Σ_u c_u Σ_t x[..., u, t] ⊗ y[..., u, t]``: ``x [..., m, T, X]``, ``y [..., m, T, Y]``,
+    ``c [..., m]`` -> ``[..., X, Y]`` (one use, or a stack of uses with a leading dimension).
+
+    ``narrow`` (tensor cores): ``c`` holds bf16 numbers, so each ``c_u · y`` is exact in float32 and
+    splits exactly into bf16 ``hi + lo``; ``xᵀ [hi lo]`` is one bf16 GEMM with float32 accumulation.
+    Otherwise both factors in ``dtype``, one GEMM."""
+    lead, (m, t, wx), wy = x.shape[:-3], x.shape[-3:], y.shape[-1]
+    xt = x.reshape(*lead, m * t, wx).transpose(-1, -2)
+    scale = c.view(*lead, m, 1, 1)
+    if narrow:
+        hi, lo = split_bf16(y.float() * scale.float())  # exact: bf16 x bf16
+        out = _mm32(xt, torch.cat([hi, lo], dim=-1).reshape(*lead, m * t, 2 * wy))
+        return out[..., :wy] + out[..., wy:]
+    return xt.to(dtype) @ (y.to(dtype) * scale).reshape(*lead, m * t, wy)
+
+
 @dataclass
 class Factored:
     """One use of a parameter of layout ``[X, Y]``: unit u's gradient is ``Σ_t x[u,t] ⊗ y[u,t]``.
@@ -172,21 +190,15 @@ class Factored:
         :func:`round_down_bf16`): then each ``c_u · y`` is exact in float32 and splits exactly into
         two bf16 pieces, and ``xᵀ hi + xᵀ lo`` is one bf16 GEMM with float32 accumulation — the
         float32 result up to the order of its sums, at twice the bf16 FLOPs instead of float32's."""
+        if not self.index:
+            return _clipped_contraction(self.x, self.y, c, self.narrow, self.compute_dtype)
+        width = self.y.shape[2]
         if self.narrow:
-            p = self.y.float() * c.float().view(-1, 1, 1)  # exact: bf16 x bf16
-            width = self.y.shape[2]
-            if self.index:
-                out = torch.zeros(self.size_x, width, dtype=torch.float32, device=p.device)
-                return out.index_add_(0, self.x.reshape(-1), p.reshape(-1, width))
-            hi, lo = split_bf16(p)
-            both = torch.cat([hi, lo], dim=2).reshape(-1, 2 * width)
-            out = _mm32(self.x.reshape(-1, self.x.shape[2]).T, both)
-            return out[:, :width] + out[:, width:]
-        y = (self.fy() * c.view(-1, 1, 1)).reshape(-1, self.y.shape[2])
-        if self.index:
-            out = torch.zeros(self.size_x, y.shape[1], dtype=y.dtype, device=y.device)
-            return out.index_add_(0, self.x.reshape(-1), y)
-        return self.fx().reshape(-1, self.x.shape[2]).T @ y
+            y = self.y.float() * c.float().view(-1, 1, 1)  # exact: bf16 x bf16
+        else:
+            y = self.fy() * c.view(-1, 1, 1)
+        out = torch.zeros(self.size_x, width, dtype=y.dtype, device=y.device)
+        return out.index_add_(0, self.x.reshape(-1), y.reshape(-1, width))
 
     def zero_units(self, bad: torch.Tensor) -> Factored:
         """This use with the units ``bad`` (bool ``[m]``) zeroed in both factors (Inf and NaN
@@ -428,8 +440,8 @@ class _FactorStack:
 
     def __init__(self, members: list[int], factored: list):
         self.members = members
-        f0 = factored[members[0]][0]
-        self.size_x, self.dtype, self.tc = f0.size_x, f0.dtype, f0.tc
+        f0 = factored[members[0]][0]  # the members share shapes, dtypes and the tensor-core setting
+        self.size_x, self.dtype, self.tc, self.narrow = f0.size_x, f0.dtype, f0.tc, f0.narrow
         x = torch.stack([factored[j][0].x for j in members])
         for i, j in enumerate(members):
             factored[j] = [Factored(x[i], factored[j][0].y, self.size_x, False, self.dtype, self.tc)]
@@ -438,35 +450,24 @@ class _FactorStack:
             factored[j] = [Factored(x[i], y[i], self.size_x, False, self.dtype, self.tc)]
         self.x, self.y = x, y
 
-    def _flat(self) -> Factored:
-        k, m = self.x.shape[:2]
-        return Factored(self.x.reshape(k * m, *self.x.shape[2:]), self.y.reshape(k * m, *self.y.shape[2:]),
-                        self.size_x, False, self.dtype, self.tc)
-
     def norm2(self) -> torch.Tensor:
-        """``[k, m]``: each member's squared per-unit norm."""
-        return _inner(*(2 * (self._flat(),))).view(self.x.shape[0], self.x.shape[1])
+        """``[k, m]``: each member's squared per-unit norm (the stack as k·m units of one use)."""
+        k, m = self.x.shape[:2]
+        flat = Factored(self.x.reshape(k * m, *self.x.shape[2:]), self.y.reshape(k * m, *self.y.shape[2:]),
+                        self.size_x, False, self.dtype, self.tc)
+        return _inner(flat, flat).view(k, m)
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
         """``[k, X, Y]``: each member's ``Σ_u c[u, member] · (unit u's gradient)``, units ``bad`` zeroed
-        (masked_fill writes the zeros, so a non-finite unit cannot turn the sum into NaN)."""
+        (masked_fill writes the zeros, so a non-finite unit cannot turn the sum into NaN); on tensor
+        cores each member's factors are rounded down to bf16 as one use's are."""
         drop = bad.view(1, -1, 1, 1)
         x, y = self.x.masked_fill(drop, 0), self.y.masked_fill(drop, 0)
         self.x = self.y = None
-        k, m, t, wx = x.shape
-        wy = y.shape[3]
         cg = torch.stack([c[:, j] for j in self.members])  # [k, m]
-        xt = x.reshape(k, m * t, wx).transpose(1, 2)
-        if self._narrow(x, y):  # as Factored.weighted_sum: bf16 factors <= c, c·y split exactly in two
-            p = y.float() * round_down_bf16(cg).float().view(k, m, 1, 1)
-            hi, lo = split_bf16(p)
-            out = _mm32(xt, torch.cat([hi, lo], dim=3).reshape(k, m * t, 2 * wy))
-            return out[..., :wy] + out[..., wy:]
-        cd = self.dtype or y.dtype
-        return torch.bmm(xt.to(cd), (y.to(cd) * cg.view(k, m, 1, 1)).reshape(k, m * t, wy))
-
-    def _narrow(self, x, y) -> bool:
-        return Factored(x, y, self.size_x, False, self.dtype, self.tc).narrow
+        if self.narrow:
+            cg = round_down_bf16(cg)
+        return _clipped_contraction(x, y, cg, self.narrow, self.dtype or y.dtype)
 
 
 # --------------------------------------------------------------------------- the strategy
