@@ -149,3 +149,48 @@ def test_meta_runs_the_cuda_contractions():
     assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (3, 5, 2)
     assert _mm32(a[0], b[0]).shape == (5, 2)
     np.testing.assert_equal(ghost_mod._tensor_cores(torch.device("meta")), True)
+
+
+def _narrow_flags(monkeypatch, lora: bool, capture_rounding: bool) -> tuple[list, dict]:
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    if not capture_rounding:  # the capture as it was before issue 35: float32 inputs kept float32
+        monkeypatch.setattr(ghost_mod, "AUTOCAST_GEMM_LAYERS", set())
+        monkeypatch.setattr(ghost_mod, "_register_transformers_layers", lambda: None)
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=256, n_positions=32).train()
+    if lora:
+        model = models.apply_lora(model, models.LoraSpec(rank=4, alpha=8.0))
+    st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
+    ids = torch.randint(0, 256, (3, 2, 16))
+    sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
+                                         torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+    assert not bad.any() and all(s.dtype == torch.float32 for s in sums)
+    return st.names, st.last_narrow
+
+
+def test_without_capture_rounding_the_layernorm_fed_gemms_fall_off_the_tensor_cores(monkeypatch):
+    """What the test below guards against (the code before issue 35)."""
+    ghost_mod._register_transformers_layers()
+    _, narrow = _narrow_flags(monkeypatch, False, capture_rounding=False)
+    slow = {n for n, flags in narrow.items() if not all(flags)}
+    assert any(n.endswith("c_attn.weight") for n in slow) and any(n.endswith("c_fc.weight") for n in slow)
+    assert "transformer.wte.weight" in slow
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_under_bf16_autocast_every_weight_gemm_takes_the_tensor_core_path(monkeypatch, lora):
+    """Issue 35: under bf16 autocast the LayerNorm-fed inputs of ``c_attn``, ``c_fc`` and the tied
+    LM head are float32; autocast's GEMM consumed their bf16 rounding, so the ghost capture rounds
+    them the same way and every weight's contraction is bf16 x bf16 on the tensor cores (before,
+    those took float32 SIMT GEMMs: 71% of gpt2-small's clipped-sum FLOPs)."""
+    names, narrow = _narrow_flags(monkeypatch, lora, capture_rounding=True)
+    gemm_weights = [n for n in names if n.endswith("weight") and n in narrow]
+    assert gemm_weights, "no GEMM use was seen"
+    if not lora:
+        for needed in ("attn.c_attn.weight", "mlp.c_fc.weight", "attn.c_proj.weight", "mlp.c_proj.weight"):
+            assert any(n.endswith(needed) for n in gemm_weights), needed
+        assert "transformer.wte.weight" in narrow, "the tied head's use of wte was not seen as a GEMM"
+    else:
+        assert any("lora_A" in n for n in gemm_weights) and any("lora_B" in n for n in gemm_weights)
+    slow = {n: flags for n, flags in narrow.items() if not all(flags)}
+    assert not slow, f"float32 (SIMT) contractions left: {sorted(slow)}"

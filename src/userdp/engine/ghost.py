@@ -62,6 +62,7 @@ from torch.func import functional_call, vjp, vmap
 
 from userdp.engine.model_lint import lint_model
 from userdp.engine.precision import Precision, exact_float32
+from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.errors import UserError
 
 
@@ -76,10 +77,12 @@ class GhostUnsupported(UserError):
 TENSOR_CORES = "auto"
 _TC_DEVICES = ("cuda", "meta")
 
-#: each norm is inflated by this many units of the compute dtype's epsilon before the clip factor
-#: is taken from it (2^-15 relative in float32, 6e-14 in float64): a unit's norm and its sum are
-#: reduced in different orders, and the margin keeps what is summed within C all the same
-FACTOR_MARGIN_ULPS = 256
+#: the clip factor is taken from a proven upper bound on what a unit adds, not from its estimated
+#: norm (docs/guarantee.md, "Ghost norms: the bound"): the Gram-form norm plus the bound on its
+#: rounding error, plus the bound on the rounding of the unit's own terms in the clipped sum.
+#: BOUND = False takes the factor from the estimate alone (the pre-0.4 behaviour: a unit whose
+#: per-token terms cancel could then add up to 3x C); only tests set it, to show that.
+BOUND = True
 
 
 def _tensor_cores(device: torch.device) -> bool:
@@ -154,6 +157,24 @@ class Factored:
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.dtype or self.y.dtype
+
+    @property
+    def u(self) -> float:
+        """The unit roundoff of this use's contractions (:func:`~userdp.engine.rounding.unit_roundoff`)."""
+        return unit_roundoff(self.compute_dtype, self.narrow)
+
+    def row_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(|x_t|, |y_t|)`` per unit and token, float64 ``[m, T]`` (a one-hot row has norm 1)."""
+        ry = torch.linalg.vector_norm(self.y, dim=-1, dtype=torch.float64)
+        if self.index:
+            return torch.ones_like(ry), ry
+        return torch.linalg.vector_norm(self.x, dim=-1, dtype=torch.float64), ry
+
+    def magnitude(self) -> torch.Tensor:
+        """``[m]``: ``Σ_t |x_t| |y_t|`` (float64), which bounds the Frobenius norm of every partial sum
+        of the unit's per-token terms: the scale of every rounding error in its norm and its sum."""
+        rx, ry = self.row_norms()
+        return (rx * ry).sum(1)
 
     def fx(self) -> torch.Tensor:
         """``x`` in the compute dtype (token ids as they are)."""
@@ -230,20 +251,53 @@ def _y_gram(a: Factored, b: Factored) -> torch.Tensor:
     return torch.bmm(ay, (ay if b is a else b.fy()).transpose(1, 2))
 
 
-def _inner(a: Factored, b: Factored) -> torch.Tensor:
-    """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, Σ_s b.x_s ⊗ b.y_s>`` per unit, from two Gram matrices (their
-    entrywise product summed, as one batched dot product: one kernel, not a product and a sum)."""
+def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([m], [m])``: ``<Σ_t a.x_t ⊗ a.y_t, Σ_s b.x_s ⊗ b.y_s>`` per unit from two Gram matrices,
+    and a proven bound on that value's rounding error (both float64).
+
+    The bound (docs/guarantee.md): an entry of a Gram of rows of width n is off by at most
+    ``gamma_n |r_t| |r_s|``; with ``Gx``, ``Gy`` the computed Grams and ``rx``, ``ry`` the rows' norms,
+    ``|Σ Gx⊙Gy - exact| <= gamma_X rxᵀ|Gy|rx + gamma_Y ryᵀ|Gx|ry + (gamma_X gamma_Y + u) B_a B_b``
+    with ``B = Σ_t |x_t||y_t|`` (the entrywise products add u; the sum itself is float64). An
+    embedding's one-hot Gram, and a gather from one, are exact (gamma_X = 0). Per-token terms that
+    cancel (records built to hide a large gradient) make the estimate small and this bound large,
+    so the clip factor still holds what is summed to C."""
     gx, gy = _x_gram(a, b), _y_gram(a, b)
     m = gy.shape[0]
-    return torch.bmm(gx.reshape(m, 1, -1), gy.reshape(m, -1, 1)).view(m)
+    value = (gx * gy).sum((1, 2), dtype=torch.float64)
+    u = max(a.u, b.u)
+    gxn = 0.0 if (a.index or b.index) else gamma(int(a.x.shape[-1]), u)
+    gyn = gamma(int(a.y.shape[-1]), u)
+    rxa, rya = a.row_norms()
+    rxb, ryb = (rxa, rya) if b is a else b.row_norms()
+    err = gyn * _quadratic(rya, gx, ryb)
+    if gxn:
+        err = err + gxn * _quadratic(rxa, gy, rxb)
+    ba, bb = (rxa * rya).sum(1), (rxb * ryb).sum(1)
+    err = err + (gxn * gyn + 2.0 * u) * ba * bb
+    return value, err
 
 
-def _inner_dense(a: Factored, mat: torch.Tensor) -> torch.Tensor:
-    """``[m]``: ``<Σ_t a.x_t ⊗ a.y_t, M_u>`` for materialized ``M [m, X, Y]``: ``Σ_t x_tᵀ M y_t``."""
+def _quadratic(ra: torch.Tensor, g: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
+    """``[m]``: an upper bound on ``raᵀ |g| rb`` (``ra [m, Ta]``, ``g [m, Ta, Tb]``, ``rb [m, Tb]``):
+    ``|g| rb`` as one float32 product (no float64 copy of a Gram), the rest in float64; every term
+    is non-negative, so the float32 part is off by at most gamma_{Tb+2} relative, which is added."""
+    q = torch.bmm(g.abs().float(), rb.float().unsqueeze(2)).squeeze(2)  # [m, Ta]
+    return (ra * q.double()).sum(1) * (1.0 + gamma(int(rb.shape[1]) + 2, 2.0 ** -23))
+
+
+def _inner_dense(a: Factored, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([m], [m])``: ``<Σ_t a.x_t ⊗ a.y_t, M_u>`` for materialized ``M [m, X, Y]``
+    (``Σ_t x_tᵀ M y_t``), and the bound on its rounding error, ``(gamma_Y + gamma_X + u) B |M|``."""
     my = torch.bmm(a.fy(), mat.transpose(1, 2))  # [m, T, X]
     if a.index:
-        return torch.gather(my, 2, a.x.unsqueeze(2)).sum(dim=(1, 2))
-    return (a.fx() * my).sum(dim=(1, 2))
+        value = torch.gather(my, 2, a.x.unsqueeze(2)).sum(dim=(1, 2), dtype=torch.float64)
+    else:
+        value = (a.fx() * my).sum(dim=(1, 2), dtype=torch.float64)
+    u = a.u
+    gam = gamma(int(a.y.shape[-1]), u) + (0.0 if a.index else gamma(int(a.x.shape[-1]), u)) + 2.0 * u
+    size = torch.linalg.vector_norm(mat.reshape(mat.shape[0], -1), dim=1, dtype=torch.float64)
+    return value, gam * a.magnitude() * size
 
 
 #: keep bf16/fp16 captures narrow in Factored (upcast at each use); False upcasts at capture
@@ -336,6 +390,7 @@ def _register_transformers_layers() -> None:
     except ImportError:  # pragma: no cover - transformers is a dependency
         return
     GHOST_LAYERS.setdefault(Conv1D, _conv1d)
+    AUTOCAST_GEMM_LAYERS.add(Conv1D)  # its forward is torch.addmm
 
 
 def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
@@ -450,12 +505,14 @@ class _FactorStack:
             factored[j] = [Factored(x[i], y[i], self.size_x, False, self.dtype, self.tc)]
         self.x, self.y = x, y
 
-    def norm2(self) -> torch.Tensor:
-        """``[k, m]``: each member's squared per-unit norm (the stack as k·m units of one use)."""
+    def norm2(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[k, m]`` each: the members' squared per-unit norms, their rounding-error bounds and
+        their magnitudes (the stack as k·m units of one use; see :func:`_inner`)."""
         k, m = self.x.shape[:2]
         flat = Factored(self.x.reshape(k * m, *self.x.shape[2:]), self.y.reshape(k * m, *self.y.shape[2:]),
                         self.size_x, False, self.dtype, self.tc)
-        return _inner(flat, flat).view(k, m)
+        value, err = _inner(flat, flat)
+        return value.view(k, m), err.view(k, m), flat.magnitude().view(k, m)
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
         """``[k, X, Y]``: each member's ``Σ_u c[u, member] · (unit u's gradient)``, units ``bad`` zeroed
@@ -468,6 +525,77 @@ class _FactorStack:
         if self.narrow:
             cg = round_down_bf16(cg)
         return _clipped_contraction(x, y, cg, self.narrow, self.dtype or y.dtype)
+
+
+@dataclass
+class _Bound:
+    """One parameter's per-unit norm estimate and what bounds a unit's contribution (float64 ``[m]``):
+    ``value`` the computed squared norm, ``err`` the bound on its rounding error (None: exact to
+    2^-53), ``magnitude`` ``Σ_uses Σ_t |x_t||y_t|`` of its factored uses, ``length`` the longest
+    contraction its clipped sum takes (m·T), ``u`` the unit roundoff, ``size`` the norm of its
+    materialized part (None: none)."""
+
+    value: torch.Tensor
+    err: torch.Tensor | None
+    magnitude: torch.Tensor | None
+    length: int
+    u: float
+    size: torch.Tensor | None
+
+
+def _bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(estimate, upper)``, float64 ``[m, L]``: per unit and parameter the estimated norm and a
+    proven upper bound on the norm of what the unit adds to the clipped sum at factor 1:
+    ``sqrt(value + err)`` bounds the exact norm of the unit's gradient (built from the stored
+    factors), and ``(gamma_K + 2u) · magnitude + (gamma_m + u) · size`` bounds the rounding of the
+    unit's own terms in the sum (a K-term contraction perturbs each term by at most gamma_K)."""
+    est, up = [], []
+    for b in parts:
+        v = b.value.clamp(min=0)
+        e = v.sqrt()
+        est.append(e)
+        if not BOUND:  # the estimate alone (tests only: shows what the bound closes)
+            up.append(e * (1.0 + 256 * 2.0 ** -23))
+            continue
+        bound = (v + b.err).sqrt() if b.err is not None else e
+        bound = bound * (1.0 + 2.0 ** -40)  # the float64 square root and sums
+        if b.magnitude is not None and b.length:
+            bound = bound + (gamma(b.length, b.u) + 2.0 * b.u) * b.magnitude
+        if b.size is not None:
+            bound = bound + (gamma(m, b.u) + b.u) * b.size
+        up.append(bound)
+    return torch.stack(est, dim=1), torch.stack(up, dim=1)
+
+
+#: layer types whose input autocast casts to its low-precision dtype before the layer's GEMM
+#: (aten linear and addmm are on autocast's lower-precision list): their captured input is rounded
+#: the same way, so the ghost factors are the GEMM's own operands (see :func:`_captured`)
+AUTOCAST_GEMM_LAYERS: set = {nn.Linear}
+
+
+def _autocast_operand_dtype(mod: nn.Module, device: torch.device) -> torch.dtype | None:
+    """The dtype autocast gives this layer's GEMM operands here (None: no autocast, or a layer
+    whose op autocast leaves alone)."""
+    if type(mod) not in AUTOCAST_GEMM_LAYERS:
+        return None
+    kind = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else None
+    if kind is None or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def _captured(a, cast: torch.dtype | None):
+    """A captured layer input: detached, and under autocast rounded to the dtype autocast gave the
+    layer's GEMM (float32 LayerNorm outputs feed GPT-2's ``c_attn``, ``c_fc`` and its tied head: in
+    bf16 the GEMM consumed their bf16 rounding, and autograd's weight gradient is built from it).
+    So the norm, the clipped sum and autograd's own gradient see the same numbers, and on tensor
+    cores the contraction takes the bf16 path (float32 accumulation) instead of float32 SIMT."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    a = a.detach()
+    if cast is not None and a.is_floating_point() and a.dtype != cast and a.dtype == torch.float32:
+        a = a.to(cast)
+    return a
 
 
 # --------------------------------------------------------------------------- the strategy
@@ -513,6 +641,8 @@ class GhostPerUnit:
         self.fallback_layers = sorted({type(mod).__name__ for mod in self._layers if type(mod) not in GHOST_LAYERS})
         self._verified = False
         self.last_choice: dict[str, str] = {}  # parameter -> "ghost" | "materialized" (last chunk)
+        #: parameter -> for each dense (GEMM) use in the last chunk, whether it took the bf16 tensor-core path
+        self.last_narrow: dict[str, list[bool]] = {}
 
     def _handler(self, mod) -> LayerHandler:
         return GHOST_LAYERS.get(type(mod), _per_unit_vjp)
@@ -520,12 +650,14 @@ class GhostPerUnit:
     def _forward(self, flat: dict):
         """Forward with hooks: (per-unit losses [m] in the accumulation dtype, captures)."""
         captures: list[_Capture] = []
+        device = self.params[0].device
 
         def hook(mod, args, out):
             if not isinstance(out, torch.Tensor):
                 raise GhostUnsupported(f"per_unit=ghost: layer {type(mod).__name__} returns {type(out).__name__}, "
                                 "not a tensor: use training.per_unit: vmap")
-            captures.append(_Capture(mod, tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args), out))
+            cast = _autocast_operand_dtype(mod, device)
+            captures.append(_Capture(mod, tuple(_captured(a, cast) for a in args), out))
 
         handles = [mod.register_forward_hook(hook) for mod in self._layers]
         try:
@@ -566,6 +698,7 @@ class GhostPerUnit:
         # every contraction of norms and sums in IEEE float32, whatever the caller's TF32 setting
         with exact_float32():
             contrib: list[list] = [[] for _ in self.params]
+            self.last_narrow = {}
             for cap, go in zip(captures, out_grads):
                 if go is None:
                     continue
@@ -581,6 +714,8 @@ class GhostPerUnit:
                         for part in parts:
                             if isinstance(part, Factored):
                                 part.tc = tc
+                                if not part.index:
+                                    self.last_narrow.setdefault(self.names[self._index[id(p)]], []).append(part.narrow)
                         contrib[self._index[id(p)]].extend(parts)
             seen = [bool(parts) for parts in contrib]
             dense, factored = self._arrange(contrib, m, acc_dtype)
@@ -594,30 +729,43 @@ class GhostPerUnit:
             blocks = [(g, torch.stack([dense[j].reshape(m, -1) for j in g], dim=1))
                       for g in _vector_groups(dense, factored, m)]
             stacks = [_FactorStack(g, factored) for g in _factor_groups(dense, factored, m)]
-            norm2: list = [None] * len(self.params)
+            # per parameter: the estimate of each unit's squared norm and what bounds the unit's
+            # contribution above it (float64 [m] each; see _bounded_norms)
+            parts: list = [None] * len(self.params)
+            u_dense = unit_roundoff(acc_dtype, False)
             for g, block in blocks:
-                sq = block.pow(2).sum(2)  # [m, k]
+                sq = block.pow(2).sum(2, dtype=torch.float64)  # [m, k]: squares summed in float64
                 for i, j in enumerate(g):
-                    norm2[j] = sq[:, i]
+                    parts[j] = _Bound(sq[:, i], None, None, 0, u_dense, sq[:, i].sqrt())
             for st in stacks:
-                sq = st.norm2()  # [k, m]
+                value, err, mag = st.norm2()  # [k, m]
+                k_len = m * int(st.y.shape[2])
+                u = unit_roundoff(st.dtype or st.y.dtype, st.narrow)
                 for i, j in enumerate(st.members):
-                    norm2[j] = sq[i]
-            tn = torch.stack([self._norm2(d, fs) if n2 is None else n2
-                              for d, fs, n2 in zip(dense, factored, norm2)], dim=1).clamp(min=0).sqrt()
+                    parts[j] = _Bound(value[i], err[i], mag[i], k_len, u, None)
+            for j, (d, fs) in enumerate(zip(dense, factored)):
+                if parts[j] is None:
+                    value, err, mag = self._norm2(d, fs)
+                    size = (torch.linalg.vector_norm(d.reshape(m, -1), dim=1, dtype=torch.float64)
+                            if d is not None else None)
+                    k_len = max((m * x.tokens for x in fs), default=0)
+                    u = max([x.u for x in fs] + [u_dense])
+                    parts[j] = _Bound(value, err, mag, k_len, u, size)
+            est, upper = _bounded_norms(parts, m)
+            del parts
             if check:
                 self._verify(seen, dense, factored, batch_grads, scale)
             del batch_grads
             for g in [g for g, _ in blocks] + [st.members for st in stacks]:
                 for j in g:  # the stacks hold these now
                     dense[j] = factored[j] = None
-            # the factors see each norm inflated by a margin: the norm and the sum of a unit are
-            # reduced in different orders, and the margin keeps what is summed within C all the same
-            margin = FACTOR_MARGIN_ULPS * torch.finfo(tn.dtype).eps
-            f, _ = clipping.factors_from_norms(tn * (1.0 + margin), clip_state)
-            _, norms = clipping.factors_from_norms(tn, clip_state)
-            bad = ~torch.isfinite(norms)
-            c = torch.where(bad.unsqueeze(1), 0.0, f.to(acc_dtype)) * weights.to(acc_dtype).unsqueeze(1)
+            # the clip factors come from the upper bounds (what a unit can add), the reported norms
+            # from the estimates
+            f, _ = clipping.factors_from_norms(upper, clip_state)
+            _, norms = clipping.factors_from_norms(est, clip_state)
+            norms = norms.to(acc_dtype)
+            bad = ~torch.isfinite(norms) | ~torch.isfinite(f).all(1)
+            c = round_down_to(torch.where(bad.unsqueeze(1), 0.0, f) * weights.to(f.dtype).unsqueeze(1), acc_dtype)
             sums: list = [None] * len(self.params)
             while blocks:
                 g, block = blocks.pop()
@@ -671,18 +819,30 @@ class GhostPerUnit:
         return dense, factored
 
     @staticmethod
-    def _norm2(d, fs) -> torch.Tensor:
-        """``[m]``: a parameter's squared per-unit norm from its materialized part and its uses."""
-        total = None  # the first term starts the sum: no zeros + add per parameter
-        if d is not None:
-            total = d.reshape(d.shape[0], -1).pow(2).sum(1)
+    def _norm2(d, fs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[m]`` each, float64: a parameter's squared per-unit norm from its materialized part and
+        its uses, the bound on that value's rounding error, and the magnitude of its factored uses
+        (``Σ_uses Σ_t |x_t||y_t|``)."""
+        value = err = mag = None  # the first term starts each sum: no zeros + add per parameter
+
+        def add(acc, term):
+            return term if acc is None else acc + term
+
+        if d is not None:  # squares of float32 numbers summed in float64: exact to 2^-53 N, no bound needed
+            value = d.reshape(d.shape[0], -1).pow(2).sum(1, dtype=torch.float64)
         for i, a in enumerate(fs):
-            total = _inner(a, a) if total is None else total + _inner(a, a)
+            v, e = _inner(a, a)
+            value, err, mag = add(value, v), add(err, e), add(mag, a.magnitude())
             for b in fs[i + 1:]:
-                total = total + 2.0 * _inner(a, b)
+                v, e = _inner(a, b)
+                value, err = value + 2.0 * v, err + 2.0 * e
             if d is not None:
-                total = total + 2.0 * _inner_dense(a, d.reshape(d.shape[0], a.size_x, -1))
-        return total
+                v, e = _inner_dense(a, d.reshape(d.shape[0], a.size_x, -1))
+                value, err = value + 2.0 * v, err + 2.0 * e
+        if err is None:
+            err = torch.zeros_like(value)
+            mag = torch.zeros_like(value)
+        return value, err, mag
 
     def _verify(self, seen, dense, factored, batch_grads, scale) -> None:
         """First chunk: every parameter the loss uses must be seen by a hook, and the units'

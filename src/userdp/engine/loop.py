@@ -345,6 +345,7 @@ class _Run:
         # its partial sum before the all-reduce), float32 or wider; then the clipped sums, in their dtype
         std_sum = plan.update_noise_multiplier * self._sensitivity()
         den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
+        self.last_denominator = den  # what .grad was divided by (the neighbour test multiplies it back)
         if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
             self.noise.add_noise(sums, est_std * den)  # in place, streamed: no model-sized noise buffer
         sums = comb.all_reduce_sum(sums)

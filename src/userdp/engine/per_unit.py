@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from userdp.engine.clipping import per_tensor_norms
 from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
 from userdp.engine.model_lint import lint_model
 from userdp.engine.precision import Precision, exact_float32
+from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.errors import UserError
 from userdp.registry import Registry
 
@@ -174,10 +174,18 @@ class PerUnit:
         """
         updates, losses = self(batch, mask, reproject=reproject)
         with exact_float32():  # norms and sums in IEEE float32 whatever the caller's TF32 setting
-            f, norms = clipping.factors_from_norms(per_tensor_norms(updates), clip_state)
+            # the norms of what is summed, squares summed in float64; the factor is taken from them
+            # inflated by the bound on the rounding of each unit's own terms in the m-term sum
+            tn = torch.stack([torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1, dtype=torch.float64)
+                              for u in updates], dim=1)
+            m = tn.shape[0]
+            uround = unit_roundoff(acc_dtype, False)
+            f, _ = clipping.factors_from_norms(tn * (1.0 + gamma(max(m, 1), uround) + 2.0 * uround), clip_state)
+            _, norms = clipping.factors_from_norms(tn, clip_state)
+            norms = norms.to(acc_dtype)
             updates, f, bad = zero_nonfinite(updates, f, norms)
             norms = torch.where(bad, 0.0, norms)
-            f = f.to(acc_dtype) * weights.unsqueeze(1)
+            f = round_down_to(f * weights.to(f.dtype).unsqueeze(1), acc_dtype)
             sums = [torch.tensordot(f[:, j], u.to(acc_dtype), dims=1) for j, u in enumerate(updates)]
         return sums, norms, losses, bad
 

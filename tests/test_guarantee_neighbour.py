@@ -1,0 +1,132 @@
+"""The neighbour test (issue 34): the same seeded step with and without one adversarial user
+releases sums that differ by at most C, on every path that releases a noisy sum.
+
+The adversaries: records whose per-token gradients cancel (the Gram-form norm loses the unit's
+norm to rounding: before the bound, one user reached 3x C in float32), huge values, one record
+repeated, a user with many records, non-finite values."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TensorUserData, TrainConfig
+from userdp.engine import ghost as ghost_mod
+from userdp.engine.neighbour import neighbour_gap
+
+D_IN, D_OUT = 8, 4
+
+
+class Reg(nn.Module):
+    def __init__(self, layers=1):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(D_IN, D_IN if i < layers - 1 else D_OUT) for i in range(layers))
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = lin(x)
+        return x
+
+
+def reg_loss(model, batch):
+    return 0.5 * ((model(batch["x"]) - batch["t"]) ** 2).sum(-1)
+
+
+def builder(layers=1, dtype=torch.float32):
+    def build():
+        torch.manual_seed(3)
+        return Reg(layers).to(dtype)
+    return build
+
+
+def honest(n_users=6, g=2, dtype=torch.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    n = n_users * g
+    x = torch.from_numpy(rng.normal(size=(n, D_IN))).to(dtype)
+    t = torch.from_numpy(rng.normal(size=(n, D_OUT))).to(dtype)
+    return TensorUserData({"x": x, "t": t}, np.arange(0, n + 1, g))
+
+
+def cancelling(big: float, dtype=torch.float32, records=2):
+    """One user: ``records`` records with the same input and targets +M v, -M v, ... (+ K w on the
+    last): the per-record gradients are huge and cancel, the user's gradient is small."""
+    x = torch.ones(records, D_IN, dtype=dtype)
+    v = torch.zeros(D_OUT, dtype=dtype)
+    v[0] = 1.0
+    w = torch.zeros(D_OUT, dtype=dtype)
+    w[1] = 1.0
+    t = torch.stack([(big if i % 2 == 0 else -big) * v for i in range(records)])
+    t[-1] = t[-1] + w
+    return TensorUserData({"x": x, "t": t}, np.array([0, records]))
+
+
+def config(algorithm="uls", g=2, per_unit="ghost", clip=None, seed=11, **kw):
+    algo = {"uls": ULS(group_size=g, sampling_rate=1.0), "els": ELS(group_size=g, sampling_rate=1.0),
+            "fedavg": FedAvg(group_size=g, sampling_rate=1.0)}[algorithm]
+    return TrainConfig(algorithm=algo, steps=1, noise_multiplier=1.0, clipping=clip or FlatClip(1.0), seed=seed,
+                       per_unit=per_unit, **kw)
+
+
+@pytest.mark.parametrize("big", [1e2, 3e3, 1e4, 3e4])
+def test_cancelling_records_cannot_buy_more_than_c_under_the_default_strategy(big):
+    gap = neighbour_gap(builder(), honest(), cancelling(big), reg_loss, config(per_unit="auto"))
+    assert gap.within(), f"one user's share of the sum is {gap.ratio:.4f} x C"
+
+
+def test_without_the_bound_the_cancelling_user_reaches_3x_c(monkeypatch):
+    """The construction of issue 34 (C1) against the estimate alone: the test above would fail."""
+    monkeypatch.setattr(ghost_mod, "BOUND", False)
+    gap = neighbour_gap(builder(), honest(), cancelling(3e4), reg_loss, config(per_unit="ghost"))
+    assert gap.ratio > 2.0
+
+
+def test_cancelling_records_in_float64_and_in_a_stack_of_layers(monkeypatch):
+    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    data64 = honest(dtype=torch.float64)
+    gap = neighbour_gap(builder(dtype=torch.float64), data64, cancelling(1e9, torch.float64), reg_loss,
+                        config(per_unit="ghost"))
+    assert gap.within(), gap
+    lay = Reg  # three same-shaped layers: stacked on the GPU stand-in
+    gap = neighbour_gap(builder(layers=3), honest(), cancelling(3e4), reg_loss, config(per_unit="ghost"))
+    assert gap.within(), gap
+    assert lay is Reg
+
+
+def test_cancelling_records_on_tensor_cores_emulated(monkeypatch):
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    gap = neighbour_gap(builder(layers=2), honest(), cancelling(3e4), reg_loss,
+                        config(per_unit="ghost", precision="bfloat16"))
+    assert gap.within(), gap
+
+
+ADVERSARIES = {
+    "cancelling": lambda: cancelling(3e4),
+    "cancelling_many": lambda: cancelling(1e4, records=8),
+    "huge": lambda: TensorUserData({"x": torch.full((2, D_IN), 1e15), "t": torch.full((2, D_OUT), -1e15)},
+                                   np.array([0, 2])),
+    "repeated": lambda: TensorUserData({"x": torch.full((8, D_IN), 3.0), "t": torch.full((8, D_OUT), -5.0)},
+                                       np.array([0, 8])),
+    "many_records": lambda: TensorUserData({"x": torch.randn(10_000, D_IN, generator=torch.Generator().manual_seed(1)) * 50,
+                                            "t": torch.zeros(10_000, D_OUT)}, np.array([0, 10_000])),
+    "nonfinite": lambda: TensorUserData({"x": torch.tensor([[float("inf")] * D_IN, [1.0] * D_IN]),
+                                         "t": torch.tensor([[float("nan")] * D_OUT, [1.0] * D_OUT])}, np.array([0, 2])),
+}
+
+
+@pytest.mark.parametrize("adversary", sorted(ADVERSARIES))
+@pytest.mark.parametrize("algorithm,per_unit,clip", [
+    ("uls", "ghost", "flat"), ("uls", "vmap", "flat"), ("uls", "auto", "per_layer"),
+    ("els", "ghost", "flat"), ("els", "vmap", "per_layer"), ("fedavg", "vmap", "flat"),
+])
+def test_no_adversarial_user_moves_the_released_sum_by_more_than_its_bound(adversary, algorithm, per_unit, clip):
+    clipping = FlatClip(1.0) if clip == "flat" else PerLayerClip(1.0)
+    cfg = config(algorithm, g=4, per_unit=per_unit, clip=clipping)
+    gap = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss, cfg)
+    assert gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"
+
+
+def test_the_gap_of_a_run_against_itself_is_zero():
+    gap = neighbour_gap(builder(), honest(), None, reg_loss, config())
+    assert gap.gap == 0.0
