@@ -46,7 +46,16 @@ def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device, u
     from userdp.engine import TensorUserData
     from userdp.lm import models
 
-    model = models.build_preset(model_name, vocab_size=vocab, n_positions=max(seq_len, 128))
+    if model_name in LLAMA_SHAPES:  # a Llama-shaped model from a config (RMSNorm, rotary, untied head)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 128), tie_word_embeddings=False,
+                          **LLAMA_SHAPES[model_name])
+        torch.manual_seed(0)
+        with torch.device(device):  # built where it runs: a 1B model initialises in seconds on a GPU
+            model = models._prepare(LlamaForCausalLM(cfg))
+    else:
+        model = models.build_preset(model_name, vocab_size=vocab, n_positions=max(seq_len, 128))
     if untied:  # Opacus's ghost clipping refuses tied parameters: compare on an untied copy
         model.config.tie_word_embeddings = False
         model.lm_head.weight = torch.nn.Parameter(model.transformer.wte.weight.detach().clone())
@@ -62,6 +71,16 @@ def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device, u
         labels[i, ln:] = -100
     data = TensorUserData({"input_ids": ids, "labels": labels}, np.arange(0, n + 1, recs))
     return model, data
+
+
+#: Llama-shaped models built from a config: ~1.1B parameters at a 32,000-token vocabulary (TinyLlama's
+#: shape), and a tiny one that keeps the same path alive on a CPU
+LLAMA_SHAPES = {
+    "llama-1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+                 "num_attention_heads": 32, "num_key_value_heads": 4},
+    "llama-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2},
+}
 
 
 def _reset_peak_rss() -> None:
