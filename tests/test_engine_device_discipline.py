@@ -149,8 +149,11 @@ def test_a_ghost_chunk_launches_few_kernels_beyond_a_nonprivate_step():
     (tiny preset) / 2.82x (gpt2-small) the kernels of a non-private forward + backward at first;
     one masked_fill per factor and sums begun from their first term gave 2.39x / 2.20x; stacking
     same-shaped parameters (one batched Gram product per factor and one batched sum per group,
-    a fused LayerNorm recompute, a Gram pair reduced by one batched dot) gives 1.70x / 1.24x, inside
-    issue 27's 1.5x (`python benchmarks/bench_ops.py`)."""
+    a fused LayerNorm recompute, a Gram pair reduced by one batched dot) gave 1.70x / 1.24x, inside
+    issue 27's 1.5x. The proven bound on each norm (issue 34, C1) adds about 13 kernels per Gram
+    pair (two |G| quadratic forms, the rows' norms from the diagonals, the magnitude, the error's
+    three terms): 2.34x / 1.44x (`python benchmarks/bench_ops.py`). The tiny preset has two layers,
+    so its few Gram pairs are a third of its chunk; gpt2-small stays inside 1.5x."""
     import sys
     from pathlib import Path
 
@@ -163,5 +166,5 @@ def test_a_ghost_chunk_launches_few_kernels_beyond_a_nonprivate_step():
     assert small["nonprivate_kernels"] > 500 and small["kernel_ratio"] <= 1.5, small
     row = chunk_ops("tiny")
     assert row["nonprivate_kernels"] > 100  # the baseline really ran
-    assert row["kernel_ratio"] <= 1.8, row
+    assert row["kernel_ratio"] <= 2.4, row
     assert "scalar_tensor.default" not in row["excess"] and "zeros.default" not in row["excess"], row["excess"]

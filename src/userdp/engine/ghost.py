@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -147,6 +147,9 @@ class Factored:
     dtype: torch.dtype | None = None
     #: contract bf16 ``x``/``y`` on tensor cores (float32 accumulation) instead of upcasting first
     tc: bool = False
+    #: cached upper bounds on the rows' norms (:meth:`row_norms`) and on the magnitude (:meth:`magnitude`)
+    _rows: tuple | None = field(default=None, repr=False, compare=False)
+    _mag: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def narrow(self) -> bool:
@@ -163,18 +166,34 @@ class Factored:
         """The unit roundoff of this use's contractions (:func:`~userdp.engine.rounding.unit_roundoff`)."""
         return unit_roundoff(self.compute_dtype, self.narrow)
 
-    def row_norms(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(|x_t|, |y_t|)`` per unit and token, float64 ``[m, T]`` (a one-hot row has norm 1)."""
-        ry = torch.linalg.vector_norm(self.y, dim=-1, dtype=torch.float64)
-        if self.index:
-            return torch.ones_like(ry), ry
-        return torch.linalg.vector_norm(self.x, dim=-1, dtype=torch.float64), ry
+    def row_norms(self) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        """``(rx, ry, sx, sy)``: the rows' computed norms ``[m, T]`` in the Grams' dtype and the factors
+        by which they may be low: ``|x_t| <= sx rx_t``, ``|y_t| <= sy ry_t`` (a one-hot row has norm 1).
+        Taken from the diagonals of the use's own Gram matrices when :func:`_inner` formed them (no
+        extra pass over the factors), else from one pass; the factors cover the rounding of the
+        squared norms (gamma_n relative: the terms are squares) and of the root. Python floats, so
+        applying them costs no kernel."""
+        if self._rows is None:
+            y = self.fy()
+            ry, sy = (y * y).sum(-1).sqrt(), _root_slack(int(y.shape[-1]) + 1, 2.0 ** -23)
+            if self.index:
+                rx, sx = torch.ones_like(ry), 1.0
+            else:
+                x = self.fx()
+                rx, sx = (x * x).sum(-1).sqrt(), _root_slack(int(x.shape[-1]) + 1, 2.0 ** -23)
+            self._rows = (rx, ry, sx, sy)
+        return self._rows
 
-    def magnitude(self) -> torch.Tensor:
-        """``[m]``: ``Σ_t |x_t| |y_t|`` (float64), which bounds the Frobenius norm of every partial sum
-        of the unit's per-token terms: the scale of every rounding error in its norm and its sum."""
-        rx, ry = self.row_norms()
-        return (rx * ry).sum(1)
+    def magnitude(self) -> tuple[torch.Tensor, float]:
+        """``(B, s)``: ``Σ_t |x_t| |y_t| <= s B`` per unit (``[m]``), which bounds the Frobenius norm
+        of every partial sum of the unit's per-token terms: the scale of every rounding error in its
+        norm and its sum. One batched dot; ``s`` covers the rows' factors and its own rounding."""
+        if self._mag is None:
+            rx, ry, sx, sy = self.row_norms()
+            t = rx.shape[1]
+            self._mag = (torch.bmm(rx.unsqueeze(1), ry.unsqueeze(2)).view(-1),
+                         sx * sy * (1.0 + gamma(t + 2, 2.0 ** -23)))
+        return self._mag
 
     def fx(self) -> torch.Tensor:
         """``x`` in the compute dtype (token ids as they are)."""
@@ -255,35 +274,58 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     """``([m], [m])``: ``<Σ_t a.x_t ⊗ a.y_t, Σ_s b.x_s ⊗ b.y_s>`` per unit from two Gram matrices,
     and a proven bound on that value's rounding error (both float64).
 
-    The bound (docs/guarantee.md): an entry of a Gram of rows of width n is off by at most
-    ``gamma_n |r_t| |r_s|``; with ``Gx``, ``Gy`` the computed Grams and ``rx``, ``ry`` the rows' norms,
-    ``|Σ Gx⊙Gy - exact| <= gamma_X rxᵀ|Gy|rx + gamma_Y ryᵀ|Gx|ry + (gamma_X gamma_Y + u) B_a B_b``
-    with ``B = Σ_t |x_t||y_t|`` (the entrywise products add u; the sum itself is float64). An
-    embedding's one-hot Gram, and a gather from one, are exact (gamma_X = 0). Per-token terms that
-    cancel (records built to hide a large gradient) make the estimate small and this bound large,
-    so the clip factor still holds what is summed to C."""
+    The bound (docs/guarantee.md, "Ghost norms: the bound"): an entry of a Gram of rows of width n
+    is off by at most ``gamma_n |r_t| |r_s|``; with ``Gx``, ``Gy`` the computed Grams and ``rx``, ``ry``
+    the rows' norms, the exact value lies within ``gamma_X rxᵀ|Gy|rx + gamma_Y ryᵀ|Gx|ry +
+    (gamma_X gamma_Y + 2u) B_a B_b`` of ``Σ Gx⊙Gy`` (``B = Σ_t |x_t||y_t|``); that sum is taken row by
+    row in float32 (adding ``gamma_T Σ|Gx||Gy|``, bounded through the first quadratic form) and over
+    rows in float64. An embedding's one-hot Gram, and a gather from one, are exact (gamma_X = 0).
+    Per-token terms that cancel (records built to hide a large gradient) make the estimate small and
+    this bound large, so the clip factor still holds what is summed to C."""
     gx, gy = _x_gram(a, b), _y_gram(a, b)
-    m = gy.shape[0]
-    value = (gx * gy).sum((1, 2), dtype=torch.float64)
+    m, ta, tb = gy.shape
     u = max(a.u, b.u)
     gxn = 0.0 if (a.index or b.index) else gamma(int(a.x.shape[-1]), u)
     gyn = gamma(int(a.y.shape[-1]), u)
-    rxa, rya = a.row_norms()
-    rxb, ryb = (rxa, rya) if b is a else b.row_norms()
-    err = gyn * _quadratic(rya, gx, ryb)
-    if gxn:
-        err = err + gxn * _quadratic(rxa, gy, rxb)
-    ba, bb = (rxa * rya).sum(1), (rxb * ryb).sum(1)
-    err = err + (gxn * gyn + 2.0 * u) * ba * bb
+    if b is a and a._rows is None:  # the rows' norms from the Grams' diagonals
+        ry = torch.diagonal(gy, dim1=1, dim2=2).sqrt()
+        rx = torch.ones_like(ry) if a.index else torch.diagonal(gx, dim1=1, dim2=2).sqrt()
+        a._rows = (rx, ry, 1.0 if a.index else _root_slack_of(gxn), _root_slack_of(gyn))
+    rxa, rya, sxa, sya = a.row_norms()
+    rxb, ryb, sxb, syb = b.row_norms()
+    # Σ_ts Gx⊙Gy in two levels: one batched dot per row (tb terms), then the rows (ta terms), so each
+    # term is rounded at most ta + tb times: gamma_{ta+tb} Σ|Gx||Gy| <= gamma (1 + gamma_X) rxᵀ|Gy|rx
+    rows = torch.bmm(gx.reshape(m * ta, 1, tb), gy.reshape(m * ta, tb, 1)).view(m, ta)
+    value = rows.sum(1)
+    qy = _quadratic(rxa, gy, rxb)  # rxᵀ|Gy|rx, low by at most the rows' factors and gq
+    qx = _quadratic(rya, gx, ryb)  # ryᵀ|Gx|ry
+    ma, sma = a.magnitude()
+    mb, smb = (ma, sma) if b is a else b.magnitude()
+    # every term is non-negative: each coefficient carries the factors its computed terms may be low
+    # by, and 2^-20 covers the float rounding of these three operations
+    gq = (1.0 + gamma(ta + tb + 2, 2.0 ** -23)) * (1.0 + 2.0 ** -20)
+    c_qx = gyn * gq * sya * syb
+    c_qy = (gxn + gamma(ta + tb, u) * (1.0 + gxn)) * gq * sxa * sxb
+    c_b = (gxn * gyn + 2.0 * u) * sma * smb * (1.0 + 2.0 ** -20)
+    err = torch.addcmul(torch.add(qx * c_qx, qy, alpha=c_qy), ma, mb, value=c_b)
     return value, err
 
 
+def _root_slack(n: int, u: float) -> float:
+    """The factor a root of an n-term sum of squares may be low by (gamma_n, the root, the division)."""
+    return _root_slack_of(gamma(n, u))
+
+
+def _root_slack_of(g: float) -> float:
+    return ((1.0 + 2.0 ** -20) / (1.0 - g)) ** 0.5
+
+
 def _quadratic(ra: torch.Tensor, g: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
-    """``[m]``: an upper bound on ``raᵀ |g| rb`` (``ra [m, Ta]``, ``g [m, Ta, Tb]``, ``rb [m, Tb]``):
-    ``|g| rb`` as one float32 product (no float64 copy of a Gram), the rest in float64; every term
-    is non-negative, so the float32 part is off by at most gamma_{Tb+2} relative, which is added."""
-    q = torch.bmm(g.abs().float(), rb.float().unsqueeze(2)).squeeze(2)  # [m, Ta]
-    return (ra * q.double()).sum(1) * (1.0 + gamma(int(rb.shape[1]) + 2, 2.0 ** -23))
+    """``[m]``: ``raᵀ |g| rb`` (``ra [m, Ta]``, ``g [m, Ta, Tb]``, ``rb [m, Tb]``) as two batched
+    products in ``g``'s dtype; every term is non-negative, so the result is low by at most
+    gamma_{Ta+Tb+2} relative (the caller adds it)."""
+    q = torch.bmm(g.abs(), rb.to(g.dtype).unsqueeze(2))  # [m, Ta, 1]
+    return torch.bmm(ra.to(g.dtype).unsqueeze(1), q).view(-1)
 
 
 def _inner_dense(a: Factored, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +339,8 @@ def _inner_dense(a: Factored, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     u = a.u
     gam = gamma(int(a.y.shape[-1]), u) + (0.0 if a.index else gamma(int(a.x.shape[-1]), u)) + 2.0 * u
     size = torch.linalg.vector_norm(mat.reshape(mat.shape[0], -1), dim=1, dtype=torch.float64)
-    return value, gam * a.magnitude() * size
+    mag, smag = a.magnitude()
+    return value, (gam * smag * (1.0 + 2.0 ** -20)) * mag * size
 
 
 #: keep bf16/fp16 captures narrow in Factored (upcast at each use); False upcasts at capture
@@ -512,7 +555,8 @@ class _FactorStack:
         flat = Factored(self.x.reshape(k * m, *self.x.shape[2:]), self.y.reshape(k * m, *self.y.shape[2:]),
                         self.size_x, False, self.dtype, self.tc)
         value, err = _inner(flat, flat)
-        return value.view(k, m), err.view(k, m), flat.magnitude().view(k, m)
+        mag, smag = flat.magnitude()
+        return value.view(k, m), err.view(k, m), (mag * smag).view(k, m)
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
         """``[k, X, Y]``: each member's ``Σ_u c[u, member] · (unit u's gradient)``, units ``bad`` zeroed
@@ -543,28 +587,41 @@ class _Bound:
     size: torch.Tensor | None
 
 
+_COEFFICIENTS: dict = {}
+
+
+def _coefficients(values: tuple, device: torch.device) -> torch.Tensor:
+    """``values`` as a float64 tensor on ``device``, made once per distinct tuple (a chunk's shapes
+    repeat step after step): no host-to-device copy in the step after the first."""
+    key = (values, str(device))
+    t = _COEFFICIENTS.get(key)
+    if t is None:
+        if len(_COEFFICIENTS) > 64:
+            _COEFFICIENTS.clear()
+        t = _COEFFICIENTS[key] = torch.tensor(values, dtype=torch.float64, device=device)
+    return t
+
+
 def _bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate, upper)``, float64 ``[m, L]``: per unit and parameter the estimated norm and a
     proven upper bound on the norm of what the unit adds to the clipped sum at factor 1:
     ``sqrt(value + err)`` bounds the exact norm of the unit's gradient (built from the stored
     factors), and ``(gamma_K + 2u) · magnitude + (gamma_m + u) · size`` bounds the rounding of the
-    unit's own terms in the sum (a K-term contraction perturbs each term by at most gamma_K)."""
-    est, up = [], []
-    for b in parts:
-        v = b.value.clamp(min=0)
-        e = v.sqrt()
-        est.append(e)
-        if not BOUND:  # the estimate alone (tests only: shows what the bound closes)
-            up.append(e * (1.0 + 256 * 2.0 ** -23))
-            continue
-        bound = (v + b.err).sqrt() if b.err is not None else e
-        bound = bound * (1.0 + 2.0 ** -40)  # the float64 square root and sums
-        if b.magnitude is not None and b.length:
-            bound = bound + (gamma(b.length, b.u) + 2.0 * b.u) * b.magnitude
-        if b.size is not None:
-            bound = bound + (gamma(m, b.u) + b.u) * b.size
-        up.append(bound)
-    return torch.stack(est, dim=1), torch.stack(up, dim=1)
+    unit's own terms in the sum (a K-term contraction perturbs each term by at most gamma_K).
+    All parameters at once: a few kernels per chunk, not a few per parameter."""
+    value = torch.stack([b.value for b in parts], dim=1).clamp(min=0)
+    est = value.sqrt()
+    if not BOUND:  # the estimate alone (tests only: shows what the bound closes)
+        return est, est * (1.0 + 256 * 2.0 ** -23)
+    zero = torch.zeros_like(parts[0].value)
+    err = torch.stack([zero if b.err is None else b.err for b in parts], dim=1)
+    mag = torch.stack([zero if b.magnitude is None else b.magnitude for b in parts], dim=1)
+    size = torch.stack([zero if b.size is None else b.size for b in parts], dim=1)
+    c_sum = _coefficients(tuple(gamma(b.length, b.u) + 2.0 * b.u if b.length else 0.0 for b in parts), value.device)
+    c_dense = _coefficients(tuple(gamma(m, b.u) + b.u for b in parts), value.device)
+    # 2^-40: the float64 square root and sums; the rest is what the float32 arithmetic may move
+    upper = (value + err).sqrt() * (1.0 + 2.0 ** -40) + mag * c_sum + size * c_dense
+    return est, upper
 
 
 #: layer types whose input autocast casts to its low-precision dtype before the layer's GEMM
@@ -735,8 +792,9 @@ class GhostPerUnit:
             u_dense = unit_roundoff(acc_dtype, False)
             for g, block in blocks:
                 sq = block.pow(2).sum(2, dtype=torch.float64)  # [m, k]: squares summed in float64
+                size = sq.sqrt()
                 for i, j in enumerate(g):
-                    parts[j] = _Bound(sq[:, i], None, None, 0, u_dense, sq[:, i].sqrt())
+                    parts[j] = _Bound(sq[:, i], None, None, 0, u_dense, size[:, i])
             for st in stacks:
                 value, err, mag = st.norm2()  # [k, m]
                 k_len = m * int(st.y.shape[2])
@@ -832,7 +890,8 @@ class GhostPerUnit:
             value = d.reshape(d.shape[0], -1).pow(2).sum(1, dtype=torch.float64)
         for i, a in enumerate(fs):
             v, e = _inner(a, a)
-            value, err, mag = add(value, v), add(err, e), add(mag, a.magnitude())
+            ma, sma = a.magnitude()
+            value, err, mag = add(value, v), add(err, e), add(mag, ma * sma)
             for b in fs[i + 1:]:
                 v, e = _inner(a, b)
                 value, err = value + 2.0 * v, err + 2.0 * e
