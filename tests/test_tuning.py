@@ -169,10 +169,13 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     after = json.loads((out / "tune.json").read_text())
     assert [t["params"] for t in after["trials"]] == [t["params"] for t in plan["trials"]]
-    # the headline is the released model's guarantee (selection leaks): the smaller of the two
-    # valid bounds, never one trial's own epsilon
-    assert s["trials_run"] == 2 and 0 < s["epsilon_one_trial"] < s["epsilon_total"] <= 8.0
-    assert s["epsilon_total"] == min(s["epsilon_selection_bound"], s["epsilon_trials_run_composed"])
+    # the headline is the released model's guarantee (selection leaks): private selection with the
+    # number of trials secret (issue 34, C3), never one trial's own epsilon; no released file names K
+    assert 0 < s["epsilon_one_trial"] < s["epsilon_total"] <= 8.0
+    assert s["epsilon_total"] == s["epsilon_selection_bound"]
+    for key in ("trials_run", "trial_mechanisms", "epsilon_trials_run_composed", "released_bound"):
+        assert key not in s
+    assert after["epsilon_if_trials_published"] > 0  # the workspace's own record keeps what publishing costs
     assert "epsilon_final_model" not in s
     assert s["best"]["heldout_loss"] == min(t["score"] for t in after["trials"])
     # the released run's report states the tuning guarantee as its headline
@@ -188,7 +191,8 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
     assert cli(["report", str(best)]) == 0
     md = capsys.readouterr().out
     headline = md.split("## 1.")[0]
-    assert f"({s['epsilon_total']:.4g}, " in headline and "best of 2 trials" in headline
+    assert f"({s['epsilon_total']:.4g}, " in headline and "drawn in secret" in headline
+    assert "2 trials" not in md and "trials_run" not in (best / "privacy.json").read_text()
     assert "not a guarantee for the selected model" in headline
     # the tuning figure is re-derived: an edited one is refused
     good = (best / "privacy.json").read_text()

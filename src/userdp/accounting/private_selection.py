@@ -12,11 +12,15 @@ the released model, and :func:`derive` computes both from the mechanisms' DpEven
   the adaptive composition of K runs; the released model is a post-processing of them. The
   same figure is the cost of publishing *every* trial (the results table, every model).
 
-The released model's guarantee is the smaller of the two; :func:`derive` also returns both.
+The released model's guarantee is the private-selection bound, with K kept secret: a statement that
+took the smaller of the two would itself reveal K (issue 34, C3). The composition is what
+publishing K or any other trial costs, and stays in the tuning directory.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -51,14 +55,32 @@ def trial_count_from_dict(d: Mapping, source: str) -> TrialCount:
     return TrialCount(kind, **vals)
 
 
-def derive(mechanism_events: Mapping[str, object], trials_run: Sequence[str], count: TrialCount,
+def contract_digest(on: str, trial_count: Mapping, delta: float, run_events: Mapping) -> str:
+    """sha256 of what a tuning run's released statement rests on, all fixed before its first trial:
+    the trial-count distribution, delta and every mechanism's whole-run DpEvent. Each trial's
+    configuration carries it (``privacy.tuning_contract``), so the ledger journal of the released
+    run is bound to it before its first step; the report re-computes it from the tuning section and
+    refuses a section that is not the one the journal was bound to."""
+    blob = json.dumps({"on": on, "trial_count": dict(trial_count), "delta": float(delta),
+                       "run_events": dict(run_events)}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def derive(mechanism_events: Mapping[str, object], trials_run: Sequence[str] | None, count: TrialCount,
            delta: float, source: str = "tuning") -> dict:
-    """Both bounds for the released model, and the smaller, from the mechanisms' run events.
+    """The released model's guarantee (private selection, K hidden) and, given the trials run, what
+    publishing them would cost (their composition).
+
+    The released statement is the private-selection bound alone: it holds only while the number of
+    trials K stays secret (Papernot & Steinke 2022), and the statement must not depend on K — the
+    smaller of the two bounds would reveal whether K was small. Publishing K, a trial's result or
+    any other trial's model moves the guarantee to the composition of the K trials run
+    (``epsilon_if_trials_published``, kept in the tuning directory, never in the released files).
 
     Args:
         mechanism_events: each mechanism of the search space -> the DpEvent of one whole run of
             it (a dict as saved, or a DpEvent).
-        trials_run: the mechanism key of each of the K trials drawn.
+        trials_run: the mechanism key of each of the K trials drawn, or None (the released files).
         count: the trial-count distribution K was drawn from.
         delta: the delta of both statements.
 
@@ -75,14 +97,13 @@ def derive(mechanism_events: Mapping[str, object], trials_run: Sequence[str], co
             curves[key] = step_rdp(event, ORDERS)
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{source}: the DpEvent of mechanism {key!r} is malformed ({exc})") from None
-    unknown = sorted({k for k in trials_run if k not in curves})
-    if unknown:
-        raise UserError(f"{source}: trials name mechanisms with no event: {', '.join(unknown)}")
     selection = total_epsilon(list(curves.values()), count, float(delta))
-    if trials_run:
-        composed = epsilon_from_rdp(ORDERS, np.sum([curves[k] for k in trials_run], axis=0), float(delta))
-    else:
-        composed = 0.0
-    return {"epsilon_selection_bound": selection, "epsilon_trials_run_composed": composed,
-            "epsilon_released_model": min(selection, composed),
-            "released_bound": "composition of the trials run" if composed < selection else "private selection"}
+    out = {"epsilon_selection_bound": selection, "epsilon_released_model": selection}
+    if trials_run is not None:
+        unknown = sorted({k for k in trials_run if k not in curves})
+        if unknown:
+            raise UserError(f"{source}: trials name mechanisms with no event: {', '.join(unknown)}")
+        out["epsilon_if_trials_published"] = (
+            epsilon_from_rdp(ORDERS, np.sum([curves[k] for k in trials_run], axis=0), float(delta))
+            if trials_run else 0.0)
+    return out

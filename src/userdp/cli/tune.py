@@ -100,24 +100,18 @@ def main(args) -> int:
                                public_cfg=public_cfg, log=_log)
     s = job.run_trials(state, out, progress=not args.no_progress, log=_log)
     print(f"tuning directory:     {out}")
-    print(f"trials run:           {s['trials_run']} ({s['trial_count']['kind']}, mean {s['trial_count']['mean']:.3g})")
-    print(f"best:                 {s['best']['run_dir']} (held-out loss {s['best']['heldout_loss']:.4f}): "
+    # the number of trials is printed to the operator (it is in tune.json) but is not in any released file
+    print(f"trials run:           {len(state['trials'])} ({s['trial_count']['kind']}, mean "
+          f"{s['trial_count']['mean']:.3g}; keep it private: the released guarantee needs it secret)")
+    print(f"best:                 {out / 'best'} (held-out loss {s['best']['heldout_loss']:.4f}): "
           + ", ".join(f"{k} = {v}" for k, v in s["best"]["params"].items()))
     if s["on"] == "private":
-        print(f"privacy:              released model (selected among {s['trials_run']} trials): epsilon = "
-              f"{s['epsilon_total']:.4g} at delta = {s['delta']:.3g}, the smaller of private selection "
-              f"({s['epsilon_selection_bound']:.4g}) and the composition of the trials run "
-              f"({s['epsilon_trials_run_composed']:.4g})")
+        print(f"privacy:              released model: epsilon = {s['epsilon_total']:.4g} at delta = "
+              f"{s['delta']:.3g} (private selection, the number of trials kept secret)")
         print(f"                      one trial's own epsilon, {s['epsilon_one_trial']:.4g}, is not a guarantee "
               "for the selected model")
-        pub = s["epsilon_trials_run_composed"]
-        if pub <= s["epsilon_total"]:
-            print(f"                      publishing every trial (results.csv, all models) is covered by the same "
-                  f"epsilon = {pub:.4g} (the composition of the trials run)")
-        else:
-            print(f"                      publishing every trial (results.csv, all models) would cost epsilon = "
-                  f"{pub:.4g} (their composition), more than the released model's {s['epsilon_total']:.4g}: "
-                  "keep them private")
+        print(f"                      publishing the number of trials, results.csv or any other trial's model "
+              f"voids it: then epsilon = {state['epsilon_if_trials_published']:.4g} (their composition, tune.json)")
     else:
         print(f"privacy:              epsilon = {s['epsilon_total']:.4g}; delta = {s['delta']:.3g} (tuned on "
               "public data; the private data was touched once, by the final run)")

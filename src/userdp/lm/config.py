@@ -23,6 +23,7 @@ from pydantic import (
     AfterValidator,
     BeforeValidator,
     ConfigDict,
+    StringConstraints,
     TypeAdapter,
     ValidationError,
     with_config,
@@ -219,6 +220,9 @@ class PrivacyConfig:
     # non-private touches of the data made before this run (e.g. `userdp init` read the per-user
     # counts to choose G): listed in the report's "Not accounted", whichever command made them
     disclosed_touches: Names | None = None
+    # set by `userdp tune` on each trial: the sha256 of the tuning contract (trial-count distribution,
+    # delta, the mechanisms' events) the released statement rests on, bound to the journal with the rest
+    tuning_contract: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
 
 
 @with_config(ConfigDict(extra="forbid"))

@@ -26,6 +26,7 @@ from userdp.engine.ledger import JOURNAL, check_cited, read_chain, steps_begun
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm.plan_file import plan_median_epsilon
+from userdp.lm import config as C
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, read_json, verify_files
 
 SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "
@@ -318,23 +319,39 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
                         "ledger journal was bound to")
 
 
-def verify_tuning(rec: dict, path: Path) -> float | None:
-    """A run released by `userdp tune --on private`: re-derive the released model's guarantee from
-    the saved mechanism events and trial-count distribution, check that this run's own event is
-    within its mechanism's, and refuse a stored figure that differs. Returns the re-derived epsilon
-    (None for a run that was not selected by private tuning)."""
+def verify_tuning(rec: dict, path: Path, contract: str | None) -> float | None:
+    """A run released by `userdp tune --on private`: the tuning section must be the contract the
+    run's configuration — and so its ledger journal, bound to it before the first step — names
+    (``privacy.tuning_contract``); the released model's guarantee is re-derived from the contract's
+    mechanism events and trial-count distribution (private selection, K secret), this run's own
+    event must lie within its mechanism's, and a stored figure that differs is refused. Returns the
+    re-derived epsilon (None for a run that was not selected by private tuning).
+
+    Raises:
+        UserError: naming the file, for a section the journal was not bound to, or an edited one."""
     t = rec.get("tuning")
-    if not isinstance(t, dict) or t.get("on") != "private":
+    if t is None:  # a trial's own report (written as it ends, before any selection): see build_report
         return None
     src = f"{path} (tuning)"
+    if not isinstance(t, dict) or t.get("on") not in ("private", "public"):
+        raise UserError(f"{src}: not a tuning section written by userdp")
+    if t.get("on") != "private":
+        return None
+    if contract is None:
+        raise UserError(f"{src}: a private tuning section, but this run's configuration (bound to its ledger "
+                        "journal) names no tuning contract: the section was added after the run")
     try:
-        events, mechs, best_mech = t["run_events"], list(t["trial_mechanisms"]), t["best"]["mechanism"]
+        events, best_mech = t["run_events"], t["best"]["mechanism"]
         delta = float(t["delta"])
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"{src}: the tuning section lacks the events its guarantee is derived from") from None
+        digest = TG.contract_digest("private", t["trial_count"], delta, events)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise UserError(f"{src}: the tuning section lacks the contract its guarantee is derived from") from None
+    if digest != contract:
+        raise UserError(f"{src}: the tuning section is not the contract this run's journal was bound to "
+                        "(edited, or copied from another tuning run)")
     if delta != rec.get("delta"):
         raise UserError(f"{src}: the tuning guarantee's delta {delta} is not the run's {rec.get('delta')}")
-    g = TG.derive(events, mechs, TG.trial_count_from_dict(t.get("trial_count") or {}, src), delta, source=src)
+    g = TG.derive(events, None, TG.trial_count_from_dict(t.get("trial_count") or {}, src), delta, source=src)
     if best_mech not in events:
         raise UserError(f"{src}: the released trial's mechanism {best_mech!r} has no event")
     own = step_rdp(A.event_from_dict(rec["dp_event"]), TG.ORDERS)
@@ -342,12 +359,19 @@ def verify_tuning(rec: dict, path: Path) -> float | None:
     if np.any(own > allowed * (1 + 1e-9) + 1e-12):
         raise UserError(f"{src}: this run spent more than its mechanism's event in the tuning guarantee")
     eps = g["epsilon_released_model"]
-    for key in ("epsilon_total",):
-        claimed = t.get(key)
-        if not isinstance(claimed, (int, float)) or not math.isclose(claimed, eps, rel_tol=1e-9, abs_tol=1e-12):
-            raise UserError(f"{src}: {key} {claimed} is not the guarantee its events give ({eps:.6g}): the file "
-                            "was edited or damaged")
+    claimed = t.get("epsilon_total")
+    if not isinstance(claimed, (int, float)) or not math.isclose(claimed, eps, rel_tol=1e-9, abs_tol=1e-12):
+        raise UserError(f"{src}: epsilon_total {claimed} is not the guarantee its events give ({eps:.6g}): the "
+                        "file was edited or damaged")
     return eps
+
+
+def tuning_contract(rd: RunDir) -> str | None:
+    """The tuning contract config.yaml names (``privacy.tuning_contract``), None without one."""
+    raw = C.load_yaml(rd.config) if rd.config.is_file() else {}
+    priv = raw.get("privacy") if isinstance(raw, dict) else None
+    value = priv.get("tuning_contract") if isinstance(priv, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _at_delta(rec: dict, delta: float, path: Path) -> dict:
@@ -360,7 +384,7 @@ def _at_delta(rec: dict, delta: float, path: Path) -> dict:
     out = {"delta": delta, "epsilon_run": own}
     t = rec.get("tuning") if isinstance(rec.get("tuning"), dict) else {}
     if t.get("on") == "private":
-        g = TG.derive(t["run_events"], list(t["trial_mechanisms"]),
+        g = TG.derive(t["run_events"], None,
                       TG.trial_count_from_dict(t.get("trial_count") or {}, str(path)), delta, source=str(path))
         out["epsilon"] = g["epsilon_released_model"]
         out["note"] = "the released (selected) model's guarantee at this delta"
@@ -417,7 +441,13 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
     # every headline figure is re-derived here, never read from the file
     if rec.get("private", True):
         plan_eps = _plan_epsilon(rec, rd.privacy)
-        tuned = verify_tuning(rec, rd.privacy)
+        contract = tuning_contract(rd)
+        tuned = verify_tuning(rec, rd.privacy, contract)
+        if contract is not None and tuned is None:  # one trial of a private tuning run, not (yet) selected
+            rec["not_accounted"] = list(rec.get("not_accounted") or []) + [
+                "this run is one trial of a private tuning run: its epsilon covers this run on its own; if it is "
+                "released as the selected trial, the guarantee is the tuning guarantee (userdp tune writes it "
+                "into the selected run), never this trial's epsilon"]
         total = tuned if tuned is not None else float(rec["epsilon"]) + plan_eps
         rec["epsilon_plan"] = plan_eps if rec.get("plan") is not None else None
         rec["epsilon_total"] = total
@@ -498,13 +528,14 @@ def render_markdown(rep: dict) -> str:
     plan_eps = rep.get("epsilon_plan") or 0.0
     tuning = rep.get("tuning") if isinstance(rep.get("tuning"), dict) else {}
     if private and tuning.get("on") == "private":
-        L.append(f"**Guarantee.** This model was selected by `userdp tune` as the best of "
-                 f"{tuning.get('trials_run')} trials; the released model (and every checkpoint of this run) "
-                 f"satisfies user-level ({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential "
-                 f"privacy under add/remove-one-user adjacency — {rep['tier']['meaning']}. It is the smaller of "
-                 f"private selection ({_fmt(tuning.get('epsilon_selection_bound'))}) and the composition of the "
-                 f"trials run ({_fmt(tuning.get('epsilon_trials_run_composed'))}). This trial's own epsilon, "
-                 f"{_fmt(rep['epsilon'])}, is the epsilon of one trial, not a guarantee for the selected model.")
+        L.append(f"**Guarantee.** This model was selected by `userdp tune` among trials whose number was drawn "
+                 f"in secret; the released model (and every checkpoint of this run) satisfies user-level "
+                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential "
+                 f"privacy under add/remove-one-user adjacency — {rep['tier']['meaning']} — by private selection "
+                 "(Papernot & Steinke 2022), which holds while the number of trials stays secret: publishing it, "
+                 "or any other trial's score or model, voids this bound (the tuning directory's tune.json states "
+                 f"what that would cost). This trial's own epsilon, {_fmt(rep['epsilon'])}, is the epsilon of one "
+                 "trial, not a guarantee for the selected model.")
     elif private and plan_eps:
         L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
                  f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
@@ -641,8 +672,8 @@ def model_card(rep: dict) -> str:
                      f"{tier.get('meaning', '')}.")
         if isinstance(rep.get("tuning"), dict) and rep["tuning"].get("on") == "private":
             lines.append("")
-            lines.append(f"It was selected by `userdp tune` among {rep['tuning'].get('trials_run')} trials; the "
-                         "epsilon above is the selected model's guarantee, not one trial's.")
+            lines.append("It was selected by `userdp tune` among trials whose number is kept secret (private "
+                         "selection); the epsilon above is the selected model's guarantee, not one trial's.")
     else:
         lines.append("**No differential-privacy guarantee.** This model was trained without noise: it may "
                      "reveal any training user's data.")

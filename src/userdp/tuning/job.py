@@ -63,6 +63,27 @@ def _plan_for(cfg: C.RunConfig, prep, tau: float | None):
     return run_plan(cfg, prep.train_subset.num_users, n_units)
 
 
+def _check_public_is_not_private(cfg: C.RunConfig, public_cfg: C.RunConfig | None) -> None:
+    """``--on public`` trains every trial on the public config's data: refuse one whose data is the
+    private data (issue 34, M1: the run would say the private data was touched once).
+
+    Raises:
+        UserError: naming --public-config."""
+    if public_cfg is None:
+        raise UserError("--on public needs --public-config (a config whose data is declared public)")
+    priv, pub = cfg.data, public_cfg.data
+    same = priv == pub
+    p1, p2 = getattr(priv, "path", None), getattr(pub, "path", None)
+    if not same and p1 and p2:
+        try:
+            same = Path(str(p1)).resolve() == Path(str(p2)).resolve() or os.path.samefile(str(p1), str(p2))
+        except OSError:
+            same = False
+    if same:
+        raise UserError("--public-config: its data is the private data of the tuned config "
+                        f"({p1 or 'the same data section'}); --on public needs data declared public")
+
+
 def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCount, out: Path,
                on: str = "private", public_cfg: C.RunConfig | None = None, seed: int | None = None,
                log: Log) -> dict:
@@ -75,6 +96,8 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
         raise UserError(f"{out}: a tuning run is already there (continue it with --resume {out})")
     base = C.to_dict(cfg)
     trial_raw = C.to_dict(public_cfg) if on == "public" else base
+    if on == "public":
+        _check_public_is_not_private(cfg, public_cfg)
     # every point the space can draw must be a valid config, before anything is spent or written
     validate_space(space, lambda params: _trial_config(base, params, []), "--search")
     if on == "public":
@@ -97,6 +120,9 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
                      "epsilon_one_trial_by_mechanism": cal.epsilon_trial,
                      "run_events": {k: event_to_dict(compose(p.step_event, p.config.steps))
                                     for k, p in cal.plans.items()}}
+        # what the released statement rests on, fixed now: each trial's config carries its digest,
+        # so the released run's journal is bound to it before its first step (issue 34, C2)
+        guarantee["contract_sha256"] = TG.contract_digest(on, count.to_dict(), delta, guarantee["run_events"])
     else:
         sigma, guarantee = {}, {}
     rng = np.random.default_rng(np.random.SeedSequence(secrets.randbits(128) if seed is None else seed))
@@ -204,6 +230,8 @@ def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
             sig = state["sigma"][t["mechanism"]]
             eps_t = state["epsilon_one_trial_by_mechanism"][t["mechanism"]]
             extra += [f"privacy.noise_multiplier={sig!r}", f"privacy.epsilon={eps_t * (1 + 1e-9) + 1e-9!r}"]
+            if state.get("contract_sha256"):
+                extra.append(f"privacy.tuning_contract={state['contract_sha256']}")
         log(f"tune: trial {t['index'] + 1} of {state['trials_planned']}: "
             + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in t["params"].items()))
         s = _run_or_resume(d, lambda t=t, extra=extra: _trial_config(base, t["params"], extra), progress, log)
@@ -239,41 +267,38 @@ def release(state: dict, out: Path, log: Log) -> dict:
 
 
 def _guarantee(state: dict, best: dict) -> dict:
-    k = len(state["trials"])
-    s = {"on": state["on"], "trials_run": k, "delta": state["delta"],
-         "trial_count": state["count"], "seeded": state["seeded"],
-         "best": {"run_dir": best["run_dir"], "index": best["index"], "params": best["params"],
-                  "mechanism": best.get("mechanism"),
+    """The released statement (``tuning.json`` and the winner's privacy.json): nothing in it depends
+    on the number of trials K (issue 34, C3). What K and the other trials would cost if published
+    goes into tune.json, the tuning directory's own record, which is not released."""
+    s = {"on": state["on"], "delta": state["delta"], "trial_count": state["count"], "seeded": state["seeded"],
+         "best": {"params": best["params"], "mechanism": best.get("mechanism"),
                   "heldout_loss": best["score"], "heldout_perplexity": best["perplexity"]},
          "scoring": ("held-out loss per token on the held-out users (data.heldout_users): those users are "
                      "excluded from training and declared outside the guarantee; selecting on their loss "
                      "is a non-private use of their records")}
     if state["on"] == "private":
-        if "run_events" not in state:
-            raise UserError("tune.json was written by an older userdp (no run events to derive the "
+        if "run_events" not in state or "contract_sha256" not in state:
+            raise UserError("tune.json was written by an older userdp (no tuning contract to derive the "
                             "guarantee from); start the tuning run again")
         g = TG.derive(state["run_events"], [t["mechanism"] for t in state["trials"]],
                       TG.trial_count_from_dict(state["count"], STATE), state["delta"], source=STATE)
         s.update(epsilon_total=g["epsilon_released_model"], epsilon_budget=state["epsilon"],
                  epsilon_selection_bound=g["epsilon_selection_bound"],
-                 epsilon_trials_run_composed=g["epsilon_trials_run_composed"],
-                 released_bound=g["released_bound"],
                  epsilon_one_trial=best["epsilon"],
                  epsilon_one_trial_note=("the epsilon of the winning trial's own run: NOT a guarantee for the "
                                          "released model, which was selected among the trials"),
-                 run_events=state["run_events"],
-                 trial_mechanisms=[t["mechanism"] for t in state["trials"]],
-                 method=("the smaller of two valid bounds for the released (selected) model: private "
-                         "selection (Papernot & Steinke 2022): the number of trials K was drawn "
-                         f"from {state['count']['kind']} (mean {state['count']['mean']:.3g}) before any trial "
-                         "and only the best trial is released; per-trial RDP curves (the max over the space's "
-                         "mechanisms) -> their theorem -> (epsilon, delta); and the composition of the K trials "
-                         "run (K and every trial's hyperparameters are data-independent, so given K the "
-                         "trials compose; the released model is their post-processing)"))
-        # publishing every trial (the table, every model) is their plain composition
-        s["epsilon_all_trials_published"] = g["epsilon_trials_run_composed"]
-    else:
-        s.update(epsilon_total=best["epsilon"], epsilon_final_model=best["epsilon"],
+                 run_events=state["run_events"], contract_sha256=state["contract_sha256"],
+                 method=("private selection (Papernot & Steinke 2022): the number of trials K was drawn from "
+                         f"{state['count']['kind']} (mean {state['count']['mean']:.3g}) before any trial and is "
+                         "kept secret; only the best trial is released; per-trial RDP curves (the max over the "
+                         "space's mechanisms) -> their theorem -> (epsilon, delta). Publishing K, another trial's "
+                         "score or model, or the tuning directory voids this bound: the composition of the K "
+                         "trials run applies instead (tune.json, epsilon_if_trials_published)"))
+        # the workspace's own record: what publishing the trials would cost (never in released files)
+        state["epsilon_if_trials_published"] = g["epsilon_if_trials_published"]
+    else:  # trials on public data: their number and folders reveal nothing private
+        s["best"].update(run_dir=best["run_dir"], index=best["index"])
+        s.update(trials_run=len(state["trials"]), epsilon_total=best["epsilon"], epsilon_final_model=best["epsilon"],
                  method="trials on data declared public; the private data was touched once (the final run)")
     return s
 
@@ -286,7 +311,7 @@ def _annotate_best(summary: dict, best: dict) -> None:
     rec = read_json(p)
     if summary["on"] == "private":
         rec["tuning_guarantee"] = (
-            f"the released model was selected among {summary['trials_run']} trials: epsilon = "
+            f"the released model was selected by private tuning (the number of trials is secret): epsilon = "
             f"{summary['epsilon_total']:.4g} at delta = {summary['delta']:.3g} ({summary['method']}); "
             f"the epsilon of this trial alone, {summary['epsilon_one_trial']:.4g}, is not a guarantee for the "
             "selected model; trials were scored on held-out users declared outside the guarantee")

@@ -1,0 +1,79 @@
+"""Issue 34, the file test: a figure in a statement is re-derived from facts bound outside the
+file that carries it (the ledger journal, bound before the first step). Here: the tuning section
+(C2, C3) and the plan's DP median (H4)."""
+
+import json
+
+import pytest
+from _lm_corpus import write_tiny_run
+
+from userdp.accounting import private_selection as PS
+from userdp.accounting.selection import TrialCount
+from userdp.cli import main as cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("files")
+    cfg, _ = write_tiny_run(tmp, "")
+    out = tmp / "run"
+    import os
+    os.environ["USERDP_CACHE"] = str(tmp / "cache")
+    try:
+        assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 0
+    finally:
+        os.environ.pop("USERDP_CACHE", None)
+    return out
+
+
+def _fake_tuning(priv: dict, trials: list) -> dict:
+    count = TrialCount.with_mean("tnb", 8.0, 1.0).to_dict()
+    events = {"m": priv["dp_event"]}
+    return {"on": "private", "delta": priv["delta"], "trial_count": count, "run_events": events,
+            "trial_mechanisms": trials, "trials_run": 8, "best": {"mechanism": "m"},
+            "contract_sha256": PS.contract_digest("private", count, priv["delta"], events),
+            "epsilon_total": PS.derive(events, None, PS.trial_count_from_dict(count, "t"), priv["delta"])[
+                "epsilon_released_model"]}
+
+
+@pytest.mark.parametrize("trials", [[], ["m"]])
+def test_a_tuning_section_added_to_an_untuned_run_is_refused(finished, capsys, trials):
+    """C2: an untuned run given a hand-written private tuning section (self-consistent: its figure
+    re-derives from its own events) was certified as epsilon = 0 with an empty trial list. The
+    run's journal was bound to a config without a tuning contract: refused."""
+    p = finished / "privacy.json"
+    good = p.read_text()
+    rec = json.loads(good)
+    rec["tuning"] = _fake_tuning(rec, trials)
+    p.write_text(json.dumps(rec))
+    try:
+        capsys.readouterr()
+        assert cli(["report", str(finished)]) == 2
+        err = capsys.readouterr().err
+        assert "names no tuning contract" in err and "Traceback" not in err
+    finally:
+        p.write_text(good)
+    assert cli(["report", str(finished)]) == 0
+
+
+def test_an_edited_config_naming_a_contract_is_refused_by_the_journal(finished, capsys):
+    """The contract is bound through config.yaml's fingerprint: writing one into config.yaml after
+    the run breaks its binding to the journal."""
+    c = finished / "config.yaml"
+    good = c.read_text()
+    p = finished / "privacy.json"
+    pgood = p.read_text()
+    rec = json.loads(pgood)
+    rec["tuning"] = _fake_tuning(rec, ["m"])
+    p.write_text(json.dumps(rec))
+    assert "tuning_contract: null" in good
+    c.write_text(good.replace("tuning_contract: null", f"tuning_contract: {rec['tuning']['contract_sha256']}", 1))
+    try:
+        capsys.readouterr()
+        assert cli(["report", str(finished)]) == 2
+        assert "not the configuration this run's ledger journal was bound to" in capsys.readouterr().err
+    finally:
+        c.write_text(good)
+        p.write_text(pgood)
