@@ -1,12 +1,12 @@
 """What only a GPU can show (issue 27): skipped on a machine without CUDA, run by
-``benchmarks/gpu_check.py`` where there is one. Each has a CPU-side twin that runs everywhere
+``benchmarks/gpu/run.sh`` where there is one. Each has a CPU-side twin that runs everywhere
 (tests/test_engine_tensor_cores.py, test_engine_device_discipline.py, test_engine_chacha.py)."""
 
 import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.py)")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu/run.sh)")
 
 CUDA = torch.device("cuda") if torch.cuda.is_available() else None
 

@@ -131,7 +131,7 @@ def test_a_step_syncs_once_and_never_copies_to_the_device_blockingly(monkeypatch
 
 def test_optimizers_are_fused_on_cuda_only():
     """Fused Adam/AdamW/SGD on CUDA (no host read of Adam's step count); elsewhere torch's default.
-    The CUDA branch needs a GPU (benchmarks/gpu_check.py runs it); here: the CPU is not fused,
+    The CUDA branch needs a GPU (benchmarks/gpu/run.sh runs it); here: the CPU is not fused,
     and a generator of parameters is built once (the fused check must not consume it)."""
     from userdp.engine.optimizers import SGD, Adam, _fused
 

@@ -286,6 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu_out", help="folder for rows.jsonl")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole check (default 480)")
     p.add_argument("--parts", default=",".join(PARTS), help="which parts, in order (default: all)")
+    p.add_argument("--part-budget", type=float, default=None, help="cap every part's budget (seconds)")
     p.add_argument("--part", help=argparse.SUPPRESS)  # internal: run one part in this process
     a = p.parse_args(argv)
     if a.part:
@@ -311,7 +312,8 @@ def main(argv=None) -> int:
         if left < 10:
             statuses.append(run_skip(name, rows, t0, f"skipped: {left:.0f} s of the budget left"))
             continue
-        statuses.append(run_part(name, a, min(PARTS[name][0], left), rows, t0))
+        cap = PARTS[name][0] if a.part_budget is None else min(PARTS[name][0], a.part_budget)
+        statuses.append(run_part(name, a, min(cap, left), rows, t0))
     ok = all(s["status"] == "ok" for s in statuses)
     _say(t0, f"done: {sum(s['status'] == 'ok' for s in statuses)}/{len(statuses)} parts ok; rows in {rows}")
     return 0 if ok else 1
