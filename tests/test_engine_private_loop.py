@@ -196,7 +196,7 @@ def test_journal_checkpoints_and_a_resume_that_replays_to_the_same_model(tmp_pat
             if step.index == 5:  # a crash after step 5: the checkpoint holds step 3, the journal 5 steps
                 break
     assert steps_begun(os.path.join(ck, JOURNAL)) == 5
-    with pytest.raises(UserError, match="already holds a checkpoint"):
+    with pytest.raises(UserError, match="already holds a checkpoint|already private"):
         make_private(cut, opt, data, ce_loss, cfg, checkpoint_dir=ck)
 
     again = MLP()  # a fresh process: the model and optimizer come back from the checkpoint
@@ -259,3 +259,44 @@ def test_two_ranks_of_the_own_loop_give_one_process_model():
     for r in range(2):
         assert torch.allclose(models[r].theta, single.theta, atol=1e-6)
         assert records[r]["steps_accounted"] == ref["steps_accounted"] == 4
+
+
+def test_make_private_twice_on_one_model_is_refused_once_a_step_was_released():
+    """Issue 34 (L1): a second make_private started a fresh ledger (nine releases reported as the
+    last call's epsilon alone)."""
+    data = mlp_data(SIZES)
+    cfg = _cfg(ULS(group_size=3, sampling_rate=0.3), SGD(lr=0.1))
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with make_private(model, opt, data, ce_loss, cfg) as private:
+        for step in private:
+            step.backward()
+            opt.step()
+            break
+    with pytest.raises(UserError, match="already private"):
+        make_private(model, opt, data, ce_loss, cfg)
+
+
+def test_a_loop_that_puts_batchnorm_back_in_training_mode_is_refused_at_the_release():
+    """Issue 34 (H2): the linter ran once, at build; a model put in eval() before make_private and
+    train() in the loop (the PyTorch idiom) updated running statistics from the un-noised cohort."""
+    class BNNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 3)
+            self.bn = torch.nn.BatchNorm1d(3)
+
+        def forward(self, x):
+            return self.bn(self.lin(x))
+
+    data = mlp_data(SIZES)
+    cfg = _cfg(ULS(group_size=3, sampling_rate=0.3), SGD(lr=0.1), per_unit="vmap")
+    model = BNNet().eval()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with make_private(model, opt, data, ce_loss, cfg) as private:
+        for step in private:
+            model.train()
+            with pytest.raises(UserError, match="training mode at a private step"):
+                step.backward()
+            break
+        assert private._run.ledger.spent == 0  # refused before the ledger counted anything

@@ -168,3 +168,18 @@ def test_plan_auto_dp_median_is_counted_in_the_total(tiny, capsys):
     md = (out / "report.md").read_text()
     assert f"({priv['epsilon_total']:.4g}, " in md and "in total" in md
     assert "extra spend" in md
+    # issue 34 (H4): the plan's spend is bound to the journal; deleting or editing the plan section
+    # no longer drops it from the headline
+    good = (out / "privacy.json").read_text()
+    for edit, why in ((lambda r: r.pop("plan"), "carries no plan section"),
+                      (lambda r: r["plan"].update(dp_median_epsilon_spent=0.0,
+                                                  els=dict(r["plan"]["els"], group_size_method="median")),
+                       "not the 0.5 the ledger journal")):
+        rec = json.loads(good)
+        edit(rec)
+        (out / "privacy.json").write_text(json.dumps(rec))
+        capsys.readouterr()
+        assert cli(["report", str(out)]) == 2
+        assert why in capsys.readouterr().err
+    (out / "privacy.json").write_text(good)
+    assert cli(["report", str(out)]) == 0

@@ -31,6 +31,7 @@ from userdp.engine.chacha import tail_delta
 from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
+from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan, privacy_repr  # noqa: F401  (re-exported)
@@ -153,6 +154,7 @@ class _Run:
         self.combiner = combiner or LocalCombiner()
         precision = Precision(cfg.precision)
         self.per_unit = make_per_unit(cfg.per_unit, model, loss_fn, self.algo, precision)
+        self._mixing = mixing_modules(model)  # checked again at every release (issue 34, H2)
         self.params = self.per_unit.params
         self.device = self.params[0].device
         precision.check_device(self.device)
@@ -327,11 +329,14 @@ class _Run:
         the public denominator becomes ``.grad`` of the parameters the optimizer steps (replacing
         whatever was there). Returns the step's metrics so far and the count query's noisy value."""
         cfg, plan, comb = self.cfg, self.plan, self.combiner
+        check_release(self.model, self._mixing, None)  # a caller's loop may have called model.train()
         self.ledger.record_step()  # before anything of this step can be seen (on every rank: before its all-reduce)
+        versions = buffer_versions(self.model)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
         mine = ids[comb.rank :: comb.world_size]
         sums, stats = self.clipped_sum(mine)
+        check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
         stats = stats.cpu()  # the step's one host sync: a few float64 statistics
         # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
         main = comb.rank == 0

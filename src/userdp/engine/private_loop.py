@@ -175,6 +175,16 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserD
         UserError: a bad configuration, an optimizer that does not hold exactly the trainable
             parameters, float16/bfloat16 parameters, or a checkpoint_dir that holds another run.
     """
+    earlier = getattr(model, _MARK, None)
+    if earlier is not None and earlier.spent > 0 and not resume:
+        raise UserError("make_private: this model is already private under another make_private call; a second "
+                        "call would start a fresh ledger that does not count the first one's steps (their "
+                        "epsilons compose): continue the first, or resume it from its checkpoint_dir")
     run = start_run(model, data, loss_fn, config, checkpoint_dir=checkpoint_dir, resume=resume,
                     journal_context=journal_context, optimizer=optimizer, combiner=combiner)
+    setattr(model, _MARK, run.ledger)  # the ledger alone (its count), not the run and its data
     return PrivateTraining(run)
+
+
+#: the ledger of the make_private call that made a model private (issue 34, L1)
+_MARK = "_userdp_made_private"

@@ -313,6 +313,15 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
     if "delta" in ctx and ctx["delta"] != rec.get("delta"):
         raise UserError(f"{rd.privacy}: delta {rec.get('delta')} is not the delta {ctx['delta']} the ledger "
                         "journal was bound to")
+    if "plan_dp_median_epsilon" in ctx:  # a plan's DP median spent before the first step: it must be stated
+        bound = float(ctx["plan_dp_median_epsilon"])
+        if not rec.get("plan"):
+            raise UserError(f"{rd.privacy}: the ledger journal records a plan whose DP median spent epsilon = "
+                            f"{bound:.6g}, but the record carries no plan section (deleted?)")
+        got = plan_median_epsilon(rec["plan"], str(rd.privacy))
+        if not math.isclose(got, bound, rel_tol=1e-9, abs_tol=1e-12):
+            raise UserError(f"{rd.privacy}: its plan's DP median spent epsilon = {got:.6g}, not the {bound:.6g} the "
+                            "ledger journal was bound to (the plan section was edited)")
     acc = (rec.get("engine_record") or {}).get("accountant")
     if "accountant" in ctx and ctx["accountant"] != acc:
         raise UserError(f"{rd.privacy}: accountant {acc!r} is not the accountant {ctx['accountant']!r} the "

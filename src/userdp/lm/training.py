@@ -21,6 +21,7 @@ from userdp.lm.job_plan import JobPlan
 from userdp.lm.prepare import Log, Prepared
 from userdp.lm.release import privacy_json
 from userdp.lm.report import write_report
+from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.run_dir import RunDir
 from userdp.lm.tensorboard_log import Scalars
 
@@ -118,6 +119,8 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
     if main:
         rd.write_state(status="running")
     context = journal_context(rd, prep)
+    if job.plan:  # the plan's DP median is part of the statement: bound before the first step (issue 34, H4)
+        context["plan_dp_median_epsilon"] = plan_median_epsilon(job.plan, str(rd.root / "plan.json"))
     if audit is not None:
         context.update(audit.journal_context())
     try:
