@@ -175,7 +175,12 @@ def test_the_optimizer_must_hold_exactly_the_trainable_parameters():
     make_private(model, torch.optim.SGD(rest, lr=0.1), data, ce_loss, cfg).close()
 
 
-def test_journal_checkpoints_and_a_resume_that_replays_to_the_same_model(tmp_path):
+def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
+    """Issue 34 (H1): steps begun after the checkpoint were replayed under the same seeded noise,
+    but the caller's loop state (a scheduler, an EMA) is not in the checkpoint, so the replay took
+    a gradient at other parameters: two releases of one step differing by a noiseless function,
+    counted once. Now those steps are counted as spent and the run is keyed anew (seed + steps
+    begun): the resumed model differs from the uncrashed one, and every step is in the ledger."""
     data = mlp_data(SIZES)
     cfg = _cfg(ULS(group_size=3, sampling_rate=0.3), SGD(lr=0.2, momentum=0.9), steps=8, checkpoint_every=3)
     torch.manual_seed(0)
@@ -201,17 +206,38 @@ def test_journal_checkpoints_and_a_resume_that_replays_to_the_same_model(tmp_pat
 
     again = MLP()  # a fresh process: the model and optimizer come back from the checkpoint
     opt2 = torch.optim.SGD(again.parameters(), lr=0.2, momentum=0.9)
+    grads = []
     with make_private(again, opt2, data, ce_loss, cfg, checkpoint_dir=ck, resume=True) as private:
-        assert private.step == 3
+        assert private.step == 3 and private._run.rekeyed_at == 5
         for step in private:
             step.backward()
+            grads.append([p.grad.clone() for p in again.parameters()])
             opt2.step()
         rec = private.record()
-    for a, b in zip(whole.parameters(), again.parameters()):
-        assert torch.equal(a, b)
-    assert rec["steps_accounted"] == 8 and rec["journal"] is not None
-    assert steps_begun(os.path.join(ck, JOURNAL)) == 8
+    assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), again.parameters()))
+    # steps 4 and 5 were released before the crash and are counted; the 5 steps after the checkpoint
+    # ran under new noise; the ledger holds every release
+    assert rec["steps_lost_to_crashes"] == 2 and rec["steps_accounted"] == 10 and rec["journal"] is not None
+    assert steps_begun(os.path.join(ck, JOURNAL)) == 10
     json.dumps(rec, allow_nan=False)
+    # reproducible all the same: the same crash and resume give the same model
+    ck2 = str(tmp_path / "ck2")
+    cut2 = MLP()
+    cut2.load_state_dict(init)
+    o = torch.optim.SGD(cut2.parameters(), lr=0.2, momentum=0.9)
+    with make_private(cut2, o, data, ce_loss, cfg, checkpoint_dir=ck2) as private:
+        for step in private:
+            step.backward()
+            o.step()
+            if step.index == 5:
+                break
+    third = MLP()
+    o3 = torch.optim.SGD(third.parameters(), lr=0.2, momentum=0.9)
+    with make_private(third, o3, data, ce_loss, cfg, checkpoint_dir=ck2, resume=True) as private:
+        for step in private:
+            step.backward()
+            o3.step()
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), third.parameters()))
 
 
 def test_a_nonprivate_config_says_so():

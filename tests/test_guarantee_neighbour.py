@@ -5,7 +5,6 @@ The adversaries: records whose per-token gradients cancel (the Gram-form norm lo
 norm to rounding: before the bound, one user reached 3x C in float32), huge values, one record
 repeated, a user with many records, non-finite values."""
 
-import math
 
 import numpy as np
 import pytest

@@ -438,19 +438,29 @@ class _Run:
             s = st["sampler"]
             if s["epoch"] is not None:
                 self.sampler_state = {"epoch": s["epoch"], "perm": s["perm"].numpy()}
-        self.ledger.load_state_dict(st["ledger"], replayable=st["seeded"], replay_refused=self.replay_refused())
+        before = int(st["ledger"]["spent"])
+        # steps begun after the checkpoint are counted as spent, never replayed under the same noise
+        # (a replay is not the same release: the caller's loop state, the data or the device's
+        # accumulation order may differ, and two releases under one noise draw cancel it; issue 34, H1)
+        self.ledger.load_state_dict(st["ledger"], replayable=False)
+        self.restored_spent = before  # start_run keys a seeded run anew if steps were begun after it
 
-    def replay_refused(self) -> str | None:
-        """Why a seeded run may not replay the steps it began after its checkpoint here (None: it
-        may). On CUDA, index_add_ and the other scatter kernels accumulate with atomics, so a
-        replayed step is not bit-for-bit the crashed one: it would release a different sum under
-        the same seeded noise, and the difference would cancel the noise. Such a resume is refused
-        (docs/threat_model.md); the CPU replays bit for bit."""
-        if self.device.type == "cpu":
-            return None
-        return (f"cannot resume this seeded run on {self.device.type}: it began steps after its last checkpoint, "
-                "and a replay there is not bit-for-bit (atomic accumulation), so it would release a different "
-                "sum under the same seeded noise; resume it with --device cpu, or start an unseeded run")
+    def rekey(self, begun: int) -> None:
+        """A seeded run resumed after steps it began but did not checkpoint: every generator (cohort,
+        records, noise, torch) is keyed anew from the seed and the count of steps begun, so no (key,
+        counter) pair of the noise — and no cohort draw — is used twice, and the run stays
+        reproducible from its seed and its journal."""
+        material = int.from_bytes(hashlib.sha256(f"{int(self.cfg.seed)}:resume:{int(begun)}".encode()).digest()[:16],
+                                  "little")
+        self.rng, self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
+        self.noise = make_noise(self.cfg.noise, source)
+        self.noise.init(self.master)
+        torch.manual_seed(torch_seed)
+        self.sampler_state = {}
+        self.rekeyed_at = int(begun)
+
+    rekeyed_at: int | None = None
+    restored_spent: int = 0
 
     # ------------------------------------------------------------------ the record
     def record(self) -> dict:
@@ -657,15 +667,17 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     if resume and ckpt.exists(checkpoint_dir):
         run.restore(ckpt.load(checkpoint_dir))
     elif resume and comb.rank == 0:
-        # crashed before the first checkpoint: the steps it began are spent all the same
-        # (a seeded run replays them); a missing or damaged journal is refused
-        run.ledger.resume_without_checkpoint(replayable=run.seeded, replay_refused=run.replay_refused())
+        # crashed before the first checkpoint: the steps it began are spent all the same (never
+        # replayed under the same noise: a seeded run is keyed anew); a missing or damaged journal is refused
+        run.ledger.resume_without_checkpoint(replayable=False)
     elif checkpoint_dir and not resume and comb.rank == 0:
         run.ledger.start_journal()
     if comb.world_size > 1:  # every rank counts what the main rank's journal says
         counts = torch.tensor([float(run.ledger.spent), float(run.ledger.lost_steps)], dtype=torch.float64)
         spent, lost = comb.broadcast_from_main([counts])[0].tolist()
         run.ledger.spent, run.ledger.lost_steps = int(spent), int(lost)
+    if resume and run.seeded and run.ledger.spent > run.restored_spent:
+        run.rekey(run.ledger.spent)  # on every rank alike: the steps begun after the checkpoint are not replayed
     return run
 
 
