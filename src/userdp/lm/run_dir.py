@@ -3,7 +3,7 @@
 ```
 <run>/
   config.yaml          the resolved configuration (defaults + file + --set)
-  metrics.jsonl        one JSON object per step: step, loss, epsilon, frac_clipped, tokens_per_s, ...
+  metrics.jsonl        one JSON object per step: step, loss, epsilon, fraction_clipped, clip_norm, ...
   tensorboard/         (output.tensorboard) the same rows as TensorBoard scalars
   eval.json            held-out-user loss and perplexity before and after
   checkpoints/         engine checkpoints (safetensors + the privacy ledger: ledger_journal.jsonl, a hash

@@ -24,9 +24,10 @@ from userdp.errors import UserError
 FOLDER = "tensorboard"
 
 #: metrics.jsonl field -> TensorBoard tag
+#: (no per-step cohort size, token count, throughput or step time: each is an exact count of the
+#: step's private cohort, released every step without noise; issue 34, H5)
 TAGS = {"epsilon": "privacy/epsilon_spent", "loss": "train/loss", "fraction_clipped": "train/fraction_clipped",
-        "nonfinite_units": "train/nonfinite_units", "clip_norm": "train/clip_norm", "units": "train/units",
-        "tokens_per_s": "perf/tokens_per_s", "step_time": "perf/step_time_s"}
+        "nonfinite_units": "train/nonfinite_units", "clip_norm": "train/clip_norm"}
 
 
 def check_available(enabled: bool) -> None:

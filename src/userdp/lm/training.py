@@ -94,12 +94,12 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
         toks = counter.tokens - last_tok[0]
         dt = max(1e-9, m.get("step_time") or (now - last_tok[1]))
         last_tok[0], last_tok[1] = counter.tokens, now
+        # no per-step cohort size, token count, throughput or step time: each is an exact count of the
+        # step's private cohort, and a user with many tokens would stand out in every step it was
+        # sampled (issue 34, H5); the terminal's progress bar (the data holder's own) shows the speed
         row = {"step": m["step"], "loss": m["loss"], "epsilon": m.get("epsilon_spent"),
-               "fraction_clipped": m.get("fraction_clipped"), "tokens_per_s": toks / dt,
-               "units_per_s": m.get("units_per_s"), "units": m.get("units"), "tokens": toks,
-               "step_time": m.get("step_time"), "clip_norm": m.get("clip_norm"),
+               "fraction_clipped": m.get("fraction_clipped"), "clip_norm": m.get("clip_norm"),
                "nonfinite_units": m.get("nonfinite_units", 0),  # a non-private diagnostic
-               "time": round(now - t_start, 3),
                "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
         mfile.write(strict_dumps(row) + "\n")  # strict JSON (a non-private run's epsilon is "inf")
         mfile.flush()
@@ -108,7 +108,7 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
             eps = row["epsilon"]
             bar.update(1)
             bar.set_postfix_str(f"loss {row['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} "
-                                f"tok/s {row['tokens_per_s']:.0f}")
+                                f"tok/s {toks / dt:.0f}")
 
     def checkpoint_files(run) -> dict:
         """The LM files committed with each engine checkpoint, as one unit."""
