@@ -168,3 +168,26 @@ def test_a_ghost_chunk_launches_few_kernels_beyond_a_nonprivate_step():
     assert row["nonprivate_kernels"] > 100  # the baseline really ran
     assert row["kernel_ratio"] <= 2.4, row
     assert "scalar_tensor.default" not in row["excess"] and "zeros.default" not in row["excess"], row["excess"]
+
+
+def test_the_cpu_configuration_of_a_ghost_chunk_is_held_to_its_op_count(monkeypatch):
+    """Issue 42: a regression guard for the CPU path that times nothing. The CPU keeps one layer at a
+    time (no stacks) and float32 contractions (no tensor cores); its ops per ghost chunk, counted on
+    the `meta` device, were 1,353 (1.53x a non-private forward + backward) at c45e820 and 2,095
+    (2.36x) with the proven norm bound (issue 34, C1: two |G| quadratic forms and the rows' norms
+    per Gram pair, each O(T^2), small beside the Grams' O(T^2 d)). A change that multiplies the CPU's
+    work shows here first."""
+    import sys
+    from pathlib import Path
+
+    import userdp.engine.ghost as ghost_mod
+
+    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "off")
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "off")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        from bench_ops import chunk_ops
+    finally:
+        sys.path.pop(0)
+    small = chunk_ops("gpt2-small")
+    assert small["nonprivate_kernels"] > 500 and small["kernel_ratio"] <= 2.5, small
