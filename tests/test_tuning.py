@@ -187,6 +187,8 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
     assert cli(["report", str(best), "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["epsilon_total"] == pytest.approx(s["epsilon_total"], rel=1e-9)
+    # issue 34 (L2): "epsilon" is the released model's guarantee in --json too; the trial's is epsilon_run
+    assert rep["epsilon"] == rep["epsilon_total"] and rep["epsilon_run"] == pytest.approx(s["epsilon_one_trial"])
     assert rep["tier"]["meaning"] == priv["tier"]["meaning"]
     assert cli(["report", str(best)]) == 0
     md = capsys.readouterr().out

@@ -463,6 +463,11 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
         rec["tier"] = epsilon_tier(total)
     if delta is not None:
         rec["at_delta"] = _at_delta(rec, delta, rd.privacy)
+    # one key, one meaning, in every file and --json (issue 34, L2): "epsilon" is the released model's
+    # guarantee; the training run's own figure is "epsilon_run"
+    rec["epsilon_run"] = rec.get("epsilon")
+    if rec.get("private", True) and rec.get("epsilon_total") is not None:
+        rec["epsilon"] = rec["epsilon_total"]
     state = rd.read_state()
     ev = read_json(rd.eval) if rd.eval.is_file() else {}
     rec["run_dir"] = str(rd.root)
@@ -543,13 +548,13 @@ def render_markdown(rep: dict) -> str:
                  f"privacy under add/remove-one-user adjacency — {rep['tier']['meaning']} — by private selection "
                  "(Papernot & Steinke 2022), which holds while the number of trials stays secret: publishing it, "
                  "or any other trial's score or model, voids this bound (the tuning directory's tune.json states "
-                 f"what that would cost). This trial's own epsilon, {_fmt(rep['epsilon'])}, is the epsilon of one "
+                 f"what that would cost). This trial's own epsilon, {_fmt(rep.get('epsilon_run', rep.get('epsilon')))}, is the epsilon of one "
                  "trial, not a guarantee for the selected model.")
     elif private and plan_eps:
         L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
                  f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
                  f"under add/remove-one-user adjacency in total: training spent epsilon = "
-                 f"{_fmt(rep['epsilon'])} and the plan's DP median of records per user spent "
+                 f"{_fmt(rep.get('epsilon_run', rep.get('epsilon')))} and the plan's DP median of records per user spent "
                  f"epsilon = {_fmt(plan_eps)} (basic composition) — {rep['tier']['meaning']}. "
                  "The plan's other data touches are not accounted (section 3).")
     elif private:
@@ -598,11 +603,11 @@ def render_markdown(rep: dict) -> str:
                  f"`{rep['sampler_used']}`. Guarantee without amplification: epsilon = "
                  f"{_fmt(rep.get('epsilon_no_amplification'))}.")
     if tuning.get("on") == "private":
-        L.append(f"- (c) this trial alone: epsilon = {_fmt(rep['epsilon'])} (the epsilon of one trial, not a "
+        L.append(f"- (c) this trial alone: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (the epsilon of one trial, not a "
                  f"guarantee for the selected model); the released model: epsilon = {_fmt(rep['epsilon_total'])}, "
                  f"delta = {_fmt(rep['delta'])} ({rep['delta_rule']})")
     else:
-        L.append(f"- (c) final model: epsilon = {_fmt(rep['epsilon'])} (target "
+        L.append(f"- (c) final model: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (target "
                  f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
                  f"({rep['delta_rule']})")
     if plan_eps:
