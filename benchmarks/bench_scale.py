@@ -3,6 +3,7 @@ on the same records and tokens and against Opacus 1.6 (per-sample hooks, and its
 on the ELS-equivalent job, all measured in this run.
 
     python benchmarks/bench_scale.py --quick --json   # CPU-sized: gpt2-small, ULS G=4 and ELS
+    python benchmarks/bench_scale.py --quick --no-untied --threads 1 --repeat 3   # median and spread
     python benchmarks/bench_scale.py                  # + G=16, FedAvg, Opacus, LoRA r=8/32, gpt2-medium
     python benchmarks/bench_scale.py --device cuda --dtype bfloat16
     python benchmarks/bench_scale.py --fit 24,40,80 --json   # the largest chunk of each preset that fits
@@ -356,6 +357,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
     ap.add_argument("--no-untied", action="store_true", help="skip the untied-GPT-2 rows (Opacus ghost comparison)")
     ap.add_argument("--lora", action="store_true", help="with --quick: add the LoRA r = 8 and r = 32 rows")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="N interleaved repetitions (non-private, ULS, ELS, non-private, ...): median and spread")
     ap.add_argument("--fit", default=None, metavar="GIB,...",
                     help="instead: the largest chunk of gpt2-small/medium/large (full, LoRA r = 8; ULS G = 16, ELS; "
                          "Adam) that the memory model fits in each cap, in GiB")
@@ -386,8 +389,52 @@ def main(argv=None) -> int:
     if a.worker:
         print(json.dumps(_worker(a)))
         return 0
-    rows, base = [], {}
     hw = platform.processor() or platform.machine()
+    machine = _machine(a.threads)
+    rounds = [_one_round(a, gpu) for _ in range(max(1, a.repeat))]  # interleaved: every config once a round
+    rows = _aggregate(rounds, machine)
+    machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    for row in rows:
+        if not a.json:
+            tr, mr = row["time_ratio"], row["memory_ratio"]
+            spread = (f" [{row['time_ratio_min']:.2f}-{row['time_ratio_max']:.2f}]"
+                      if row.get("time_ratio_min") is not None and a.repeat > 1 else "")
+            print(f"{row['model']:12s} {row['mode']:8s} {row['algorithm']:13s} G={row['group_size']:<3d} "
+                  f"{row['s_per_step'] or float('nan'):8.3f} s {row['tokens_per_s'] or float('nan'):9.0f} tok/s  "
+                  f"time x{tr if tr else float('nan'):.2f}{spread}  mem x{mr if mr else float('nan'):.2f}  "
+                  f"{row['per_unit'] or ''} {row['error'] or ''}", flush=True)
+    if a.json:
+        print(json.dumps(rows))
+    else:
+        print(f"device {a.device} ({hw}), dtype {a.dtype}, {a.users} users x G records of {a.seq_len} tokens; "
+              f"{a.repeat} interleaved repetition(s) (median, [min-max] of the ratios)")
+        print(f"machine: {machine['cpu']}; flags {', '.join(machine['flags']) or 'none of avx2/avx512f/amx'}; "
+              f"{machine['threads']} torch thread(s) of {machine['cores']} cores; load average "
+              f"{machine['load_average_start']} at the start, {machine['load_average_end']} at the end")
+    return 0
+
+
+def _machine(threads: int) -> dict:
+    """What the ratios depend on beyond the code: the CPU, its vector extensions, threads, load."""
+    cpu, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and cpu in ("", platform.machine(), platform.processor()):
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": cpu, "flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags],
+            "cores": os.cpu_count(), "threads": threads,
+            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _one_round(a, gpu: bool) -> list[dict]:
+    """One measurement of every configuration, each in its own process, in order (non-private first,
+    then its DP steps): ratios against the non-private step of the same round."""
+    rows, base = [], {}
     for model, mode, r, alg, g in _configs(a.quick, a.device, untied=not a.no_untied, lora=a.lora):
         untied = model.endswith("-untied")
         res = _run_worker(["--model", model.removesuffix("-untied"), "--mode", mode, "--lora-rank", str(r),
@@ -418,17 +465,26 @@ def main(argv=None) -> int:
             # a G=16 step holds 4x the records of the G=4 non-private batch: per-token ratio
             row["time_ratio_per_token"] = (res["s_per_step"] / (g / 4)) / b["s_per_step"]
         rows.append(row)
-        if not a.json:
-            tr = row["time_ratio"]
-            mr = row["memory_ratio"]
-            print(f"{model:12s} {row['mode']:8s} {alg:13s} G={g:<3d} {row['s_per_step'] or float('nan'):8.3f} s "
-                  f"{row['tokens_per_s'] or float('nan'):9.0f} tok/s  time x{tr if tr else float('nan'):.2f}  "
-                  f"mem x{mr if mr else float('nan'):.2f}  {row['per_unit'] or ''} {row['error'] or ''}", flush=True)
-    if a.json:
-        print(json.dumps(rows))
-    else:
-        print(f"device {a.device} ({hw}), dtype {a.dtype}, {a.users} users x G records of {a.seq_len} tokens")
-    return 0
+    return rows
+
+
+def _aggregate(rounds: list[list[dict]], machine: dict) -> list[dict]:
+    """Per configuration: the median of each figure over the rounds, and the spread (min, max) of
+    the time ratio; the machine the figures were taken on."""
+    out = []
+    for i, first in enumerate(rounds[0]):
+        runs = [r[i] for r in rounds]
+        row = dict(first, repeats=len(runs), machine=machine)
+        for key in ("s_per_step", "tokens_per_s", "peak_bytes", "noise_s", "time_ratio", "memory_ratio",
+                    "time_ratio_excluding_host_noise", "time_ratio_per_token"):
+            vals = [x.get(key) for x in runs if x.get(key) is not None]
+            row[key] = statistics.median(vals) if vals else None
+        ratios = [x["time_ratio"] for x in runs if x.get("time_ratio") is not None]
+        row["time_ratio_min"] = min(ratios) if ratios else None
+        row["time_ratio_max"] = max(ratios) if ratios else None
+        row["error"] = next((x["error"] for x in runs if x.get("error")), None)
+        out.append(row)
+    return out
 
 
 def _fit_main(a) -> int:
