@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 
 import numpy as np
 
@@ -34,26 +35,63 @@ def _sizes(store_or_sizes) -> np.ndarray:
     return np.asarray(store_or_sizes.sizes() if hasattr(store_or_sizes, "sizes") else store_or_sizes, dtype=np.int64)
 
 
+def keyed_uniforms(ids, seed: int, purpose: str) -> np.ndarray:
+    """One number in [0, 1) per user id: the first 64 bits of sha256(purpose, seed, id). A user's
+    number depends on that user's id alone, so adding or removing a user moves no one else (the
+    unit of the mechanism D -> model stays one user; issue 34, H3)."""
+    out = np.empty(len(ids), dtype=np.float64)
+    prefix = f"userdp:{purpose}:{int(seed)}:".encode()
+    for i, uid in enumerate(ids):
+        h = hashlib.sha256(prefix + str(uid).encode("utf-8", "surrogatepass")).digest()
+        out[i] = int.from_bytes(h[:8], "little") / 2.0 ** 64
+    return out
+
+
+def _ids(store_or_sizes, n: int) -> list:
+    """The users' ids (a store's), or their positions for a plain list of sizes."""
+    ids = getattr(store_or_sizes, "user_ids", None)
+    return list(ids()) if callable(ids) else list(range(n))
+
+
 def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
-    """Hold out round(fraction * N) users (at least 1 when fraction > 0), chosen by ``seed``."""
+    """Hold out each user with probability ``fraction``, independently, by a keyed hash of its id
+    (:func:`keyed_uniforms`): whether a user is held out depends on that user alone, never on who
+    else is in the data (a permutation of all N users moved 24 others when one was added).
+
+    Raises:
+        UserError: a fraction outside [0, 1), or a draw that holds out every user or (with a
+            fraction above 0) none."""
     sizes = _sizes(store_or_sizes)
     n = len(sizes)
     if not 0.0 <= fraction < 1.0:
         raise UserError(f"held-out fraction must be in [0, 1), got {fraction}")
-    k = int(round(fraction * n))
-    if fraction > 0:
-        k = max(1, k)
+    held = keyed_uniforms(_ids(store_or_sizes, n), seed, "heldout") < fraction
+    k = int(held.sum())
     if k >= n:
-        raise UserError(f"holding out {k} of {n} users leaves none to train on")
-    perm = np.random.default_rng(seed).permutation(n)
-    ev = np.sort(perm[:k])
-    tr = np.sort(perm[k:])
+        raise UserError(f"holding out {k} of {n} users leaves none to train on (data.heldout_users {fraction})")
+    if fraction > 0 and k == 0:
+        raise UserError(f"data.heldout_users: a fraction of {fraction} held out none of {n} users (each user is "
+                        "held out on its own, by a hash of its id); raise it or change data.split_seed")
+    ev = np.flatnonzero(held)
+    tr = np.flatnonzero(~held)
     full = UserSubset.full(sizes)
 
     def take(users):
         return UserSubset.from_lists(users, [full.records_of(u) for u in users])
 
-    return Split(take(tr), take(ev), f"held-out users: {k} of {n} (fraction {fraction}, seed {seed})")
+    return Split(take(tr), take(ev), f"held-out users: {k} of {n}, each held out with probability {fraction} "
+                                     f"by a keyed hash of its id (seed {seed})")
+
+
+def sample_users(subset: UserSubset, ids: list, expected: int, seed: int, purpose: str) -> tuple[UserSubset, float]:
+    """A Poisson sample of ``subset``'s users at rate ``expected / N`` by a keyed hash of each id
+    (each user in or out on its own), and the rate. The whole subset when ``expected >= N``."""
+    n = subset.num_users
+    if expected >= n:
+        return subset, 1.0
+    rate = expected / n
+    keep = np.flatnonzero(keyed_uniforms([ids[int(u)] for u in subset.users], seed, purpose) < rate)
+    return UserSubset.from_lists(subset.users[keep], [subset.records_of(i) for i in keep]), rate
 
 
 def cc_news_n_eval(n_u: np.ndarray) -> np.ndarray:

@@ -20,10 +20,9 @@ import torch
 from userdp.data.selection import LMUserData, perplexity_scores
 from userdp.data.shakespeare import ShakespeareSource, public_text
 from userdp.data.sources import open_source
-from userdp.data.splits import heldout_users
+from userdp.data.splits import heldout_users, sample_users
 from userdp.data.stackexchange import StackExchangeSource, find_sites
 from userdp.data.store import build_store, open_store
-from userdp.data.subset import UserSubset
 from userdp.data.tokenize import tokenize_store
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, sha256_file
@@ -154,23 +153,26 @@ def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
         desc = f"declared-public file {d.public_path}" if d.public_path else "none"
     split = heldout_users(store, d.heldout_users, d.split_seed)
     train, ev = split.train, split.eval
-    rng = np.random.default_rng(d.split_seed + 1)
+    rule = split.rule
+    if (d.max_users is not None and train.num_users > d.max_users) or \
+            (d.max_eval_users is not None and ev.num_users > d.max_eval_users):
+        ids = store.user_ids()
     if d.max_users is not None and train.num_users > d.max_users:
-        keep = np.sort(rng.choice(train.num_users, d.max_users, replace=False))
-        log(f"data.max_users = {d.max_users}: training on a seeded sample of {d.max_users} of the "
-            f"{train.num_users} training users ({train.num_users - d.max_users} left out of this run; "
-            "drop --sample / data.max_users for the real run)")
-        train = UserSubset.from_lists(train.users[keep], [train.records_of(i) for i in keep])
+        before = train.num_users
+        train, rate = sample_users(train, ids, d.max_users, d.split_seed, "sample")
+        rule += f"; a Poisson sample of the training users at rate {rate:.4g} by a keyed hash of each id"
+        log(f"data.max_users = {d.max_users}: training on a Poisson sample of the {before} training users (rate "
+            f"{rate:.4g}, each user in or out on its own): {train.num_users} users ({before - train.num_users} "
+            "left out of this run; drop --sample / data.max_users for the real run)")
     if d.max_eval_users is not None and ev.num_users > d.max_eval_users:
-        keep = np.sort(rng.choice(ev.num_users, d.max_eval_users, replace=False))
-        ev = UserSubset.from_lists(ev.users[keep], [ev.records_of(i) for i in keep])
+        ev, _ = sample_users(ev, ids, d.max_eval_users, d.split_seed, "eval-sample")
     drops = store.drops.to_dict() if hasattr(store.drops, "to_dict") else {}
-    log(f"data: {store.num_users} users, {store.num_records} records; {split.rule}; training on "
+    log(f"data: {store.num_users} users, {store.num_records} records; {rule}; training on "
         f"{train.num_users} users / {train.num_records} records, evaluating {ev.num_users} held-out users")
     # the store's content and the split: a run's journal is bound to it, so a changed data file or
     # split_seed cannot resume the run or evaluate trained users as held out
-    data_fp = fingerprint(store.fingerprint, split.rule, split.train.fingerprint(), split.eval.fingerprint())
-    return Prepared(store, public, desc, train, ev, split.rule, drops, data_fp)
+    data_fp = fingerprint(store.fingerprint, rule, split.train.fingerprint(), split.eval.fingerprint())
+    return Prepared(store, public, desc, train, ev, rule, drops, data_fp)
 
 
 def _perplexity_scores(L: int, prep, tok, model, log):
