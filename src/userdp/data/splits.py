@@ -47,10 +47,12 @@ def keyed_uniforms(ids, seed: int, purpose: str) -> np.ndarray:
     return out
 
 
-def _ids(store_or_sizes, n: int) -> list:
-    """The users' ids (a store's), or their positions for a plain list of sizes."""
+def user_ids_of(store_or_sizes, n: int) -> list:
+    """The users' ids (a store's: a method or a list), or their positions for a plain list of sizes."""
     ids = getattr(store_or_sizes, "user_ids", None)
-    return list(ids()) if callable(ids) else list(range(n))
+    if callable(ids):
+        return list(ids())
+    return list(ids) if ids is not None else list(range(n))
 
 
 def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
@@ -65,7 +67,7 @@ def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
     n = len(sizes)
     if not 0.0 <= fraction < 1.0:
         raise UserError(f"held-out fraction must be in [0, 1), got {fraction}")
-    held = keyed_uniforms(_ids(store_or_sizes, n), seed, "heldout") < fraction
+    held = keyed_uniforms(user_ids_of(store_or_sizes, n), seed, "heldout") < fraction
     k = int(held.sum())
     if k >= n:
         raise UserError(f"holding out {k} of {n} users leaves none to train on (data.heldout_users {fraction})")

@@ -20,7 +20,7 @@ import torch
 from userdp.data.selection import LMUserData, perplexity_scores
 from userdp.data.shakespeare import ShakespeareSource, public_text
 from userdp.data.sources import open_source
-from userdp.data.splits import heldout_users, sample_users
+from userdp.data.splits import heldout_users, sample_users, user_ids_of
 from userdp.data.stackexchange import StackExchangeSource, find_sites
 from userdp.data.store import build_store, open_store
 from userdp.data.tokenize import tokenize_store
@@ -156,7 +156,7 @@ def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
     rule = split.rule
     if (d.max_users is not None and train.num_users > d.max_users) or \
             (d.max_eval_users is not None and ev.num_users > d.max_eval_users):
-        ids = store.user_ids()
+        ids = user_ids_of(store, store.num_users)
     if d.max_users is not None and train.num_users > d.max_users:
         before = train.num_users
         train, rate = sample_users(train, ids, d.max_users, d.split_seed, "sample")
