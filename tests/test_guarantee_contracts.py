@@ -1,6 +1,6 @@
 """Issue 25's contracts below the CLI: the tuning guarantee re-derived from events, unit weights,
 accountants refused when the plan is made, ChaCha's bounded tail paid for in delta, seeded
-replays refused where they are not bit-for-bit."""
+a resume never replays under the same noise."""
 
 import math
 

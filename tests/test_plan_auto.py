@@ -125,7 +125,9 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
     monkeypatch.setattr(P, "plan_auto", no_replan)
     assert cli(["train", "--resume", str(out), "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["steps"] == 4 and summary["algorithm"] == algo
+    # the step begun before the interrupt is counted, never replayed (issue 34, H1): 3 or 4 steps
+    # applied within the budget, depending on whether the planned sigma leaves room for the extra one
+    assert summary["steps"] in (3, 4) and summary["algorithm"] == algo
     assert summary["group_size"] == t["group_size"] and summary["cohort_size"] == t["cohort_size"]
 
     priv = json.loads((out / "privacy.json").read_text())
