@@ -57,7 +57,9 @@ def test_audit_json_secrets_and_report(tiny, capsys):
     assert a["score"].startswith("gradient:") and a["steps_observed"] == 4  # every step was read
     assert "included" not in a and "scores" not in a and isinstance(a["score"], str)  # no per-canary data
     # N counts the included canaries; the disclosures say so and name the user-inference touch
-    assert priv["num_users"] == 32 + a["canaries_included"]
+    train_users = int(json.loads((out / "state.json").read_text()).get("summary", {}).get("train_users", 0)) or None
+    real = priv["num_users"] - a["canaries_included"]
+    assert real == train_users if train_users else 28 <= real <= 36  # the tiny corpus's 40 users less the held out
     assert any("synthetic canary users" in n for n in priv["not_accounted"])
     assert any("user-inference" in n for n in priv["not_accounted"])
     assert a["user_inference"]["trained_users"] == a["user_inference"]["heldout_users"] == 5

@@ -67,13 +67,20 @@ def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
     n = len(sizes)
     if not 0.0 <= fraction < 1.0:
         raise UserError(f"held-out fraction must be in [0, 1), got {fraction}")
-    held = keyed_uniforms(user_ids_of(store_or_sizes, n), seed, "heldout") < fraction
+    if n < 2 and fraction > 0:
+        raise UserError(f"holding out users from {n} leaves none to train on (data.heldout_users {fraction})")
+    u = keyed_uniforms(user_ids_of(store_or_sizes, n), seed, "heldout")
+    held = u < fraction
     k = int(held.sum())
-    if k >= n:
-        raise UserError(f"holding out {k} of {n} users leaves none to train on (data.heldout_users {fraction})")
-    if fraction > 0 and k == 0:
-        raise UserError(f"data.heldout_users: a fraction of {fraction} held out none of {n} users (each user is "
-                        "held out on its own, by a hash of its id); raise it or change data.split_seed")
+    note = ""
+    if fraction > 0 and k == 0:  # tiny data only (P = (1 - f)^N): the user with the smallest hash
+        held[int(np.argmin(u))] = True
+        k, note = 1, "; none fell below the fraction, so the user with the smallest hash is held out (a choice " \
+                     "that depends on the other users: tiny data only)"
+    if k >= n:  # likewise: the user with the largest hash trains
+        held[int(np.argmax(u))] = False
+        k, note = n - 1, "; every user fell below the fraction, so the user with the largest hash trains (tiny " \
+                         "data only)"
     ev = np.flatnonzero(held)
     tr = np.flatnonzero(~held)
     full = UserSubset.full(sizes)
@@ -82,7 +89,7 @@ def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
         return UserSubset.from_lists(users, [full.records_of(u) for u in users])
 
     return Split(take(tr), take(ev), f"held-out users: {k} of {n}, each held out with probability {fraction} "
-                                     f"by a keyed hash of its id (seed {seed})")
+                                     f"by a keyed hash of its id (seed {seed}){note}")
 
 
 def sample_users(subset: UserSubset, ids: list, expected: int, seed: int, purpose: str) -> tuple[UserSubset, float]:
