@@ -181,7 +181,7 @@ def data_cases() -> list[Case]:
                 if kind == "meta":
                     meta.write_text("{broken")
                 elif kind == "shard":
-                    shard = sorted(p for p in store.rglob("*") if p.is_file() and p.name != "meta.json")[0]
+                    shard = sorted(p for p in store.rglob("*") if p.is_file() and p.name not in ("meta.json", ".userdp-owned"))[0]
                     shard.write_bytes(shard.read_bytes()[:20])
                 elif kind == "offsets":
                     m = json.loads(meta.read_text())

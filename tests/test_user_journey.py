@@ -17,6 +17,7 @@ import pytest
 from userdp import accounting as A
 from userdp.cli import main as cli
 from userdp.engine.ledger import PrivacyLedger
+from userdp.fileio import owned_dir
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--set", "model.pretraining.steps=20", "--set", "training.steps=6"]
@@ -91,9 +92,9 @@ def test_init_guesses_fields_writes_a_valid_config_and_never_overwrites(tmp_path
 
 def test_cache_info_marks_private_kinds_and_clear_removes_them(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path))
-    (tmp_path / "stores" / "s1").mkdir(parents=True)
+    (owned_dir(tmp_path / "stores") / "s1").mkdir()  # as userdp makes its cache kinds: marked as its own
     (tmp_path / "stores" / "s1" / "records.arrow").write_bytes(b"x" * 1000)
-    (tmp_path / "pretrained" / "m").mkdir(parents=True)
+    (owned_dir(tmp_path / "pretrained") / "m").mkdir()
     (tmp_path / "pretrained" / "m" / "w").write_bytes(b"y" * 10)
     assert cli(["cache", "info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -103,6 +104,22 @@ def test_cache_info_marks_private_kinds_and_clear_removes_them(tmp_path, monkeyp
     assert not (tmp_path / "stores").exists() and (tmp_path / "pretrained" / "m" / "w").exists()
     assert cli(["cache", "clear"]) == 0
     assert not (tmp_path / "pretrained").exists()
+
+
+@pytest.mark.parametrize("how", ["user folder", "symlink"])
+def test_cache_clear_never_deletes_a_folder_userdp_did_not_mark(tmp_path, monkeypatch, capsys, how):
+    # issue 40, class 1: USERDP_CACHE pointed at a folder that is not only userdp's
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "home"))
+    mine = tmp_path / "home" / "stores" if how == "user folder" else tmp_path / "elsewhere"
+    mine.mkdir(parents=True)
+    (mine / "thesis.tex").write_text("years of work")
+    if how == "symlink":
+        (tmp_path / "home").mkdir()
+        (tmp_path / "home" / "stores").symlink_to(mine)
+    assert cli(["cache", "clear", "--private-only"]) == 2
+    err = capsys.readouterr().err
+    assert "nothing was removed" in err and len(err.strip().splitlines()) == 1
+    assert (mine / "thesis.tex").read_text() == "years of work"
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,105 @@ def os_error(path: str | os.PathLike, exc: OSError, doing: str = "cannot write i
     """One line for an ``OSError`` met at ``path``: ``"<path>: <doing> (<reason>)"``."""
     reason = _REASONS.get(exc.errno) or exc.strerror or str(exc)
     return UserError(f"{os.fspath(path)}: {doing} ({reason})")
+
+
+def read_input(path: str | os.PathLike, what: str, *, binary: bool = False) -> str | bytes:
+    """The contents of the input file ``path``: the one opener of every file a command reads whole
+    (a config, a plan, a search space, the public text, a secrets file). ``what`` names it in
+    messages (``"--plan x.json"``). A pipe, socket or device is refused at once, never read (it
+    would block forever, or be read once); the file is opened non-blocking and checked on the
+    open descriptor, so that a path swapped for a pipe in between cannot hang the command either.
+    Text is UTF-8 (a byte-order mark is dropped); a bad byte is named by its line. The path is
+    recorded as an input (:func:`note_input`).
+
+    Raises:
+        UserError: one line naming ``what``: missing, a folder, not a regular file, unreadable,
+            or not UTF-8."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        raise UserError(f"{what}: a folder, not a file")
+    if not os.path.lexists(p):
+        raise UserError(f"{what}: no such file")
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise os_error(what, exc, "cannot read it") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UserError(f"{what}: not a regular file (a pipe, socket or device); save it to a file and give its path")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read()
+    except OSError as exc:
+        raise os_error(what, exc, "cannot read it") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    note_input(p)
+    if binary:
+        return data
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise UserError(f"{what}: line {line}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+#: the file userdp writes into every folder it owns (a cache kind, a store): what may be deleted
+OWNED_MARK = ".userdp-owned"
+
+
+def owned_dir(path: str | os.PathLike) -> Path:
+    """``path`` created if absent and marked as userdp's own (:data:`OWNED_MARK`): a folder that
+    :func:`remove_owned` may later delete. An existing folder is marked only if it is empty or
+    already marked: userdp never claims a folder that holds something of the user's (nor one an
+    older userdp filled before markers: ``userdp cache clear`` then names it for the user to remove).
+
+    Raises:
+        UserError: ``path`` is not a folder or cannot be written."""
+    p = Path(path)
+    mark = p / OWNED_MARK
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        if not mark.is_file() and not any(p.iterdir()):  # a folder that already holds files stays unclaimed
+            mark.write_text("written by userdp: this folder and what it holds may be deleted by userdp\n")
+    except FileExistsError:
+        raise UserError(f"{p}: exists and is not a folder") from None
+    except OSError as exc:
+        raise os_error(p, exc, "cannot create it") from None
+    return p
+
+
+def is_owned(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a real folder (not a link) that carries userdp's marker."""
+    p = Path(path)
+    return p.is_dir() and not p.is_symlink() and (p / OWNED_MARK).is_file()
+
+
+def remove_owned(path: str | os.PathLike, what: str) -> None:
+    """Delete the folder ``path`` only if userdp can prove it wrote it (its marker, not a link)
+    and it neither is nor holds a file this command read as input (:func:`note_input`).
+
+    Raises:
+        UserError: naming ``what`` and why nothing was deleted."""
+    p = Path(path)
+    if p.is_symlink():
+        raise UserError(f"{what} {p}: a symbolic link; userdp does not follow links to delete; nothing was removed")
+    if not p.exists():
+        return
+    if not is_owned(p):
+        raise UserError(f"{what} {p}: not marked as written by userdp ({OWNED_MARK}); nothing was removed "
+                        "(remove it yourself if it is userdp's)")
+    real = os.path.realpath(p)
+    for inp in _INPUTS:
+        if inp == real or inp.startswith(real + os.sep):
+            raise UserError(f"{what} {p}: it holds {inp}, an input of this command; nothing was removed")
+    try:
+        shutil.rmtree(p)
+    except OSError as exc:
+        raise os_error(p, exc, "cannot remove it") from None
 
 
 def note_input(path: str | os.PathLike) -> None:

@@ -62,6 +62,9 @@ def load(spec: str, *, source: str, allow_path: bool = True) -> ModuleType:
         if not is_path and exc.name and (spec == exc.name or spec.startswith(f"{exc.name}.")):
             raise UserError(f"{source}: no module named {spec!r} (install it, or put its folder on PYTHONPATH)") from None
         raise UserError(f"{source}: plugin {spec!r} failed to load (ModuleNotFoundError: {exc})") from None
+    except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+        # a plugin must not end the command (and so set its exit status) while it loads
+        raise UserError(f"{source}: plugin {spec!r} {_ended(exc)} while it loaded; nothing was run") from None
     except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported in one line
         raise UserError(f"{source}: plugin {spec!r} failed to load ({type(exc).__name__}: {exc})") from None
     _LOADED[spec] = module
@@ -85,6 +88,12 @@ def _from_file(path: Path) -> ModuleType:
     return module
 
 
+def _ended(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    return f"raised {type(exc).__name__}"
+
+
 def load_entry_points() -> list[str]:
     """Load every installed package's ``userdp.plugins`` entry points; returns their names.
 
@@ -99,6 +108,9 @@ def load_entry_points() -> list[str]:
             obj = ep.load()
         except UserError as exc:
             raise UserError(f"entry point {ENTRY_POINT_GROUP}:{ep.name}: {exc}") from None
+        except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+            raise UserError(f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} {_ended(exc)} while it "
+                            "loaded; nothing was run") from None
         except Exception as exc:  # noqa: BLE001
             raise UserError(f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} failed to load "
                             f"({type(exc).__name__}: {exc})") from None

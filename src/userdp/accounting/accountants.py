@@ -16,6 +16,7 @@ the ledger, calibration, the CLI, the planner, the report — looks accountants 
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional, Protocol, Sequence
 
 import numpy as np
@@ -29,6 +30,7 @@ from userdp.accounting.pld import PLD_INTERVAL, _pld_infeasible
 from userdp.accounting.rdp import _rdp
 from userdp.errors import UserError
 from userdp.registry import Registry
+from userdp.validation import check_int, check_positive
 
 
 class Accountant(Protocol):
@@ -173,12 +175,83 @@ def register_accountant(accountant: Accountant) -> Accountant:
 
 
 def get_accountant(name: str) -> Accountant:
-    """The registered accountant called ``name``.
+    """The registered accountant called ``name``, behind :class:`CheckedAccountant`: every answer
+    any caller gets from it (the ledger, calibration, ``userdp account``, the planner, the report)
+    has passed the same check.
 
     Raises:
         UserError: no accountant has that name (the message lists the registered ones).
     """
-    return ACCOUNTANTS.lookup(name)
+    acc = ACCOUNTANTS.lookup(name)
+    if isinstance(acc, CheckedAccountant):
+        return acc
+    held = _CHECKED.get(id(acc))
+    if held is None or held._inner is not acc:
+        held = _CHECKED[id(acc)] = CheckedAccountant(acc)
+    return held
+
+
+#: id(accountant) -> its checked form (one per accountant, so that its monotonicity record lasts)
+_CHECKED: dict = {}
+
+
+def checked_epsilon(value, who: str) -> float:
+    """The one check of an epsilon from any accountant (issue 40): a real number, not nan, >= 0
+    (``inf`` is an honest "no bound").
+
+    Raises:
+        UserError: naming the accountant and what it answered."""
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+    if not ok or math.isnan(value) or value < 0:
+        raise UserError(f"privacy.accountant {who}: it answered epsilon = {value!r}, which is not an epsilon "
+                        "(a number >= 0); nothing is stated from it")
+    return float(value)
+
+
+def checked_delta(value, who: str) -> float:
+    """The one check of a delta from any accountant: a number in [0, 1].
+
+    Raises:
+        UserError: naming the accountant and what it answered."""
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+    if not ok or math.isnan(value) or not 0.0 <= value <= 1.0:
+        raise UserError(f"privacy.accountant {who}: it answered delta = {value!r}, which is not a delta "
+                        "(a number in [0, 1]); nothing is stated from it")
+    return float(value)
+
+
+class CheckedAccountant:
+    """An accountant whose every answer passes :func:`checked_epsilon` / :func:`checked_delta`,
+    and whose running figure never decreases with the steps (a bound that fell as steps were
+    spent would let a run pass its target). Other members are the accountant's own."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self._last_of_steps: dict = {}
+
+    def __getattr__(self, item):
+        return getattr(self._inner, item)
+
+    def epsilon(self, event, delta, *, interval=None, orders=None):
+        answer = self._inner.epsilon(event, delta, interval=interval, orders=orders)
+        if not (isinstance(answer, tuple) and len(answer) == 2):
+            raise UserError(f"privacy.accountant {self.name}: epsilon() answered {answer!r}, not "
+                            "(epsilon, backend name)")
+        return checked_epsilon(answer[0], self.name), str(answer[1])
+
+    def delta(self, event, epsilon, *, interval=None, orders=None):
+        return checked_delta(self._inner.delta(event, epsilon, interval=interval, orders=orders), self.name)
+
+    def epsilon_of_steps(self, step_event, steps, delta):
+        eps = checked_epsilon(self._inner.epsilon_of_steps(step_event, steps, delta), self.name)
+        key = (repr(step_event), float(delta))
+        prev = self._last_of_steps.get(key)
+        if prev is not None and ((steps > prev[0] and eps < prev[1] - 1e-9 * max(1.0, prev[1]))
+                                 or (steps < prev[0] and eps > prev[1] + 1e-9 * max(1.0, prev[1]))):
+            raise UserError(f"privacy.accountant {self.name}: epsilon after {steps} steps ({eps}) is not monotone "
+                            f"in the steps (after {prev[0]}: {prev[1]}); nothing is stated from it")
+        self._last_of_steps[key] = (steps, eps)
+        return eps
 
 
 _RDP = register_accountant(RDPAccountant())  # also the PLD's fallback where it cannot answer
@@ -240,28 +313,52 @@ def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,
 
 def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, accountant: str = "pld",
               *, limit: int = 10**7, prior: Sequence[dpe.DpEvent] = (),
-              value_discretization_interval: Optional[float] = None) -> int:
+              value_discretization_interval: Optional[float] = None, time_budget_s: float = 60.0) -> int:
     """Largest T with ε(T steps) ≤ epsilon (0 if even one step exceeds; ``limit`` if reached).
 
     ``prior``: events spent before the steps (composed with them by ``DpEventBuilder``);
-    ``value_discretization_interval``: the accountant's grid (None: its default).
+    ``value_discretization_interval``: the accountant's grid (None: its default). The search is
+    bracketed by RDP's answer where RDP can take the event (RDP is additive over steps, so its
+    search is cheap; the tighter accountant then searches upward from it), and bounded in time:
+    a search that has not finished within ``time_budget_s`` is refused, never left to run on.
 
     Raises:
-        UserError: epsilon or delta out of range, or an unknown accountant.
+        UserError: epsilon or delta out of range, an unknown accountant, or a search that did not
+            finish within its time budget (the message gives RDP's looser answer).
     """
-    eps_target = float(epsilon)
-    if not (eps_target > 0):
-        raise UserError(f"epsilon must be a positive number (got {epsilon})")
+    eps_target = check_positive(epsilon, "epsilon")
     _check_delta(delta)
+    limit = check_int(limit, "limit")
+    budget = check_positive(time_budget_s, "time_budget_s")
     acc = get_accountant(accountant)
+    deadline = time.monotonic() + budget
+    rdp_answer = None
 
     def ok(t: int) -> bool:
+        if time.monotonic() > deadline:
+            hint = f"; RDP's (looser) answer is {rdp_answer} steps" if rdp_answer is not None else ""
+            raise UserError(f"max_steps: the {accountant} search for the steps within epsilon = {eps_target:g} did "
+                            f"not finish within {budget:g} s{hint}; use accountant 'rdp', a smaller epsilon or "
+                            "a smaller limit")
         return acc.epsilon(compose_after(prior, step_event, t), delta,
                            interval=value_discretization_interval)[0] <= eps_target
 
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
+    lo = 0
+    if acc.name != "rdp":
+        try:
+            rdp_answer = max_steps(step_event, eps_target, delta, "rdp", limit=limit, prior=prior,
+                                   time_budget_s=budget)
+        except UserError:
+            rdp_answer = None
+        if rdp_answer and ok(rdp_answer):
+            lo = rdp_answer  # RDP's T is a floor for a tighter accountant (checked, not assumed)
+    if lo == 0:
+        if not ok(1):
+            return 0
+        lo = 1
+    if lo >= limit:
+        return limit
+    hi = min(max(lo + 1, lo * 2 if lo < 8 else lo + lo // 4), limit)
     while ok(hi):
         lo = hi
         if hi >= limit:

@@ -24,7 +24,7 @@ from dp_accounting import dp_event as dpe
 from scipy import stats
 
 from userdp.errors import UserError
-from userdp.validation import check_fraction, check_int, check_positive, check_rate
+from userdp.validation import check_fraction, check_int, check_nonnegative, check_number, check_positive, check_rate
 
 NeighborRel = dp_accounting.NeighboringRelation
 
@@ -205,7 +205,45 @@ def event_from_dict(obj: Any) -> dpe.DpEvent:
     event = build(obj)
     if not isinstance(event, dpe.DpEvent):
         raise UserError("not the JSON form of a DpEvent (no class_name)")
+    _check_event_values(event)
     return event
+
+
+#: the numeric fields of dp_accounting's events and the range each must lie in
+_EVENT_FIELDS = {"noise_multiplier": "nonnegative", "standard_deviation": "nonnegative",
+                 "sampling_probability": "probability", "count": "count", "sample_size": "count",
+                 "source_dataset_size": "count", "num_steps": "count", "sensitivity": "nonnegative",
+                 "epsilon": "nonnegative", "delta": "probability"}
+
+
+def _check_event_values(event: dpe.DpEvent, where: str = "event") -> None:
+    """A saved event's numbers in their ranges (a negative σ or a nan rate read from a file would
+    otherwise fail inside dp_accounting, or answer a wrong epsilon).
+
+    Raises:
+        UserError: naming the event class and field."""
+    name = type(event).__name__
+    for field, kind in _EVENT_FIELDS.items():
+        if not hasattr(event, field):
+            continue
+        value = getattr(event, field)
+        label = f"{where}: {name}.{field}"
+        if kind == "count":
+            check_int(value, label, 0)
+        elif kind == "probability":
+            x = check_number(value, label)
+            if not 0.0 <= x <= 1.0:
+                raise UserError(f"{label} must be in [0, 1] (got {value})")
+        else:
+            check_nonnegative(value, label)
+    for field in ("sensitivities", "probabilities"):
+        for i, v in enumerate(getattr(event, field, None) or ()):
+            check_nonnegative(v, f"{where}: {name}.{field}[{i}]")
+    for field in ("event", "events"):
+        inner = getattr(event, field, None)
+        for i, e in enumerate(inner if isinstance(inner, (list, tuple)) else [inner] if inner is not None else []):
+            if isinstance(e, dpe.DpEvent):
+                _check_event_values(e, f"{where}.{field}" + (f"[{i}]" if isinstance(inner, (list, tuple)) else ""))
 
 
 def event_to_json(event: dpe.DpEvent) -> str:

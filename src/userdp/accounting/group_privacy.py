@@ -27,6 +27,7 @@ from userdp.accounting import pld as _pld_mod
 from userdp.accounting import rdp as _rdp_mod
 from userdp.accounting.pld import PLD_INTERVAL
 from userdp.errors import UserError
+from userdp.validation import check_choice, check_fraction, check_int, check_nonnegative
 
 __all__ = ["FORMS", "group_delta", "group_privacy", "GroupPrivacyResult", "group_privacy_epsilon"]
 
@@ -53,13 +54,11 @@ def _log_group_delta(eps: float, log_delta: float, k: int, form: str) -> float:
 
 def group_delta(epsilon: float, delta: float, k: int, form: str = "a") -> float:
     """User-level δ for an example-level (ε, δ) guarantee and groups of at most k records."""
-    if k < 1 or int(k) != k:
-        raise UserError(f"group size must be an integer >= 1 (got {k})")
-    if not (0 < delta < 1):
-        raise UserError(f"delta must be in (0, 1) (got {delta})")
-    if epsilon < 0:
-        raise UserError(f"epsilon must be >= 0 (got {epsilon})")
-    return math.exp(min(_log_group_delta(float(epsilon), math.log(delta), int(k), form), 700.0))
+    k = check_int(k, "group size")
+    delta = check_fraction(delta, "delta")
+    epsilon = check_nonnegative(epsilon, "epsilon")
+    check_choice(form, "group-privacy form", FORMS)
+    return math.exp(min(_log_group_delta(epsilon, math.log(delta), k, form), 700.0))
 
 
 def group_privacy(epsilon: float, delta: float, k: int, form: str = "a") -> tuple[float, float]:
@@ -112,13 +111,11 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
     is vectorized over the grid, RDP covers δ_ex below PLD's reach). The answer is the smallest
     G·ε_ex whose user-level δ meets the target with δ_ex ≥ ``min_example_delta``.
     """
-    if form not in FORMS:
-        raise UserError(f"group-privacy form must be one of a, b, c (got {form!r})")
-    k = int(group_size)
-    if k < 1 or k != group_size:
-        raise UserError(f"group size must be an integer >= 1 (got {group_size})")
-    if not (0 < delta < 1):
-        raise UserError(f"delta must be in (0, 1) (got {delta})")
+    check_choice(form, "group-privacy form", FORMS)
+    k = check_int(group_size, "group size")
+    delta = check_fraction(delta, "delta")
+    if not isinstance(example_event, dpe.DpEvent):
+        raise UserError(f"example_event must be a dp_accounting DpEvent (got {type(example_event).__name__})")
     log_target = math.log(delta)
     orders, rdp = np.asarray(_rdp_mod.rdp_orders(), dtype=float), _rdp_mod.step_rdp(example_event)
     # The smallest useful ε_ex is ε_ex at δ_ex = target (δ_ex must be below the target).

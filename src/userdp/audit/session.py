@@ -38,7 +38,7 @@ from userdp.audit.canaries import (
     ordinary_token_ids,
 )
 from userdp.errors import UserError
-from userdp.fileio import write_json
+from userdp.fileio import read_input, write_json
 
 DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023): {k} synthetic canary users, each holding "
           "{r} copies of its own random {s}-token secret, were each included in the training data "
@@ -360,10 +360,13 @@ def combine_runs(run_dirs: list[str], confidence: float | None = None) -> dict:
         if not a:
             raise UserError(f"--combine {d}: this run was not audited")
         path = Path(a["secrets_file"])
+        if not path.exists():
+            raise UserError(f"--combine {d}: its audit secrets file {path} is missing (moved or deleted)")
+        text = read_input(path, f"--combine {d}: audit secrets file {path}")
         try:
-            sec = json.loads(path.read_text())
+            sec = json.loads(text)
             sc, inc = sec["score"], sec["included"]
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             raise UserError(f"--combine {d}: cannot read its audit secrets file {path}") from None
         if sec["seed"] in seeds:
             raise UserError(f"--combine {d}: its canaries are those of another run given (the same seed)")

@@ -14,18 +14,19 @@ instead (``<run>/cache``), so that deleting the run deletes every copy of the da
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
 from userdp.cli import jsonout
 from userdp.errors import UserError
+from userdp.fileio import OWNED_MARK, is_owned, remove_owned
 
 KINDS = {"stores": True, "tokenized": True, "perplexity": True, "pretrained": False}  # kind -> private
 
 
 def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != OWNED_MARK) \
+        if path.is_dir() else 0
 
 
 def info(root: Path) -> dict:
@@ -33,7 +34,7 @@ def info(root: Path) -> dict:
     kinds = {}
     for kind, private in KINDS.items():
         d = root / kind
-        entries = sorted(p.name for p in d.iterdir()) if d.is_dir() else []
+        entries = sorted(p.name for p in d.iterdir() if p.name != OWNED_MARK) if d.is_dir() else []
         kinds[kind] = {"entries": len(entries), "bytes": _size(d), "private": private, "path": str(d)}
     return {"root": str(root), "exists": root.is_dir(), "kinds": kinds,
             "private_bytes": sum(k["bytes"] for k in kinds.values() if k["private"])}
@@ -64,18 +65,22 @@ def _run(args: argparse.Namespace) -> int:
               "--private-only`, or set output.cache: run to keep it inside each run directory")
         return 0
     kinds = [k for k, private in KINDS.items() if private or not args.private_only]
-    for kind in kinds:  # checked before anything is removed
-        if (root / kind).is_symlink():
-            raise UserError(f"{root / kind}: a symbolic link; `cache clear` does not follow links to delete "
+    for kind in kinds:  # checked before anything is removed: only folders userdp marked as its own
+        d = root / kind
+        if d.is_symlink():
+            raise UserError(f"{d}: a symbolic link; `cache clear` does not follow links to delete "
                             f"(remove the link and what it points to yourself; nothing was removed)")
-        if (root / kind).exists() and not (root / kind).is_dir():
-            raise UserError(f"{root / kind}: not a folder; nothing was removed")
+        if d.exists() and not d.is_dir():
+            raise UserError(f"{d}: not a folder; nothing was removed")
+        if d.is_dir() and not is_owned(d):
+            raise UserError(f"{d}: not marked as userdp's ({OWNED_MARK} is missing: a folder of yours, or a cache "
+                            "of a userdp before 0.4); nothing was removed: remove it yourself if it is userdp's")
     removed = 0
     for kind in kinds:
         d = root / kind
         if d.is_dir():
             removed += _size(d)
-            shutil.rmtree(d)
+            remove_owned(d, "cache")
     print(f"removed {', '.join(kinds)} from {root} ({_human(removed)})", file=sys.stderr)
     return 0
 

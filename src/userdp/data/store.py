@@ -27,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import shutil
 import time
 import zlib
@@ -40,6 +41,7 @@ import pyarrow.compute as pc
 from userdp import progress
 from userdp.data.records import EMPTY_TEXT, USERS_WITHOUT_RECORDS, DropReport
 from userdp.errors import UserError
+from userdp.fileio import OWNED_MARK, owned_dir, remove_owned
 
 FORMAT_VERSION = 1
 CHUNK_ROWS = 65_536
@@ -82,11 +84,19 @@ def build_store(
     """Stream ``source`` into a user-grouped store at ``out_dir``; return it with its drop report."""
     t0 = time.perf_counter()
     out = Path(out_dir)
-    if out.exists():
-        if not overwrite and any(out.iterdir()):
+    src = getattr(source, "path", None)
+    if src is not None:  # the store must never be (or hold) what it is built from
+        real_out, real_src = os.path.realpath(out), os.path.realpath(src)
+        if real_src == real_out or real_src.startswith(real_out + os.sep) or real_out.startswith(real_src + os.sep):
+            raise UserError(f"{out}: the store folder would hold (or be) its source {src}; choose another folder")
+    if out.exists() and (out.is_symlink() or not out.is_dir()):
+        raise UserError(f"{out}: exists and is not a folder; nothing was removed")
+    if out.exists() and any(p.name != OWNED_MARK for p in out.iterdir()):
+        if not overwrite:
             raise UserError(f"{out}: the store folder exists and is not empty (pass overwrite=True / --overwrite)")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+        # only a folder userdp marked as a store it built is replaced: never the user's own files
+        remove_owned(out, "the store folder")
+    owned_dir(out)
     has_dates = bool(getattr(source, "has_dates", False))
     if num_shards is None:
         hint = int(getattr(source, "size_hint", 0) or 0)

@@ -34,7 +34,7 @@ from userdp.engine.data import UserData
 from userdp.engine.per_unit import fedavg_epoch_batches
 from userdp.errors import UserError
 from userdp.registry import Registry
-from userdp.validation import check_int, check_rate
+from userdp.validation import check_bool, check_fields, check_int, check_positive, check_rate, optional
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,7 @@ class _Sampled:
     units_label: ClassVar[str] = "training users"
 
     def __post_init__(self):
-        check_int(self.group_size, "group size G")
-        check_rate(self.sampling_rate, self.rate_name)
+        check_fields(self, group_size=(check_int, "group size G"), sampling_rate=(check_rate, self.rate_name))
 
     @classmethod
     def from_settings(cls, settings, sampling_rate: float):
@@ -219,14 +218,11 @@ class FedAvg(ULS):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.local_epochs < 1:
-            raise UserError(f"FedAvg local epochs must be >= 1, got {self.local_epochs}")
-        if self.local_batch_size is not None and self.local_batch_size < 1:
-            raise UserError(f"FedAvg local batch size must be >= 1, got {self.local_batch_size}")
-        if not self.local_lr > 0:
-            raise UserError(f"FedAvg local learning rate must be > 0, got {self.local_lr}")
-        if self.weight_cap is not None and not self.weight_cap > 0:
-            raise UserError(f"FedAvg weight cap w_hat must be > 0, got {self.weight_cap}")
+        check_fields(self, local_epochs=(check_int, "FedAvg local epochs"),
+                     local_lr=(check_positive, "FedAvg local learning rate"),
+                     local_batch_size=(optional(check_int), "FedAvg local batch size"),
+                     weight_cap=(optional(check_positive), "FedAvg weight cap w_hat"),
+                     reproject=(check_bool, "FedAvg reproject"))
 
     @property
     def local_steps_per_epoch(self) -> int:

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import torch
 
 from userdp.errors import UserError
+from userdp.validation import check_bool, check_fields, check_fraction, check_positive, optional
 
 _TINY = 1e-12
 
@@ -56,6 +57,12 @@ def _flat(tn: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, torch.Tenso
     """Flat clipping at C from per-tensor norms: (factors [m], flat norms [m])."""
     flat = torch.sqrt((tn**2).sum(dim=1))
     return _factor(flat, clip_norm), flat
+
+
+def _layer_norms(value, name: str) -> tuple[float, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise UserError(f"{name} must be a sequence of positive numbers, one per trainable tensor (got {value!r})")
+    return tuple(check_positive(v, f"{name}[{i}]") for i, v in enumerate(value))
 
 
 class _Clipping:
@@ -97,8 +104,7 @@ class FlatClip(_FixedNorm):
     normalized: bool = False
 
     def __post_init__(self):
-        if not (self.norm > 0 and math.isfinite(self.norm)):
-            raise UserError(f"clip norm must be a positive number, got {self.norm}")
+        check_fields(self, norm=(check_positive, "clip norm"), normalized=(check_bool, "FlatClip normalized"))
 
     def sensitivity(self, state: dict, num_tensors: int | None = None) -> float:
         """Bound on one unit's contribution to the sum (1 when normalized)."""
@@ -130,8 +136,8 @@ class PerLayerClip(_FixedNorm):
     normalized: bool = False
 
     def __post_init__(self):
-        if not (self.norm > 0 and math.isfinite(self.norm)):
-            raise UserError(f"clip norm must be a positive number, got {self.norm}")
+        check_fields(self, norm=(check_positive, "clip norm"), layer_norms=(optional(_layer_norms), "layer_norms"),
+                     normalized=(check_bool, "PerLayerClip normalized"))
 
     def bounds(self, num_tensors: int) -> list[float]:
         """The per-tensor bounds S_j.
@@ -185,12 +191,12 @@ class AdaptiveClip(_Clipping):
     normalized: bool = False  # not supported: the quantile tracks C, normalizing removes it
 
     def __post_init__(self):
-        if not self.initial_norm > 0:
-            raise UserError(f"adaptive clipping: initial clip norm C0 must be > 0, got {self.initial_norm}")
-        if not 0.0 < self.target_quantile < 1.0:
-            raise UserError(f"adaptive clipping: target quantile must lie in (0, 1), got {self.target_quantile}")
-        if not self.learning_rate > 0:
-            raise UserError(f"adaptive clipping: learning rate eta_C must be > 0, got {self.learning_rate}")
+        check_fields(self, initial_norm=(check_positive, "adaptive clipping: initial clip norm C0"),
+                     target_quantile=(check_fraction, "adaptive clipping: target quantile"),
+                     learning_rate=(check_positive, "adaptive clipping: learning rate eta_C"),
+                     count_stddev=(optional(check_positive), "adaptive clipping: count_stddev sigma_b"),
+                     geometric=(check_bool, "adaptive clipping: geometric"),
+                     normalized=(check_bool, "adaptive clipping: normalized"))
         if self.normalized:
             raise UserError("adaptive clipping cannot be normalized (normalizing removes the clip norm)")
 

@@ -34,10 +34,12 @@ from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
-from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, make_plan, privacy_repr  # noqa: F401  (re-exported)
+from userdp.engine.plan import (SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan,  # noqa: F401  (re-exported)
+                               privacy_repr)
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError
+from userdp.validation import check_bool, check_callable, check_instance
 
 
 @dataclass
@@ -408,10 +410,14 @@ class _Run:
     def restore(self, st: dict):
         if st["config"] != privacy_repr(self.cfg):
             raise UserError(f"cannot resume from {ckpt.path(self.dir)}: it was written with a different config "
-                            "(only performance settings may change: chunk size, per-unit strategy, precision, "
-                            "checkpoint cadence)")
+                            f"({config_difference(st['config'], privacy_repr(self.cfg))}; only performance "
+                            "settings may change: chunk size, per-unit strategy, precision, checkpoint cadence)")
         if st["param_names"] != self.per_unit.names:
             raise UserError(f"cannot resume from {ckpt.path(self.dir)}: the model's trainable parameters differ")
+        for name, m, v in zip(self.per_unit.names, self.master, st["params"]):
+            if tuple(v.shape) != tuple(m.shape):
+                raise UserError(f"cannot resume from {ckpt.path(self.dir)}: parameter {name} has shape "
+                                f"{tuple(v.shape)} there and {tuple(m.shape)} in this model")
         with torch.no_grad():
             for p, m, v in zip(self.params, self.master, st["params"]):
                 m.copy_(v.to(m.device))
@@ -624,6 +630,14 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
             another run, or a checkpoint that could not be written.
         KeyboardInterrupt: after Ctrl-C, once the step in flight is finished and saved.
     """
+    if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
+        raise UserError(f"callbacks must be a sequence of callables (got {type(callbacks).__name__})")
+    callbacks = list(callbacks)
+    for i, cb in enumerate(callbacks):
+        check_callable(cb, f"callbacks[{i}]")
+    for name, fn in (("checkpoint_extra", checkpoint_extra), ("on_start", on_start)):
+        if fn is not None:
+            check_callable(fn, name)
     run = start_run(model, data, loss_fn, config, checkpoint_dir=checkpoint_dir, resume=resume, combiner=combiner,
                     journal_context=journal_context)
     config = run.cfg
@@ -649,6 +663,7 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
 
     Raises:
         UserError: see :func:`train`."""
+    checkpoint_dir = _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, journal_context)
     comb = combiner or LocalCombiner()
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
@@ -660,7 +675,10 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     if resume and not checkpoint_dir:
         raise UserError("resume=True needs a checkpoint_dir")
     if checkpoint_dir and comb.rank == 0:
-        os.makedirs(checkpoint_dir, exist_ok=True)
+        try:
+            os.makedirs(checkpoint_dir, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"checkpoint_dir {checkpoint_dir}: cannot create it ({e.strerror or e})") from None
     run = _Run(model, data, loss_fn, config, checkpoint_dir, comb, journal_context, optimizer=optimizer)
     if comb.world_size > 1:
         _agree(run)
@@ -679,6 +697,33 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     if resume and run.seeded and run.ledger.spent > run.restored_spent:
         run.rekey(run.ledger.spent)  # on every rank alike: the steps begun after the checkpoint are not replayed
     return run
+
+
+def _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, journal_context) -> str | None:
+    """The engine's boundary for :func:`train` and ``make_private``: each argument of the right
+    kind, named in one line, before anything is built from it (issue 40). Returns the checkpoint
+    directory as a string (a ``PathLike`` is accepted).
+
+    Raises:
+        UserError: the first argument that is wrong."""
+    check_instance(model, "model", nn.Module, "a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise UserError("model has no parameter with requires_grad=True: there is nothing to train")
+    check_instance(data, "data", UserData, "a userdp.engine.UserData (e.g. TensorUserData)")
+    check_callable(loss_fn, "loss_fn")
+    check_instance(config, "config", (TrainConfig, RunPlan), "a TrainConfig (or a RunPlan made from one)")
+    check_bool(resume, "resume")
+    if journal_context is not None:
+        check_instance(journal_context, "journal_context", dict, "a dict of facts (or None)")
+    if checkpoint_dir is None:
+        return None
+    check_instance(checkpoint_dir, "checkpoint_dir", (str, os.PathLike), "a directory path (or None)")
+    checkpoint_dir = os.fspath(checkpoint_dir)
+    if not checkpoint_dir:
+        raise UserError("checkpoint_dir must be a directory path (got an empty string)")
+    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
+        raise UserError(f"checkpoint_dir {checkpoint_dir} exists and is not a directory")
+    return checkpoint_dir
 
 
 def _agree(run: _Run) -> None:

@@ -15,11 +15,26 @@ from typing import Optional
 import torch
 
 from userdp.errors import UserError
+from userdp.validation import check_bool, check_fields, check_nonnegative, check_number, check_positive, optional
 
 
-def _lr(lr):
-    if not lr > 0:
-        raise UserError(f"learning rate must be > 0, got {lr}")
+def _unit_interval(value, name: str) -> float:
+    x = check_nonnegative(value, name)
+    if x >= 1:
+        raise UserError(f"{name} must be in [0, 1) (got {value})")
+    return x
+
+
+def _betas(value, name: str) -> tuple[float, float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise UserError(f"{name} must be a pair of numbers in [0, 1) (got {value!r})")
+    return (_unit_interval(value[0], name), _unit_interval(value[1], name))
+
+
+def _eps_pair(value, name: str) -> tuple[Optional[float], float]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise UserError(f"{name} must be a pair (eps1 or None, eps2) (got {value!r})")
+    return (optional(check_positive)(value[0], name), check_positive(value[1], name))
 
 
 @dataclass(frozen=True)
@@ -31,7 +46,10 @@ class SGD:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        _lr(self.lr)
+        # a non-finite rate trains to nan and releases it: refused with the other bad values
+        check_fields(self, lr=(check_positive, "SGD lr"), momentum=(_unit_interval, "SGD momentum"),
+                     dampening=(_unit_interval, "SGD dampening"), nesterov=(check_bool, "SGD nesterov"),
+                     weight_decay=(check_nonnegative, "SGD weight_decay"))
 
     def build(self, params) -> torch.optim.Optimizer:
         params = list(params)
@@ -48,7 +66,8 @@ class Adam:
     decoupled: bool = False  # True -> AdamW
 
     def __post_init__(self):
-        _lr(self.lr)
+        check_fields(self, lr=(check_positive, "Adam lr"), betas=(_betas, "Adam betas"), eps=(check_positive, "Adam eps"),
+                     weight_decay=(check_nonnegative, "Adam weight_decay"), decoupled=(check_bool, "Adam decoupled"))
 
     def build(self, params):
         params = list(params)
@@ -65,7 +84,10 @@ class Adafactor:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        _lr(self.lr)
+        check_fields(self, lr=(check_positive, "Adafactor lr"), beta2_decay=(check_number, "Adafactor beta2_decay"),
+                     eps=(_eps_pair, "Adafactor eps"), weight_decay=(check_nonnegative, "Adafactor weight_decay"))
+        if self.beta2_decay > 0:
+            raise UserError(f"Adafactor beta2_decay must be <= 0 (got {self.beta2_decay})")
 
     def build(self, params):
         return torch.optim.Adafactor(params, lr=self.lr, beta2_decay=self.beta2_decay, eps=self.eps,

@@ -24,7 +24,7 @@ from dp_accounting import dp_event as dpe
 from userdp import accounting
 from userdp.accounting.split import update_noise_multiplier
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
-from userdp.engine.algorithms import ELS, ULS, FedAvg
+from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
@@ -32,7 +32,8 @@ from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
 from userdp.engine.sampling import get_sampler
 from userdp.errors import UserError
-from userdp.validation import check_choice, check_int
+from userdp.validation import (check_bool, check_choice, check_fields, check_fraction, check_instance, check_int,
+                               check_nonnegative, check_positive, check_string, optional)
 
 #: (sampling, unit) -> the sampler mode the record names
 SAMPLER_MODE = {("poisson", "record"): "poisson_examples", ("poisson", "user"): "poisson_users",
@@ -81,17 +82,30 @@ class TrainConfig:
     precision: str = "float32"
 
     def __post_init__(self):
-        check_int(self.steps, "steps")
+        # the one boundary of the engine's config: every field's type and range, converted in
+        # place, so that a nan sigma, a string clip or a float step count never reaches a step
+        check_instance(self.algorithm, "algorithm", tuple(ALGORITHMS[n] for n in ALGORITHMS),
+                       f"an algorithm ({', '.join(ALGORITHMS[n].__name__ for n in ALGORITHMS)})")
+        check_instance(self.clipping, "clipping", (FlatClip, PerLayerClip, AdaptiveClip),
+                       "FlatClip, PerLayerClip or AdaptiveClip")
+        if not callable(getattr(self.optimizer, "build", None)):
+            raise UserError(f"optimizer must be SGD, Adam, Adafactor or an object with build(params) "
+                            f"(got {type(self.optimizer).__name__})")
+        check_instance(self.denominator, "denominator", (FixedDenominator, ClippedDenominator),
+                       "FixedDenominator() or ClippedDenominator()")
+        check_fields(self, steps=(check_int, "steps"),
+                     noise_multiplier=(optional(check_nonnegative), "noise_multiplier"),
+                     target_epsilon=(optional(check_positive), "target_epsilon"),
+                     delta=(optional(check_fraction), "delta"),
+                     accountant=(check_string, "accountant"), sampling=(check_string, "sampling"),
+                     chunk_size=(check_int, "chunk_size"), seed=(optional(check_int), "seed", 0),
+                     checkpoint_every=(check_int, "checkpoint_every", 0),
+                     track_epsilon=(check_bool, "track_epsilon"), per_unit=(check_string, "per_unit"),
+                     noise=(check_string, "noise"), precision=(check_string, "precision"))
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise UserError("give a noise_multiplier or a target_epsilon to calibrate one")
-        if self.noise_multiplier is not None and self.noise_multiplier < 0:
-            raise UserError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
         if self.noise_multiplier == 0 and self.target_epsilon is not None:
             raise UserError("noise_multiplier=0 is non-private: it cannot meet a target epsilon")
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise UserError(f"target_epsilon must be > 0, got {self.target_epsilon}")
-        if self.chunk_size < 1:
-            raise UserError(f"chunk_size must be >= 1, got {self.chunk_size}")
         get_sampler(self.sampling)
         accounting.get_accountant(self.accountant)
         if self.per_unit != "auto":
@@ -114,6 +128,35 @@ def privacy_repr(config: TrainConfig) -> str:
     journal and checkpoints are bound to."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in PERFORMANCE_FIELDS}
     return repr(dataclasses.replace(config, **defaults))
+
+
+def config_difference(saved: str, current: str) -> str:
+    """Which fields differ between two :func:`privacy_repr` strings, in words (``"steps: 10 there,
+    20 here"``): what a refused resume names. Fields are split at the top level of the repr."""
+    a, b = _repr_fields(saved), _repr_fields(current)
+    diff = [f"{k}: {a.get(k, '(absent)')} there, {b.get(k, '(absent)')} here"
+            for k in list(a) + [k for k in b if k not in a] if a.get(k) != b.get(k)]
+    return "; ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "") if diff else "the config differs"
+
+
+def _repr_fields(text: str) -> dict[str, str]:
+    """``TrainConfig(a=1, b=X(c=2))`` -> ``{"a": "1", "b": "X(c=2)"}`` (top-level fields only)."""
+    start = text.find("(")
+    body = text[start + 1:-1] if start >= 0 and text.endswith(")") else text
+    fields, depth, cur = {}, 0, ""
+    for ch in body + ",":
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            key, _, value = cur.strip().partition("=")
+            if key:
+                fields[key] = value
+            cur = ""
+        else:
+            cur += ch
+    return fields
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from userdp.devices import DEVICE_SPEC
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.errors import UserError
-from userdp.fileio import note_input
+from userdp.fileio import read_input
 from userdp.lm.presets import PRESETS
 from userdp.validation import close_names
 
@@ -407,16 +407,7 @@ def load_yaml(path: str | Path) -> dict:
 
     Raises:
         UserError: missing, a folder, not UTF-8, not valid YAML, a key given twice, or not a mapping."""
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"config: {path} is a folder, not a YAML file")
-    if not p.is_file():
-        raise UserError(f"config: {path} does not exist")
-    note_input(p)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise UserError(f"config: {path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+    text = read_input(path, f"config: {path}")
     try:
         raw = yaml.load(text, Loader=StrictLoader)
     except RecursionError:

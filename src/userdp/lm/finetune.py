@@ -67,10 +67,14 @@ def _keep_performance_changes(rd: RunDir, cfg: C.RunConfig, log: Log) -> None:
     saved, new = C.to_dict(C.load_config(rd.config)), C.to_dict(cfg)
     if saved == new:
         return
+    changed = sorted(f"{s}.{k}" for s in set(new) | set(saved)
+                     for k in set((new.get(s) or {}) if isinstance(new.get(s), dict) else {})
+                     | set((saved.get(s) or {}) if isinstance(saved.get(s), dict) else {})
+                     if (saved.get(s) or {}).get(k) != (new.get(s) or {}).get(k))
     if C.privacy_fingerprint(saved) != C.privacy_fingerprint(new):
-        raise UserError(f"--resume {rd.root}: only performance settings may change on resume")
-    changed = sorted(f"{s}.{k}" for s, sec in new.items() if isinstance(sec, dict)
-                     for k, v in sec.items() if saved[s].get(k) != v)
+        keys = [k for k in changed if not C.is_performance_key(k)]
+        raise UserError(f"--resume {rd.root}: only performance settings may change on resume; changed: "
+                        f"{', '.join(keys) or 'the config'} (saved in {rd.config})")
     header = "".join(ln for ln in rd.config.read_text().splitlines(keepends=True) if ln.startswith("#"))
     write_atomic(rd.config, header + C.dump_yaml(cfg), replaces_input=True)  # the run's own, on purpose
     log(f"resume: performance settings changed ({', '.join(changed)}); saved in {rd.config}")

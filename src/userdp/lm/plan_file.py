@@ -16,7 +16,7 @@ import dp_accounting
 
 from userdp.accounting import MAX_ELS_GROUP, event_from_dict, event_to_dict
 from userdp.errors import UserError
-from userdp.fileio import note_input
+from userdp.fileio import read_input
 from userdp.lm.config import PLANNED_ALGORITHMS
 
 #: the only keys a plan may set, and what ``plan: auto`` may choose for them
@@ -42,10 +42,10 @@ def _rr_epsilon(event) -> float:
 def read_plan(path: str | Path, source: str) -> dict:
     """The JSON object in ``path`` (no tracebacks: a missing, unreadable, non-UTF-8, too deeply
     nested or non-object file is one line naming ``source``)."""
-    note_input(path)
+    text = read_input(path, source)
     try:
-        obj = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise UserError(f"{source}: cannot read it ({type(exc).__name__})") from None
     if not isinstance(obj, dict):
         raise UserError(f"{source}: not a userdp plan (expected a JSON object)")

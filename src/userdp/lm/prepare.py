@@ -25,7 +25,7 @@ from userdp.data.stackexchange import StackExchangeSource, find_sites
 from userdp.data.store import build_store, open_store
 from userdp.data.tokenize import tokenize_store
 from userdp.errors import UserError
-from userdp.fileio import atomic_dir, sha256_file
+from userdp.fileio import atomic_dir, owned_dir, read_input, sha256_file
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.pretrain import fingerprint, private_cache_root
@@ -60,7 +60,7 @@ def _file_sig(path: Path) -> list:
 
 
 def _cached_store(source, key: str, log: Log):
-    folder = private_cache_root() / "stores" / key
+    folder = owned_dir(private_cache_root() / "stores") / key
     if (folder / "meta.json").is_file():
         try:
             return open_store(folder)
@@ -96,8 +96,10 @@ def _read_public_file(path: str, text_field: str) -> list[str]:
     p = Path(path)
     if p.is_dir():
         raise UserError(f"public text {path}: a folder, not a file (give a .txt or .jsonl file)")
-    if not p.is_file():
+    if not p.exists():
         raise UserError(f"public text {path}: does not exist")
+    if not p.is_file():
+        raise UserError(f"public text {path}: not a regular file (a pipe, socket or device); save it to a file")
     if p.suffix in (".jsonl", ".json") or p.name.endswith(".jsonl.gz"):
         opener = gzip.open if p.name.endswith(".gz") else open
         out = []
@@ -113,7 +115,7 @@ def _read_public_file(path: str, text_field: str) -> list[str]:
                 if isinstance(t, str) and t.strip():
                     out.append(t)
         return out
-    return [t for t in p.read_text(encoding="utf-8").split("\n\n") if t.strip()]
+    return [t for t in read_input(p, f"public text {path}").split("\n\n") if t.strip()]
 
 
 def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
@@ -199,7 +201,7 @@ def _perplexity_scores(L: int, prep, tok, model, log):
 
     log("scoring the training records' perplexity under the starting model (a disclosed data touch) ...")
     scores, touch = perplexity_scores(prep.store, score, model_id, subset=prep.train_subset,
-                                      cache_dir=private_cache_root() / "perplexity")
+                                      cache_dir=owned_dir(private_cache_root() / "perplexity"))
     rows = prep.train_subset.rows(prep.store.offsets)
     return np.asarray(scores)[rows], touch
 
@@ -211,7 +213,7 @@ def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None, 
     ``model`` is needed only for perplexity-based record selection (whose data touch is then
     noted in ``notes["data_touch"]``)."""
 
-    cache = private_cache_root() / "tokenized"
+    cache = owned_dir(private_cache_root() / "tokenized")
     t0 = time.time()
     mode = "full" if selection == "random_chunk" else "truncate"
     tr = tokenize_store(prep.store, tok, seq_len, mode=mode, subset=prep.train_subset, cache_dir=cache)

@@ -15,7 +15,7 @@ from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
 from userdp.devices import describe, resolve_device
 from userdp.engine.distributed import broadcast_module_state
 from userdp.errors import UserError
-from userdp.fileio import atomic_dir, make_dir
+from userdp.fileio import atomic_dir, make_dir, owned_dir
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.prepare import Log, Prepared, _stderr
@@ -26,7 +26,7 @@ from userdp.lm.tokenization import special_ids
 def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> Path:
     key = fingerprint(fingerprint(prep.public_texts), t.vocab_size, t.seq_len, m.preset,
                       dataclasses.asdict(m.pretraining), "v1")
-    return cache_root() / "pretrained" / f"{m.preset}-{key}"
+    return owned_dir(cache_root() / "pretrained") / f"{m.preset}-{key}"
 
 
 def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = _stderr,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import yaml
 
 from userdp.errors import UserError
+from userdp.fileio import read_input
 from userdp.lm.config import StrictLoader
 
 MECHANISM_KEYS = ("training.algorithm", "training.group_size", "training.cohort_size", "training.steps",
@@ -86,15 +86,9 @@ def load_space(path: str) -> Space:
     Raises:
         UserError: an unreadable file, a key that must not be tuned, a malformed range.
     """
-    p = Path(path)
-    if p.is_dir():
-        raise UserError(f"--search {path}: a folder, not a YAML file")
+    text = read_input(path, f"--search {path}")
     try:
-        raw = yaml.load(p.read_text(encoding="utf-8"), Loader=_SpaceLoader)  # noqa: S506 - a SafeLoader subclass
-    except OSError as exc:
-        raise UserError(f"--search {path}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"--search {path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+        raw = yaml.load(text, Loader=_SpaceLoader)  # noqa: S506 - a SafeLoader subclass
     except RecursionError:
         raise UserError(f"--search {path}: nested too deeply") from None
     except yaml.YAMLError as exc:
