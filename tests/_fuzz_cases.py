@@ -600,8 +600,100 @@ def _truncate_any(folder: Path, suffix: str) -> None:
         p.write_bytes(p.read_bytes()[:100])
 
 
+def round4_cases() -> list[Case]:
+    """Issue 40's classes through the CLI: deleting what is not ours, training on nothing,
+    plugins that make the CLI lie, hangs, a half-checked optional dependency, messages."""
+    out = []
+    acc = ["account", "--mechanism", "uls", "--sampling-rate", "0.01", "--steps", "10", "--noise-multiplier", "1.0",
+           "--delta", "1e-6"]
+
+    def accountant_plugin(answer, method="epsilon"):
+        def build(w, r):
+            name = f"bad_acc_{abs(hash((answer, method))) % 10**6}"
+            body = (
+                "from userdp import accounting\n"
+                f"class A:\n    name = {name!r}\n    discretized = False\n"
+                "    def supports(self, event):\n        return None\n"
+                f"    def epsilon(self, event, delta, *, interval=None, orders=None):\n        return ({answer}, 'x')\n"
+                f"    def delta(self, event, epsilon, *, interval=None, orders=None):\n        return {answer}\n"
+                f"    def epsilon_of_steps(self, step_event, steps, delta):\n        return {answer}\n"
+                "accounting.register_accountant(A())\n")
+            plugin = _write(w, f"{name}.py", body)
+            return ["--plugin", str(plugin), *acc, "--accountant", name]
+        return build
+
+    for answer in ("float('nan')", "-1.0", "'one'", "None"):
+        out.append(Case(f"r4-account-plugin-answers-{answer}", "round 4", accountant_plugin(answer),
+                        must_contain=("privacy.accountant",)))
+
+    def exiting_plugin(stmt):
+        def build(w, r):
+            plugin = _write(w, "exiting_plugin.py", stmt + "\n")
+            return ["--plugin", str(plugin), "train", str(_tiny_config(w)), "--output", str(w / "run")]
+        return build
+
+    for label, stmt in (("sys-exit-0", "import sys\nsys.exit(0)"), ("keyboard-interrupt", "raise KeyboardInterrupt"),
+                        ("sys-exit-none", "raise SystemExit")):
+        out.append(Case(f"r4-plugin-{label}-at-import", "round 4", exiting_plugin(stmt), must_contain=("plugin",)))
+
+    def fifo_arg(argv_of):
+        def build(w, r):
+            import os
+
+            p = w / "pipe"
+            if not p.exists():
+                os.mkfifo(p)
+            return argv_of(w, p)
+        return build
+
+    out.append(Case("r4-train-plan-fifo", "round 4",
+                    fifo_arg(lambda w, p: ["train", str(_tiny_config(w)), "--plan", str(p), "--output", str(w / "run")]),
+                    timeout=30, must_contain=("not a regular file",)))
+    out.append(Case("r4-tune-search-fifo", "round 4",
+                    fifo_arg(lambda w, p: ["tune", str(_tiny_config(w)), "--search", str(p), "--epsilon", "2",
+                                           "--output", str(w / "tune")]), timeout=30, must_contain=("not a regular file",)))
+    out.append(Case("r4-train-config-fifo", "round 4", fifo_arg(lambda w, p: ["train", str(p)]), timeout=30,
+                    must_contain=("not a regular file",)))
+
+    def no_tokenizer_model(w, r):
+        import shutil
+
+        from userdp.cli import main
+        model = w / "model-no-tok"
+        if not model.exists():
+            assert main(["pretrain", "--public-text", str(_write(w, "pub.txt", "some public words here. " * 200)),
+                         "--declare-public", "--output", str(model), "--steps", "1", "--vocab-size", "300",
+                         "--seq-len", "16"]) == 0
+            for f in list(model.iterdir()):
+                if "token" in f.name or f.name in ("vocab.json", "merges.txt"):
+                    f.unlink() if f.is_file() else shutil.rmtree(f)
+        return ["train", str(_tiny_config(w, f"model:\n  path: {model}\n")), "--output", str(w / "run")]
+
+    out.append(Case("r4-model-path-without-tokenizer", "round 4", no_tokenizer_model, timeout=120,
+                    must_contain=("tokenizer",)))
+
+    def user_folder_as_store(w, r):
+        src = _write(w / "mydata", "data.jsonl", _jsonl(GOOD_ROWS))
+        return ["data", "build", str(src), "--out", str(w / "mydata"), "--overwrite"]
+
+    out.append(Case("r4-build-store-over-its-source", "round 4", user_folder_as_store,
+                    untouched=("mydata/data.jsonl",)))
+
+    def over_users_folder(w, r):
+        src = _write(w, "d.jsonl", _jsonl(GOOD_ROWS))
+        _write(w / "notes", "thesis.tex", "years of work")
+        return ["data", "build", str(src), "--out", str(w / "notes"), "--overwrite"]
+
+    out.append(Case("r4-build-store-overwrite-users-folder", "round 4", over_users_folder,
+                    untouched=("notes/thesis.tex",), must_contain=("nothing was removed",)))
+    exp = ["experiment", "mean-estimation", "--no-sweeps", "--json"]
+    for flag, v in (("--dimension", "1e12"), ("--users", "1e12"), ("--seed", "-1"), ("--dimension", "1.5")):
+        out.append(Case(f"r4-experiment{flag}={v}", "round 4", lambda w, r, f=flag, v=v: [*exp, f, v]))
+    return out
+
+
 def all_cases(_work: Optional[Path] = None) -> list[Case]:
-    return accounting_cases() + data_cases() + cli_cases() + guarantee_cases() + run_dir_cases()
+    return accounting_cases() + data_cases() + cli_cases() + guarantee_cases() + run_dir_cases() + round4_cases()
 
 
 def make_run(work: Path) -> Path:

@@ -305,9 +305,7 @@ def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,
     Raises:
         UserError: epsilon is not a positive number, or the accountant name is unknown.
     """
-    eps = float(epsilon)
-    if not (eps > 0 and math.isfinite(eps)):
-        raise UserError(f"epsilon must be a positive number (got {epsilon})")
+    eps = check_positive(epsilon, "epsilon")
     return get_accountant(accountant).delta(event, eps, interval=value_discretization_interval, orders=orders)
 
 

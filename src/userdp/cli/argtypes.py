@@ -23,10 +23,18 @@ def _number(text: str) -> float:
 
 
 def _integer(text: str) -> int:
+    """An integer, also written in scientific notation when it is one (``1e6``)."""
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value != int(value) or abs(value) > 2**63:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    return int(value)
 
 
 def _checked(parse: Callable[[str], float | int], ok: Callable, what: str, name: str, doc: str):
@@ -47,6 +55,7 @@ nonneg_float = _checked(_number, lambda v: v >= 0, ">= 0", "nonneg_float", "A fi
 rate = _checked(_number, lambda v: 0 < v <= 1, "in (0, 1]", "rate", "A number in (0, 1].")
 open_unit = _checked(_number, lambda v: 0 < v < 1, "in (0, 1)", "open_unit", "A number in (0, 1) (a delta).")
 positive_int = _checked(_integer, lambda v: v >= 1, "an integer >= 1", "positive_int", "An integer >= 1.")
+nonneg_int = _checked(_integer, lambda v: 0 <= v < 2**63, "an integer >= 0", "nonneg_int", "An integer >= 0 (a seed).")
 
 
 def int_range(lo: int, hi: int) -> Callable[[str], int]:

@@ -190,7 +190,7 @@ def _add_mean_estimation(sub) -> None:
     p.add_argument("--learning-rates", type=_floats, default=None, help='comma-separated learning rates to tune over')
     p.add_argument("--clip-norms", type=_floats, default=None, help='comma-separated clip norms to tune over')
     p.add_argument("--trials", type=A.positive_int, default=None, help='repetitions per setting (different seeds)')
-    p.add_argument("--seed", type=int, default=None, help='base seed of the data and the runs')
+    p.add_argument("--seed", type=A.nonneg_int, default=None, help='base seed of the data and the runs')
     p.add_argument("--accountant", choices=A.ACCOUNTANT_NAMES, metavar="NAME", default="pld",
                    help="accountant for sigma: %(choices)s (default: pld)")
     p.add_argument("--average-fraction", type=A.rate, default=None,

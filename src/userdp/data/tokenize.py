@@ -42,7 +42,20 @@ ENCODE_BLOCK = 4_096
 
 
 def load_tokenizer(path):
-    """A ``tokenizers.Tokenizer`` from a local file or folder (never the hub)."""
+    """A ``tokenizers.Tokenizer`` from a local file or folder (never the hub).
+
+    Raises:
+        UserError: no tokenizer there, or one that cannot encode text (a vocabulary of fewer than
+            two tokens, or one that turns a probe sentence into no tokens)."""
+    tok = _load_tokenizer(path)
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size < 2 or not tok.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False).ids:
+        raise UserError(f"tokenizer {path!s}: it cannot encode text (a vocabulary of {size} token(s)); the folder "
+                        "lacks its tokenizer files (tokenizer.json, or vocab/merges): add them, or set tokenizer.path")
+    return tok
+
+
+def _load_tokenizer(path):
     from tokenizers import Tokenizer
 
     p = Path(path)

@@ -220,9 +220,19 @@ class TensorUserData(UserData):
     """
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], offsets: np.ndarray):
-        if not tensors:
-            raise UserError("TensorUserData needs at least one tensor")
-        offsets = np.asarray(offsets, dtype=np.int64)
+        if not isinstance(tensors, Mapping) or not tensors:
+            raise UserError("TensorUserData: tensors must be a non-empty mapping of name -> torch.Tensor "
+                            f"(got {type(tensors).__name__})")
+        for k, v in tensors.items():
+            if not isinstance(v, torch.Tensor) or v.ndim < 1:
+                raise UserError(f"TensorUserData: tensors[{k!r}] must be a torch.Tensor with a row dimension "
+                                f"(got {type(v).__name__})")
+        raw = np.asarray(offsets)
+        if raw.dtype.kind not in "iu" and not (raw.dtype.kind == "f" and np.all(np.isfinite(raw))
+                                               and np.all(raw == np.round(raw))):
+            # a float offset such as 2.7 would be truncated to 2 and move a record to another user
+            raise UserError(f"TensorUserData: offsets must be integers (got {raw.dtype} values)")
+        offsets = raw.astype(np.int64)
         if offsets.ndim != 1 or len(offsets) < 2 or offsets[0] != 0:
             raise UserError("TensorUserData: offsets must be 1-D, start at 0 and hold num_users + 1 entries")
         n_rows = {k: int(v.shape[0]) for k, v in tensors.items()}
@@ -244,6 +254,12 @@ class TensorUserData(UserData):
     def from_user_ids(cls, tensors: Mapping[str, torch.Tensor], user_ids) -> "TensorUserData":
         """Build from per-row user ids (any hashable values); rows are regrouped by user."""
         ids = np.asarray(user_ids)
+        if ids.ndim != 1:
+            raise UserError(f"TensorUserData.from_user_ids: user_ids must be one id per row (got shape {ids.shape})")
+        for k, v in (tensors.items() if isinstance(tensors, Mapping) else ()):
+            if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] != len(ids):
+                raise UserError(f"TensorUserData.from_user_ids: {len(ids)} user ids for the {v.shape[0]} rows of "
+                                f"tensors[{k!r}] (one id per row; no row is dropped)")
         _, inverse = np.unique(ids, return_inverse=True)
         order = np.argsort(inverse, kind="stable")
         counts = np.bincount(inverse)

@@ -14,6 +14,7 @@ loss over ``trials`` seeds is reported (Charles et al. 2024, §4 protocol).
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
@@ -69,11 +70,27 @@ class MeanEstimationConfig:
             raise UserError("--els-group-size must be >= 1")
         if any(not lr > 0 for lr in self.learning_rates) or any(not c > 0 for c in self.clip_norms):
             raise UserError("--learning-rates and --clip-norms must be positive")
+        if not 0 <= self.seed < 2**63:
+            raise UserError(f"--seed must be an integer >= 0, got {self.seed}")
+        need = 8 * self.dimension * self.num_users * (self.records_per_user + 2)  # records, user means, copies
+        have = _memory_bytes()
+        if have and need > have // 2:
+            raise UserError(f"--dimension {self.dimension} x --users {self.num_users} x --records-per-user "
+                            f"{self.records_per_user} needs about {need / 2**30:.3g} GiB of memory, more than half "
+                            f"of this machine's {have / 2**30:.3g} GiB: choose a smaller study")
         for g in self.uls_group_sizes:
             if self.compute_budget / g > self.num_users:
                 raise UserError(
                     f"G_ULS = {g} needs a cohort of B/G = {self.compute_budget / g:g} users, more "
                     f"than --num-users {self.num_users}")
+
+
+def _memory_bytes() -> int:
+    """This machine's physical memory (0 where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 @dataclass

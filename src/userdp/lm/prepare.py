@@ -220,6 +220,10 @@ def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None, 
     ev = tokenize_store(prep.store, tok, seq_len, mode="truncate", subset=prep.eval_subset, cache_dir=cache)
     log(f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
         f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)")
+    for name, part in (("training", tr), ("held-out", ev)):  # never train or evaluate on nothing
+        if part.num_users and part.num_tokens == 0:
+            raise UserError(f"the {name} users' records tokenized to 0 tokens: the tokenizer cannot encode this "
+                            "data (check tokenizer.path / model.path, data.text_field); nothing was trained")
     scores = None
     if selection in ("highest_ppl", "lowest_ppl"):
         if model is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -36,9 +37,25 @@ def check_available(enabled: bool) -> None:
 
     Raises:
         UserError: naming the key and the extra to install."""
-    if enabled and importlib.util.find_spec("tensorboard") is None:
+    if not enabled:
+        return
+    if importlib.util.find_spec("tensorboard") is None:
         raise UserError("output.tensorboard: true needs the tensorboard package: pip install 'userdp[tensorboard]' "
                         "(or set output.tensorboard: false; metrics.jsonl holds the same rows)")
+    # found is not working: import and exercise the writer once (a broken install fails here, in
+    # one line, not mid-run after steps were spent)
+    try:
+        with tempfile.TemporaryDirectory(prefix="userdp-tb-") as probe:
+            from torch.utils.tensorboard import SummaryWriter  # the optional dependency, loaded only when asked
+
+            w = SummaryWriter(probe)
+            w.add_scalar("probe", 1.0, 1)
+            w.add_text("probe", "probe", 1)
+            w.close()
+    except Exception as exc:  # noqa: BLE001 - any failure of the optional package is one line
+        raise UserError(f"output.tensorboard: true, but the tensorboard package does not work here "
+                        f"({type(exc).__name__}: {str(exc)[:160]}); reinstall it (pip install 'userdp[tensorboard]') "
+                        "or set output.tensorboard: false") from None
 
 
 def _finite(v) -> bool:
