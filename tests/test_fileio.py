@@ -105,7 +105,7 @@ def test_atomic_dir_full_disk_is_one_line_naming_the_folder(tmp_path, monkeypatc
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(fileio.os, "fsync", fail)
-    with pytest.raises(UserError, match=r"entry: cannot write it \(the disk is full\)"):
+    with pytest.raises(UserError, match=r"entry: cannot write it \(the disk is full; [0-9.]+ MB free there\)"):
         with fileio.atomic_dir(tmp_path / "entry") as tmp:
             (tmp / "big").write_text("x" * 100)
     assert list(tmp_path.iterdir()) == []
@@ -177,5 +177,6 @@ def test_init_on_a_full_disk_leaves_no_config(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(fileio.os, "fsync", full)
     assert main(["init", str(data), "--output", str(tmp_path / "my.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"userdp: error: {tmp_path / 'my.yaml'}: cannot write it (the disk is full)"
+    assert err[-1].startswith(f"userdp: error: {tmp_path / 'my.yaml'}: cannot write it (the disk is full; ")
+    assert err[-1].endswith(" MB free there)")  # and how much space there is
     assert not (tmp_path / "my.yaml").exists() and _leftovers(tmp_path) == []

@@ -149,9 +149,43 @@ _INPUTS: set[str] = set()
 
 
 def os_error(path: str | os.PathLike, exc: OSError, doing: str = "cannot write it") -> UserError:
-    """One line for an ``OSError`` met at ``path``: ``"<path>: <doing> (<reason>)"``."""
+    """One line for an ``OSError`` met at ``path``: ``"<path>: <doing> (<reason>)"``; a full disk
+    or quota also says how much space is free there."""
     reason = _REASONS.get(exc.errno) or exc.strerror or str(exc)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason += free_space(path)
     return UserError(f"{os.fspath(path)}: {doing} ({reason})")
+
+
+def free_space(path: str | os.PathLike) -> str:
+    """``"; N MB free"`` on the file system of ``path`` (its nearest existing folder), or ``""``."""
+    p = Path(os.fspath(path)).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return ""
+    return f"; {free / 2**20:.1f} MB free there"
+
+
+def is_writer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is how a writer library reports a failed write: an ``OSError``, torch's
+    ``RuntimeError`` ("unexpected pos", "failed writing file") or safetensors' ``SafetensorError``
+    (a full disk, a vanished folder). userdp's own ``UserError`` is not one: it passes through."""
+    if isinstance(exc, UserError):
+        return False
+    return isinstance(exc, (OSError, RuntimeError)) or "safetensor" in type(exc).__name__.lower()
+
+
+def writer_error(path: str | os.PathLike, exc: BaseException) -> UserError:
+    """One line for a writer library's own failure (``torch.save``'s ``RuntimeError`` "unexpected
+    pos" on a full disk, pyarrow's ``OSError``), naming the path and the free space."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return os_error(path, exc)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return UserError(f"{os.fspath(path)}: cannot write it ({type(exc).__name__}: {text[:160]}"
+                     f"{free_space(path)}; is the disk full?)")
 
 
 def read_input(path: str | os.PathLike, what: str, *, binary: bool = False) -> str | bytes:
@@ -290,7 +324,7 @@ def _unlink_quietly(p: Path) -> None:
 
 
 def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str], None], *,
-                 private: bool = False, replaces_input: bool = False) -> Path:
+                 private: bool = False, replaces_input: bool = False, exclusive: bool = False) -> Path:
     """Write ``content`` to ``path`` atomically (temporary in the same folder, fsync, rename,
     fsync of the folder); missing parent folders are made.
 
@@ -299,6 +333,8 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str],
     ``private``: the file is made with mode 0600 (secrets: only its owner may read it).
     ``replaces_input``: the command means to update a file it read (a run directory's own
     config.yaml on resume); otherwise a file the command read is never overwritten.
+    ``exclusive``: the file must not exist; of two commands racing for it one wins and the other
+    is refused (the new file is linked into place, which fails if the name is taken).
 
     Raises:
         UserError: one line naming ``path`` (an input of this command, a dangling link, a full disk,
@@ -319,14 +355,24 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str],
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise UserError(f"{path}: exists (written by another command meanwhile?); nothing was "
+                                "overwritten") from None
+            _unlink_quietly(tmp)
+        else:
+            os.replace(tmp, path)
         with contextlib.suppress(OSError):
             fsync_path(path.parent)
     except OSError as exc:
         _unlink_quietly(tmp)
         raise os_error(path, exc) from None
-    except BaseException:
+    except BaseException as exc:
         _unlink_quietly(tmp)
+        if callable(content) and is_writer_failure(exc):
+            raise writer_error(path, exc) from None  # torch.save / safetensors failing mid-write
         raise
     return path
 
@@ -378,5 +424,9 @@ def atomic_dir(path: str | os.PathLike, *, keep_existing: bool = True) -> Iterat
             fsync_path(path.parent)
     except OSError as exc:
         raise os_error(path, exc) from None
+    except Exception as exc:  # a writer library's own error inside the block (torch.save on a full disk)
+        if is_writer_failure(exc):
+            raise writer_error(path, exc) from None
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

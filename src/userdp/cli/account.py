@@ -86,6 +86,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         out["accountant"] = args.accountant or "pld"
     if args.delta is not None:
         out["delta"], out["delta_rule"] = args.delta, "delta given by --delta"
+        if args.users is not None and args.delta * args.users >= 1.0:
+            raise UserError(f"--delta {args.delta:g} is at least 1/N = {1 / args.users:.3g} (--users {args.users}): "
+                            "such a delta allows publishing a user's data outright; use at most 1/(10 N)")
     elif args.users is not None:
         out["delta"], out["delta_rule"] = accounting.default_delta(args.users)
     else:

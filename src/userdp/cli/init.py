@@ -18,7 +18,10 @@ from pathlib import Path
 
 from userdp.errors import UserError
 from userdp.fileio import write_atomic
+from userdp.lm.prepare import read_public_file
 
+#: the fewest users a config is written for (training holds one out and trains on the rest)
+MIN_USERS = 2
 USER_FIELDS = ("user", "user_id", "userid", "author", "author_id", "username", "speaker", "sender", "owner")
 TEXT_FIELDS = ("text", "body", "message", "content", "msg", "post", "comment")
 
@@ -31,14 +34,19 @@ def _first_record_fields(path: Path, fmt: str) -> list[str]:
         from userdp.data.sources import _is_gzip
 
         opener = gzip.open if _is_gzip(path) else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            for line in f:
+        # utf-8-sig: a byte-order mark before the first line is dropped, as the reader drops it
+        with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
+            for lineno, line in enumerate(f, 1):
                 if line.strip():
                     try:
                         obj = json.loads(line)
-                    except json.JSONDecodeError:
-                        return []
-                    return list(obj) if isinstance(obj, dict) else []
+                    except json.JSONDecodeError as exc:
+                        raise UserError(f"{path}:line {lineno}: not valid JSON ({exc.msg}); the first record "
+                                        "must be a JSON object") from None
+                    if not isinstance(obj, dict):
+                        raise UserError(f"{path}:line {lineno}: a JSON {type(obj).__name__}, not an object "
+                                        "with fields")
+                    return list(obj)
         return []
     if fmt == "csv":
         import csv
@@ -142,11 +150,16 @@ def _run(args: argparse.Namespace) -> int:
     if fmt not in ("jsonl", "csv", "parquet", "hf"):
         raise UserError(f"{path}: `userdp init` writes configs for JSONL, CSV, Parquet or saved Hugging Face "
                         f"data (this is {fmt}; see examples/ for Stack Exchange and Shakespeare)")
-    if args.public_text is not None and not Path(args.public_text).is_file():
-        raise UserError(f"--public-text {args.public_text}: not a file")
+    if args.public_text is not None:  # read as training will read it: init accepts what train accepts
+        docs = read_public_file(args.public_text, args.text_field or "text")
+        if not docs:
+            raise UserError(f"--public-text {args.public_text}: holds no text (training needs public text for "
+                            "the tokenizer and the starting model)")
     out = Path(args.output)
     if out.exists():
         raise UserError(f"--output {out}: exists; choose another name (nothing was overwritten)")
+    if not out.absolute().parent.is_dir():
+        raise UserError(f"--output {out}: the folder {out.absolute().parent} does not exist (create it first)")
     fields = _first_record_fields(path, fmt) if path.is_file() else []
     uf = args.user_field or _guess(fields, USER_FIELDS, "user", "--user-field", path)
     tf = args.text_field or _guess(fields, TEXT_FIELDS, "text", "--text-field", path)
@@ -154,8 +167,12 @@ def _run(args: argparse.Namespace) -> int:
     source = open_source(str(path), fmt, user_field=uf, text_field=tf)
     with tempfile.TemporaryDirectory(prefix="userdp-init-") as tmp:
         stats = corpus_stats(build_store(source, Path(tmp) / "store").store)
+    if stats["users"] < MIN_USERS:
+        raise UserError(f"{path}: holds {stats['users']} user(s); training needs at least {MIN_USERS} (one held out "
+                        f"for evaluation, one to train on), and a guarantee about one user among so few says little")
     text = build_config(path, fmt, uf, tf, args.public_text, stats, str(out))
-    write_atomic(out, text)  # a failed write leaves no file (it left a 0-byte config)
+    # exclusive: of two inits racing for one --output, the second is refused (it overwrote the first)
+    write_atomic(out, text, exclusive=True)  # a failed write leaves no file (it left a 0-byte config)
     print(f"wrote {out}: {stats['users']:,} users, {stats['records']:,} records. Next: "
           f"userdp plan {out} --compute-budget 64   or   userdp train {out}", file=sys.stderr)
     if args.public_text is None:

@@ -16,6 +16,7 @@ Fail or skip, decided per case (docs/data.md lists them):
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import zlib
@@ -213,6 +214,21 @@ def _check_unicode(value, where: str, which: str, field: str) -> None:
                             "(invalid Unicode)") from None
 
 
+def _first_bad_utf8(path) -> tuple[int, int]:
+    """(line, byte within the line), both from 1, of the first byte that is not UTF-8 in the
+    (plain or gzip) file; (0, 0) when none is found. The decoder reads ahead in blocks, so its
+    own error cannot say which line it met (only the failure path pays for this scan)."""
+    opener = gzip.open if _is_gzip(path) else open
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with opener(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                decoder.decode(raw)
+            except UnicodeDecodeError as exc:
+                return lineno, exc.start + 1
+    return 0, 0
+
+
 class _TextFileSource(_FieldSource):
     """A line-oriented file, plain or gzip: a damaged or truncated gzip stream is one line naming
     the file. Subclasses implement ``_batches``."""
@@ -354,7 +370,10 @@ class CsvSource(_TextFileSource):
                 if users:
                     yield RecordBatch(users, texts, dates, lines, fname)
         except UnicodeDecodeError as exc:
-            raise UserError(f"{fname}: invalid UTF-8 after line {last_row} ({exc.reason})") from None
+            line, col = _first_bad_utf8(self.path)
+            where = f"line {line}, byte {col}" if line else f"after line {last_row}"
+            raise UserError(f"{fname}:{where}: invalid UTF-8 ({exc.reason}; a Latin-1 or other non-UTF-8 file? "
+                            "save it as UTF-8)") from None
         except csv.Error as exc:
             raise UserError(f"{fname}:line {last_row + 1}: malformed CSV ({exc})") from None
 

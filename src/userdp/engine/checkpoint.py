@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from userdp.errors import UserError
-from userdp.fileio import fsync_path, sha256_file
+from userdp.fileio import free_space, fsync_path, is_writer_failure, sha256_file
 
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "MANIFEST.json"
@@ -54,6 +54,13 @@ def exists(directory: str) -> bool:
 
 def _pending(directory: str, name: str) -> str:
     return os.path.join(directory, f".{name}.pending")
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text[:160]}"
 
 
 def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None) -> None:
@@ -83,12 +90,17 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - classified below
         for p in written:
             if os.path.exists(p):
                 os.unlink(p)
+        if not is_writer_failure(exc):
+            raise
+        # torch.save's RuntimeError on a full disk, safetensors' error, an OSError: one line; the
+        # ledger's journal already counts the steps, so the run resumes from the previous checkpoint
         raise UserError(f"{directory}: could not write the checkpoint at step {state.get('step')} "
-                        f"({exc.strerror or exc}); the previous checkpoint is intact") from None
+                        f"({_reason(exc)}{free_space(directory)}); the previous checkpoint is intact: free "
+                        "space and resume the run") from None
     except BaseException:
         for p in written:
             if os.path.exists(p):

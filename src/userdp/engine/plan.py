@@ -287,6 +287,18 @@ def _noise_split(config: TrainConfig, z: float, expected_units: float) -> tuple[
     return update_noise_multiplier(z, count_std), count_std
 
 
+def check_delta_for_users(delta: float, num_users: int, *, private: bool = True) -> None:
+    """Refuse a delta of at least 1/N: a mechanism that publishes one random user's data outright
+    is (0, 1/N)-DP, so such a delta promises nothing about any one user (issue 41).
+
+    Raises:
+        UserError: naming delta, N and 1/N."""
+    if private and num_users and delta * num_users >= 1.0:
+        raise UserError(f"privacy.delta = {delta:g} is at least 1/N = {1 / num_users:.3g} (N = {num_users} users): "
+                        "a guarantee with such a delta allows publishing a user's data outright; use a delta well "
+                        f"below 1/N (at most 1/(10 N) = {0.1 / num_users:.3g}; the default is N^-1.1)")
+
+
 def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
               total_weight: Optional[float] = None) -> RunPlan:
     """Make the run plan of ``config`` on data with these counts.
@@ -313,6 +325,9 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
     expected_weight = expected_units * tw / num_units
     if config.delta is not None:
         delta, rule = config.delta, "given"
+        check_delta_for_users(delta, num_users, private=config.algorithm.private)
+        if config.algorithm.private and delta * num_users > 0.1:
+            rule = f"given; above 1/(10 N) = {0.1 / num_users:.3g}: a weak guarantee (default N^-1.1)"
     else:
         delta, rule = accounting.default_delta(num_users)
     plan = RunPlan(config=config, unit=unit, num_users=int(num_users), num_units=int(num_units),

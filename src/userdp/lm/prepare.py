@@ -92,7 +92,8 @@ def _stackexchange_source(path: str, sites: Optional[tuple], public: bool):
     return src
 
 
-def _read_public_file(path: str, text_field: str) -> list[str]:
+def read_public_file(path: str, text_field: str) -> list[str]:
+    """The documents of a public text file (.txt: separated by blank lines; .jsonl: ``text_field``)."""
     p = Path(path)
     if p.is_dir():
         raise UserError(f"public text {path}: a folder, not a file (give a .txt or .jsonl file)")
@@ -138,7 +139,7 @@ def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
         key = "se-" + fingerprint(_file_sig(Path(d.path)), [s.name for s in src.sites])
         store = _cached_store(src, key, log)
         if d.public_path:
-            public = _read_public_file(d.public_path, d.text_field)
+            public = read_public_file(d.public_path, d.text_field)
             desc = f"declared-public file {d.public_path}"
         else:
             psrc = _stackexchange_source(d.path, d.public_sites, public=True)
@@ -151,7 +152,7 @@ def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
         src = open_source(d.path, d.source, user_field=d.user_field, text_field=d.text_field)
         key = f"{d.source}-" + fingerprint(_file_sig(Path(d.path)), d.user_field, d.text_field)
         store = _cached_store(src, key, log)
-        public = _read_public_file(d.public_path, d.text_field) if d.public_path else []
+        public = read_public_file(d.public_path, d.text_field) if d.public_path else []
         desc = f"declared-public file {d.public_path}" if d.public_path else "none"
     split = heldout_users(store, d.heldout_users, d.split_seed)
     train, ev = split.train, split.eval

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
-from userdp.lm.prepare import _cached_store, _file_sig, _read_public_file, _stackexchange_source
+from userdp.lm.prepare import _cached_store, _file_sig, read_public_file, _stackexchange_source
 from userdp.lm.pretrain import fingerprint, pretrain_model, save_pretrained
 
 
@@ -17,7 +17,7 @@ def public_texts(args) -> tuple[list[str], str]:
         if not args.declare_public:
             raise UserError("--public-text: pass --declare-public to state that this text is public "
                             "(pretraining is not private; it must not contain the users' records)")
-        return _read_public_file(args.public_text, args.text_field), f"declared-public file {args.public_text}"
+        return read_public_file(args.public_text, args.text_field), f"declared-public file {args.public_text}"
     if args.stackexchange:
         if not args.declare_public:
             raise UserError("--stackexchange: pass --declare-public to state that these sites are public")
