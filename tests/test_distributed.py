@@ -93,7 +93,10 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
     one = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--output", "one", "--no-progress",
                           "--json"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
-    two = _torchrun(2, ["-m", "userdp", "train", str(cfg), "--output", "two", "--no-progress", "--json"], tmp_path)
+    # userdp's own launcher (issue 41): the same job as `torchrun --nproc_per_node=2 -m userdp train`
+    two = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "two",
+                          "--no-progress", "--json"], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
+                         text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("run directory:") == 1  # one summary, from rank 0
     s1, s2 = json.loads(one.stdout.splitlines()[-1]), json.loads(two.stdout.splitlines()[-1])
@@ -107,6 +110,53 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
     priv = json.loads(run.joinpath("privacy.json").read_text())
     assert priv["compute"]["device"] == "cpu x 2 processes"
     assert priv["compute"]["processes"] == {"world_size": 2, "backend": "gloo"}
+
+
+@pytest.mark.parametrize("override, words", [
+    ("training.nope=1", "unknown key 'training.nope'"),
+    ("data.path=/no/such/file.jsonl", "data.path /no/such/file.jsonl"),
+    ("audit.canaries=10", "audit.canaries"),
+    ("model.device=cuda:0", "names one GPU"),
+])
+def test_train_nproc_refuses_a_bad_input_before_any_process_starts(tmp_path, monkeypatch, capsys, override, words):
+    from userdp import launcher
+    from userdp.cli import main
+
+    cfg = _tiny(tmp_path, "")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a process was started"))
+    assert main(["train", str(cfg), "--nproc", "2", "--set", override, "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in err, err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_a_bad_input_found_by_the_workers_ends_the_job_in_one_line_exit_2(tmp_path):
+    cfg = _tiny(tmp_path, "")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(Path(tmp_path / "users.jsonl").read_text() + '{"user": "x", "text": broken\n')
+    for extra, words in ((["--set", "training.cohort_size=100000"], "more than the"),
+                         (["--set", f"data.path={bad}"], "bad.jsonl:line 121: not valid JSON")):
+        out = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", *extra, "--output",
+                              "o", "--no-progress"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 2, out.stderr[-3000:]
+        errors = [ln for ln in out.stderr.splitlines() if "error" in ln.lower()]
+        assert len(errors) == 1 and words in errors[0], out.stderr[-3000:]  # one line, from the job
+        assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+        assert out.stderr.strip().splitlines()[-1] == errors[0]  # the last line the user reads
+        assert not (tmp_path / "o").exists()
+
+
+def test_the_workers_get_the_users_arguments_less_the_launchers():
+    from userdp.cli.train import _worker_argv
+
+    argv = ["--plugin", "p.py", "train", "c.yaml", "--nproc", "2", "--nnodes=1", "--set", "a.b=1",
+            "--rdzv-endpoint", "h:1", "--node-rank", "0", "--no-progress"]
+    assert _worker_argv(argv) == ["--plugin", "p.py", "train", "c.yaml", "--set", "a.b=1", "--no-progress"]
 
 
 def _children(pid):

@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from userdp import __version__, fileio, plugins
+from userdp import __version__, fileio, launcher, plugins
 from userdp.errors import UserError
 
 # Module names under userdp.cli, in the order they appear in `userdp --help`.
@@ -99,15 +99,16 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
+    args.argv = argv  # the command line as given (`train --nproc` hands it to its workers)
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        print(f"userdp: error: {exc}", file=sys.stderr)
+        launcher.say(f"userdp: error: {exc}", 2)  # under `train --nproc`: the launcher prints the job's one line
         return 2
     except OSError as exc:  # the environment (a full disk, no permission), met outside fileio's writers
         if exc.errno not in fileio.ENVIRONMENT_ERRNOS:
             raise
-        print(f"userdp: error: {fileio.os_error(exc.filename or '(a file)', exc, 'cannot use it')}", file=sys.stderr)
+        launcher.say(f"userdp: error: {fileio.os_error(exc.filename or '(a file)', exc, 'cannot use it')}", 2)
         return 2
     except KeyboardInterrupt:
         print("userdp: interrupted", file=sys.stderr)

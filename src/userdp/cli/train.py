@@ -6,9 +6,13 @@ import dataclasses
 import math
 import sys
 
+from userdp import launch, launcher
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.errors import UserError
+
+#: the launcher's own options (with their value, when they take one): not passed to the workers
+_LAUNCH_OPTIONS = {"--nproc": True, "--nnodes": True, "--node-rank": True, "--rdzv-endpoint": True}
 
 
 def register(subparsers) -> None:
@@ -33,10 +37,31 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     A.add_device_option(p, "training runs (also with --resume: the device does not change the guarantee)")
+    p.add_argument("--nproc", type=A.positive_int, default=None, metavar="N",
+                   help="run N processes on this node as one job (userdp's launcher on torch.distributed.run: "
+                        "inputs are checked before any process starts; a failed job ends in one line)")
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="with --nproc: the number of nodes (default 1)")
+    p.add_argument("--node-rank", type=A.nonneg_int, default=0, metavar="R", help="with --nproc and --nnodes > 1: this node's rank")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="with --nnodes > 1: the rendezvous, the same on every node")
     p.add_argument("--dist-timeout", type=A.positive_float, default=None, metavar="SECONDS",
                    help="under torchrun: how long a collective waits for another process before the job "
                         "fails (default 1800)")
     p.set_defaults(func=main)
+
+
+def _worker_argv(argv: list[str]) -> list[str]:
+    """The command line each worker runs: ``train`` and the user's arguments, less the launcher's."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in _LAUNCH_OPTIONS:
+            skip = _LAUNCH_OPTIONS[name] and "=" not in a
+            continue
+        out.append(a)
+    return out
 
 
 def _fmt(x, spec=".2f"):
@@ -92,7 +117,10 @@ def main(args) -> int:
     if args.print_config:
         print(C.dump_yaml(cfg), end="")
         return 0
-    from userdp import launch
+    if args.nproc is not None and not launch.launched():
+        launcher.precheck(cfg, args.nproc, args.plan)  # refused here, before any process starts
+        return launcher.launch(_worker_argv(args.argv), nproc=args.nproc, nnodes=args.nnodes,
+                               node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint)
 
     world = launch.init_world(cfg.model.device, args.dist_timeout or launch.DEFAULT_TIMEOUT_S)
     try:
@@ -107,7 +135,7 @@ def main(args) -> int:
         then = (f"the ledger journal counts every step begun; once every process has stopped, continue with: "
                 f"torchrun ... -m userdp train --resume {world.run_dir}" if began else
                 "no training step had begun (nothing to resume; start the job again)")
-        print(f"userdp: rank {world.rank} of {world.world_size}: {exc}; {then}", file=sys.stderr)
+        launcher.say(f"userdp: rank {world.rank} of {world.world_size}: {exc}; {then}", 1)
         return 1
     finally:
         world.close()
