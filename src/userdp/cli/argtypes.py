@@ -23,18 +23,10 @@ def _number(text: str) -> float:
 
 
 def _integer(text: str) -> int:
-    """An integer, also written in scientific notation when it is one (``1e6``)."""
     try:
         return int(text)
     except ValueError:
-        pass
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value != int(value) or abs(value) > 2**63:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    return int(value)
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
 def _checked(parse: Callable[[str], float | int], ok: Callable, what: str, name: str, doc: str):

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from userdp.errors import UserError
 from userdp.fileio import write_atomic
-from userdp.lm.prepare import read_public_file
 
 #: the fewest users a config is written for (training holds one out and trains on the rest)
 MIN_USERS = 2
@@ -144,6 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     from userdp.data.sources import detect_format, open_source
     from userdp.data.stats import corpus_stats
     from userdp.data.store import build_store
+    from userdp.lm.prepare import read_public_file
 
     path = Path(args.datafile)
     fmt = args.format or detect_format(str(path))
