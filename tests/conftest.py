@@ -4,6 +4,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one compute thread per xdist worker: `-n auto` already runs one worker per core, and torch's
+    # default (a thread per core in every worker) oversubscribes the cores; subprocesses inherit it
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 SHARED_DATA = Path(os.environ.get("USERDP_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 

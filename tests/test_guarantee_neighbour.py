@@ -126,6 +126,17 @@ def test_no_adversarial_user_moves_the_released_sum_by_more_than_its_bound(adver
     assert gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"
 
 
+@pytest.mark.parametrize("adversary", ["cancelling", "huge", "nonfinite"])
+@pytest.mark.parametrize("algorithm,per_unit", [("uls", "auto"), ("els", "ghost"), ("fedavg", "vmap")])
+def test_a_loop_written_around_make_private_releases_no_more_than_the_bound(adversary, algorithm, per_unit):
+    # the caller's own loop (step.backward()) is a release path of its own: held to the same bound
+    cfg = config(algorithm, g=4, per_unit=per_unit)
+    gap = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss, cfg, entry="make_private")
+    assert gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"
+    same = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss, cfg)
+    assert abs(same.gap - gap.gap) <= 1e-6 * max(1.0, gap.gap)  # the same release as train's
+
+
 def test_the_gap_of_a_run_against_itself_is_zero():
     gap = neighbour_gap(builder(), honest(), None, reg_loss, config())
     assert gap.gap == 0.0

@@ -31,6 +31,7 @@ from torch import nn
 from userdp.engine.data import TensorUserData, UserData
 from userdp.engine.loop import start_run
 from userdp.engine.plan import TrainConfig
+from userdp.engine.private_loop import make_private
 from userdp.errors import UserError
 
 #: the default relative tolerance: float32 sums of a few hundred terms, reordered
@@ -57,11 +58,33 @@ class Gap:
         return math.isfinite(self.gap) and self.gap <= self.sensitivity * (1.0 + self.rtol) + self.atol
 
 
+#: the entry points a step can be released through: ``userdp.engine.train``'s loop, or a loop the
+#: caller writes around ``make_private`` (its ``step.backward()``)
+ENTRIES = ("train", "make_private")
+
+
 def released_sum(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *,
-                 combiner=None) -> tuple[list[torch.Tensor], float]:
+                 combiner=None, entry: str = "train") -> tuple[list[torch.Tensor], float]:
     """One step's released noisy sum (the privatized gradient times its public denominator), float64,
     and the bound on one user's share of it: the sensitivity the noise was scaled to, times the units
-    one user can own (G for ELS). ``model`` is trained in place (pass a fresh copy)."""
+    one user can own (G for ELS). ``model`` is trained in place (pass a fresh copy). ``entry``:
+    ``"train"`` releases the step as :func:`userdp.engine.train` does; ``"make_private"`` through
+    :func:`userdp.engine.make_private` and the step's ``backward()``, with an SGD optimizer over
+    the model's trainable parameters."""
+    if entry == "make_private":
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        private = make_private(model, opt, data, loss_fn, config, combiner=combiner)
+        run = private._run
+        try:
+            steps = iter(private)  # held: the loop's generator ends the step when it is dropped
+            next(steps).backward()
+            den = float(run.last_denominator)
+            out = [m.grad.detach().double() * den for m in run.master]
+            return out, float(run._sensitivity()) * float(getattr(run.algo, "group_sensitivity", 1))
+        finally:
+            private.close()
+    if entry != "train":
+        raise UserError(f"released_sum: entry must be one of {', '.join(ENTRIES)} (got {entry!r})")
     run = start_run(model, data, loss_fn, config, combiner=combiner)
     try:
         run.release()
@@ -74,7 +97,8 @@ def released_sum(model: nn.Module, data: UserData, loss_fn: Callable, config: Tr
 
 
 def neighbour_gap(build_model: Callable[[], nn.Module], data: UserData, added: UserData | None,
-                  loss_fn: Callable, config: TrainConfig, *, rtol: float = RTOL, combiner=None) -> Gap:
+                  loss_fn: Callable, config: TrainConfig, *, rtol: float = RTOL, combiner=None,
+                  entry: str = "train") -> Gap:
     """``|S(D ∪ added) - S(D)|`` for one seeded step (see the module docstring).
 
     Args:
@@ -84,6 +108,7 @@ def neighbour_gap(build_model: Callable[[], nn.Module], data: UserData, added: U
             None measures the run against itself (a gap of 0: the determinism check).
         loss_fn: ``loss_fn(model, batch) -> Tensor[n]``.
         config: the run's config; it must have a seed (both runs draw the same noise).
+        entry: ``"train"`` or ``"make_private"`` (:data:`ENTRIES`): the path the step is released by.
 
     Raises:
         UserError: no seed, or data that is not TensorUserData.
@@ -96,8 +121,8 @@ def neighbour_gap(build_model: Callable[[], nn.Module], data: UserData, added: U
         raise UserError(f"neighbour_gap: added must hold exactly one user, it holds {added.num_users}")
     bigger = data if added is None else join(data, added)
     config = replace(config, checkpoint_every=0)
-    s0, sens0 = released_sum(build_model(), data, loss_fn, config, combiner=combiner)
-    s1, sens1 = released_sum(build_model(), bigger, loss_fn, config, combiner=combiner)
+    s0, sens0 = released_sum(build_model(), data, loss_fn, config, combiner=combiner, entry=entry)
+    s1, sens1 = released_sum(build_model(), bigger, loss_fn, config, combiner=combiner, entry=entry)
     diff = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(s1, s0)))
     return Gap(diff, max(sens0, sens1), rtol)
 
