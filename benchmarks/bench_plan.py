@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     from userdp import planning
     from userdp.cli.plan import resolve_training
-    from userdp.engine import Adam, FlatClip, TrainConfig, ULS, train
+    from userdp.engine import ULS, Adam, FlatClip, TrainConfig, train
     from userdp.lm.evaluate import evaluate_lm
 
     def log(msg):

@@ -123,11 +123,11 @@ def _eval_pairs(data, per_user: int, seed: int = 0):
 def prepare(name: str, a, public_file: Path) -> Corpus:
     import torch
 
-    from userdp.planning import GradientNormEstimator
     from userdp.lm import config as C
+    from userdp.lm import models
     from userdp.lm import prepare as F
     from userdp.lm.starting_model import get_tokenizer_and_model
-    from userdp.lm import models
+    from userdp.planning import GradientNormEstimator
 
     cfg = C.load_config(None, _sets(name, a, public_file))
     prep = F.prepare_data(cfg.data, _log)

@@ -25,9 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mean-trials", type=float, default=8.0)
     args = ap.parse_args(argv)
     from userdp import engine as E
+    from userdp.accounting.selection import TrialCount
     from userdp.engine.plan import make_plan
     from userdp.tuning import accounting as TA
-    from userdp.accounting.selection import TrialCount
 
     n, steps, cohort = 1175, 100, 64
 

@@ -14,8 +14,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from userdp.engine import (ELS, ULS, AdaptiveClip, Adam, FedAvg, FlatClip, PerLayerClip, SGD, TensorUserData,
-                           TrainConfig, train)
+from userdp.engine import (
+    ELS,
+    SGD,
+    ULS,
+    Adam,
+    AdaptiveClip,
+    FedAvg,
+    FlatClip,
+    PerLayerClip,
+    TensorUserData,
+    TrainConfig,
+    train,
+)
 from userdp.engine.aggregation import ClippedDenominator
 
 

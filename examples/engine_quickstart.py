@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from userdp.engine import ULS, SGD, FlatClip, TensorUserData, TrainConfig, train
+from userdp.engine import SGD, ULS, FlatClip, TensorUserData, TrainConfig, train
 
 
 class Mean(nn.Module):

@@ -9,11 +9,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _engine_helpers import MLP, ce_loss, mlp_data
 
 from userdp import launch
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
 from userdp.engine.data import DelegatingUserData
+
+from _engine_helpers import MLP, ce_loss, mlp_data
 
 SIZES = [3, 1, 5, 2, 8, 4, 6, 7] * 3  # G = 2 < most sizes: each step draws records at random
 

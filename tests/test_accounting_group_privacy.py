@@ -5,8 +5,8 @@ import math
 import pytest
 
 from userdp import accounting as A
-from userdp.accounting import split as AC
 from userdp.accounting import group_privacy as GP
+from userdp.accounting import split as AC
 from userdp.errors import UserError
 
 

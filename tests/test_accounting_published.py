@@ -5,8 +5,8 @@ import math
 import pytest
 
 from userdp import accounting as A
-from userdp.accounting import split as AC
 from userdp.accounting import group_privacy as GP
+from userdp.accounting import split as AC
 
 # ----------------------------------------------------------------------------- §9.1 guide [S4]
 Q, SIGMA, DELTA = 5000 / 1e6, 1.0, 1e-6

@@ -14,7 +14,6 @@ import torch
 from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
-from _engine_helpers import MLP, Mean, ce_loss, linear_loss, mlp_data, sq_loss, user_data
 from userdp import accounting
 from userdp.engine import ELS, ULS, AdaptiveClip, FedAvg, FlatClip, PerLayerClip, TrainConfig, train
 from userdp.engine import checkpoint as ckpt
@@ -25,6 +24,8 @@ from userdp.engine.ledger import PrivacyLedger
 from userdp.engine.plan import make_plan
 from userdp.errors import UserError
 from userdp.validation import check_choice, check_int, check_rate
+
+from _engine_helpers import MLP, Mean, ce_loss, linear_loss, mlp_data, sq_loss, user_data
 
 PLUGINS = Path(__file__).resolve().parents[1] / "examples" / "plugins"
 
@@ -93,9 +94,10 @@ def test_the_record_step_event_is_the_mechanisms():
 def test_lm_budget_check_honours_the_sampler(tmp_path):
     # shuffled batches have no amplification: a sigma whose Poisson epsilon fits the target must
     # still be refused when the no-amplification epsilon passes it (the old check assumed Poisson)
-    from _lm_corpus import tiny_config, write_tiny_corpus
     from userdp.lm import config as C
     from userdp.lm.job_plan import check_budget
+
+    from _lm_corpus import tiny_config, write_tiny_corpus
 
     data, public = write_tiny_corpus(tmp_path)
     (tmp_path / "c.yaml").write_text(tiny_config(data, public, privacy_extra="  noise_multiplier: 3.0\n"))

@@ -116,11 +116,11 @@ def test_gradient_canaries_go_through_clipping_like_any_unit():
     by 100 C/den. Real users' records carry audit_on = 0 and are unchanged by the canary term."""
     import contextlib
 
-    from _engine_helpers import Mean, linear_loss
-
     from userdp import engine as E
     from userdp.audit.canaries import GradientCanaries, gradient_canary_loss
     from userdp.audit.faults import broken_build
+
+    from _engine_helpers import Mean, linear_loss
 
     d = 40
     c = GradientCanaries.generate(11, 8, 1, "theta", d, 100.0)

@@ -6,9 +6,10 @@ import os
 import stat
 
 import pytest
-from _lm_corpus import interrupt_after_checkpoint, write_tiny_run
 
 from userdp.cli import main as cli
+
+from _lm_corpus import interrupt_after_checkpoint, write_tiny_run
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,12 @@ their ``with`` block (one SGD step on the mean model, where every update is know
 
 import numpy as np
 import pytest
-from _engine_helpers import Mean, linear_loss, user_data
 
 from userdp import engine as E
 from userdp.audit.faults import broken_build
 from userdp.errors import UserError
+
+from _engine_helpers import Mean, linear_loss, user_data
 
 
 def _step(fault=None, times=3):

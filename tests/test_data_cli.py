@@ -1,6 +1,7 @@
 """`userdp data stats` / `userdp data build` end to end on tiny data."""
 
 import json
+
 import pytest
 
 from userdp.cli import main

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from userdp.data import build_store, open_source
-from userdp.data.tokenize import PublicText, tokenize_store, train_bpe
 from userdp.data.selection import RandomChunkUserData
+from userdp.data.tokenize import PublicText, tokenize_store, train_bpe
 from userdp.data.torch_data import TokenizedUserData
 from userdp.engine.data import UserData
 from userdp.errors import UserError

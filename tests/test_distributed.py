@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _engine_helpers import Mean, sq_loss, user_data
-from _lm_corpus import write_tiny_run
 
 from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
 from userdp.errors import UserError
+
+from _engine_helpers import Mean, sq_loss, user_data
+from _lm_corpus import write_tiny_run
 
 HERE = Path(__file__).parent
 TORCHRUN = shutil.which("torchrun")

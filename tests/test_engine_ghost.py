@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _engine_helpers import MLP, ce_loss, mlp_data
 from torch import nn
 
 from userdp.engine import TrainConfig, train
@@ -24,6 +23,8 @@ from userdp.engine.precision import Precision
 from userdp.errors import UserError
 from userdp.lm import models
 from userdp.lm.models import causal_lm_loss
+
+from _engine_helpers import MLP, ce_loss, mlp_data
 
 F64 = torch.float64
 

@@ -78,9 +78,9 @@ def test_a_model_without_a_transformer_config_gets_the_default_chunk():
 
 @pytest.mark.slow
 def test_an_lm_run_with_chunk_size_auto_records_the_choice(tmp_path, monkeypatch, capsys):
-    from _lm_corpus import write_tiny_run
-
     from userdp.cli import main as cli
+
+    from _lm_corpus import write_tiny_run
 
     cfg, _ = write_tiny_run(tmp_path, "  chunk_size: auto\n  memory_gb: 2\n  seed: 3\n", name="auto.yaml")
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))

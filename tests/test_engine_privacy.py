@@ -9,8 +9,19 @@ import torch
 from scipy import stats
 
 from userdp import accounting
-from userdp.engine import (ELS, SGD, ULS, ClippedDenominator, FedAvg, FlatClip, PerLayerClip,
-                           PrivacyLedger, TensorUserData, TrainConfig, train)
+from userdp.engine import (
+    ELS,
+    SGD,
+    ULS,
+    ClippedDenominator,
+    FedAvg,
+    FlatClip,
+    PerLayerClip,
+    PrivacyLedger,
+    TensorUserData,
+    TrainConfig,
+    train,
+)
 from userdp.engine.loop import _Run
 from userdp.engine.sampling import Poisson, bucket_size
 from userdp.errors import BudgetExceededError, UserError
@@ -171,8 +182,8 @@ def test_train_stops_before_the_budget():
 
 def test_calibrated_sigma_meets_target_and_adaptive_split():
     data = user_data([2] * 400, d=2)
-    from userdp.engine import AdaptiveClip
     from userdp.accounting.split import effective_noise_multiplier
+    from userdp.engine import AdaptiveClip
     res = train(Mean(2), data, sq_loss,
                 TrainConfig(algorithm=ULS(2, 0.1), steps=20, target_epsilon=3.0, delta=1e-5, seed=0,
                             clipping=AdaptiveClip(), accountant="rdp", track_epsilon=False))

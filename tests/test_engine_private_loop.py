@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from _engine_helpers import MLP, Mean, ce_loss, mlp_data, sq_loss, user_data
 from userdp import accounting
 from userdp.engine import ELS, SGD, ULS, Adam, FedAvg, FlatClip, TrainConfig, make_private, train
 from userdp.engine.ledger import JOURNAL, steps_begun
 from userdp.errors import UserError
+
+from _engine_helpers import MLP, Mean, ce_loss, mlp_data, sq_loss, user_data
 
 SIZES = np.random.default_rng(3).integers(1, 9, 60)
 

@@ -8,8 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from userdp.engine import (ELS, SGD, ULS, Adafactor, Adam, AdaptiveClip, FedAvg, FedSGD, FlatClip,
-                           TensorUserData, TrainConfig, train)
+from userdp.engine import (
+    ELS,
+    SGD,
+    ULS,
+    Adafactor,
+    Adam,
+    AdaptiveClip,
+    FedAvg,
+    FedSGD,
+    FlatClip,
+    TensorUserData,
+    TrainConfig,
+    train,
+)
 from userdp.engine.per_unit import PerUnit
 from userdp.errors import UserError
 

@@ -10,7 +10,6 @@ from userdp.errors import UserError
 from userdp.experiments import mean_estimation as me
 from userdp.experiments import variance as va
 
-
 # ------------------------------------------------------------------ variance (SPEC §7.1)
 
 def test_variance_rows_match_the_direct_variances(monkeypatch):
@@ -97,6 +96,7 @@ def test_tail_averaging_reports_the_mean_of_the_last_iterates():
     # noiseless full-batch ULS at lr 0.5 from theta = 0: theta_t = target * (1 - 0.5**t) exactly;
     # average_fraction 0.5 of 4 steps reports (theta_3 + theta_4) / 2
     from dataclasses import replace
+
     from userdp.engine import ULS
 
     cfg = me.MeanEstimationConfig(dimension=4, num_users=20, records_per_user=5, steps=4,

@@ -19,8 +19,20 @@ from torch import nn
 
 from userdp import accounting as A
 from userdp.accounting.group_privacy import group_privacy
-from userdp.engine import (ELS, SGD, ULS, Adam, AdaptiveClip, FedAvg, FlatClip, PerLayerClip, TensorUserData,
-                           TrainConfig, make_private, train)
+from userdp.engine import (
+    ELS,
+    SGD,
+    ULS,
+    Adam,
+    AdaptiveClip,
+    FedAvg,
+    FlatClip,
+    PerLayerClip,
+    TensorUserData,
+    TrainConfig,
+    make_private,
+    train,
+)
 from userdp.errors import UserError
 
 

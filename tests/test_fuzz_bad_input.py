@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from _fuzz_cases import all_cases, copy_run, make_run
 from userdp.cli import main
+
+from _fuzz_cases import all_cases, copy_run, make_run
 
 CASES = all_cases()
 

@@ -8,7 +8,6 @@ import dp_accounting
 import numpy as np
 import pytest
 import torch
-from _engine_helpers import Mean, sq_loss, user_data
 
 from userdp import accounting as A
 from userdp.accounting import private_selection as PS
@@ -18,6 +17,8 @@ from userdp.engine.algorithms import UnitTable
 from userdp.engine.chacha import TAIL_MASS_PER_PAIR, _normals_from_blocks, tail_delta
 from userdp.engine.plan import make_plan
 from userdp.errors import UserError
+
+from _engine_helpers import Mean, sq_loss, user_data
 
 
 # ------------------------------------------------------------------ 1. tuning: private selection, K secret

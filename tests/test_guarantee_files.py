@@ -5,11 +5,12 @@ file that carries it (the ledger journal, bound before the first step). Here: th
 import json
 
 import pytest
-from _lm_corpus import write_tiny_run
 
 from userdp.accounting import private_selection as PS
 from userdp.accounting.selection import TrialCount
 from userdp.cli import main as cli
+
+from _lm_corpus import write_tiny_run
 
 pytestmark = pytest.mark.slow
 

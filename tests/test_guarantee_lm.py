@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from _lm_corpus import write_tiny_run
 
 from userdp import accounting
 from userdp.cli import main as cli
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.data import TensorUserData
 from userdp.engine.ledger import JOURNAL
+
+from _lm_corpus import write_tiny_run
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@
 import pytest
 
 from userdp import accounting as A
-from userdp.lm import report as R
 from userdp.errors import UserError
 from userdp.fileio import write_json
+from userdp.lm import report as R
 from userdp.lm.run_dir import RunDir
 
 

@@ -5,10 +5,11 @@ import json
 import pytest
 import yaml
 
-from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
 from userdp.cli import main as cli
 from userdp.errors import UserError
 from userdp.lm import config as C
+
+from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
 
 BUDGET = 16
 

@@ -15,7 +15,6 @@ from userdp.planning import (
     variance_ratio,
 )
 
-
 # ---------------------------------------------------------------- ELS median
 
 def test_els_median_is_over_users_not_records():

@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _lm_corpus import write_tiny_run
 from userdp import plugins
 from userdp.accounting import accountants
 from userdp.accounting.events import event_from_dict
@@ -19,6 +18,8 @@ from userdp.engine import algorithms
 from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.registry import Registry
+
+from _lm_corpus import write_tiny_run
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
 # every test leaves the registries and the loaded plugins as it found them (tests/conftest.py)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import userdp.progress as P
-from _engine_helpers import Mean, sq_loss, user_data
 from userdp.data import build_store, open_source
 from userdp.data.tokenize import PublicText, tokenize_store, train_bpe
+
+from _engine_helpers import Mean, sq_loss, user_data
 
 
 class _Recorder:

@@ -6,15 +6,16 @@ import math
 
 import numpy as np
 import pytest
-from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus, write_tiny_run
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 
+from userdp.accounting.selection import TrialCount, selection_rdp
 from userdp.cli import main as cli
 from userdp.errors import UserError
 from userdp.tuning import accounting as TA
-from userdp.accounting.selection import TrialCount, selection_rdp
 from userdp.tuning.space import parse_space
+
+from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus, write_tiny_run
 
 ORDERS = TA.ORDERS
 

@@ -178,8 +178,9 @@ def test_help_and_version_start_in_well_under_a_second():
 
 @pytest.mark.slow
 def test_train_announces_the_mechanism_before_the_first_step(tmp_path, capsys):
-    from _engine_helpers import Mean, sq_loss, user_data
     from userdp.engine import ULS, TrainConfig, train
+
+    from _engine_helpers import Mean, sq_loss, user_data
 
     seen = []
     train(Mean(3), user_data([2] * 20), sq_loss, TrainConfig(algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0,
@@ -197,6 +198,7 @@ def test_ctrl_c_in_train_writes_an_honest_record_and_report(tmp_path, monkeypatc
     import signal
 
     import userdp.lm.training as F
+
     from _lm_corpus import write_tiny_run
 
     cfg, _ = write_tiny_run(tmp_path, "  checkpoint_every: 1\n", name="c.yaml")

@@ -18,20 +18,43 @@ relies on is an upper bound on epsilon (pessimistic PLD, or RDP), and the return
 which such an evaluation met the target. docs/accounting.md gives the formulas and their sources.
 """
 
-from userdp.accounting.accountants import (ACCOUNTANTS, Accountant, PLDAccountant, RDPAccountant, check_supports, clear_caches,
-                                           delta, epsilon, epsilon_and_accountant, get_accountant, max_steps,
-                                           register_accountant)
+from userdp.accounting.accountants import (
+    ACCOUNTANTS,
+    Accountant,
+    PLDAccountant,
+    RDPAccountant,
+    check_supports,
+    clear_caches,
+    delta,
+    epsilon,
+    epsilon_and_accountant,
+    get_accountant,
+    max_steps,
+    register_accountant,
+)
 from userdp.accounting.calibration import MAX_CALIBRATION_EPSILON, SIGMA_MAX, calibrate_noise_multiplier
-from userdp.accounting.events import (MAX_ELS_GROUP, NeighborRel, adjacency, binomial_sensitivity,
-                                      compose, compose_after, default_delta, els_step_event, event_from_dict, event_to_dict,
-                                      event_to_json, fixed_cohort_step_event, no_amplification_step_event,
-                                      uls_step_event)
+from userdp.accounting.events import (
+    MAX_ELS_GROUP,
+    NeighborRel,
+    adjacency,
+    binomial_sensitivity,
+    compose,
+    compose_after,
+    default_delta,
+    els_step_event,
+    event_from_dict,
+    event_to_dict,
+    event_to_json,
+    fixed_cohort_step_event,
+    no_amplification_step_event,
+    uls_step_event,
+)
 from userdp.accounting.mechanism import Mechanism
-from userdp.validation import MIN_SAMPLING_RATE
-from userdp.accounting.pld import PLD_INTERVAL, PLD_MAX_STEPS, PLD_SIGMA_RANGE
+
 # backend internals that the tests inspect (the PLD cache and the vectorized mixture PLD)
-from userdp.accounting.pld import _PLD_CACHE, _mixture_gaussian_pld, _pld  # noqa: F401
+from userdp.accounting.pld import _PLD_CACHE, PLD_INTERVAL, PLD_MAX_STEPS, PLD_SIGMA_RANGE, _mixture_gaussian_pld, _pld  # noqa: F401
 from userdp.accounting.rdp import RDP_ORDERS, mog_rdp, moments_accountant_epsilon, rdp_orders, step_rdp
+from userdp.validation import MIN_SAMPLING_RATE
 
 __all__ = [
     "ACCOUNTANTS", "Accountant", "check_supports", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",

@@ -27,8 +27,16 @@ from dp_accounting import dp_event as dpe
 from userdp.accounting.accountants import delta as _delta
 from userdp.accounting.accountants import epsilon as _epsilon
 from userdp.accounting.calibration import calibrate_noise_multiplier
-from userdp.accounting.events import (_check_int, adjacency, compose, els_step_event, event_to_dict,
-                                      fixed_cohort_step_event, no_amplification_step_event, uls_step_event)
+from userdp.accounting.events import (
+    _check_int,
+    adjacency,
+    compose,
+    els_step_event,
+    event_to_dict,
+    fixed_cohort_step_event,
+    no_amplification_step_event,
+    uls_step_event,
+)
 from userdp.errors import UserError
 
 #: what the training-side sampling modes are called (``TrainConfig.sampling``)

@@ -12,7 +12,6 @@ when 2σ_b > z. The adaptive clipping *update rule* lives in ``userdp.engine.cli
 
 from __future__ import annotations
 
-
 from userdp.errors import UserError
 from userdp.validation import check_positive
 

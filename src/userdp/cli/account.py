@@ -15,10 +15,8 @@ from typing import Any
 
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
-from userdp.errors import UserError
-
-
 from userdp.cli.argtypes import open_unit, positive_float, positive_int, rate  # noqa: F401 (re-exported)
+from userdp.errors import UserError
 
 
 def add_mechanism_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,8 +13,15 @@ from __future__ import annotations
 
 import argparse
 
-from userdp.cli.account import (add_mechanism_arguments, describe, emit, positive_float, resolve,
-                                mechanism_of, split_noise)
+from userdp.cli.account import (
+    add_mechanism_arguments,
+    describe,
+    emit,
+    mechanism_of,
+    positive_float,
+    resolve,
+    split_noise,
+)
 from userdp.errors import UserError
 
 

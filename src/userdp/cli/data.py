@@ -5,8 +5,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from userdp.cli import jsonout
 from userdp.cli import argtypes as A
+from userdp.cli import jsonout
 from userdp.errors import UserError
 
 

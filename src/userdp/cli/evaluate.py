@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import math
 
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
-import math
 
 
 def register(subparsers) -> None:

@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-from userdp.cli import jsonout
 from userdp.cli import argtypes as A
+from userdp.cli import jsonout
 from userdp.errors import UserError
-
 
 _floats = A.list_of(A.positive_float)
 _ints = A.list_of(A.positive_int)

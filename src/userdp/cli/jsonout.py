@@ -8,7 +8,6 @@ from typing import Any
 
 from userdp.fileio import strict, strict_dumps
 
-
 _clean = strict  # the one implementation (userdp.fileio), shared with every file userdp writes
 
 

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from userdp.cli import jsonout
 from userdp.cli import argtypes as A
+from userdp.cli import jsonout
 from userdp.errors import UserError
 
 
@@ -115,8 +115,8 @@ def _plan(args: argparse.Namespace) -> int:
         delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
         chunk_size=cfg.training.chunk_size or 8, log=log)
-    from userdp.lm.plan_auto import plan_record
     from userdp.fileio import write_json
+    from userdp.lm.plan_auto import plan_record
 
     out = plan_record(plan, plan.recommended, "recommended", seed=args.seed, data_fingerprint=data_fp)
     out["config"] = args.config or "embedded default of `userdp train`"

@@ -9,7 +9,6 @@ from pathlib import Path
 from userdp.cli import jsonout
 from userdp.errors import UserError
 
-
 MAX_MEAN_TRIALS = 1000  # a tuning run of more trials is not a tuning run this tool can finish
 MAX_ETA = 100.0
 MAX_EPSILON = 1000.0
@@ -52,11 +51,11 @@ def _log(msg: str) -> None:
 def main(args) -> int:
     import time
 
+    from userdp.accounting.selection import TrialCount
     from userdp.engine.algorithms import ALGORITHMS
     from userdp.lm import config as C
     from userdp.lm.run_dir import read_json
     from userdp.tuning import job
-    from userdp.accounting.selection import TrialCount
     from userdp.tuning.space import load_space
 
     if args.resume:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import codecs
 import csv
 import gzip
-import zlib
 import io
 import json
 import os
 import sys
+import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 

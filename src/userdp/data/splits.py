@@ -22,7 +22,6 @@ from userdp.data.subset import UserSubset
 from userdp.errors import UserError
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Split:
     train: UserSubset

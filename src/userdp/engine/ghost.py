@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from torch.func import functional_call, vjp, vmap
+from torch.nn import functional as F
 
 from userdp.engine.model_lint import lint_model
 from userdp.engine.precision import Precision, exact_float32

@@ -42,7 +42,6 @@ import os
 import secrets
 from typing import Optional
 
-
 from userdp import accounting
 from userdp.errors import BudgetExceededError, UserError
 from userdp.fileio import fsync_path, write_atomic

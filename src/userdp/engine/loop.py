@@ -34,8 +34,7 @@ from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
-from userdp.engine.plan import (SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan,  # noqa: F401  (re-exported)
-                               privacy_repr)
+from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError

@@ -20,7 +20,6 @@ whatever the cohort. There is no Python loop over units here: only over FedAvg's
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable
 from typing import Protocol
 

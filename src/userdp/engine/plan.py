@@ -32,8 +32,18 @@ from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
 from userdp.engine.sampling import get_sampler
 from userdp.errors import UserError
-from userdp.validation import (check_bool, check_choice, check_fields, check_fraction, check_instance, check_int,
-                               check_nonnegative, check_positive, check_string, optional)
+from userdp.validation import (
+    check_bool,
+    check_choice,
+    check_fields,
+    check_fraction,
+    check_instance,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    check_string,
+    optional,
+)
 
 #: (sampling, unit) -> the sampler mode the record names
 SAMPLER_MODE = {("poisson", "record"): "poisson_examples", ("poisson", "user"): "poisson_users",

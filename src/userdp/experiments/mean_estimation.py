@@ -226,8 +226,8 @@ def run_setting(config: MeanEstimationConfig, *, sweep: str = "base", noise_mult
     """ELS at G_ELS and ULS at each G_ULS for one setting; best (lr, clip) by mean loss over trials.
 
     ``noise_multiplier`` overrides calibration (0 = non-private, for checks)."""
-    from userdp.engine import ELS, ULS
     from userdp import accounting
+    from userdp.engine import ELS, ULS
 
     config.validate()
     cache = {} if cache is None else cache
@@ -323,8 +323,9 @@ def plot(rows: Sequence[dict], base: MeanEstimationConfig, sweeps: dict, out_dir
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
 
     written = []
     knobs = [k for k in SWEEPABLE if sweeps and sweeps.get(k)] or ["within_user_variance"]

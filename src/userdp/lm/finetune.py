@@ -26,7 +26,6 @@ from userdp.engine.ledger import JOURNAL
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, write_atomic
 from userdp.launch import JobStopped, World, translate
-from userdp.progress import shown as bars_shown
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
@@ -38,6 +37,7 @@ from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_d
 from userdp.lm.starting_model import get_tokenizer_and_model, place_model
 from userdp.lm.tensorboard_log import check_available
 from userdp.lm.training import train_model
+from userdp.progress import shown as bars_shown
 
 
 def _check_resumable(rd: RunDir, resume_dir: str) -> bool:

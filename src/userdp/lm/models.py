@@ -21,8 +21,8 @@ and would make each unit's gradient depend on the RNG state of the batch.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path

@@ -25,7 +25,6 @@ from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import models
 
-
 _CACHE_OVERRIDE: list[Path] = []
 _SHARED_RUN_CACHE: list[Path] = []
 

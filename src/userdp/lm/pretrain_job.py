@@ -8,7 +8,7 @@ from pathlib import Path
 
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
-from userdp.lm.prepare import _cached_store, _file_sig, read_public_file, _stackexchange_source
+from userdp.lm.prepare import _cached_store, _file_sig, _stackexchange_source, read_public_file
 from userdp.lm.pretrain import fingerprint, pretrain_model, save_pretrained
 
 

@@ -25,8 +25,8 @@ from userdp.engine.chacha import ChaChaNoise, tail_delta
 from userdp.engine.ledger import JOURNAL, check_cited, read_chain, steps_begun
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
-from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm import config as C
+from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, read_json, verify_files
 
 SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "

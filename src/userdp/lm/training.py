@@ -18,10 +18,10 @@ from userdp.engine.loop import TrainingInterrupted, train
 from userdp.fileio import strict_dumps, write_atomic, write_json
 from userdp.lm import models
 from userdp.lm.job_plan import JobPlan
+from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.prepare import Log, Prepared
 from userdp.lm.release import privacy_json
 from userdp.lm.report import write_report
-from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.run_dir import RunDir
 from userdp.lm.tensorboard_log import Scalars
 

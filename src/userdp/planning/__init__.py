@@ -23,13 +23,25 @@ Modules: :mod:`~userdp.planning.group_size` (ELS), :mod:`~userdp.planning.estima
 :mod:`~userdp.planning.budget_plan` (the budget plan: ``plan_for_training``, ``BudgetPlan``).
 """
 
-from userdp.planning.budget_plan import (DATA_TOUCH_NOTE, BudgetPlan, explain, format_plan, plan_for_budget,
-                                         plan_for_training)
+from userdp.planning.budget_plan import (
+    DATA_TOUCH_NOTE,
+    BudgetPlan,
+    explain,
+    format_plan,
+    plan_for_budget,
+    plan_for_training,
+)
 from userdp.planning.estimate_and_double import Doubling, EstimateAndDoubleResult, estimate_and_double
 from userdp.planning.gradient_norms import GradientNormEstimator
 from userdp.planning.group_size import GroupSizeChoice, dp_median, dp_median_probabilities, els_group_size, log_grid
-from userdp.planning.noise import (els_noise_multiplier, els_noise_std, uls_noise_multiplier, uls_noise_std,
-                                   uls_sigma_of_m, variance_ratio)
+from userdp.planning.noise import (
+    els_noise_multiplier,
+    els_noise_std,
+    uls_noise_multiplier,
+    uls_noise_std,
+    uls_sigma_of_m,
+    variance_ratio,
+)
 
 __all__ = [
     "BudgetPlan", "DATA_TOUCH_NOTE", "Doubling", "EstimateAndDoubleResult", "GradientNormEstimator",

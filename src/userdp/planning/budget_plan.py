@@ -14,8 +14,13 @@ from userdp.errors import UserError
 from userdp.planning.estimate_and_double import estimate_and_double
 from userdp.planning.gradient_norms import GradientNormEstimator
 from userdp.planning.group_size import _per_user_counts, els_group_size
-from userdp.planning.noise import els_noise_multiplier, els_noise_std, uls_noise_multiplier, uls_noise_std, uls_sigma_of_m
-
+from userdp.planning.noise import (
+    els_noise_multiplier,
+    els_noise_std,
+    uls_noise_multiplier,
+    uls_noise_std,
+    uls_sigma_of_m,
+)
 
 DATA_TOUCH_NOTE = (
     "non-private data touches: the per-user record counts (for the ELS median{median}), the "

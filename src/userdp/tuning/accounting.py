@@ -19,9 +19,8 @@ import numpy as np
 
 from userdp.accounting.private_selection import ORDERS, total_epsilon
 from userdp.accounting.rdp import step_rdp
-from userdp.errors import UserError
 from userdp.accounting.selection import TrialCount, epsilon_from_rdp, selection_rdp
-
+from userdp.errors import UserError
 
 
 def run_rdp(plan) -> np.ndarray:

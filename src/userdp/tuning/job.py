@@ -16,8 +16,8 @@ The tuning directory holds:
 from __future__ import annotations
 
 import csv
-import io
 import dataclasses
+import io
 import json
 import os
 import secrets
@@ -28,17 +28,17 @@ from pathlib import Path
 import numpy as np
 
 from userdp.accounting import compose, event_to_dict
+from userdp.accounting import private_selection as TG
+from userdp.accounting.selection import TrialCount
 from userdp.errors import UserError
-from userdp.lm import config as C
-from userdp.lm.pretrain import shared_run_cache
 from userdp.fileio import write_atomic, write_json
+from userdp.lm import config as C
 from userdp.lm.finetune import run
 from userdp.lm.job_plan import check_cohort, num_units, run_plan
 from userdp.lm.prepare import prepare_data
+from userdp.lm.pretrain import shared_run_cache
 from userdp.lm.run_dir import RunDir, read_json
 from userdp.tuning import accounting as TA
-from userdp.accounting import private_selection as TG
-from userdp.accounting.selection import TrialCount
 from userdp.tuning.space import Space, mechanism_key, validate_space
 
 Log = Callable[[str], None]
