@@ -4,7 +4,7 @@ epsilon = 1, a build whose noise is off caught. With gradient-space canaries (th
 a correct run at epsilon = 1 stays below 1, and builds with clipping off or a user counted 16
 times are caught while the accountant claims epsilon = 1. Each run is the full embedded default
 (100 steps, 50-75 s on 2 cores) with 400 canary users; training and canaries are seeded so the
-outcome is fixed. The margins of unseeded runs are in benchmarks/README.md."""
+outcome is fixed. The margins of unseeded runs are in benchmarks/HISTORY.md."""
 
 import json
 
