@@ -306,7 +306,7 @@ def check_delta_for_users(delta: float, num_users: int, *, private: bool = True)
     if private and num_users and delta * num_users >= 1.0:
         raise UserError(f"privacy.delta = {delta:g} is at least 1/N = {1 / num_users:.3g} (N = {num_users} users): "
                         "a guarantee with such a delta allows publishing a user's data outright; use a delta well "
-                        f"below 1/N (at most 1/(10 N) = {0.1 / num_users:.3g}; the default is N^-1.1)")
+                        f"below 1/N (the default is N^-1.1 = {num_users ** -1.1:.3g})")
 
 
 def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
@@ -336,8 +336,9 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
     if config.delta is not None:
         delta, rule = config.delta, "given"
         check_delta_for_users(delta, num_users, private=config.algorithm.private)
-        if config.algorithm.private and delta * num_users > 0.1:
-            rule = f"given; above 1/(10 N) = {0.1 / num_users:.3g}: a weak guarantee (default N^-1.1)"
+        if config.algorithm.private and delta > num_users ** -1.1 * (1 + 1e-9):
+            # above the default N^-1.1 (not 1/(10 N): the default itself is above that for N < 1e10)
+            rule = f"given; above N^-1.1 = {num_users ** -1.1:.3g}, the default: a weaker guarantee"
     else:
         delta, rule = accounting.default_delta(num_users)
     plan = RunPlan(config=config, unit=unit, num_users=int(num_users), num_units=int(num_units),
