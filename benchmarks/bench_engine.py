@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from userdp.engine import ELS, SGD, ULS, FlatClip, TensorUserData, TrainConfig
-from userdp.engine.loop import _Run
+from userdp.engine.loop import EngineRun
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore")
@@ -114,7 +114,7 @@ def engine_step(model, data, loss_fn, algo, chunk):
     cfg = TrainConfig(algorithm=algo, steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-3),
                       noise_multiplier=1.0, delta=1e-5, seed=0, sampling=sampling, accountant=acc,
                       chunk_size=chunk, track_epsilon=False)
-    run = _Run(model, data, loss_fn, cfg, None, None)
+    run = EngineRun(model, data, loss_fn, cfg, None, None)
     return run.run_step
 
 

@@ -98,8 +98,8 @@ def _public_file(out: Path) -> Path:
 
     path = out / "public-se-meta.jsonl"
     if not path.is_file():
-        src = F._stackexchange_source(str(SE), None, public=True)
-        store = F._cached_store(src, "se-" + F.fingerprint(F._file_sig(SE), [s.name for s in src.sites]), _log)
+        src = F.stackexchange_source(str(SE), None, public=True)
+        store = F.cached_store(src, "se-" + F.fingerprint(F.file_signature(SE), [s.name for s in src.sites]), _log)
         with open(path, "w") as f:
             for _, batch in store.iter_text_batches():
                 for t in batch:

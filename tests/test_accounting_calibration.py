@@ -76,14 +76,14 @@ def test_calibration_cache_makes_repeat_cheap():
     a = A.calibrate_noise_multiplier(make, 300, 1.5, 1e-6)
     calls = []
     from userdp.accounting import pld as P  # the PLD backend's module
-    orig = P._pld
+    orig = P.pld_distribution
     try:
-        P._pld = lambda ev, iv: calls.append(1) or orig(ev, iv)
+        P.pld_distribution = lambda ev, iv: calls.append(1) or orig(ev, iv)
         b = A.calibrate_noise_multiplier(make, 300, 1.5, 1e-6)
     finally:
-        P._pld = orig
+        P.pld_distribution = orig
     assert a == b and calls  # same answer, served from the LRU cache of composed PLDs
-    assert all(key in A._PLD_CACHE for key in [(repr(A.compose(make(a), 300)), 1e-3)])
+    assert all(key in A.PLD_CACHE for key in [(repr(A.compose(make(a), 300)), 1e-3)])
 
 
 def test_large_T_calibration_stays_within_one_percent():

@@ -18,7 +18,7 @@ def test_vectorized_mixture_pld_equals_dp_accounting():
     # small sigma, wide loss range: the case dp_accounting's recursive inverse is slow on
     sens, probs = A.binomial_sensitivity(4, 0.05)
     ref = PLD.from_mixture_gaussian_mechanism(1.65, sens, probs, value_discretization_interval=1e-2)
-    ours = A._mixture_gaussian_pld(1.65, sens, probs, 1e-2)
+    ours = A.mixture_gaussian_pld(1.65, sens, probs, 1e-2)
     for a, b in [(ref._pmf_remove, ours._pmf_remove), (ref._pmf_add, ours._pmf_add)]:
         la, pa, ia = _dense(a)
         lb, pb, ib = _dense(b)

@@ -137,7 +137,7 @@ def test_csv_short_row_and_bad_utf8(tmp_path):
     with pytest.raises(UserError, match=r"a\.csv:line 3: .*no value for the text field"):
         build(tmp_path, open_source(str(p)))
     p.write_bytes(b"user,text\na,hello\nb,\xff\n")
-    with pytest.raises(UserError, match=r"a\.csv: invalid UTF-8"):
+    with pytest.raises(UserError, match=r"a\.csv:line 3, byte 3: invalid UTF-8"):
         build(tmp_path, open_source(str(p)), name="s2")
 
 

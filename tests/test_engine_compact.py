@@ -46,14 +46,14 @@ def _run(per_unit, monkeypatch, trim, algorithm=None):
     widths = []
     if not trim:
         monkeypatch.setattr(loop_mod, "compact_groups", lambda b, m: (b, m))
-    real = loop_mod._Run._load
+    real = loop_mod.EngineRun._load
 
     def spy(self, cid, step):
         out = real(self, cid, step)
         widths.append(out[1].shape[-1])
         return out
 
-    monkeypatch.setattr(loop_mod._Run, "_load", spy)
+    monkeypatch.setattr(loop_mod.EngineRun, "_load", spy)
     cfg = TrainConfig(algorithm=algorithm or ULS(8, 0.5), steps=3, noise_multiplier=1.0, clipping=FlatClip(0.5),
                       optimizer=Adam(1e-2), seed=11, delta=1e-5, chunk_size=4, per_unit=per_unit,
                       track_epsilon=False)

@@ -20,7 +20,7 @@ from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TensorUserData, Train
 from userdp.engine import checkpoint as ckpt
 from userdp.engine import noise as noise_mod
 from userdp.engine.ledger import JOURNAL
-from userdp.engine.loop import _Run
+from userdp.engine.loop import EngineRun
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, sq_loss, user_data
@@ -90,8 +90,8 @@ def test_a_non_finite_user_contributes_zero_and_is_counted(algo):
     # and it contributed exactly zero: the clipped sum equals the sum without that user
     cfg = TrainConfig(algorithm=algo, steps=1, noise_multiplier=1.0, delta=1e-5, seed=0, clipping=FlatClip(1.0),
                       accountant="rdp")
-    with_bad = _Run(Mean(4), data, sq_loss, cfg, None, None)
-    clean = _Run(Mean(4), user_data([3, 2, 4, 3, 5], d=4, seed=2), sq_loss, cfg, None, None)
+    with_bad = EngineRun(Mean(4), data, sq_loss, cfg, None, None)
+    clean = EngineRun(Mean(4), user_data([3, 2, 4, 3, 5], d=4, seed=2), sq_loss, cfg, None, None)
     s1, st1 = with_bad.clipped_sum(np.arange(with_bad.n_units))
     s2, _ = clean.clipped_sum(np.arange(clean.n_units))
     if isinstance(algo, ELS):
@@ -105,7 +105,7 @@ def _bf16_run(data, sigma, seed=3, init=100.0, d=4096):
     model = Mean(d, torch.full((d,), init)).to(torch.bfloat16)
     cfg = TrainConfig(algorithm=ULS(1, 1.0), steps=1, noise_multiplier=sigma, delta=1e-5, seed=seed,
                       clipping=FlatClip(1.0), optimizer=SGD(1.0), accountant="rdp", track_epsilon=False)
-    run = _Run(model, data, sq_loss, cfg, None, None)
+    run = EngineRun(model, data, sq_loss, cfg, None, None)
     before = run.master[0].detach().clone()
     run.run_step()
     return before - run.master[0].detach(), run

@@ -52,7 +52,14 @@ from userdp.accounting.events import (
 from userdp.accounting.mechanism import Mechanism
 
 # backend internals that the tests inspect (the PLD cache and the vectorized mixture PLD)
-from userdp.accounting.pld import _PLD_CACHE, PLD_INTERVAL, PLD_MAX_STEPS, PLD_SIGMA_RANGE, _mixture_gaussian_pld, _pld  # noqa: F401
+from userdp.accounting.pld import (  # noqa: F401
+    PLD_CACHE,
+    PLD_INTERVAL,
+    PLD_MAX_STEPS,
+    PLD_SIGMA_RANGE,
+    mixture_gaussian_pld,
+    pld_distribution,
+)
 from userdp.accounting.rdp import RDP_ORDERS, mog_rdp, moments_accountant_epsilon, rdp_orders, step_rdp
 from userdp.validation import MIN_SAMPLING_RATE
 

@@ -25,9 +25,9 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from userdp.accounting import pld as _pld_mod
 from userdp.accounting import rdp as _rdp_mod
-from userdp.accounting.events import _check_delta, compose, compose_after
-from userdp.accounting.pld import PLD_INTERVAL, _pld_infeasible
-from userdp.accounting.rdp import _rdp
+from userdp.accounting.events import check_delta, compose, compose_after
+from userdp.accounting.pld import PLD_INTERVAL, pld_infeasible
+from userdp.accounting.rdp import rdp_curve
 from userdp.errors import UserError
 from userdp.registry import Registry
 from userdp.validation import check_int, check_positive
@@ -79,11 +79,11 @@ class RDPAccountant:
         self._step_rdp: dict[str, np.ndarray] = {}
 
     def epsilon(self, event, delta, *, interval=None, orders=None):
-        o, r = _rdp(event, orders)
+        o, r = rdp_curve(event, orders)
         return float(rdp_lib.compute_epsilon(o, r, delta)[0]), "rdp"
 
     def delta(self, event, epsilon, *, interval=None, orders=None):
-        o, r = _rdp(event, orders)
+        o, r = rdp_curve(event, orders)
         return float(rdp_lib.compute_delta(o, r, epsilon)[0])
 
     def epsilon_of_steps(self, step_event, steps, delta):
@@ -108,9 +108,9 @@ class PLDAccountant:
         # mixtures lose their improbable largest sensitivities first (a δ share of
         # MIXTURE_TAIL_SHARE; see truncate_mixture_tails): ε' at δ − S, plus η
         cut, slack, shift = _pld_mod.truncate_mixture_tails(event, _pld_mod.MIXTURE_TAIL_SHARE * delta)
-        why = _pld_infeasible(cut)
+        why = pld_infeasible(cut)
         if why is None:
-            eps = float(_pld_mod._pld(cut, interval or PLD_INTERVAL).get_epsilon(delta - slack)) + shift
+            eps = float(_pld_mod.pld_distribution(cut, interval or PLD_INTERVAL).get_epsilon(delta - slack)) + shift
             if math.isfinite(eps):
                 return eps, "pld"
             why = "it cannot resolve this delta (its tails are truncated)"
@@ -123,8 +123,8 @@ class PLDAccountant:
         budget = _pld_mod.MIXTURE_TAIL_FLOOR
         for _ in range(2):
             cut, slack, shift = _pld_mod.truncate_mixture_tails(event, budget)
-            if _pld_infeasible(cut) is None:
-                d = float(_pld_mod._pld(cut, interval or PLD_INTERVAL).get_delta(epsilon - shift)) + slack
+            if pld_infeasible(cut) is None:
+                d = float(_pld_mod.pld_distribution(cut, interval or PLD_INTERVAL).get_delta(epsilon - shift)) + slack
                 best = d if best is None else min(best, d)
             if best is None or _pld_mod.MIXTURE_TAIL_SHARE * best <= budget:
                 break
@@ -260,7 +260,7 @@ register_accountant(PLDAccountant())
 
 def clear_caches() -> None:
     """Forget every cached PLD and RDP (for cold-cache timing, or to free memory)."""
-    _pld_mod._PLD_CACHE.clear()
+    _pld_mod.PLD_CACHE.clear()
     _pld_mod._STEP_PLD_CACHE.clear()
     _rdp_mod._MOG_RDP_CACHE.clear()
     _RDP._step_rdp.clear()
@@ -280,7 +280,7 @@ def epsilon_and_accountant(event: dpe.DpEvent, delta: float, accountant: str = "
     Raises:
         UserError: bad delta or accountant name, or an event the accountant cannot take.
     """
-    _check_delta(delta)
+    check_delta(delta)
     return get_accountant(accountant).epsilon(event, delta, interval=value_discretization_interval, orders=orders)
 
 
@@ -325,7 +325,7 @@ def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, accountant:
             finish within its time budget (the message gives RDP's looser answer).
     """
     eps_target = check_positive(epsilon, "epsilon")
-    _check_delta(delta)
+    check_delta(delta)
     limit = check_int(limit, "limit")
     budget = check_positive(time_budget_s, "time_budget_s")
     acc = get_accountant(accountant)

@@ -12,7 +12,7 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from userdp.accounting.accountants import get_accountant
-from userdp.accounting.events import _check_delta, _check_int, compose
+from userdp.accounting.events import check_count, check_delta, compose
 from userdp.accounting.pld import PLD_INTERVAL
 from userdp.errors import UserError
 
@@ -112,8 +112,8 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
     if eps > MAX_CALIBRATION_EPSILON:
         raise UserError(f"epsilon = {eps:g} promises nothing (e^epsilon overflows); calibrate for an "
                         f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
-    dlt = _check_delta(delta)
-    t = _check_int("steps", steps)
+    dlt = check_delta(delta)
+    t = check_count("steps", steps)
     get_accountant(accountant)
     try:
         return _calibrate(make_step_event, t, eps, dlt, accountant, rtol=rtol, sigma_max=sigma_max,

@@ -121,7 +121,7 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
     # The smallest useful ε_ex is ε_ex at δ_ex = target (δ_ex must be below the target).
     pld = None
     try:
-        pld = _pld_mod._pld(example_event, pld_interval)
+        pld = _pld_mod.pld_distribution(example_event, pld_interval)
     except UserError:
         pass  # e.g. fixed cohorts: RDP only
     e_lo = float(rdp_lib.compute_epsilon(orders, rdp, delta)[0])
@@ -136,7 +136,7 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
     eps_grid = np.exp(np.arange(math.log(e_lo), math.log(max(1e4, 2 * e_lo)), math.log1p(grid_rtol)))
     log_d_rdp = _rdp_delta_grid(orders, rdp, eps_grid)
     log_d_pld = np.full_like(eps_grid, np.inf)
-    inner = getattr(pld, "_pld", None)
+    inner = getattr(pld, "pld_distribution", None)
     if inner is not None and math.isfinite(e_pld_hi):
         sel = eps_grid <= e_pld_hi
         if sel.any():

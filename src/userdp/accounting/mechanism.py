@@ -28,8 +28,8 @@ from userdp.accounting.accountants import delta as _delta
 from userdp.accounting.accountants import epsilon as _epsilon
 from userdp.accounting.calibration import calibrate_noise_multiplier
 from userdp.accounting.events import (
-    _check_int,
     adjacency,
+    check_count,
     compose,
     els_step_event,
     event_to_dict,
@@ -76,7 +76,7 @@ class Mechanism:
         if self.kind not in self.KINDS:
             raise UserError(f"mechanism kind must be one of {', '.join(self.KINDS)} (got {self.kind!r})")
         self.step_event()  # validates the parameters
-        _check_int("steps", self.steps)
+        check_count("steps", self.steps)
 
     @classmethod
     def for_training(cls, *, unit: str, sampling: str, noise_multiplier: float, steps: int,

@@ -15,7 +15,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.pld import privacy_loss_distribution as PLD
 from dp_accounting.pld import privacy_loss_mechanism as PLM
 
-from userdp.accounting.events import NeighborRel, _contains
+from userdp.accounting.events import NeighborRel, contains_event
 from userdp.errors import UserError
 
 #: dp_accounting's default PLD discretization; what reported guarantees use.
@@ -123,7 +123,7 @@ def truncate_mixture_tails(event: dpe.DpEvent, budget: float) -> tuple[dpe.DpEve
 
 
 # ----------------------------------------------------------------------------------- PLD
-_PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
 _PLD_CACHE_SIZE = 64
 
 
@@ -175,7 +175,7 @@ class _VectorizedMixtureGaussianPrivacyLoss(PLM.MixtureGaussianPrivacyLoss):
         return np.floor(b1 / precision) * precision
 
 
-def _mixture_gaussian_pld(sigma: float, sensitivities, probs, interval: float):
+def mixture_gaussian_pld(sigma: float, sensitivities, probs, interval: float):
     """``PLD.from_mixture_gaussian_mechanism`` (pessimistic, connect-the-dots, truncation
     e^-50) with the vectorized inverse privacy loss; dp_accounting's own if its private
     builder is unavailable."""
@@ -199,13 +199,13 @@ class _ComposedPLD:
     """get_epsilon / get_delta of a PrivacyLossDistribution, like a PLDAccountant's."""
 
     def __init__(self, pld) -> None:
-        self._pld = pld
+        self.pld_distribution = pld
 
     def get_epsilon(self, target_delta: float) -> float:
-        return self._pld.get_epsilon_for_delta(target_delta)
+        return self.pld_distribution.get_epsilon_for_delta(target_delta)
 
     def get_delta(self, target_epsilon: float) -> float:
-        return self._pld.get_delta_for_epsilon(target_epsilon)
+        return self.pld_distribution.get_delta_for_epsilon(target_epsilon)
 
 
 def _self_composed_from_cached_step(event: dpe.DpEvent, interval: float):
@@ -223,7 +223,7 @@ def _self_composed_from_cached_step(event: dpe.DpEvent, interval: float):
     if isinstance(step, dpe.MixtureOfGaussiansDpEvent):
         if step.standard_deviation <= 0 or (len(step.sensitivities) == 1 and step.sensitivities[0] == 0):
             return None
-        make = lambda: _mixture_gaussian_pld(  # noqa: E731
+        make = lambda: mixture_gaussian_pld(  # noqa: E731
             step.standard_deviation, step.sensitivities, step.sampling_probs, interval)
     else:
         if not isinstance(step.event, dpe.GaussianDpEvent):
@@ -248,14 +248,14 @@ def _self_composed_from_cached_step(event: dpe.DpEvent, interval: float):
     return _ComposedPLD(composed)
 
 
-def _pld(event: dpe.DpEvent, interval: float):
+def pld_distribution(event: dpe.DpEvent, interval: float):
     """A composed PLD accountant for the event (LRU-cached by the event's parameters)."""
     key = (repr(event), float(interval))
-    acc = _PLD_CACHE.get(key)
+    acc = PLD_CACHE.get(key)
     if acc is not None:
-        _PLD_CACHE.move_to_end(key)
+        PLD_CACHE.move_to_end(key)
         return acc
-    if _contains(event, dpe.SampledWithoutReplacementDpEvent):
+    if contains_event(event, dpe.SampledWithoutReplacementDpEvent):
         raise UserError(
             "fixed-size cohorts (sampling without replacement) are accounted with RDP under "
             "replace-one adjacency: use accountant='rdp'"
@@ -267,26 +267,26 @@ def _pld(event: dpe.DpEvent, interval: float):
             acc.compose(event)
         except dp_accounting.UnsupportedEventError as exc:
             raise UserError(f"the PLD accountant cannot account this event: {exc}") from None
-    _PLD_CACHE[key] = acc
-    while len(_PLD_CACHE) > _PLD_CACHE_SIZE:
-        _PLD_CACHE.popitem(last=False)
+    PLD_CACHE[key] = acc
+    while len(PLD_CACHE) > _PLD_CACHE_SIZE:
+        PLD_CACHE.popitem(last=False)
     return acc
 
 
-def _pld_infeasible(event: dpe.DpEvent, count: int = 1) -> str | None:
+def pld_infeasible(event: dpe.DpEvent, count: int = 1) -> str | None:
     """Why the PLD accountant cannot answer this event within seconds (None: it can)."""
     if isinstance(event, dpe.SelfComposedDpEvent):
-        return _pld_infeasible(event.event, count * int(event.count))
+        return pld_infeasible(event.event, count * int(event.count))
     if isinstance(event, dpe.ComposedDpEvent):
         for e in event.events:
-            why = _pld_infeasible(e, count)
+            why = pld_infeasible(e, count)
             if why:
                 return why
         return None
     if count > PLD_MAX_STEPS:
         return f"{count:.3g} composed steps (PLD handles up to {PLD_MAX_STEPS:.0e})"
     if isinstance(event, (dpe.PoissonSampledDpEvent, dpe.SampledWithoutReplacementDpEvent)):
-        return _pld_infeasible(event.event, count)
+        return pld_infeasible(event.event, count)
     ratio, low = None, PLD_SIGMA_RANGE[0]
     if isinstance(event, dpe.GaussianDpEvent):
         ratio = float(event.noise_multiplier)

@@ -17,7 +17,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 from scipy.special import logsumexp
 
-from userdp.accounting.events import NeighborRel, _check_delta, _relation, compose, uls_step_event
+from userdp.accounting.events import NeighborRel, check_delta, compose, neighbor_relation, uls_step_event
 from userdp.errors import UserError
 
 #: RDP orders used by the RDP backend (dp_accounting's defaults).
@@ -164,10 +164,10 @@ def step_rdp(step_event: dpe.DpEvent, orders: Sequence[float] | None = None) -> 
     ``UserError``.
     """
     orders_arr = np.asarray(orders if orders is not None else RDP_ORDERS, dtype=float)
-    return _rdp_vector(step_event, orders_arr, _relation(step_event))
+    return _rdp_vector(step_event, orders_arr, neighbor_relation(step_event))
 
 
-def _rdp(event: dpe.DpEvent, orders: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def rdp_curve(event: dpe.DpEvent, orders: Sequence[float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(orders, RDP) of the event; kept for callers of the old private name (use step_rdp)."""
     orders_arr = np.asarray(orders if orders is not None else RDP_ORDERS, dtype=float)
     return orders_arr, step_rdp(event, orders_arr)
@@ -181,5 +181,5 @@ def moments_accountant_epsilon(sampling_rate: float, noise_multiplier: float, st
     acc = rdp_lib.RdpAccountant(orders=list(orders))
     with _quiet_rdp_convergence():
         acc.compose(compose(uls_step_event(noise_multiplier, sampling_rate), steps))
-    return float(np.min(acc.rdp + math.log(1 / _check_delta(delta)) / (orders - 1)))
+    return float(np.min(acc.rdp + math.log(1 / check_delta(delta)) / (orders - 1)))
 

@@ -45,14 +45,14 @@ def broken_build(fault: str, times: int = 8):
         saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    record = loop._Run.record
+    record = loop.EngineRun.record
 
     def marked_record(self):
         rec = record(self)
         rec["broken_build"] = fault
         return rec
 
-    patch(loop._Run, "record", marked_record)
+    patch(loop.EngineRun, "record", marked_record)
     if fault == "noise_off":
         patch(noise.IIDGaussian, "add_noise", lambda self, tensors, std: None)
     elif fault == "clipping_off":
@@ -64,13 +64,13 @@ def broken_build(fault: str, times: int = 8):
 
         patch(clipping.FlatClip, "factors_from_norms", unclipped)
     else:
-        clipped_sum = loop._Run.clipped_sum
+        clipped_sum = loop.EngineRun.clipped_sum
 
         def counted(self, ids):  # every unit's clipped update added `times` times (no recomputation)
             sums, stats = clipped_sum(self, ids)
             return [s.mul_(float(times)) for s in sums], stats
 
-        patch(loop._Run, "clipped_sum", counted)
+        patch(loop.EngineRun, "clipped_sum", counted)
     try:
         yield
     finally:

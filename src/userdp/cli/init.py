@@ -30,9 +30,9 @@ def _first_record_fields(path: Path, fmt: str) -> list[str]:
     if fmt == "jsonl":
         import gzip
 
-        from userdp.data.sources import _is_gzip
+        from userdp.data.sources import is_gzip
 
-        opener = gzip.open if _is_gzip(path) else open
+        opener = gzip.open if is_gzip(path) else open
         # utf-8-sig: a byte-order mark before the first line is dropped, as the reader drops it
         with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
             for lineno, line in enumerate(f, 1):

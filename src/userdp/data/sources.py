@@ -35,7 +35,7 @@ FORMATS = ("jsonl", "csv", "parquet", "hf", "stackexchange", "shakespeare")
 BLANK_LINES = "jsonl_blank_lines"
 
 
-def _is_gzip(path: Path) -> bool:
+def is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"
 
@@ -44,7 +44,7 @@ def _size_hint(path: Path) -> int:
     if path.is_dir():
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     size = path.stat().st_size
-    return size * 4 if _is_gzip(path) else size
+    return size * 4 if is_gzip(path) else size
 
 
 def check_readable(path: Path) -> None:
@@ -89,7 +89,7 @@ def detect_format(source: str) -> str:
     if name.endswith((".parquet", ".pq")):
         return "parquet"
     # sniff the contents
-    opener = gzip.open if _is_gzip(path) else open
+    opener = gzip.open if is_gzip(path) else open
     with opener(path, "rb") as f:
         head = f.read(4096).lstrip()
     if head[:4] == b"PAR1":
@@ -218,7 +218,7 @@ def _first_bad_utf8(path) -> tuple[int, int]:
     """(line, byte within the line), both from 1, of the first byte that is not UTF-8 in the
     (plain or gzip) file; (0, 0) when none is found. The decoder reads ahead in blocks, so its
     own error cannot say which line it met (only the failure path pays for this scan)."""
-    opener = gzip.open if _is_gzip(path) else open
+    opener = gzip.open if is_gzip(path) else open
     decoder = codecs.getincrementaldecoder("utf-8")()
     with opener(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -255,7 +255,7 @@ class JsonlSource(_TextFileSource):
     def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         uf, tf, df = self.user_field, self.text_field, self.date_field
         keys = [json.dumps(k).encode() for k in (uf, tf, df) if k]  # a duplicate of these is ambiguous
-        opener = gzip.open if _is_gzip(self.path) else open
+        opener = gzip.open if is_gzip(self.path) else open
         fname = str(self.path)
         users: list[str] = []
         texts: list = []
@@ -315,7 +315,7 @@ class CsvSource(_TextFileSource):
     def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         fname = str(self.path)
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-        binary = gzip.open(self.path, "rb") if _is_gzip(self.path) else open(self.path, "rb")
+        binary = gzip.open(self.path, "rb") if is_gzip(self.path) else open(self.path, "rb")
         delim = "\t" if ".tsv" in self.path.name.lower() else ","
         last_row = 0
         try:

@@ -75,7 +75,7 @@ def _seeds(seed: int | None, combiner, device="cpu"):
     amplification the accountant assumes); the noise source is keyed by a separate 256 bits of
     OS entropy on the main rank only (the noise is drawn there, once per step). Seeded: all of
     them derive from the seed, reproducibly. The data key (which records a sampled user's
-    unit draws) is the same on every rank: see :meth:`_Run._unit_rng`.
+    unit draws) is the same on every rank: see :meth:`EngineRun._unit_rng`.
     """
     if seed is None:
         words = torch.tensor(np.frombuffer(os.urandom(ENTROPY_BITS // 8), dtype=np.int64).copy())
@@ -107,7 +107,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _own_optimizer(optimizer: torch.optim.Optimizer, run: "_Run") -> torch.optim.Optimizer:
+def _own_optimizer(optimizer: torch.optim.Optimizer, run: "EngineRun") -> torch.optim.Optimizer:
     """The caller's optimizer (make_private), checked: it must step exactly the trainable
     parameters the engine privatizes, and they must be float32 or wider (with narrower weights the
     engine steps float32 masters of its own, which a caller's optimizer does not hold).
@@ -139,7 +139,7 @@ def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
             "source": "the caller's own (make_private)"}
 
 
-class _Run:
+class EngineRun:
     """State of one training run (kept small: everything here is saved in a checkpoint)."""
 
     def __init__(self, model, data, loss_fn, config: TrainConfig | RunPlan, checkpoint_dir, combiner,
@@ -602,7 +602,7 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
           checkpoint_dir: str | None = None, resume: bool = False,
           callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None,
           journal_context: dict | None = None,
-          checkpoint_extra: Callable[[_Run], dict] | None = None,
+          checkpoint_extra: Callable[[EngineRun], dict] | None = None,
           on_start: Callable[[dict], Any] | None = None) -> TrainResult:
     """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
 
@@ -654,7 +654,7 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
 
 def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan, *,
               checkpoint_dir: str | None = None, resume: bool = False, combiner=None,
-              journal_context: dict | None = None, optimizer: torch.optim.Optimizer | None = None) -> _Run:
+              journal_context: dict | None = None, optimizer: torch.optim.Optimizer | None = None) -> EngineRun:
     """A run ready for its first step (shared by :func:`train` and
     :func:`userdp.engine.private_loop.make_private`): its plan made or checked, its journal started
     (or, on ``resume``, its checkpoint restored and its journal's begun steps counted), every rank
@@ -678,7 +678,7 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
             os.makedirs(checkpoint_dir, exist_ok=True)
         except OSError as e:
             raise UserError(f"checkpoint_dir {checkpoint_dir}: cannot create it ({e.strerror or e})") from None
-    run = _Run(model, data, loss_fn, config, checkpoint_dir, comb, journal_context, optimizer=optimizer)
+    run = EngineRun(model, data, loss_fn, config, checkpoint_dir, comb, journal_context, optimizer=optimizer)
     if comb.world_size > 1:
         _agree(run)
     if resume and ckpt.exists(checkpoint_dir):
@@ -725,7 +725,7 @@ def _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, j
     return checkpoint_dir
 
 
-def _agree(run: _Run) -> None:
+def _agree(run: EngineRun) -> None:
     """Make every rank start from the main rank's model, and refuse ranks whose configuration or
     data differ from the main rank's (a node with another config file or another corpus would
     otherwise train on a cohort that is not the one accounted).
@@ -745,7 +745,7 @@ def _agree(run: _Run) -> None:
     broadcast_module_state(comb, run.model, extra=run.master if run.master is not run.params else ())
 
 
-def _train_loop(run: _Run, config: TrainConfig, checkpoint_dir, callbacks, checkpoint_extra) -> TrainResult:
+def _train_loop(run: EngineRun, config: TrainConfig, checkpoint_dir, callbacks, checkpoint_extra) -> TrainResult:
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:

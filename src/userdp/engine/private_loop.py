@@ -34,7 +34,7 @@ from torch import nn
 
 from userdp import accounting
 from userdp.engine.data import UserData
-from userdp.engine.loop import RunPlan, TrainConfig, _Run, start_run
+from userdp.engine.loop import EngineRun, RunPlan, TrainConfig, start_run
 from userdp.errors import UserError
 
 
@@ -65,7 +65,7 @@ class PrivateTraining:
     """What :func:`make_private` returns: iterate it for the steps, then ask it for epsilon and
     the privacy record. Also a context manager (closing frees the data loader's thread)."""
 
-    def __init__(self, run: _Run):
+    def __init__(self, run: EngineRun):
         self._run = run
         self._current: Optional[PrivateStep] = None
         self.stopped: Optional[str] = None  # "completed" | "budget" once the iteration ends

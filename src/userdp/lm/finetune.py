@@ -30,7 +30,7 @@ from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
 from userdp.lm.plan_auto import planned_config
-from userdp.lm.prepare import Log, _stderr, build_datasets, prepare_data
+from userdp.lm.prepare import Log, build_datasets, prepare_data, stderr_log
 from userdp.lm.pretrain import cache_in, run_cache
 from userdp.lm.release import evaluate_before, release
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir
@@ -81,7 +81,7 @@ def _keep_performance_changes(rd: RunDir, cfg: C.RunConfig, log: Log) -> None:
 
 
 def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
-        progress: bool = True, log: Log = _stderr, plan_file: Optional[str] = None, world=None,
+        progress: bool = True, log: Log = stderr_log, plan_file: Optional[str] = None, world=None,
         audit: Optional[Callable] = None) -> Optional[dict]:
     """Run (or resume) a training job; returns the summary (also in the run directory).
 

@@ -20,7 +20,7 @@ from userdp.engine.plan import SAMPLER_MODE, RunPlan, make_plan
 from userdp.errors import UserError
 from userdp.fileio import write_json
 from userdp.lm import config as C
-from userdp.lm.prepare import Log, _stderr
+from userdp.lm.prepare import Log, stderr_log
 from userdp.lm.run_dir import RunDir
 
 
@@ -165,7 +165,7 @@ def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dic
                    plan=plan)
 
 
-def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = _stderr):
+def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = stderr_log):
     """``training.chunk_size: auto`` -> the largest power-of-two chunk that fits the memory cap
     (:func:`userdp.engine.memory.auto_chunk_size`), saved in the run directory so that a resume
     uses the same one. Returns the config with the chunk fixed and the choice (None when fixed).

@@ -15,7 +15,7 @@ from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.job_plan import check_budget, num_units
 from userdp.lm.plan_file import dp_median_event, plan_choices, read_plan
-from userdp.lm.prepare import Log, _stderr
+from userdp.lm.prepare import Log, stderr_log
 from userdp.lm.run_dir import RunDir
 
 
@@ -74,7 +74,7 @@ def apply_plan(cfg: C.RunConfig, record: dict, *, source: str, data_fingerprint:
     return resolved
 
 
-def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr,
+def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = stderr_log,
               data_fingerprint: str = "") -> tuple[C.RunConfig, dict]:
     """Run ``plan_for_training`` for a ``plan: auto`` config; returns (resolved config, plan dict).
 
@@ -106,7 +106,7 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = _stderr,
 
 
 def planned_config(cfg: C.RunConfig, rd: RunDir, prep, train_data, model, *, plan_file, resume_dir, world,
-                   log: Log = _stderr):
+                   log: Log = stderr_log):
     """(config, plan record or None): the config with a plan's choices applied — a plan file given
     by ``--plan``, the plan a resumed run saved, or ``plan: auto`` planned now (once, on rank 0:
     its DP median is spent once) — and the plan saved in the run directory with the config.

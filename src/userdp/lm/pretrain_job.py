@@ -8,7 +8,7 @@ from pathlib import Path
 
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
-from userdp.lm.prepare import _cached_store, _file_sig, _stackexchange_source, read_public_file
+from userdp.lm.prepare import cached_store, file_signature, read_public_file, stackexchange_source
 from userdp.lm.pretrain import fingerprint, pretrain_model, save_pretrained
 
 
@@ -22,9 +22,9 @@ def public_texts(args) -> tuple[list[str], str]:
         if not args.declare_public:
             raise UserError("--stackexchange: pass --declare-public to state that these sites are public")
         sites = tuple(s for s in (args.sites or "").split(",") if s) or None
-        src = _stackexchange_source(args.stackexchange, sites, public=True)
-        key = "se-" + fingerprint(_file_sig(Path(args.stackexchange)), [s.name for s in src.sites])
-        store = _cached_store(src, key, lambda m: None)
+        src = stackexchange_source(args.stackexchange, sites, public=True)
+        key = "se-" + fingerprint(file_signature(Path(args.stackexchange)), [s.name for s in src.sites])
+        store = cached_store(src, key, lambda m: None)
         texts = [t for _, b in store.iter_text_batches() for t in b if t]
         return texts, f"Stack Exchange sites {', '.join(s.name for s in src.sites)} declared public"
     from userdp.data.shakespeare import public_text

@@ -18,7 +18,7 @@ from userdp.errors import UserError
 from userdp.fileio import atomic_dir, make_dir, owned_dir
 from userdp.lm import config as C
 from userdp.lm import models
-from userdp.lm.prepare import Log, Prepared, _stderr
+from userdp.lm.prepare import Log, Prepared, stderr_log
 from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, save_pretrained
 from userdp.lm.tokenization import special_ids
 
@@ -29,7 +29,7 @@ def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> P
     return owned_dir(cache_root() / "pretrained") / f"{m.preset}-{key}"
 
 
-def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = _stderr,
+def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = stderr_log,
                             progress=True):
     """(tokenizer, model, notes) from the config's ``tokenizer`` and ``model`` sections — notes
     describe what touched which text (for the report)."""
@@ -126,7 +126,7 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
     return tok, model, notes
 
 
-def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = _stderr):
+def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_log):
     """The model as training uses it (the config's ``model`` section): LoRA applied when
     configured, on the configured device, rank 0's weights on every process, linted; returns
     (model, device, combiner)."""

@@ -13,7 +13,7 @@ from userdp import accounting
 from userdp.errors import UserError
 from userdp.planning.estimate_and_double import estimate_and_double
 from userdp.planning.gradient_norms import GradientNormEstimator
-from userdp.planning.group_size import _per_user_counts, els_group_size
+from userdp.planning.group_size import els_group_size, per_user_counts
 from userdp.planning.noise import (
     els_noise_multiplier,
     els_noise_std,
@@ -74,7 +74,7 @@ def plan_for_budget(
     rng: np.random.Generator | None = None,
 ) -> BudgetPlan:
     """The plan from per-user counts and an L(G) (injectable, like sigma(M) and sigma_ELS)."""
-    counts = _per_user_counts(sizes)
+    counts = per_user_counts(sizes)
     n = int(counts.size)
     if compute_budget < 1:
         raise UserError(f"--compute-budget must be >= 1, got {compute_budget}")

@@ -12,7 +12,7 @@ import numpy as np
 from userdp.errors import UserError
 
 
-def _per_user_counts(sizes: Sequence[int] | np.ndarray) -> np.ndarray:
+def per_user_counts(sizes: Sequence[int] | np.ndarray) -> np.ndarray:
     counts = np.asarray(sizes)
     if counts.ndim != 1 or counts.size == 0:
         raise UserError("per-user record counts must be a non-empty 1-D array (one count per user)")
@@ -67,7 +67,7 @@ def dp_median(
     rng: np.random.Generator | None = None,
 ) -> int:
     """An epsilon-DP median of per-user counts: exponential mechanism over a public log grid."""
-    counts = _per_user_counts(counts)
+    counts = per_user_counts(counts)
     grid = log_grid(upper, points_per_doubling)
     probs = dp_median_probabilities(counts, epsilon, grid)
     rng = rng if rng is not None else np.random.default_rng()
@@ -101,7 +101,7 @@ def els_group_size(
     over a public log-spaced grid in [1, dp_median_upper]; the result's ``epsilon_spent`` must
     be added to the training budget by the privacy report (basic composition).
     """
-    counts = _per_user_counts(sizes)
+    counts = per_user_counts(sizes)
     if dp_median_epsilon is None:
         g = max(1, int(math.ceil(float(np.median(counts)))))
         return GroupSizeChoice(
