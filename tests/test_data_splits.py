@@ -108,3 +108,31 @@ def test_time_split_errors(tmp_path):
     st = build_store(open_source(str(p), date_field="d"), tmp_path / "s2").store
     with pytest.raises(UserError, match=r"user 'a' record 1: unrecognised date 'someday'"):
         time_split(st, "2005-01-01")
+
+
+def test_one_user_added_changes_no_canarys_membership_or_data():
+    """Issue 34, the data neighbour test for audit canaries: which canaries are included, and what
+    they hold, depend on the audit's seed alone; in the training view the real users keep their
+    places and the canaries follow them unchanged."""
+    import torch
+
+    from userdp.audit.canaries import Canaries, WithCanaries
+    from userdp.engine.data import TensorUserData
+
+    vocab = np.arange(10, 500)
+    c1 = Canaries.generate(2026, 64, 8, 2, vocab)
+    c2 = Canaries.generate(2026, 64, 8, 2, vocab)
+    assert np.array_equal(c1.included, c2.included) and np.array_equal(c1.secrets, c2.secrets)
+    assert 20 < int(c1.included.sum()) < 44  # Bernoulli(1/2) per canary
+
+    def real(n):
+        x = torch.arange(n * 3 * 8).reshape(n * 3, 8)
+        return TensorUserData({"input_ids": x, "labels": x}, np.arange(0, n * 3 + 1, 3))
+
+    d, bigger = WithCanaries(real(10), c1.training_users(8)), WithCanaries(real(11), c1.training_users(8))
+    assert bigger.num_users == d.num_users + 1
+    assert np.array_equal(d.sizes()[:10], bigger.sizes()[:10])  # the real users keep their places
+    assert np.array_equal(d.sizes()[10:], bigger.sizes()[11:])  # the canaries are the same users
+    first = d.gather(np.array([10, 10]), np.array([0, 1]))  # the first canary user, in both views
+    again = bigger.gather(np.array([11, 11]), np.array([0, 1]))
+    assert all(torch.equal(first[k], again[k]) for k in first)
