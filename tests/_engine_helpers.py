@@ -1,5 +1,7 @@
 """Shared tiny models and data for the engine tests."""
 
+import threading
+
 import numpy as np
 import torch
 from torch import nn
@@ -51,3 +53,50 @@ def mlp_data(sizes, d=6, k=3, seed=0):
     x = torch.from_numpy(rng.normal(size=(n, d))).float()
     y = torch.from_numpy(rng.integers(0, k, n))
     return TensorUserData({"x": x, "y": y}, np.concatenate([[0], np.cumsum(sizes)]))
+
+
+class ThreadCombiner:
+    """An all-reduce between threads (what torch.distributed does between processes)."""
+
+    def __init__(self, rank, world, shared):
+        self.rank, self.world_size, self.s = rank, world, shared
+
+    def _exchange(self, tensors):
+        self.s["barrier"].wait()
+        self.s["slots"][self.rank] = [t.clone() for t in tensors]
+        self.s["barrier"].wait()
+        got = [list(x) for x in self.s["slots"]]
+        self.s["barrier"].wait()
+        return got
+
+    def all_reduce_sum(self, tensors):
+        self.s["calls"][self.rank] += 1
+        got = self._exchange(tensors)
+        return [sum(g[i] for g in got) for i in range(len(tensors))]
+
+    def broadcast_from_main(self, tensors):
+        return self._exchange(tensors)[0]
+
+
+def run_ranks(world, run_rank, expected=()):
+    """Run ``run_rank(rank, combiner)`` on ``world`` threads; returns their results. Exceptions
+    of the ``expected`` types end a rank quietly (a simulated crash); any other is raised here."""
+    shared = {"barrier": threading.Barrier(world), "slots": [None] * world, "calls": [0] * world}
+    results, errors = [None] * world, []
+
+    def worker(r):
+        try:
+            results[r] = run_rank(r, ThreadCombiner(r, world, shared))
+        except tuple(expected):
+            pass
+        except BaseException as e:  # surface it in the main thread
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return results, shared

@@ -6,8 +6,6 @@ Two ranks are simulated with threads and an in-memory all-reduce (a process spaw
 than the test budget); the real ``torch.distributed`` combiner runs on a one-process gloo group.
 """
 
-import threading
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +14,7 @@ from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
 from userdp.engine.distributed import TorchDistributedCombiner
 
 from _engine_helpers import Mean, sq_loss, user_data
+from _engine_helpers import run_ranks as _run_ranks
 
 SIZES = [3, 1, 5, 2, 8, 4, 6, 7] * 3
 
@@ -25,53 +24,6 @@ def _cfg():
     return TrainConfig(algorithm=ULS(8, 0.5), steps=4, clipping=FlatClip(0.5), optimizer=SGD(0.5),
                        noise_multiplier=1.3, delta=1e-5, seed=17, chunk_size=4, track_epsilon=False,
                        accountant="rdp")
-
-
-class _ThreadCombiner:
-    """An all-reduce between threads (what torch.distributed does between processes)."""
-
-    def __init__(self, rank, world, shared):
-        self.rank, self.world_size, self.s = rank, world, shared
-
-    def _exchange(self, tensors):
-        self.s["barrier"].wait()
-        self.s["slots"][self.rank] = [t.clone() for t in tensors]
-        self.s["barrier"].wait()
-        got = [list(x) for x in self.s["slots"]]
-        self.s["barrier"].wait()
-        return got
-
-    def all_reduce_sum(self, tensors):
-        self.s["calls"][self.rank] += 1
-        got = self._exchange(tensors)
-        return [sum(g[i] for g in got) for i in range(len(tensors))]
-
-    def broadcast_from_main(self, tensors):
-        return self._exchange(tensors)[0]
-
-
-def _run_ranks(world, run_rank, expected=()):
-    """Run ``run_rank(rank, combiner)`` on ``world`` threads; returns their results. Exceptions
-    of the ``expected`` types end a rank quietly (a simulated crash); any other is raised here."""
-    shared = {"barrier": threading.Barrier(world), "slots": [None] * world, "calls": [0] * world}
-    results, errors = [None] * world, []
-
-    def worker(r):
-        try:
-            results[r] = run_rank(r, _ThreadCombiner(r, world, shared))
-        except tuple(expected):
-            pass
-        except BaseException as e:  # surface it in the main thread
-            errors.append(e)
-            shared["barrier"].abort()
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return results, shared
 
 
 def test_two_ranks_equal_one():

@@ -8,9 +8,10 @@ import re
 from pathlib import Path
 
 import pytest
-from _lm_corpus import write_tiny_run
 
 from userdp.cli import main
+
+from _lm_corpus import write_tiny_run
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "threat_model.md").read_text()
 
