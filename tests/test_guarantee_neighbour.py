@@ -188,6 +188,31 @@ def test_two_gloo_ranks_that_split_the_cohort_release_no_more_than_the_bound():
         assert gap0 == gap1  # both ranks release the one all-reduced sum
 
 
+def lora_builder(layers=2):
+    """The regression stack with LoRA adapters (r = 2) on every layer: only the adapters train."""
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        torch.manual_seed(3)
+        base = Reg(layers)
+        model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["0", "1"], lora_dropout=0.0))
+        torch.manual_seed(4)
+        for n, p in model.named_parameters():  # B = 0 at init would make the adapters' gradient trivial
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.5)
+        return model
+    return build
+
+
+@pytest.mark.parametrize("adversary", ["cancelling", "huge", "many_records", "nonfinite"])
+@pytest.mark.parametrize("algorithm,per_unit", [("uls", "auto"), ("els", "ghost"), ("uls", "vmap")])
+def test_lora_adapters_release_no_more_than_the_bound(adversary, algorithm, per_unit):
+    pytest.importorskip("peft")
+    cfg = config(algorithm, g=4, per_unit=per_unit)
+    gap = neighbour_gap(lora_builder(), honest(g=4), ADVERSARIES[adversary](), reg_loss, cfg)
+    assert gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"
+
+
 def test_the_gap_of_a_run_against_itself_is_zero():
     gap = neighbour_gap(builder(), honest(), None, reg_loss, config())
     assert gap.gap == 0.0
