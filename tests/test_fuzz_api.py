@@ -275,3 +275,37 @@ def test_every_epsilon_any_accountant_answers_passes_one_check(isolated_registri
     assert acc.epsilon_of_steps(ev, 2, 1e-6) == 0.5
     with pytest.raises(UserError, match="not monotone"):
         acc.epsilon_of_steps(ev, 3, 1e-6)
+
+
+def test_a_broken_tensorboard_install_is_refused_before_any_step(monkeypatch):
+    # issue 40, class 6: found is not working; the writer is exercised up front
+    import torch.utils.tensorboard as tb
+
+    from userdp.lm.tensorboard_log import check_available
+
+    class Broken:
+        def __init__(self, *a, **k):
+            raise ImportError("tensorboard.compat.proto is broken")
+
+    monkeypatch.setattr(tb, "SummaryWriter", Broken)
+    with pytest.raises(UserError, match="output.tensorboard: true, but the tensorboard package does not work"):
+        check_available(True)
+    check_available(False)  # not asked for: not touched
+
+
+@pytest.mark.parametrize("kind", ["one-token vocabulary", "encodes nothing"])
+def test_a_tokenizer_that_cannot_encode_text_is_refused(tmp_path, kind):
+    # issue 40, class 2: a model folder without its tokenizer files gave a vocabulary of 1
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from userdp.data.tokenize import load_tokenizer
+
+    if kind == "one-token vocabulary":
+        tok = Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+    else:
+        tok = Tokenizer(models.WordLevel({"<unk>": 0, "<pad>": 1}))  # no unk token: words vanish
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    with pytest.raises(UserError, match="cannot encode text"):
+        load_tokenizer(path)

@@ -49,7 +49,10 @@ def load_tokenizer(path):
             two tokens, or one that turns a probe sentence into no tokens)."""
     tok = _load_tokenizer(path)
     size = tok.get_vocab_size(with_added_tokens=True)
-    if size < 2 or not tok.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False).ids:
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False).ids
+    unk = getattr(tok.model, "unk_token", None)
+    unk_id = tok.token_to_id(unk) if unk else None
+    if size < 2 or not ids or all(i == unk_id for i in ids) or len(set(ids)) == 1:
         raise UserError(f"tokenizer {path!s}: it cannot encode text (a vocabulary of {size} token(s)); the folder "
                         "lacks its tokenizer files (tokenizer.json, or vocab/merges): add them, or set tokenizer.path")
     return tok
