@@ -162,3 +162,71 @@ def test_a_plugin_per_unit_strategy_runs_through_userdp_train_and_matches_vmap(t
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
     metrics = [json.loads(line) for line in (out_loop / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4
+
+
+# ------------------------------------------------------------------------------ a sampler and a noise mechanism
+def _load_example(name):
+    return plugins.load(str(EXAMPLES / name), source="--plugin")
+
+
+def test_the_geometric_sampler_draws_poisson_membership(isolated_registries):
+    # the plugin declares accounted_as = "poisson": its draws must have Poisson's distribution
+    import numpy as np
+
+    from userdp.engine.sampling import accounted_as, get_sampler
+
+    _load_example("geometric_poisson.py")
+    assert accounted_as("poisson_geometric") == "poisson"
+    s, rng = get_sampler("poisson_geometric"), np.random.default_rng(5)
+    n, q, steps = 2000, 0.02, 2000
+    hits = np.zeros(n)
+    sizes = []
+    for t in range(steps):
+        ids = s.sample(n, q, t, rng, {})
+        assert np.all(np.diff(ids) > 0) and (len(ids) == 0 or (ids[0] >= 0 and ids[-1] < n))
+        hits[ids] += 1
+        sizes.append(len(ids))
+    # each unit in Binomial(steps, q): mean 40, sd 6.3; the cohort size Binomial(n, q): mean 40
+    assert abs(hits.mean() - steps * q) < 0.2 and 5.3 < hits.std() < 7.3
+    assert abs(np.mean(sizes) - n * q) < 0.5 and 5.3 < np.std(sizes) < 7.3
+    assert np.corrcoef(hits[:-1], hits[1:])[0, 1] < 0.06  # neighbours' memberships independent
+
+
+def test_a_registered_sampler_must_declare_its_accounting(isolated_registries):
+    from userdp.engine import ULS, TrainConfig
+    from userdp.engine.sampling import register_sampler
+
+    class Unaccounted:
+        name, mode = "mine", "mine"
+
+        def sample(self, num_units, rate, step, rng, state):
+            return rng.permutation(num_units)[:2]
+
+    register_sampler(Unaccounted())
+    with pytest.raises(UserError, match="must declare accounted_as"):
+        TrainConfig(ULS(2, 0.5), steps=2, noise_multiplier=1.0, sampling="mine")
+
+
+def test_the_float64_noise_mechanism_adds_gaussian_noise_of_the_asked_std(isolated_registries):
+    from userdp.engine.noise import GaussianNoise, make_noise
+
+    _load_example("float64_noise.py")
+    mech = make_noise("iid_gaussian_float64", GaussianNoise.from_seed(3))
+    t = torch.zeros(200_000)
+    mech.add_noise([t], 2.5)
+    assert t.dtype == torch.float32 and abs(float(t.mean())) < 0.03  # sd of the mean: 0.0056
+    assert abs(float(t.std()) - 2.5) < 0.02  # sd of the sd: 0.004
+
+
+@pytest.mark.slow
+def test_a_plugin_sampler_and_noise_mechanism_run_through_userdp_train(tmp_path, tiny, monkeypatch):
+    monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
+    out, priv = _train(tmp_path, tiny[1], "--plugin", str(EXAMPLES / "geometric_poisson.py"),
+                       "--plugin", str(EXAMPLES / "float64_noise.py"), "--set", "privacy.sampler=poisson_geometric",
+                       "--set", "privacy.noise=iid_gaussian_float64")
+    rec = priv["engine_record"]
+    assert rec["sampler"] == {"name": "poisson_geometric", "mode": "poisson_geometric_gaps", "accounted_as": "poisson"}
+    assert rec["noise_mechanism"] == "iid_gaussian_float64"
+    assert priv["sampler_assumed"] == "poisson_users"  # accounted as Poisson, as it declares
+    assert 0 < priv["epsilon"] <= 8.0 and not priv["sampling_warning"]
+    assert {str(EXAMPLES / "geometric_poisson.py"), str(EXAMPLES / "float64_noise.py")} <= set(priv["plugins"])

@@ -477,6 +477,9 @@ class EngineRun:
             "num_users": int(self.data.num_users), "num_units": int(self.n_units),
             "expected_units_per_step": self.expected_units, "denominator": self.expected_weight,
             "denominator_kind": cfg.denominator.name, "sampler_mode": plan.sampler_mode,
+            "sampler": {"name": cfg.sampling, "mode": getattr(self.sampler, "mode", cfg.sampling),
+                        "accounted_as": plan.accounted_sampling},
+            "noise_mechanism": cfg.noise,
             "noise_multiplier": self.noise_multiplier, "update_noise_multiplier": self.update_z,
             "count_noise_stddev": plan.count_stddev, "clipping": _cfg_dict(cfg.clipping),
             "final_clip_norm": float(self.clip_state["clip_norm"]),
@@ -514,14 +517,14 @@ class EngineRun:
                                  "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta"}
         if not plan.private:
             rec["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
-        elif cfg.sampling == "shuffle":
+        elif plan.accounted_sampling == "shuffle":
             rec["epsilon_no_amplification"] = eps
             rec["epsilon_assuming_poisson"] = self._epsilon_under("poisson", cfg.accountant)
             rec["sampling_warning"] = ("training used shuffled fixed batches, which have no proven amplification: "
                                        "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
                                        "Gaussian mechanism with the user's whole sensitivity); "
                                        "epsilon_assuming_poisson is a comparison only, not a guarantee")
-        elif cfg.sampling != "poisson":
+        elif plan.accounted_sampling != "poisson":
             rec["epsilon_no_amplification"] = self._epsilon_under("shuffle", "pld")
             rec["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
                                        "adjacency (RDP); epsilon_no_amplification holds without amplification")

@@ -30,7 +30,7 @@ from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
-from userdp.engine.sampling import get_sampler
+from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError
 from userdp.validation import (
     check_bool,
@@ -116,13 +116,13 @@ class TrainConfig:
             raise UserError("give a noise_multiplier or a target_epsilon to calibrate one")
         if self.noise_multiplier == 0 and self.target_epsilon is not None:
             raise UserError("noise_multiplier=0 is non-private: it cannot meet a target epsilon")
-        get_sampler(self.sampling)
+        accounted_as(self.sampling)  # a registered sampler states its accounting (refused here if it does not)
         accounting.get_accountant(self.accountant)
         if self.per_unit != "auto":
             PER_UNIT_STRATEGIES.lookup(self.per_unit)
         NOISE_MECHANISMS.lookup(self.noise)
         check_choice(self.precision, "precision", PRECISIONS)
-        if self.sampling == "fixed_size" and self.accountant != "rdp":
+        if accounted_as(self.sampling) == "fixed_size" and self.accountant != "rdp":
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:
             raise UserError("adaptive clipping uses the fixed denominator")
@@ -226,7 +226,12 @@ class RunPlan:
     @property
     def sampler_mode(self) -> str:
         """What the record calls the sampler (e.g. ``poisson_users``)."""
-        return SAMPLER_MODE[(self.config.sampling, self.unit)]
+        return SAMPLER_MODE[(self.accounted_sampling, self.unit)]
+
+    @property
+    def accounted_sampling(self) -> str:
+        """The sampling the accountant treats this run's sampler as (:func:`~userdp.engine.sampling.accounted_as`)."""
+        return accounted_as(self.config.sampling)
 
     @property
     def private(self) -> bool:
@@ -257,7 +262,7 @@ class RunPlan:
         """
         z = float(noise_multiplier)
         update_z, count_std = _noise_split(self.config, z, self.expected_units)
-        mech = _mechanism(self.config, self.unit, self.config.sampling, z, self.num_units) if z > 0 else None
+        mech = _mechanism(self.config, self.unit, self.accounted_sampling, z, self.num_units) if z > 0 else None
         return dataclasses.replace(self, noise_multiplier=z, update_noise_multiplier=update_z,
                                    count_stddev=count_std, mechanism=mech, safe_steps=safe_steps)
 
@@ -268,7 +273,7 @@ class RunPlan:
         Raises:
             UserError: the target cannot be met (see :func:`~userdp.accounting.calibrate_noise_multiplier`).
         """
-        base = self.mechanism_for(self.config.sampling) if self.mechanism is None else self.mechanism
+        base = self.mechanism_for(self.accounted_sampling) if self.mechanism is None else self.mechanism
         mech = base.calibrated(target_epsilon, self.delta, self.accountant)
         return self.with_noise_multiplier(mech.noise_multiplier, safe_steps=self.config.steps)
 
@@ -327,7 +332,7 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
     """
     check_int(num_units, "num_units")
     unit = config.algorithm.unit
-    if config.sampling == "poisson":
+    if accounted_as(config.sampling) == "poisson":
         expected_units = config.algorithm.sampling_rate * num_units
     else:
         expected_units = float(_cohort(config, num_units))
@@ -348,7 +353,7 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
     if config.noise_multiplier is None or config.noise_multiplier > 0:
         # the accountant must handle this run's kind of step event: refused now, before a
         # calibration or an optimizer step asks it (its shape does not depend on sigma)
-        probe = plan.mechanism_for(config.sampling).step_event()
+        probe = plan.mechanism_for(plan.accounted_sampling).step_event()
         accounting.check_supports(config.accountant, probe, delta)
     if config.noise_multiplier is None:
         return plan.calibrated(config.target_epsilon)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from userdp.errors import UserError
 from userdp.registry import Registry
 
 
@@ -54,8 +55,11 @@ class Shuffle:
         return np.sort(state["perm"][k * m : (k + 1) * m])
 
 
-#: name -> sampler; ``TrainConfig.sampling`` picks one
+#: name -> sampler; ``TrainConfig.sampling`` (``privacy.sampler`` in a config) picks one
 SAMPLERS: Registry = Registry("sampling", {"poisson": Poisson(), "fixed_size": FixedSize(), "shuffle": Shuffle()})
+
+#: the samplings the accounting knows: a registered sampler declares which one its draws follow
+ACCOUNTED = ("poisson", "fixed_size", "shuffle")
 
 
 def get_sampler(name: str):
@@ -64,6 +68,34 @@ def get_sampler(name: str):
     Raises:
         UserError: an unknown name (the message lists the registered ones)."""
     return SAMPLERS.lookup(name)
+
+
+def accounted_as(name: str) -> str:
+    """The sampling whose accounting the sampler ``name`` follows: itself for the built-in ones,
+    else the ``accounted_as`` it declares (``"poisson"`` for a sampler whose every unit is in
+    each cohort independently with probability ``rate``). The plan derives the step's DpEvent
+    from it, so a plugin sampler states its own accounting and nothing compares its name.
+
+    Raises:
+        UserError: an unknown sampler, or one that declares no accounting the library knows."""
+    sampler = get_sampler(name)
+    if name in ACCOUNTED:
+        return name
+    base = getattr(sampler, "accounted_as", None)
+    if base not in ACCOUNTED:
+        raise UserError(f"sampling {name!r}: a registered sampler must declare accounted_as, one of "
+                        f"{', '.join(ACCOUNTED)} (the sampling whose accounting its draws follow); it declares {base!r}")
+    return base
+
+
+def register_sampler(sampler, name: str | None = None):
+    """Make ``sampler`` available by name (``privacy.sampler`` in a config, ``TrainConfig.sampling``).
+    It needs ``mode`` (the record's name for it), ``accounted_as`` and ``sample(num_units, rate,
+    step, rng, state) -> sorted unit indices``.
+
+    Raises:
+        UserError: the name is taken."""
+    return SAMPLERS.register(sampler, name=name or getattr(sampler, "name", None))
 
 
 def bucket_size(n: int, max_size: int) -> int:

@@ -34,7 +34,9 @@ from userdp import plugins
 from userdp.accounting.accountants import ACCOUNTANTS
 from userdp.devices import DEVICE_SPEC
 from userdp.engine.algorithms import ALGORITHMS
+from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
+from userdp.engine.sampling import SAMPLERS
 from userdp.errors import UserError
 from userdp.fileio import read_input
 from userdp.lm.presets import PRESETS
@@ -216,7 +218,8 @@ class PrivacyConfig:
     delta: Fraction | None = None      # null: N^-1.1 with N = training users
     noise_multiplier: Positive | None = None  # fixed sigma instead of calibrating to epsilon
     accountant: _choice(ACCOUNTANTS.choices()) = "pld"  # a registered accountant (plugins add names)
-    sampler: _choice("poisson", "shuffle") = "poisson"
+    sampler: _choice(SAMPLERS.choices()) = "poisson"  # poisson (as accounted), shuffle, fixed_size, or a plugin's
+    noise: _choice(NOISE_MECHANISMS.choices()) = "iid_gaussian"  # the noise mechanism (plugins add names)
     # non-private touches of the data made before this run (e.g. `userdp init` read the per-user
     # counts to choose G): listed in the report's "Not accounted", whichever command made them
     disclosed_touches: Names | None = None

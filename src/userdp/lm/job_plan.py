@@ -17,6 +17,7 @@ from userdp.devices import resolve_device, resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.memory import auto_chunk_size
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, make_plan
+from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError
 from userdp.fileio import write_json
 from userdp.lm import config as C
@@ -59,7 +60,7 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int):
 
     precision = resolve_precision(t.precision, resolve_device(cfg.model.device))
     kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
-              accountant=p.accountant, sampling=p.sampler, seed=t.seed,
+              accountant=p.accountant, sampling=p.sampler, noise=p.noise, seed=t.seed,
               chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
               checkpoint_every=t.checkpoint_every, per_unit=t.per_unit, precision=precision)
     if not algo.private:
@@ -150,7 +151,7 @@ class JobPlan:
     def sampler_assumed(self) -> str:
         """What the accountant assumed: Poisson for the default sampler; shuffled batches are
         accounted without amplification and fixed-size cohorts as sampling without replacement."""
-        return SAMPLER_MODE[(self.privacy.sampler, self.algorithm.unit)]
+        return SAMPLER_MODE[(accounted_as(self.privacy.sampler), self.algorithm.unit)]
 
 
 def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dict] = None) -> JobPlan:
