@@ -309,3 +309,24 @@ def test_a_tokenizer_that_cannot_encode_text_is_refused(tmp_path, kind):
     tok.save(str(path))
     with pytest.raises(UserError, match="cannot encode text"):
         load_tokenizer(path)
+
+
+@pytest.mark.parametrize("where", ["the source's folder", "a folder of the user's"])
+def test_build_store_never_deletes_what_userdp_did_not_write(tmp_path, where):
+    # issue 40, class 1, through the API: build_store(out_dir=..., overwrite=True)
+    from userdp.data.sources import open_source
+    from userdp.data.store import build_store
+
+    data = tmp_path / "mine" / "data.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(f'{{"user": "u{i % 3}", "text": "row {i}"}}\n' for i in range(9)))
+    keep = tmp_path / "mine" / "thesis.tex"
+    keep.write_text("years of work")
+    out = data.parent if where == "the source's folder" else tmp_path / "mine"
+    if where == "a folder of the user's":
+        data = tmp_path / "elsewhere.jsonl"
+        data.write_text("".join(f'{{"user": "u{i % 3}", "text": "row {i}"}}\n' for i in range(9)))
+    with pytest.raises(UserError) as info:
+        build_store(open_source(str(data)), out, overwrite=True)
+    assert "\n" not in str(info.value) and str(out) in str(info.value)
+    assert keep.read_text() == "years of work" and data.is_file()
