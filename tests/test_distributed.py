@@ -251,7 +251,7 @@ def test_the_audit_is_refused_on_several_processes(tmp_path):
 
 def test_a_rank_whose_config_differs_from_rank_0s_is_refused():
     """Threads stand in for processes (tests/test_engine_distributed.py); rank 1 reads another config."""
-    from test_engine_distributed import _ThreadCombiner
+    from _engine_helpers import ThreadCombiner as _ThreadCombiner
 
     shared = {"barrier": threading.Barrier(2), "slots": [None, None], "calls": [0, 0]}
     errors = [None, None]

@@ -169,13 +169,23 @@ def free_space(path: str | os.PathLike) -> str:
     return f"; {free / 2**20:.1f} MB free there"
 
 
-def is_writer_failure(exc: BaseException) -> bool:
+#: what torch's and other writers' RuntimeErrors say when a write failed (a full disk, a quota)
+_WRITE_FAILURE_TEXT = ("unexpected pos", "failed writing", "PytorchStreamWriter", "No space left", "quota",
+                       "File too large", "Input/output error")
+
+
+def is_writer_failure(exc: BaseException, *, any_runtime_error: bool = False) -> bool:
     """Whether ``exc`` is how a writer library reports a failed write: an ``OSError``, torch's
     ``RuntimeError`` ("unexpected pos", "failed writing file") or safetensors' ``SafetensorError``
-    (a full disk, a vanished folder). userdp's own ``UserError`` is not one: it passes through."""
+    (a full disk, a vanished folder). userdp's own ``UserError`` is not one: it passes through.
+    ``any_runtime_error``: the code that raised is a writer and nothing else (a callable given to
+    :func:`write_atomic`, a checkpoint's file writers), so any ``RuntimeError`` is its failure;
+    otherwise (the body of :func:`atomic_dir`, which computes too) only one whose text says so."""
     if isinstance(exc, UserError):
         return False
-    return isinstance(exc, (OSError, RuntimeError)) or "safetensor" in type(exc).__name__.lower()
+    if isinstance(exc, OSError) or "safetensor" in type(exc).__name__.lower():
+        return True
+    return isinstance(exc, RuntimeError) and (any_runtime_error or any(t in str(exc) for t in _WRITE_FAILURE_TEXT))
 
 
 def writer_error(path: str | os.PathLike, exc: BaseException) -> UserError:
@@ -371,7 +381,7 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str],
         raise os_error(path, exc) from None
     except BaseException as exc:
         _unlink_quietly(tmp)
-        if callable(content) and is_writer_failure(exc):
+        if callable(content) and is_writer_failure(exc, any_runtime_error=True):
             raise writer_error(path, exc) from None  # torch.save / safetensors failing mid-write
         raise
     return path

@@ -94,7 +94,7 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
         for p in written:
             if os.path.exists(p):
                 os.unlink(p)
-        if not is_writer_failure(exc):
+        if not is_writer_failure(exc, any_runtime_error=True):
             raise
         # torch.save's RuntimeError on a full disk, safetensors' error, an OSError: one line; the
         # ledger's journal already counts the steps, so the run resumes from the previous checkpoint
