@@ -267,6 +267,7 @@ def test_the_examples_run_as_documented():
 def test_two_ranks_of_the_own_loop_give_one_process_model():
     from test_engine_distributed import SIZES as DSIZES
     from test_engine_distributed import _cfg as dcfg
+
     from _engine_helpers import run_ranks as _run_ranks
 
     def loop(model, combiner=None):
