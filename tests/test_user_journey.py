@@ -106,6 +106,23 @@ def test_cache_info_marks_private_kinds_and_clear_removes_them(tmp_path, monkeyp
     assert not (tmp_path / "pretrained").exists()
 
 
+def test_cache_clear_recognises_an_older_userdps_cache(tmp_path, monkeypatch, capsys):
+    # caches written before the marker: every entry is a folder named and filled as userdp does
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path))
+    for rel in ("stores/jsonl-79c92bb185d2d3d0/meta.json", "tokenized/tok-0e4cffb61064711a4d2f977c/meta.json",
+                "pretrained/tiny-5c6b9116db372ebb/userdp_pretrain.json"):
+        (tmp_path / rel).parent.mkdir(parents=True)
+        (tmp_path / rel).write_text("{}")
+    assert cli(["cache", "clear", "--private-only"]) == 0
+    assert not (tmp_path / "stores").exists() and not (tmp_path / "tokenized").exists()
+    assert (tmp_path / "pretrained").exists()
+    (tmp_path / "stores" / "jsonl-79c92bb185d2d3d0").mkdir(parents=True)  # one entry userdp would write ...
+    (tmp_path / "stores" / "jsonl-79c92bb185d2d3d0" / "meta.json").write_text("{}")
+    (tmp_path / "stores" / "notes.txt").write_text("mine")  # ... beside a file of the user's
+    assert cli(["cache", "clear", "--private-only"]) == 2
+    assert (tmp_path / "stores" / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("how", ["user folder", "symlink"])
 def test_cache_clear_never_deletes_a_folder_userdp_did_not_mark(tmp_path, monkeypatch, capsys, how):
     # issue 40, class 1: USERDP_CACHE pointed at a folder that is not only userdp's

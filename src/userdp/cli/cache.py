@@ -14,6 +14,7 @@ instead (``<run>/cache``), so that deleting the run deletes every copy of the da
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +28,23 @@ KINDS = {"stores": True, "tokenized": True, "perplexity": True, "pretrained": Fa
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != OWNED_MARK) \
         if path.is_dir() else 0
+
+
+#: an entry of a userdp cache kind: ``<kind>-<hex key>`` (or an interrupted build's ``.<entry>.tmp<pid>``)
+_ENTRY = re.compile(r"^(?:[A-Za-z0-9_.]+-[0-9a-f]{12,}|\..+\.tmp\d+)$")
+#: a file every entry of that name holds (what userdp writes into it)
+_ENTRY_FILES = ("meta.json", "config.json", "userdp_pretrain.json", "scores.npy", "tokenizer.json")
+
+
+def _made_by_an_older_userdp(d: Path) -> bool:
+    """Whether ``d`` (a cache kind folder without the marker, from a userdp before markers) holds
+    nothing but userdp's own entries: folders named as userdp names them, each with a file userdp
+    writes. A folder with anything else (a user's file) is not userdp's."""
+    entries = list(d.iterdir())
+    return bool(entries) and all(
+        e.is_dir() and not e.is_symlink() and _ENTRY.match(e.name)
+        and (e.name.startswith(".") or any((e / f).is_file() for f in _ENTRY_FILES) or any(e.glob("*.json")))
+        for e in entries)
 
 
 def info(root: Path) -> dict:
@@ -72,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
                             f"(remove the link and what it points to yourself; nothing was removed)")
         if d.exists() and not d.is_dir():
             raise UserError(f"{d}: not a folder; nothing was removed")
-        if d.is_dir() and not is_owned(d):
+        if d.is_dir() and not is_owned(d) and not _made_by_an_older_userdp(d):
             raise UserError(f"{d}: not marked as userdp's ({OWNED_MARK} is missing: a folder of yours, or a cache "
                             "of a userdp before 0.4); nothing was removed: remove it yourself if it is userdp's")
     removed = 0
@@ -80,6 +98,8 @@ def _run(args: argparse.Namespace) -> int:
         d = root / kind
         if d.is_dir():
             removed += _size(d)
+            if not is_owned(d):  # an older userdp's cache, recognised entry by entry: marked now, then removed
+                (d / OWNED_MARK).write_text("written by userdp: recognised as an older userdp's cache\n")
             remove_owned(d, "cache")
     print(f"removed {', '.join(kinds)} from {root} ({_human(removed)})", file=sys.stderr)
     return 0
