@@ -162,3 +162,9 @@ def test_combine_pools_the_canaries_of_separate_runs(tiny, capsys):
     # the same run twice is not two runs' worth of evidence
     assert cli(["audit", "--combine", str(runs[0]), str(runs[0])]) == 2
     assert "another run" in capsys.readouterr().err
+    # a secrets file moved away is named, not mistaken for another run's canaries (issue 41)
+    secret = tmp / f"{runs[1].name}.audit-secrets.json"
+    secret.rename(tmp / "moved.json")
+    assert cli(["audit", "--combine", str(runs[0]), str(runs[1])]) == 2
+    err = capsys.readouterr().err
+    assert f"{secret} is missing" in err and "another run" not in err and len(err.strip().splitlines()) == 1
