@@ -40,20 +40,3 @@ def isolated_registries():
     plugins._LOADED.clear()
     plugins._LOADED.update(saved[1])
 
-
-#: the suite's longest tests (minutes each on 2 cores): started first, so that under `-n auto`
-#: they run beside the short ones instead of after them (a long test started last sets the wall time)
-LONGEST = ("test_bench_tradeoffs.py", "test_audit_power.py", "test_gpu_check.py", "test_distributed.py",
-           "test_tuning.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The longest files first, then the other `slow` tests, then the rest; the order within each
-    group is kept (every xdist worker computes the same order, as it must)."""
-    def rank(item):
-        name = item.path.name
-        if name in LONGEST:
-            return 0, LONGEST.index(name)
-        return (1, 0) if item.get_closest_marker("slow") else (2, 0)
-
-    items[:] = sorted(items, key=rank)
