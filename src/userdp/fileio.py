@@ -188,14 +188,24 @@ def is_writer_failure(exc: BaseException, *, any_runtime_error: bool = False) ->
     return isinstance(exc, RuntimeError) and (any_runtime_error or any(t in str(exc) for t in _WRITE_FAILURE_TEXT))
 
 
+def failure_text(exc: BaseException) -> str:
+    """``"<Type>: <first line of the message>"`` (160 characters at most): a library error in one line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:160]}" if text else type(exc).__name__
+
+
 def writer_error(path: str | os.PathLike, exc: BaseException) -> UserError:
     """One line for a writer library's own failure (``torch.save``'s ``RuntimeError`` "unexpected
     pos" on a full disk, pyarrow's ``OSError``), naming the path and the free space."""
     if isinstance(exc, OSError) and exc.errno is not None:
         return os_error(path, exc)
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return UserError(f"{os.fspath(path)}: cannot write it ({type(exc).__name__}: {text[:160]}"
-                     f"{free_space(path)}; is the disk full?)")
+    return UserError(f"{os.fspath(path)}: cannot write it ({failure_text(exc)}{free_space(path)}; is the disk full?)")
+
+
+def path_within(inner: str | os.PathLike, outer: str | os.PathLike) -> bool:
+    """Whether ``inner`` is ``outer`` or lies inside it, links resolved."""
+    a, b = os.path.realpath(inner), os.path.realpath(outer)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep)
 
 
 def read_input(path: str | os.PathLike, what: str, *, binary: bool = False) -> str | bytes:
@@ -287,9 +297,8 @@ def remove_owned(path: str | os.PathLike, what: str) -> None:
     if not is_owned(p):
         raise UserError(f"{what} {p}: not marked as written by userdp ({OWNED_MARK}); nothing was removed "
                         "(remove it yourself if it is userdp's)")
-    real = os.path.realpath(p)
     for inp in _INPUTS:
-        if inp == real or inp.startswith(real + os.sep):
+        if path_within(inp, p):
             raise UserError(f"{what} {p}: it holds {inp}, an input of this command; nothing was removed")
     try:
         shutil.rmtree(p)

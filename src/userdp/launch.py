@@ -154,13 +154,7 @@ def init_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     import torch
     import torch.distributed as dist
 
-    spec = str(device).strip().lower()
-    if spec.startswith("cuda:"):
-        raise UserError(f"model.device {spec} names one GPU, but torchrun started {world} processes: give cuda "
-                        "or auto (each process then uses cuda:LOCAL_RANK)")
-    cuda = spec in ("auto", "cuda") and torch.cuda.is_available()
-    if spec == "cuda" and not cuda:
-        raise UserError("model.device cuda was asked for but torch sees no CUDA device: use auto or cpu")
+    cuda = shared_device(device, f"torchrun started {world} processes")
     if cuda:
         if local >= torch.cuda.device_count():
             raise UserError(f"LOCAL_RANK {local}: this node has {torch.cuda.device_count()} CUDA device(s); start "
@@ -177,6 +171,26 @@ def init_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     _stop_on_sigterm()
     return World(rank=rank, world_size=world, local_rank=local, backend=backend,
                  device_spec=f"cuda:{local}" if cuda else "cpu", timeout_s=float(timeout_s), _objects=objects)
+
+
+def shared_device(device: str, started: str) -> bool:
+    """Whether the processes of a job compute on CUDA (each on ``cuda:LOCAL_RANK``) for
+    ``model.device``, checked where the job's processes are known (``started`` says how many
+    there are, for the message): by :func:`init_world` in each process, and by ``userdp train
+    --nproc`` before any starts.
+
+    Raises:
+        UserError: ``cuda:i`` (one GPU for several processes), or ``cuda`` without a CUDA device."""
+    import torch
+
+    spec = str(device).strip().lower()
+    if spec.startswith("cuda:"):
+        raise UserError(f"model.device {spec} names one GPU, but {started}: give cuda or auto (each process then "
+                        "uses cuda:LOCAL_RANK)")
+    cuda = spec in ("auto", "cuda") and torch.cuda.is_available()
+    if spec == "cuda" and not cuda:
+        raise UserError("model.device cuda was asked for but torch sees no CUDA device: use auto or cpu")
+    return cuda
 
 
 def _stop_on_sigterm() -> None:

@@ -28,6 +28,8 @@ import uuid
 from pathlib import Path
 
 from userdp.errors import UserError
+from userdp.fileio import read_input
+from userdp.launch import shared_device
 
 #: set in the workers' environment: the folder where each rank writes its one-line error
 ERROR_DIR_ENV = "USERDP_LAUNCH_ERRORS"
@@ -65,8 +67,6 @@ def precheck(cfg, nproc: int, plan: str | None) -> None:
 
     Raises:
         UserError: the first of them that is wrong."""
-    from userdp.fileio import read_input
-
     if cfg.audit.canaries:
         raise UserError("audit.canaries: the empirical audit runs in one process only (its canaries and secrets "
                         "file are not shared out yet); drop --nproc, or set audit.canaries: 0")
@@ -77,15 +77,10 @@ def precheck(cfg, nproc: int, plan: str | None) -> None:
             raise UserError(f"{key} {value}: does not exist")
     if plan:
         read_input(plan, f"--plan {plan}")
-    spec = str(cfg.model.device).strip().lower()
-    if spec.startswith("cuda:"):
-        raise UserError(f"model.device {spec} names one GPU, but --nproc {nproc} starts {nproc} processes: give "
-                        "cuda or auto (each process then uses cuda:LOCAL_RANK)")
-    import torch
+    import torch  # heavy: not at the top of a module the CLI imports to build its parser
 
-    if spec == "cuda" and not torch.cuda.is_available():
-        raise UserError("model.device cuda was asked for but torch sees no CUDA device: use auto or cpu")
-    if spec in ("cuda", "auto") and torch.cuda.is_available() and nproc > torch.cuda.device_count():
+    if shared_device(cfg.model.device, f"--nproc {nproc} starts {nproc} processes") \
+            and nproc > torch.cuda.device_count():
         raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s); start at "
                         "most that many processes (or set model.device: cpu)")
 

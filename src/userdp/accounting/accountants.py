@@ -195,14 +195,18 @@ def get_accountant(name: str) -> Accountant:
 _CHECKED: dict = {}
 
 
+def _real(value) -> bool:
+    """A real number an accountant may answer (not a bool, a string or None; nan is checked apart)."""
+    return isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+
+
 def checked_epsilon(value, who: str) -> float:
     """The one check of an epsilon from any accountant (issue 40): a real number, not nan, >= 0
     (``inf`` is an honest "no bound").
 
     Raises:
         UserError: naming the accountant and what it answered."""
-    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-    if not ok or math.isnan(value) or value < 0:
+    if not _real(value) or math.isnan(value) or value < 0:
         raise UserError(f"privacy.accountant {who}: it answered epsilon = {value!r}, which is not an epsilon "
                         "(a number >= 0); nothing is stated from it")
     return float(value)
@@ -213,8 +217,7 @@ def checked_delta(value, who: str) -> float:
 
     Raises:
         UserError: naming the accountant and what it answered."""
-    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-    if not ok or math.isnan(value) or not 0.0 <= value <= 1.0:
+    if not _real(value) or math.isnan(value) or not 0.0 <= value <= 1.0:
         raise UserError(f"privacy.accountant {who}: it answered delta = {value!r}, which is not a delta "
                         "(a number in [0, 1]); nothing is stated from it")
     return float(value)

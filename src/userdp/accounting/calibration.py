@@ -12,9 +12,10 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from userdp.accounting.accountants import get_accountant
-from userdp.accounting.events import check_count, check_delta, compose
+from userdp.accounting.events import check_delta, compose
 from userdp.accounting.pld import PLD_INTERVAL
 from userdp.errors import UserError
+from userdp.validation import check_int
 
 #: Largest noise multiplier calibration will consider.
 SIGMA_MAX = 1e4
@@ -113,7 +114,7 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
         raise UserError(f"epsilon = {eps:g} promises nothing (e^epsilon overflows); calibrate for an "
                         f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
     dlt = check_delta(delta)
-    t = check_count("steps", steps)
+    t = check_int(steps, "steps")
     get_accountant(accountant)
     try:
         return _calibrate(make_step_event, t, eps, dlt, accountant, rtol=rtol, sigma_max=sigma_max,

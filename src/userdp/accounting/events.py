@@ -42,10 +42,6 @@ def _check_rate(name: str, value: float) -> float:
     return check_rate(value, name)
 
 
-def check_count(name: str, value: int, minimum: int = 1) -> int:
-    return check_int(value, name, minimum)
-
-
 def check_delta(value: float) -> float:
     return check_fraction(value, "delta")
 
@@ -65,7 +61,7 @@ def els_step_event(noise_multiplier: float, sampling_rate: float, group_size: in
     """
     sigma = _check_positive("noise_multiplier", noise_multiplier)
     p = _check_rate("sampling_rate", sampling_rate)
-    g = check_count("group_size", group_size)
+    g = check_int(group_size, "group_size")
     if g > MAX_ELS_GROUP:
         raise UserError(f"group_size G = {g} is above {MAX_ELS_GROUP:,}, the largest the ELS mixture "
                         "accountant takes (it builds G+1 components); use a smaller G, or ULS")
@@ -85,8 +81,8 @@ def uls_step_event(noise_multiplier: float, sampling_rate: float) -> dpe.DpEvent
 def fixed_cohort_step_event(noise_multiplier: float, num_users: int, cohort_size: int) -> dpe.DpEvent:
     """A fixed-size cohort of m users drawn without replacement from N (replace-one, RDP only)."""
     sigma = _check_positive("noise_multiplier", noise_multiplier)
-    n = check_count("num_users", num_users)
-    m = check_count("cohort_size", cohort_size)
+    n = check_int(num_users, "num_users")
+    m = check_int(cohort_size, "cohort_size")
     if m > n:
         raise UserError(f"cohort_size ({m}) must not exceed num_users ({n})")
     return dpe.SampledWithoutReplacementDpEvent(n, m, dpe.GaussianDpEvent(sigma))
@@ -99,13 +95,13 @@ def no_amplification_step_event(noise_multiplier: float, group_size: int = 1) ->
     mechanism with noise multiplier σ/G.
     """
     sigma = _check_positive("noise_multiplier", noise_multiplier)
-    g = check_count("group_size", group_size)
+    g = check_int(group_size, "group_size")
     return dpe.GaussianDpEvent(sigma / g)
 
 
 def compose(step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:
     """T-fold self-composition of one step's event."""
-    t = check_count("steps", steps)
+    t = check_int(steps, "steps")
     return dpe.SelfComposedDpEvent(step_event, t)
 
 
@@ -118,13 +114,13 @@ def compose_after(prior: Sequence[dpe.DpEvent], step_event: dpe.DpEvent, steps: 
     for event in prior:
         builder.compose(event)
     if steps:
-        builder.compose(step_event, check_count("steps", steps))
+        builder.compose(step_event, check_int(steps, "steps"))
     return builder.build()
 
 
 def default_delta(num_users: int) -> tuple[float, str]:
     """δ = N^-1.1 with N the number of users (docs/accounting.md), and a sentence saying so."""
-    n = check_count("num_users", num_users, minimum=2)
+    n = check_int(num_users, "num_users", 2)
     return float(n) ** -1.1, f"delta = N^-1.1 with N = {n} users"
 
 

@@ -29,7 +29,6 @@ from userdp.accounting.accountants import epsilon as _epsilon
 from userdp.accounting.calibration import calibrate_noise_multiplier
 from userdp.accounting.events import (
     adjacency,
-    check_count,
     compose,
     els_step_event,
     event_to_dict,
@@ -38,6 +37,7 @@ from userdp.accounting.events import (
     uls_step_event,
 )
 from userdp.errors import UserError
+from userdp.validation import check_int
 
 #: what the training-side sampling modes are called (``TrainConfig.sampling``)
 SAMPLINGS = ("poisson", "fixed_size", "shuffle")
@@ -76,7 +76,7 @@ class Mechanism:
         if self.kind not in self.KINDS:
             raise UserError(f"mechanism kind must be one of {', '.join(self.KINDS)} (got {self.kind!r})")
         self.step_event()  # validates the parameters
-        check_count("steps", self.steps)
+        check_int(self.steps, "steps")
 
     @classmethod
     def for_training(cls, *, unit: str, sampling: str, noise_multiplier: float, steps: int,

@@ -32,8 +32,6 @@ def _size(path: Path) -> int:
 
 #: an entry of a userdp cache kind: ``<kind>-<hex key>`` (or an interrupted build's ``.<entry>.tmp<pid>``)
 _ENTRY = re.compile(r"^(?:[A-Za-z0-9_.]+-[0-9a-f]{12,}|\..+\.tmp\d+)$")
-#: a file every entry of that name holds (what userdp writes into it)
-_ENTRY_FILES = ("meta.json", "config.json", "userdp_pretrain.json", "scores.npy", "tokenizer.json")
 
 
 def _made_by_an_older_userdp(d: Path) -> bool:
@@ -43,7 +41,7 @@ def _made_by_an_older_userdp(d: Path) -> bool:
     entries = list(d.iterdir())
     return bool(entries) and all(
         e.is_dir() and not e.is_symlink() and _ENTRY.match(e.name)
-        and (e.name.startswith(".") or any((e / f).is_file() for f in _ENTRY_FILES) or any(e.glob("*.json")))
+        and (e.name.startswith(".") or any(e.glob("*.json")) or (e / "scores.npy").is_file())
         for e in entries)
 
 

@@ -27,7 +27,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import shutil
 import time
 import zlib
@@ -41,7 +40,7 @@ import pyarrow.compute as pc
 from userdp import progress
 from userdp.data.records import EMPTY_TEXT, USERS_WITHOUT_RECORDS, DropReport
 from userdp.errors import UserError
-from userdp.fileio import OWNED_MARK, owned_dir, remove_owned
+from userdp.fileio import OWNED_MARK, owned_dir, path_within, remove_owned
 
 FORMAT_VERSION = 1
 CHUNK_ROWS = 65_536
@@ -85,10 +84,8 @@ def build_store(
     t0 = time.perf_counter()
     out = Path(out_dir)
     src = getattr(source, "path", None)
-    if src is not None:  # the store must never be (or hold) what it is built from
-        real_out, real_src = os.path.realpath(out), os.path.realpath(src)
-        if real_src == real_out or real_src.startswith(real_out + os.sep) or real_out.startswith(real_src + os.sep):
-            raise UserError(f"{out}: the store folder would hold (or be) its source {src}; choose another folder")
+    if src is not None and (path_within(src, out) or path_within(out, src)):  # never (in) its own source
+        raise UserError(f"{out}: the store folder would hold (or be) its source {src}; choose another folder")
     if out.exists() and (out.is_symlink() or not out.is_dir()):
         raise UserError(f"{out}: exists and is not a folder; nothing was removed")
     if out.exists() and any(p.name != OWNED_MARK for p in out.iterdir()):

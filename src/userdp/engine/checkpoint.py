@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from userdp.errors import UserError
-from userdp.fileio import free_space, fsync_path, is_writer_failure, sha256_file
+from userdp.fileio import failure_text, free_space, fsync_path, is_writer_failure, sha256_file
 
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "MANIFEST.json"
@@ -54,13 +54,6 @@ def exists(directory: str) -> bool:
 
 def _pending(directory: str, name: str) -> str:
     return os.path.join(directory, f".{name}.pending")
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text[:160]}"
 
 
 def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None) -> None:
@@ -99,7 +92,8 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
         # torch.save's RuntimeError on a full disk, safetensors' error, an OSError: one line; the
         # ledger's journal already counts the steps, so the run resumes from the previous checkpoint
         raise UserError(f"{directory}: could not write the checkpoint at step {state.get('step')} "
-                        f"({_reason(exc)}{free_space(directory)}); the previous checkpoint is intact: free "
+                        f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else failure_text(exc)}"
+                        f"{free_space(directory)}); the previous checkpoint is intact: free "
                         "space and resume the run") from None
     except BaseException:
         for p in written:

@@ -116,13 +116,13 @@ class TrainConfig:
             raise UserError("give a noise_multiplier or a target_epsilon to calibrate one")
         if self.noise_multiplier == 0 and self.target_epsilon is not None:
             raise UserError("noise_multiplier=0 is non-private: it cannot meet a target epsilon")
-        accounted_as(self.sampling)  # a registered sampler states its accounting (refused here if it does not)
+        sampling = accounted_as(self.sampling)  # a registered sampler states its accounting (else refused)
         accounting.get_accountant(self.accountant)
         if self.per_unit != "auto":
             PER_UNIT_STRATEGIES.lookup(self.per_unit)
         NOISE_MECHANISMS.lookup(self.noise)
         check_choice(self.precision, "precision", PRECISIONS)
-        if accounted_as(self.sampling) == "fixed_size" and self.accountant != "rdp":
+        if sampling == "fixed_size" and self.accountant != "rdp":
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:
             raise UserError("adaptive clipping uses the fixed denominator")
@@ -311,7 +311,7 @@ def check_delta_for_users(delta: float, num_users: int, *, private: bool = True)
     if private and num_users and delta * num_users >= 1.0:
         raise UserError(f"privacy.delta = {delta:g} is at least 1/N = {1 / num_users:.3g} (N = {num_users} users): "
                         "a guarantee with such a delta allows publishing a user's data outright; use a delta well "
-                        f"below 1/N (the default is N^-1.1 = {num_users ** -1.1:.3g})")
+                        f"below 1/N (the default is N^-1.1 = {float(num_users) ** -1.1:.3g})")
 
 
 def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
@@ -341,9 +341,10 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
     if config.delta is not None:
         delta, rule = config.delta, "given"
         check_delta_for_users(delta, num_users, private=config.algorithm.private)
-        if config.algorithm.private and delta > num_users ** -1.1 * (1 + 1e-9):
+        default = float(num_users) ** -1.1  # default_delta's rule (it refuses N < 2; a given delta does not)
+        if config.algorithm.private and delta > default * (1 + 1e-9):
             # above the default N^-1.1 (not 1/(10 N): the default itself is above that for N < 1e10)
-            rule = f"given; above N^-1.1 = {num_users ** -1.1:.3g}, the default: a weaker guarantee"
+            rule = f"given; above N^-1.1 = {default:.3g}, the default: a weaker guarantee"
     else:
         delta, rule = accounting.default_delta(num_users)
     plan = RunPlan(config=config, unit=unit, num_users=int(num_users), num_units=int(num_units),

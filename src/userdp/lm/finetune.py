@@ -67,10 +67,12 @@ def _keep_performance_changes(rd: RunDir, cfg: C.RunConfig, log: Log) -> None:
     saved, new = C.to_dict(C.load_config(rd.config)), C.to_dict(cfg)
     if saved == new:
         return
+    def section(cfg: dict, name: str) -> dict:
+        return cfg[name] if isinstance(cfg.get(name), dict) else {}
+
     changed = sorted(f"{s}.{k}" for s in set(new) | set(saved)
-                     for k in set((new.get(s) or {}) if isinstance(new.get(s), dict) else {})
-                     | set((saved.get(s) or {}) if isinstance(saved.get(s), dict) else {})
-                     if (saved.get(s) or {}).get(k) != (new.get(s) or {}).get(k))
+                     for k in set(section(new, s)) | set(section(saved, s))
+                     if section(saved, s).get(k) != section(new, s).get(k))
     if C.privacy_fingerprint(saved) != C.privacy_fingerprint(new):
         keys = [k for k in changed if not C.is_performance_key(k)]
         raise UserError(f"--resume {rd.root}: only performance settings may change on resume; changed: "

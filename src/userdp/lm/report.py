@@ -194,7 +194,8 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "delta": delta,
         "delta_rule": (f"{delta_rule}; delta = {delta:.3g} = {delta * num_users:.3g}/N, well below 1/N (a "
                        "mechanism that publishes one random user's data outright is (0, 1/N)-DP)"
-                       if private and delta and num_users and delta <= num_users ** -1.1 * (1 + 1e-9) else delta_rule),
+                       if private and delta and num_users and delta <= num_users ** -1.1 * (1 + 1e-9)
+                       else delta_rule),
         "epsilon_no_amplification": epsilon_no_amplification,
         "tuning_guarantee": "not accounted (see not_accounted); the statement covers the final "
                             "training run only",

@@ -39,9 +39,7 @@ def check_available(enabled: bool) -> None:
         UserError: naming the key and the extra to install."""
     if not enabled:
         return
-    if importlib.util.find_spec("tensorboard") is None:
-        raise UserError("output.tensorboard: true needs the tensorboard package: pip install 'userdp[tensorboard]' "
-                        "(or set output.tensorboard: false; metrics.jsonl holds the same rows)")
+    _require_package()
     # found is not working: import and exercise the writer once (a broken install fails here, in
     # one line, not mid-run after steps were spent)
     try:
@@ -58,6 +56,12 @@ def check_available(enabled: bool) -> None:
                         "or set output.tensorboard: false") from None
 
 
+def _require_package() -> None:
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UserError("output.tensorboard: true needs the tensorboard package: pip install 'userdp[tensorboard]' "
+                        "(or set output.tensorboard: false; metrics.jsonl holds the same rows)")
+
+
 def _finite(v) -> bool:
     """A number TensorBoard can plot (a non-private run's epsilon "inf", a NaN loss: skipped)."""
     return isinstance(v, (int, float)) and math.isfinite(v)
@@ -69,7 +73,7 @@ class Scalars:
     def __init__(self, root: Path, enabled: bool, start_step: int = 0):
         self._w = None
         if enabled:
-            check_available(True)
+            _require_package()  # the writer itself was exercised by check_available before the run began
             from torch.utils.tensorboard import SummaryWriter  # the optional dependency, loaded only when asked
 
             self._w = SummaryWriter(str(Path(root) / FOLDER), purge_step=start_step + 1 if start_step else None)
