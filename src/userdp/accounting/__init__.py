@@ -51,12 +51,13 @@ from userdp.accounting.events import (
 )
 from userdp.accounting.mechanism import Mechanism
 
-# backend internals that the tests inspect (the PLD cache and the vectorized mixture PLD)
+# backend internals that the tests inspect (the PLD cache and the vectorized PLDs)
 from userdp.accounting.pld import (  # noqa: F401
     PLD_CACHE,
     PLD_INTERVAL,
     PLD_MAX_STEPS,
     PLD_SIGMA_RANGE,
+    gaussian_pld,
     mixture_gaussian_pld,
     pld_distribution,
 )
