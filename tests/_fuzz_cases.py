@@ -686,6 +686,13 @@ def round4_cases() -> list[Case]:
 
     out.append(Case("r4-build-store-overwrite-users-folder", "round 4", over_users_folder,
                     untouched=("notes/thesis.tex",), must_contain=("nothing was removed",)))
+    # the non-private baseline's one-backward strategy computes no per-unit norm: never for a private run
+    for algo in ("uls", "els", "fedavg"):
+        out.append(Case(f"r4-per-unit-batch-with-{algo}", "round 4",
+                        lambda w, r, a=algo: ["train", str(_tiny_config(w, f"training:\n  algorithm: {a}\n"
+                                                                          "  per_unit: batch\n")),
+                                              "--output", str(w / "run")],
+                        must_contain=("training.per_unit",)))
     exp = ["experiment", "mean-estimation", "--no-sweeps", "--json"]
     for flag, v in (("--dimension", "1e12"), ("--users", "1e12"), ("--seed", "-1"), ("--dimension", "1.5")):
         out.append(Case(f"r4-experiment{flag}={v}", "round 4", lambda w, r, f=flag, v=v: [*exp, f, v]))

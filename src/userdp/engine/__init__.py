@@ -15,6 +15,7 @@ or, in the caller's own loop (docs/engine.md, "Your own loop")::
 
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
 from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg, FedSGD, NonPrivate, register_algorithm
+from userdp.engine.batch_unit import BatchPerUnit  # registers per_unit: batch (the non-private baseline's)
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.data import DelegatingUserData, TensorUserData, UserData
 from userdp.engine.ledger import PrivacyLedger
@@ -30,5 +31,5 @@ __all__ = [
     "FlatClip", "PerLayerClip", "AdaptiveClip",
     "FixedDenominator", "ClippedDenominator",
     "SGD", "Adam", "Adafactor",
-    "UserData", "TensorUserData", "PrivacyLedger",
+    "UserData", "TensorUserData", "PrivacyLedger", "BatchPerUnit",
 ]

@@ -231,11 +231,15 @@ PER_UNIT_STRATEGIES: Registry = Registry("per_unit", {"vmap": VmapPerUnit, "ghos
 
 
 def resolve_per_unit(name: str, algorithm) -> str:
-    """The strategy ``name`` stands for: ``auto`` is ``ghost`` when the unit's update is a gradient
-    (ELS, ULS: no per-unit gradient copies) and ``vmap`` otherwise (FedAvg's local SGD); a model
-    the ghost strategy cannot serve falls back to vmap at its first chunk (:class:`AutoPerUnit`)."""
+    """The strategy ``name`` stands for: ``auto`` is ``batch`` for a non-private algorithm whose
+    update is a gradient (one ordinary backward: nothing is clipped; ``engine/batch_unit.py``),
+    ``ghost`` for a private one (ELS, ULS: no per-unit gradient copies) and ``vmap`` otherwise
+    (FedAvg's local SGD); a model the ghost strategy cannot serve falls back to vmap at its first
+    chunk (:class:`AutoPerUnit`)."""
     if name == "auto":
-        return "ghost" if algorithm.update == "gradient" else "vmap"
+        if algorithm.update != "gradient":
+            return "vmap"
+        return "ghost" if getattr(algorithm, "private", True) else "batch"
     return name
 
 
@@ -278,7 +282,7 @@ def make_per_unit(name: str, model: nn.Module, loss_fn: LossFn, algorithm,
         UserError: an unknown name (the message lists the registered ones), or a strategy that
             cannot serve the algorithm (ghost with FedAvg).
     """
-    if name == "auto" and algorithm.update == "gradient":
+    if resolve_per_unit(name, algorithm) == "ghost" and name == "auto":
         return AutoPerUnit(model, loss_fn, algorithm, precision)
     name = resolve_per_unit(name, algorithm)
     return PER_UNIT_STRATEGIES.lookup(name)(model, loss_fn, algorithm, precision)

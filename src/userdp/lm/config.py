@@ -519,9 +519,12 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"model.preset must be one of {', '.join(PRESETS)}, got {m.preset!r}")
     if not DEVICE_SPEC.match(str(m.device).strip().lower()):
         bad(f"model.device must be auto, cpu, cuda or cuda:<index>, got {m.device!r}")
-    if not gradient and t.per_unit == "ghost":
-        bad(f"training.per_unit: ghost clips gradients; {algo.__name__}'s update is {algo.update}, not a gradient "
-            "(use auto or vmap)")
+    if not gradient and t.per_unit in ("ghost", "batch"):
+        bad(f"training.per_unit: {t.per_unit} takes gradients; {algo.__name__}'s update is {algo.update}, not a "
+            "gradient (use auto or vmap)")
+    if algo.private and t.per_unit == "batch":
+        bad(f"training.per_unit: batch computes no per-unit norm, so nothing would bound one user's share: it "
+            f"serves training.algorithm: nonprivate only, not {t.algorithm} (use auto, ghost or vmap)")
     if m.lora.quantize != "none":
         q = f"model.lora.quantize: {m.lora.quantize}"
         if not m.lora.enabled:
