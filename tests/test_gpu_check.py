@@ -80,11 +80,14 @@ def test_the_preparation_in_docs_names_the_command_and_the_wheels_the_box_lacks(
 
 @pytest.mark.slow
 def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
-    res = _run(["--device", "cpu", "--quick"], tmp_path)
+    # every part but steps-medium, which is steps-small's code on a larger model (its processes are
+    # ~25 s of start-up on this CPU and prove nothing steps-small does not); --parts is honoured
+    parts = ["env", "chacha", "steps-small", "tests", "lora"]
+    res = _run(["--device", "cpu", "--quick", "--parts", ",".join(parts)], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     rows = _rows(tmp_path)
     status = {r["part"]: r["status"] for r in rows if "status" in r}
-    assert set(status) == {"env", "chacha", "steps-small", "tests", "lora", "steps-medium"}
+    assert set(status) == set(parts)
     assert all(v == "ok" for v in status.values()), status
     steps = {r["algorithm"]: r for r in rows if r.get("part") == "steps-small" and "algorithm" in r}
     assert set(steps) == {"nonprivate", "uls", "els"}
@@ -94,4 +97,4 @@ def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
     lora = [r for r in rows if r.get("part") == "lora" and "s_per_step" in r]
     assert {r["model"] for r in lora} == {"tiny", "llama-tiny"}
     assert any(r.get("kernel", "").startswith("eager (cpu") for r in rows if r.get("part") == "chacha")
-    assert "[" in res.stdout and "done: 6/6 parts ok" in res.stdout  # progress printed as it goes
+    assert "[" in res.stdout and "done: 5/5 parts ok" in res.stdout  # progress printed as it goes
