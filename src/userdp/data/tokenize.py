@@ -284,7 +284,7 @@ def _write_tokens(tmp: Path, tok, store, subset, seq_len: int, mode: str, add_eo
     rows = subset.rows(store.offsets)
     rec_lens = np.empty(len(rows), dtype=np.int64)
     n_tok = 0
-    with open(tmp / "tokens.bin", "wb") as out, progress.bar(len(rows), "tokenizing", "rec") as shown:
+    with open(tmp / "tokens.bin", "wb") as out, progress.bar(len(rows), "tokenizing", "rec", lines=progress.LOOP_LINES) as shown:
         for a in range(0, len(rows), block):
             r = rows[a : a + block]
             texts = store._column_rows("text", r)

@@ -48,7 +48,7 @@ def record_nll(model, data, users: np.ndarray, records: np.ndarray, batch_size: 
     nll = np.zeros(len(users))
     cnt = np.zeros(len(users))
     pos = 0
-    with progress.bar(len(users), "evaluating", "rec") if show else contextlib.nullcontext() as shown:
+    with progress.bar(len(users), "evaluating", "rec", lines=progress.LOOP_LINES) if show else contextlib.nullcontext() as shown:
         for _, batch in _batches(data, users, records, batch_size):
             s, c = models.token_nll(model, batch)
             n = len(s)

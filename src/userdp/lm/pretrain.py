@@ -24,6 +24,8 @@ import torch
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import models
+from userdp.progress import LOOP_LINES
+from userdp.progress import bar as progress_bar
 
 _CACHE_OVERRIDE: list[Path] = []
 _SHARED_RUN_CACHE: list[Path] = []
@@ -144,9 +146,7 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
     model.train()
     bar = None
     if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=steps, initial=start, desc=desc, unit="step", dynamic_ncols=True, leave=False)
+        bar = progress_bar(steps, desc, "step", initial=start, lines=LOOP_LINES)
     t0 = time.time()
     for step in range(start, steps):
         idx = torch.randint(0, blocks.shape[0], (min(batch_size, blocks.shape[0]),), generator=gen)

@@ -6,11 +6,9 @@ and on Ctrl-C a privacy statement of the steps spent."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 from safetensors.torch import save_file
-from tqdm import tqdm
 
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.data import DelegatingUserData
@@ -24,6 +22,8 @@ from userdp.lm.release import privacy_json
 from userdp.lm.report import write_report
 from userdp.lm.run_dir import RunDir
 from userdp.lm.tensorboard_log import Scalars
+from userdp.progress import LOOP_LINES
+from userdp.progress import bar as progress_bar
 
 
 class _TokenCounter:
@@ -81,8 +81,8 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
             rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
             write_atomic(rd.metrics, "".join(strict_dumps(r) + "\n" for r in rows))
         log(f"resuming at step {start_step} of {steps}")
-    bar = (tqdm(total=steps, initial=start_step, desc=f"train {job.training.algorithm}", unit="step",
-                dynamic_ncols=True, file=sys.stderr) if progress else None)
+    bar = (progress_bar(steps, f"train {job.training.algorithm}", "step", initial=start_step, lines=LOOP_LINES)
+           if progress else None)
     mfile = open(rd.metrics, "a") if main else None  # noqa: SIM115 - closed below, whatever happens
     scalars = Scalars(rd.root, job.output.tensorboard and main, start_step)  # closed below too
     last_tok = [0, time.time()]
