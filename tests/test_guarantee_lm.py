@@ -384,10 +384,15 @@ def test_run_files_are_strict_json_and_the_report_tells_what_happened(tiny, caps
     assert _train([str(cfg), "--output", str(out), "--set", "training.algorithm=nonprivate"], capsys)[0] == 0
     rows = [strict_load(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(r["epsilon"] == "inf" for r in rows)
+    assert all(r["clip_norm"] is None and r["fraction_clipped"] is None for r in rows)  # it clips nothing
     for name in ("privacy.json", "state.json", "eval.json", "report.json"):
         strict_load((out / name).read_text())
     card = (out / "model" / "README.md").read_text()
     assert "No differential-privacy guarantee" in card
+    meta = yaml.safe_load(card.split("---")[1])  # a hub search for DP models must not find the baseline
+    assert "differential-privacy" not in meta["tags"] and "user-level-differential-privacy" not in meta["tags"]
+    assert "non-private-baseline" in meta["tags"] and meta["userdp"]["epsilon_at_delta_1e-6"] is None
+    assert "guarantee above" not in (out / "report.md").read_text()  # there is none
 
     run = tmp / "dp"
     assert _train([str(cfg), "--output", str(run)], capsys)[0] == 0
@@ -405,6 +410,14 @@ def test_run_files_are_strict_json_and_the_report_tells_what_happened(tiny, caps
     meta = yaml.safe_load(card.split("---")[1])
     assert meta["userdp"]["epsilon"] == pytest.approx(priv["epsilon_total"]) and meta["userdp"]["unit"] == "user"
     assert "differential-privacy" in meta["tags"] and "userdp report" in card
+    # epsilon at delta = 1e-6 beside the run's own (issue 39): re-derived from the event, larger (smaller delta)
+    at6 = accounting.epsilon(accounting.event_from_dict(priv["dp_event"]), 1e-6)
+    assert priv["delta"] > 1e-6 and at6 > priv["epsilon"]
+    assert meta["userdp"]["epsilon_at_delta_1e-6"] == pytest.approx(at6, rel=1e-9)
+    assert f"At delta = 1e-06, the same training satisfies epsilon = {at6:.4g}" in card
+    report = (run / "report.md").read_text()
+    assert f"**At delta = 1e-06:** epsilon = {at6:.4g}" in report
+    assert "/N for N = " in report and "well below" not in report  # delta stated neutrally
     assert all(n in card for n in priv["not_accounted"])
     assert cli(["evaluate", str(run)]) == 0  # the card is derived: not in the model's manifest
 

@@ -81,6 +81,11 @@ def test_init_guesses_fields_writes_a_valid_config_and_never_overwrites(tmp_path
         line = next(ln for ln in text.splitlines() if ln.strip().startswith(key))
         assert "#" in line, line
     assert cfg.model.pretraining.steps == 400 and cfg.data.max_eval_users == 150
+    # delta: the default's value for this N, with its reason (issue 39); the baseline is named
+    delta_line = next(ln for ln in text.splitlines() if ln.strip().startswith("delta:"))
+    n_train = int(7 * (1 - 0.2))  # 7 users, 20% held out
+    assert cfg.privacy.delta is None and f"{n_train ** -1.1:.2g} = {n_train ** -0.1:.2g}/N" in delta_line
+    assert "1/N" in text and "delta = 1e-6" in text and "nonprivate" in text
     before = out.read_text()
     assert cli(["init", str(data), "--output", str(out)]) == 2
     assert out.read_text() == before

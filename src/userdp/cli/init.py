@@ -84,6 +84,7 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
     heldout = 0.1 if users >= 200 else 0.2
     train_users = int(users * (1 - heldout))
     cohort = max(1, min(64, train_users // 10))
+    dn = max(train_users, 2) ** -1.1  # the default delta (privacy.delta: null) at about this N
     lines = [
         f"# userdp training config for {path} (written by `userdp init`)",
         f"# The file holds {users:,} users and {records:,} records (median {med:g} records per user).",
@@ -117,14 +118,19 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
         "    batch_size: 32",
         "    lr: 0.003",
         "privacy:",
-        "  epsilon: 3.0                # user-level (epsilon, delta); delta null = N^-1.1",
-        "  delta: null",
+        "  epsilon: 3.0                # user-level (epsilon, delta)",
+        f"  delta: null                 # null = N^-1.1 for the N training users: about {dn:.2g} = {dn * train_users:.2g}/N",
+        "                              # here; a mechanism that publishes one random user's data outright is",
+        "                              # (0, 1/N)-DP, so delta must be far below 1/N. The report also states",
+        "                              # epsilon at delta = 1e-6; a fixed delta may be set here instead",
         "  disclosed_touches:          # non-private touches of the data made by `userdp init` (the report lists them)",
         "    - " + _yaml_str(f"userdp init: the per-user record counts of all {users:,} users were read to set "
                             f"training.group_size G = {g} (their exact median, not private) and "
                             f"training.cohort_size = {cohort} (from the user count, not private)"),
         "training:",
-        "  algorithm: uls              # uls (users sampled, per-user clipping), els or fedavg",
+        "  algorithm: uls              # uls (users sampled, per-user clipping), els or fedavg; nonprivate is",
+        "                              # the baseline to compare with (same users per step and records per",
+        "                              # user, no clipping, no noise, no guarantee)",
         f"  group_size: {g}              # G: records per user per step (the median here)",
         f"  cohort_size: {cohort}             # expected users per step (of {train_users:,} training users)",
         "  steps: 100                  # DP steps; sigma is calibrated so that all of them meet epsilon",

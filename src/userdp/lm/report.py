@@ -192,10 +192,11 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
         "epsilon": epsilon_spent,
         "epsilon_target": epsilon_target,
         "delta": delta,
-        "delta_rule": (f"{delta_rule}; delta = {delta:.3g} = {delta * num_users:.3g}/N, well below 1/N (a "
-                       "mechanism that publishes one random user's data outright is (0, 1/N)-DP)"
-                       if private and delta and num_users and delta <= num_users ** -1.1 * (1 + 1e-9)
-                       else delta_rule),
+        "delta_rule": (f"{delta_rule}; delta = {delta:.3g} = {delta * num_users:.3g}/N for N = {num_users:,} "
+                       "training users (a mechanism that publishes one random user's data outright is "
+                       "(0, 1/N)-DP, so delta must be far below 1/N; the report also states epsilon at "
+                       f"delta = {REFERENCE_DELTA:g})"
+                       if private and delta and num_users else delta_rule),
         "epsilon_no_amplification": epsilon_no_amplification,
         "tuning_guarantee": "not accounted (see not_accounted); the statement covers the final "
                             "training run only",
@@ -384,6 +385,10 @@ def tuning_contract(rd: RunDir) -> str | None:
     return value if isinstance(value, str) else None
 
 
+#: the small delta at which the report and the model card also state epsilon (when the run's own is larger)
+REFERENCE_DELTA = 1e-6
+
+
 def _at_delta(rec: dict, delta: float, path: Path) -> dict:
     """Epsilon at another delta (what Opacus users call ``get_epsilon(delta)``), from the verified
     event: the run's own, plus a plan's pure-DP median, or the tuning guarantee re-derived."""
@@ -464,6 +469,11 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
         rec["tier"] = epsilon_tier(total)
     if delta is not None:
         rec["at_delta"] = _at_delta(rec, delta, rd.privacy)
+    stated = rec.get("delta_stated", rec.get("delta"))
+    if rec.get("private", True) and isinstance(stated, float) and stated > REFERENCE_DELTA and delta != REFERENCE_DELTA:
+        # epsilon at a small delta that does not move with N, beside the run's own (issue 39): how a
+        # reviewer compares runs of different sizes
+        rec["at_reference_delta"] = _at_delta(rec, REFERENCE_DELTA, rd.privacy)
     # one key, one meaning, in every file and --json (issue 34, L2): "epsilon" is the released model's
     # guarantee; the training run's own figure is "epsilon_run"
     rec["epsilon_run"] = rec.get("epsilon")
@@ -485,12 +495,13 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def _render_evaluation(L: list, ev: dict) -> None:
+def _render_evaluation(L: list, ev: dict, private: bool = True) -> None:
     if not ev:
         return
-    L.append("## 7. Held-out-user evaluation (not a DP release)")
+    L.append("## 7. Held-out-user evaluation (not a DP release)" if private else "## Held-out-user evaluation (not a DP release)")
     L.append("- computed without noise on held-out users' records; those users are outside the "
-             "training data, and these numbers are not covered by the guarantee above")
+             "training data, and these numbers are not covered by the guarantee above" if private else
+             "- computed on held-out users' records (users outside the training data)")
     for k in ("before", "after"):
         if k in ev and ev[k]:
             L.append(f"- {k}: loss {_fmt(ev[k].get('loss'))}, perplexity "
@@ -531,7 +542,7 @@ def render_markdown(rep: dict) -> str:
                  "(`training.algorithm: nonprivate`): its model and checkpoints may reveal any training "
                  "user's data. Nothing here is a privacy statement.")
         L.append("")
-        _render_evaluation(L, rep.get("evaluation") or {})
+        _render_evaluation(L, rep.get("evaluation") or {}, private=False)
         _render_audit(L, rep.get("audit") or {})
         return "\n".join(L) + "\n"
     if rep.get("status") == "interrupted" or rep.get("stopped") == "interrupted":
@@ -564,12 +575,12 @@ def render_markdown(rep: dict) -> str:
                  f"under add/remove-one-user adjacency — {rep['tier']['meaning']}.")
     else:
         L.append("**No differential-privacy guarantee**: this run trained without noise.")
-    ad = rep.get("at_delta")
-    if private and ad and ad.get("epsilon") is not None:
-        L.append("")
-        L.append(f"**At delta = {_fmt(ad['delta'])}:** epsilon = {_fmt(ad['epsilon'])} ({ad['note']})"
-                 + (f"; the noise sampler's tail adds {_fmt(ad['delta_noise_tail'])} to that delta"
-                    if ad.get("delta_noise_tail") else "") + ".")
+    for ad in (rep.get("at_reference_delta"), rep.get("at_delta")):
+        if private and ad and ad.get("epsilon") is not None:
+            L.append("")
+            L.append(f"**At delta = {_fmt(ad['delta'])}:** epsilon = {_fmt(ad['epsilon'])} ({ad['note']})"
+                     + (f"; the noise sampler's tail adds {_fmt(ad['delta_noise_tail'])} to that delta"
+                        if ad.get("delta_noise_tail") else "") + ".")
     if private and rep.get("sampler_used") == "shuffle_fixed_batches":
         L.append("")
         L.append("**Shuffled batches.** Training used shuffled fixed-size batches, which have no proven "
@@ -671,12 +682,17 @@ def model_card(rep: dict) -> str:
     eps = rep.get("epsilon_total") if private else None
     delta = rep.get("delta_stated", rep.get("delta")) if private else None
     tier = (rep.get("tier") or {})
+    # a hub search for differential privacy must not find the non-private baseline (issue 39)
+    tags = ["differential-privacy", "user-level-differential-privacy", "userdp"] if private else \
+        ["userdp", "non-private-baseline"]
     meta = {"library_name": "transformers",
-            "tags": ["differential-privacy", "user-level-differential-privacy", "userdp"],
+            "tags": tags,
             "userdp": {"private": bool(private), "epsilon": eps, "delta": delta,
                        "unit": "user" if private else None,
                        "adjacency": "add/remove one user" if private else None,
-                       "algorithm": rep.get("algorithm"), "tier": tier.get("tier")}}
+                       "algorithm": rep.get("algorithm"), "tier": tier.get("tier"),
+                       "epsilon_at_delta_1e-6": (rep.get("at_reference_delta") or {}).get("epsilon")
+                       if private else None}}
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", ""]
     lines.append(f"# {Path(str(rep.get('run_dir', 'model'))).name}: fine-tuned by userdp")
     lines.append("")
@@ -685,6 +701,11 @@ def model_card(rep: dict) -> str:
                      f"({_fmt(eps)}, {_fmt(delta)})-differential privacy under add/remove-one-user adjacency: "
                      f"it is almost the same whether or not any one person's data — all of it — was used. "
                      f"{tier.get('meaning', '')}.")
+        ref = rep.get("at_reference_delta") or {}
+        if ref.get("epsilon") is not None:
+            lines.append("")
+            lines.append(f"At delta = {_fmt(ref['delta'])}, the same training satisfies epsilon = "
+                         f"{_fmt(ref['epsilon'])}.")
         if isinstance(rep.get("tuning"), dict) and rep["tuning"].get("on") == "private":
             lines.append("")
             lines.append("It was selected by `userdp tune` among trials whose number is kept secret (private "

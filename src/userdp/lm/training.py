@@ -71,6 +71,7 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
             statement of the steps spent written to the run directory)."""
     main = world.is_main
     plan = job.engine  # the frozen run plan the engine trains by
+    private = plan.private
     steps = plan.config.steps
     counter = _TokenCounter(train_data)
     data = counter.wrap()
@@ -98,7 +99,8 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
         # step's private cohort, and a user with many tokens would stand out in every step it was
         # sampled (issue 34, H5); the terminal's progress bar (the data holder's own) shows the speed
         row = {"step": m["step"], "loss": m["loss"], "epsilon": m.get("epsilon_spent"),
-               "fraction_clipped": m.get("fraction_clipped"), "clip_norm": m.get("clip_norm"),
+               "fraction_clipped": m.get("fraction_clipped") if private else None,
+               "clip_norm": m.get("clip_norm") if private else None,  # the baseline clips nothing (issue 39)
                "nonfinite_units": m.get("nonfinite_units", 0),  # a non-private diagnostic
                "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
         mfile.write(strict_dumps(row) + "\n")  # strict JSON (a non-private run's epsilon is "inf")
