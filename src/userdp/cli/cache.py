@@ -8,7 +8,10 @@ The cache (``$USERDP_CACHE``, else ``~/.cache/userdp``) holds, by kind:
 * ``pretrained/`` — tokenizers and models pretrained on text declared public.
 
 ``output.cache: run`` in a training config keeps a run's caches inside its run directory
-instead (``<run>/cache``), so that deleting the run deletes every copy of the data.
+instead (``<run>/cache``), so that deleting the run deletes every copy of the data;
+``output.cache: FOLDER`` keeps them in a folder the project's runs, plans and evaluations share.
+``cache info`` lists those too (``elsewhere``), and counts them as private data at rest;
+``cache clear`` leaves them to their runs and projects (delete the folder to remove them).
 """
 
 from __future__ import annotations
@@ -45,15 +48,20 @@ def _made_by_an_older_userdp(d: Path) -> bool:
         for e in entries)
 
 
-def info(root: Path) -> dict:
-    """What the cache at ``root`` holds: per kind, the entries, bytes and whether it is private."""
+def info(root: Path, local: list[Path] = ()) -> dict:
+    """What the cache at ``root`` holds: per kind, the entries, bytes and whether it is private; and
+    the private caches userdp made elsewhere (``local``: run-local ``<run>/cache`` and project
+    folders of ``output.cache``), which count as private data at rest too."""
     kinds = {}
     for kind, private in KINDS.items():
         d = root / kind
         entries = sorted(p.name for p in d.iterdir() if p.name != OWNED_MARK) if d.is_dir() else []
         kinds[kind] = {"entries": len(entries), "bytes": _size(d), "private": private, "path": str(d)}
-    return {"root": str(root), "exists": root.is_dir(), "kinds": kinds,
-            "private_bytes": sum(k["bytes"] for k in kinds.values() if k["private"])}
+    elsewhere = [{"path": str(p), "bytes": sum(_size(p / k) for k, private in KINDS.items() if private)}
+                 for p in local]
+    return {"root": str(root), "exists": root.is_dir(), "kinds": kinds, "local": elsewhere,
+            "private_bytes": sum(k["bytes"] for k in kinds.values() if k["private"])
+            + sum(x["bytes"] for x in elsewhere)}
 
 
 def _human(n: int) -> str:
@@ -65,11 +73,11 @@ def _human(n: int) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from userdp.lm.pretrain import cache_root
+    from userdp.lm.pretrain import cache_root, local_caches
 
     root = cache_root()
     if args.action == "info":
-        rep = info(root)
+        rep = info(root, local_caches())
         if args.json:
             print(jsonout.dumps(rep))
             return 0
@@ -77,6 +85,8 @@ def _run(args: argparse.Namespace) -> int:
         for kind, k in rep["kinds"].items():
             label = "PRIVATE: derived from the training data" if k["private"] else "public text only"
             print(f"  {kind:<11} {k['entries']:>4} entries  {_human(k['bytes']):>10}  ({label})")
+        for x in rep["local"]:  # run-local and project caches (output.cache: run or a folder)
+            print(f"  elsewhere   {_human(x['bytes']):>23}  (PRIVATE: {x['path']})")
         print(f"  private data at rest: {_human(rep['private_bytes'])}; remove it with `userdp cache clear "
               "--private-only`, or set output.cache: run to keep it inside each run directory")
         return 0

@@ -60,12 +60,17 @@ def _run(args: argparse.Namespace) -> int:
     import tempfile
 
     from userdp.lm import config as C
-    from userdp.lm.pretrain import cache_in
+    from userdp.lm.pretrain import cache_in, private_cache_for
 
-    if C.load_config(args.config, args.set or []).output.cache == "run":
+    setting = C.load_config(args.config, args.set or []).output.cache
+    if setting == "run":
         # no run directory yet: the private caches (store, tokenized records) live in a folder
         # removed when planning ends; the public pretrained model stays in the shared cache
         with tempfile.TemporaryDirectory(prefix="userdp-plan-cache-") as tmp, cache_in(Path(tmp)):
+            return _plan(args)
+    where = private_cache_for(setting, None)  # a project's folder: the runs that follow reuse what it reads
+    if where is not None:
+        with cache_in(where):
             return _plan(args)
     return _plan(args)
 

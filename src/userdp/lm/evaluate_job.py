@@ -10,13 +10,13 @@ from userdp.data.tokenize import load_tokenizer
 from userdp.devices import resolve_device
 from userdp.engine.ledger import JOURNAL, journal_header
 from userdp.errors import UserError
-from userdp.fileio import MANIFEST, verify_manifest, write_json
+from userdp.fileio import MANIFEST, is_owned, verify_manifest, write_json
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.evaluate import evaluate_lm
 from userdp.lm.evaluate import personalize as run_personalize
 from userdp.lm.prepare import build_datasets, prepare_data
-from userdp.lm.pretrain import cache_in
+from userdp.lm.pretrain import cache_in, private_cache_for
 from userdp.lm.run_dir import RunDir, verify_files
 
 
@@ -84,10 +84,14 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
         model.to(dev)
     tok = load_tokenizer(model_dir)
     if cfg.output.cache == "run":  # the run keeps the private caches of its data in <run>/cache
-        if run_context is not None:
+        if run_context is not None or is_owned(t / "cache"):  # a later `userdp evaluate` reuses the run's
             with cache_in(t / "cache"):
                 return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
         with tempfile.TemporaryDirectory(prefix="userdp-eval-cache-") as tmp, cache_in(Path(tmp)):
+            return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
+    where = private_cache_for(cfg.output.cache, t)  # a project's folder (shared: None)
+    if where is not None:
+        with cache_in(where):
             return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
     return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
 

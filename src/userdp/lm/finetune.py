@@ -31,7 +31,7 @@ from userdp.lm import models
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
 from userdp.lm.plan_auto import planned_config
 from userdp.lm.prepare import Log, build_datasets, prepare_data, stderr_log
-from userdp.lm.pretrain import cache_in, run_cache
+from userdp.lm.pretrain import cache_in, private_cache_for
 from userdp.lm.release import evaluate_before, release
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir
 from userdp.lm.starting_model import get_tokenizer_and_model, place_model
@@ -177,9 +177,11 @@ def _audit_session(hooks: Optional[Callable], cfg: C.RunConfig, rd: RunDir, resu
 
 def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
          plan_file: Optional[str], audit, world) -> Optional[dict]:
-    if cfg.output.cache == "run":  # every cached copy of this run's data stays in the run directory
-
-        with cache_in(run_cache(rd.root)):
+    # output.cache: run keeps every cached copy of this run's data in the run directory; a folder is
+    # the project's, shared with its other runs, plans and evaluations
+    where = private_cache_for(cfg.output.cache, rd.root)
+    if where is not None:
+        with cache_in(where):
             return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
     return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from userdp.errors import UserError
-from userdp.fileio import write_atomic, write_json
+from userdp.fileio import OWNED_MARK, is_owned, owned_dir, write_atomic, write_json
 from userdp.lm import models
 from userdp.progress import LOOP_LINES
 from userdp.progress import bar as progress_bar
@@ -61,6 +61,60 @@ def shared_run_cache(path: Path):
         yield
     finally:
         _SHARED_RUN_CACHE.pop()
+
+
+#: in the shared cache root: the private caches userdp made elsewhere (run-local ``<run>/cache`` and
+#: ``output.cache: <folder>``), so that ``userdp cache info`` can say what private data is at rest
+LOCAL_CACHES = "local_caches.json"
+
+
+def remember_local_cache(path: Path) -> None:
+    """Add ``path`` to :data:`LOCAL_CACHES` (best effort: an unwritable shared root loses only the
+    listing, never the run)."""
+    index = cache_root() / LOCAL_CACHES
+    try:
+        known = json.loads(index.read_text()) if index.is_file() else []
+        known = [str(x) for x in known] if isinstance(known, list) else []
+        p = str(Path(path).resolve())
+        if p not in known:
+            index.parent.mkdir(parents=True, exist_ok=True)
+            write_json(index, known + [p])
+    except (OSError, ValueError, UserError):
+        pass
+
+
+def local_caches() -> list[Path]:
+    """The private caches in :data:`LOCAL_CACHES` that still exist and are userdp's."""
+    index = cache_root() / LOCAL_CACHES
+    try:
+        known = json.loads(index.read_text()) if index.is_file() else []
+    except (OSError, ValueError):
+        return []
+    return [Path(x) for x in known if isinstance(x, str) and is_owned(x)] if isinstance(known, list) else []
+
+
+def private_cache_for(setting: str, run_root: Path | None) -> Path | None:
+    """Where a job with ``output.cache: setting`` keeps the private caches of its data: None for
+    ``shared`` (:func:`cache_root`), the run's own for ``run`` (:func:`run_cache`; None without a
+    run directory), else the folder ``setting`` names, shared by the runs (and ``plan`` and
+    ``evaluate``) of one project. The folder is made and marked as userdp's (:func:`owned_dir`).
+
+    Raises:
+        UserError: a folder that holds files userdp did not make, or one that cannot be made."""
+    if setting == "shared":
+        return None
+    if setting == "run":
+        if run_root is None:
+            return None
+        path = run_cache(run_root)
+    else:
+        path = Path(setting).expanduser()
+        if path.is_dir() and not is_owned(path) and any(path.iterdir()):
+            raise UserError(f"output.cache: {path} holds files userdp did not make (no {OWNED_MARK}); give a new or "
+                            "empty folder for the project's private cache")
+    path = owned_dir(path)
+    remember_local_cache(path)
+    return path
 
 
 @contextlib.contextmanager

@@ -116,6 +116,9 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
                 save_pretrained(model, tok, tmp, info)
             shutil.rmtree(partial, ignore_errors=True)
             model = models.load_local(cdir)
+            # the tokenizer as saved (transformers adds a no-op post-processor): the one every later
+            # run loads from this folder, so their tokenized data share one cache key (issue 39)
+            tok = load_tokenizer(cdir)
             log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
         notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
     else:
