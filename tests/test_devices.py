@@ -44,7 +44,7 @@ def test_config_names_a_bad_device_and_ghost_with_fedavg(tmp_path):
     with pytest.raises(UserError, match=r"c.yaml.*model.device must be auto, cpu, cuda"):
         C.load_config(f)
     f.write_text("training:\n  algorithm: fedavg\n  per_unit: ghost\n")
-    with pytest.raises(UserError, match=r"training.per_unit: ghost clips gradients.*FedAvg"):
+    with pytest.raises(UserError, match=r"training.per_unit: ghost takes gradients.*FedAvg"):
         C.load_config(f)
     f.write_text("training:\n  precision: int8\n")
     with pytest.raises(UserError, match=r"training.precision must be one of"):
