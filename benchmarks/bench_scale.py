@@ -255,7 +255,7 @@ def _worker(a) -> dict:
 
 
 def _profile(step, device) -> dict:
-    """One more step under torch.profiler: the top ops by device (else CPU) time, and the host
+    """One more step under torch.profiler: the top ops by self device (else CPU) time, and the host
     syncs and copies it made (CUDA runtime calls named *Synchronize* or *Memcpy*; on a CPU the
     scalar reads that would be syncs on a GPU)."""
     import torch
@@ -268,7 +268,9 @@ def _profile(step, device) -> dict:
             torch.cuda.synchronize()
     events = prof.events()
     names = [e.name for e in events]
-    key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    # self time (what the op itself spent, not its children): inclusive totals count a GEMM once in
+    # aten::mm and again in every backward node and wrapper above it
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     avgs = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
     return {"profile": {
         "top_ops": [{"name": e.key, "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)} for e in avgs[:12]],
