@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -332,12 +333,22 @@ def _token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.
 # Saving
 
 
+#: a Hugging Face folder's tokenizer files (a hub download's layout): released as they are
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
+
+
 def save_model(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
-               adapter: bool = False, quantize: str = "none") -> Path:
+               adapter: bool = False, quantize: str = "none", tokenizer_folder: str | os.PathLike | None = None) -> Path:
     """Save a model ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads (LoRA merged), or,
     with ``adapter=True`` and a LoRA model, the adapter only (peft format). A LoRA model on a
     quantized base (``quantize`` nf4/fp4) is always saved as its adapter, with a
-    ``userdp_quantization.json`` that makes :func:`load_local` rebuild the same model."""
+    ``userdp_quantization.json`` that makes :func:`load_local` rebuild the same model.
+
+    ``tokenizer_folder``: the folder the tokenizer came from (a model's own, ``model.path``): its
+    tokenizer files are copied byte for byte, so the released model keeps its chat template,
+    special tokens and tokenizer class; else ``tokenizer`` is saved as a fast tokenizer."""
     _quiet_transformers()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -353,7 +364,12 @@ def save_model(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
     else:
         plain = merged(model)
         plain.save_pretrained(str(out), safe_serialization=True)
-    if tokenizer is not None:
+    files = [Path(tokenizer_folder) / f for f in TOKENIZER_FILES] if tokenizer_folder else []
+    files = [f for f in files if f.is_file()]
+    if files:
+        for f in files:
+            shutil.copyfile(f, out / f.name)
+    elif tokenizer is not None:
         hf_tokenizer(tokenizer).save_pretrained(str(out))
     return out
 

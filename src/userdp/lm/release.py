@@ -117,7 +117,7 @@ def release(job: JobPlan, model, tok, res, rd: RunDir, prep: Prepared, train_dat
         log(f"audit: {priv['audit']['statement']}")
     write_json(rd.privacy, priv)
     with atomic_dir(rd.model, keep_existing=False) as tmp:  # validate(): quantize needs LoRA
-        models.save_model(model, tmp, tok, quantize=job.lora.quantize)
+        models.save_model(model, tmp, tok, quantize=job.lora.quantize, tokenizer_folder=notes.get("tokenizer_folder"))
         # evaluate, report and personalize verify the released files against it; the model card
         # (README.md) is derived from the verified statement and rewritten by every `userdp report`
         write_manifest(tmp, exclude=(MODEL_CARD,))

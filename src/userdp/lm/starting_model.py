@@ -45,6 +45,8 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
                 "trained on public text only, set tokenizer.declared_public: true")
         tok = load_tokenizer(t.path)
         notes["tokenizer"] = f"tokenizer {t.path} declared public by the configuration"
+        if Path(t.path).is_dir():
+            notes["tokenizer_folder"] = str(t.path)  # released with the model as it is (chat template, specials)
     elif model_dir is not None:
         if not made_by_us and not t.declared_public:
             raise UserError(
@@ -52,6 +54,7 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
                 "set tokenizer.declared_public: true to declare it (a tokenizer trained on the "
                 "private records is refused; see docs/threat_model.md)")
         tok = load_tokenizer(model_dir)
+        notes["tokenizer_folder"] = str(model_dir)  # released with the model as it is (chat template, specials)
         notes["tokenizer"] = (f"tokenizer of {m.path} " + ("(trained by userdp pretrain on declared-"
                               "public text)" if made_by_us else "declared public by the configuration"))
     else:

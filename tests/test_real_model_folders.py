@@ -1,0 +1,93 @@
+"""The real-model path (issue 39): a local folder laid out as a Hugging Face hub download —
+written by transformers' own ``save_pretrained`` (weights, config, tokenizer files with a chat
+template) — of each family a user brings (GPT-2, Qwen2, Llama), fine-tuned with LoRA through
+``userdp train``: the private text is tokenized with the model's own tokenizer, LoRA finds each
+family's attention projections, and the released folder reloads as the same family with the
+base's tokenizer and chat template."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from userdp.cli import main
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _fuzz_cases import _tiny_config  # noqa: E402
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+
+
+def _hub_folder(folder: Path, family: str) -> Path:
+    """A tiny random-weight model of ``family`` and a BPE tokenizer with a chat template, saved
+    by transformers as a hub download lays them out."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        PreTrainedTokenizerFast,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    text = ["the commit fixes the parser and the tests " * 4, "add docs for the cli and the config " * 4] * 20
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<pad>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>")
+    tok.chat_template = TEMPLATE
+    v = len(tok)
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=v, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                             tie_word_embeddings=False))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family,cls,targets", [
+    ("gpt2", "GPT2LMHeadModel", ["c_attn"]),
+    ("qwen2", "Qwen2ForCausalLM", ["q_proj", "v_proj"]),
+    ("llama", "LlamaForCausalLM", ["q_proj", "v_proj"]),
+])
+def test_a_hub_layout_folder_fine_tunes_with_lora_and_releases_its_tokenizer(tmp_path, capsys, family, cls, targets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from userdp.data.tokenize import load_tokenizer, tokenizer_fingerprint
+
+    base = _hub_folder(tmp_path / family, family)
+    assert (base / "config.json").is_file() and (base / "tokenizer_config.json").is_file()
+    cfg = _tiny_config(tmp_path, f"model:\n  path: {base}\n  lora:\n    enabled: true\n    rank: 2\n"
+                                 "tokenizer:\n  declared_public: true\noutput:\n  cache: run\n")
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--output", str(run), "--set", "model.preset=null", "--no-progress"]) == 0, \
+        capsys.readouterr().err
+    priv = json.loads((run / "privacy.json").read_text())
+    assert priv["private"] and 0 < priv["epsilon"]
+    # the private text was tokenized with the model's own tokenizer
+    metas = [json.loads(p.read_text()) for p in (run / "cache" / "tokenized").glob("*/meta.json")]
+    assert metas and {m["tokenizer"] for m in metas} == {tokenizer_fingerprint(load_tokenizer(base))}
+    # LoRA found this family's attention projections; the release reloads as the same family
+    reloaded = AutoModelForCausalLM.from_pretrained(run / "model", local_files_only=True)
+    original = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    assert type(reloaded).__name__ == cls
+    before = dict(original.named_parameters())
+    changed = [n for n, p in reloaded.named_parameters() if not (p.detach() == before[n].detach()).all()]
+    assert changed and all(any(f".{t}." in n for t in targets) for n in changed), changed  # LoRA merged there only
+    released = AutoTokenizer.from_pretrained(run / "model", local_files_only=True)
+    assert released.chat_template == TEMPLATE and released.eos_token == "<|endoftext|>"
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # byte for byte, as the base has them
+        assert (run / "model" / f).read_bytes() == (base / f).read_bytes()
