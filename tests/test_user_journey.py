@@ -47,6 +47,9 @@ def test_the_readme_own_data_commands_run_as_written(tmp_path, monkeypatch, caps
         if argv[0] in ("plan", "train"):
             argv += FAST
         assert cli(argv) == 0, cmd
+        if argv[0] == "plan":  # it says how a run trained without --plan records having seen it
+            out = capsys.readouterr().out
+            assert "WITHOUT --plan" in out and "privacy.disclosed_touches" in out
     capsys.readouterr()
     run = tmp_path / "runs" / "mine"
     # the run directory is complete without `userdp report`, and the plan reached the report
@@ -59,7 +62,10 @@ def test_the_readme_own_data_commands_run_as_written(tmp_path, monkeypatch, caps
     # output.cache: run (written by init): no private data left in the shared cache
     assert cli(["cache", "info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["private_bytes"] == 0
+    assert sum(k["bytes"] for k in info["kinds"].values() if k["private"]) == 0
+    # ... and the run's own cache is listed as private data at rest (issue 39)
+    assert [x["path"] for x in info["local"]] == [str((run / "cache").resolve())]
+    assert info["private_bytes"] == info["local"][0]["bytes"] > 0
     assert (run / "cache" / "stores").is_dir()
 
 

@@ -139,7 +139,17 @@ def _plan(args: argparse.Namespace) -> int:
         cmd = f"userdp train {shlex.quote(args.config) + ' ' if args.config else ''}--plan {shlex.quote(str(save))}{sets}"
         print(f"\n  plan saved to {save}")
         print(f"  to train it (the report then lists the plan's data touches and counts its epsilon):\n    {cmd}")
+        print(SIBLING_NOTE)
     return 0
+
+
+#: what `userdp plan` says of the runs that follow it without --plan (issue 39, sibling runs)
+SIBLING_NOTE = "\n".join((
+    "  note: this plan read the private training data (the DP median of records per user, if any, is a DP",
+    "  release; the L(G) and sigma passes are not private). A run trained WITHOUT --plan after looking at",
+    "  this plan carries no trace of it: train with --plan, or record it in that run's config under",
+    "  privacy.disclosed_touches (e.g. \"userdp plan: looked at the plan of FILE before choosing G and the",
+    "  cohort\"), which the report lists as not accounted (docs/plan.md)."))
 
 
 
