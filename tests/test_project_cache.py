@@ -63,4 +63,5 @@ def test_a_cache_folder_that_is_not_userdps_is_refused(tmp_path, capsys):
         assert main(["train", str(cfg), "--output", str(tmp_path / "run")]) == 2
         err = capsys.readouterr().err
         assert "output.cache" in err and says in err and len(err.strip().splitlines()) == 1
+        assert cfg.name in err  # the config file is named (not the folder in its place)
     assert [p.name for p in mine.iterdir()] == ["chapter1.tex"] and afile.read_text() == "x"

@@ -277,6 +277,17 @@ def owned_dir(path: str | os.PathLike) -> Path:
     return p
 
 
+def unclaimable(path: str | os.PathLike) -> str | None:
+    """Why :func:`owned_dir` would not claim ``path`` as userdp's folder (None: it would): a file,
+    or a folder that holds files without userdp's marker."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        return "exists and is not a folder"
+    if p.is_dir() and not (p / OWNED_MARK).is_file() and any(p.iterdir()):
+        return f"holds files userdp did not make (no {OWNED_MARK})"
+    return None
+
+
 def is_owned(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a real folder (not a link) that carries userdp's marker."""
     p = Path(path)

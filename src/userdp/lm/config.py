@@ -38,7 +38,7 @@ from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.sampling import SAMPLERS
 from userdp.errors import UserError
-from userdp.fileio import OWNED_MARK, read_input
+from userdp.fileio import read_input, unclaimable
 from userdp.lm.presets import PRESETS
 from userdp.validation import close_names
 
@@ -550,14 +550,12 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             "that text is public")
     cache = cfg.output.cache
     if cache not in ("shared", "run"):
-        where = Path(cache).expanduser() if cache.strip() else None
-        if where is None:
+        if not cache.strip():
             bad("output.cache must be shared, run or a folder for the project's private cache, got ''")
-        elif where.exists() and not where.is_dir():
-            bad(f"output.cache: {cache} exists and is not a folder (give shared, run or a folder)")
-        elif where.is_dir() and not (where / OWNED_MARK).is_file() and any(where.iterdir()):
-            bad(f"output.cache: {cache} holds files userdp did not make (no {OWNED_MARK}); give a new or empty "
-                "folder for the project's private cache")
+        why = unclaimable(Path(cache).expanduser())
+        if why:
+            bad(f"output.cache: {cache} {why}; give shared, run, or a new or empty folder for the project's "
+                "private cache")
     a = cfg.audit
     if a.canaries != 0 and a.canaries < 2:
         bad(f"audit.canaries must be 0 (no audit) or at least 2, got {a.canaries}")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from userdp.errors import UserError
-from userdp.fileio import OWNED_MARK, is_owned, owned_dir, write_atomic, write_json
+from userdp.fileio import is_owned, owned_dir, unclaimable, write_atomic, write_json
 from userdp.lm import models
 from userdp.progress import LOOP_LINES
 from userdp.progress import bar as progress_bar
@@ -100,7 +100,7 @@ def private_cache_for(setting: str, run_root: Path | None) -> Path | None:
     ``evaluate``) of one project. The folder is made and marked as userdp's (:func:`owned_dir`).
 
     Raises:
-        UserError: a folder that holds files userdp did not make, or one that cannot be made."""
+        UserError: a file, a folder that holds files userdp did not make, or one that cannot be made."""
     if setting == "shared":
         return None
     if setting == "run":
@@ -109,9 +109,10 @@ def private_cache_for(setting: str, run_root: Path | None) -> Path | None:
         path = run_cache(run_root)
     else:
         path = Path(setting).expanduser()
-        if path.is_dir() and not is_owned(path) and any(path.iterdir()):
-            raise UserError(f"output.cache: {path} holds files userdp did not make (no {OWNED_MARK}); give a new or "
-                            "empty folder for the project's private cache")
+        why = unclaimable(path)
+        if why:
+            raise UserError(f"output.cache: {path} {why}; give shared, run, or a new or empty folder for the "
+                            "project's private cache")
     path = owned_dir(path)
     remember_local_cache(path)
     return path
