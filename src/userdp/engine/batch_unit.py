@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from userdp.engine.clipping import FlatClip
-from userdp.engine.model_lint import lint_model
+from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES, AutoPerUnit
 from userdp.engine.precision import Precision
 from userdp.errors import UserError
@@ -52,10 +52,7 @@ class BatchPerUnit:
         lint_model(model)
         self.model, self.loss_fn, self.algorithm = model, loss_fn, algorithm
         self.precision = precision or Precision()
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        if not self.names:
-            raise UserError("the model has no trainable parameters (requires_grad=True)")
-        self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = trainable_parameters(model)
         self._args = (model, loss_fn, algorithm, precision)
         self._fallback = None  # the per-unit strategy (auto), built the first time a chunk needs it
 

@@ -60,7 +60,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn import functional as F
 
-from userdp.engine.model_lint import lint_model
+from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.errors import UserError
@@ -688,10 +688,7 @@ class GhostPerUnit:
         _register_transformers_layers()
         self.model, self.loss_fn, self.algorithm = model, loss_fn, algorithm
         self.precision = precision or Precision()
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        if not self.names:
-            raise UserError("the model has no trainable parameters (requires_grad=True)")
-        self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = trainable_parameters(model)
         self._index = {id(p): j for j, p in enumerate(self.params)}
         self._layers = [mod for mod in model.modules()
                         if any(p.requires_grad for p in mod.parameters(recurse=False))]

@@ -1,6 +1,7 @@
 """The model linter (Ponomareva et al. 2023, §5.5.1): modules that mix the records of a batch
 break per-unit clipping. Both per-unit strategies (vmap and ghost) run it before training; the LM
-jobs run it up front, before any pretraining or data preparation."""
+jobs run it up front, before any pretraining or data preparation. Also what every per-unit strategy
+reads from a model first: its trainable tensors (:func:`trainable_parameters`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ def lint_model(model: nn.Module) -> None:
                 f"module {name!r} ({type(mod).__name__}) tracks running statistics in training mode; "
                 "set track_running_stats=False or call .eval() on it"
             )
+
+
+def trainable_parameters(model: nn.Module) -> tuple[list[str], list[nn.Parameter]]:
+    """The model's trainable tensors and their names, in ``named_parameters`` order: what every
+    per-unit strategy clips and sums.
+
+    Raises:
+        UserError: the model has none."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise UserError("the model has no trainable parameters (requires_grad=True)")
+    return [n for n, _ in named], [p for _, p in named]
 
 
 def mixing_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

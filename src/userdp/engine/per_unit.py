@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
-from userdp.engine.model_lint import lint_model
+from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.errors import UserError
@@ -85,10 +85,7 @@ class PerUnit:
         self.algorithm = algorithm
         self.precision = precision or Precision()
         self._wrapper = _LossModule(model, loss_fn)
-        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
-        if not self.names:
-            raise UserError("the model has no trainable parameters (requires_grad=True)")
-        self.params = [p for n, p in model.named_parameters() if p.requires_grad]
+        self.names, self.params = trainable_parameters(model)
         self._const = {"model." + n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
         self._const.update({"model." + n: b for n, b in model.named_buffers()})
         self._keys = ["model." + n for n in self.names]
