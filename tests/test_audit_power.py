@@ -3,12 +3,19 @@ on text canaries: a large bound for a non-private run, a bound below 1 for a cor
 epsilon = 1, a build whose noise is off caught. With gradient-space canaries (the default score):
 a correct run at epsilon = 1 stays below 1, and builds with clipping off or a user counted 16
 times are caught while the accountant claims epsilon = 1. Each run is the embedded default (100
-steps) with 400 canary users; training and canaries are seeded so the outcome is fixed. The
-private runs use a cohort of 32 users instead of 64 (half the compute: the suite's time): measured
-with seed 11, their bounds keep their margins (correct runs 0.0 and 0.25 against 1; noise off
-1.90 against 0.997; clipping off 2.51 and a user counted 16 times 2.42 against 2). The non-private
-run keeps 64: at 32 its bound is 1.85, under the 2 asserted (a canary is sampled half as often).
-The margins of unseeded runs are in benchmarks/HISTORY.md."""
+steps) with 400 canary users; training and canaries are seeded so the outcome is fixed.
+
+To fit CI's time, the runs keep 400 of the corpus's users (`data.max_users`: 360 train beside the
+~200 canaries drawn in, N ~ 556) and shrink the cohort with them: a step costs about half of the
+full corpus's. The audit's power is in the canaries and in how often one is drawn (q * T), not in
+the number of real users beside them: the non-private run keeps the full corpus's q (26 / 556 = 64 /
+1366); the private runs use q = 17 / 556 = 0.031 (32 / 1366 = 0.023 before), a canary drawn ~3 times
+in 100 steps, which keeps the margins of the faulty builds. delta is fixed at the full corpus's
+N^-1.1 (1366 users): N^-1.1 of the smaller N would be larger and would cap the largest bound this
+audit can show at 2.93 instead of 3.95. Measured with these settings (seed 11): correct runs 0.0
+(loss) and 0.31 (gradient) against 1; noise off 2.13 against 0.997; clipping off 2.34 and a user
+counted 16 times 2.34 against 2; the non-private run 2.60 against 2. The margins of unseeded runs of
+the full corpus are in benchmarks/HISTORY.md."""
 
 import json
 
@@ -20,9 +27,11 @@ from userdp.lm import config as C
 from userdp.lm.finetune import run
 
 AUDIT = ["audit.canaries=400", "audit.seed=2026", "training.seed=11", "audit.inference_users=0",
-         "eval.before=false", "data.max_eval_users=16"]  # the held-out perplexity is not what these test
+         "eval.before=false", "data.max_eval_users=16",  # the held-out perplexity is not what these test
+         "data.max_users=400", "privacy.delta=3.5563e-4"]  # see the module docstring
 LOSS = ["audit.score=loss"]
-HALF = ["training.cohort_size=32"]  # the private runs (see the module docstring)
+COHORT = ["training.cohort_size=17"]  # the private runs: q = 17 / ~556 users
+NONPRIVATE = ["training.algorithm=nonprivate", "training.cohort_size=26"]  # q = 64 / 1366 on the full corpus
 
 
 def _audit(tmp_path, overrides, fault=None, times=16):
@@ -37,7 +46,7 @@ def _audit(tmp_path, overrides, fault=None, times=16):
 
 @pytest.mark.slow
 def test_a_non_private_run_is_caught_with_a_large_bound(tmp_path):
-    s, priv = _audit(tmp_path, LOSS + ["training.algorithm=nonprivate"])
+    s, priv = _audit(tmp_path, LOSS + NONPRIVATE)
     a = priv["audit"]
     assert s["epsilon"] is None and a["epsilon_upper_bound"] is None
     assert a["epsilon_lower_bound"] >= 2.0, a
@@ -47,7 +56,7 @@ def test_a_non_private_run_is_caught_with_a_large_bound(tmp_path):
 
 @pytest.mark.slow
 def test_a_correct_run_at_epsilon_1_stays_below_1(tmp_path):
-    s, priv = _audit(tmp_path, LOSS + HALF + ["privacy.epsilon=1"])
+    s, priv = _audit(tmp_path, LOSS + COHORT + ["privacy.epsilon=1"])
     a = priv["audit"]
     assert 0.9 < s["epsilon"] <= 1.0
     assert a["epsilon_lower_bound"] < 1.0 and not a["mechanism_caught"]
@@ -56,7 +65,7 @@ def test_a_correct_run_at_epsilon_1_stays_below_1(tmp_path):
 
 @pytest.mark.slow
 def test_a_build_without_noise_is_caught(tmp_path):
-    s, priv = _audit(tmp_path, LOSS + HALF + ["privacy.epsilon=1"], fault="noise_off")
+    s, priv = _audit(tmp_path, LOSS + COHORT + ["privacy.epsilon=1"], fault="noise_off")
     a = priv["audit"]
     assert priv["engine_record"]["broken_build"] == "noise_off"
     assert s["epsilon"] <= 1.0  # the broken build still claims epsilon = 1 ...
@@ -67,7 +76,7 @@ def test_a_build_without_noise_is_caught(tmp_path):
 
 @pytest.mark.slow
 def test_gradient_canaries_keep_a_correct_run_below_its_epsilon(tmp_path):
-    _, priv = _audit(tmp_path, HALF + ["privacy.epsilon=1"])
+    _, priv = _audit(tmp_path, COHORT + ["privacy.epsilon=1"])
     a = priv["audit"]
     assert a["score"].startswith("gradient:")
     assert priv["engine_record"]["per_unit"]["strategy"] == "vmap"
@@ -77,7 +86,7 @@ def test_gradient_canaries_keep_a_correct_run_below_its_epsilon(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["clipping_off", "user_counted_g_times"])
 def test_gradient_canaries_catch_a_wrong_sensitivity(tmp_path, fault):
-    s, priv = _audit(tmp_path, HALF + ["privacy.epsilon=1"], fault=fault, times=16)
+    s, priv = _audit(tmp_path, COHORT + ["privacy.epsilon=1"], fault=fault, times=16)
     a = priv["audit"]
     assert priv["engine_record"]["broken_build"] == fault and s["epsilon"] <= 1.0
     assert a["mechanism_caught"] and a["epsilon_lower_bound"] > 2.0, a
