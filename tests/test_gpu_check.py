@@ -81,8 +81,9 @@ def test_the_preparation_in_docs_names_the_command_and_the_wheels_the_box_lacks(
 @pytest.mark.slow
 def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
     # every part but steps-medium, which is steps-small's code on a larger model (its processes are
-    # ~25 s of start-up on this CPU and prove nothing steps-small does not); --parts is honoured
-    parts = ["env", "chacha", "steps-small", "tests", "lora"]
+    # ~25 s of start-up on this CPU and prove nothing steps-small does not), and tests, whose "ok" row
+    # the failing-and-hanging test above already asserts; --parts is honoured
+    parts = ["env", "chacha", "steps-small", "lora"]
     res = _run(["--device", "cpu", "--quick", "--parts", ",".join(parts)], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     rows = _rows(tmp_path)
@@ -97,4 +98,4 @@ def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
     lora = [r for r in rows if r.get("part") == "lora" and "s_per_step" in r]
     assert {r["model"] for r in lora} == {"tiny", "llama-tiny"}
     assert any(r.get("kernel", "").startswith("eager (cpu") for r in rows if r.get("part") == "chacha")
-    assert "[" in res.stdout and "done: 5/5 parts ok" in res.stdout  # progress printed as it goes
+    assert "[" in res.stdout and "done: 4/4 parts ok" in res.stdout  # progress printed as it goes
