@@ -28,6 +28,7 @@ from userdp.fileio import atomic_dir, write_atomic
 from userdp.launch import JobStopped, World, translate
 from userdp.lm import config as C
 from userdp.lm import models
+from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
 from userdp.lm.plan_auto import planned_config
 from userdp.lm.prepare import Log, build_datasets, prepare_data, stderr_log
@@ -112,7 +113,8 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         log, progress = (lambda msg: None), False
     try:
         with bars_shown(progress):  # every phase's bar, as the training bar, follows --no-progress
-            return _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit)
+            ctx = JobContext(world=world, log=log, progress=progress, plan_file=plan_file, resume_dir=resume_dir)
+            return _run_top(cfg, output, audit, ctx)
     except (Exception, JobStopped) as exc:
         lost = exc if isinstance(exc, JobStopped) else translate(exc) if world.distributed else None
         if lost is None:
@@ -122,7 +124,8 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         raise lost from None
 
 
-def _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit_hooks) -> Optional[dict]:
+def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: JobContext) -> Optional[dict]:
+    world, log, resume_dir = ctx.world, ctx.log, ctx.resume_dir
     check_available(cfg.output.tensorboard)  # before anything is read or made
     if world.distributed and cfg.audit.canaries:
         raise UserError("audit.canaries: the empirical audit runs in one process only (its canaries and "
@@ -135,13 +138,14 @@ def _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit_hoo
             if world.is_main:
                 _keep_performance_changes(rd, cfg, log)
         engine_resume = world.broadcast_object(checked)
-        audit = _audit_session(audit_hooks, cfg, rd, True, log, steps_begun=engine_resume)
-        return _run(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
+        ctx.rd, ctx.engine_resume = rd, engine_resume
+        ctx.audit = _audit_session(audit_hooks, cfg, rd, True, log, steps_begun=engine_resume)
+        return _run(cfg, ctx)
     if not world.is_main:  # rank 0 makes the run directory; the others use it
         with world.main_first("creating the run directory"):
             pass
-        return _run(cfg, existing_run_dir(world.broadcast_object(None)), None, False, progress, log, plan_file,
-                    None, world)
+        ctx.rd = existing_run_dir(world.broadcast_object(None))
+        return _run(cfg, ctx)
     target = Path(output or cfg.output.dir) if (output or cfg.output.dir) else None
     existed = target is not None and target.is_dir()
     rd = audit = None
@@ -152,7 +156,8 @@ def _run_top(cfg, output, resume_dir, progress, log, plan_file, world, audit_hoo
             write_atomic(rd.config, C.dump_yaml(cfg))
             rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         world.broadcast_object(str(rd.root.resolve()))
-        return _run(cfg, rd, None, False, progress, log, plan_file, audit, world)
+        ctx.rd, ctx.audit = rd, audit
+        return _run(cfg, ctx)
     except BaseException:
         if rd is not None and not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
 
@@ -175,22 +180,20 @@ def _audit_session(hooks: Optional[Callable], cfg: C.RunConfig, rd: RunDir, resu
     return hooks(cfg.audit, rd.root, resume=resume, log=log, steps_begun=steps_begun)
 
 
-def _run(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
-         plan_file: Optional[str], audit, world) -> Optional[dict]:
+def _run(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     # output.cache: run keeps every cached copy of this run's data in the run directory; a folder is
     # the project's, shared with its other runs, plans and evaluations
-    where = private_cache_for(cfg.output.cache, rd.root)
+    where = private_cache_for(cfg.output.cache, ctx.rd.root)
     if where is not None:
         with cache_in(where):
-            return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
-    return _run_job(cfg, rd, resume_dir, engine_resume, progress, log, plan_file, audit, world)
+            return _run_job(cfg, ctx)
+    return _run_job(cfg, ctx)
 
 
-def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, progress: bool, log: Log,
-             plan_file: Optional[str], audit, world) -> Optional[dict]:
+def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     """The phases, in order (see the module docstring)."""
-    t_start = time.time()
-    main = world.is_main
+    rd, world, log = ctx.rd, ctx.world, ctx.log
+    ctx.t_start = time.time()
     world.run_dir = str(rd.root)
     log(f"run directory: {rd.root}")
     if world.distributed:
@@ -203,14 +206,15 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
     check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
     # 2. the tokenizer and the starting model
     with world.main_first("building the tokenizer and the model"):
-        tok, model, notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, progress)
-    model, device, combiner = place_model(cfg.model, model, world, notes, log)
+        tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress)
+    model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log)
     with world.main_first("tokenizing the data"):
         train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
-                                               selection=cfg.training.selection, log=log, model=model, notes=notes)
+                                               selection=cfg.training.selection, log=log, model=model,
+                                               notes=ctx.notes)
     # 3. the plan: its choices, the audit's canaries (before any step), the chunk size, the run plan
-    cfg, plan = planned_config(cfg, rd, prep, train_data, model, plan_file=plan_file, resume_dir=resume_dir,
-                               world=world, log=log)
+    cfg, plan = planned_config(cfg, ctx, prep, train_data, model)
+    audit = ctx.audit
     if audit is not None:  # canary users join the training data (docs/audit.md)
         train_data = audit.attach(train_data, eval_data, tok, model, group_size=cfg.training.group_size,
                                   seq_len=cfg.tokenizer.seq_len, clip_norm=cfg.training.clip_norm)
@@ -221,16 +225,15 @@ def _run_job(cfg, rd: RunDir, resume_dir: Optional[str], engine_resume: bool, pr
     with world.main_first("choosing the chunk size"):  # rank 0's choice, saved, is every rank's
         cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
     if chunk_info:
-        notes["chunk_size"] = chunk_info
+        ctx.notes["chunk_size"] = chunk_info
     # the job plan: the sections the later phases read and the one run plan (budget checked)
     job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan)
-    if main:
+    data = JobData(prep=prep, tok=tok, train=train_data, eval=eval_data)
+    if ctx.main:
         with atomic_dir(rd.tokenizer, keep_existing=False) as tmp:
             models.hf_tokenizer(tok).save_pretrained(str(tmp))
     # 4. train (the held-out users scored first)
-    ev_state = evaluate_before(job.eval, model, eval_data, rd, combiner, main, log)
-    res = train_model(job, model, train_data, rd, prep, audit=audit, combiner=combiner, world=world,
-                      engine_resume=engine_resume, progress=progress, log=log, t_start=t_start, notes=notes)
+    ev_state = evaluate_before(job.eval, model, data, ctx)
+    res = train_model(job, model, data, ctx)
     # 5. evaluate, save, report (rank 0 writes)
-    return release(job, model, tok, res, rd, prep, train_data, eval_data, ev_state, notes, audit, combiner,
-                   main, log, t_start)
+    return release(job, model, data, res, ev_state, ctx)

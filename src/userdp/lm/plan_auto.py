@@ -13,10 +13,10 @@ from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C
 from userdp.lm import models
+from userdp.lm.job_context import JobContext
 from userdp.lm.job_plan import check_budget, num_units
 from userdp.lm.plan_file import dp_median_event, plan_choices, read_plan
 from userdp.lm.prepare import Log, stderr_log
-from userdp.lm.run_dir import RunDir
 
 
 def plan_touches(plan: dict) -> list[str]:
@@ -105,8 +105,7 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = stderr_log,
     return resolved, out
 
 
-def planned_config(cfg: C.RunConfig, rd: RunDir, prep, train_data, model, *, plan_file, resume_dir, world,
-                   log: Log = stderr_log):
+def planned_config(cfg: C.RunConfig, ctx: JobContext, prep, train_data, model):
     """(config, plan record or None): the config with a plan's choices applied — a plan file given
     by ``--plan``, the plan a resumed run saved, or ``plan: auto`` planned now (once, on rank 0:
     its DP median is spent once) — and the plan saved in the run directory with the config.
@@ -114,6 +113,7 @@ def planned_config(cfg: C.RunConfig, rd: RunDir, prep, train_data, model, *, pla
     Raises:
         UserError: ``--plan`` with ``plan: auto``, a plan made on other data, a resumed ``plan:
             auto`` run without its plan.json, or a budget a fixed sigma cannot meet."""
+    rd, world, log, plan_file, resume_dir = ctx.rd, ctx.world, ctx.log, ctx.plan_file, ctx.resume_dir
     main = world.is_main
     saved_path = rd.root / "plan.json"
     if plan_file is not None:

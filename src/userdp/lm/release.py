@@ -12,11 +12,11 @@ from userdp.fileio import atomic_dir, write_json, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.evaluate import evaluate_lm, personalize
+from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import JobPlan
 from userdp.lm.plan_auto import plan_touches
-from userdp.lm.prepare import Log, Prepared
 from userdp.lm.report import MODEL_CARD, privacy_record, write_report
-from userdp.lm.run_dir import RunDir, plot_curves, read_json
+from userdp.lm.run_dir import plot_curves, read_json
 from userdp.lm.tensorboard_log import Scalars
 
 
@@ -77,29 +77,31 @@ def audit_disclosures(section: dict) -> list[str]:
     return out
 
 
-def evaluate_before(ev: C.EvalConfig, model, eval_data, rd: RunDir, combiner, main: bool, log: Log) -> dict:
+def evaluate_before(ev: C.EvalConfig, model, data: JobData, ctx: JobContext) -> dict:
     """The held-out evaluation state (eval.json), with the starting model's figures when asked
     (the config's ``eval`` section) and not already there (a resumed run keeps its first ones);
     each rank scores a share."""
+    rd, log, eval_data = ctx.rd, ctx.log, data.eval
     ev_state = read_json(rd.eval) if rd.eval.is_file() else {}
     if ev.before and "before" not in ev_state:
         log("evaluating the starting model on held-out users ...")
-        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=ev.batch_size, combiner=combiner)
-        if main:
+        ev_state["before"] = evaluate_lm(model, eval_data, batch_size=ev.batch_size, combiner=ctx.combiner)
+        if ctx.main:
             write_json(rd.eval, ev_state)
         log(f"  before: loss {ev_state['before']['loss']:.4f}, perplexity {ev_state['before']['perplexity']:.2f}")
     model.train()
     return ev_state
 
 
-def release(job: JobPlan, model, tok, res, rd: RunDir, prep: Prepared, train_data, eval_data, ev_state: dict,
-            notes: dict, audit, combiner, main: bool, log: Log, t_start: float):
+def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobContext):
     """Evaluate the trained model, then (rank 0) write privacy.json, the model, the curves, the
     state's summary and the report; returns the summary (None on the other ranks)."""
     ev, plan = job.eval, job.plan
+    rd, log, notes, audit, t_start = ctx.rd, ctx.log, ctx.notes, ctx.audit, ctx.t_start
+    prep, tok, train_data, eval_data = data.prep, data.tok, data.train, data.eval
     model.eval()
-    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=ev.batch_size, combiner=combiner)
-    if not main:
+    ev_state["after"] = evaluate_lm(model, eval_data, batch_size=ev.batch_size, combiner=ctx.combiner)
+    if not ctx.main:
         return None
     if ev.personalize:
         log("personalization evaluation (docs/lm.md) ...")

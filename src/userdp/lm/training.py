@@ -15,6 +15,7 @@ from userdp.engine.data import DelegatingUserData
 from userdp.engine.loop import TrainingInterrupted, train
 from userdp.fileio import strict_dumps, write_atomic, write_json
 from userdp.lm import models
+from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import JobPlan
 from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.prepare import Log, Prepared
@@ -61,15 +62,15 @@ def journal_context(rd: RunDir, prep: Prepared) -> dict:
             "data_fingerprint": prep.data_fingerprint}
 
 
-def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, audit, combiner,
-                world, engine_resume: bool, progress: bool, log: Log, t_start: float, notes: dict):
+def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     """Train ``model`` by the engine under the job's run plan (``job.engine``); returns the
     engine's result.
 
     Raises:
         KeyboardInterrupt: after Ctrl-C, once the step in flight is saved (with a privacy
             statement of the steps spent written to the run directory)."""
-    main = world.is_main
+    rd, world, log, audit, notes, prep = ctx.rd, ctx.world, ctx.log, ctx.audit, ctx.notes, data.prep
+    main, engine_resume, progress, train_data = ctx.main, ctx.engine_resume, ctx.progress, data.train
     plan = job.engine  # the frozen run plan the engine trains by
     private = plan.private
     steps = plan.config.steps
@@ -131,7 +132,7 @@ def train_model(job: JobPlan, model, train_data, rd: RunDir, prep: Prepared, *, 
         return train(model, data, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
                      resume=engine_resume, callbacks=callbacks, journal_context=context,
                      checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
-                     combiner=combiner)
+                     combiner=ctx.combiner)
     except KeyboardInterrupt as exc:
         if main:
             rd.write_state(status="interrupted")

@@ -1,0 +1,47 @@
+"""What the phases of one ``userdp train`` job share, as two objects instead of loose arguments:
+:class:`JobContext` (where the job writes, which process this is, how it talks, what the phases
+note for the report) and :class:`JobData` (the data phase's results). The plan the phases train
+by is the :class:`~userdp.lm.job_plan.JobPlan`; these hold everything else."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Optional
+
+from userdp.lm.prepare import Log, Prepared
+from userdp.lm.run_dir import RunDir
+
+
+@dataclasses.dataclass
+class JobContext:
+    """One job's surroundings. ``rd`` and ``audit`` are set when the run directory is made (or
+    found, on resume); ``combiner`` when the model is placed on its device; ``notes`` gather what
+    the phases tell the report (the tokenizer folder, the chunk size's choice, ...)."""
+
+    world: Any                          # userdp.launch.World: this process among the job's
+    log: Log
+    progress: bool
+    plan_file: Optional[str] = None     # --plan
+    resume_dir: Optional[str] = None    # --resume
+    rd: Optional[RunDir] = None
+    audit: Any = None                   # the audit session (None: no canaries)
+    engine_resume: bool = False         # the engine has a checkpoint to continue from
+    combiner: Any = None                # sums across processes (None: one process)
+    notes: dict = dataclasses.field(default_factory=dict)
+    t_start: float = dataclasses.field(default_factory=time.time)
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes (rank 0, or the only one)."""
+        return self.world.is_main
+
+
+@dataclasses.dataclass(frozen=True)
+class JobData:
+    """The data phase's results: the split and its counts, the tokenizer, the tokenized views."""
+
+    prep: Prepared
+    tok: Any
+    train: Any
+    eval: Any
