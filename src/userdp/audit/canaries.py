@@ -27,6 +27,7 @@ from userdp.engine.data import (
     uniform_subsets,
 )
 from userdp.errors import UserError
+from userdp.lm.tokenization import as_tokenizers
 
 IGNORE_INDEX = -100
 
@@ -38,8 +39,6 @@ def new_seed() -> int:
 
 def ordinary_token_ids(tok) -> np.ndarray:
     """The tokenizer's ids that are not special (added) tokens: what a secret is drawn from."""
-    from userdp.lm.tokenization import as_tokenizers
-
     t = as_tokenizers(tok)
     n = int(t.get_vocab_size(with_added_tokens=True))
     special = {int(i) for i in t.get_added_tokens_decoder()}

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
+from userdp.engine import clipping, loop, noise
 from userdp.errors import UserError
 
 FAULTS = ("noise_off", "clipping_off", "user_counted_g_times")
@@ -35,8 +36,6 @@ def broken_build(fault: str, times: int = 8):
     Raises:
         UserError: an unknown fault.
     """
-    from userdp.engine import clipping, loop, noise
-
     if fault not in FAULTS:
         raise UserError(f"unknown fault {fault!r} (one of {', '.join(FAULTS)})")
     saved = []

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from userdp.lm import models
+from userdp.lm.evaluate import record_nll
 
 
 @torch.no_grad()
@@ -45,8 +46,6 @@ def user_losses(model, data, users: np.ndarray, max_records: int, batch_size: in
     """Token-weighted mean NLL of each user's records under ``model`` (up to ``max_records`` of
     each, drawn once with ``rng`` unless ``records`` gives them). Returns ``(losses, records)`` so
     the same records can be scored under a second model."""
-    from userdp.lm.evaluate import record_nll
-
     was_training = model.training
     sizes = data.sizes()
     if records is None:

@@ -39,6 +39,7 @@ from userdp.audit.canaries import (
 )
 from userdp.errors import UserError
 from userdp.fileio import read_input, write_json
+from userdp.lm.run_dir import existing_run_dir, read_json
 
 DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023): {k} synthetic canary users, each holding "
           "{r} copies of its own random {s}-token secret, were each included in the training data "
@@ -346,8 +347,6 @@ def combine_runs(run_dirs: list[str], confidence: float | None = None) -> dict:
     Raises:
         UserError: fewer than 2 runs, a run that was not audited, or a missing secrets file.
     """
-    from userdp.lm.run_dir import existing_run_dir, read_json
-
     if len(run_dirs) < 2:
         raise UserError("--combine: give at least 2 audited run directories")
     scores, included, deltas, epsilons, seeds = [], [], [], [], set()

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from userdp.data.records import DropReport, RecordBatch
+from userdp.data.shakespeare import ShakespeareSource
+from userdp.data.stackexchange import StackExchangeSource
 from userdp.errors import UserError
 from userdp.fileio import note_input
 
@@ -117,8 +119,6 @@ def open_source(
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if fmt == "shakespeare":
-        from userdp.data.shakespeare import ShakespeareSource
-
         return ShakespeareSource(public_plays=public_plays)
     path = Path(source)
     if not path.exists():
@@ -127,8 +127,6 @@ def open_source(
     if fmt in ("jsonl", "csv") and path.is_dir():
         raise UserError(f"{source}: a folder, not a {fmt.upper()} file")
     if fmt == "stackexchange":
-        from userdp.data.stackexchange import StackExchangeSource
-
         return StackExchangeSource(path, sites=sites)
     fields = dict(user_field=user_field, text_field=text_field, date_field=date_field)
     if fmt == "jsonl":

@@ -32,6 +32,7 @@ import numpy as np
 from userdp import progress
 from userdp.data.store import PrivateTexts, UserStore
 from userdp.data.subset import UserSubset
+from userdp.data.subset import UserSubset as _Subset
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
 
@@ -99,8 +100,6 @@ class PublicText:
     """Text the caller declares public (not any user's private data), e.g. held-out plays."""
 
     def __init__(self, texts: Iterable[str], *, description: str):
-        from userdp.data.subset import UserSubset as _Subset
-
         if isinstance(texts, (PrivateTexts, UserStore, _Subset, TokenizedStore)):
             raise UserError(
                 "refusing to treat records of the private store as public text: a tokenizer trained "

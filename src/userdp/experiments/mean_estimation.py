@@ -23,7 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from userdp import accounting
+from userdp.engine import ELS, SGD, ULS, FlatClip, TrainConfig, train
+from userdp.engine.data import TensorUserData
 from userdp.errors import UserError
+from userdp.planning import els_group_size, els_noise_multiplier, uls_noise_multiplier
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,6 @@ class SyntheticUsers:
     def user_data(self, group_size: int | None = None, rng: np.random.Generator | None = None):
         """A TensorUserData; with ``group_size`` each user keeps a random subset of at most G
         records (ELS's contribution bounding, Charles et al. 2024, Alg. 1 step 1)."""
-        from userdp.engine.data import TensorUserData
-
         if group_size is None:
             recs, offs = self.records, self.offsets
         else:
@@ -174,15 +176,11 @@ class Row:
 # ------------------------------------------------------------------------------- running
 
 def _median_group_size(sizes: np.ndarray) -> int:
-    from userdp.planning import els_group_size
-
     return els_group_size(sizes).group_size
 
 
 def _noise_multiplier(algorithm: str, group_size: int, rate: float, config: MeanEstimationConfig,
                       delta: float, cache: dict) -> float:
-    from userdp.planning import els_noise_multiplier, uls_noise_multiplier
-
     key = (algorithm, group_size, round(rate, 15), config.steps, config.epsilon, delta, config.accountant)
     if key not in cache:
         if algorithm == "ELS":
@@ -196,8 +194,6 @@ def _noise_multiplier(algorithm: str, group_size: int, rate: float, config: Mean
 def train_once(data: SyntheticUsers, algorithm, config: MeanEstimationConfig, *, noise_multiplier: float,
                learning_rate: float, clip_norm: float, seed: int, user_data=None) -> tuple[float, float]:
     """One run through ``userdp.engine.train``; returns (||theta_T - mu||^2, epsilon recorded)."""
-    from userdp.engine import SGD, FlatClip, TrainConfig, train
-
     model = MeanModel(config.dimension)
     ud = user_data if user_data is not None else data.user_data()
     delta = config.delta if config.delta is not None else float(config.num_users) ** -1.1
@@ -226,9 +222,6 @@ def run_setting(config: MeanEstimationConfig, *, sweep: str = "base", noise_mult
     """ELS at G_ELS and ULS at each G_ULS for one setting; best (lr, clip) by mean loss over trials.
 
     ``noise_multiplier`` overrides calibration (0 = non-private, for checks)."""
-    from userdp import accounting
-    from userdp.engine import ELS, ULS
-
     config.validate()
     cache = {} if cache is None else cache
     delta = config.delta if config.delta is not None else accounting.default_delta(config.num_users)[0]

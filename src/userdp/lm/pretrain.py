@@ -24,6 +24,7 @@ import torch
 from userdp.errors import UserError
 from userdp.fileio import is_owned, owned_dir, unclaimable, write_atomic, write_json
 from userdp.lm import models
+from userdp.lm.tokenization import encode_texts, special_ids
 from userdp.progress import LOOP_LINES
 from userdp.progress import bar as progress_bar
 
@@ -240,8 +241,6 @@ def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq
                    state_path: Path | None = None, say=None, log=None, every: int = 50):
     """Build (preset) or load (``base_model``) a causal LM and train it on public ``texts``
     (on ``device``, default the CPU; the model is returned on the CPU)."""
-    from userdp.lm.tokenization import encode_texts, special_ids
-
     ids = encode_texts(tokenizer, texts)
     sp = special_ids(tokenizer)
     blocks = pack(ids, seq_len, sp.get("eos"))

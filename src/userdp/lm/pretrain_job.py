@@ -6,6 +6,9 @@ import os
 import time
 from pathlib import Path
 
+from userdp.data.shakespeare import public_text
+from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
+from userdp.devices import resolve_device
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
 from userdp.lm.prepare import cached_store, file_signature, read_public_file, stackexchange_source
@@ -27,15 +30,12 @@ def public_texts(args) -> tuple[list[str], str]:
         store = cached_store(src, key, lambda m: None)
         texts = [t for _, b in store.iter_text_batches() for t in b if t]
         return texts, f"Stack Exchange sites {', '.join(s.name for s in src.sites)} declared public"
-    from userdp.data.shakespeare import public_text
 
     plays = [p for p in (args.plays or "hamlet,macbeth,the-tempest,twelfth-night").split(",") if p]
     return public_text(plays), f"the whole plays {', '.join(plays)}"
 
 
 def pretrain_job(args) -> dict:
-    from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
-
     out = Path(args.output)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--output {out}: exists and is not an empty folder")
@@ -46,7 +46,6 @@ def pretrain_job(args) -> dict:
         probe.rmdir()
     except OSError as exc:
         raise UserError(f"--output {out}: cannot write there ({exc.strerror or exc})") from None
-    from userdp.devices import resolve_device
 
     device = resolve_device(getattr(args, "device", "auto"), name="--device")
     texts, desc = public_texts(args)

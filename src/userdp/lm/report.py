@@ -18,6 +18,7 @@ import numpy as np
 import yaml
 
 from userdp import accounting as A
+from userdp.accounting import event_to_dict
 from userdp.accounting import private_selection as TG
 from userdp.accounting.rdp import step_rdp
 from userdp.engine.algorithms import ALGORITHMS
@@ -63,7 +64,6 @@ def event_to_json(event: Any) -> Any:
     """A DpEvent as JSON (dp_accounting's named-tuple form, via userdp.accounting); dicts pass."""
     if event is None or isinstance(event, dict):
         return event
-    from userdp.accounting import event_to_dict
 
     return event_to_dict(event)
 

@@ -37,6 +37,7 @@ from userdp.lm.finetune import run
 from userdp.lm.job_plan import check_cohort, num_units, run_plan
 from userdp.lm.prepare import prepare_data
 from userdp.lm.pretrain import shared_run_cache
+from userdp.lm.report import epsilon_tier, write_report
 from userdp.lm.run_dir import RunDir, read_json
 from userdp.tuning import accounting as TA
 from userdp.tuning.space import Space, mechanism_key, validate_space
@@ -305,8 +306,6 @@ def _guarantee(state: dict, best: dict) -> dict:
 
 def _annotate_best(summary: dict, best: dict) -> None:
     """The winning run's privacy.json and report gain both guarantees."""
-    from userdp.lm.report import epsilon_tier, write_report
-
     p = Path(best["run_dir"]) / "privacy.json"
     rec = read_json(p)
     if summary["on"] == "private":
