@@ -4,6 +4,9 @@
                                                     # calibration (~100 s or more)
     python benchmarks/bench_accounting.py --quick   # skips that baseline
 
+Also: the ledger's per-step epsilon (the default ULS step, 1e-3 grid, steps 1..100) by
+userdp's self-composition against dp_accounting's, in the same process.
+
 Task (issue 2 item 4): σ for ELS with G = 64, q = 0.01, T = 10,000, ε = 3, δ = 1e-6, from a
 cold cache (after imports). Target: < 2 s, σ within 1% above the σ a fine PLD
 (value_discretization_interval = 1e-4) gives, and never below it.
@@ -43,11 +46,34 @@ def fine_epsilon(sigma: float) -> float:
     return acc.get_epsilon(DELTA)
 
 
+def ledger_curve(steps: int = 100) -> None:
+    """epsilon after 1..steps steps as the ledger computes it each step (the default job's ULS
+    step: sigma 1.043, q 0.0234, delta 3.6e-4, 1e-3 grid): userdp's pld.self_compose against
+    dp_accounting's own self_compose of the same cached one-step PLD."""
+    from dp_accounting.pld import privacy_loss_distribution as PLD
+
+    from userdp.accounting import pld as P
+
+    base = P.gaussian_pld(1.043, 0.0234, 1e-3)
+    out = {}
+    for name, compose in (("dp_accounting", lambda t: base.self_compose(t)),
+                          ("userdp", lambda t: P.self_compose(base, t))):
+        t0 = time.perf_counter()
+        eps = [PLD.identity(value_discretization_interval=1e-3).compose(compose(t)).get_epsilon_for_delta(3.6e-4)
+               for t in range(1, steps + 1)]
+        out[name] = (time.perf_counter() - t0, eps)
+    (t_ref, e_ref), (t_us, e_us) = out["dp_accounting"], out["userdp"]
+    assert e_ref == e_us, "the two compositions must give the same epsilons"
+    print(f"ledger per-step epsilon, {steps} steps: userdp {1e3 * t_us / steps:.1f} ms a step, dp_accounting "
+          f"{1e3 * t_ref / steps:.1f} ms ({t_ref / t_us:.1f}x); identical epsilons (last {e_us[-1]:.4f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="skip dp_accounting's default calibration")
     ap.add_argument("--repeats", type=int, default=3, help="cold-cache timings to take")
     args = ap.parse_args()
+    ledger_curve()
 
     times = []
     for _ in range(args.repeats):  # cold cache each time; the machine may be shared
