@@ -43,14 +43,44 @@ def _rows():
 
 
 def _calls(text: str):
-    """(name, [parameter names] or None when elided) of each backticked `name(params)` in text."""
+    """(name, [parameter names], the doc's return or None) of each backticked `name(params) -> R`
+    in text (R: a type name, or a parenthesized tuple of names)."""
     for code in re.findall(r"`([^`]+)`", text):
-        for m in re.finditer(r"([A-Za-z_][\w.]*)\(([^()]*)\)", code):
+        for m in re.finditer(r"([A-Za-z_][\w.]*)\(([^()]*)\)(?:\s*->\s*(\([^()]*\)|[\w.]+))?", code):
             name = m.group(1).split(".")[-1]
             inner = re.sub(r"\s*\[[^\]]*\]", "", m.group(2))  # shapes such as [m, L]
             params = [re.sub(r"\s*=.*", "", p).strip() for p in inner.split(",")]
             params = [p for p in params if p and p != "*"]
-            yield name, params
+            yield name, params, m.group(3)
+
+
+def _top_level_args(text: str) -> int:
+    depth, n = 0, 1
+    for ch in text:
+        depth += ch in "[("
+        depth -= ch in "])"
+        n += ch == "," and depth == 0
+    return n
+
+
+def _return_mismatch(doc: str | None, annotation) -> str | None:
+    """Why the doc's return disagrees with the code's annotation (None: it agrees, or either is
+    absent). A name must be the annotation's (or its last dotted part, or its generic origin);
+    a parenthesized tuple must be a ``tuple[...]`` of as many items."""
+    if doc is None or annotation is inspect.Signature.empty:
+        return None
+    ann = str(annotation).strip("'\"").replace("typing.", "")
+    if doc.startswith("("):
+        items = re.sub(r"\s*\[[^\]]*\]", "", doc[1:-1])  # shapes such as [m, L]
+        if not ann.startswith("tuple["):
+            return f"the doc returns a tuple {doc}, the code {ann}"
+        if _top_level_args(ann[len("tuple["):-1]) != len([x for x in items.split(",") if x.strip()]):
+            return f"the doc returns {doc}, the code {ann}"
+        return None
+    base = re.split(r"[\[|]", ann, maxsplit=1)[0].strip()
+    if doc not in (ann, base, base.rsplit(".", 1)[-1]):
+        return f"the doc returns {doc}, the code {ann}"
+    return None
 
 
 def test_every_seam_of_the_contract_table_is_checked():
@@ -62,7 +92,7 @@ def test_the_contract_names_the_codes_members_and_parameters(seam):
     contract = _rows()[seam][0]
     objs = [_obj(r) for r in SEAMS[seam]]
     checked = 0
-    for name, params in _calls(contract):
+    for name, params, returns in _calls(contract):
         owners = [o for o in objs if hasattr(o, name)]
         assert owners, f"{seam}: the contract names {name}() but none of {SEAMS[seam]} has it"
         for owner in owners:
@@ -75,6 +105,8 @@ def test_the_contract_names_the_codes_members_and_parameters(seam):
                 rest = [sig.parameters[p] for p in real[len(given):]]
                 assert all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
                            for p in rest), f"{seam}: {owner.__name__}.{name}{sig}: the doc omits a required parameter"
+            why = _return_mismatch(returns, sig.return_annotation)
+            assert why is None, f"{seam}: {owner.__name__}.{name}: {why}"
             checked += 1
     assert checked >= 1
 
@@ -195,3 +227,12 @@ def test_a_command_shown_runs_or_parses(where, cmd, tmp_path, monkeypatch, capsy
         elif made:  # files an earlier command of the recipe writes: tests/test_user_journey.py runs it
             pytest.skip(f"{made} are written by the README recipe's earlier commands (test_user_journey)")
         assert main(argv + ["--print-config"]) == 0, f"{where}: `{cmd}`: {capsys.readouterr().err[-800:]}"
+
+
+def test_the_return_check_catches_a_wrong_name_and_a_wrong_tuple():
+    assert _return_mismatch("list", "None")  # the drift the table once had (add_noise)
+    assert _return_mismatch("(a, b)", "tuple[torch.Tensor, torch.Tensor, int]")
+    assert _return_mismatch("(a, b)", "list[int]")
+    assert _return_mismatch("(factors [m, L], flat norms [m])", "tuple[torch.Tensor, torch.Tensor]") is None
+    assert _return_mismatch("RunPlan", "'RunPlan'") is None and _return_mismatch("UnitTable", "userdp.UnitTable") is None
+    assert _return_mismatch("list", inspect.Signature.empty) is None  # unannotated: nothing to compare
