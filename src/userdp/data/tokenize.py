@@ -32,7 +32,6 @@ import numpy as np
 from userdp import progress
 from userdp.data.store import PrivateTexts, UserStore
 from userdp.data.subset import UserSubset
-from userdp.data.subset import UserSubset as _Subset
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
 
@@ -100,7 +99,7 @@ class PublicText:
     """Text the caller declares public (not any user's private data), e.g. held-out plays."""
 
     def __init__(self, texts: Iterable[str], *, description: str):
-        if isinstance(texts, (PrivateTexts, UserStore, _Subset, TokenizedStore)):
+        if isinstance(texts, (PrivateTexts, UserStore, UserSubset, TokenizedStore)):
             raise UserError(
                 "refusing to treat records of the private store as public text: a tokenizer trained "
                 "on them leaks them outside the DP guarantee (train on public text, e.g. held-out plays)"

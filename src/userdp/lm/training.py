@@ -75,7 +75,7 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     private = plan.private
     steps = plan.config.steps
     counter = _TokenCounter(train_data)
-    data = counter.wrap()
+    counted = counter.wrap()
     start_step = 0
     if engine_resume:
         start_step = ckpt.step_of(str(rd.checkpoints))
@@ -129,7 +129,7 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     try:
         loss_fn = audit.loss(models.causal_lm_loss) if audit is not None else models.causal_lm_loss
         callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
-        return train(model, data, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
+        return train(model, counted, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
                      resume=engine_resume, callbacks=callbacks, journal_context=context,
                      checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
                      combiner=ctx.combiner)
