@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from userdp.engine import noise
 from userdp.engine.memory import MODEL_MARGIN, STACK_TRANSIENT_BYTES, auto_chunk_size, fixed_bytes, unit_bytes
 from userdp.errors import UserError
 from userdp.lm import models
@@ -19,7 +20,8 @@ def gpt2():
     return models.build_preset("small", vocab_size=1000, n_positions=128)
 
 
-def test_the_chunk_is_the_largest_power_of_two_that_fits(gpt2):
+def test_the_chunk_is_the_largest_power_of_two_that_fits(gpt2, monkeypatch):
+    monkeypatch.setattr(noise, "PREFETCH", "off")  # the noise drawn ahead: its own test below
     per = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=False)
     fixed = fixed_bytes(gpt2)
     for want in (1, 4, 32):
@@ -63,6 +65,22 @@ def test_vmap_counts_a_gradient_copy_and_ghost_the_output_gradients_of_trainable
     low = (unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=True)
            - unit_bytes(frozen, 4, 64, strategy="ghost", low_precision=True))
     assert low == t * 2 * 11 * d
+
+
+def test_the_noise_drawn_ahead_on_a_cpu_is_counted(gpt2, monkeypatch):
+    """A host noise source draws a step's noise while its sums are computed (a model-sized buffer
+    of float32 normals): the fixed estimate counts it where it is drawn ahead, and only there."""
+    n = sum(p.numel() for p in gpt2.parameters() if p.requires_grad)
+    assert fixed_bytes(gpt2, noise_ahead=True) - fixed_bytes(gpt2) == 4 * n
+    fixed = {}
+    for mode in ("on", "off"):
+        monkeypatch.setattr(noise, "PREFETCH", mode)
+        fixed[mode] = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
+                                      memory_cap_bytes=1 << 36)[1]["fixed_bytes"]
+    assert fixed["on"] - fixed["off"] == 4 * n
+    # CUDA's source (ChaCha on the device) adds its noise as it draws it: nothing is drawn ahead
+    assert auto_chunk_size(gpt2, 4, 64, device=torch.device("cuda"), strategy="ghost", low_precision=False,
+                           memory_cap_bytes=1 << 36)[1]["fixed_bytes"] == fixed_bytes(gpt2)
 
 
 def test_a_cap_that_cannot_hold_one_unit_is_refused_with_both_figures(gpt2):

@@ -76,3 +76,108 @@ def test_the_mechanism_adds_nothing_without_a_source_or_noise():
     assert torch.equal(sums[0], torch.ones(5))
     noise_mod.IIDGaussian(noise_mod.GaussianNoise(1, seeded=True)).add_noise(sums, 3.0)
     assert not torch.equal(sums[0], torch.ones(5))
+
+
+def _numel_dtypes(tensors):
+    return sum(t.numel() for t in tensors), [t.dtype for t in tensors]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_a_draw_made_ahead_is_the_same_draw_and_is_used_once(monkeypatch, wide):
+    """What the step adds and where the streams stand afterwards do not depend on whether the draw
+    was begun while the sums were computed; the normals drawn ahead are used by one add only."""
+    monkeypatch.setattr(noise_mod, "PREFETCH", "on")
+    plain = noise_mod.GaussianNoise(31, seeded=True)
+    ahead = noise_mod.GaussianNoise(31, seeded=True)
+    assert ahead.prefetch(*_numel_dtypes(_tensors(wide)))
+    assert ahead._pending is not None
+    first = [plain.like(_tensors(wide), 0.7), ahead.like(_tensors(wide), 0.7)]
+    assert ahead._pending is None  # consumed
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(*first))
+    second = [plain.like(_tensors(wide), 0.7), ahead.like(_tensors(wide), 0.7)]  # nothing pending: drawn anew
+    assert all(torch.equal(a, b) for a, b in zip(*second))
+    assert not torch.equal(first[0][0], second[0][0])  # the next draw, not the one drawn ahead again
+    assert plain.state_dict()["streams"] == ahead.state_dict()["streams"]
+
+
+def test_a_draw_ahead_of_another_layout_is_dropped_never_reused(monkeypatch):
+    monkeypatch.setattr(noise_mod, "PREFETCH", "on")
+    numel, dtypes = _numel_dtypes(_tensors())
+    ahead = noise_mod.GaussianNoise(32, seeded=True)
+    ahead.prefetch(numel + 1, dtypes)  # not what the add receives
+    got = ahead.like(_tensors(), 1.0)
+    ref = noise_mod.GaussianNoise(32, seeded=True)
+    dropped = ref.like([torch.zeros(numel + 1)], 1.0)  # the normals the prefetch drew
+    want = ref.like(_tensors(), 1.0)  # the stream's next ones
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not torch.equal(torch.cat([t.flatten() for t in got]), dropped[0][:numel])
+    # a second prefetch replaces the first, whose normals are dropped too
+    a, b = noise_mod.GaussianNoise(33, seeded=True), noise_mod.GaussianNoise(33, seeded=True)
+    a.prefetch(numel, dtypes)
+    a.prefetch(numel, dtypes)
+    b.like(_tensors(), 1.0)
+    assert all(torch.equal(x, y) for x, y in zip(a.like(_tensors(), 1.0), b.like(_tensors(), 1.0)))
+
+
+def test_a_pending_draw_is_never_saved_and_a_loaded_state_drops_it(monkeypatch):
+    monkeypatch.setattr(noise_mod, "PREFETCH", "on")
+    numel, dtypes = _numel_dtypes(_tensors())
+    src = noise_mod.GaussianNoise(34, seeded=True)
+    start = src.state_dict()
+    src.prefetch(numel, dtypes)
+    with pytest.raises(RuntimeError, match="pending"):
+        src.state_dict()
+    src.load_state_dict(start)  # the pending normals came from the state now replaced
+    assert src._pending is None
+    fresh = noise_mod.GaussianNoise(34, seeded=True)
+    assert all(torch.equal(a, b) for a, b in zip(src.like(_tensors(), 1.0), fresh.like(_tensors(), 1.0)))
+
+
+def test_prefetch_auto_waits_for_a_large_draw_and_a_second_core(monkeypatch):
+    src = noise_mod.GaussianNoise(35, seeded=True)
+    monkeypatch.setattr(noise_mod.os, "cpu_count", lambda: 2)
+    assert not src.prefetch(noise_mod._PARALLEL_FROM - 1, [torch.float32])  # small: drawn when added
+    assert src.prefetch(noise_mod._PARALLEL_FROM, [torch.float32])
+    src._drop_pending()
+    monkeypatch.setattr(noise_mod.os, "cpu_count", lambda: 1)
+    assert not src.prefetch(noise_mod._PARALLEL_FROM, [torch.float32])  # one core: nothing to overlap
+    monkeypatch.setattr(noise_mod, "PREFETCH", "off")
+    monkeypatch.setattr(noise_mod.os, "cpu_count", lambda: 8)
+    assert not src.prefetch(noise_mod._PARALLEL_FROM, [torch.float32])
+
+
+@pytest.mark.parametrize("own_loop", [False, True])
+def test_a_seeded_run_is_the_same_with_its_noise_drawn_ahead(monkeypatch, own_loop):
+    """train() and make_private() begin each step's draw while its sums are computed (where PREFETCH
+    says so): the model, the metrics and the noise streams are those of drawing when the sums are ready."""
+    import numpy as np
+
+    from userdp.engine import SGD, ULS, FlatClip, TrainConfig, make_private, train
+
+    from _engine_helpers import MLP, ce_loss, mlp_data
+
+    data = mlp_data(np.random.default_rng(3).integers(1, 9, 60))
+    cfg = TrainConfig(algorithm=ULS(group_size=3, sampling_rate=0.3), steps=4, clipping=FlatClip(0.5),
+                      optimizer=SGD(lr=0.2), noise_multiplier=1.3, delta=1e-4, seed=11, chunk_size=4)
+    fills = []
+    real_fill = noise_mod._fill
+    monkeypatch.setattr(noise_mod, "_fill", lambda *a: fills.append(1) or real_fill(*a))
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(noise_mod, "PREFETCH", mode)
+        torch.manual_seed(0)
+        model = MLP()
+        if own_loop:
+            opt = torch.optim.SGD(model.parameters(), lr=0.2)
+            with make_private(model, opt, data, ce_loss, cfg) as private:
+                history = []
+                for step in private:
+                    opt.zero_grad()
+                    history.append(step.backward())
+                    opt.step()
+        else:
+            history = train(model, data, ce_loss, cfg).history
+        out[mode] = ([p.detach().clone() for p in model.parameters()], [h["loss"] for h in history])
+    assert len(fills) == 4 * noise_mod._STREAMS  # "on" drew every step ahead, "off" never
+    assert all(torch.equal(a, b) for a, b in zip(out["off"][0], out["on"][0]))
+    assert out["off"][1] == out["on"][1]

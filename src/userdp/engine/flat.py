@@ -2,7 +2,8 @@
 
 Both Gaussian sources (``noise.GaussianNoise`` on the host, ``chacha.ChaChaNoise`` on the device)
 add one flat draw over the concatenation of a model's gradient tensors without materialising a
-model-sized noise buffer; these helpers are what they share.
+model-sized noise buffer (but for the host source's draw made ahead on a CPU,
+``GaussianNoise.prefetch``); these helpers are what they share.
 """
 
 from __future__ import annotations

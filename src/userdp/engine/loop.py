@@ -178,6 +178,9 @@ class EngineRun:
         self.rng, self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner, self.device)
         self.noise = make_noise(cfg.noise, source)
         self.noise.init(self.master)
+        # what the noise is added to each step: the sums, one per trainable parameter, in float32+
+        self._sum_numel = sum(p.numel() for p in self.params)
+        self._sum_dtypes = sorted({_accumulation_dtype(p.dtype) for p in self.params}, key=str)
         # the device noise kernel is built (compiled and checked) now, not inside step 1; its status
         # is recorded (a fallback to eager is never silent)
         prepare = getattr(source, "prepare", None)
@@ -332,6 +335,10 @@ class EngineRun:
         cfg, plan, comb = self.cfg, self.plan, self.combiner
         check_release(self.model, self._mixing, None)  # a caller's loop may have called model.train()
         self.ledger.record_step()  # before anything of this step can be seen (on every rank: before its all-reduce)
+        main = comb.rank == 0
+        if main and plan.update_noise_multiplier > 0 and hasattr(self.noise, "begin_step"):
+            # the noise depends on nothing of the step's data: a host source draws it while the sums are computed
+            self.noise.begin_step(self._sum_numel, self._sum_dtypes)
         versions = buffer_versions(self.model)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
@@ -340,7 +347,6 @@ class EngineRun:
         check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
         stats = stats.cpu()  # the step's one host sync: a few float64 statistics
         # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
-        main = comb.rank == 0
         if main and plan.count_stddev:
             stats[1] += self.noise.scalar(plan.count_stddev)
         stats = torch.cat([stats, torch.tensor([float(stop_requested)], dtype=torch.float64)])
@@ -353,7 +359,7 @@ class EngineRun:
         den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
         self.last_denominator = den  # what .grad was divided by (the neighbour test multiplies it back)
         if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
-            self.noise.add_noise(sums, est_std * den)  # in place, streamed: no model-sized noise buffer
+            self.noise.add_noise(sums, est_std * den)  # in place (drawn meanwhile on a CPU, else streamed)
         sums = comb.all_reduce_sum(sums)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers

@@ -22,8 +22,9 @@ width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype 
 
 Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the step's running sum
 and the chunk's partial sum being added to it; the noise is streamed into the sum in 4 MB pieces
-and the sum becomes the optimizer's gradient in place); float32 master weights where the
-parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen
+and the sum becomes the optimizer's gradient in place); on a CPU, where the host source draws a
+step's noise while its sums are computed, a third (:func:`userdp.engine.noise.draws_ahead`);
+float32 master weights where the parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen
 chunk is reported, and a cap given by the user is a cap on this estimate, which may fill 90% of
 it (``MODEL_MARGIN``). ``benchmarks/bench_scale.py`` measures the real peak beside it
 (``estimate_over_measured``): on a CPU (peak RSS, gpt2-small, ghost, float32) 1.24–1.29 at 256
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from userdp.engine.ghost import GROUP_ELEMENTS
+from userdp.engine.noise import GaussianNoise, draws_ahead, source_class
 from userdp.errors import UserError
 
 MAX_AUTO_CHUNK = 256
@@ -115,19 +117,23 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
     return int(act + logits + extra)
 
 
-def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "ghost") -> int:
+def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "ghost", *,
+                noise_ahead: bool = False) -> int:
     """Bytes that do not grow with the chunk: the weights, the float32 running and partial sums,
     float32 masters of parameters narrower than float32, ``optimizer_states`` float32 states per
-    trainable parameter (Adam: 2), and for ghost the first chunk's batch gradient (4 B a trainable
+    trainable parameter (Adam: 2), for ghost the first chunk's batch gradient (4 B a trainable
     parameter, held while the strategy checks its hooks against autograd) and the temporaries of
-    its stacked groups (:data:`STACK_TRANSIENT_BYTES`)."""
+    its stacked groups (:data:`STACK_TRANSIENT_BYTES`), and with ``noise_ahead`` the step's noise
+    drawn while its sums are computed (4 B a trainable parameter: a host source on a CPU,
+    :func:`userdp.engine.noise.draws_ahead`)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in trainable)
     masters = sum(p.numel() for p in trainable if p.element_size() < 4)
     verify = n if strategy == "ghost" else 0
     stacks = STACK_TRANSIENT_BYTES if strategy == "ghost" else 0
-    return int(total + 4 * (n * (2 + optimizer_states) + masters + verify) + stacks)
+    ahead = n if noise_ahead else 0
+    return int(total + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -156,7 +162,9 @@ def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: 
     """
     cap = int(memory_cap_bytes) if memory_cap_bytes is not None else int(HEADROOM * free_bytes(device))
     per = unit_bytes(model, group_size, seq_len, strategy=strategy, low_precision=low_precision)
-    fixed = fixed_bytes(model, optimizer_states, strategy)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    ahead = source_class(device) is GaussianNoise and draws_ahead(n)
+    fixed = fixed_bytes(model, optimizer_states, strategy, noise_ahead=ahead)
     info = {"memory_cap_bytes": cap, "cap_source": "training.memory_gb" if memory_cap_bytes is not None
             else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per}
     if per is None:

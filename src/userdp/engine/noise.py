@@ -13,6 +13,8 @@ The noise is the privacy mechanism, so its generator is keyed like a secret:
   every device therefore gets the same ≥ 128-bit keying.
 * A seeded run (the user gives an integer) derives the key from that seed: reproducible, and
   the guarantee then holds only against parties who do not know the seed (the report says so).
+* On a CPU a step's draw is begun as the step begins and made beside its computation
+  (:meth:`GaussianNoise.prefetch`): the same numbers, added once or dropped, never saved.
 
 Two layers, so that correlated-noise mechanisms (DP-FTRL's tree aggregation, matrix
 factorization) are one new class and no change to the loop:
@@ -46,6 +48,11 @@ _STREAMS = 16  # fixed: the noise of a seeded run does not depend on the machine
 _PARALLEL_FROM = 1 << 20  # smaller draws are filled in the calling thread
 _PIECE = 1 << 20  # normals per host buffer: a thread holds at most 8 MB of noise at a time
 _POOL = None
+#: draw a step's noise in the pool's threads while the step's sums are computed (:meth:`GaussianNoise.prefetch`):
+#: "auto" where the draw is large enough to be split and there is a second core; "off" draws when the sums
+#: are ready (no model-sized buffer); tests force "on" to run the prefetch path on one core too
+PREFETCH = "auto"
+_AHEAD = None
 
 
 def _pool():
@@ -56,6 +63,18 @@ def _pool():
 
         _POOL = ThreadPoolExecutor(max_workers=min(_STREAMS, os.cpu_count() or 1), thread_name_prefix="userdp-noise")
     return _POOL
+
+
+def _ahead_pool():
+    """One thread for draws made ahead (:meth:`GaussianNoise.prefetch`): it draws beside the step's
+    computation, which keeps its own threads; what it has not begun when the sums are ready is drawn
+    by the shared pool."""
+    global _AHEAD
+    if _AHEAD is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _AHEAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="userdp-noise-ahead")
+    return _AHEAD
 
 
 def os_entropy(bits: int = ENTROPY_BITS) -> int:
@@ -89,6 +108,7 @@ class GaussianNoise:
         # children are independent streams of the same 256-bit key). numpy releases the GIL while
         # filling, so the blocks run in parallel; the numbers do not depend on the thread count.
         self._streams = [np.random.Generator(np.random.PCG64DXSM(c)) for c in root.spawn(_STREAMS)]
+        self._pending: _Pending | None = None
 
     @classmethod
     def from_os_entropy(cls) -> "GaussianNoise":
@@ -113,9 +133,10 @@ class GaussianNoise:
         """Add one draw of N(0, std² I) over the concatenation of ``tensors`` to them, in place.
 
         Every coordinate gets noise (also coordinates whose gradient is zero). The draw streams
-        through pieces of at most ``_PIECE`` normals, so no model-sized noise buffer is ever
-        allocated (a 124M-parameter model's noise was a 0.5 GB buffer); the numbers do not depend
-        on the piece size or the thread count. Draws are float32 (float64 where a tensor is).
+        through pieces of at most ``_PIECE`` normals, so no model-sized noise buffer is allocated
+        (a 124M-parameter model's noise is a 0.5 GB buffer) unless :meth:`prefetch` drew these
+        normals ahead; the numbers do not depend on the piece size, the thread count or whether
+        they were drawn ahead. Draws are float32 (float64 where a tensor is).
 
         Returns:
             ``tensors``.
@@ -128,8 +149,16 @@ class GaussianNoise:
         check_wide(tensors)
         flats, offsets = flat_views(tensors)
         total = offsets[-1]
-        dtype = np.float64 if any(t.dtype == torch.float64 for t in tensors) else np.float32
-        bounds = np.linspace(0, total, _STREAMS + 1).astype(np.int64)
+        dtype = _draw_dtype(t.dtype for t in tensors)
+        bounds = _blocks(total)
+        pending = self._take_pending(total, dtype)
+        if pending is not None:  # this draw's normals were drawn while the sums were computed
+            def scaled(k: int) -> None:  # the same arithmetic as below: the piece times std, added in place
+                lo, hi = int(bounds[k]), int(bounds[k + 1])
+                add_piece(flats, offsets, torch.from_numpy(pending.buf[lo:hi]).mul_(float(std)), lo)
+
+            _each_block(scaled)
+            return tensors
 
         def fill(k: int) -> None:  # stream k fills block k of the flat draw, a piece at a time
             lo, hi = int(bounds[k]), int(bounds[k + 1])
@@ -152,6 +181,42 @@ class GaussianNoise:
         float64; on each tensor's device): :meth:`add_` on zeros."""
         return list(self.add_(zeros_for_noise(tensors), std))
 
+    # ------------------------------------------------------------------ drawing ahead
+    def prefetch(self, numel: int, dtypes: Sequence[torch.dtype]) -> bool:
+        """Begin drawing the next :meth:`add_`'s standard normals in the pool's threads, so the draw
+        overlaps the computation of the sums it is for (numpy releases the GIL while it fills).
+
+        ``numel`` and ``dtypes`` describe the tensors the next :meth:`add_` receives; that call uses
+        these normals (the same numbers, scaled and added by the same arithmetic, as drawing then) if
+        it matches them, and otherwise drops them and draws anew. Normals drawn ahead are either
+        added by one :meth:`add_` or dropped: never kept past it, never saved, never used twice; a
+        prefetch replaces one still pending (dropped). Costs one buffer of ``numel`` normals until
+        they are added. Returns whether a draw was begun (:func:`draws_ahead`)."""
+        self._drop_pending()
+        dtype = _draw_dtype(dtypes)
+        if numel <= 0 or not draws_ahead(numel, np.dtype(dtype).itemsize):
+            return False
+        buf = np.empty(int(numel), dtype=dtype)
+        bounds = _blocks(int(numel))
+        blocks = [(self._streams[k], buf[int(bounds[k]):int(bounds[k + 1])], dtype) for k in range(_STREAMS)]
+        ahead = _ahead_pool()
+        self._pending = _Pending(int(numel), dtype, buf, blocks, [ahead.submit(_fill, *b) for b in blocks])
+        return True
+
+    def _take_pending(self, numel: int, dtype) -> "_Pending | None":
+        """The pending draw if it is for ``numel`` normals of ``dtype`` (waited for), else None (a
+        pending draw of another layout is dropped: the streams are past it, so it is never reused)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.wait()
+        return pending if (pending.numel == numel and pending.dtype == dtype) else None
+
+    def _drop_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.wait()  # the threads are done with the streams before anything else draws from them
+
     def scalar(self, std: float) -> float:
         """One draw of N(0, std²) in float64 (the adaptive-clipping count query)."""
         return float(self._gen.standard_normal()) * float(std)
@@ -162,6 +227,8 @@ class GaussianNoise:
         its secret key)."""
         if not self.seeded:
             raise RuntimeError("an unseeded noise generator's state is secret and is never saved")
+        if self._pending is not None:
+            raise RuntimeError("a noise draw is pending: the generator's state is saved between steps only")
         return {"scalar": dict(self._gen.bit_generator.state),
                 "streams": [dict(g.bit_generator.state) for g in self._streams]}
 
@@ -173,9 +240,74 @@ class GaussianNoise:
         if not (isinstance(state, dict) and "streams" in state and len(state["streams"]) == _STREAMS):
             raise UserError("the checkpoint's noise generator state has another layout (an older userdp): "
                             "start the seeded run again")
+        self._drop_pending()  # drawn from the state being replaced
         self._gen.bit_generator.state = state["scalar"]
         for g, st in zip(self._streams, state["streams"]):
             g.bit_generator.state = st
+
+
+def draws_ahead(numel: int, itemsize: int = 4) -> bool:
+    """Whether :meth:`GaussianNoise.prefetch` draws a step's ``numel`` normals ahead: :data:`PREFETCH`
+    "on"/"off", or "auto": a draw large enough to be split, a second core to draw on beside the step,
+    and free memory for four times the buffer (``numel * itemsize`` bytes; the memory model counts it)."""
+    if PREFETCH != "auto":
+        return PREFETCH == "on"
+    if numel < _PARALLEL_FROM or (os.cpu_count() or 1) < 2:
+        return False
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return False
+    return free >= 4 * numel * itemsize
+
+
+def _draw_dtype(dtypes) -> type:
+    """The dtype a draw is made in: float64 where any of the tensors is float64, else float32."""
+    return np.float64 if any(d == torch.float64 for d in dtypes) else np.float32
+
+
+def _blocks(total: int) -> np.ndarray:
+    """The bounds of the :data:`_STREAMS` fixed blocks of a draw of ``total`` normals."""
+    return np.linspace(0, total, _STREAMS + 1).astype(np.int64)
+
+
+def _fill(gen: np.random.Generator, out: np.ndarray, dtype) -> None:
+    """``out`` filled with standard normals from ``gen``, a piece at a time as :meth:`GaussianNoise.add_`
+    draws them (the same numbers: a stream's draws do not depend on how they are split)."""
+    for lo in range(0, out.size, _PIECE):
+        gen.standard_normal(out=out[lo:lo + _PIECE], dtype=dtype)
+
+
+def _each_block(fn) -> None:
+    """``fn(k)`` for every block k, in the pool's threads (disjoint blocks: no two touch one element)."""
+    pool = _pool()
+    if pool is None:
+        for k in range(_STREAMS):
+            fn(k)
+    else:
+        list(pool.map(fn, range(_STREAMS)))
+
+
+class _Pending:
+    """A draw begun by :meth:`GaussianNoise.prefetch`: ``numel`` normals of ``dtype`` filling ``buf``,
+    block k by stream k (``blocks``), each block one task of the ahead thread (``futures``)."""
+
+    def __init__(self, numel: int, dtype, buf: np.ndarray, blocks: list, futures: list):
+        self.numel, self.dtype, self.buf, self._blocks, self._futures = numel, dtype, buf, blocks, futures
+
+    def wait(self) -> None:
+        """Until every block is filled: the blocks the ahead thread has not begun are cancelled there
+        and filled by the shared pool (each block by its own stream, so the numbers are the same)."""
+        rest = [b for b, f in zip(self._blocks, self._futures) if f.cancel()]
+        pool = _pool()
+        if pool is None:
+            for b in rest:
+                _fill(*b)
+        else:
+            list(pool.map(lambda b: _fill(*b), rest))
+        for f in self._futures:
+            if not f.cancelled():
+                f.result()  # re-raises what the ahead thread raised
 
 
 #: device type -> the noise source used for parameters there (others: :class:`GaussianNoise`)
@@ -210,12 +342,21 @@ class IIDGaussian:
     def init(self, params: Sequence[torch.Tensor]) -> None:
         """Prepare for a run over ``params`` (i.i.d. noise keeps no per-parameter state)."""
 
+    def begin_step(self, numel: int, dtypes: Sequence[torch.dtype]) -> None:
+        """The step's sums (``numel`` numbers of ``dtypes``) are about to be computed: a host source
+        begins drawing their noise in its threads meanwhile (:meth:`GaussianNoise.prefetch`; on a
+        CPU the draw of a 124M-parameter model's noise is a quarter of a small step). Optional for a
+        mechanism: the loop calls it where it exists; one whose :meth:`add_noise` adds to other
+        tensors than the sums overrides it (or draws anew: a draw of another layout is dropped)."""
+        prefetch = getattr(self.source, "prefetch", None)
+        if prefetch is not None:
+            prefetch(numel, dtypes)
+
     def add_noise(self, tensors: Sequence[torch.Tensor], std: float) -> None:
         """Add this step's noise to the clipped sums ``tensors``, in place (``std`` is on the scale
         of the sum; the loop adds it to rank 0's partial sum before the all-reduce, then divides
         by the denominator). The sums are float32 or float64; the noise never passes through a
-        narrower type, and no model-sized noise buffer is allocated. Nothing is added where there
-        is no source or ``std`` is 0."""
+        narrower type. Nothing is added where there is no source or ``std`` is 0."""
         if self.source is not None and std > 0:
             self.source.add_(tensors, std)
 
