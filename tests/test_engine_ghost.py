@@ -429,6 +429,48 @@ def test_float16_autocast_is_refused_on_cpu():
     assert Precision("float16").loss_scale == 1024.0 and Precision("bfloat16").loss_scale == 1.0
 
 
+@pytest.mark.parametrize("build", [MLP, _Deep], ids=["mlp", "stacked"])
+def test_the_cpu_zeroes_factors_only_when_a_unit_is_bad(monkeypatch, build):
+    """Issue 42: zeroing the bad units copies every captured factor (a masked_fill each); on a CPU
+    the strategy reads ``bad.any()`` (free there) and skips those copies when no unit is bad, with
+    the same sums. With a NaN unit every factor is still zeroed."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import userdp.engine.ghost as ghost_mod
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fills = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.fills += func.overloadpacket in (torch.ops.aten.masked_fill, torch.ops.aten.masked_fill_)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    torch.manual_seed(0)
+    model = build().double()
+    w = torch.ones(5, dtype=F64)
+    clip = FlatClip(0.3)
+    out = {}
+    for poison in (False, True):
+        batch, mask = _mlp_chunk()
+        if poison:
+            batch["x"][2, 0, 0] = float("nan")
+        strategy = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
+        strategy.clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)  # the first chunk's check
+        with Count() as count:
+            sums, *_ = strategy.clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)
+        out[poison] = count.fills, sums
+    assert out[False][0] == 0  # no unit bad: no masked copy
+    assert out[True][0] >= 2  # a bad unit: its factors zeroed (x and y of each factored use at least)
+    monkeypatch.setattr(ghost_mod, "_must_zero", lambda bad: True)  # the device's path: always zero
+    batch, mask = _mlp_chunk()
+    strategy = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
+    ref, *_ = strategy.clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)
+    assert all(torch.equal(a, b) for a, b in zip(out[False][1], ref))
+
+
 def test_auto_falls_back_to_vmap_for_a_parameter_no_layer_owns_in_its_forward():
     """The mean-estimation model's theta is used directly by the loss: no hook can see it, so ghost
     refuses it (even on a first chunk whose values are not finite) and auto uses vmap."""

@@ -85,6 +85,14 @@ _TC_DEVICES = ("cuda", "meta")
 BOUND = True
 
 
+def _must_zero(bad: torch.Tensor) -> bool:
+    """Whether the bad units' factors must be zeroed before the clipped sum (their clip factor is
+    already 0, but 0 times Inf is NaN). On a CPU reading ``bad.any()`` costs nothing, so the masked
+    copies of every factor are made only when a unit is bad; on a device that read would wait for
+    it, so they are always made (zeroing no unit changes no value: the same sums either way)."""
+    return bad.device.type != "cpu" or bool(bad.any())
+
+
 def _tensor_cores(device: torch.device) -> bool:
     return TENSOR_CORES == "on" or (TENSOR_CORES == "auto" and device.type in _TC_DEVICES)
 
@@ -558,12 +566,14 @@ class _FactorStack:
         mag, smag = flat.magnitude()
         return value.view(k, m), err.view(k, m), (mag * smag).view(k, m)
 
-    def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
         """``[k, X, Y]``: each member's ``Σ_u c[u, member] · (unit u's gradient)``, units ``bad`` zeroed
-        (masked_fill writes the zeros, so a non-finite unit cannot turn the sum into NaN); on tensor
-        cores each member's factors are rounded down to bf16 as one use's are."""
-        drop = bad.view(1, -1, 1, 1)
-        x, y = self.x.masked_fill(drop, 0), self.y.masked_fill(drop, 0)
+        (masked_fill writes the zeros, so a non-finite unit cannot turn the sum into NaN; None: no unit
+        is bad); on tensor cores each member's factors are rounded down to bf16 as one use's are."""
+        x, y = self.x, self.y
+        if bad is not None:
+            drop = bad.view(1, -1, 1, 1)
+            x, y = x.masked_fill(drop, 0), y.masked_fill(drop, 0)
         self.x = self.y = None
         cg = torch.stack([c[:, j] for j in self.members])  # [k, m]
         if self.narrow:
@@ -821,17 +831,19 @@ class GhostPerUnit:
             norms = norms.to(acc_dtype)
             bad = ~torch.isfinite(norms) | ~torch.isfinite(f).all(1)
             c = round_down_to(torch.where(bad.unsqueeze(1), 0.0, f) * weights.to(f.dtype).unsqueeze(1), acc_dtype)
+            zero = _must_zero(bad)
             sums: list = [None] * len(self.params)
             while blocks:
                 g, block = blocks.pop()
-                block = block.masked_fill(bad.view(-1, 1, 1), 0)
+                if zero:
+                    block = block.masked_fill(bad.view(-1, 1, 1), 0)
                 out = (block * torch.stack([c[:, j] for j in g], dim=1).unsqueeze(2)).sum(0)  # [k, n]
                 for i, j in enumerate(g):
                     sums[j] = out[i].view(self.params[j].shape)
                 del block, out
             while stacks:
                 st = stacks.pop()
-                out = st.weighted_sums(c, bad)
+                out = st.weighted_sums(c, bad if zero else None)
                 for i, j in enumerate(st.members):
                     sums[j] = out[i].to(c.dtype).view(self.params[j].shape)
                 del st, out
@@ -840,9 +852,9 @@ class GhostPerUnit:
                     continue
                 d, fs = dense[j], factored[j]
                 dense[j] = factored[j] = None
-                # unconditionally: `if bad.any()` would wait for the device once per parameter per chunk
-                d = d.masked_fill(bad.view(-1, *([1] * (d.dim() - 1))), 0) if d is not None else None
-                fs = [x.zero_units(bad) for x in fs]
+                if zero:
+                    d = d.masked_fill(bad.view(-1, *([1] * (d.dim() - 1))), 0) if d is not None else None
+                    fs = [x.zero_units(bad) for x in fs]
                 cj = c[:, j]
                 if any(x.narrow for x in fs):  # tensor cores: one bf16 factor (<= c) for all the parameter's parts
                     cj = round_down_bf16(cj)
