@@ -1,6 +1,7 @@
 """`plan: auto` in a training config: validation, the planned run, its resume and its report."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -94,10 +95,21 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
     import userdp.lm.training as F
 
     real = interrupt_after_checkpoint(monkeypatch, 2)
+    import userdp.fileio
+    import userdp.lm.finetune
+    import userdp.lm.plan_auto
+
+    written = []  # config.yaml is written once, as planned (issue 36: it was written, then rewritten)
+    for mod in (userdp.lm.finetune, userdp.lm.plan_auto):
+        monkeypatch.setattr(mod, "write_atomic",
+                            lambda path, *a, **k: written.append(Path(path).name) or userdp.fileio.write_atomic(path, *a, **k))
     assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
     err = capsys.readouterr().err
     chose = [ln for ln in err.splitlines() if ln.startswith("plan: auto chose")]
     assert len(chose) == 1, err
+    assert written.count("config.yaml") == 1, written
+    assert (out / "config.yaml").read_text().startswith("# plan: auto chose")
+    written.clear()
 
     plan = json.loads((out / "plan.json").read_text())
     saved = yaml.safe_load((out / "config.yaml").read_text())
@@ -125,6 +137,7 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
 
     monkeypatch.setattr(P, "plan_auto", no_replan)
     assert cli(["train", "--resume", str(out), "--json", "--no-progress"]) == 0
+    assert "config.yaml" not in written  # a resumed run keeps its own
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # the step begun before the interrupt is counted, never replayed (issue 34, H1): 3 or 4 steps
     # applied within the budget, depending on whether the planned sigma leaves room for the extra one

@@ -153,7 +153,6 @@ def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: J
         with world.main_first("creating the run directory"):
             rd = new_run_dir(output or cfg.output.dir)
             audit = _audit_session(audit_hooks, cfg, rd, False, log)
-            write_atomic(rd.config, C.dump_yaml(cfg))
             rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         world.broadcast_object(str(rd.root.resolve()))
         ctx.rd, ctx.audit = rd, audit
@@ -201,9 +200,9 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     # 1. the data (refused early when the cohort or a fixed sigma's budget cannot work)
     with world.main_first("preparing the data"):
         prep = prepare_data(cfg.data, log)
-    if cfg.plan != "auto":
+    if cfg.plan != "auto" and ctx.plan_file is None:  # no plan replaces these settings: refuse before the model
         check_cohort(cfg, num_units(cfg, prep.train_subset))
-    check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
+        check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
     # 2. the tokenizer and the starting model
     with world.main_first("building the tokenizer and the model"):
         tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress)

@@ -14,7 +14,6 @@ from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.job_context import JobContext
-from userdp.lm.job_plan import check_budget, num_units
 from userdp.lm.plan_file import dp_median_event, plan_choices, read_plan
 from userdp.lm.prepare import Log, stderr_log
 
@@ -110,9 +109,12 @@ def planned_config(cfg: C.RunConfig, ctx: JobContext, prep, train_data, model):
     by ``--plan``, the plan a resumed run saved, or ``plan: auto`` planned now (once, on rank 0:
     its DP median is spent once) — and the plan saved in the run directory with the config.
 
+    A new run's ``config.yaml`` is written here, once, with the plan's choices (a resumed run keeps
+    its own).
+
     Raises:
-        UserError: ``--plan`` with ``plan: auto``, a plan made on other data, a resumed ``plan:
-            auto`` run without its plan.json, or a budget a fixed sigma cannot meet."""
+        UserError: ``--plan`` with ``plan: auto``, a plan made on other data, or a resumed ``plan:
+            auto`` run without its plan.json."""
     rd, world, log, plan_file, resume_dir = ctx.rd, ctx.world, ctx.log, ctx.plan_file, ctx.resume_dir
     main = world.is_main
     saved_path = rd.root / "plan.json"
@@ -122,10 +124,9 @@ def planned_config(cfg: C.RunConfig, ctx: JobContext, prep, train_data, model):
         saved = read_plan(plan_file, f"--plan {plan_file}")
         cfg = apply_plan(cfg, saved, source=f"--plan {plan_file}", data_fingerprint=prep.data_fingerprint)
         plan = dict(saved, source=f"userdp plan (applied by --plan {Path(plan_file).name})")
+        header = "# training.algorithm, group_size and cohort_size come from the plan in plan.json\n"
         if main:
             write_json(saved_path, plan)
-            write_atomic(rd.config, "# training.algorithm, group_size and cohort_size come from the plan in "
-                         "plan.json\n" + C.dump_yaml(cfg))
     elif resume_dir is not None and saved_path.is_file():
         # applied by --plan or planned by plan: auto when the run began: the saved config.yaml
         # already holds the planned values, so nothing is planned again
@@ -136,7 +137,7 @@ def planned_config(cfg: C.RunConfig, ctx: JobContext, prep, train_data, model):
         log(f"plan: auto — resuming with the saved plan ({plan.get('applied', '?').upper()}, "
             f"group_size {cfg.training.group_size}, cohort_size {cfg.training.cohort_size:g})")
     elif cfg.plan != "auto":
-        return cfg, None
+        plan, header = None, ""
     elif resume_dir is not None:
         raise UserError(f"--resume {resume_dir}: the config says plan: auto but the run "
                         "directory has no plan.json (start the run again instead)")
@@ -145,11 +146,13 @@ def planned_config(cfg: C.RunConfig, ctx: JobContext, prep, train_data, model):
             if main:
                 cfg, plan = plan_auto(cfg, train_data, model, log, data_fingerprint=prep.data_fingerprint)
                 write_json(saved_path, plan)
-                write_atomic(rd.config, "# plan: auto chose training.algorithm, group_size and cohort_size below "
-                             "(see plan.json);\n# `userdp train --resume` keeps them, a new run plans again\n"
-                             + C.dump_yaml(cfg))
             else:
                 plan = read_plan(saved_path, str(saved_path))
                 cfg = apply_plan(cfg, plan, source=str(saved_path), data_fingerprint=prep.data_fingerprint)
-    check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
+        header = ("# plan: auto chose training.algorithm, group_size and cohort_size below (see plan.json);\n"
+                  "# `userdp train --resume` keeps them, a new run plans again\n")
+    if main and (resume_dir is None or plan_file is not None):
+        # a new run's config, written once, as planned (the budget is checked when the job is resolved);
+        # a resumed run keeps its own
+        write_atomic(rd.config, header + C.dump_yaml(cfg))
     return cfg, plan
