@@ -183,15 +183,16 @@ class GaussianNoise:
 
     # ------------------------------------------------------------------ drawing ahead
     def prefetch(self, numel: int, dtypes: Sequence[torch.dtype]) -> bool:
-        """Begin drawing the next :meth:`add_`'s standard normals in the pool's threads, so the draw
+        """Begin drawing the next :meth:`add_`'s standard normals in a background thread, so the draw
         overlaps the computation of the sums it is for (numpy releases the GIL while it fills).
 
         ``numel`` and ``dtypes`` describe the tensors the next :meth:`add_` receives; that call uses
         these normals (the same numbers, scaled and added by the same arithmetic, as drawing then) if
         it matches them, and otherwise drops them and draws anew. Normals drawn ahead are either
         added by one :meth:`add_` or dropped: never kept past it, never saved, never used twice; a
-        prefetch replaces one still pending (dropped). Costs one buffer of ``numel`` normals until
-        they are added. Returns whether a draw was begun (:func:`draws_ahead`)."""
+        prefetch replaces one still pending, and :meth:`state_dict` drops one (the saved state is past
+        it). Costs one buffer of ``numel`` normals until they are added. Returns whether a draw was
+        begun (:func:`draws_ahead`)."""
         self._drop_pending()
         dtype = _draw_dtype(dtypes)
         if numel <= 0 or not draws_ahead(numel, np.dtype(dtype).itemsize):
@@ -227,8 +228,7 @@ class GaussianNoise:
         its secret key)."""
         if not self.seeded:
             raise RuntimeError("an unseeded noise generator's state is secret and is never saved")
-        if self._pending is not None:
-            raise RuntimeError("a noise draw is pending: the generator's state is saved between steps only")
+        self._drop_pending()  # drawn ahead but not added (a step that added no noise): the state is past it
         return {"scalar": dict(self._gen.bit_generator.state),
                 "streams": [dict(g.bit_generator.state) for g in self._streams]}
 
