@@ -135,7 +135,7 @@ def test_a_resume_may_change_performance_settings_but_not_privacy_ones(tiny, mon
 
 
 @pytest.mark.slow
-def test_a_fixed_sigma_run_makes_one_run_plan_for_its_budget_check_and_the_engine(tiny, monkeypatch):
+def test_a_fixed_sigma_run_makes_one_run_plan_and_resolves_its_device_once(tiny, monkeypatch):
     # it made up to 5 (issue 26): the budget check and the engine now read the same plan
     import userdp.engine.loop as L
     import userdp.engine.plan as P
@@ -150,12 +150,22 @@ def test_a_fixed_sigma_run_makes_one_run_plan_for_its_budget_check_and_the_engin
     monkeypatch.setattr(J, "make_plan", counting)
     monkeypatch.setattr(L, "make_plan", counting)
     J._mechanism_plan.cache_clear()
+    # and model.device is resolved once, before the data is read (issue 36: it was resolved by each
+    # phase that needed it: the model's loading and placing, the engine's precision)
+    import userdp.devices as D
+    import userdp.lm.finetune as FT
+    import userdp.lm.starting_model as SM
+
+    resolved = []
+    for mod in (FT, SM, J):
+        monkeypatch.setattr(mod, "resolve_device", lambda spec, **k: resolved.append(spec) or D.resolve_device(spec, **k))
     tmp, cfg = tiny
     # chunk_size auto with a fixed sigma was a traceback: the early budget check built a TrainConfig
     # with chunk_size None; performance settings no longer reach the plan's mechanism
     assert cli(["train", str(cfg), "--output", str(tmp / "run"), "--no-progress", "--set", "training.chunk_size=auto",
                 "--set", "privacy.noise_multiplier=1.5", "--set", "privacy.epsilon=50"]) == 0
     assert len(calls) == 1
+    assert resolved == ["auto"]
 
 
 def test_unknown_key_and_bad_type_are_one_line_errors(tiny, capsys):

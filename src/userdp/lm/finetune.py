@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from userdp.devices import resolve_device
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.ledger import JOURNAL
 from userdp.errors import UserError
@@ -144,7 +145,7 @@ def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: J
     if not world.is_main:  # rank 0 makes the run directory; the others use it
         with world.main_first("creating the run directory"):
             pass
-        ctx.rd = existing_run_dir(world.broadcast_object(None))
+        ctx.rd = RunDir(Path(world.broadcast_object(None)))  # made by rank 0 (its config.yaml comes with the plan)
         return _run(cfg, ctx)
     target = Path(output or cfg.output.dir) if (output or cfg.output.dir) else None
     existed = target is not None and target.is_dir()
@@ -193,6 +194,7 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     """The phases, in order (see the module docstring)."""
     rd, world, log = ctx.rd, ctx.world, ctx.log
     ctx.t_start = time.time()
+    ctx.device = resolve_device(cfg.model.device)  # once, before any data is read
     world.run_dir = str(rd.root)
     log(f"run directory: {rd.root}")
     if world.distributed:
@@ -205,8 +207,9 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
         check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
     # 2. the tokenizer and the starting model
     with world.main_first("building the tokenizer and the model"):
-        tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress)
-    model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log)
+        tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress,
+                                                        ctx.device)
+    model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, ctx.device)
     with world.main_first("tokenizing the data"):
         train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
                                                selection=cfg.training.selection, log=log, model=model,
@@ -226,7 +229,7 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     if chunk_info:
         ctx.notes["chunk_size"] = chunk_info
     # the job plan: the sections the later phases read and the one run plan (budget checked)
-    job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan)
+    job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan, device)
     data = JobData(prep=prep, tok=tok, train=train_data, eval=eval_data)
     if ctx.main:
         with atomic_dir(rd.tokenizer, keep_existing=False) as tmp:

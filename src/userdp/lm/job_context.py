@@ -28,6 +28,7 @@ class JobContext:
     audit: Any = None                   # the audit session (None: no canaries)
     engine_resume: bool = False         # the engine has a checkpoint to continue from
     combiner: Any = None                # sums across processes (None: one process)
+    device: Any = None                  # torch.device: model.device, resolved once before any data is read
     notes: dict = dataclasses.field(default_factory=dict)
     t_start: float = dataclasses.field(default_factory=time.time)
 

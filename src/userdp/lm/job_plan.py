@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from userdp import engine as E
 from userdp.devices import resolve_device, resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
@@ -39,7 +41,9 @@ def check_cohort(cfg: C.RunConfig, num_units: int) -> None:
                         f"give at most {num_units} (sampling rate 1)")
 
 
-def engine_config(cfg: C.RunConfig, num_units_hint: int):
+def engine_config(cfg: C.RunConfig, num_units_hint: int, device=None):
+    """The engine's :class:`~userdp.engine.plan.TrainConfig` for ``cfg`` (``device``: where it runs, resolved
+    once by the job; None resolves ``model.device`` here, for callers outside a job)."""
     t, p = cfg.training, cfg.privacy
     check_cohort(cfg, num_units_hint)
     rate = t.cohort_size / max(1, num_units_hint)
@@ -58,7 +62,7 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int):
     else:
         clip = E.FlatClip(t.clip_norm, normalized=normalized)
 
-    precision = resolve_precision(t.precision, resolve_device(cfg.model.device))
+    precision = resolve_precision(t.precision, device if device is not None else resolve_device(cfg.model.device))
     kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
               accountant=p.accountant, sampling=p.sampler, noise=p.noise, seed=t.seed,
               chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
@@ -77,14 +81,14 @@ def num_units(cfg: C.RunConfig, data) -> int:
     return algorithm_of(cfg).count_units(data.sizes(), cfg.training.group_size)
 
 
-def run_plan(cfg: C.RunConfig, num_users: int, num_units: int) -> RunPlan:
+def run_plan(cfg: C.RunConfig, num_users: int, num_units: int, device=None) -> RunPlan:
     """The engine's plan for ``cfg`` on data with these counts (calibrated when the config gives a
     target and no sigma). The mechanism is made once per privacy settings and counts
     (:func:`_mechanism_plan`), so the budget check and the engine read the same plan instead of
     making more; the performance settings — an ``auto`` chunk size before it is resolved, the
-    per-unit strategy, the precision — are this config's own."""
+    per-unit strategy, the precision (on ``device``, see :func:`engine_config`) — are this config's own."""
     base = _mechanism_plan(_performance_neutral(cfg), num_users, num_units)
-    return dataclasses.replace(base, config=engine_config(cfg, num_units))
+    return dataclasses.replace(base, config=engine_config(cfg, num_units, device))
 
 
 def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
@@ -96,7 +100,11 @@ def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
 
 @functools.lru_cache(maxsize=8)
 def _mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int) -> RunPlan:
-    return make_plan(engine_config(cfg, num_units), num_users=num_users, num_units=num_units)
+    # a performance-neutral config (model.device cpu): its precision is float32 wherever the job runs
+    return make_plan(engine_config(cfg, num_units, _NEUTRAL_DEVICE), num_users=num_users, num_units=num_units)
+
+
+_NEUTRAL_DEVICE = torch.device("cpu")
 
 
 def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[str]:
@@ -111,7 +119,7 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[s
     p, t = cfg.privacy, cfg.training
     if not algorithm_of(cfg).private or p.noise_multiplier is None:
         return None
-    plan = run_plan(cfg, num_users, num_units)  # the plan the engine will train by (made once)
+    plan = _mechanism_plan(_performance_neutral(cfg), num_users, num_units)  # the engine's mechanism (made once)
     eps = plan.mechanism.epsilon(plan.delta, p.accountant)
     if eps > p.epsilon:
         raise UserError(
@@ -154,14 +162,15 @@ class JobPlan:
         return SAMPLER_MODE[(accounted_as(self.privacy.sampler), self.algorithm.unit)]
 
 
-def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dict] = None) -> JobPlan:
+def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dict] = None,
+            device=None) -> JobPlan:
     """The job plan of a resolved config (plan applied, chunk size fixed) on data with these
-    counts: the budget checked and the one run plan made (:func:`run_plan`).
+    counts, run on ``device``: the budget checked and the one run plan made (:func:`run_plan`).
 
     Raises:
         UserError: the cohort does not fit the units, or a fixed sigma passes the budget."""
     check_budget(cfg, num_users, num_units)
-    return JobPlan(engine=run_plan(cfg, num_users, num_units), training=cfg.training, privacy=cfg.privacy,
+    return JobPlan(engine=run_plan(cfg, num_users, num_units, device), training=cfg.training, privacy=cfg.privacy,
                    seq_len=cfg.tokenizer.seq_len, eval=cfg.eval, output=cfg.output, lora=cfg.model.lora,
                    plan=plan)
 

@@ -30,9 +30,10 @@ def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> P
 
 
 def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = stderr_log,
-                            progress=True):
+                            progress=True, device=None):
     """(tokenizer, model, notes) from the config's ``tokenizer`` and ``model`` sections — notes
-    describe what touched which text (for the report)."""
+    describe what touched which text (for the report). ``device``: ``model.device`` as the job
+    resolved it (None: resolved here when needed: a quantized load, pretraining)."""
 
     notes = {}
     model_dir = models.resolve_model_path(m.path) if m.path else None  # a folder, or a hub id already cached
@@ -60,14 +61,13 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
     else:
         tok = None
     if model_dir is not None:
-        q, device = m.lora.quantize, None
+        q, load_on = m.lora.quantize, None
         if q != "none":  # quantized while loading, so loaded onto the device
-
-            device = resolve_device(m.device)
+            load_on = device if device is not None else resolve_device(m.device)
             log(f"loading {m.path} with its linear layers quantized to 4 bits ({q}, bitsandbytes; frozen) ...")
             notes["quantization"] = (f"base model's linear layers quantized to 4 bits ({q}, double quantization, "
                                      "bitsandbytes) and frozen; only the LoRA adapters are trained (QLoRA-style)")
-        model = models.load_local(model_dir, quantize=q, device=device)
+        model = models.load_local(model_dir, quantize=q, device=load_on)
         if made_by_us:
             info = json.loads((model_dir / "userdp_pretrain.json").read_text())
             notes["pretraining"] = (f"model pretrained non-privately by userdp on "
@@ -108,7 +108,8 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
                 model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
                                              steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
                                              warmup=pc.warmup, seed=pc.seed, progress=progress,
-                                             device=resolve_device(m.device), state_path=partial / "state.pt",
+                                             device=device if device is not None else resolve_device(m.device),
+                                             state_path=partial / "state.pt",
                                              say=log)
             except KeyboardInterrupt:
                 log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
@@ -132,14 +133,15 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
     return tok, model, notes
 
 
-def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_log):
+def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_log, device=None):
     """The model as training uses it (the config's ``model`` section): LoRA applied when
-    configured, on the configured device, rank 0's weights on every process, linted; returns
-    (model, device, combiner)."""
+    configured, on ``device`` (``model.device`` as the job resolved it; None: resolved here), rank
+    0's weights on every process, linted; returns (model, device, combiner)."""
     if m.lora.enabled:
         lc = m.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
-    device = resolve_device(m.device)
+    if device is None:
+        device = resolve_device(m.device)
     model.to(device)
     combiner = world.combiner()
     if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's
