@@ -157,7 +157,7 @@ class GaussianNoise:
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
                 add_piece(flats, offsets, torch.from_numpy(pending.buf[lo:hi]).mul_(float(std)), lo)
 
-            _each_block(scaled)
+            _for_each(scaled, range(_STREAMS))
             return tensors
 
         def fill(k: int) -> None:  # stream k fills block k of the flat draw, a piece at a time
@@ -169,11 +169,7 @@ class GaussianNoise:
                 add_piece(flats, offsets, torch.from_numpy(out).mul_(float(std)), lo)
                 lo += out.size
 
-        if total >= _PARALLEL_FROM and _pool() is not None:
-            list(_pool().map(fill, range(_STREAMS)))  # disjoint ranges: no two threads touch one element
-        else:
-            for k in range(_STREAMS):
-                fill(k)
+        _for_each(fill, range(_STREAMS), parallel=total >= _PARALLEL_FROM)
         return tensors
 
     def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
@@ -278,14 +274,16 @@ def _fill(gen: np.random.Generator, out: np.ndarray, dtype) -> None:
         gen.standard_normal(out=out[lo:lo + _PIECE], dtype=dtype)
 
 
-def _each_block(fn) -> None:
-    """``fn(k)`` for every block k, in the pool's threads (disjoint blocks: no two touch one element)."""
-    pool = _pool()
+def _for_each(fn, items, parallel: bool = True) -> None:
+    """``fn(item)`` for every item, in the shared pool's threads where there is a pool and
+    ``parallel``, else in this one. The items are disjoint blocks of a draw (no two touch one element,
+    and each block's numbers come from its own stream, so the thread count changes no number)."""
+    pool = _pool() if parallel else None
     if pool is None:
-        for k in range(_STREAMS):
-            fn(k)
+        for item in items:
+            fn(item)
     else:
-        list(pool.map(fn, range(_STREAMS)))
+        list(pool.map(fn, items))
 
 
 class _Pending:
@@ -298,13 +296,7 @@ class _Pending:
     def wait(self) -> None:
         """Until every block is filled: the blocks the ahead thread has not begun are cancelled there
         and filled by the shared pool (each block by its own stream, so the numbers are the same)."""
-        rest = [b for b, f in zip(self._blocks, self._futures) if f.cancel()]
-        pool = _pool()
-        if pool is None:
-            for b in rest:
-                _fill(*b)
-        else:
-            list(pool.map(lambda b: _fill(*b), rest))
+        _for_each(lambda b: _fill(*b), [b for b, f in zip(self._blocks, self._futures) if f.cancel()])
         for f in self._futures:
             if not f.cancelled():
                 f.result()  # re-raises what the ahead thread raised
