@@ -177,6 +177,22 @@ def test_unknown_key_and_bad_type_are_one_line_errors(tiny, capsys):
     assert "training.cohort_size must be a number" in capsys.readouterr().err
 
 
+def test_a_missing_gpu_is_refused_before_the_data_is_read(tiny, monkeypatch, capsys):
+    """model.device is resolved once, first (issue 36): a GPU this machine lacks is one line naming
+    model.device, before the data is prepared, and the run directory it made is removed."""
+    import torch
+
+    import userdp.lm.finetune as FT
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(FT, "prepare_data", lambda *a, **k: pytest.fail("the data was read"))
+    tmp, cfg = tiny
+    assert cli(["train", str(cfg), "--set", "model.device=cuda", "--output", str(tmp / "gpu"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len([ln for ln in err if "error" in ln]) == 1 and "model.device: cuda was asked for" in err[-1], err
+    assert not (tmp / "gpu").exists()
+
+
 def test_refuses_undeclared_tokenizer(tiny, capsys):
     tmp, cfg = tiny
     fake = tmp / "tok.json"
