@@ -13,6 +13,7 @@ import torch.distributed as dist
 from userdp import launch
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
 from userdp.engine.data import DelegatingUserData
+from userdp.engine.distributed import combiner_for
 
 from _engine_helpers import MLP, ce_loss, mlp_data
 
@@ -64,7 +65,7 @@ def main(out_dir: str) -> None:
 
     dist.all_reduce = recording
     try:
-        params = run_all(world.combiner())
+        params = run_all(combiner_for(world.distributed))
     finally:
         dist.all_reduce = real
     torch.save({"params": params, "all_reduce": issued, "world_size": world.world_size},

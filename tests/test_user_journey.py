@@ -196,12 +196,19 @@ def test_private_report_states_delta_against_1_over_n_and_unprotected_mentions()
     assert "SPEC" not in md
 
 
-def test_help_and_version_start_in_well_under_a_second():
-    # measured in a fresh interpreter: the CLI must not import torch or dp_accounting to build its parser
-    code = ("import sys, time; t = time.perf_counter(); from userdp.cli import build_parser; build_parser(); "
-            "print(time.perf_counter() - t, 'torch' in sys.modules, 'dp_accounting' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[1:] == ["False", "False"], out
+@pytest.mark.parametrize("argv, heavy", [(["--help"], []), (["--version"], []), (["account", "--help"], ["dp_accounting"]),
+                                         (["train", "--help"], ["torch", "dp_accounting"])])
+def test_the_cli_imports_only_the_command_it_runs(argv, heavy):
+    # in a fresh interpreter: `userdp --help` and `--version` import neither torch nor dp_accounting;
+    # a command imports its own module (and what that module imports at its top), no other command's
+    code = ("import sys\nfrom userdp.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "print(*(m in sys.modules for m in ('torch', 'dp_accounting', 'userdp.cli.train', 'userdp.cli.account')))"
+            % argv)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-4:]
+    loaded = {m for m, seen in zip(("torch", "dp_accounting", "userdp.cli.train", "userdp.cli.account"), out)
+              if seen == "True"}
+    commands = {f"userdp.cli.{argv[0]}"} if not argv[0].startswith("-") else set()
+    assert loaded == set(heavy) | commands, (argv, out)
 
 
 @pytest.mark.slow

@@ -9,12 +9,11 @@ whatever is chosen (:mod:`userdp.engine.precision`).
 
 from __future__ import annotations
 
-import re
+import torch
 
+from userdp.engine.precision import PRECISIONS, Precision
 from userdp.errors import UserError
-
-#: what ``model.device`` accepts (the config validates against it without importing torch)
-DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+from userdp.validation import DEVICE_SPEC
 
 
 def resolve_device(spec: str, *, name: str = "model.device"):
@@ -23,8 +22,6 @@ def resolve_device(spec: str, *, name: str = "model.device"):
     Raises:
         UserError: a malformed spec, or CUDA asked for where none (or not that index) exists.
     """
-    import torch
-
     spec = str(spec).strip().lower()
     if not DEVICE_SPEC.match(spec):
         raise UserError(f"{name} must be auto, cpu, cuda or cuda:<index> (got {spec!r})")
@@ -48,10 +45,6 @@ def resolve_precision(spec: str, device) -> str:
     Raises:
         UserError: an unknown value, or float16 on a CPU (:meth:`Precision.check_device`).
     """
-    import torch
-
-    from userdp.engine.precision import PRECISIONS, Precision
-
     spec = str(spec).strip().lower()
     if spec != "auto" and spec not in PRECISIONS:
         raise UserError(f"training.precision must be auto, {', '.join(list(PRECISIONS)[:-1])} or "
@@ -64,8 +57,6 @@ def resolve_precision(spec: str, device) -> str:
 
 def describe(device) -> str:
     """A one-line name of the device for logs and reports (the GPU's name on CUDA)."""
-    import torch
-
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
     return "cpu"

@@ -28,6 +28,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
 from userdp.errors import UserError
 
 #: seconds a collective waits for a peer before the job fails (``userdp train --dist-timeout``)
@@ -80,17 +83,10 @@ class World:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def combiner(self):
-        """The engine's combiner for this job (a no-op for one process)."""
-        from userdp.engine.distributed import LocalCombiner, TorchDistributedCombiner
-
-        return TorchDistributedCombiner() if self.distributed else LocalCombiner()
-
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (picklable), on every rank."""
         if not self.distributed:
             return obj
-        import torch.distributed as dist
 
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self._objects)
@@ -122,8 +118,6 @@ class World:
     def close(self) -> None:
         """Leave the process group (no-op for one process)."""
         if self.distributed:
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -151,8 +145,6 @@ def init_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
                         "torchrun (e.g. torchrun --standalone --nproc_per_node=2 -m userdp train CONFIG)") from None
     if not timeout_s > 0:
         raise UserError(f"--dist-timeout must be > 0 seconds (got {timeout_s})")
-    import torch
-    import torch.distributed as dist
 
     cuda = shared_device(device, f"torchrun started {world} processes")
     if cuda:
@@ -181,7 +173,6 @@ def shared_device(device: str, started: str) -> bool:
 
     Raises:
         UserError: ``cuda:i`` (one GPU for several processes), or ``cuda`` without a CUDA device."""
-    import torch
 
     spec = str(device).strip().lower()
     if spec.startswith("cuda:"):
@@ -206,12 +197,8 @@ def _stop_on_sigterm() -> None:
 def translate(exc: BaseException) -> Optional[PeerLost]:
     """A :class:`PeerLost` for an exception that means a peer failed (a torch.distributed error,
     or gloo's transport errors, which torch raises as RuntimeError), else None."""
-    try:
-        from torch.distributed import DistError
-    except ImportError:  # pragma: no cover - torch without distributed
-        DistError = ()  # noqa: N806
     text = str(exc)
-    if not (isinstance(exc, DistError) or (isinstance(exc, RuntimeError) and ("gloo" in text or "NCCL" in text))):
+    if not (isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and ("gloo" in text or "NCCL" in text))):
         return None
     first = text.splitlines()[0] if text else type(exc).__name__
     reason = re.sub(r"^\[[^\]]*\]\s*", "", first).split(". This is typically")[0]  # gloo: "[file:line] why"

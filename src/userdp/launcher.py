@@ -27,38 +27,13 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from userdp.errors import UserError
+import torch
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from userdp.errors import ERROR_DIR_ENV, UserError
 from userdp.fileio import read_input
 from userdp.launch import shared_device
-
-#: set in the workers' environment: the folder where each rank writes its one-line error
-ERROR_DIR_ENV = "USERDP_LAUNCH_ERRORS"
-
-
-def worker_error_file() -> Path | None:
-    """Where this worker writes its one-line error (None: not started by :func:`launch`)."""
-    folder = os.environ.get(ERROR_DIR_ENV)
-    if not folder:
-        return None
-    return Path(folder) / f"rank{os.environ.get('RANK', '0')}.err"
-
-
-def say(line: str, status: int) -> None:
-    """Print this process's last line (``userdp: error: ...``) to stderr — or, in a worker of
-    :func:`launch`, hand it to the launcher, which prints the job's one line."""
-    if not _hand_over(line, status):
-        print(line, file=sys.stderr)
-
-
-def _hand_over(line: str, status: int) -> bool:
-    path = worker_error_file()
-    if path is None:
-        return False
-    try:
-        path.write_text(f"{status}\n{line}\n", encoding="utf-8")
-    except OSError:
-        return False
-    return True
 
 
 def precheck(cfg, nproc: int, plan: str | None) -> None:
@@ -77,7 +52,6 @@ def precheck(cfg, nproc: int, plan: str | None) -> None:
             raise UserError(f"{key} {value}: does not exist")
     if plan:
         read_input(plan, f"--plan {plan}")
-    import torch  # heavy: not at the top of a module the CLI imports to build its parser
 
     if shared_device(cfg.model.device, f"--nproc {nproc} starts {nproc} processes") \
             and nproc > torch.cuda.device_count():
@@ -92,8 +66,6 @@ def launch(worker_argv: list[str], *, nproc: int, nnodes: str = "1", node_rank: 
 
     Raises:
         UserError: ``--nnodes`` / ``--rdzv-endpoint`` malformed."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lo, _, hi = str(nnodes).partition(":")
     try:

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from typing import Iterable
 
 from userdp.errors import UserError
 
 #: Smallest sampling rate accounted (below it float64 loses the rate; denormals broke dp_accounting).
 MIN_SAMPLING_RATE = 1e-12
+
+#: what ``model.device`` accepts (checked against the machine by :func:`userdp.devices.resolve_device`;
+#: the config and the CLI's flags validate their form here, without importing torch)
+DEVICE_SPEC = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 
 def _as_float(value) -> float:

@@ -1,5 +1,5 @@
 """The ``userdp`` command. Each sub-command lives in its own module under ``userdp.cli`` and
-exposes ``register(subparsers)``; this module only wires them together and turns
+exposes ``register(parser)``; this module only wires them together and turns
 :class:`userdp.errors.UserError` into one line on stderr and exit status 2."""
 
 from __future__ import annotations
@@ -10,25 +10,29 @@ import logging
 import os
 import sys
 
-from userdp import __version__, fileio, launcher, plugins
-from userdp.errors import UserError
+from userdp import __version__, fileio, plugins
+from userdp.errors import UserError, say
 
-# Module names under userdp.cli, in the order they appear in `userdp --help`.
-COMMAND_MODULES = [
-    "init",
-    "train",
-    "pretrain",
-    "evaluate",
-    "audit",
-    "tune",
-    "report",
-    "plan",
-    "account",
-    "calibrate",
-    "data",
-    "experiment",
-    "cache",
-]
+#: The commands, in the order `userdp --help` lists them, each with its one-line help: the one place
+#: the CLI names its modules. Command NAME lives in ``userdp.cli.NAME``, whose ``register(parser)``
+#: adds its options; only the command a command line names is imported (importlib), so
+#: ``userdp --help`` and ``userdp account`` do not pay for torch or transformers, and every
+#: command module imports what it uses at its top.
+COMMANDS = {
+    "init": "write a commented starting config for your own data file",
+    "train": "fine-tune a causal LM with user-level DP (no arguments: the Shakespeare default)",
+    "pretrain": "pretrain a small GPT non-privately on public text (for `userdp train`)",
+    "evaluate": "held-out-user loss and perplexity of a run's model (or a model folder)",
+    "audit": "train with canary users and measure an empirical lower bound on user-level epsilon",
+    "tune": "tune hyperparameters with the tuning itself accounted (private selection)",
+    "report": "print the privacy statement of a training run",
+    "plan": "choose G, cohort size and noise for a compute budget (docs/plan.md)",
+    "account": "user-level (epsilon, delta) of ELS / ULS / DP-FedAvg training",
+    "calibrate": "noise multiplier for a target user-level (epsilon, delta)",
+    "data": "user-partitioned data: statistics, user-grouped store",
+    "experiment": "synthetic experiments (docs/experiments.md)",
+    "cache": "see or clear what userdp keeps on disk (private data at rest)",
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -38,23 +42,35 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``userdp`` parser. Every command is listed; the one ``argv`` names (all of them when
+    ``argv`` is None) gets its options, which imports its module."""
+    named = _command_of(argv) if argv is not None else None
     parser = ArgumentParser(
         prog="userdp",
         description="Fine-tune language models with user-level differential privacy.",
     )
     parser.add_argument("--version", action="version", version=f"userdp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=ArgumentParser)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"userdp.cli.{name}")
-        except ModuleNotFoundError as exc:  # a command not built yet
-            if exc.name == f"userdp.cli.{name}":
-                continue
-            raise
-        module.register(sub)
+    for name, help in COMMANDS.items():
+        p = sub.add_parser(name, help=help)
+        if argv is None or name == named:
+            importlib.import_module(f"userdp.cli.{name}").register(p)
     _add_plugin_option(parser)
     return parser
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The command ``argv`` names: its first word that is not an option (nor ``--plugin``'s value)."""
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word == "--plugin":
+            skip = True
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def _add_plugin_option(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         print(f"userdp: error: {exc}", file=sys.stderr)
         return 2
-    parser = build_parser()
+    parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:
@@ -103,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UserError as exc:
-        launcher.say(f"userdp: error: {exc}", 2)  # under `train --nproc`: the launcher prints the job's one line
+        say(f"userdp: error: {exc}", 2)  # under `train --nproc`: the launcher prints the job's one line
         return 2
     except OSError as exc:  # the environment (a full disk, no permission), met outside fileio's writers
         if exc.errno not in fileio.ENVIRONMENT_ERRNOS:
             raise
-        launcher.say(f"userdp: error: {fileio.os_error(exc.filename or '(a file)', exc, 'cannot use it')}", 2)
+        say(f"userdp: error: {fileio.os_error(exc.filename or '(a file)', exc, 'cannot use it')}", 2)
         return 2
     except KeyboardInterrupt:
         print("userdp: interrupted", file=sys.stderr)

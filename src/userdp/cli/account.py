@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from userdp import accounting
+from userdp.accounting import split as adaptive_clipping
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.cli.argtypes import open_unit, positive_float, positive_int, rate  # noqa: F401 (re-exported)
@@ -55,7 +57,6 @@ def add_mechanism_arguments(p: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> dict[str, Any]:
     """Validate the combination of arguments; return the mechanism's fixed parts."""
-    from userdp import accounting
     out: dict[str, Any] = {"mechanism": args.mechanism, "group_size": args.group_size,
                            "steps": args.steps}
     if args.users is not None:
@@ -98,7 +99,6 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
 
 def mechanism_of(m: dict[str, Any], noise_multiplier: float):
     """The resolved flags as a :class:`userdp.accounting.Mechanism` (the one event mapping)."""
-    from userdp import accounting
     return accounting.Mechanism.for_training(
         unit="record" if m["mechanism"] == "els" else "user",
         sampling="poisson" if m["sampling"] == "poisson" else "fixed_size",
@@ -109,7 +109,6 @@ def mechanism_of(m: dict[str, Any], noise_multiplier: float):
 
 
 def split_noise(m: dict[str, Any], effective_z: float, count_stddev: float | None) -> None:
-    from userdp.accounting import split as adaptive_clipping
     m["noise_multiplier"] = effective_z
     if count_stddev is not None:
         m["count_noise_stddev"] = count_stddev
@@ -157,11 +156,9 @@ def emit(m: dict[str, Any], as_json: bool, text: str) -> None:
 
 
 # ------------------------------------------------------------------ the command
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "account", help="user-level (epsilon, delta) of ELS / ULS / DP-FedAvg training",
-        description="Compute the user-level privacy guarantee of T steps of ELS or ULS "
-                    "(DP-FedAvg) training with a given noise multiplier.")
+def register(p) -> None:
+    p.description = ("Compute the user-level privacy guarantee of T steps of ELS or ULS "
+                     "(DP-FedAvg) training with a given noise multiplier.")
     p.add_argument("--noise-multiplier", type=positive_float, required=True, metavar="Z",
                    help="noise std / clip norm (with --count-noise-stddev: the effective one)")
     add_mechanism_arguments(p)
@@ -169,7 +166,6 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from userdp import accounting
     m = resolve(args)
     split_noise(m, args.noise_multiplier, args.count_noise_stddev)
     event = mechanism_of(m, args.noise_multiplier).event()

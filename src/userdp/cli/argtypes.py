@@ -7,9 +7,12 @@ Each type takes the option's text and returns the value or raises ``argparse.Arg
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 from pathlib import Path
 from typing import Callable
+
+from userdp.validation import DEVICE_SPEC
 
 
 def _number(text: str) -> float:
@@ -72,7 +75,6 @@ def list_of(item: Callable[[str], float | int]) -> Callable[[str], tuple]:
 def device(text: str) -> str:
     """A device spec: auto, cpu, cuda or cuda:<index> (lower-cased). Whether the machine has it is
     checked when the job starts (``userdp.devices.resolve_device``), not here."""
-    from userdp.devices import DEVICE_SPEC
 
     spec = text.strip().lower()
     if not DEVICE_SPEC.match(spec):
@@ -118,8 +120,6 @@ class registered:
         self.module, self.attr, self.extra = module, attr, extra
 
     def _names(self) -> tuple[str, ...]:
-        import importlib
-
         return (*self.extra, *getattr(importlib.import_module(self.module), self.attr).names())
 
     def __contains__(self, value) -> bool:

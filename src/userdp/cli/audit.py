@@ -4,21 +4,22 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+from userdp.audit.session import AuditSession, combine_runs
 from userdp.cli import jsonout
 from userdp.errors import UserError
+from userdp.lm import config as C
+from userdp.lm.finetune import run
+from userdp.lm.run_dir import existing_run_dir, read_json
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "audit",
-        help="train with canary users and measure an empirical lower bound on user-level epsilon",
-        description=("Train as `userdp train` does, with K synthetic canary users each included with "
+def register(p) -> None:
+    p.description = ("Train as `userdp train` does, with K synthetic canary users each included with "
                      "probability 1/2, and report the one-run lower bound on epsilon (Steinke, Nasr & "
                      "Jagielski 2023) beside the accounted upper bound, plus a user-inference diagnostic. "
                      "The canaries' seed and scores go to a secrets file beside the run directory. "
-                     "See docs/audit.md."),
-    )
+                     "See docs/audit.md.")
     p.add_argument("config", nargs="?", help="YAML config layered over the embedded default")
     p.add_argument("--canaries", type=int, metavar="K",
                    help="canary users (default: audit.canaries of the config, else 400)")
@@ -37,14 +38,10 @@ DEFAULT_CANARIES = 400
 
 
 def main(args) -> int:
-    from userdp.lm import config as C
-    from userdp.lm.finetune import run
-
     if args.combine:
         if args.config or args.overrides or args.output or args.resume or args.canaries is not None:
             raise UserError("--combine RUN_DIR ... trains nothing: give no CONFIG, --set, --output, "
                             "--resume or --canaries with it")
-        from userdp.audit.session import combine_runs
 
         r = combine_runs(args.combine)
         print(f"audit of {r['runs']} runs: {r['statement']} — {r['canaries']} canary users pooled")
@@ -55,7 +52,6 @@ def main(args) -> int:
         if args.config or args.overrides or args.output or args.canaries is not None:
             raise UserError("--resume RUN_DIR continues an audited run with its saved config: give no "
                             "CONFIG, --set, --output or --canaries with it")
-        from userdp.lm.run_dir import existing_run_dir
 
         cfg = C.load_config(existing_run_dir(args.resume).config)
         if not cfg.audit.canaries:
@@ -67,7 +63,6 @@ def main(args) -> int:
         cfg = C.load_config(args.config, args.overrides)
         k = args.canaries if args.canaries is not None else (cfg.audit.canaries or DEFAULT_CANARIES)
         cfg = C.load_config(args.config, args.overrides + [f"audit.canaries={k}"])
-    from userdp.audit.session import AuditSession
 
     s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, audit=AuditSession)
     a = s["audit"]
@@ -82,9 +77,6 @@ def main(args) -> int:
     if args.json:
         out = {"run_dir": s["run_dir"], "algorithm": s["algorithm"], "epsilon": s["epsilon"],
                "delta": s["delta"], **{k: v for k, v in a.items()}}
-        from pathlib import Path
-
-        from userdp.lm.run_dir import read_json
 
         full = read_json(Path(s["run_dir"]) / "privacy.json").get("audit") or {}
         out.update({k: full.get(k) for k in ("guesses", "correct", "canary_auc", "user_inference", "secrets_file")})

@@ -1,7 +1,6 @@
 """``userdp cache info|clear``: see and remove what userdp keeps on disk between runs.
 
 The cache (``$USERDP_CACHE``, else ``~/.cache/userdp``) holds, by kind:
-
 * ``stores/`` — user-grouped stores: a raw copy of every record of the data (**private**);
 * ``tokenized/`` — token ids of the records (**private**);
 * ``perplexity/`` — per-record perplexity scores (**private**);
@@ -24,6 +23,7 @@ from pathlib import Path
 from userdp.cli import jsonout
 from userdp.errors import UserError
 from userdp.fileio import OWNED_MARK, is_owned, remove_owned
+from userdp.lm.pretrain import cache_root, local_caches
 
 KINDS = {"stores": True, "tokenized": True, "perplexity": True, "pretrained": False}  # kind -> private
 
@@ -73,8 +73,6 @@ def _human(n: int) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from userdp.lm.pretrain import cache_root, local_caches
-
     root = cache_root()
     if args.action == "info":
         rep = info(root, local_caches())
@@ -113,9 +111,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("cache", help="see or clear what userdp keeps on disk (private data at rest)",
-                              description=__doc__.split("\n\n")[0])
+def register(p) -> None:
+    p.description = __doc__.split("\n\n")[0]
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     i = sub.add_parser("info", help="what the cache holds, by kind, and which kinds are private")
     i.add_argument("--json", action="store_true", help="print one JSON object")

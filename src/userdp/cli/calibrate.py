@@ -25,11 +25,9 @@ from userdp.cli.account import (
 from userdp.errors import UserError
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "calibrate", help="noise multiplier for a target user-level (epsilon, delta)",
-        description="Find the smallest noise multiplier for which T steps of ELS or ULS "
-                    "(DP-FedAvg) training are user-level (epsilon, delta)-DP.")
+def register(p) -> None:
+    p.description = ("Find the smallest noise multiplier for which T steps of ELS or ULS "
+                     "(DP-FedAvg) training are user-level (epsilon, delta)-DP.")
     p.add_argument("--epsilon", type=positive_float, required=True, metavar="E",
                    help="target user-level epsilon")
     add_mechanism_arguments(p)

@@ -7,6 +7,10 @@ from pathlib import Path
 
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
+from userdp.data.sources import open_source
+from userdp.data.stats import corpus_stats, format_stats, plot_records_per_user
+from userdp.data.store import UserStore, build_store
+from userdp.data.tokenize import load_tokenizer, tokenize_store
 from userdp.errors import UserError
 
 
@@ -25,9 +29,6 @@ def _add_source_args(p) -> None:
 
 
 def _open_store(args, out_dir):
-    from userdp.data.sources import open_source
-    from userdp.data.store import UserStore, build_store
-
     src_path = Path(args.source)
     if args.source != "shakespeare" and (src_path / "meta.json").is_file() and (src_path / "records.arrow").is_file():
         return UserStore(src_path)
@@ -39,9 +40,6 @@ def _open_store(args, out_dir):
 
 
 def _stats(args) -> int:
-    from userdp.data.stats import corpus_stats, format_stats, plot_records_per_user
-    from userdp.data.tokenize import load_tokenizer, tokenize_store
-
     with tempfile.TemporaryDirectory(prefix="userdp-data-") as tmp:
         store = _open_store(args, Path(tmp) / "store")
         tokenized = None
@@ -63,8 +61,6 @@ def _stats(args) -> int:
 
 
 def _build(args) -> int:
-    from userdp.data.stats import corpus_stats, format_stats
-
     out = Path(args.out)
     if (Path(args.source) / "meta.json").is_file():
         raise UserError(f"{args.source} is already a built store")
@@ -74,8 +70,7 @@ def _build(args) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("data", help="user-partitioned data: statistics, user-grouped store")
+def register(p) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="SUBCOMMAND")
     p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
 

@@ -6,14 +6,14 @@ import math
 
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
+from userdp.devices import resolve_device
+from userdp.lm.evaluate_job import evaluate_target
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "evaluate", help="held-out-user loss and perplexity of a run's model (or a model folder)",
-        description=("Loss and perplexity on held-out users, averaged over tokens and over users. "
+def register(p) -> None:
+    p.description = ("Loss and perplexity on held-out users, averaged over tokens and over users. "
                      "A RUN_DIR is evaluated on its own held-out users (same split); a MODEL_DIR "
-                     "needs --data (or uses the run config given with --config)."))
+                     "needs --data (or uses the run config given with --config).")
     p.add_argument("target", metavar="RUN_DIR|MODEL_DIR")
     p.add_argument("--data", metavar="SOURCE", help="data to evaluate on: 'shakespeare' or a path "
                    "(with --format); all of its users count as held out unless --config says otherwise")
@@ -34,11 +34,7 @@ def _fmt(x):
 
 
 def main(args) -> int:
-    from userdp.lm.evaluate_job import evaluate_target
-
     if args.device is not None:
-        from userdp.devices import resolve_device
-
         resolve_device(args.device, name="--device")  # refused here, naming the flag
     res = evaluate_target(args.target, data=args.data, fmt=args.format, config=args.config,
                           overrides=args.overrides, personalize=args.personalize,

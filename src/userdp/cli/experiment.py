@@ -12,6 +12,8 @@ from pathlib import Path
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.errors import UserError
+from userdp.experiments import mean_estimation as me
+from userdp.experiments import variance
 
 _floats = A.list_of(A.positive_float)
 _ints = A.list_of(A.positive_int)
@@ -46,8 +48,6 @@ def _plot_dir(path: str | None) -> Path | None:
 # ----------------------------------------------------------------------------------- variance
 
 def _run_variance(args: argparse.Namespace) -> int:
-    from userdp.experiments import variance
-
     _quiet_absl()
     cfg = variance.VarianceConfig(
         num_users=args.users, max_group_size=args.max_group_size,
@@ -107,8 +107,6 @@ def _add_variance(sub) -> None:
 # ---------------------------------------------------------------------------- mean estimation
 
 def _run_mean_estimation(args: argparse.Namespace) -> int:
-    from userdp.experiments import mean_estimation as me
-
     _quiet_absl()
     if args.quick:  # before the defaults are filled in: only what the user gave is refused
         _refuse_quick_overrides(args, args._defaults, ("users", "steps", "uls_group_sizes", "learning_rates",
@@ -160,7 +158,6 @@ def _run_mean_estimation(args: argparse.Namespace) -> int:
 
 
 def _add_mean_estimation(sub) -> None:
-
     p = sub.add_parser(
         "mean-estimation", help="ELS vs ULS on synthetic mean estimation (Charles et al. 2024, Fig 3; docs/experiments.md)",
         description="Each user's records are N(mu_u, sigma_w^2 I) around a user mean mu_u near the "
@@ -209,9 +206,8 @@ def _add_mean_estimation(sub) -> None:
     p.set_defaults(func=_run_mean_estimation, _defaults={a.dest: a.default for a in p._actions})
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("experiment", help="synthetic experiments (docs/experiments.md)",
-                              description="Synthetic experiments comparing ELS and ULS.")
+def register(p) -> None:
+    p.description = "Synthetic experiments comparing ELS and ULS."
     sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT")
     _add_mean_estimation(sub)
     _add_variance(sub)

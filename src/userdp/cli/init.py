@@ -11,13 +11,21 @@ counts.
 from __future__ import annotations
 
 import argparse
+import csv
+import gzip
 import json
 import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
+from userdp.data.sources import detect_format, is_gzip, open_source
+from userdp.data.stats import corpus_stats
+from userdp.data.store import build_store
 from userdp.errors import UserError
 from userdp.fileio import write_atomic
+from userdp.lm.prepare import read_public_file
 
 #: the fewest users a config is written for (training holds one out and trains on the rest)
 MIN_USERS = 2
@@ -28,10 +36,6 @@ TEXT_FIELDS = ("text", "body", "message", "content", "msg", "post", "comment")
 def _first_record_fields(path: Path, fmt: str) -> list[str]:
     """Field names of the first record (JSONL object keys, CSV header, Parquet/HF columns)."""
     if fmt == "jsonl":
-        import gzip
-
-        from userdp.data.sources import is_gzip
-
         opener = gzip.open if is_gzip(path) else open
         # utf-8-sig: a byte-order mark before the first line is dropped, as the reader drops it
         with opener(path, "rt", encoding="utf-8-sig", errors="replace") as f:
@@ -48,13 +52,9 @@ def _first_record_fields(path: Path, fmt: str) -> list[str]:
                     return list(obj)
         return []
     if fmt == "csv":
-        import csv
-
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
             return next(csv.reader(f), [])
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         try:
             return list(pq.read_schema(path).names)
         except Exception:  # noqa: BLE001 - the reader below gives the one-line error
@@ -146,11 +146,6 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from userdp.data.sources import detect_format, open_source
-    from userdp.data.stats import corpus_stats
-    from userdp.data.store import build_store
-    from userdp.lm.prepare import read_public_file
-
     path = Path(args.datafile)
     fmt = args.format or detect_format(str(path))
     if fmt not in ("jsonl", "csv", "parquet", "hf"):
@@ -186,9 +181,8 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("init", help="write a commented starting config for your own data file",
-                              description=__doc__.split("\n\n")[1].replace("\n", " "))
+def register(p) -> None:
+    p.description = __doc__.split("\n\n")[1].replace("\n", " ")
     p.add_argument("datafile", help="a JSONL[.gz], CSV, Parquet file or saved Hugging Face dataset folder")
     p.add_argument("--format", choices=["jsonl", "csv", "parquet", "hf"], help="default: from the name or contents")
     p.add_argument("--user-field", help="field naming the user (default: guessed: user, author, ...)")

@@ -12,13 +12,23 @@ import argparse
 import logging
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import NamedTuple
 
+from userdp import planning
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
+from userdp.devices import resolve_device
 from userdp.errors import UserError
+from userdp.fileio import write_json
+from userdp.lm import config as C
+from userdp.lm import models
+from userdp.lm.plan_auto import plan_record
+from userdp.lm.prepare import build_datasets, prepare_data
+from userdp.lm.pretrain import cache_in, private_cache_for
+from userdp.lm.starting_model import get_tokenizer_and_model
 
 
 class ResolvedTraining(NamedTuple):
@@ -36,10 +46,6 @@ class ResolvedTraining(NamedTuple):
 
 def resolve_training(config_path: str | None, overrides: list[str] | None, log) -> ResolvedTraining:
     """Resolve data, tokenizer and model exactly as ``userdp train`` does (see ResolvedTraining)."""
-    from userdp.lm import config as C
-    from userdp.lm import models
-    from userdp.lm.prepare import build_datasets, prepare_data
-    from userdp.lm.starting_model import get_tokenizer_and_model
 
     cfg = C.load_config(config_path, overrides or [])
     prep = prepare_data(cfg.data, log)
@@ -47,7 +53,6 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
-    from userdp.devices import resolve_device
 
     model.to(resolve_device(cfg.model.device))  # the L(G) gradients run where training will (model.device)
     model.train()
@@ -57,11 +62,6 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
 
 
 def _run(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from userdp.lm import config as C
-    from userdp.lm.pretrain import cache_in, private_cache_for
-
     setting = C.load_config(args.config, args.set or []).output.cache
     if setting == "run":
         # no run directory yet: the private caches (store, tokenized records) live in a folder
@@ -91,8 +91,6 @@ def _check_save(args: argparse.Namespace) -> Path:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from userdp import planning
-
     logging.getLogger("absl").setLevel(logging.ERROR)
     save = _check_save(args)
     if args.compute_budget < 1:
@@ -104,8 +102,6 @@ def _plan(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     if args.device:
-        from userdp.devices import resolve_device
-
         resolve_device(args.device, name="--device")  # refused here, naming the flag
     sets = list(args.set or []) + ([f"model.device={args.device}"] if args.device else [])
     r = resolve_training(args.config, sets, log)
@@ -120,8 +116,6 @@ def _plan(args: argparse.Namespace) -> int:
         delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
         accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
         chunk_size=cfg.training.chunk_size or 8, log=log)
-    from userdp.fileio import write_json
-    from userdp.lm.plan_auto import plan_record
 
     out = plan_record(plan, plan.recommended, "recommended", seed=args.seed, data_fingerprint=data_fp)
     out["config"] = args.config or "embedded default of `userdp train`"
@@ -153,13 +147,11 @@ SIBLING_NOTE = "\n".join((
 
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "plan", help="choose G, cohort size and noise for a compute budget (docs/plan.md)",
-        description="For ELS: G = median records per user, expected batch, sampling rate, sigma. "
-                    "For ULS: (cohort M, group G) by Estimate-and-Double, sampling rate, sigma. "
-                    "Prints the noise-std proxy of each and recommends the lower. The sampled "
-                    "users and their gradient norms are a non-private touch of the data.")
+def register(p) -> None:
+    p.description = ("For ELS: G = median records per user, expected batch, sampling rate, sigma. "
+                     "For ULS: (cohort M, group G) by Estimate-and-Double, sampling rate, sigma. "
+                     "Prints the noise-std proxy of each and recommends the lower. The sampled "
+                     "users and their gradient norms are a non-private touch of the data.")
     p.add_argument("config", nargs="?", default=None,
                    help="training config YAML (default: the embedded default of `userdp train`)")
     p.add_argument("--compute-budget", type=A.positive_int, required=True, metavar="B",

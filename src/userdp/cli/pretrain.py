@@ -5,15 +5,14 @@ from __future__ import annotations
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.lm.presets import PRESETS
+from userdp.lm.pretrain_job import pretrain_job
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "pretrain", help="pretrain a small GPT non-privately on public text (for `userdp train`)",
-        description=("Train a byte-level BPE tokenizer and a GPT-2-style preset on text DECLARED "
+def register(p) -> None:
+    p.description = ("Train a byte-level BPE tokenizer and a GPT-2-style preset on text DECLARED "
                      "PUBLIC (nothing here is private or accounted), and save a folder that "
                      "`userdp train --set model.path=DIR` and transformers' "
-                     "AutoModelForCausalLM.from_pretrained accept."))
+                     "AutoModelForCausalLM.from_pretrained accept.")
     p.add_argument("--output", required=True, metavar="DIR", type=A.output_dir, help="model folder to write")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--public-text", metavar="FILE", help="public text: .txt (documents separated "
@@ -42,8 +41,6 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from userdp.lm.pretrain_job import pretrain_job
-
     info = pretrain_job(args)
     if args.json:
         print(jsonout.dumps(info))

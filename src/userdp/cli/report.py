@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from userdp.cli import jsonout
+from userdp.lm.report import write_report
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("report", help="print the privacy statement of a training run",
-                              description="Write report.md and report.json into RUN_DIR and print "
-                                          "the privacy statement (the checklist of Ponomareva et al. 2023, §5.3.3) as Markdown.")
+def register(p) -> None:
+    p.description = ("Write report.md and report.json into RUN_DIR and print "
+                     "the privacy statement (the checklist of Ponomareva et al. 2023, §5.3.3) as Markdown.")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the statement as JSON instead")
     p.add_argument("--delta", type=float, default=None, metavar="D",
@@ -17,8 +17,6 @@ def register(subparsers) -> None:
 
 
 def main(args) -> int:
-    from userdp.lm.report import write_report
-
     rep, md = write_report(args.run_dir, args.delta)
     if args.json:
         print(jsonout.dumps(rep, indent=2))

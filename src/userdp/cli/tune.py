@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 
+from userdp.accounting.selection import TrialCount
 from userdp.cli import jsonout
+from userdp.engine.algorithms import ALGORITHMS
 from userdp.errors import UserError
+from userdp.lm import config as C
+from userdp.lm.run_dir import read_json
+from userdp.tuning import job
+from userdp.tuning.space import load_space
 
 MAX_MEAN_TRIALS = 1000  # a tuning run of more trials is not a tuning run this tool can finish
 MAX_ETA = 100.0
 MAX_EPSILON = 1000.0
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser(
-        "tune", help="tune hyperparameters with the tuning itself accounted (private selection)",
-        description=("Run a random number of trials of the training job (Papernot & Steinke 2022: truncated "
+def register(p) -> None:
+    p.description = ("Run a random number of trials of the training job (Papernot & Steinke 2022: truncated "
                      "negative binomial or Poisson), each with hyperparameters drawn from SPACE.yaml, score "
                      "them on held-out users and release the best; the per-trial noise is calibrated so "
                      "tuning + the released model meet --epsilon. With --on public, tune on data declared "
-                     "public and train once on the private data. See docs/tuning.md."))
+                     "public and train once on the private data. See docs/tuning.md.")
     p.add_argument("config", nargs="?", help="training config (YAML) layered over the embedded default")
     p.add_argument("--search", metavar="SPACE.yaml", help="the search space (required for a new tuning run)")
     p.add_argument("--epsilon", type=float, metavar="E", help="budget for tuning + the released model")
@@ -49,15 +54,6 @@ def _log(msg: str) -> None:
 
 
 def main(args) -> int:
-    import time
-
-    from userdp.accounting.selection import TrialCount
-    from userdp.engine.algorithms import ALGORITHMS
-    from userdp.lm import config as C
-    from userdp.lm.run_dir import read_json
-    from userdp.tuning import job
-    from userdp.tuning.space import load_space
-
     if args.resume:
         if args.config or args.search or args.overrides or args.output or args.epsilon is not None:
             raise UserError("--resume DIR continues a tuning run with its saved plan: give no CONFIG, "

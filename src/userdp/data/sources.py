@@ -27,6 +27,9 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from userdp.data.records import DropReport, RecordBatch
 from userdp.data.shakespeare import ShakespeareSource
 from userdp.data.stackexchange import StackExchangeSource
@@ -387,8 +390,6 @@ class _ArrowSource(_FieldSource):
                 )
 
     def _convert(self, table, where: str, first_row: int) -> RecordBatch:
-        import pyarrow as pa
-
         def col(field):
             c = table.column(field)
             if pa.types.is_string(c.type) or pa.types.is_large_string(c.type):
@@ -427,9 +428,6 @@ class ParquetSource(_ArrowSource):
     kind = "parquet"
 
     def batches(self, batch_size: int = 50_000) -> Iterator[RecordBatch]:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
         files = sorted(self.path.glob("*.parquet")) if self.path.is_dir() else [self.path]
         for path in files:
             try:

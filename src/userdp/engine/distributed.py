@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 #: the largest flat buffer a bucketed collective allocates (tensors beyond it go alone, in place)
 BUCKET_BYTES = 32 << 20
@@ -75,8 +76,6 @@ class TorchDistributedCombiner:
     """
 
     def __init__(self, group=None, device: torch.device | str | None = None):
-        import torch.distributed as dist
-
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized (call init_process_group first)")
         self._dist = dist
@@ -116,6 +115,11 @@ class TorchDistributedCombiner:
 
     def _main(self) -> int:
         return self._dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
+
+def combiner_for(distributed: bool):
+    """The combiner of a job: torch.distributed's across its processes, a no-op for one process."""
+    return TorchDistributedCombiner() if distributed else LocalCombiner()
 
 
 def broadcast_module_state(combiner, module: torch.nn.Module, extra: Sequence[torch.Tensor] = ()) -> None:

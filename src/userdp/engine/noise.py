@@ -32,6 +32,7 @@ factorization) are one new class and no change to the loop:
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
@@ -59,8 +60,6 @@ def _pool():
     """A shared thread pool for large noise draws (None with a single core)."""
     global _POOL
     if _POOL is None and (os.cpu_count() or 1) > 1:
-        from concurrent.futures import ThreadPoolExecutor
-
         _POOL = ThreadPoolExecutor(max_workers=min(_STREAMS, os.cpu_count() or 1), thread_name_prefix="userdp-noise")
     return _POOL
 
@@ -71,8 +70,6 @@ def _ahead_pool():
     by the shared pool."""
     global _AHEAD
     if _AHEAD is None:
-        from concurrent.futures import ThreadPoolExecutor
-
         _AHEAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="userdp-noise-ahead")
     return _AHEAD
 

@@ -17,6 +17,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -316,7 +317,6 @@ def plot(rows: Sequence[dict], base: MeanEstimationConfig, sweeps: dict, out_dir
     import matplotlib
 
     matplotlib.use("Agg")
-    from pathlib import Path
 
     import matplotlib.pyplot as plt
 

@@ -32,7 +32,6 @@ from pydantic_core import PydanticCustomError
 
 from userdp import plugins
 from userdp.accounting.accountants import ACCOUNTANTS
-from userdp.devices import DEVICE_SPEC
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
@@ -40,7 +39,7 @@ from userdp.engine.sampling import SAMPLERS
 from userdp.errors import UserError
 from userdp.fileio import read_input, unclaimable
 from userdp.lm.presets import PRESETS
-from userdp.validation import close_names
+from userdp.validation import DEVICE_SPEC, close_names
 
 # --- the schema's value types ----------------------------------------------------------
 # pydantic v2 validates the dataclasses below (``TypeAdapter(RunConfig)``): unknown keys, types,

@@ -20,6 +20,7 @@ and would make each unit's gradient depend on the RNG state of the batch.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from torch import nn
 
 from userdp.engine.model_lint import lint_model  # noqa: F401  (the LM jobs lint up front)
@@ -156,7 +158,6 @@ def load_local(path: str | os.PathLike, *, quantize: str = "none", device=None) 
         UserError: not a directory, no config, a damaged model, bitsandbytes missing, or a
             model with no layer bitsandbytes quantizes (GPT-2's Conv1D).
     """
-    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
@@ -271,7 +272,6 @@ def is_lora(model: nn.Module) -> bool:
 
 def merged(model: nn.Module) -> nn.Module:
     """The plain transformers model: LoRA adapters merged into the weights (a copy)."""
-    import copy
 
     if is_lora(model):
         return copy.deepcopy(model).merge_and_unload()

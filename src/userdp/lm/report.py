@@ -8,6 +8,7 @@ Every field of the §8.3 checklist is present and non-empty; values that do not 
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import math
 import platform
@@ -69,8 +70,6 @@ def event_to_json(event: Any) -> Any:
 
 
 def library_versions() -> dict[str, str]:
-    import importlib.metadata as md
-
     out = {"python": platform.python_version()}
     for name in ("userdp", "torch", "dp-accounting", "transformers", "peft", "tokenizers", "numpy"):
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
 from userdp.devices import describe, resolve_device
-from userdp.engine.distributed import broadcast_module_state
+from userdp.engine.distributed import broadcast_module_state, combiner_for
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, make_dir, owned_dir
 from userdp.lm import config as C
@@ -143,7 +143,7 @@ def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_l
     if device is None:
         device = resolve_device(m.device)
     model.to(device)
-    combiner = world.combiner()
+    combiner = combiner_for(world.distributed)
     if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's
         broadcast_module_state(combiner, model)
         notes["processes"] = {"world_size": world.world_size, "backend": world.backend}
