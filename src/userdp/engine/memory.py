@@ -33,12 +33,11 @@ tokens a chunk and 0.99 at 2,048 (benchmarks/README.md); not yet measured on a G
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from userdp.engine.ghost import GROUP_ELEMENTS
+from userdp.engine.host import free_host_bytes
 from userdp.engine.noise import GaussianNoise, draws_ahead, source_class
 from userdp.errors import UserError
 
@@ -140,10 +139,8 @@ def free_bytes(device: torch.device) -> int:
     """Free memory on ``device`` (CUDA: the driver's figure; CPU: available physical memory)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 8 << 30
+    free = free_host_bytes()
+    return 8 << 30 if free is None else free  # 8 GiB where the OS does not say
 
 
 def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: torch.device, strategy: str,

@@ -40,6 +40,7 @@ import torch
 
 from userdp.engine.chacha import ChaChaNoise
 from userdp.engine.flat import add_piece, check_wide, flat_views, zeros_for_noise
+from userdp.engine.host import free_host_bytes
 from userdp.errors import UserError
 from userdp.registry import Registry
 
@@ -247,11 +248,8 @@ def draws_ahead(numel: int, itemsize: int = 4) -> bool:
         return PREFETCH == "on"
     if numel < _PARALLEL_FROM or (os.cpu_count() or 1) < 2:
         return False
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return False
-    return free >= 4 * numel * itemsize
+    free = free_host_bytes()
+    return free is not None and free >= 4 * numel * itemsize
 
 
 def _draw_dtype(dtypes) -> type:
