@@ -12,7 +12,7 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from userdp.accounting.accountants import get_accountant
-from userdp.accounting.events import check_delta, compose
+from userdp.accounting.events import check_delta, compose_after
 from userdp.accounting.pld import PLD_INTERVAL
 from userdp.errors import UserError
 from userdp.validation import check_int
@@ -94,8 +94,13 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
                                epsilon: float, delta: float, accountant: str = "pld", *,
                                rtol: float = 0.004, sigma_max: float = SIGMA_MAX,
                                value_discretization_interval: float = 1e-3,
-                               orders: Sequence[float] | None = None) -> float:
+                               orders: Sequence[float] | None = None,
+                               prior: Sequence[dpe.DpEvent] = ()) -> float:
     """Smallest noise multiplier whose T-step composition is (ε, δ)-DP, never below the truth.
+
+    ``prior``: events released before the steps about the same people (a DP median that planned
+    the run): the steps are calibrated so that the prior events and the T steps together, composed
+    by ``dp_accounting.DpEventBuilder``, are (ε, δ)-DP.
 
     Returns σ such that an upper bound on ε(σ) meets the target (PLD with pessimistic
     discretization at ``value_discretization_interval``, default 1e-3, or RDP): so σ ≥ the
@@ -115,22 +120,32 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
                         f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
     dlt = check_delta(delta)
     t = check_int(steps, "steps")
-    get_accountant(accountant)
+    acc = get_accountant(accountant)
+    prior, spent = tuple(prior), 0.0
+    if prior:  # what the prior events alone spend: nothing left for training is refused in one line
+        spent = acc.epsilon(compose_after(prior, None, 0), dlt, interval=value_discretization_interval,
+                            orders=orders)[0]
+        if not spent < eps:
+            raise UserError(f"the events released before training already spend epsilon = {spent:.4g} of the "
+                            f"{eps:g} at delta = {dlt:g}: nothing is left for training; raise epsilon or spend "
+                            "less before training (e.g. a smaller planning.dp_median_epsilon)")
     try:
         return _calibrate(make_step_event, t, eps, dlt, accountant, rtol=rtol, sigma_max=sigma_max,
-                          value_discretization_interval=value_discretization_interval, orders=orders)
+                          value_discretization_interval=value_discretization_interval, orders=orders,
+                          prior=prior, guess_epsilon=eps - spent)
     except RuntimeError:
+        after = " after the events released before training" if prior else ""
         raise UserError(f"no noise multiplier up to {sigma_max:g} meets epsilon = {eps:g} at delta = {dlt:g} "
-                        f"over {t} steps; raise epsilon or delta, or take fewer steps") from None
+                        f"over {t} steps{after}; raise epsilon or delta, or take fewer steps") from None
 
 
 def _calibrate(make_step_event, t, eps, dlt, accountant, *, rtol, sigma_max, value_discretization_interval,
-               orders):
+               orders, prior=(), guess_epsilon=None):
     log_target = math.log(eps)
     acc = get_accountant(accountant)
 
     def eps_at(s: float, interval: float) -> float:
-        return acc.epsilon(compose(make_step_event(s), t), dlt, interval=interval, orders=orders)[0]
+        return acc.epsilon(compose_after(prior, make_step_event(s), t), dlt, interval=interval, orders=orders)[0]
 
     def f_of(e: float) -> float:
         if e <= 0:
@@ -139,7 +154,8 @@ def _calibrate(make_step_event, t, eps, dlt, accountant, *, rtol, sigma_max, val
             return 50.0
         return math.log(e) - log_target
 
-    guess = _initial_guess(make_step_event, t, eps, dlt)
+    # the steps' share, roughly (basic composition with the prior): only where the search starts
+    guess = _initial_guess(make_step_event, t, guess_epsilon or eps, dlt)
     s0 = min(max(guess if guess else 1.0, 1e-3), sigma_max)
     # Pessimism of a Δ grid after T steps, measured here: ε(Δ) − ε ≈ 0.7·T·Δ² near ε ≈ 3
     # (0.0065 at T = 1e4, Δ = 1e-3; 0.07 at T = 1e5). Start on a grid that keeps it ≲ 0.3%;

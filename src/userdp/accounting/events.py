@@ -16,6 +16,7 @@ Which of these a run takes is decided in one place, :class:`userdp.accounting.Me
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Sequence
 
 import dp_accounting
@@ -116,6 +117,44 @@ def compose_after(prior: Sequence[dpe.DpEvent], step_event: dpe.DpEvent, steps: 
     if steps:
         builder.compose(step_event, check_int(steps, "steps"))
     return builder.build()
+
+
+def pure_dp_event(epsilon: float) -> dpe.DpEvent:
+    """The DpEvent of an epsilon-DP release under add-or-remove-one-user adjacency (a DP median).
+
+    dp_accounting has no pure (epsilon, 0) event. Binary randomized response at epsilon (noise
+    parameter p = 2 / (e^epsilon + 1)) is the dominating pair of every epsilon-DP mechanism
+    (Kairouz, Oh & Viswanath 2015), so it stands for one without under-counting. dp_accounting
+    accounts that event only under replace-one; userdp's accountants account it as this stand-in
+    (:func:`pure_dp_epsilon`) under either adjacency."""
+    eps = check_positive(epsilon, "epsilon")
+    return dp_accounting.RandomizedResponseDpEvent(2.0 / (math.exp(eps) + 1.0), 2)
+
+
+def pure_dp_epsilon(event: dpe.DpEvent, relation: "NeighborRel" = None) -> float | None:
+    """The epsilon of a :func:`pure_dp_event` under ``relation`` (None: not such an event).
+
+    Under add-or-remove it is the event's epsilon; under replace-one (fixed-size cohorts), where
+    replacing a user is removing one and adding another, twice that (group privacy of 2)."""
+    if not (isinstance(event, dpe.RandomizedResponseDpEvent) and event.num_buckets == 2
+            and 0 < float(event.noise_parameter) < 1):
+        return None
+    eps = math.log(2.0 / float(event.noise_parameter) - 1.0)
+    return 2.0 * eps if relation == NeighborRel.REPLACE_ONE else eps
+
+
+def has_pure_dp(event: dpe.DpEvent | None) -> bool:
+    """Whether ``event`` composes a :func:`pure_dp_event` (e.g. a plan's DP median, spent through
+    the ledger before the steps)."""
+    if event is None:
+        return False
+    if pure_dp_epsilon(event) is not None:
+        return True
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        return has_pure_dp(event.event)
+    if isinstance(event, dpe.ComposedDpEvent):
+        return any(has_pure_dp(e) for e in event.events)
+    return False
 
 
 def default_delta(num_users: int) -> tuple[float, str]:

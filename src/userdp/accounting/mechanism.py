@@ -141,14 +141,15 @@ class Mechanism:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def calibrated(self, epsilon: float, delta: float, accountant: str = "pld") -> "Mechanism":
+    def calibrated(self, epsilon: float, delta: float, accountant: str = "pld", prior=()) -> "Mechanism":
         """This mechanism with the smallest noise multiplier that meets (epsilon, delta) over its
-        steps (never below the true one; see :func:`~userdp.accounting.calibrate_noise_multiplier`).
+        steps (never below the true one; see :func:`~userdp.accounting.calibrate_noise_multiplier`),
+        after the ``prior`` events (released before the steps) where there are any.
 
         Raises:
             UserError: epsilon/delta out of range, or no noise multiplier meets them.
         """
-        z = calibrate_noise_multiplier(self.step_event, self.steps, epsilon, delta, accountant)
+        z = calibrate_noise_multiplier(self.step_event, self.steps, epsilon, delta, accountant, prior=prior)
         return self.replace(noise_multiplier=z)
 
     @property

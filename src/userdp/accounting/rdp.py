@@ -17,7 +17,14 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from scipy import stats
 from scipy.special import logsumexp
 
-from userdp.accounting.events import NeighborRel, check_delta, compose, neighbor_relation, uls_step_event
+from userdp.accounting.events import (
+    NeighborRel,
+    check_delta,
+    compose,
+    neighbor_relation,
+    pure_dp_epsilon,
+    uls_step_event,
+)
 from userdp.errors import UserError
 
 #: RDP orders used by the RDP backend (dp_accounting's defaults).
@@ -96,6 +103,21 @@ def mog_rdp(sigma: float, sensitivities: Sequence[float], probs: Sequence[float]
     return out
 
 
+def pure_dp_rdp(epsilon: float, orders: np.ndarray) -> np.ndarray:
+    """Rényi DP at ``orders`` of the epsilon-DP dominating pair P = (p, q), Q = (q, p) with
+    p = e^eps / (1 + e^eps): D_a = log(p^a q^(1-a) + q^a p^(1-a)) / (a - 1), KL at a = 1. Every
+    epsilon-DP mechanism is a post-processing of this pair, so its RDP is at most this."""
+    orders = np.asarray(orders, dtype=float)
+    log_p, log_q = -np.logaddexp(0.0, -epsilon), -np.logaddexp(0.0, epsilon)
+    out = np.empty(len(orders))
+    for i, a in enumerate(orders):
+        if a == 1.0:
+            out[i] = (np.exp(log_p) - np.exp(log_q)) * epsilon
+        else:
+            out[i] = np.logaddexp(a * log_p + (1 - a) * log_q, a * log_q + (1 - a) * log_p) / (a - 1)
+    return np.minimum(out, epsilon)
+
+
 def _rdp_vector(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -> np.ndarray:
     if isinstance(event, dpe.SelfComposedDpEvent):
         return event.count * _rdp_vector(event.event, orders, relation)
@@ -104,6 +126,9 @@ def _rdp_vector(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -
     if isinstance(event, dpe.MixtureOfGaussiansDpEvent):
         return _mog_rdp_cached(float(event.standard_deviation), tuple(event.sensitivities),
                                tuple(event.sampling_probs), tuple(orders))
+    eps = pure_dp_epsilon(event, relation)
+    if eps is not None:
+        return pure_dp_rdp(eps, orders)
     acc = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
     try:
         with _quiet_rdp_convergence():
