@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from userdp import accounting as A
 from userdp.cli import main as cli
 from userdp.errors import UserError
 from userdp.lm import config as C
@@ -177,12 +178,19 @@ def test_plan_auto_dp_median_is_counted_in_the_total(tiny, capsys):
     priv = json.loads((out / "privacy.json").read_text())
     assert priv["plan"]["els"]["group_size_method"] == "dp_median"
     assert priv["epsilon_plan"] == 0.5
-    assert priv["epsilon_total"] == pytest.approx(priv["epsilon"] + 0.5)
-    assert summary["epsilon_total"] == pytest.approx(priv["epsilon"] + 0.5)
+    # spent through the ledger (issue 36): the median's pure-DP event composed before the steps, the
+    # whole within the target, and tighter than adding the two epsilons
+    event = A.event_from_dict(priv["dp_event"])
+    assert A.has_pure_dp(event)
+    assert priv["epsilon_total"] == priv["epsilon"] == summary["epsilon_total"] <= priv["epsilon_target"]
+    acc = priv["engine_record"]["accountant"]
+    assert priv["epsilon"] == pytest.approx(A.epsilon(event, priv["delta"], acc), rel=1e-9)
+    training_only = A.compose(A.event_from_dict(priv["engine_record"]["step_event"]), priv["steps_taken"])
+    assert priv["epsilon"] < A.epsilon(training_only, priv["delta"], acc) + 0.5
     assert any("epsilon-DP median" in n for n in priv["not_accounted"])
     assert cli(["report", str(out)]) == 0
     md = (out / "report.md").read_text()
-    assert f"({priv['epsilon_total']:.4g}, " in md and "in total" in md
+    assert f"({priv['epsilon_total']:.4g}, " in md and "in total" in md and "composed by the accountant" in md
     assert "extra spend" in md
     # issue 34 (H4): the plan's spend is bound to the journal; deleting or editing the plan section
     # no longer drops it from the headline
@@ -199,3 +207,14 @@ def test_plan_auto_dp_median_is_counted_in_the_total(tiny, capsys):
         assert why in capsys.readouterr().err
     (out / "privacy.json").write_text(good)
     assert cli(["report", str(out)]) == 0
+    # a run written before the median went through the ledger (its event without it) still verifies, and
+    # its total adds the median by basic composition: dropping the median from the event never lowers it
+    legacy = json.loads(good)
+    legacy["dp_event"] = A.event_to_dict(training_only)
+    legacy["epsilon"] = A.epsilon(training_only, priv["delta"], acc)
+    (out / "privacy.json").write_text(json.dumps(legacy))
+    capsys.readouterr()
+    assert cli(["report", str(out), "--json"]) == 0, capsys.readouterr().err
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["epsilon_total"] == pytest.approx(legacy["epsilon"] + 0.5) and rep["epsilon_total"] > priv["epsilon"]
+    (out / "privacy.json").write_text(good)

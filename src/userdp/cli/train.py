@@ -142,7 +142,9 @@ def main(args) -> int:
     else:
         total = s.get("epsilon_total", s["epsilon"])
         parts = []
-        if s.get("epsilon_plan"):
+        if s.get("epsilon_plan") and total == s["epsilon"]:  # spent through the ledger: inside the total
+            parts.append(f"the plan's DP median (epsilon {_fmt(s['epsilon_plan'], '.3g')} on its own) included")
+        elif s.get("epsilon_plan"):
             parts.append(f"training {_fmt(s['epsilon'], '.3f')} + the plan's DP median {_fmt(s['epsilon_plan'], '.3g')}")
         if s.get("sampler") == "shuffle":
             parts.append("shuffled batches: WITHOUT amplification"

@@ -412,7 +412,7 @@ class PrivacyLedger:
         to :attr:`EXACT_CURVE_STEPS`, beyond it at the next point of a 1% geometric grid of step
         counts (epsilon grows with steps, so it is an upper bound within ~1%)."""
         t = self.spent
-        if t == 0:
+        if t == 0 and not self.prior:
             return 0.0
         if not self.private:
             return math.inf

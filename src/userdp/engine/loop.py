@@ -211,6 +211,8 @@ class EngineRun:
                                     accountant=cfg.accountant, safe_steps=self.plan.safe_steps,
                                     journal_dir=self.dir if self.combiner.rank == 0 else None,
                                     journal_context=context)
+        for event in cfg.prior_events:  # released before the first step: counted first, against the budget
+            self.ledger.spend_event(event)  # (a resumed run's checkpoint restores the same, with its steps)
         self.clip_state = cfg.clipping.initial_state()
         # the config's optimizer, or the caller's own (make_private): it steps the trainable parameters
         self.external_optimizer = optimizer is not None

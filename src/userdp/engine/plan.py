@@ -67,7 +67,10 @@ class TrainConfig:
     in :data:`~userdp.engine.noise.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
     ``precision``: the autocast dtype of the per-unit forward and backward (``float32``,
     ``bfloat16``, ``float16``; norms, sums and noise stay float32, see
-    :mod:`userdp.engine.precision`).
+    :mod:`userdp.engine.precision`). ``prior_events``: ``dp_accounting`` DpEvents released about
+    the same people before training (e.g. the DP median that chose G): the ledger counts them before
+    the first step, against ``target_epsilon`` like the steps, and a calibrated sigma leaves room
+    for them; the journal is bound to them (they are a privacy setting).
 
     Raises:
         UserError: a value out of range or a combination that cannot be accounted.
@@ -90,6 +93,7 @@ class TrainConfig:
     per_unit: str = "auto"
     noise: str = "iid_gaussian"
     precision: str = "float32"
+    prior_events: tuple = ()
 
     def __post_init__(self):
         # the one boundary of the engine's config: every field's type and range, converted in
@@ -112,6 +116,14 @@ class TrainConfig:
                      checkpoint_every=(check_int, "checkpoint_every", 0),
                      track_epsilon=(check_bool, "track_epsilon"), per_unit=(check_string, "per_unit"),
                      noise=(check_string, "noise"), precision=(check_string, "precision"))
+        if not isinstance(self.prior_events, (tuple, list)):
+            raise UserError(f"prior_events must be a tuple of dp_accounting DpEvents (got "
+                            f"{type(self.prior_events).__name__})")
+        object.__setattr__(self, "prior_events", tuple(self.prior_events))
+        for i, event in enumerate(self.prior_events):
+            check_instance(event, f"prior_events[{i}]", (dpe.DpEvent,), "a dp_accounting DpEvent")
+        if self.prior_events and self.noise_multiplier == 0:
+            raise UserError("prior_events: a non-private run (noise_multiplier=0) has no guarantee to count them in")
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise UserError("give a noise_multiplier or a target_epsilon to calibrate one")
         if self.noise_multiplier == 0 and self.target_epsilon is not None:
@@ -274,7 +286,7 @@ class RunPlan:
             UserError: the target cannot be met (see :func:`~userdp.accounting.calibrate_noise_multiplier`).
         """
         base = self.mechanism_for(self.accounted_sampling) if self.mechanism is None else self.mechanism
-        mech = base.calibrated(target_epsilon, self.delta, self.accountant)
+        mech = base.calibrated(target_epsilon, self.delta, self.accountant, prior=self.config.prior_events)
         return self.with_noise_multiplier(mech.noise_multiplier, safe_steps=self.config.steps)
 
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from userdp import accounting
 from userdp import engine as E
 from userdp.devices import resolve_device, resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
@@ -23,6 +24,7 @@ from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError
 from userdp.fileio import write_json
 from userdp.lm import config as C
+from userdp.lm.plan_file import median_events
 from userdp.lm.prepare import Log, stderr_log
 from userdp.lm.run_dir import RunDir
 
@@ -41,9 +43,10 @@ def check_cohort(cfg: C.RunConfig, num_units: int) -> None:
                         f"give at most {num_units} (sampling rate 1)")
 
 
-def engine_config(cfg: C.RunConfig, num_units_hint: int, device=None):
+def engine_config(cfg: C.RunConfig, num_units_hint: int, device=None, prior: tuple = ()):
     """The engine's :class:`~userdp.engine.plan.TrainConfig` for ``cfg`` (``device``: where it runs, resolved
-    once by the job; None resolves ``model.device`` here, for callers outside a job)."""
+    once by the job; None resolves ``model.device`` here, for callers outside a job; ``prior``: the
+    DpEvents released before training, e.g. a plan's DP median, which the ledger counts first)."""
     t, p = cfg.training, cfg.privacy
     check_cohort(cfg, num_units_hint)
     rate = t.cohort_size / max(1, num_units_hint)
@@ -70,9 +73,9 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int, device=None):
     if not algo.private:
         kw["noise_multiplier"] = 0.0
     elif p.noise_multiplier is not None:
-        kw.update(noise_multiplier=p.noise_multiplier, target_epsilon=p.epsilon)
+        kw.update(noise_multiplier=p.noise_multiplier, target_epsilon=p.epsilon, prior_events=tuple(prior))
     else:
-        kw["target_epsilon"] = p.epsilon
+        kw.update(target_epsilon=p.epsilon, prior_events=tuple(prior))
     return E.TrainConfig(**kw)
 
 
@@ -81,14 +84,14 @@ def num_units(cfg: C.RunConfig, data) -> int:
     return algorithm_of(cfg).count_units(data.sizes(), cfg.training.group_size)
 
 
-def run_plan(cfg: C.RunConfig, num_users: int, num_units: int, device=None) -> RunPlan:
+def run_plan(cfg: C.RunConfig, num_users: int, num_units: int, device=None, prior: tuple = ()) -> RunPlan:
     """The engine's plan for ``cfg`` on data with these counts (calibrated when the config gives a
     target and no sigma). The mechanism is made once per privacy settings and counts
     (:func:`_mechanism_plan`), so the budget check and the engine read the same plan instead of
     making more; the performance settings — an ``auto`` chunk size before it is resolved, the
     per-unit strategy, the precision (on ``device``, see :func:`engine_config`) — are this config's own."""
-    base = _mechanism_plan(_performance_neutral(cfg), num_users, num_units)
-    return dataclasses.replace(base, config=engine_config(cfg, num_units, device))
+    base = _mechanism_plan(_performance_neutral(cfg), num_users, num_units, tuple(prior))
+    return dataclasses.replace(base, config=engine_config(cfg, num_units, device, prior))
 
 
 def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
@@ -99,16 +102,18 @@ def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
 
 
 @functools.lru_cache(maxsize=8)
-def _mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int) -> RunPlan:
+def _mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> RunPlan:
     # a performance-neutral config (model.device cpu): its precision is float32 wherever the job runs
-    return make_plan(engine_config(cfg, num_units, _NEUTRAL_DEVICE), num_users=num_users, num_units=num_units)
+    return make_plan(engine_config(cfg, num_units, _NEUTRAL_DEVICE, prior), num_users=num_users,
+                     num_units=num_units)
 
 
 _NEUTRAL_DEVICE = torch.device("cpu")
 
 
-def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[str]:
-    """Refuse up front a fixed sigma whose configured steps pass the target epsilon.
+def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> Optional[str]:
+    """Refuse up front a fixed sigma whose configured steps, after the ``prior`` events (a plan's DP
+    median), pass the target epsilon.
 
     The figure comes from the run plan the engine will use (the same mechanism, sampler and
     delta), so it cannot disagree with the ledger.
@@ -119,12 +124,13 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int) -> Optional[s
     p, t = cfg.privacy, cfg.training
     if not algorithm_of(cfg).private or p.noise_multiplier is None:
         return None
-    plan = _mechanism_plan(_performance_neutral(cfg), num_users, num_units)  # the engine's mechanism (made once)
-    eps = plan.mechanism.epsilon(plan.delta, p.accountant)
+    plan = _mechanism_plan(_performance_neutral(cfg), num_users, num_units, tuple(prior))  # the engine's (once)
+    eps = accounting.epsilon(accounting.compose_after(prior, plan.step_event, t.steps), plan.delta, p.accountant)
     if eps > p.epsilon:
+        before = " after the plan's DP median" if prior else ""
         raise UserError(
             f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {plan.sampling_rate:.4g}, the "
-            f"configured {t.steps} steps spend epsilon = {eps:.3g} > the target {p.epsilon} at "
+            f"configured {t.steps} steps{before} spend epsilon = {eps:.3g} > the target {p.epsilon} at "
             f"delta = {plan.delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
             "to calibrate sigma to the target")
     return None
@@ -169,8 +175,10 @@ def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dic
 
     Raises:
         UserError: the cohort does not fit the units, or a fixed sigma passes the budget."""
-    check_budget(cfg, num_users, num_units)
-    return JobPlan(engine=run_plan(cfg, num_users, num_units, device), training=cfg.training, privacy=cfg.privacy,
+    prior = median_events(plan, "the plan")  # spent before the first step: the ledger counts it first
+    check_budget(cfg, num_users, num_units, prior)
+    return JobPlan(engine=run_plan(cfg, num_users, num_units, device, prior), training=cfg.training,
+                   privacy=cfg.privacy,
                    seq_len=cfg.tokenizer.seq_len, eval=cfg.eval, output=cfg.output, lora=cfg.model.lora,
                    plan=plan)
 

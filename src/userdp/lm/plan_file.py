@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
-import dp_accounting
-
-from userdp.accounting import MAX_ELS_GROUP, event_from_dict, event_to_dict
+from userdp.accounting import MAX_ELS_GROUP, event_from_dict, event_to_dict, pure_dp_epsilon, pure_dp_event
 from userdp.errors import UserError
 from userdp.fileio import read_input
 from userdp.lm.config import PLANNED_ALGORITHMS
@@ -27,16 +26,17 @@ REQUIRED = ("applied", "overrides", "els", "uls", "inputs", "data_touches", "dp_
 
 
 def dp_median_event(epsilon: float) -> dict:
-    """The DpEvent of an epsilon-DP median (a pure-DP exponential mechanism), as saved.
-
-    dp_accounting has no pure (epsilon, 0) event; binary randomized response at epsilon (noise
-    parameter p = 2 / (e^epsilon + 1)) dominates every epsilon-DP mechanism (Kairouz, Oh &
-    Viswanath 2015), so it stands for the median without under-counting in any accountant."""
-    return event_to_dict(dp_accounting.RandomizedResponseDpEvent(2.0 / (math.exp(float(epsilon)) + 1.0), 2))
+    """The DpEvent of an epsilon-DP median (a pure-DP exponential mechanism), as saved: the
+    pure-DP stand-in :func:`userdp.accounting.events.pure_dp_event`, which the accountants compose
+    with training's steps."""
+    return event_to_dict(pure_dp_event(epsilon))
 
 
-def _rr_epsilon(event) -> float:
-    return math.log(2.0 / float(event.noise_parameter) - 1.0)
+def median_events(plan: Optional[dict], source: str) -> tuple:
+    """The DpEvents a plan released before training (its DP median; none for an exact median or no
+    plan), re-derived from the plan's recorded event, never from its number."""
+    eps = plan_median_epsilon(plan, source) if plan else 0.0
+    return (pure_dp_event(eps),) if eps > 0 else ()
 
 
 def read_plan(path: str | Path, source: str) -> dict:
@@ -69,17 +69,14 @@ def plan_median_epsilon(plan: dict, source: str) -> float:
         return 0.0
     ev = plan.get("dp_median_event")
     try:
-        event = event_from_dict(ev)
-        assert isinstance(event, dp_accounting.RandomizedResponseDpEvent) and event.num_buckets == 2
-        assert 0 < float(event.noise_parameter) < 1
-        eps = _rr_epsilon(event)
-        assert math.isfinite(eps) and eps > 0
+        eps = pure_dp_epsilon(event_from_dict(ev))
+        assert eps is not None and math.isfinite(eps) and eps > 0
     except (AssertionError, KeyError, TypeError, ValueError, ZeroDivisionError, UserError):
         raise UserError(f"{source}: the DP median's event (dp_median_event) is missing or malformed; make the "
                         "plan again with `userdp plan`") from None
     if not math.isclose(eps, float(claimed), rel_tol=1e-9, abs_tol=0.0):
         raise UserError(f"{source}: dp_median_epsilon_spent {claimed} differs from its event's epsilon {eps:g}")
-    return float(claimed)
+    return eps
 
 
 def plan_choices(plan: dict, source: str) -> dict:

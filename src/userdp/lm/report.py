@@ -170,7 +170,11 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
     if plan_eps and (plan or {}).get("seeded"):
         assumptions.append("SEEDED DP MEDIAN: the plan's epsilon-DP median drew its noise from the plan's "
                            "seed; whoever holds that seed can undo it")
-    total = (epsilon_spent + plan_eps) if (private and epsilon_spent is not None) else epsilon_spent
+    # the plan's DP median is spent through the ledger (its event composed with the steps, inside
+    # epsilon_spent); a run written before that was so adds it by basic composition
+    inside = dp_event is not None and A.has_pure_dp(A.event_from_dict(dp_event))
+    total = (epsilon_spent + (0.0 if inside else plan_eps)) if (private and epsilon_spent is not None) \
+        else epsilon_spent
     rec = {
         "private": private,
         "setting": SETTING if private else "none (non-private training)",
@@ -307,8 +311,16 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
         step_event = A.event_from_dict(json.loads(header["event"]))
     except (KeyError, TypeError, ValueError):
         raise UserError(f"{journal}: its header names no step event") from None
-    want = A.event_to_dict(A.compose_after([], step_event, begun)) if begun else None
-    if rec.get("dp_event") != want:
+    try:
+        median = float(ctx.get("plan_dp_median_epsilon") or 0.0)
+        prior = (A.pure_dp_event(median),) if median > 0 else ()
+    except (TypeError, ValueError, UserError):
+        raise UserError(f"{journal}: its plan_dp_median_epsilon is not a number") from None
+    # the plan's DP median composed before the steps (spent through the ledger); without it, a run
+    # written before the median was so spent (its total then adds the median by basic composition)
+    wants = [A.event_to_dict(A.compose_after(p, step_event, begun)) if (begun or p) else None
+             for p in ((prior, ()) if prior else ((),))]
+    if rec.get("dp_event") not in wants:
         raise UserError(f"{rd.privacy}: its DpEvent is not the ledger journal's step event composed over the "
                         f"{begun} steps the journal records as begun (the file was edited, or is stale)")
     if "delta" in ctx and ctx["delta"] != rec.get("delta"):
@@ -403,8 +415,11 @@ def _at_delta(rec: dict, delta: float, path: Path) -> dict:
         out["epsilon"] = g["epsilon_released_model"]
         out["note"] = "the released (selected) model's guarantee at this delta"
     else:
-        out["epsilon"] = own + float(rec.get("epsilon_plan") or 0.0)
-        out["note"] = "re-derived from the run's DpEvent" + (" plus the plan's DP median" if rec.get("epsilon_plan") else "")
+        inside = A.has_pure_dp(A.event_from_dict(rec["dp_event"]))
+        out["epsilon"] = own + (0.0 if inside else float(rec.get("epsilon_plan") or 0.0))
+        out["note"] = "re-derived from the run's DpEvent" + (
+            (" (the plan's DP median composed in it)" if inside else " plus the plan's DP median")
+            if rec.get("epsilon_plan") else "")
     nt = (rec.get("engine_record") or {}).get("noise_tail")
     if nt:  # the sampler's tail term grows with epsilon: stated beside the requested delta
         out["delta_noise_tail"] = tail_delta(int(nt["coordinates"]), int(rec["steps_taken"]), out["epsilon"],
@@ -462,7 +477,8 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
                 "this run is one trial of a private tuning run: its epsilon covers this run on its own; if it is "
                 "released as the selected trial, the guarantee is the tuning guarantee (userdp tune writes it "
                 "into the selected run), never this trial's epsilon"]
-        total = tuned if tuned is not None else float(rec["epsilon"]) + plan_eps
+        inside = rec.get("dp_event") is not None and A.has_pure_dp(A.event_from_dict(rec["dp_event"]))
+        total = tuned if tuned is not None else float(rec["epsilon"]) + (0.0 if inside else plan_eps)
         rec["epsilon_plan"] = plan_eps if rec.get("plan") is not None else None
         rec["epsilon_total"] = total
         rec["tier"] = epsilon_tier(total)
@@ -551,6 +567,7 @@ def render_markdown(rep: dict) -> str:
         L.append("")
     plan = rep.get("plan")
     plan_eps = rep.get("epsilon_plan") or 0.0
+    composed = rep.get("dp_event") is not None and A.has_pure_dp(A.event_from_dict(rep["dp_event"]))
     tuning = rep.get("tuning") if isinstance(rep.get("tuning"), dict) else {}
     if private and tuning.get("on") == "private":
         L.append(f"**Guarantee.** This model was selected by `userdp tune` among trials whose number was drawn "
@@ -561,6 +578,13 @@ def render_markdown(rep: dict) -> str:
                  "or any other trial's score or model, voids this bound (the tuning directory's tune.json states "
                  f"what that would cost). This trial's own epsilon, {_fmt(rep.get('epsilon_run', rep.get('epsilon')))}, is the epsilon of one "
                  "trial, not a guarantee for the selected model.")
+    elif private and plan_eps and composed:
+        L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
+                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
+                 f"under add/remove-one-user adjacency in total: the plan's DP median of records per user "
+                 f"(epsilon = {_fmt(plan_eps)} on its own) and training, composed by the accountant (the median's "
+                 f"pure-DP event before the steps, counted by the ledger against the target) — "
+                 f"{rep['tier']['meaning']}. The plan's other data touches are not accounted (section 3).")
     elif private and plan_eps:
         L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
                  f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
@@ -621,7 +645,11 @@ def render_markdown(rep: dict) -> str:
         L.append(f"- (c) final model: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (target "
                  f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
                  f"({rep['delta_rule']})")
-    if plan_eps:
+    if plan_eps and composed:
+        L.append(f"- (c) extra spend: the plan's epsilon-DP median (ELS group size), epsilon = {_fmt(plan_eps)} on "
+                 f"its own, is inside the final model's epsilon = {_fmt(rep.get('epsilon_total'))}: the ledger "
+                 "counted its event before the first step, and sigma was calibrated to leave room for it")
+    elif plan_eps:
         L.append(f"- (c) extra spend: the plan's epsilon-DP median (ELS group size) spent epsilon = "
                  f"{_fmt(plan_eps)}; total epsilon = {_fmt(rep.get('epsilon_total'))} (basic "
                  "composition with the training run)")

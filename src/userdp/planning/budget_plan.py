@@ -131,7 +131,8 @@ def plan_for_budget(
     rec = "uls" if uls["noise_std_proxy"] <= els["noise_std_proxy"] else "els"
     touches = DATA_TOUCH_NOTE.format(
         median="" if dp_median_epsilon is None else
-        f"; here released with epsilon={dp_median_epsilon:g}-DP, which the report adds to the budget",
+        f"; here released with epsilon={dp_median_epsilon:g}-DP, which a run planned with it spends through "
+        "its ledger, within its budget",
         k=sample_users if sample_users is not None else "sampled")
     inputs = {"compute_budget": int(compute_budget), "epsilon": float(epsilon), "delta": float(delta),
               "delta_rule": rule, "steps": int(steps), "num_users": n, "accountant": accountant,
