@@ -75,6 +75,7 @@ class Corpus:
     heldout: object
     pairs: tuple
     estimator: object
+    accountant: str = "pld"  # planning's and training's (--accountant)
     plans: dict = field(default_factory=dict)
     data_by_selection: dict = field(default_factory=dict)
 
@@ -139,7 +140,7 @@ def prepare(name: str, a, public_file: Path) -> Corpus:
     est = GradientNormEstimator(model, train, models.causal_lm_loss, num_users=a.lg_users, chunk_size=8,
                                 rng=np.random.default_rng(0), log=_log)
     c = Corpus(name, cfg, prep, tok, model, copy.deepcopy(model.state_dict()), train, heldout,
-               _eval_pairs(heldout, a.eval_records), est)
+               _eval_pairs(heldout, a.eval_records), est, accountant=a.accountant)
     c.data_by_selection["random"] = train
     return c
 
@@ -158,7 +159,7 @@ def plan(c: Corpus, eps: float, budget: int, steps: int):
     key = (eps, budget, steps)
     if key not in c.plans:
         c.plans[key] = make_plan(c.train.sizes(), compute_budget=budget, epsilon=eps, steps=steps,
-                                 l_of_g=c.estimator, accountant="pld")
+                                 l_of_g=c.estimator, accountant=c.accountant)
     return c.plans[key]
 
 
@@ -190,7 +191,7 @@ def train_eval(c: Corpus, algo: str, *, eps, steps, lr, clip, seed, group_size=N
     n_users = int(data.num_users)
     sizes = data.sizes()
     t0 = time.time()
-    common = dict(steps=steps, optimizer=E.Adam(lr=lr), delta=None, accountant="pld", seed=None,
+    common = dict(steps=steps, optimizer=E.Adam(lr=lr), delta=None, accountant=c.accountant, seed=None,
                   chunk_size=16, track_epsilon=False)
     torch.manual_seed(seed)
     if algo == "nonprivate":  # records sampled from all of the data, no clipping, no noise, its own lr
@@ -216,6 +217,7 @@ def train_eval(c: Corpus, algo: str, *, eps, steps, lr, clip, seed, group_size=N
     res = E.train(c.model, data, models.causal_lm_loss, cfg)
     loss = heldout_loss(c)
     return {"loss": loss, "noise_multiplier": res.noise_multiplier, "epsilon_spent": res.epsilon,
+            "accountant": c.accountant if algo != "nonprivate" else None,
             "group_size": group_size, "cohort": cohort, "seconds": time.time() - t0}
 
 
@@ -227,7 +229,8 @@ def _row(c: Corpus, a, kind, algo, eps, budget, runs, **extra) -> dict:
     row = {"dataset": c.name, "kind": kind, "algorithm": algo, "epsilon": eps, "compute_budget": budget,
            "loss": float(np.mean(losses)), "loss_seeds": losses, "seeds": len(runs),
            "group_size": first.get("group_size"), "cohort": first.get("cohort"),
-           "noise_multiplier": first.get("noise_multiplier"), "steps": a.steps, "model": a.model,
+           "noise_multiplier": first.get("noise_multiplier"), "accountant": first.get("accountant"),
+           "steps": a.steps, "model": a.model,
            "epsilon_spent": max((r.get("epsilon_spent") or 0.0) for r in runs) if eps is not None else None,
            "params": sum(p.numel() for p in c.model.parameters()),
            "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
@@ -519,6 +522,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fedavg-budgets", help="the budgets at which FedAvg runs (default: all; its local SGD "
                     "through per-user vmap is ~5x an ELS/ULS step on a CPU)")
     ap.add_argument("--algorithms", default="els,uls,fedavg", help="the private algorithms of the grid")
+    ap.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
+                    help="planning's and training's accountant (default pld; rdp: looser, and seconds instead "
+                         "of a minute of calibrations for a CI-size run)")
     ap.add_argument("--fedavg-lr", type=float, help="FedAvg's local lr: skip its tuning on the proxy")
     ap.add_argument("--tuned", metavar="LR,CLIP,LR_NONPRIVATE", help="skip the proxy tuning: use these (e.g. the "
                     "values an earlier run's log printed)")
