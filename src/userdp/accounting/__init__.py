@@ -50,6 +50,7 @@ from userdp.accounting.events import (
     no_amplification_step_event,
     pure_dp_epsilon,
     pure_dp_event,
+    split_pure_dp,
     uls_step_event,
 )
 from userdp.accounting.mechanism import Mechanism
@@ -70,7 +71,8 @@ from userdp.validation import MIN_SAMPLING_RATE
 __all__ = [
     "ACCOUNTANTS", "Accountant", "check_supports", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",
     "Mechanism", "els_step_event", "uls_step_event", "fixed_cohort_step_event", "no_amplification_step_event",
-    "binomial_sensitivity", "compose", "compose_after", "pure_dp_event", "pure_dp_epsilon", "has_pure_dp", "epsilon", "delta", "calibrate_noise_multiplier", "max_steps",
+    "binomial_sensitivity", "compose", "compose_after", "pure_dp_event", "pure_dp_epsilon", "has_pure_dp",
+    "split_pure_dp", "epsilon", "delta", "calibrate_noise_multiplier", "max_steps",
     "default_delta", "adjacency", "event_to_dict", "event_to_json", "event_from_dict", "epsilon_and_accountant",
     "moments_accountant_epsilon", "rdp_orders", "step_rdp", "mog_rdp", "clear_caches", "NeighborRel",
     "PLD_INTERVAL", "PLD_SIGMA_RANGE", "PLD_MAX_STEPS", "RDP_ORDERS", "SIGMA_MAX", "MAX_ELS_GROUP",

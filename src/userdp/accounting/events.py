@@ -143,18 +143,32 @@ def pure_dp_epsilon(event: dpe.DpEvent, relation: "NeighborRel" = None) -> float
     return 2.0 * eps if relation == NeighborRel.REPLACE_ONE else eps
 
 
+def split_pure_dp(event: dpe.DpEvent) -> tuple[dpe.DpEvent | None, list[float]]:
+    """``event`` less its :func:`pure_dp_event` parts (e.g. a DP median composed before the steps;
+    None when nothing else is left), and their epsilons under add-or-remove."""
+    eps = pure_dp_epsilon(event)
+    if eps is not None:
+        return None, [eps]
+    if isinstance(event, dpe.SelfComposedDpEvent):
+        eps = pure_dp_epsilon(event.event)
+        return (None, [eps] * int(event.count)) if eps is not None else (event, [])
+    if isinstance(event, dpe.ComposedDpEvent):
+        rest, pure = [], []
+        for e in event.events:
+            r, p = split_pure_dp(e)
+            pure += p
+            if r is not None:
+                rest.append(r)
+        if not pure:
+            return event, []
+        return (rest[0] if len(rest) == 1 else dpe.ComposedDpEvent(rest)) if rest else None, pure
+    return event, []
+
+
 def has_pure_dp(event: dpe.DpEvent | None) -> bool:
     """Whether ``event`` composes a :func:`pure_dp_event` (e.g. a plan's DP median, spent through
     the ledger before the steps)."""
-    if event is None:
-        return False
-    if pure_dp_epsilon(event) is not None:
-        return True
-    if isinstance(event, dpe.SelfComposedDpEvent):
-        return has_pure_dp(event.event)
-    if isinstance(event, dpe.ComposedDpEvent):
-        return any(has_pure_dp(e) for e in event.events)
-    return False
+    return event is not None and bool(split_pure_dp(event)[1])
 
 
 def default_delta(num_users: int) -> tuple[float, str]:

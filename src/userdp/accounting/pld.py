@@ -18,7 +18,7 @@ from dp_accounting.pld import privacy_loss_distribution as PLD
 from dp_accounting.pld import privacy_loss_mechanism as PLM
 from scipy import fft
 
-from userdp.accounting.events import NeighborRel, contains_event, pure_dp_epsilon
+from userdp.accounting.events import NeighborRel, contains_event, split_pure_dp
 from userdp.errors import UserError
 
 #: dp_accounting's default PLD discretization; what reported guarantees use.
@@ -388,28 +388,6 @@ def _self_composed_from_cached_step(event: dpe.DpEvent, interval: float):
     return _ComposedPLD(composed)
 
 
-def _split_pure(event: dpe.DpEvent) -> tuple[dpe.DpEvent | None, list[float]]:
-    """``event`` less its pure-DP parts (:func:`~userdp.accounting.events.pure_dp_event`, e.g. a DP
-    median composed before the steps), and their epsilons (add-or-remove: PLD's adjacency here)."""
-    eps = pure_dp_epsilon(event)
-    if eps is not None:
-        return None, [eps]
-    if isinstance(event, dpe.SelfComposedDpEvent):
-        eps = pure_dp_epsilon(event.event)
-        return (None, [eps] * int(event.count)) if eps is not None else (event, [])
-    if isinstance(event, dpe.ComposedDpEvent):
-        rest, pure = [], []
-        for e in event.events:
-            r, p = _split_pure(e)
-            pure += p
-            if r is not None:
-                rest.append(r)
-        if not pure:
-            return event, []
-        return (rest[0] if len(rest) == 1 else dpe.ComposedDpEvent(rest)) if rest else None, pure
-    return event, []
-
-
 def _with_pure(acc, pure: list[float], interval: float):
     """``acc``'s PLD composed with the pure epsilon-DP dominating pair of each epsilon in ``pure``
     (``PrivacyLossDistribution.from_privacy_parameters(epsilon, 0)``: the two-point pair that
@@ -436,7 +414,7 @@ def pld_distribution(event: dpe.DpEvent, interval: float):
             "fixed-size cohorts (sampling without replacement) are accounted with RDP under "
             "replace-one adjacency: use accountant='rdp'"
         )
-    rest, pure = _split_pure(event)
+    rest, pure = split_pure_dp(event)
     if pure:  # dp_accounting's PLD takes no pure-DP event under add-or-remove: composed here
         acc = _with_pure(pld_distribution(rest, interval) if rest is not None else None, pure, interval)
     else:

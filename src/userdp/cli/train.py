@@ -76,7 +76,6 @@ def _audit_hooks(cfg):
     """The audit's hooks when the config asks for canaries (the LM job does not import the audit)."""
     if not cfg.audit.canaries:
         return None
-
     return AuditSession
 
 

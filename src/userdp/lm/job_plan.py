@@ -73,9 +73,9 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int, device=None, prior: tup
     if not algo.private:
         kw["noise_multiplier"] = 0.0
     elif p.noise_multiplier is not None:
-        kw.update(noise_multiplier=p.noise_multiplier, target_epsilon=p.epsilon, prior_events=tuple(prior))
+        kw.update(noise_multiplier=p.noise_multiplier, target_epsilon=p.epsilon, prior_events=prior)
     else:
-        kw.update(target_epsilon=p.epsilon, prior_events=tuple(prior))
+        kw.update(target_epsilon=p.epsilon, prior_events=prior)
     return E.TrainConfig(**kw)
 
 

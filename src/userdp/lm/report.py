@@ -69,6 +69,12 @@ def event_to_json(event: Any) -> Any:
     return event_to_dict(event)
 
 
+def median_composed(dp_event: dict | None) -> bool:
+    """Whether a run's saved DpEvent has the plan's DP median composed in it (spent through the
+    ledger); a run written before that was so states the median beside it (basic composition)."""
+    return dp_event is not None and A.has_pure_dp(A.event_from_dict(dp_event))
+
+
 def library_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in ("userdp", "torch", "dp-accounting", "transformers", "peft", "tokenizers", "numpy"):
@@ -172,7 +178,7 @@ def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
                            "seed; whoever holds that seed can undo it")
     # the plan's DP median is spent through the ledger (its event composed with the steps, inside
     # epsilon_spent); a run written before that was so adds it by basic composition
-    inside = dp_event is not None and A.has_pure_dp(A.event_from_dict(dp_event))
+    inside = median_composed(dp_event)
     total = (epsilon_spent + (0.0 if inside else plan_eps)) if (private and epsilon_spent is not None) \
         else epsilon_spent
     rec = {
@@ -415,7 +421,7 @@ def _at_delta(rec: dict, delta: float, path: Path) -> dict:
         out["epsilon"] = g["epsilon_released_model"]
         out["note"] = "the released (selected) model's guarantee at this delta"
     else:
-        inside = A.has_pure_dp(A.event_from_dict(rec["dp_event"]))
+        inside = median_composed(rec["dp_event"])
         out["epsilon"] = own + (0.0 if inside else float(rec.get("epsilon_plan") or 0.0))
         out["note"] = "re-derived from the run's DpEvent" + (
             (" (the plan's DP median composed in it)" if inside else " plus the plan's DP median")
@@ -477,7 +483,7 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
                 "this run is one trial of a private tuning run: its epsilon covers this run on its own; if it is "
                 "released as the selected trial, the guarantee is the tuning guarantee (userdp tune writes it "
                 "into the selected run), never this trial's epsilon"]
-        inside = rec.get("dp_event") is not None and A.has_pure_dp(A.event_from_dict(rec["dp_event"]))
+        inside = median_composed(rec.get("dp_event"))
         total = tuned if tuned is not None else float(rec["epsilon"]) + (0.0 if inside else plan_eps)
         rec["epsilon_plan"] = plan_eps if rec.get("plan") is not None else None
         rec["epsilon_total"] = total
@@ -567,7 +573,7 @@ def render_markdown(rep: dict) -> str:
         L.append("")
     plan = rep.get("plan")
     plan_eps = rep.get("epsilon_plan") or 0.0
-    composed = rep.get("dp_event") is not None and A.has_pure_dp(A.event_from_dict(rep["dp_event"]))
+    composed = median_composed(rep.get("dp_event"))
     tuning = rep.get("tuning") if isinstance(rep.get("tuning"), dict) else {}
     if private and tuning.get("on") == "private":
         L.append(f"**Guarantee.** This model was selected by `userdp tune` among trials whose number was drawn "
