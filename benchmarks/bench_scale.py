@@ -9,7 +9,8 @@ on the ELS-equivalent job, all measured in this run.
     python benchmarks/bench_scale.py --fit 24,40,80 --json   # the largest chunk of each preset that fits
     python benchmarks/bench_scale.py --fit 8 --fit-check     # ... and one measured against its cap (CPU)
 
-Every configuration runs in its own process (so peak memory is that job's alone) and takes the
+Every configuration runs in its own process (so peak memory is that job's alone; forked from this one
+after the imports, see ``_run_worker``) and takes the
 same records per step: ULS = M users x G records, ELS = M*G record units, FedAvg = M users x G
 records (one local epoch), non-private and Opacus = one batch of M*G records. All DP steps clip
 and add noise (sigma = 1). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` during the
@@ -318,15 +319,71 @@ def _fit_rows(caps_gib, dtype: str, seq_len: int, vocab: int) -> list[dict]:
     return rows
 
 
-def _run_worker(worker_args: list[str]) -> dict:
+def _run_worker(worker_args: list[str], *, fork: bool = False) -> dict:
     """One configuration in its own process (``--worker`` plus ``worker_args``): its JSON result,
-    or ``{"error": ...}`` with the last line of its stderr."""
+    or ``{"error": ...}`` with the last line of its stderr.
+
+    ``fork``: a child forked from this process once it has imported torch, userdp and the model
+    classes (:func:`preload`), instead of a fresh interpreter: each configuration saves the ~6 s
+    (CPU) of imports, and its peak memory is still its own (CUDA memory is per process; a CPU
+    peak is measured above the worker's start). Used only while this process has not initialised
+    CUDA (a CUDA context does not survive a fork); a forked worker that fails on CUDA is run again
+    in a fresh interpreter, and the row says so."""
+    if fork and hasattr(os, "fork") and not _cuda_initialised():
+        res = _forked_worker(worker_args)
+        if "error" not in res or "--device" not in worker_args or \
+                not worker_args[worker_args.index("--device") + 1].startswith("cuda"):
+            return res
+        return dict(_run_worker(worker_args), fork_fallback=res["error"])
     out = subprocess.run([sys.executable, __file__, "--worker", *worker_args], capture_output=True, text=True,
                          env=dict(os.environ, PYTHONWARNINGS="ignore"), check=False)
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
         return {"error": (out.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+
+
+def preload() -> None:
+    """Import what every worker imports (torch, userdp's engine and models, the transformers model
+    classes), without touching CUDA: forked workers start from here."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() must not create a context
+    import torch  # noqa: F401
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401  (lazy modules: loaded now)
+
+    import userdp.engine.loop  # noqa: F401
+    import userdp.lm.models  # noqa: F401
+
+
+def _cuda_initialised() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
+def _forked_worker(worker_args: list[str]) -> dict:
+    """:func:`_worker` in a forked child; its result comes back through a pipe."""
+    preload()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: measure, write, and leave without running the parent's exit handlers
+        code = 0
+        try:
+            os.close(read_end)
+            res = _worker(parse_args(["--worker", *worker_args]))
+        except BaseException as exc:  # noqa: BLE001  (reported in the row, as a subprocess's stderr is)
+            res, code = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}, 1
+        try:
+            with os.fdopen(write_end, "w") as f:
+                f.write(json.dumps(res))
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {"error": f"forked worker ended without a result (wait status {status})"}
 
 
 def _configs(quick: bool, device: str, untied: bool = True, lora: bool = False):
@@ -346,7 +403,8 @@ def _configs(quick: bool, device: str, untied: bool = True, lora: bool = False):
                 yield model + "-untied", mode, r, alg, 4
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with the size defaults that depend on the device filled in."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU-sized: gpt2-small full, ULS G=4, ELS, Opacus ghost")
     ap.add_argument("--json", action="store_true", help="print one JSON list of rows")
@@ -382,12 +440,18 @@ def main(argv=None) -> int:
     ap.add_argument("--tf32-ceiling", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
-    if a.fit:
-        return _fit_main(a)
     if a.users is None:
         a.users = (16 if gpu else 2) if not a.quick or gpu else 2
-    if a.seq_len is None:
+    if a.seq_len is None and not a.fit:
         a.seq_len = 128 if gpu else 32
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    gpu = a.device.startswith("cuda")
+    if a.fit:
+        return _fit_main(a)
     if a.worker:
         print(json.dumps(_worker(a)))
         return 0
@@ -444,7 +508,7 @@ def _one_round(a, gpu: bool) -> list[dict]:
                            "--users", str(a.users), "--seq-len", str(a.seq_len), "--vocab", str(a.vocab),
                            "--threads", str(a.threads), "--per-unit", a.per_unit,
                            "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"]
-                          + (["--untied"] if untied else []))
+                          + (["--untied"] if untied else []), fork=True)
         if alg == "nonprivate":
             base[(model, mode, r)] = res
         b = base.get((model, mode, r), {})

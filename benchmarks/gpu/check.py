@@ -147,14 +147,15 @@ def part_chacha(a) -> None:
 
 
 def _worker(a, args: list[str]) -> dict:
-    """One bench_scale configuration in its own process (its peak memory its own); in this part's
-    process group, so a timeout kills it with the part."""
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_scale.py"), "--worker", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    """One bench_scale configuration in its own process (its peak memory its own), forked from this
+    part's process once it has imported torch and userdp (bench_scale.preload: ~6 s of imports
+    saved per configuration); in this part's process group, so a timeout kills it with the part."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
-        return json.loads(out.stdout.strip().splitlines()[-1])
-    except (IndexError, json.JSONDecodeError):
-        return {"error": (out.stderr.strip().splitlines() or [f"exit {out.returncode}, no output"])[-1][:300]}
+        import bench_scale
+    finally:
+        sys.path.pop(0)
+    return bench_scale._run_worker(args, fork=True)
 
 
 def _common(a) -> list[str]:
