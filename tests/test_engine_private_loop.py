@@ -220,7 +220,7 @@ def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
     # ran under new noise; the ledger holds every release
     assert rec["steps_lost_to_crashes"] == 2 and rec["steps_accounted"] == 10 and rec["journal"] is not None
     assert steps_begun(os.path.join(ck, JOURNAL)) == 10
-    json.dumps(rec, allow_nan=False)
+    json.dumps(rec.to_dict(), allow_nan=False)  # the record is strict JSON
     # reproducible all the same: the same crash and resume give the same model
     ck2 = str(tmp_path / "ck2")
     cut2 = MLP()

@@ -7,20 +7,32 @@ from userdp import accounting as A
 from userdp.errors import UserError
 from userdp.fileio import write_json
 from userdp.lm import report as R
+from userdp.lm import statement as S
 from userdp.lm.run_dir import RunDir
+
+from _records import engine_record
+
+ENGINE = {"sampler_used": "sampler_mode", "epsilon_spent": "epsilon", "noise_multiplier": "noise_multiplier",
+          "dp_event": "dp_event", "epsilon_no_amplification": "epsilon_no_amplification"}
 
 
 def _record(**kw):
-    ev = A.compose(A.uls_step_event(1.1, 0.05), 20)
-    args = dict(algorithm="uls", accountant="pld", sampler_assumed="poisson_users",
-                sampler_used="poisson_users", epsilon_spent=A.epsilon(ev, 1e-4),
-                epsilon_target=3.0, delta=1e-4, delta_rule="delta = N^-1.1 with N = 4000 users",
-                noise_multiplier=1.1, sampling_rate=0.05, steps_taken=20, steps_planned=20,
-                clip_norm=1.0, group_size=4, num_users=4000, num_records=9000,
-                expected_cohort=200.0, clipping="flat", dp_event=ev, seq_len=64,
-                tokenizer_note="tokenizer trained on declared-public text (4 plays)")
-    args.update(kw)
-    return R.privacy_record(**args)
+    """privacy.json's content for a ULS run (20 steps, sigma 1.1, q 0.05); ``kw`` names the engine's
+    figures as the statement does (ENGINE) or the job's facts."""
+    engine = dict(dp_event=A.compose(A.uls_step_event(1.1, 0.05), 20), noise_multiplier=1.1, sampling_rate=0.05,
+                  steps=20, num_users=4000, expected_units=200.0, delta=1e-4,
+                  delta_rule="delta = N^-1.1 with N = 4000 users")
+    facts = dict(algorithm="uls", accountant="pld", sampler_assumed="poisson_users", epsilon_target=3.0,
+                 steps_planned=20, group_size=4, num_records=9000, clipping="flat", seq_len=64,
+                 tokenizer_note="tokenizer trained on declared-public text (4 plays)")
+    for k, v in kw.items():
+        if k in ENGINE:
+            engine[ENGINE[k]] = v
+        else:
+            facts[k] = v
+    if engine.get("epsilon", 0) is None:  # a non-private run
+        engine.update(dp_event=None, epsilon=None)
+    return S.privacy_record(engine_record(algorithm=facts["algorithm"], **engine), S.ReleaseFacts(**facts))
 
 
 def test_every_checklist_field_is_present_and_non_empty(tmp_path):

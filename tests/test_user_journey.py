@@ -19,6 +19,8 @@ from userdp.cli import main as cli
 from userdp.engine.ledger import PrivacyLedger
 from userdp.fileio import owned_dir
 
+from _records import engine_record
+
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["--set", "model.pretraining.steps=20", "--set", "training.steps=6"]
 
@@ -166,13 +168,14 @@ def test_epsilon_curve_is_tight_not_capped_at_the_target():
 
 
 def test_nonprivate_report_says_only_that_there_is_no_guarantee():
-    from userdp.lm.report import privacy_record, render_markdown
+    from userdp.lm.report import render_markdown
+    from userdp.lm.statement import ReleaseFacts, privacy_record
 
-    rec = privacy_record(algorithm="nonprivate", accountant="pld", sampler_assumed="poisson_users",
-                         sampler_used="poisson_users", epsilon_spent=None, epsilon_target=None, delta=None,
-                         delta_rule="", noise_multiplier=0.0, sampling_rate=0.1, steps_taken=5, steps_planned=5,
-                         clip_norm=None, group_size=2, num_users=100, num_records=300, expected_cohort=10,
-                         clipping="flat", seq_len=16)
+    rec = privacy_record(engine_record(algorithm="nonprivate", noise_multiplier=0.0, sampling_rate=0.1, steps=5,
+                                       num_users=100, expected_units=10, delta_rule=""),
+                         ReleaseFacts(algorithm="nonprivate", accountant="pld", sampler_assumed="poisson_users",
+                                      epsilon_target=None, steps_planned=5, group_size=2, num_records=300,
+                                      clipping="flat", seq_len=16))
     rec["evaluation"] = {"after": {"loss": 3.0, "perplexity": 20.0, "user_loss": 3.1, "num_users": 10}}
     md = render_markdown(rec)
     assert "No differential-privacy guarantee" in md
@@ -182,14 +185,15 @@ def test_nonprivate_report_says_only_that_there_is_no_guarantee():
 
 
 def test_private_report_states_delta_against_1_over_n_and_unprotected_mentions():
-    from userdp.lm.report import privacy_record, render_markdown
+    from userdp.lm.report import render_markdown
+    from userdp.lm.statement import ReleaseFacts, privacy_record
 
-    rec = privacy_record(algorithm="uls", accountant="pld", sampler_assumed="poisson_users",
-                         sampler_used="poisson_users", epsilon_spent=2.0, epsilon_target=3.0, delta=1e-4,
-                         delta_rule="delta = N^-1.1 with N = 4000 users", noise_multiplier=1.0,
-                         sampling_rate=0.1, steps_taken=5, steps_planned=5, clip_norm=1.0, group_size=2,
-                         num_users=4000, num_records=9000, expected_cohort=400, clipping="flat", seq_len=16,
-                         dp_event=A.event_to_dict(A.compose(A.uls_step_event(1.0, 0.1), 5)))
+    rec = privacy_record(engine_record(dp_event=A.compose(A.uls_step_event(1.0, 0.1), 5), epsilon=2.0,
+                                       noise_multiplier=1.0, sampling_rate=0.1, steps=5, num_users=4000,
+                                       expected_units=400, delta_rule="delta = N^-1.1 with N = 4000 users"),
+                         ReleaseFacts(algorithm="uls", accountant="pld", sampler_assumed="poisson_users",
+                                      epsilon_target=3.0, steps_planned=5, group_size=2, num_records=9000,
+                                      clipping="flat", seq_len=16))
     md = render_markdown(rec)
     assert "0.4/N" in rec["delta_rule"] and "1/N" in md
     assert "mentioned" in md

@@ -47,9 +47,7 @@ def broken_build(fault: str, times: int = 8):
     record = loop.EngineRun.record
 
     def marked_record(self):
-        rec = record(self)
-        rec["broken_build"] = fault
-        return rec
+        return record(self).replace(broken_build=fault)
 
     patch(loop.EngineRun, "record", marked_record)
     if fault == "noise_off":

@@ -22,11 +22,12 @@ from userdp.engine.ledger import PrivacyLedger
 from userdp.engine.loop import TrainConfig, TrainingInterrupted, TrainResult, train
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.private_loop import PrivateTraining, make_private
+from userdp.engine.record import PrivacyRecord
 
 __all__ = [
     "TrainingInterrupted",
     "DelegatingUserData",
-    "train", "TrainConfig", "TrainResult", "make_private", "PrivateTraining",
+    "train", "TrainConfig", "TrainResult", "PrivacyRecord", "make_private", "PrivateTraining",
     "ELS", "ULS", "FedAvg", "FedSGD", "NonPrivate", "ALGORITHMS", "register_algorithm",
     "FlatClip", "PerLayerClip", "AdaptiveClip",
     "FixedDenominator", "ClippedDenominator",

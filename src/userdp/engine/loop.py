@@ -36,6 +36,7 @@ from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entr
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.precision import EXACT_FLOAT32, Precision
+from userdp.engine.record import PrivacyRecord
 from userdp.engine.sampling import bucket_size, get_sampler
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_bool, check_callable, check_instance
@@ -50,7 +51,7 @@ class TrainResult:
     update_noise_multiplier: float  # z_Delta applied to the update sum
     clip_norm: float
     stopped: str  # "completed" | "budget"
-    record: dict
+    record: PrivacyRecord
     history: list = field(default_factory=list)
 
 
@@ -476,67 +477,67 @@ class EngineRun:
     restored_spent: int = 0
 
     # ------------------------------------------------------------------ the record
-    def record(self) -> dict:
+    def record(self) -> PrivacyRecord:
+        """The run's privacy record as of now (:class:`~userdp.engine.record.PrivacyRecord`)."""
         cfg, plan = self.cfg, self.plan
         eps = self.ledger.epsilon()
         total = self.ledger.total_event()
-        rec = {
-            "algorithm": _cfg_dict(self.algo), "unit": plan.unit,
-            "num_users": int(self.data.num_users), "num_units": int(self.n_units),
-            "expected_units_per_step": self.expected_units, "denominator": self.expected_weight,
-            "denominator_kind": cfg.denominator.name, "sampler_mode": plan.sampler_mode,
-            "sampler": {"name": cfg.sampling, "mode": getattr(self.sampler, "mode", cfg.sampling),
-                        "accounted_as": plan.accounted_sampling},
-            "noise_mechanism": cfg.noise,
-            "noise_multiplier": self.noise_multiplier, "update_noise_multiplier": self.update_z,
-            "count_noise_stddev": plan.count_stddev, "clipping": _cfg_dict(cfg.clipping),
-            "final_clip_norm": float(self.clip_state["clip_norm"]),
-            "optimizer": _optimizer_record(self.optimizer) if self.external_optimizer else _cfg_dict(cfg.optimizer),
-            "accountant": cfg.accountant, "steps_applied": self.step, "steps_accounted": self.ledger.spent,
-            "steps_lost_to_crashes": self.ledger.lost_steps, "epsilon": eps, "delta": self.delta,
-            "delta_rule": plan.delta_rule, "target_epsilon": cfg.target_epsilon,
-            "calibrated": cfg.noise_multiplier is None,
-            "step_event": accounting.event_to_dict(plan.step_event) if plan.private else None,
-            "adjacency": plan.mechanism.adjacency if plan.private else None,
-            "dp_event_total": accounting.event_to_dict(total) if total is not None else None,
-            "journal": self.ledger.journal.cite() if self.ledger.journal is not None else None,
-            "seeded": self.seeded,
-            "randomness": ("seeded by the user (seed given): sampling and noise are reproducible by whoever "
-                           "holds the seed; the guarantee holds only against parties who do not know it")
-                          if self.seeded else
-                          f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), "
-                          "never stored",
-            "noise_generator": source_class(self.device).algorithm + "; " + GaussianNoise.keying_text(self.seeded),
-            "noise_kernel": self.noise_kernel,
-            "precision": self.precision,
-            "per_unit": {"strategy": self.per_unit.name, "requested": cfg.per_unit,
-                         "fallback_reason": getattr(self.per_unit, "fallback_reason", None),
-                         "device": str(self.device)},
-            "nonfinite_units": self.nonfinite_units,
-            "nonfinite_units_note": ("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
-                                     "this count is computed on the private data and is NOT privatized"),
-            "counts_treated_as_public": self._public_counts(),
-        }
+        when = {}  # the fields that apply to some runs only
         tail_pair = getattr(source_class(self.device), "tail_mass_per_pair", None)
         if plan.private and tail_pair:  # a sampler with a bounded tail: its dropped mass goes into delta
             d = int(sum(p.numel() for p in self.master))
-            rec["noise_tail"] = {"coordinates": d, "mass_per_pair": tail_pair, "steps": int(self.ledger.spent),
-                                 "delta": tail_delta(d, self.ledger.spent, eps, tail_pair),
-                                 "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta"}
+            when["noise_tail"] = {"coordinates": d, "mass_per_pair": tail_pair, "steps": int(self.ledger.spent),
+                                  "delta": tail_delta(d, self.ledger.spent, eps, tail_pair),
+                                  "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta"}
         if not plan.private:
-            rec["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
+            when["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
         elif plan.accounted_sampling == "shuffle":
-            rec["epsilon_no_amplification"] = eps
-            rec["epsilon_assuming_poisson"] = self._epsilon_under("poisson", cfg.accountant)
-            rec["sampling_warning"] = ("training used shuffled fixed batches, which have no proven amplification: "
-                                       "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
-                                       "Gaussian mechanism with the user's whole sensitivity); "
-                                       "epsilon_assuming_poisson is a comparison only, not a guarantee")
+            when["epsilon_no_amplification"] = eps
+            when["epsilon_assuming_poisson"] = self._epsilon_under("poisson", cfg.accountant)
+            when["sampling_warning"] = ("training used shuffled fixed batches, which have no proven amplification: "
+                                        "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
+                                        "Gaussian mechanism with the user's whole sensitivity); "
+                                        "epsilon_assuming_poisson is a comparison only, not a guarantee")
         elif plan.accounted_sampling != "poisson":
-            rec["epsilon_no_amplification"] = self._epsilon_under("shuffle", "pld")
-            rec["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
-                                       "adjacency (RDP); epsilon_no_amplification holds without amplification")
-        return rec
+            when["epsilon_no_amplification"] = self._epsilon_under("shuffle", "pld")
+            when["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
+                                        "adjacency (RDP); epsilon_no_amplification holds without amplification")
+        return PrivacyRecord(
+            algorithm=_cfg_dict(self.algo), unit=plan.unit,
+            num_users=int(self.data.num_users), num_units=int(self.n_units),
+            expected_units_per_step=self.expected_units, denominator=self.expected_weight,
+            denominator_kind=cfg.denominator.name, sampler_mode=plan.sampler_mode,
+            sampler={"name": cfg.sampling, "mode": getattr(self.sampler, "mode", cfg.sampling),
+                     "accounted_as": plan.accounted_sampling},
+            noise_mechanism=cfg.noise,
+            noise_multiplier=self.noise_multiplier, update_noise_multiplier=self.update_z,
+            count_noise_stddev=plan.count_stddev, clipping=_cfg_dict(cfg.clipping),
+            final_clip_norm=float(self.clip_state["clip_norm"]),
+            optimizer=_optimizer_record(self.optimizer) if self.external_optimizer else _cfg_dict(cfg.optimizer),
+            accountant=cfg.accountant, steps_applied=self.step, steps_accounted=self.ledger.spent,
+            steps_lost_to_crashes=self.ledger.lost_steps, epsilon=eps, delta=self.delta,
+            delta_rule=plan.delta_rule, target_epsilon=cfg.target_epsilon,
+            calibrated=cfg.noise_multiplier is None,
+            step_event=accounting.event_to_dict(plan.step_event) if plan.private else None,
+            adjacency=plan.mechanism.adjacency if plan.private else None,
+            dp_event_total=accounting.event_to_dict(total) if total is not None else None,
+            journal=self.ledger.journal.cite() if self.ledger.journal is not None else None,
+            seeded=self.seeded,
+            randomness=("seeded by the user (seed given): sampling and noise are reproducible by whoever "
+                        "holds the seed; the guarantee holds only against parties who do not know it")
+            if self.seeded else
+            f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored",
+            noise_generator=source_class(self.device).algorithm + "; " + GaussianNoise.keying_text(self.seeded),
+            noise_kernel=self.noise_kernel,
+            precision=self.precision,
+            per_unit={"strategy": self.per_unit.name, "requested": cfg.per_unit,
+                      "fallback_reason": getattr(self.per_unit, "fallback_reason", None),
+                      "device": str(self.device)},
+            nonfinite_units=self.nonfinite_units,
+            nonfinite_units_note=("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
+                                  "this count is computed on the private data and is NOT privatized"),
+            counts_treated_as_public=tuple(self._public_counts()),
+            **when)
 
     def _epsilon_under(self, sampling: str, accountant: str) -> float:
         """epsilon of the steps spent had they been sampled by ``sampling`` (a labelled comparison)."""
@@ -563,7 +564,7 @@ class TrainingInterrupted(KeyboardInterrupt):
         steps: steps applied to the parameters.
     """
 
-    def __init__(self, message: str, record: dict, steps: int):
+    def __init__(self, message: str, record: PrivacyRecord, steps: int):
         super().__init__(message)
         self.record = record
         self.steps = steps
@@ -774,17 +775,15 @@ def _train_loop(run: EngineRun, config: TrainConfig, checkpoint_dir, callbacks, 
                 # Ctrl-C: the step in flight was finished (parameters, optimizer and ledger agree),
                 # so save it and stop: nothing is lost, `resume=True` continues from here.
                 run.save(checkpoint_extra)
-                rec = run.record()
-                rec["stopped"] = "interrupted"
+                rec = run.record().replace(stopped="interrupted")
                 raise TrainingInterrupted(f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}",
                                           rec, run.step)
             if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
                 run.save(checkpoint_extra)
     if checkpoint_dir:
         run.save(checkpoint_extra)
-    rec = run.record()
-    rec["stopped"] = stopped
-    return TrainResult(steps=run.step, epsilon=rec["epsilon"], delta=run.delta,
+    rec = run.record().replace(stopped=stopped)
+    return TrainResult(steps=run.step, epsilon=rec.epsilon, delta=run.delta,
                        noise_multiplier=run.noise_multiplier, update_noise_multiplier=run.update_z,
                        clip_norm=float(run.clip_state["clip_norm"]), stopped=stopped, record=rec,
                        history=run.history)

@@ -35,6 +35,7 @@ from torch import nn
 from userdp import accounting
 from userdp.engine.data import UserData
 from userdp.engine.loop import EngineRun, RunPlan, TrainConfig, start_run
+from userdp.engine.record import PrivacyRecord
 from userdp.errors import UserError
 
 
@@ -132,11 +133,9 @@ class PrivateTraining:
         event = ledger.total_event()
         return 0.0 if event is None else accounting.epsilon(event, delta, self._run.cfg.accountant)
 
-    def record(self) -> dict:
+    def record(self) -> PrivacyRecord:
         """The privacy record, as :func:`userdp.engine.train` returns it (``stopped`` included)."""
-        rec = self._run.record()
-        rec["stopped"] = self.stopped or "in progress"
-        return rec
+        return self._run.record().replace(stopped=self.stopped or "in progress")
 
     def close(self) -> None:
         self._run._loader.shutdown(wait=True)

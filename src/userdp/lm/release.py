@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 from userdp import plugins
+from userdp.engine.record import PrivacyRecord
 from userdp.fileio import atomic_dir, write_json, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models
@@ -15,47 +16,29 @@ from userdp.lm.evaluate import evaluate_lm, personalize
 from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import JobPlan
 from userdp.lm.plan_auto import plan_touches
-from userdp.lm.report import MODEL_CARD, privacy_record, write_report
+from userdp.lm.report import MODEL_CARD, write_report
 from userdp.lm.run_dir import plot_curves, read_json
+from userdp.lm.statement import ReleaseFacts, privacy_record
 from userdp.lm.tensorboard_log import Scalars
 
 
-def privacy_json(job: JobPlan, res_record, steps_taken, num_records, notes):
-    """privacy.json's content. The published DpEvent is the ledger's own (every step counted,
-    lost steps included), so that epsilon recomputed from it is the reported epsilon."""
-    t, p, plan, seq_len = job.training, job.privacy, job.plan, job.seq_len
-    rec = res_record
-    private = job.algorithm.private
-    return privacy_record(
+def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: dict) -> dict:
+    """privacy.json's content: the engine's record and the job's facts (:mod:`userdp.lm.statement`).
+    The published DpEvent is the ledger's own (every step counted, lost steps included), so that
+    epsilon recomputed from it is the reported epsilon."""
+    t, p, plan = job.training, job.privacy, job.plan
+    touches = ([notes["data_touch"]] if notes.get("data_touch") else []) + list(p.disclosed_touches or []) \
+        + (plan_touches(plan) if plan else []) + _monitoring(job.output)
+    facts = ReleaseFacts(
         algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=job.sampler_assumed,
-        sampler_used=rec.get("sampler_mode", "unknown"),
-        epsilon_spent=rec.get("epsilon") if private else None, epsilon_target=p.epsilon if private else None,
-        delta=rec.get("delta"), delta_rule=rec.get("delta_rule", ""),
-        noise_multiplier=rec.get("noise_multiplier"),
-        sampling_rate=(rec.get("algorithm") or {}).get("sampling_rate"),
-        steps_taken=int(rec.get("steps_accounted", steps_taken)), steps_planned=t.steps,
-        clip_norm=rec.get("final_clip_norm") if private else None, group_size=t.group_size,
-        num_users=int(rec.get("num_users", 0)), num_records=num_records,
-        expected_cohort=rec.get("expected_units_per_step"), clipping=t.clipping,
-        dp_event=rec.get("dp_event_total") if private else None,
-        epsilon_no_amplification=rec.get("epsilon_no_amplification"),
+        epsilon_target=p.epsilon, steps_planned=t.steps, group_size=t.group_size, num_records=num_records,
+        clipping=t.clipping, seq_len=job.seq_len, selection=t.selection,
         tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
-        selection=t.selection, seq_len=seq_len,
-        not_accounted=([notes["data_touch"]] if notes.get("data_touch") else [])
-        + list(p.disclosed_touches or []) + (plan_touches(plan) if plan else []) + _monitoring(job.output) or None,
-        plan=plan, engine_record=rec, plugins=plugins.loaded(),
-        extra={"engine_record": rec, "steps_lost_to_crashes": rec.get("steps_lost_to_crashes", 0),
-               "steps_applied": rec.get("steps_applied", steps_taken),
-               "randomness": rec.get("randomness"), "seeded": bool(rec.get("seeded")),
-               "epsilon_assuming_poisson": rec.get("epsilon_assuming_poisson"),
-               "sampling_warning": rec.get("sampling_warning"),
-               "nonfinite_units": rec.get("nonfinite_units", 0),
-               "nonfinite_units_note": rec.get("nonfinite_units_note"),
-               "precision": rec.get("precision"),
-               # where and how the run computed (no privacy role; for reproducing the cost)
-               "compute": {"per_unit": rec.get("per_unit"), "device": notes.get("device"),
-                           "chunk_size": notes.get("chunk_size"), "quantization": notes.get("quantization"),
-                           "processes": notes.get("processes", {"world_size": 1, "backend": None})}})
+        not_accounted=tuple(touches), plan=plan, plugins=tuple(plugins.loaded()),
+        compute={"device": notes.get("device"), "chunk_size": notes.get("chunk_size"),
+                 "quantization": notes.get("quantization"),
+                 "processes": notes.get("processes", {"world_size": 1, "backend": None})})
+    return privacy_record(record, facts)
 
 
 def _monitoring(output: C.OutputConfig) -> list[str]:
@@ -108,7 +91,7 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=ev.personalize_lr,
                                                   epochs=ev.personalize_epochs)
     write_json(rd.eval, ev_state)
-    priv = privacy_json(job, res.record, res.steps, prep.train_subset.num_records, notes)
+    priv = privacy_json(job, res.record, prep.train_subset.num_records, notes)
     priv["split"] = prep.split_rule
     priv["data_drops"] = prep.drops
     if audit is not None:

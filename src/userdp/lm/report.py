@@ -1,17 +1,16 @@
 """The privacy statement of a run (Ponomareva et al. 2023, §5.3.3), as JSON (``privacy.json``) and Markdown.
 
-``privacy_record(...)`` builds the dictionary the training job saves as ``privacy.json`` at
-the end of a run (and at each checkpoint); ``build_report(run_dir)`` reads it back with the
-resolved config and metrics and returns the full statement; ``render_markdown`` prints it.
+The training job saves ``privacy.json`` (:mod:`userdp.lm.statement` fills it from the engine's
+:class:`~userdp.engine.record.PrivacyRecord`); ``build_report(run_dir)`` reads it back with the
+resolved config and metrics, re-derives and verifies it, and returns the full statement;
+``render_markdown`` prints it.
 Every field of the §8.3 checklist is present and non-empty; values that do not apply say so.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 import math
-import platform
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,6 @@ from userdp import accounting as A
 from userdp.accounting import event_to_dict
 from userdp.accounting import private_selection as TG
 from userdp.accounting.rdp import step_rdp
-from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.chacha import ChaChaNoise, tail_delta
 from userdp.engine.ledger import JOURNAL, check_cited, read_chain, steps_begun
 from userdp.errors import UserError
@@ -30,14 +28,6 @@ from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C
 from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, read_json, verify_files
-
-SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "
-           "clips each sampled user's update, and releases only the noised sum")
-ADJACENCY = ("add/remove one user: the two datasets differ in all records of one user "
-             "(ADD_OR_REMOVE_ONE in dp_accounting)")
-COVERAGE = ("every step of training: the mechanism's output is the full sequence of noised "
-            "aggregated updates, so every checkpoint and the final model are covered by the same "
-            "(epsilon, delta) (post-processing)")
 
 TIERS = [
     (1.0, 1, "Tier 1 (epsilon <= 1): strong protection"),
@@ -73,175 +63,6 @@ def median_composed(dp_event: dict | None) -> bool:
     """Whether a run's saved DpEvent has the plan's DP median composed in it (spent through the
     ledger); a run written before that was so states the median beside it (basic composition)."""
     return dp_event is not None and A.has_pure_dp(A.event_from_dict(dp_event))
-
-
-def library_versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for name in ("userdp", "torch", "dp-accounting", "transformers", "peft", "tokenizers", "numpy"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-SAMPLER_TEXT = {
-    "poisson_users": "Poisson sampling of users: each user joins each step independently with "
-                     "probability q (variable cohort size)",
-    "poisson_examples": "Poisson sampling of records: each of a user's (at most G) records joins "
-                        "each step independently with probability q",
-    "shuffle_fixed_batches": "shuffled fixed-size batches, which have no proven amplification: each "
-                             "step is accounted as the Gaussian mechanism with the user's whole "
-                             "sensitivity (the guarantee WITHOUT amplification)",
-    "fixed_size_wor": "fixed-size cohorts drawn without replacement (replace-one adjacency, RDP)",
-    "none": "no sampling (full participation)",
-}
-
-
-def privacy_record(*, algorithm: str, accountant: str, sampler_assumed: str,
-                   sampler_used: str, epsilon_spent: float | None, epsilon_target: float | None,
-                   delta: float | None, delta_rule: str, noise_multiplier: float | None,
-                   sampling_rate: float | None, steps_taken: int, steps_planned: int,
-                   clip_norm: float | None, group_size: int | None, num_users: int,
-                   num_records: int, expected_cohort: float | None, clipping: str,
-                   dp_event: Any = None, epsilon_no_amplification: float | None = None,
-                   not_accounted: list[str] | None = None, tokenizer_note: str = "",
-                   pretraining_note: str = "", selection: str = "random",
-                   seq_len: int | None = None, plan: dict | None = None,
-                   engine_record: dict | None = None, extra: dict | None = None,
-                   plugins: list[str] | None = None) -> dict:
-    """The data behind the privacy statement; saved as ``privacy.json``.
-
-    ``plan`` is the ``plan: auto`` plan (``Plan.to_dict()`` plus what was applied): it is saved
-    under ``plan``; an epsilon-DP median it released is an extra spend, composed basically with
-    the training run's epsilon into ``epsilon_total`` (the tier is that of the total)."""
-    algo = ALGORITHMS.lookup(algorithm)  # a plugin's algorithm speaks for itself too
-    private = algo.private
-    unit = algo.unit_text
-    unit += (f"; each record is at most {seq_len} tokens; features and labels (all text) are "
-             "protected") if seq_len else ""
-    met = sampler_assumed == sampler_used
-    assumptions = []
-    if private:
-        assumptions.append(f"sampling: {SAMPLER_TEXT.get(sampler_assumed, sampler_assumed)}")
-        er = engine_record or {}
-        assumptions.append("noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
-                           "updates, drawn once per step in float32 from "
-                           + (er.get("noise_generator") or "a keyed generator")
-                           + " (not a cryptographically secure generator; floating-point attacks on "
-                           "the Gaussian sampler are not accounted)")
-        prec = er.get("precision") or {}
-        if prec:
-            assumptions.append(f"precision: model {', '.join(prec.get('model', []))}; norms, clipped sums, "
-                               f"the denominator and the noise in {', '.join(prec.get('norms_sums_noise', []))}; "
-                               f"master weights {prec.get('master_weights')}")
-        if er.get("noise_tail"):
-            nt = er["noise_tail"]
-            assumptions.append(f"the noise sampler bounds each Box-Muller pair's radius (ChaCha20, 85-bit uniforms): "
-                               f"the Gaussian mass it drops, {nt['mass_per_pair']:.3g} a pair over "
-                               f"{nt['coordinates']} coordinates and {nt['steps']} steps, adds "
-                               f"{nt['delta']:.3g} to delta (total variation; included in the stated delta)")
-        if er.get("seeded"):
-            assumptions.append("SEEDED RUN: the sampling and the noise derive from the seed in the "
-                               "configuration; whoever holds the seed can recompute the noise, and the "
-                               "guarantee holds only against parties who do not know it")
-        assumptions.extend(algo.assumptions(group_size))
-        for c in er.get("counts_treated_as_public") or [
-                f"the number of users N = {num_users} (in q and delta)"]:
-            assumptions.append(f"treated as public (computed on the private data, not noised): {c}")
-        assumptions.append(f"treated as public: the number of training records, {num_records} (published "
-                           "in this report)")
-        if er.get("nonfinite_units"):
-            assumptions.append(f"{er['nonfinite_units']} sampled units had a non-finite update and "
-                               "contributed zero (sensitivity unchanged); this count is computed on the "
-                               "private data and is NOT privatized")
-    if private:
-        assumptions.append("the unit is the author: people *mentioned* in other users' text are not "
-                           "protected by a user-level guarantee")
-    if plugins:
-        assumptions.append(f"plugin code ran inside training ({', '.join(plugins)}): the guarantee assumes "
-                           "it is correct, as it assumes of userdp's own code")
-    not_acc = list(not_accounted or [])
-    not_acc.append("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
-                   "them are not accounted; tune on public data or account it with `userdp tune` "
-                   "(Papernot & Steinke 2022)")
-    if tokenizer_note:
-        not_acc.append(tokenizer_note)
-    if pretraining_note:
-        not_acc.append(pretraining_note)
-    if selection in ("highest_ppl", "lowest_ppl"):
-        not_acc.append("perplexity-based record selection used the pretrained model on the private "
-                       "records (a non-private data touch)")
-    plan_eps = plan_median_epsilon(plan, "the plan") if plan else 0.0
-    if plan_eps and (plan or {}).get("seeded"):
-        assumptions.append("SEEDED DP MEDIAN: the plan's epsilon-DP median drew its noise from the plan's "
-                           "seed; whoever holds that seed can undo it")
-    # the plan's DP median is spent through the ledger (its event composed with the steps, inside
-    # epsilon_spent); a run written before that was so adds it by basic composition
-    inside = median_composed(dp_event)
-    total = (epsilon_spent + (0.0 if inside else plan_eps)) if (private and epsilon_spent is not None) \
-        else epsilon_spent
-    rec = {
-        "private": private,
-        "setting": SETTING if private else "none (non-private training)",
-        "data_accesses_covered": ("training only (the sequence of noised aggregated updates); "
-                                  "held-out-user evaluation uses users excluded from training")
-        if private else "none",
-        "mechanism_output": COVERAGE if private else "none",
-        "unit": unit,
-        "adjacency": ADJACENCY if private else "none",
-        "algorithm": algorithm,
-        "accountant": {"pld": "PLD (privacy-loss distributions, dp_accounting; add/remove)",
-                       "rdp": "RDP (Renyi DP, dp_accounting; add/remove)"}.get(accountant, accountant)
-        + algo.event_text(accountant),
-        "assumptions": assumptions or ["none"],
-        "sampler_assumed": sampler_assumed,
-        "sampler_used": sampler_used,
-        "assumptions_met": bool(met) if private else None,
-        "epsilon": epsilon_spent,
-        "epsilon_target": epsilon_target,
-        "delta": delta,
-        "delta_rule": (f"{delta_rule}; delta = {delta:.3g} = {delta * num_users:.3g}/N for N = {num_users:,} "
-                       "training users (a mechanism that publishes one random user's data outright is "
-                       "(0, 1/N)-DP, so delta must be far below 1/N; the report also states epsilon at "
-                       f"delta = {REFERENCE_DELTA:g})"
-                       if private and delta and num_users else delta_rule),
-        "epsilon_no_amplification": epsilon_no_amplification,
-        "tuning_guarantee": "not accounted (see not_accounted); the statement covers the final "
-                            "training run only",
-        "noise_multiplier": noise_multiplier,
-        "sampling_rate": sampling_rate,
-        "expected_cohort": expected_cohort,
-        "steps_taken": steps_taken,
-        "steps_planned": steps_planned,
-        "clip_norm": clip_norm,
-        "clipping": clipping,
-        "group_size": group_size,
-        "selection": selection,
-        "num_users": num_users,
-        "num_records": num_records,
-        "not_accounted": not_acc,
-        "library_versions": library_versions(),
-        "dp_event": event_to_json(dp_event) if dp_event is not None else None,
-        "tier": epsilon_tier(total if private else None),
-        "plan": plan,
-        "epsilon_plan": plan_eps if plan is not None else None,
-        "epsilon_total": total,
-        "transparency": transparency(engine_record),
-    }
-    rec["plugins"] = list(plugins or [])
-    if extra:
-        rec.update(extra)
-    return rec
-
-
-def transparency(engine_record: dict | None) -> str:
-    """How the run computed what it clipped, from its own record (ghost or vmap)."""
-    strategy = ((engine_record or {}).get("per_unit") or {}).get("strategy")
-    how = {"ghost": "per-unit gradient norms and the clipped sum by ghost clipping (from each layer's activations "
-                    "and output gradients, without per-unit gradient copies; userdp.engine.ghost)",
-           "vmap": "per-unit gradients by torch.func (vmap)"}.get(strategy, f"per-unit strategy {strategy or 'n/a'}")
-    return f"open-source userdp; accounting by Google's dp_accounting; {how}"
 
 
 REQUIRED = ["setting", "data_accesses_covered", "mechanism_output", "unit", "adjacency",

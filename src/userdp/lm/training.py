@@ -137,7 +137,7 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
         if main:
             rd.write_state(status="interrupted")
             if isinstance(exc, TrainingInterrupted):  # the step in flight finished: state what was spent
-                priv = privacy_json(job, exc.record, exc.steps, prep.train_subset.num_records, notes)
+                priv = privacy_json(job, exc.record, prep.train_subset.num_records, notes)
                 priv["split"], priv["data_drops"], priv["stopped"] = prep.split_rule, prep.drops, "interrupted"
                 write_json(rd.privacy, priv)
                 write_report(rd.root)
