@@ -1,6 +1,8 @@
 """What the guarantee rests on (issue 4 item 9): sensitivity of the pre-noise sum, the noise
 scale, Poisson cohort sizes, the ledger's refusal, and the sampling record."""
 
+import dataclasses
+import json
 import math
 
 import numpy as np
@@ -23,6 +25,7 @@ from userdp.engine import (
     train,
 )
 from userdp.engine.loop import EngineRun
+from userdp.engine.record import PrivacyRecord
 from userdp.engine.sampling import Poisson, bucket_size
 from userdp.errors import BudgetExceededError, UserError
 
@@ -245,3 +248,24 @@ def test_batchnorm_in_training_mode_is_refused():
         train(model, data, loss, cfg)
     model[1].eval()  # frozen statistics: allowed
     train(model, data, loss, cfg)
+
+
+def test_the_privacy_record_is_one_frozen_type_that_reads_like_its_json():
+    """train() returns a PrivacyRecord: frozen, every key of its JSON readable by index, the fields
+    that do not apply absent (here Poisson: no sampling warning), a change is a new record."""
+    res = train(Mean(2), user_data([2] * 40, d=2), sq_loss,
+                TrainConfig(algorithm=ULS(2, 0.25), steps=3, noise_multiplier=2.0, delta=1e-5, seed=0))
+    rec = res.record
+    assert isinstance(rec, PrivacyRecord)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.epsilon = 0.0
+    as_json = json.loads(json.dumps(rec.to_dict(), allow_nan=False))
+    assert set(as_json) == set(rec) and all(as_json[k] == json.loads(json.dumps(rec[k])) for k in rec)
+    assert rec["epsilon"] == rec.epsilon == res.epsilon > 0 and rec.stopped == "completed"
+    assert "sampling_warning" not in rec and rec.get("sampling_warning") is None
+    with pytest.raises(KeyError):
+        rec["sampling_warning"]
+    later = rec.replace(stopped="interrupted")
+    assert later["stopped"] == "interrupted" and rec["stopped"] == "completed"
+    rec.to_dict()["algorithm"]["sampling_rate"] = 9.0  # the JSON is a copy: the record is unchanged
+    assert rec.algorithm["sampling_rate"] == 0.25
