@@ -21,7 +21,8 @@ from userdp.engine import noise as noise_mod
 from userdp.engine import per_unit as per_unit_mod
 from userdp.engine.clipping import per_tensor_norms
 from userdp.engine.ledger import PrivacyLedger
-from userdp.engine.plan import make_plan
+from userdp.engine.loop import EngineRun
+from userdp.engine.plan import PERFORMANCE_FIELDS, make_plan, privacy_repr
 from userdp.errors import UserError
 from userdp.validation import check_choice, check_int, check_rate
 
@@ -283,3 +284,23 @@ def test_user_errors_are_value_errors_that_name_the_parameter():
     with pytest.raises(ValueError, match="must be in"):
         check_rate(math.nan, "q")
     assert check_choice("pld", "accountant", accounting.ACCOUNTANTS) == "pld"
+
+
+def test_the_plan_holds_its_parts_and_the_run_uses_them():
+    """make_plan resolves the sampler and the noise mechanism once (a plugin's included); the run
+    draws with the plan's sampler and adds the plan's noise; the performance settings stand apart
+    from what the journal is bound to."""
+    sampler = _plugin("geometric_poisson").GeometricPoisson
+    _plugin("float64_noise")
+    data = user_data([2] * 40, d=2)
+    cfg = TrainConfig(algorithm=ULS(2, 0.25), steps=2, noise_multiplier=1.0, delta=1e-5, seed=0,
+                      sampling="poisson_geometric", noise="iid_gaussian_float64", chunk_size=8)
+    plan = make_plan(cfg, num_users=40, num_units=40)
+    assert isinstance(plan.sampler, sampler) and plan.accounted_sampling == "poisson"
+    assert plan.noise_mechanism is noise_mod.NOISE_MECHANISMS.lookup("iid_gaussian_float64")
+    assert plan.performance["chunk_size"] == 8 and set(plan.performance) == set(PERFORMANCE_FIELDS)
+    assert privacy_repr(cfg) == privacy_repr(dataclasses.replace(cfg, chunk_size=64, per_unit="vmap"))
+    run = EngineRun(Mean(2), data, sq_loss, plan, None, None)
+    assert run.sampler is plan.sampler and type(run.noise) is plan.noise_mechanism
+    res = train(Mean(2), data, sq_loss, plan)
+    assert res.record["sampler"]["mode"] == sampler.mode and res.record["noise_mechanism"] == "iid_gaussian_float64"

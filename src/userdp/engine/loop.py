@@ -32,12 +32,12 @@ from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
-from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, make_noise, os_entropy, source_class, source_for
+from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
-from userdp.engine.sampling import bucket_size, get_sampler
+from userdp.engine.sampling import bucket_size
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_bool, check_callable, check_instance
 
@@ -177,20 +177,9 @@ class EngineRun:
         self.seeded = cfg.seed is not None
         # generators: the cohort and the data key (identical on every rank), the noise (main rank)
         self.rng, self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner, self.device)
-        self.noise = make_noise(cfg.noise, source)
-        self.noise.init(self.master)
-        # what the noise is added to each step: the sums, one per trainable parameter, in float32+
-        self._sum_numel = sum(p.numel() for p in self.params)
-        self._sum_dtypes = sorted({_accumulation_dtype(p.dtype) for p in self.params}, key=str)
-        # the device noise kernel is built (compiled and checked) now, not inside step 1; its status
-        # is recorded (a fallback to eager is never silent)
-        prepare = getattr(source, "prepare", None)
-        self.noise_kernel = prepare(self.device) if prepare is not None else (
-            "host generator" if source is not None else "none on this rank")
         if self.seeded:
             torch.manual_seed(torch_seed)  # dropout etc. inside the model
         self.table: UnitTable = self.algo.units(data, self.rng)
-        self.sampler = get_sampler(cfg.sampling)
         self.sampler_state: dict = {}
         # the frozen plan: mechanism, noise, denominator, delta (calibrated if a target is given)
         total_weight = float(self.table.weights.sum()) if self.table.weights is not None else None
@@ -200,6 +189,18 @@ class EngineRun:
         else:  # the caller's plan (already calibrated): it must be the plan of this data
             _check_plan_fits(given_plan, data.num_users, len(self.table), total_weight)
             self.plan = given_plan
+        # the plan's parts: the sampler, and the noise mechanism over this run's keyed source
+        self.sampler = self.plan.sampler
+        self.noise = self.plan.noise_mechanism(source)
+        self.noise.init(self.master)
+        # what the noise is added to each step: the sums, one per trainable parameter, in float32+
+        self._sum_numel = sum(p.numel() for p in self.params)
+        self._sum_dtypes = sorted({_accumulation_dtype(p.dtype) for p in self.params}, key=str)
+        # the device noise kernel is built (compiled and checked) now, not inside step 1; its status
+        # is recorded (a fallback to eager is never silent)
+        prepare = getattr(source, "prepare", None)
+        self.noise_kernel = prepare(self.device) if prepare is not None else (
+            "host generator" if source is not None else "none on this rank")
         # the journal is bound to everything its epsilon depends on: the config, delta (a default
         # delta is computed from N) and the accountant, so a privacy record that names others is caught
         # (performance settings — chunk size, per-unit strategy, precision, checkpoint cadence — may change)
@@ -467,7 +468,7 @@ class EngineRun:
         material = int.from_bytes(hashlib.sha256(f"{int(self.cfg.seed)}:resume:{int(begun)}".encode()).digest()[:16],
                                   "little")
         self.rng, self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
-        self.noise = make_noise(self.cfg.noise, source)
+        self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
         torch.manual_seed(torch_seed)
         self.sampler_state = {}

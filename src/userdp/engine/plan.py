@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from dp_accounting import dp_event as dpe
 
@@ -30,7 +30,7 @@ from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
-from userdp.engine.sampling import accounted_as
+from userdp.engine.sampling import accounted_as, get_sampler
 from userdp.errors import UserError
 from userdp.validation import (
     check_bool,
@@ -198,6 +198,15 @@ class RunPlan:
         count_stddev: adaptive clipping's count-query noise (None when not adaptive).
         mechanism: the accounted mechanism (None for a non-private run).
         safe_steps: steps the calibration guarantees within the target (None: not calibrated).
+        sampler: the sampler that draws each step's cohort (``config.sampling`` looked up once
+            in :data:`~userdp.engine.sampling.SAMPLERS`; a plugin's declares its accounting).
+        noise_mechanism: the noise mechanism's class (``config.noise`` looked up once in
+            :data:`~userdp.engine.noise.NOISE_MECHANISMS`); the run instantiates it over its
+            keyed source.
+
+    The clipping strategy and the algorithm are the config's own frozen parts (:attr:`clipping`,
+    :attr:`algorithm`); the settings that change how the run computes, not what it releases, are
+    apart in :attr:`performance` (a resume may change them; the journal is not bound to them).
     """
 
     config: TrainConfig
@@ -213,6 +222,8 @@ class RunPlan:
     count_stddev: Optional[float]
     mechanism: Optional[accounting.Mechanism]
     safe_steps: Optional[int]
+    sampler: Any
+    noise_mechanism: type
 
     # ---------------------------------------------------------------- what the plan says
     @property
@@ -224,6 +235,12 @@ class RunPlan:
     def clipping(self):
         """The clipping strategy."""
         return self.config.clipping
+
+    @property
+    def performance(self) -> dict:
+        """The performance settings (:data:`PERFORMANCE_FIELDS`): how the run computes, not what it
+        releases."""
+        return {name: getattr(self.config, name) for name in PERFORMANCE_FIELDS}
 
     @property
     def accountant(self) -> str:
@@ -362,7 +379,8 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
     plan = RunPlan(config=config, unit=unit, num_users=int(num_users), num_units=int(num_units),
                    expected_units=expected_units, expected_weight=expected_weight, delta=delta, delta_rule=rule,
                    noise_multiplier=0.0, update_noise_multiplier=0.0, count_stddev=None, mechanism=None,
-                   safe_steps=None)
+                   safe_steps=None, sampler=get_sampler(config.sampling),
+                   noise_mechanism=NOISE_MECHANISMS.lookup(config.noise))
     if config.noise_multiplier is None or config.noise_multiplier > 0:
         # the accountant must handle this run's kind of step event: refused now, before a
         # calibration or an optimizer step asks it (its shape does not depend on sigma)
