@@ -95,12 +95,13 @@ def _sets(name: str, a, public_file: Path) -> list[str]:
 
 def _public_file(out: Path) -> Path:
     """The meta sites' text as JSON lines, so that blogs pretrain on exactly Stack Exchange's public text."""
-    from userdp.lm import prepare as F
+    from userdp.caches import fingerprint
+    from userdp.data import acquire as A
 
     path = out / "public-se-meta.jsonl"
     if not path.is_file():
-        src = F.stackexchange_source(str(SE), None, public=True)
-        store = F.cached_store(src, "se-" + F.fingerprint(F.file_signature(SE), [s.name for s in src.sites]), _log)
+        src = A.stackexchange_source(str(SE), None, public=True)
+        store = A.cached_store(src, "se-" + fingerprint(A.file_signature(SE), [s.name for s in src.sites]), _log)
         with open(path, "w") as f:
             for _, batch in store.iter_text_batches():
                 for t in batch:
@@ -124,6 +125,7 @@ def _eval_pairs(data, per_user: int, seed: int = 0):
 def prepare(name: str, a, public_file: Path) -> Corpus:
     import torch
 
+    from userdp.devices import resolve_device
     from userdp.lm import config as C
     from userdp.lm import models
     from userdp.lm import prepare as F
@@ -132,7 +134,8 @@ def prepare(name: str, a, public_file: Path) -> Corpus:
 
     cfg = C.load_config(None, _sets(name, a, public_file))
     prep = F.prepare_data(cfg.data, _log)
-    tok, model, _notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, _log, progress=False)
+    tok, model, _notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, _log, progress=False,
+                                                 device=resolve_device(cfg.model.device))
     model.train()
     train, heldout = F.build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection,
                                       log=_log)

@@ -1,6 +1,7 @@
 """`userdp train` configuration: defaults, unknown keys, wrong types, --set overrides."""
 
 import pytest
+import torch
 
 from userdp.errors import UserError
 from userdp.lm import config as C
@@ -82,20 +83,22 @@ def test_dump_round_trips():
 def test_engine_config_maps_each_algorithm():
     from userdp.lm.job_plan import engine_config
 
+    CPU = torch.device("cpu")  # where the job resolved model.device
+
     e = engine_config(C.load_config(None, ["training.algorithm=els", "training.cohort_size=50",
-                                           "training.group_size=3"]), 1000)
+                                           "training.group_size=3"]), 1000, CPU)
     assert type(e.algorithm).__name__ == "ELS" and e.algorithm.sampling_rate == 0.05
     assert e.algorithm.group_size == 3 and e.target_epsilon == 3.0 and e.noise_multiplier is None
-    u = engine_config(C.load_config(None, ["training.cohort_size=10"]), 100)
+    u = engine_config(C.load_config(None, ["training.cohort_size=10"]), 100, CPU)
     assert type(u.algorithm).__name__ == "ULS" and u.algorithm.sampling_rate == 0.1
     f = engine_config(C.load_config(None, ["training.algorithm=fedavg", "training.local_epochs=2",
-                                           "training.local_lr=0.3"]), 100)
+                                           "training.local_lr=0.3"]), 100, CPU)
     assert type(f.algorithm).__name__ == "FedAvg" and f.algorithm.local_epochs == 2
-    n = engine_config(C.load_config(None, ["training.algorithm=nonprivate"]), 100)
+    n = engine_config(C.load_config(None, ["training.algorithm=nonprivate"]), 100, CPU)
     assert n.noise_multiplier == 0.0 and n.target_epsilon is None
-    z = engine_config(C.load_config(None, ["privacy.noise_multiplier=1.5"]), 100)
+    z = engine_config(C.load_config(None, ["privacy.noise_multiplier=1.5"]), 100, CPU)
     assert z.noise_multiplier == 1.5 and z.target_epsilon == 3.0  # the ledger still enforces the target
-    s = engine_config(C.load_config(None, ["privacy.sampler=shuffle"]), 100)
+    s = engine_config(C.load_config(None, ["privacy.sampler=shuffle"]), 100, CPU)
     assert s.sampling == "shuffle"
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from userdp.cli import main as cli
 
@@ -157,8 +158,9 @@ def test_a_fixed_sigma_run_makes_one_run_plan_and_resolves_its_device_once(tiny,
     import userdp.lm.starting_model as SM
 
     resolved = []
-    for mod in (FT, SM, J):
-        monkeypatch.setattr(mod, "resolve_device", lambda spec, **k: resolved.append(spec) or D.resolve_device(spec, **k))
+    monkeypatch.setattr(FT, "resolve_device", lambda spec, **k: resolved.append(spec) or D.resolve_device(spec, **k))
+    # the later phases take the job's device and cannot resolve their own
+    assert not hasattr(SM, "resolve_device") and not hasattr(J, "resolve_device")
     tmp, cfg = tiny
     # chunk_size auto with a fixed sigma was a traceback: the early budget check built a TrainConfig
     # with chunk_size None; performance settings no longer reach the plan's mechanism
@@ -240,14 +242,16 @@ def test_pretrain_cli_writes_a_folder_train_accepts(tiny, capsys):
 
     c = C.load_config(cfg, [f"model.path={out}"])
     prep = prepare_data(c.data, log=lambda m: None)
-    tok, model, notes = get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False)
+    tok, model, notes = get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False,
+                                                device=torch.device("cpu"))
     assert "userdp" in notes["pretraining"] and tok.get_vocab_size() <= 300
     # another folder (not made by userdp pretrain) needs the tokenizer declared public
     (out / "userdp_pretrain.json").unlink()
     from userdp.errors import UserError
 
     with pytest.raises(UserError, match="declared_public"):
-        get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False)
+        get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False,
+                                                device=torch.device("cpu"))
 
 
 @pytest.mark.slow

@@ -258,7 +258,7 @@ def test_trials_share_one_private_cache_in_the_tuning_directory(tiny, monkeypatc
     """Issue 28 (1): with output.cache: run every trial re-read and re-tokenized the private file;
     trials of one tuning run share the tuning directory's cache (still in the user's directory)."""
     import userdp.tuning.job as J
-    from userdp.lm.pretrain import run_cache, shared_run_cache
+    from userdp.caches import run_cache, shared_run_cache
 
     seed = _seed_with_trials(2, TrialCount.with_mean("tnb", 2.0, 1.0))
     monkeypatch.setattr(J.secrets, "randbits", lambda n: seed)

@@ -20,10 +20,10 @@ import re
 import sys
 from pathlib import Path
 
+from userdp.caches import cache_root, local_caches
 from userdp.cli import jsonout
 from userdp.errors import UserError
 from userdp.fileio import OWNED_MARK, is_owned, remove_owned
-from userdp.lm.pretrain import cache_root, local_caches
 
 KINDS = {"stores": True, "tokenized": True, "perplexity": True, "pretrained": False}  # kind -> private
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from userdp.data.acquire import read_public_file
 from userdp.data.sources import detect_format, is_gzip, open_source
 from userdp.data.stats import corpus_stats
 from userdp.data.store import build_store
 from userdp.errors import UserError
 from userdp.fileio import write_atomic
-from userdp.lm.prepare import read_public_file
 
 #: the fewest users a config is written for (training holds one out and trains on the rest)
 MIN_USERS = 2

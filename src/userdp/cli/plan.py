@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from userdp import planning
+from userdp.caches import cache_in, private_cache_for
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.devices import resolve_device
@@ -27,7 +28,6 @@ from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.plan_auto import plan_record
 from userdp.lm.prepare import build_datasets, prepare_data
-from userdp.lm.pretrain import cache_in, private_cache_for
 from userdp.lm.starting_model import get_tokenizer_and_model
 
 
@@ -48,13 +48,14 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
     """Resolve data, tokenizer and model exactly as ``userdp train`` does (see ResolvedTraining)."""
 
     cfg = C.load_config(config_path, overrides or [])
+    device = resolve_device(cfg.model.device)  # the L(G) gradients run where training will (model.device)
     prep = prepare_data(cfg.data, log)
-    tok, model, _notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, progress=True)
+    tok, model, _notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, progress=True, device=device)
     if cfg.model.lora.enabled:
         lc = cfg.model.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
 
-    model.to(resolve_device(cfg.model.device))  # the L(G) gradients run where training will (model.device)
+    model.to(device)
     model.train()
     train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
                                            selection=cfg.training.selection, log=log)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+from userdp.caches import cache_in, private_cache_for
 from userdp.data.sources import detect_format
 from userdp.data.tokenize import load_tokenizer
 from userdp.devices import resolve_device
@@ -16,7 +17,6 @@ from userdp.lm import models
 from userdp.lm.evaluate import evaluate_lm
 from userdp.lm.evaluate import personalize as run_personalize
 from userdp.lm.prepare import build_datasets, prepare_data
-from userdp.lm.pretrain import cache_in, private_cache_for
 from userdp.lm.run_dir import RunDir, verify_files
 
 

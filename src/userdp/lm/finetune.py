@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from userdp.caches import cache_in, private_cache_for
 from userdp.devices import resolve_device
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.ledger import JOURNAL
@@ -33,7 +34,6 @@ from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
 from userdp.lm.plan_auto import planned_config
 from userdp.lm.prepare import Log, build_datasets, prepare_data, stderr_log
-from userdp.lm.pretrain import cache_in, private_cache_for
 from userdp.lm.release import evaluate_before, release
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir
 from userdp.lm.starting_model import get_tokenizer_and_model, place_model
@@ -208,8 +208,8 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     # 2. the tokenizer and the starting model
     with world.main_first("building the tokenizer and the model"):
         tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress,
-                                                        ctx.device)
-    model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, ctx.device)
+                                                        device=ctx.device)
+    model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, device=ctx.device)
     with world.main_first("tokenizing the data"):
         train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
                                                selection=cfg.training.selection, log=log, model=model,

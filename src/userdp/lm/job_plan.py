@@ -16,7 +16,7 @@ import torch
 
 from userdp import accounting
 from userdp import engine as E
-from userdp.devices import resolve_device, resolve_precision
+from userdp.devices import resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.memory import auto_chunk_size
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, make_plan
@@ -43,10 +43,10 @@ def check_cohort(cfg: C.RunConfig, num_units: int) -> None:
                         f"give at most {num_units} (sampling rate 1)")
 
 
-def engine_config(cfg: C.RunConfig, num_units_hint: int, device=None, prior: tuple = ()):
+def engine_config(cfg: C.RunConfig, num_units_hint: int, device: torch.device, prior: tuple = ()):
     """The engine's :class:`~userdp.engine.plan.TrainConfig` for ``cfg`` (``device``: where it runs, resolved
-    once by the job; None resolves ``model.device`` here, for callers outside a job; ``prior``: the
-    DpEvents released before training, e.g. a plan's DP median, which the ledger counts first)."""
+    once by the job, which decides the precision's dtype; ``prior``: the DpEvents released before
+    training, e.g. a plan's DP median, which the ledger counts first)."""
     t, p = cfg.training, cfg.privacy
     check_cohort(cfg, num_units_hint)
     rate = t.cohort_size / max(1, num_units_hint)
@@ -65,7 +65,7 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int, device=None, prior: tup
     else:
         clip = E.FlatClip(t.clip_norm, normalized=normalized)
 
-    precision = resolve_precision(t.precision, device if device is not None else resolve_device(cfg.model.device))
+    precision = resolve_precision(t.precision, device)
     kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
               accountant=p.accountant, sampling=p.sampler, noise=p.noise, seed=t.seed,
               chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
@@ -84,14 +84,20 @@ def num_units(cfg: C.RunConfig, data) -> int:
     return algorithm_of(cfg).count_units(data.sizes(), cfg.training.group_size)
 
 
-def run_plan(cfg: C.RunConfig, num_users: int, num_units: int, device=None, prior: tuple = ()) -> RunPlan:
+def run_plan(cfg: C.RunConfig, num_users: int, num_units: int, device: torch.device, prior: tuple = ()) -> RunPlan:
     """The engine's plan for ``cfg`` on data with these counts (calibrated when the config gives a
     target and no sigma). The mechanism is made once per privacy settings and counts
-    (:func:`_mechanism_plan`), so the budget check and the engine read the same plan instead of
+    (:func:`mechanism_plan`), so the budget check and the engine read the same plan instead of
     making more; the performance settings — an ``auto`` chunk size before it is resolved, the
     per-unit strategy, the precision (on ``device``, see :func:`engine_config`) — are this config's own."""
-    base = _mechanism_plan(_performance_neutral(cfg), num_users, num_units, tuple(prior))
+    base = mechanism_plan(cfg, num_users, num_units, prior)
     return dataclasses.replace(base, config=engine_config(cfg, num_units, device, prior))
+
+
+def mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> RunPlan:
+    """The plan of ``cfg``'s privacy settings on these counts, with its performance settings neutral
+    (wherever it will run): what a budget check or a tuning's calibration needs, made once."""
+    return _mechanism_plan(_performance_neutral(cfg), num_users, num_units, tuple(prior))
 
 
 def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
@@ -124,7 +130,7 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple 
     p, t = cfg.privacy, cfg.training
     if not algorithm_of(cfg).private or p.noise_multiplier is None:
         return None
-    plan = _mechanism_plan(_performance_neutral(cfg), num_users, num_units, tuple(prior))  # the engine's (once)
+    plan = mechanism_plan(cfg, num_users, num_units, prior)  # the engine's (once)
     eps = accounting.epsilon(accounting.compose_after(prior, plan.step_event, t.steps), plan.delta, p.accountant)
     if eps > p.epsilon:
         before = " after the plan's DP median" if prior else ""

@@ -6,13 +6,14 @@ import os
 import time
 from pathlib import Path
 
+from userdp.caches import fingerprint
+from userdp.data.acquire import cached_store, file_signature, read_public_file, stackexchange_source
 from userdp.data.shakespeare import public_text
 from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
 from userdp.devices import resolve_device
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
-from userdp.lm.prepare import cached_store, file_signature, read_public_file, stackexchange_source
-from userdp.lm.pretrain import fingerprint, pretrain_model, save_pretrained
+from userdp.lm.pretrain import pretrain_model, save_pretrained
 
 
 def public_texts(args) -> tuple[list[str], str]:

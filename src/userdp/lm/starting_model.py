@@ -11,15 +11,18 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
+from userdp.caches import cache_root, fingerprint
 from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
-from userdp.devices import describe, resolve_device
+from userdp.devices import describe
 from userdp.engine.distributed import broadcast_module_state, combiner_for
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, make_dir, owned_dir
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.prepare import Log, Prepared, stderr_log
-from userdp.lm.pretrain import cache_root, fingerprint, pretrain_model, save_pretrained
+from userdp.lm.pretrain import pretrain_model, save_pretrained
 from userdp.lm.tokenization import special_ids
 
 
@@ -30,10 +33,10 @@ def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> P
 
 
 def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = stderr_log,
-                            progress=True, device=None):
+                            progress=True, *, device: torch.device):
     """(tokenizer, model, notes) from the config's ``tokenizer`` and ``model`` sections — notes
     describe what touched which text (for the report). ``device``: ``model.device`` as the job
-    resolved it (None: resolved here when needed: a quantized load, pretraining)."""
+    resolved it, once (a quantized load loads onto it; pretraining runs on it)."""
 
     notes = {}
     model_dir = models.resolve_model_path(m.path) if m.path else None  # a folder, or a hub id already cached
@@ -63,7 +66,7 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
     if model_dir is not None:
         q, load_on = m.lora.quantize, None
         if q != "none":  # quantized while loading, so loaded onto the device
-            load_on = device if device is not None else resolve_device(m.device)
+            load_on = device
             log(f"loading {m.path} with its linear layers quantized to 4 bits ({q}, bitsandbytes; frozen) ...")
             notes["quantization"] = (f"base model's linear layers quantized to 4 bits ({q}, double quantization, "
                                      "bitsandbytes) and frozen; only the LoRA adapters are trained (QLoRA-style)")
@@ -108,7 +111,7 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
                 model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
                                              steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
                                              warmup=pc.warmup, seed=pc.seed, progress=progress,
-                                             device=device if device is not None else resolve_device(m.device),
+                                             device=device,
                                              state_path=partial / "state.pt",
                                              say=log)
             except KeyboardInterrupt:
@@ -133,15 +136,13 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
     return tok, model, notes
 
 
-def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_log, device=None):
+def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_log, *, device: torch.device):
     """The model as training uses it (the config's ``model`` section): LoRA applied when
-    configured, on ``device`` (``model.device`` as the job resolved it; None: resolved here), rank
-    0's weights on every process, linted; returns (model, device, combiner)."""
+    configured, on ``device`` (``model.device`` as the job resolved it, once), rank 0's weights on
+    every process, linted; returns (model, device, combiner)."""
     if m.lora.enabled:
         lc = m.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
-    if device is None:
-        device = resolve_device(m.device)
     model.to(device)
     combiner = combiner_for(world.distributed)
     if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's

@@ -30,13 +30,13 @@ import numpy as np
 from userdp.accounting import compose, event_to_dict
 from userdp.accounting import private_selection as TG
 from userdp.accounting.selection import TrialCount
+from userdp.caches import shared_run_cache
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C
 from userdp.lm.finetune import run
-from userdp.lm.job_plan import check_cohort, num_units, run_plan
+from userdp.lm.job_plan import check_cohort, mechanism_plan, num_units
 from userdp.lm.prepare import prepare_data
-from userdp.lm.pretrain import shared_run_cache
 from userdp.lm.report import epsilon_tier, write_report
 from userdp.lm.run_dir import RunDir, read_json
 from userdp.tuning import accounting as TA
@@ -61,7 +61,7 @@ def _plan_for(cfg: C.RunConfig, prep, tau: float | None):
     check_cohort(cfg, n_units)
     if tau is not None:
         cfg = dataclasses.replace(cfg, privacy=dataclasses.replace(cfg.privacy, epsilon=tau, noise_multiplier=None))
-    return run_plan(cfg, prep.train_subset.num_users, n_units)
+    return mechanism_plan(cfg, prep.train_subset.num_users, n_units)
 
 
 def _check_public_is_not_private(cfg: C.RunConfig, public_cfg: C.RunConfig | None) -> None:
