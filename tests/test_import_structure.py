@@ -18,6 +18,7 @@ LAYERS = {
     "userdp.data.torch_data": 4, "userdp.data.selection": 4, "userdp.devices": 4, "userdp.launch": 4, "userdp.planning": 4,
     "userdp.lm": 5,
     "userdp.audit": 6, "userdp.tuning": 6, "userdp.experiments": 6,
+    "userdp.hf": 6,  # the Trainer integration: on the engine and the LM models
     # --nproc: the CLI's process starter (its workers run the CLI again); it reads devices via launch
     "userdp.cli": 7, "userdp.launcher": 7, "userdp.__main__": 8,
 }

@@ -1,0 +1,150 @@
+"""userdp.hf.PrivateTrainer (issue 38): a Hugging Face Trainer script made user-level private. The
+Trainer-driven run is the engine's own-loop run (same seed: same cohorts, parameters and epsilon),
+the settings that would break the guarantee are refused in one line, and a batch holds only the
+records of the users it names."""
+
+import json
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+from userdp.engine import ELS, ULS, FlatClip, TrainConfig, make_private
+from userdp.errors import UserError
+from userdp.hf import REFUSED, PrivateTrainer, UserRecords, check_arguments
+from userdp.lm.models import causal_lm_loss
+
+warnings.filterwarnings("ignore", module="transformers")
+
+
+def _dataset(n=90, users=30, seed=0, labels=False):
+    rng = np.random.default_rng(seed)
+    ids = [[int(t) for t in rng.integers(1, 50, rng.integers(3, 9))] for _ in range(n)]
+    rows = {"input_ids": ids, "user": [f"u{(i * 7) % users}" for i in range(n)]}
+    if labels:  # a prompt of two tokens masked out, as a chat collator would
+        rows["labels"] = [[-100, -100] + r[2:] for r in ids]
+    return Dataset.from_dict(rows)
+
+
+def _model():
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), report_to=[], logging_steps=1, save_strategy="no", use_cpu=True,
+                optim="sgd", learning_rate=0.2, lr_scheduler_type="constant", disable_tqdm=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+@pytest.mark.parametrize("algorithm", [ULS(group_size=2, sampling_rate=0.3), ELS(group_size=2, sampling_rate=0.15)],
+                         ids=["uls", "els"])
+def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
+    """Same seed: the Trainer-driven run and make_private in a plain loop with the same optimizer
+    draw the same cohorts and end with the same parameters and epsilon; the Trainer's log carries
+    epsilon, and the output folder holds the ledger journal and the record."""
+    ds = _dataset()
+    privacy = TrainConfig(algorithm=algorithm, steps=4, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4,
+                          seed=11)
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy,
+                             user_field="user")
+    trainer.train()
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
+        for step in private:
+            opt.zero_grad()
+            step.backward()
+            opt.step()
+
+    assert trainer.state.global_step == 4
+    assert [h["units"] for h in trainer._private.history] == [h["units"] for h in private.history]
+    for a, b in zip(trainer.model.parameters(), model.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+    assert trainer.epsilon() == pytest.approx(private.epsilon(), rel=1e-12) and trainer.epsilon() > 0
+    assert all("epsilon" in h for h in trainer.state.log_history if "loss" in h)
+    rec = json.loads((tmp_path / "out" / "privacy_record.json").read_text())
+    assert rec["steps_accounted"] == 4 and rec["stopped"] == "completed" and rec["journal"] is not None
+    assert any("max_grad_norm" in n for n in rec["userdp_notes"])  # the default 1.0 was set aside, and said
+    assert any("training loss" in n for n in rec["not_accounted"])
+    assert (tmp_path / "out" / "userdp" / "ledger_journal.jsonl").is_file()
+
+
+@pytest.mark.parametrize("name, value", [
+    ("gradient_accumulation_steps", 2), ("fp16", True), ("bf16", True), ("torch_compile", True),
+    ("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
+    ("n_gpu", 2), ("world_size", 2)])
+def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name, value):
+    args = types.SimpleNamespace(gradient_accumulation_steps=1, fp16=False, bf16=False, torch_compile=False,
+                                 deepspeed=None, fsdp=None, neftune_noise_alpha=None, label_smoothing_factor=0.0,
+                                 n_gpu=1, world_size=1, max_grad_norm=0.0, max_steps=-1,
+                                 per_device_train_batch_size=8, num_train_epochs=3.0)
+    check_arguments(args)  # the defaults pass
+    setattr(args, name, value)
+    with pytest.raises(UserError) as exc:
+        check_arguments(args)
+    msg = str(exc.value)
+    assert "\n" not in msg and (f"TrainingArguments.{name}=" in msg or f"{value} " in msg), msg
+    assert {n for n, _, _ in REFUSED} <= {"gradient_accumulation_steps", "fp16", "bf16", "torch_compile", "deepspeed",
+                                           "fsdp", "neftune_noise_alpha", "label_smoothing_factor"}
+
+
+def test_a_real_trainer_refuses_accumulation_a_resume_and_a_dataset_without_authors(tmp_path):
+    ds = _dataset()
+    privacy = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-4)
+    with pytest.raises(UserError, match="gradient_accumulation_steps=2"):
+        PrivateTrainer(model=_model(), args=_args(tmp_path, gradient_accumulation_steps=2), train_dataset=ds,
+                       privacy=privacy)
+    with pytest.raises(UserError, match="no column 'author'"):
+        PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="author")
+    t = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy)
+    with pytest.raises(UserError, match="resume_from_checkpoint"):
+        t.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    empty = Dataset.from_dict({"input_ids": [[1, 2], []], "user": ["a", "b"]})
+    with pytest.raises(UserError, match="row 1: input_ids is empty"):
+        UserRecords(empty, "user")
+
+
+def test_a_batch_holds_only_the_records_of_the_users_it_names():
+    """However the cohort is drawn, row i of a gathered batch is a record of users[i], right-padded,
+    with labels -100 on the padding and a given labels column kept."""
+    ds = _dataset(labels=True)
+    data = UserRecords(ds, "user", pad_token_id=63)
+    by_user: dict[str, list] = {}
+    for ids, lab, u in zip(ds["input_ids"], ds["labels"], ds["user"]):
+        by_user.setdefault(u, []).append((ids, lab))
+    rng = np.random.default_rng(5)
+    users = rng.integers(0, data.num_users, 200)
+    recs = (rng.random(200) * data.sizes()[users]).astype(np.int64)
+    batch = data.gather(users, recs)
+    assert batch["input_ids"].shape == (200, data.seq_len)
+    for i, (u, r) in enumerate(zip(users, recs)):
+        ids, lab = by_user[data.user_ids[u]][r]
+        n = len(ids)
+        assert batch["input_ids"][i, :n].tolist() == ids and (batch["input_ids"][i, n:] == 63).all()
+        assert batch["labels"][i, :n].tolist() == lab and (batch["labels"][i, n:] == -100).all()
+    assert int(data.sizes().sum()) == len(ds) and data.num_users == 30
+
+
+@pytest.mark.slow
+def test_the_example_script_runs_as_docs_hf_md_shows(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+    out = subprocess.run([sys.executable, str(example), "--steps", "3", "--output", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "over 3 steps (completed)" in out.stdout
+    eps = float(out.stdout.split("user-level (")[1].split(",")[0])
+    assert 0 < eps <= 3.0
+    assert json.loads((tmp_path / "out" / "privacy_record.json").read_text())["steps_accounted"] == 3
