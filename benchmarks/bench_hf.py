@@ -25,23 +25,9 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
+
 MODES = ("nonprivate_trainer", "own_loop", "private_trainer")
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-
-
-def _peak() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def _worker(mode: str, a) -> dict:
@@ -71,7 +57,7 @@ def _worker(mode: str, a) -> dict:
         def on_step_begin(self, args, state, control, **kw):
             self.t0 = time.perf_counter()
             if state.global_step == 1:
-                _reset_peak()
+                _reset_peak_rss()
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
@@ -99,13 +85,13 @@ def _worker(mode: str, a) -> dict:
             for step in private:
                 t0 = time.perf_counter()
                 if step.index == 2:
-                    _reset_peak()
+                    _reset_peak_rss()
                 opt.zero_grad()
                 step.backward()
                 opt.step()
                 times.append(time.perf_counter() - t0)
     timed = times[1:]
-    return {"mode": mode, "s_per_step": statistics.median(timed), "steps_timed": len(timed), "peak_bytes": _peak()}
+    return {"mode": mode, "s_per_step": statistics.median(timed), "steps_timed": len(timed), "peak_bytes": _peak_rss()}
 
 
 def main(argv=None) -> int:
