@@ -97,7 +97,7 @@ def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name,
                                            "fsdp", "neftune_noise_alpha", "label_smoothing_factor"}
 
 
-def test_a_real_trainer_refuses_accumulation_a_resume_and_a_dataset_without_authors(tmp_path):
+def test_a_real_trainer_refuses_accumulation_and_a_dataset_without_authors(tmp_path):
     ds = _dataset()
     privacy = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-4)
     with pytest.raises(UserError, match="gradient_accumulation_steps=2"):
@@ -105,9 +105,6 @@ def test_a_real_trainer_refuses_accumulation_a_resume_and_a_dataset_without_auth
                        privacy=privacy)
     with pytest.raises(UserError, match="no column 'author'"):
         PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="author")
-    t = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy)
-    with pytest.raises(UserError, match="resume_from_checkpoint"):
-        t.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     empty = Dataset.from_dict({"input_ids": [[1, 2], []], "user": ["a", "b"]})
     with pytest.raises(UserError, match="row 1: input_ids is empty"):
         UserRecords(empty, "user")
@@ -149,3 +146,36 @@ def test_the_example_script_runs_as_docs_hf_md_shows(tmp_path, capsys, monkeypat
     eps = float(out.split("user-level (")[1].split(",")[0])
     assert 0 < eps <= 3.0
     assert json.loads((tmp_path / "out" / "privacy_record.json").read_text())["steps_accounted"] == 3
+
+
+def test_a_crash_then_resume_from_checkpoint_counts_every_begun_step_once(tmp_path):
+    """save_steps=2: userdp's checkpoint is written with each Trainer checkpoint. A crash after step
+    5 (released: the ledger counted it) leaves checkpoint-4; train(resume_from_checkpoint=True)
+    continues at step 5 with the ledger: 6 steps applied, 7 accounted (one lost, its noise never
+    reused). A fresh run in the same output_dir, or a resume from an older checkpoint, is refused."""
+    from transformers import TrainerCallback
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                raise RuntimeError("killed after step 5")
+
+    ds = _dataset()
+    privacy = TrainConfig(algorithm=ULS(2, 0.3), steps=6, noise_multiplier=1.0, delta=1e-4)  # unseeded
+    args = _args(tmp_path, save_strategy="steps", save_steps=2)
+    first = PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy, callbacks=[Crash()])
+    with pytest.raises(RuntimeError, match="killed after step 5"):
+        first.train()
+    out = tmp_path / "out"
+    assert (out / "checkpoint-4").is_dir() and len((out / "userdp" / "ledger_journal.jsonl").read_text().splitlines()) - 1 == 5
+    with pytest.raises(UserError, match="already holds a checkpoint"):  # a fresh run would start a second ledger
+        PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy).train()
+    with pytest.raises(UserError, match="at step 2, userdp's .* at step 4"):
+        PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy).train(
+            resume_from_checkpoint=str(out / "checkpoint-2"))
+    again = PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy)
+    again.train(resume_from_checkpoint=True)
+    rec = again.privacy_record()
+    assert again.state.global_step == 6 and rec["steps_applied"] == 6
+    assert rec["steps_lost_to_crashes"] == 1 and rec["steps_accounted"] == 7 and rec["stopped"] == "completed"
+    assert again.epsilon() > first._private.epsilon() > 0

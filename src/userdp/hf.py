@@ -171,12 +171,13 @@ class PrivateTrainer(Trainer):
             cross-entropy averaged over each record's target tokens).
 
     After ``train()``: :meth:`epsilon`, :meth:`privacy_record`, and in ``args.output_dir`` the
-    ledger journal (``userdp/``) and ``privacy_record.json``.
+    ledger journal and userdp's checkpoint (``userdp/``, written with each Trainer checkpoint, so
+    that ``train(resume_from_checkpoint=...)`` continues the ledger) and ``privacy_record.json``.
 
     Raises:
         UserError: a refused ``TrainingArguments`` setting, a dataset without the user column, a bad
-            privacy config, or ``resume_from_checkpoint`` (not supported yet: the ledger would not
-            count the earlier steps).
+            privacy config, a fresh run in an output_dir that holds a run's ledger, or a resume from
+            a Trainer checkpoint that is not at userdp's checkpoint's step.
     """
 
     def __init__(self, *args, privacy: TrainConfig, user_field: str = "user",
@@ -193,6 +194,7 @@ class PrivateTrainer(Trainer):
         pad = getattr(self.processing_class, "pad_token_id", None)
         self.user_data = UserRecords(self.train_dataset, user_field, pad if pad is not None else 0)
         self._private: Optional[PrivateTraining] = None
+        self._resuming = False
         self._steps = None
         self._last_metrics: Optional[dict] = None
 
@@ -207,18 +209,30 @@ class PrivateTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        if resume_from_checkpoint:
-            raise UserError(f"resume_from_checkpoint={resume_from_checkpoint!r}: not supported by userdp.hf yet (a "
-                            "resumed run's ledger must count the earlier steps); train again in a new output_dir")
-        out = super().train(resume_from_checkpoint=None, trial=trial, **kwargs)
+        """The Trainer's ``train``. ``resume_from_checkpoint`` (a ``checkpoint-N`` folder, or True
+        for the latest) continues the run with its ledger: userdp's checkpoint in
+        ``output_dir/userdp`` is written with every Trainer checkpoint, must be at the same step,
+        and the steps begun after it are counted as lost (their noise never reused)."""
+        self._resuming = bool(resume_from_checkpoint)
+        out = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         self._finish()
         return out
+
+    def _save_checkpoint(self, model, trial, *args, **kwargs):
+        super()._save_checkpoint(model, trial, *args, **kwargs)
+        if self._private is not None:  # userdp's checkpoint (ledger, model, optimizer) at the same step
+            self._private.save()
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         if self._steps is None:
             self._private = make_private(self.model, getattr(self.optimizer, "optimizer", self.optimizer),
                                          self.user_data, self.loss_fn, self.privacy,
-                                         checkpoint_dir=str(Path(self.args.output_dir) / "userdp"))
+                                         checkpoint_dir=str(Path(self.args.output_dir) / "userdp"),
+                                         resume=self._resuming)
+            if self._private.step != self.state.global_step:
+                raise UserError(f"resume_from_checkpoint: the Trainer's checkpoint is at step {self.state.global_step}, "
+                                f"userdp's ({Path(self.args.output_dir) / 'userdp'}) at step {self._private.step}: "
+                                f"resume from checkpoint-{self._private.step}")
             self._steps = iter(self._private)
         step = next(self._steps, None)
         if step is None:  # the next step would pass the target epsilon: the run ends here

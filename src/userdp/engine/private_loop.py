@@ -137,6 +137,18 @@ class PrivateTraining:
         """The privacy record, as :func:`userdp.engine.train` returns it (``stopped`` included)."""
         return self._run.record().replace(stopped=self.stopped or "in progress")
 
+    def save(self) -> None:
+        """Write a checkpoint now, between steps (after the caller's ``optimizer.step()``): for a
+        loop that checkpoints on its own schedule, e.g. a Trainer's ``save_steps``.
+
+        Raises:
+            UserError: no ``checkpoint_dir`` was given, or a step is released but not finished."""
+        if not self._run.dir:
+            raise UserError("make_private: save() needs a checkpoint_dir")
+        if self._current is not None and self._current.metrics is None:
+            raise UserError(f"make_private: step {self._current.index} has not been released; save between steps")
+        self._run.save()
+
     def close(self) -> None:
         self._run._loader.shutdown(wait=True)
 
