@@ -97,7 +97,7 @@ def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name,
                                            "fsdp", "neftune_noise_alpha", "label_smoothing_factor"}
 
 
-def test_a_real_trainer_refuses_accumulation_and_a_dataset_without_authors(tmp_path):
+def test_a_real_trainer_refuses_accumulation_and_records_it_cannot_read(tmp_path):
     ds = _dataset()
     privacy = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-4)
     with pytest.raises(UserError, match="gradient_accumulation_steps=2"):
@@ -108,6 +108,12 @@ def test_a_real_trainer_refuses_accumulation_and_a_dataset_without_authors(tmp_p
     empty = Dataset.from_dict({"input_ids": [[1, 2], []], "user": ["a", "b"]})
     with pytest.raises(UserError, match="row 1: input_ids is empty"):
         UserRecords(empty, "user")
+    long = Dataset.from_dict({"input_ids": [[1] * 17, [2, 3]], "user": ["a", "b"]})  # the model has 16 positions
+    with pytest.raises(UserError, match="17 tokens, more than the model's 16 positions"):
+        PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=long, privacy=privacy)
+    foreign = Dataset.from_dict({"input_ids": [[1, 2], [2, 64]], "user": ["a", "b"]})  # vocabulary of 64
+    with pytest.raises(UserError, match="token id 64 is outside the model's vocabulary of 64"):
+        PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=foreign, privacy=privacy)
 
 
 def test_a_batch_holds_only_the_records_of_the_users_it_names():

@@ -137,6 +137,7 @@ class UserRecords(UserData):
             self._ids[slot, :len(row)] = row
             lab = row if labels is None else torch.as_tensor(labels[i], dtype=torch.long)
             self._labels[slot, :len(lab)] = lab
+        self.max_token_id = int(max(max(r) for r in ids))
 
     def sizes(self) -> np.ndarray:
         return self._sizes
@@ -144,6 +145,22 @@ class UserRecords(UserData):
     def gather(self, users: np.ndarray, records: np.ndarray) -> dict[str, torch.Tensor]:
         rows = torch.from_numpy(self._offsets[np.asarray(users, dtype=np.int64)] + np.asarray(records, dtype=np.int64))
         return {"input_ids": self._ids[rows], "labels": self._labels[rows]}
+
+
+def _check_fits(data: UserRecords, config) -> None:
+    """Refuse records the model cannot read (a traceback inside the per-user step otherwise).
+
+    Raises:
+        UserError: a row longer than the model's positions, or a token id outside its vocabulary."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and data.seq_len > limit:
+        raise UserError(f"train_dataset: its longest row has {data.seq_len} tokens, more than the model's {limit} "
+                        f"positions: truncate when tokenizing (truncation=True, max_length={limit})")
+    vocab = getattr(config, "vocab_size", None)
+    top = int(data.max_token_id)
+    if vocab and top >= vocab:
+        raise UserError(f"train_dataset: token id {top} is outside the model's vocabulary of {vocab} "
+                        "(tokenized with another tokenizer?)")
 
 
 class _Steps(torch.utils.data.Dataset):
@@ -193,6 +210,7 @@ class PrivateTrainer(Trainer):
         self.loss_fn = loss_fn
         pad = getattr(self.processing_class, "pad_token_id", None)
         self.user_data = UserRecords(self.train_dataset, user_field, pad if pad is not None else 0)
+        _check_fits(self.user_data, getattr(self.model, "config", None))
         self._private: Optional[PrivateTraining] = None
         self._resuming = False
         self._steps = None
