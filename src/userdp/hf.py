@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 
-from userdp.engine import PrivacyRecord, TrainConfig, UserData, make_private
+from userdp.engine import PrivacyRecord, TensorUserData, TrainConfig, make_private
 from userdp.engine.private_loop import PrivateTraining
 from userdp.errors import UserError
 from userdp.fileio import write_json
@@ -97,14 +97,15 @@ def check_arguments(args) -> list[str]:
     return notes
 
 
-class UserRecords(UserData):
+class UserRecords(TensorUserData):
     """A tokenized Hugging Face dataset (rows with ``input_ids``, optionally ``labels``) grouped by
-    the column ``user_field``: the engine's :class:`~userdp.engine.UserData`. Rows are right-padded
-    to the longest row with ``pad_token_id``; ``labels`` (a copy of ``input_ids`` when absent) are
-    -100 on the padding.
+    the column ``user_field``: the engine's :class:`~userdp.engine.TensorUserData`, rows regrouped
+    by :meth:`~userdp.engine.TensorUserData.from_user_ids`. Rows are right-padded to the longest
+    row with ``pad_token_id``; ``labels`` (a copy of ``input_ids`` when absent) are -100 on the
+    padding. ``user_ids[u]`` is the author the engine numbers ``u``.
 
     Raises:
-        UserError: a missing column, or a row with no tokens (naming the row)."""
+        UserError: a missing column, or a row with no tokens or no author (naming the row)."""
 
     def __init__(self, dataset, user_field: str, pad_token_id: int = 0):
         columns = list(getattr(dataset, "column_names", None) or [])
@@ -115,36 +116,23 @@ class UserRecords(UserData):
                                    if need == user_field else "give a tokenized dataset"))
         users = list(dataset[user_field])
         ids = list(dataset["input_ids"])
-        labels = list(dataset["labels"]) if "labels" in columns else None
+        labels = list(dataset["labels"]) if "labels" in columns else ids
         for i, row in enumerate(ids):
             if row is None or len(row) == 0:
                 raise UserError(f"train_dataset row {i}: input_ids is empty (drop empty records before training)")
             if users[i] is None:
                 raise UserError(f"train_dataset row {i}: {user_field} is empty (every record needs its author)")
-        keys, inverse = np.unique(np.asarray([str(u) for u in users]), return_inverse=True)
-        order = np.argsort(inverse, kind="stable")
-        counts = np.bincount(inverse, minlength=len(keys))
-        self.num_users = len(keys)
-        self.user_ids = keys
-        self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        self._sizes = counts.astype(np.int64)
         self.seq_len = max(len(r) for r in ids)
-        n = len(ids)
-        self._ids = torch.full((n, self.seq_len), int(pad_token_id), dtype=torch.long)
-        self._labels = torch.full((n, self.seq_len), IGNORE_INDEX, dtype=torch.long)
-        for slot, i in enumerate(order):
-            row = torch.as_tensor(ids[i], dtype=torch.long)
-            self._ids[slot, :len(row)] = row
-            lab = row if labels is None else torch.as_tensor(labels[i], dtype=torch.long)
-            self._labels[slot, :len(lab)] = lab
         self.max_token_id = int(max(max(r) for r in ids))
-
-    def sizes(self) -> np.ndarray:
-        return self._sizes
-
-    def gather(self, users: np.ndarray, records: np.ndarray) -> dict[str, torch.Tensor]:
-        rows = torch.from_numpy(self._offsets[np.asarray(users, dtype=np.int64)] + np.asarray(records, dtype=np.int64))
-        return {"input_ids": self._ids[rows], "labels": self._labels[rows]}
+        padded_ids = torch.full((len(ids), self.seq_len), int(pad_token_id), dtype=torch.long)
+        padded_labels = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.long)
+        for i, (row, lab) in enumerate(zip(ids, labels)):
+            padded_ids[i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+            padded_labels[i, :len(lab)] = torch.as_tensor(lab, dtype=torch.long)
+        authors = np.asarray([str(u) for u in users])
+        grouped = TensorUserData.from_user_ids({"input_ids": padded_ids, "labels": padded_labels}, authors)
+        super().__init__(grouped.tensors, grouped.offsets)
+        self.user_ids = np.unique(authors)
 
 
 def _check_fits(data: UserRecords, config) -> None:

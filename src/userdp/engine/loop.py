@@ -537,7 +537,7 @@ class EngineRun:
             nonfinite_units=self.nonfinite_units,
             nonfinite_units_note=("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
                                   "this count is computed on the private data and is NOT privatized"),
-            counts_treated_as_public=tuple(self._public_counts()),
+            counts_treated_as_public=self._public_counts(),
             **when)
 
     def _epsilon_under(self, sampling: str, accountant: str) -> float:

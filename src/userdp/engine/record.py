@@ -97,30 +97,23 @@ class PrivacyRecord(Mapping):
     def to_dict(self) -> dict:
         """The JSON form (``privacy.json``'s ``engine_record``): a deep copy, the fields that do
         not apply left out."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in WHEN_THEY_APPLY:
-                continue
-            out[f.name] = list(value) if f.name == "counts_treated_as_public" else copy.deepcopy(value)
-        return out
+        return {key: copy.deepcopy(self[key]) for key in self}
 
     # ------------------------------------------------------------ read-only Mapping
     def __getitem__(self, key: str) -> Any:
-        if key in self._names() and not (key in WHEN_THEY_APPLY and getattr(self, key) is None):
-            value = getattr(self, key)
-            return list(value) if key == "counts_treated_as_public" else value
-        raise KeyError(key)
+        if key not in _FIELD_NAMES or not self._applies(key):
+            raise KeyError(key)
+        value = getattr(self, key)
+        return list(value) if key == "counts_treated_as_public" else value
 
     def __iter__(self) -> Iterator[str]:
-        return (k for k in self._names() if not (k in WHEN_THEY_APPLY and getattr(self, k) is None))
+        return (key for key in _FIELD_NAMES if self._applies(key))
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
-    @classmethod
-    def _names(cls) -> tuple[str, ...]:
-        return _FIELD_NAMES
+    def _applies(self, key: str) -> bool:
+        return key not in WHEN_THEY_APPLY or getattr(self, key) is not None
 
 
 _FIELD_NAMES = tuple(f.name for f in dataclasses.fields(PrivacyRecord))
