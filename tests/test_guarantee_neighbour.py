@@ -13,7 +13,8 @@ from torch import nn
 
 from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TensorUserData, TrainConfig
 from userdp.engine import ghost as ghost_mod
-from userdp.engine.neighbour import neighbour_gap
+from userdp.engine.loop import EngineRun
+from userdp.engine.neighbour import join, neighbour_gap
 
 D_IN, D_OUT = 8, 4
 
@@ -61,9 +62,9 @@ def cancelling(big: float, dtype=torch.float32, records=2):
     return TensorUserData({"x": x, "t": t}, np.array([0, records]))
 
 
-def config(algorithm="uls", g=2, per_unit="ghost", clip=None, seed=11, **kw):
-    algo = {"uls": ULS(group_size=g, sampling_rate=1.0), "els": ELS(group_size=g, sampling_rate=1.0),
-            "fedavg": FedAvg(group_size=g, sampling_rate=1.0)}[algorithm]
+def config(algorithm="uls", g=2, per_unit="ghost", clip=None, seed=11, rate=1.0, **kw):
+    algo = {"uls": ULS(group_size=g, sampling_rate=rate), "els": ELS(group_size=g, sampling_rate=rate),
+            "fedavg": FedAvg(group_size=g, sampling_rate=rate)}[algorithm]
     return TrainConfig(algorithm=algo, steps=1, noise_multiplier=1.0, clipping=clip or FlatClip(1.0), seed=seed,
                        per_unit=per_unit, **kw)
 
@@ -123,6 +124,43 @@ def test_no_adversarial_user_moves_the_released_sum_by_more_than_its_bound(adver
     clipping = FlatClip(1.0) if clip == "flat" else PerLayerClip(1.0)
     cfg = config(algorithm, g=4, per_unit=per_unit, clip=clipping)
     gap = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss, cfg)
+    assert gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"
+
+
+@pytest.mark.parametrize("algorithm", ["uls", "els", "fedavg"])
+def test_an_added_user_moves_no_other_users_membership(algorithm):
+    """One user never changes another user's membership: with an author of more than G records
+    appended, every other unit's records (ELS's D') and its Poisson draw at every step are the
+    same. (ELS once drew D' from the cohort's generator, so the added user's draws moved every
+    later cohort; a neighbour test at rate 1 could not see it.)"""
+    data = honest(n_users=12, g=6)  # every user holds more than G records: D' draws for each
+    bigger = join(data, ADVERSARIES["repeated"]())  # 8 records, more than G
+    cfg = config(algorithm, g=2, rate=0.5, per_unit="auto")
+    small, big = (EngineRun(builder()(), d, reg_loss, cfg, None, None) for d in (data, bigger))
+    try:
+        n = small.n_units
+        assert big.n_units > n
+        assert np.array_equal(big.table.users[:n], small.table.users)
+        if small.table.records is not None:
+            assert np.array_equal(big.table.records[:n], small.table.records)
+        drawn = 0
+        for step in range(25):
+            a = small.sampler.sample(small.n_units, small.rate, step, small._cohort_rng(step), small.sampler_state)
+            b = big.sampler.sample(big.n_units, big.rate, step, big._cohort_rng(step), big.sampler_state)
+            assert np.array_equal(np.sort(a), np.sort(b[b < n])), f"step {step}: the others' cohort moved"
+            drawn += len(a)
+        assert 0.3 * 25 * n < drawn < 0.7 * 25 * n  # sampled at q = 0.5, not all or none
+    finally:
+        for run in (small, big):
+            run._loader.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("adversary", ["repeated", "many_records", "cancelling_many"])
+@pytest.mark.parametrize("algorithm", ["uls", "els"])
+def test_below_rate_one_an_adversarial_user_moves_the_sum_by_at_most_its_bound(adversary, algorithm):
+    # at q < 1 the cohort is a draw: the neighbour test must hold there too, for users of more than G records
+    cfg = config(algorithm, g=2, rate=0.5)
+    gap = neighbour_gap(builder(layers=2), honest(n_users=12, g=6), ADVERSARIES[adversary](), reg_loss, cfg)
     assert gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"
 
 

@@ -187,14 +187,9 @@ def test_a_crash_then_resume_from_checkpoint_counts_every_begun_step_once(tmp_pa
     assert again.epsilon() > first._private.epsilon() > 0
 
 
-ELS_SHIFT = ("a known engine defect (issue 36 note): ELS builds D' from the cohort's own generator, and an added user "
-             "with more than G records consumes draws from it, so every later Poisson draw of the other users moves; "
-             "the engine's neighbour tests sample at rate 1 and cannot see it")
-
-
 @pytest.mark.parametrize("algorithm", [
     ULS(group_size=2, sampling_rate=0.5),
-    pytest.param(ELS(group_size=2, sampling_rate=0.3), marks=pytest.mark.xfail(strict=True, reason=ELS_SHIFT))],
+    ELS(group_size=2, sampling_rate=0.3)],
     ids=["uls", "els"])
 @pytest.mark.parametrize("adversary", ["one_token_many_times", "long_rows"])
 def test_an_adversarial_author_moves_the_trainers_released_sum_by_at_most_its_bound(tmp_path, algorithm, adversary):

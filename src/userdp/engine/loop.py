@@ -68,8 +68,14 @@ def _cfg_dict(obj) -> Any:
 _POOL = ENTROPY_BITS // 32
 
 
+#: the data key's streams (``SeedSequence(data_key, spawn_key=(TAG, ...))``), one per use, none
+#: shared: a unit's record draw at a step, the one-time contribution bounding (ELS's D'), and the
+#: cohort of a step. Tags 0-3 are the seed's own children (the noise key of a seeded run is child 2).
+UNIT_DRAWS, BOUNDING, COHORT = 1, 4, 5
+
+
 def _seeds(seed: int | None, combiner, device="cpu"):
-    """(sampling rng, data key, noise source or None, torch seed or None).
+    """(data key, noise source or None, torch seed or None).
 
     Unseeded: 256 bits of OS entropy drawn on the main rank and broadcast, so that every rank
     samples the same cohort (the sampling must stay secret: a predictable cohort loses the
@@ -88,11 +94,11 @@ def _seeds(seed: int | None, combiner, device="cpu"):
     else:
         material = int(seed)
     root = np.random.SeedSequence(material, pool_size=_POOL)
-    a, _b, c, d = root.spawn(4)
+    _a, _b, c, d = root.spawn(4)
     if seed is not None:
         noise = source_for(device, int.from_bytes(c.generate_state(8, np.uint32).tobytes(), "little"), seeded=True)
         torch_seed = int(d.generate_state(1, np.uint64)[0] >> 1)
-    return np.random.default_rng(a), material, noise, torch_seed
+    return material, noise, torch_seed
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -176,10 +182,13 @@ class EngineRun:
         self.dir = checkpoint_dir
         self.seeded = cfg.seed is not None
         # generators: the cohort and the data key (identical on every rank), the noise (main rank)
-        self.rng, self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner, self.device)
+        self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner, self.device)
         if self.seeded:
             torch.manual_seed(torch_seed)  # dropout etc. inside the model
-        self.table: UnitTable = self.algo.units(data, self.rng)
+        # D' (ELS's records kept per user) from its own generator, never from the cohort's: a user
+        # with more than G records consumes draws, so sharing the cohort's stream would let one
+        # added user move every later cohort (its membership must be its own draws alone)
+        self.table: UnitTable = self.algo.units(data, self._bounding_rng())
         self.sampler_state: dict = {}
         # the frozen plan: mechanism, noise, denominator, delta (calibrated if a target is given)
         total_weight = float(self.table.weights.sum()) if self.table.weights is not None else None
@@ -246,12 +255,26 @@ class EngineRun:
         mask = torch.cat([mask, torch.zeros(b - k, *mask.shape[1:], dtype=mask.dtype)])
         return batch, mask
 
+    def _bounding_rng(self) -> np.random.Generator:
+        """The generator of the run's one-time contribution bounding (ELS's D'): keyed by the data
+        key alone and used for nothing else, so the cohort draws are the same whether or not a user
+        with more than G records is present (the neighbour test at a sampling rate below 1)."""
+        return np.random.default_rng(np.random.SeedSequence(self._data_key, spawn_key=(BOUNDING,), pool_size=_POOL))
+
+    def _cohort_rng(self, step: int) -> np.random.Generator:
+        """The generator of step ``step``'s cohort: keyed by the data key and the step alone, so unit
+        i's draw at a step is the i-th of that step's stream whatever the number of units (a user
+        appended last moves no other unit's membership at any step: a sequential stream shifted every
+        later step's draws by one), and a resume continues the same cohorts with no state saved."""
+        return np.random.default_rng(np.random.SeedSequence(self._data_key, spawn_key=(COHORT, int(step)),
+                                                            pool_size=_POOL))
+
     def _unit_rng(self, step: int, unit: int) -> np.random.Generator:
         """The generator of unit ``unit``'s record draw at ``step``: keyed by the run's data key,
         the step and the unit alone, so a unit draws the same records whichever rank loads it
         and however the cohort is chunked (W processes give one process's model; a resume with
         another world size continues the same run)."""
-        return np.random.default_rng(np.random.SeedSequence(self._data_key, spawn_key=(1, step, int(unit)),
+        return np.random.default_rng(np.random.SeedSequence(self._data_key, spawn_key=(UNIT_DRAWS, step, int(unit)),
                                                             pool_size=_POOL))
 
     def _load(self, cid: np.ndarray, step: int):
@@ -345,7 +368,7 @@ class EngineRun:
             self.noise.begin_step(self._sum_numel, self._sum_dtypes)
         versions = buffer_versions(self.model)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
-        ids = self.sampler.sample(self.n_units, self.rate, self.step, self.rng, self.sampler_state)
+        ids = self.sampler.sample(self.n_units, self.rate, self.step, self._cohort_rng(self.step), self.sampler_state)
         mine = ids[comb.rank :: comb.world_size]
         sums, stats = self.clipped_sum(mine)
         check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
@@ -403,7 +426,6 @@ class EngineRun:
               "seeded": self.seeded, "config": privacy_repr(self.cfg), "history": self.history,
               "nonfinite_units": self.nonfinite_units}
         if self.seeded:  # unseeded random states are secret: never written
-            st["numpy_rng"] = self.rng.bit_generator.state
             st["noise"] = self.noise.state_dict()
             st["torch_rng"] = torch.get_rng_state()
             perm = self.sampler_state.get("perm")
@@ -447,7 +469,6 @@ class EngineRun:
             if "data_rng" in st:  # per-rank record draws (userdp 0.1): that stream cannot be continued
                 raise UserError(f"cannot resume from {ckpt.path(self.dir)}: a seeded checkpoint of an older userdp "
                                 "(its record draws used another generator); start the seeded run again")
-            self.rng.bit_generator.state = st["numpy_rng"]
             self.noise.load_state_dict(st.get("noise") or {})
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
@@ -467,7 +488,7 @@ class EngineRun:
         reproducible from its seed and its journal."""
         material = int.from_bytes(hashlib.sha256(f"{int(self.cfg.seed)}:resume:{int(begun)}".encode()).digest()[:16],
                                   "little")
-        self.rng, self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
+        self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
         torch.manual_seed(torch_seed)
