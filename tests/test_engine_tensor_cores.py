@@ -194,3 +194,74 @@ def test_under_bf16_autocast_every_weight_gemm_takes_the_tensor_core_path(monkey
         assert any("lora_A" in n for n in gemm_weights) and any("lora_B" in n for n in gemm_weights)
     slow = {n: flags for n, flags in narrow.items() if not all(flags)}
     assert not slow, f"float32 (SIMT) contractions left: {sorted(slow)}"
+
+
+def _leading_stride(t: torch.Tensor) -> int:
+    """The GEMM's leading dimension of a 2-D/3-D operand: the stride that is not 1 of its last two."""
+    s = t.stride()[-2:]
+    return s[0] if s[1] == 1 else s[1]
+
+
+def test_a_narrow_factor_of_odd_width_is_stored_with_aligned_rows(monkeypatch):
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    t = _bf16(3, 5, 67, seed=9)
+    a = ghost_mod._aligned_rows(t)
+    assert a.shape == t.shape and torch.equal(a, t) and a.dtype == BF16
+    assert a.stride(-2) % ghost_mod.ALIGN_ELEMENTS == 0 and a.stride(-2) >= 67
+    even = _bf16(3, 5, 64, seed=9)
+    assert ghost_mod._aligned_rows(even) is even  # already aligned: no copy
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "off")
+    assert ghost_mod._aligned_rows(t) is t  # off the tensor cores nothing is padded
+
+
+@pytest.mark.parametrize("wy", [64, 67, 1001])
+def test_the_fused_split_gives_the_old_split_sum(monkeypatch, wy):
+    """[hi | lo] written in place (aligned halves) is the clipped sum of split_bf16 + cat, and within
+    float32 accumulation of the exact (float64) sum."""
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    m, t, wx = 4, 9, 70
+    x, y = _bf16(m, t, wx, seed=10), _bf16(m, t, wy, seed=11, scale=3.0)
+    c = round_down_bf16(torch.rand(m, generator=torch.Generator().manual_seed(12)) + 0.1)
+    got = ghost_mod._clipped_contraction(x, y, c, True, torch.float32)
+    hi, lo = split_bf16(y.float() * c.float().view(m, 1, 1))
+    xt = x.reshape(m * t, wx).t()
+    old = _mm32(xt, torch.cat([hi, lo], dim=-1).reshape(m * t, 2 * wy))
+    old = old[:, :wy] + old[:, wy:]
+    assert got.shape == (wx, wy) and got.dtype == torch.float32
+    exact = torch.einsum("mtx,mty->xy", x.double(), y.double() * c.double().view(m, 1, 1))
+    absdot = torch.einsum("mtx,mty->xy", x.double().abs(), y.double().abs() * c.double().view(m, 1, 1))
+    bound = (2 * m * t + 2) * 2.0 ** -24 * absdot
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    assert bool(((got.double() - old.double()).abs() <= 2 * bound).all())
+
+
+@pytest.mark.parametrize("zeroing", ["cpu", "device"])
+def test_every_tensor_core_gemm_of_a_ghost_chunk_gets_aligned_operands(monkeypatch, zeroing):
+    """An odd vocabulary (GPT-2's 50,257; here 1,001) made the tied head's Gram and clipped-sum GEMMs
+    take operands with unaligned rows: on an H200 they ran on Turing-era kernels (17 ms of a 205 ms
+    step). Every bf16 operand of every tensor-core GEMM now has a leading dimension that is a
+    multiple of 8 elements (16 bytes), also where the bad units' rows are zeroed before the sum (on a
+    device always, since reading whether any unit is bad would wait for it)."""
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    if zeroing == "device":
+        monkeypatch.setattr(ghost_mod, "_must_zero", lambda bad: True)
+    seen = []
+    real = ghost_mod._mm32
+
+    def spy(a, b):
+        if a.dtype == BF16 and min(a.shape[-2:]) > 1 and min(b.shape[-2:]) > 1:
+            seen.append((tuple(a.shape), _leading_stride(a), tuple(b.shape), _leading_stride(b)))
+        return real(a, b)
+
+    monkeypatch.setattr(ghost_mod, "_mm32", spy)
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=1001, n_positions=32).train()
+    st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
+    ids = torch.randint(0, 1001, (3, 2, 16))
+    sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
+                                         torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+    assert not bad.any() and all(torch.isfinite(s).all() for s in sums)
+    wide = [s for s in seen if 1001 in s[0] or 1001 in s[2]]
+    assert wide, "the head's GEMMs were not seen"
+    unaligned = [s for s in seen if s[1] % 8 or s[3] % 8]
+    assert not unaligned, unaligned

@@ -133,9 +133,22 @@ def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narr
     xt = x.reshape(*lead, m * t, wx).transpose(-1, -2)
     scale = c.view(*lead, m, 1, 1)
     if narrow:
-        hi, lo = split_bf16(y.float() * scale.float())  # exact: bf16 x bf16
-        out = _mm32(xt, torch.cat([hi, lo], dim=-1).reshape(*lead, m * t, 2 * wy))
-        return out[..., :wy] + out[..., wy:]
+        # [hi | lo] written in place into one bf16 buffer (the split of split_bf16, three kernels and
+        # no float32 copies of y): p = c·y is exact in float32, hi its bf16 rounding, lo = p - hi
+        # (exact, and a bf16 number). Each half starts on an aligned column, so the GEMM's operand
+        # keeps the tensor cores' fast layouts whatever the width (GPT-2's 50,257 is odd).
+        p = torch.mul(y, scale.float()).reshape(*lead, m * t, wy)  # bf16 x float32 -> float32, one kernel
+        wp = _aligned_width(wy)
+        buf = torch.empty(*lead, m * t, 2 * wp, dtype=torch.bfloat16, device=y.device)
+        hi, lo = buf[..., :wy], buf[..., wp : wp + wy]
+        hi.copy_(p)  # round to nearest, as .to(bfloat16)
+        torch.sub(p, hi, out=lo)  # in float32, then stored as bf16: exact
+        del p
+        if wp != wy:  # the pad columns reach only the output columns that are dropped; zeroed anyway
+            buf[..., wy:wp].zero_()
+            buf[..., wp + wy :].zero_()
+        out = _mm32(xt, buf)
+        return out[..., :wy] + out[..., wp : wp + wy]
     return xt.to(dtype) @ (y.to(dtype) * scale).reshape(*lead, m * t, wy)
 
 
@@ -252,8 +265,17 @@ class Factored:
         """This use with the units ``bad`` (bool ``[m]``) zeroed in both factors (Inf and NaN
         included: masked_fill writes the zeros, it does not multiply)."""
         drop = bad.view(-1, 1, 1)
-        x = self.x if self.index else self.x.masked_fill(drop, 0)
-        return Factored(x, self.y.masked_fill(drop, 0), self.size_x, self.index, self.dtype, self.tc)
+        x = self.x if self.index else _zero_rows(self.x, drop)
+        return Factored(x, _zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
+
+
+def _zero_rows(t: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
+    """``t`` with the units ``drop`` zeroed (written, not multiplied), in ``t``'s own layout: a factor
+    stored with aligned rows (:func:`_aligned_rows`) keeps them (masked_fill would make it dense)."""
+    if t.is_contiguous():
+        return t.masked_fill(drop, 0)
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return torch.where(drop, torch.zeros((), dtype=t.dtype, device=t.device), t, out=out)
 
 
 def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
@@ -364,8 +386,31 @@ def _by_units(t: torch.Tensor, m: int, n: int, dtype: torch.dtype, what: str, *,
                         "first; this model is not batch-first here: use training.per_unit: vmap")
     t = t.reshape(m, -1, t.shape[-1])
     if store and KEEP_NARROW and t.dtype in (torch.bfloat16, torch.float16):
-        return t
+        return _aligned_rows(t)
     return t.to(dtype)
+
+
+#: rows of a narrow factor start on 16-byte boundaries (8 bf16 elements) on tensor-core devices:
+#: cuBLAS's Hopper GEMMs need aligned leading dimensions, and a factor as wide as GPT-2's vocabulary
+#: (50,257) otherwise falls back to Turing-era kernels (seen on an H200: the tied head's GEMMs)
+ALIGN_ELEMENTS = 8
+
+
+def _aligned_width(w: int) -> int:
+    return -(-int(w) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+
+
+def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[m, T, d]`` itself when its rows are aligned (or off a tensor-core device), else the
+    same values as a view of a buffer whose rows are padded to :func:`_aligned_width` (one copy;
+    the values are unchanged, only the row stride moves)."""
+    w = int(t.shape[-1])
+    if not _tensor_cores(t.device) or w % ALIGN_ELEMENTS == 0 or w < 64:
+        return t
+    buf = torch.empty(*t.shape[:-1], _aligned_width(w), dtype=t.dtype, device=t.device)
+    view = buf[..., :w]
+    view.copy_(t)
+    return view
 
 
 # --------------------------------------------------------------------------- layer registry
@@ -392,7 +437,7 @@ def _linear(mod: nn.Linear, inputs: tuple, gout: torch.Tensor, m: int, dtype: to
     g = _by_units(gout, m, n, dtype, f"the output of {type(mod).__name__}", store=True)
     out = {"weight": [Factored(g, a, mod.out_features, dtype=dtype)]}
     if mod.bias is not None:
-        out["bias"] = [g.to(dtype).sum(1)]
+        out["bias"] = [g.sum(1, dtype=dtype)]  # accumulated in dtype: no upcast copy of g
     return out
 
 
@@ -401,7 +446,7 @@ def _conv1d(mod, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) 
     n = gout.shape[0]
     a = _by_units(inputs[0], m, n, dtype, "the input of Conv1D", store=True)
     g = _by_units(gout, m, n, dtype, "the output of Conv1D", store=True)
-    return {"weight": [Factored(a, g, a.shape[2], dtype=dtype)], "bias": [g.to(dtype).sum(1)]}
+    return {"weight": [Factored(a, g, a.shape[2], dtype=dtype)], "bias": [g.sum(1, dtype=dtype)]}
 
 
 @register_ghost_layer(nn.Embedding)
@@ -424,13 +469,12 @@ def _embedding(mod: nn.Embedding, inputs: tuple, gout: torch.Tensor, m: int, dty
 def _layer_norm(mod: nn.LayerNorm, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
     # the normalized input, recomputed by one fused kernel (native layer_norm without affine)
     xhat = F.layer_norm(inputs[0].to(dtype), mod.normalized_shape, eps=mod.eps)
-    g = gout.to(dtype)
     shape = (m, -1, *mod.normalized_shape)
     out = {}
-    if mod.weight is not None:
-        out["weight"] = [(g * xhat).reshape(shape).sum(1)]
+    if mod.weight is not None:  # a narrow gout times xhat promotes to dtype inside the one kernel
+        out["weight"] = [torch.mul(gout, xhat).to(dtype).reshape(shape).sum(1)]
     if mod.bias is not None:
-        out["bias"] = [g.reshape(shape).sum(1)]
+        out["bias"] = [gout.reshape(shape).sum(1, dtype=dtype)]
     return out
 
 
@@ -758,12 +802,14 @@ class GhostPerUnit:
         check = not self._verified
         grads = torch.autograd.grad(unit_loss.sum() * scale, outs + (self.params if check else []),
                                     allow_unused=True)
-        out_grads, batch_grads = grads[: len(outs)], grads[len(outs):]
+        out_grads, batch_grads = list(grads[: len(outs)]), grads[len(outs):]
+        del grads  # each output's gradient is dropped once its layer's factors hold what they need
         # every contraction of norms and sums in IEEE float32, whatever the caller's TF32 setting
         with exact_float32():
             contrib: list[list] = [[] for _ in self.params]
             self.last_narrow = {}
-            for cap, go in zip(captures, out_grads):
+            for i, cap in enumerate(captures):
+                go, out_grads[i] = out_grads[i], None
                 if go is None:
                     continue
                 if go.dim() == 0 or go.shape[0] != n:
@@ -786,7 +832,7 @@ class GhostPerUnit:
             # from here on only dense/factored hold the captured tensors: each parameter's are released
             # once its share of the sum is formed, so the sums do not pile up on top of every capture
             cap = go = None  # the loop variables above hold the last layer's tensors
-            del captures, outs, grads, out_grads, contrib, cap, go
+            del captures, outs, out_grads, contrib, cap, go
             # same-shaped parameters are stacked, so their norms and sums take a few kernels per group,
             # not a few per parameter: small materialized-only ones (biases, LayerNorms, LoRA factors)
             # [m, k, size], and single-use dense ghosts (a block's c_fc, ...) by their factors
