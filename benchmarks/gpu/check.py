@@ -180,7 +180,7 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
         prof = r.pop("profile", None) or {}
         _row(part=part, model=model, mode=mode, algorithm=alg, **r,
              syncs_per_step=prof.get("stream_synchronize"), memcpy_per_step=prof.get("memcpy"),
-             top_ops=[o["name"][:80] for o in prof.get("top_ops", [])[:6]] or None)
+             top_ops=[f'{o["ms"]} ms x{o["count"]} {o["name"][:70]}' for o in prof.get("top_ops", [])[:12]] or None)
 
 
 def part_steps_small(a) -> None:
