@@ -57,7 +57,7 @@ def main() -> None:
     trainer.train()
     rec = trainer.privacy_record()
     print(f"user-level ({trainer.epsilon():.3f}, {rec['delta']:.3g})-DP over {rec['steps_accounted']} steps "
-          f"({rec['stopped']}); sigma {rec['noise_multiplier']:.3f}; record in {args.output_dir}/privacy_record.json")
+          f"({rec['stopped']}); sigma {rec['noise_multiplier']:.3f}; statement in {args.output_dir}/report.md")
 
 
 if __name__ == "__main__":

@@ -71,11 +71,13 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
     assert trainer.epsilon() == pytest.approx(private.epsilon(), rel=1e-12) and trainer.epsilon() > 0
     assert all("epsilon" in h for h in trainer.state.log_history if "loss" in h)
-    rec = json.loads((tmp_path / "out" / "privacy_record.json").read_text())
-    assert rec["steps_accounted"] == 4 and rec["stopped"] == "completed" and rec["journal"] is not None
+    rec = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    eng = rec["engine_record"]
+    assert eng["steps_accounted"] == 4 and eng["stopped"] == "completed" and eng["journal"] is not None
+    assert rec["epsilon"] == pytest.approx(trainer.epsilon(), rel=1e-12)
     assert any("max_grad_norm" in n for n in rec["userdp_notes"])  # the default 1.0 was set aside, and said
     assert any("training loss" in n for n in rec["not_accounted"])
-    assert (tmp_path / "out" / "userdp" / "ledger_journal.jsonl").is_file()
+    assert (tmp_path / "out" / "checkpoints" / "ledger_journal.jsonl").is_file()
 
 
 @pytest.mark.parametrize("name, value", [
@@ -151,7 +153,7 @@ def test_the_example_script_runs_as_docs_hf_md_shows(tmp_path, capsys, monkeypat
     assert "over 3 steps (completed)" in out
     eps = float(out.split("user-level (")[1].split(",")[0])
     assert 0 < eps <= 3.0
-    assert json.loads((tmp_path / "out" / "privacy_record.json").read_text())["steps_accounted"] == 3
+    assert json.loads((tmp_path / "out" / "privacy.json").read_text())["steps_taken"] == 3
 
 
 def test_a_crash_then_resume_from_checkpoint_counts_every_begun_step_once(tmp_path):
@@ -173,7 +175,7 @@ def test_a_crash_then_resume_from_checkpoint_counts_every_begun_step_once(tmp_pa
     with pytest.raises(RuntimeError, match="killed after step 5"):
         first.train()
     out = tmp_path / "out"
-    assert (out / "checkpoint-4").is_dir() and len((out / "userdp" / "ledger_journal.jsonl").read_text().splitlines()) - 1 == 5
+    assert (out / "checkpoint-4").is_dir() and len((out / "checkpoints" / "ledger_journal.jsonl").read_text().splitlines()) - 1 == 5
     with pytest.raises(UserError, match="already holds a checkpoint"):  # a fresh run would start a second ledger
         PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy).train()
     with pytest.raises(UserError, match="at step 2, userdp's .* at step 4"):
@@ -185,6 +187,61 @@ def test_a_crash_then_resume_from_checkpoint_counts_every_begun_step_once(tmp_pa
     assert again.state.global_step == 6 and rec["steps_applied"] == 6
     assert rec["steps_lost_to_crashes"] == 1 and rec["steps_accounted"] == 7 and rec["stopped"] == "completed"
     assert again.epsilon() > first._private.epsilon() > 0
+    # the statement of the resumed run is verified against the ledger journal: every begun step in it
+    from userdp.lm.report import build_report
+
+    assert build_report(out)["steps_taken"] == 7
+
+
+def test_userdp_report_verifies_the_trainers_output_folder_and_refuses_edits(tmp_path, capsys):
+    """The output folder is a run directory `userdp report` verifies: privacy.json's epsilon is
+    re-derived from its DpEvent and bound to the ledger journal, config.yaml to the journal, the
+    released model to its manifest; report.md and the model card state the guarantee. An edited
+    epsilon, an edited privacy config or an edited model file is refused in one line."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from userdp.cli import main as cli
+
+    privacy = TrainConfig(algorithm=ULS(2, 0.3), steps=3, noise_multiplier=1.0, delta=1e-4)
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), privacy=privacy)
+    trainer.train()
+    out = tmp_path / "out"
+    for name in ("config.yaml", "privacy.json", "report.md", "report.json", "state.json", "model/README.md"):
+        assert (out / name).is_file(), name
+    assert "user-level" in (out / "report.md").read_text()
+    assert AutoModelForCausalLM.from_pretrained(out / "model").config.n_embd == 16
+    capsys.readouterr()
+    assert cli(["report", str(out), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["epsilon_run"] == pytest.approx(trainer.epsilon(), rel=1e-9) and rep["steps_taken"] == 3
+
+    def refused(edit, target) -> str:
+        bad = tmp_path / f"bad_{target}"
+        shutil.copytree(out, bad)
+        edit(bad)
+        assert cli(["report", str(bad)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1, err
+        return err[0]
+
+    def lower_epsilon(d):
+        rec = json.loads((d / "privacy.json").read_text())
+        rec["epsilon"] = rec["epsilon"] / 2
+        (d / "privacy.json").write_text(json.dumps(rec))
+
+    def other_sigma(d):
+        (d / "config.yaml").write_text((d / "config.yaml").read_text().replace("noise_multiplier=1.0",
+                                                                               "noise_multiplier=4.0", 1))
+
+    def touch_model(d):
+        f = next(p for p in (d / "model").iterdir() if p.suffix == ".safetensors")
+        f.write_bytes(f.read_bytes()[:-1] + b"\0")
+
+    assert "privacy.json" in refused(lower_epsilon, "epsilon")
+    assert "config.yaml" in refused(other_sigma, "config")
+    assert "model" in refused(touch_model, "model")
 
 
 @pytest.mark.parametrize("algorithm", [

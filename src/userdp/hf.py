@@ -33,20 +33,27 @@ without noise: it is listed among the run's non-private touches of the data.
 from __future__ import annotations
 
 import copy
-import os
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
+import yaml
 from transformers import Trainer
 
 from userdp.engine import PrivacyRecord, TensorUserData, TrainConfig, make_private
+from userdp.engine.plan import SAMPLER_MODE, privacy_repr
 from userdp.engine.private_loop import PrivateTraining
+from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError
-from userdp.fileio import write_json
+from userdp.fileio import atomic_dir, write_atomic, write_json, write_manifest
+from userdp.lm import models
 from userdp.lm.models import IGNORE_INDEX, causal_lm_loss
+from userdp.lm.report import MODEL_CARD, write_report
+from userdp.lm.run_dir import RunDir
+from userdp.lm.statement import ReleaseFacts, privacy_record
 from userdp.validation import check_instance
 
 #: TrainingArguments settings refused, with why: (name, is_set(value), reason)
@@ -133,6 +140,8 @@ class UserRecords(TensorUserData):
         grouped = TensorUserData.from_user_ids({"input_ids": padded_ids, "labels": padded_labels}, authors)
         super().__init__(grouped.tensors, grouped.offsets)
         self.user_ids = np.unique(authors)
+        self.user_field = user_field
+        self.num_records = len(ids)
 
 
 def _check_fits(data: UserRecords, config) -> None:
@@ -175,9 +184,14 @@ class PrivateTrainer(Trainer):
         loss_fn: ``loss_fn(model, batch) -> Tensor[n]``, one loss per record (default: next-token
             cross-entropy averaged over each record's target tokens).
 
-    After ``train()``: :meth:`epsilon`, :meth:`privacy_record`, and in ``args.output_dir`` the
-    ledger journal and userdp's checkpoint (``userdp/``, written with each Trainer checkpoint, so
-    that ``train(resume_from_checkpoint=...)`` continues the ledger) and ``privacy_record.json``.
+    After ``train()``: :meth:`epsilon`, :meth:`privacy_record`, and ``args.output_dir`` laid out as
+    a ``userdp train`` run directory, so that ``userdp report OUTPUT_DIR`` verifies it:
+    ``config.yaml`` (the privacy config the ledger journal is bound to), ``checkpoints/`` (the
+    ledger journal and userdp's checkpoint, written with each Trainer checkpoint, so that
+    ``train(resume_from_checkpoint=...)`` continues the ledger), ``privacy.json``, ``report.md`` and
+    ``report.json``, ``state.json``, and ``model/`` (the trained model with its manifest and a model
+    card stating the guarantee). The Trainer's own files (``checkpoint-N/``, ``save_model``) sit
+    beside them.
 
     Raises:
         UserError: a refused ``TrainingArguments`` setting, a dataset without the user column, a bad
@@ -229,15 +243,36 @@ class PrivateTrainer(Trainer):
         if self._private is not None:  # userdp's checkpoint (ledger, model, optimizer) at the same step
             self._private.save()
 
+    @property
+    def run_dir(self) -> RunDir:
+        """``args.output_dir`` as a userdp run directory (its layout: :mod:`userdp.lm.run_dir`)."""
+        return RunDir(Path(self.args.output_dir))
+
+    def _config_yaml(self) -> dict:
+        """config.yaml's content: the privacy config (what the ledger journal is bound to) and the
+        Trainer's settings that shaped the run (for the reader; performance settings may change)."""
+        a = self.args
+        return {"hf_trainer": {
+            "privacy": privacy_repr(self.privacy),
+            "privacy_sha256": hashlib.sha256(privacy_repr(self.privacy).encode()).hexdigest(),
+            "user_field": self.user_data.user_field,
+            "model": type(self.model).__name__,
+            "training_arguments": {"learning_rate": a.learning_rate, "optim": str(a.optim),
+                                   "lr_scheduler_type": str(a.lr_scheduler_type), "warmup_steps": a.warmup_steps,
+                                   "weight_decay": a.weight_decay, "seed": a.seed},
+            "userdp_notes": list(self.userdp_notes)}}
+
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         if self._steps is None:
+            rd = self.run_dir
+            if self.is_world_process_zero() and not self._resuming and not rd.config.is_file():
+                write_atomic(rd.config, yaml.safe_dump(self._config_yaml(), sort_keys=False))
             self._private = make_private(self.model, getattr(self.optimizer, "optimizer", self.optimizer),
                                          self.user_data, self.loss_fn, self.privacy,
-                                         checkpoint_dir=str(Path(self.args.output_dir) / "userdp"),
-                                         resume=self._resuming)
+                                         checkpoint_dir=str(rd.checkpoints), resume=self._resuming)
             if self._private.step != self.state.global_step:
                 raise UserError(f"resume_from_checkpoint: the Trainer's checkpoint is at step {self.state.global_step}, "
-                                f"userdp's ({Path(self.args.output_dir) / 'userdp'}) at step {self._private.step}: "
+                                f"userdp's ({rd.checkpoints}) at step {self._private.step}: "
                                 f"resume from checkpoint-{self._private.step}")
             self._steps = iter(self._private)
         step = next(self._steps, None)
@@ -258,9 +293,35 @@ class PrivateTrainer(Trainer):
             self._private.stopped = "stopped by the Trainer (a callback)"
         self._steps = None
         if self.is_world_process_zero():
-            write_json(os.path.join(self.args.output_dir, "privacy_record.json"),
-                       dict(self.privacy_record().to_dict(), userdp_notes=self.userdp_notes,
-                            not_accounted=self.disclosures()))
+            self._release()
+
+    def _release(self) -> None:
+        """privacy.json, the model with its manifest, state.json and the report with the model card,
+        as ``userdp train`` writes them (the report re-derives every figure from the ledger)."""
+        rd, cfg, record = self.run_dir, self.privacy, self.privacy_record()
+        algo = cfg.algorithm
+        facts = ReleaseFacts(
+            algorithm=algo.name, accountant=cfg.accountant,
+            sampler_assumed=SAMPLER_MODE[(accounted_as(cfg.sampling), algo.unit)],
+            epsilon_target=cfg.target_epsilon, steps_planned=cfg.steps,
+            group_size=getattr(algo, "group_size", None), num_records=self.user_data.num_records,
+            clipping=type(cfg.clipping).__name__,
+            seq_len=self.user_data.seq_len,
+            not_accounted=tuple(self.disclosures()),
+            compute={"driver": "transformers.Trainer (userdp.hf.PrivateTrainer)", "device": str(self.args.device),
+                     "chunk_size": cfg.chunk_size, "processes": {"world_size": 1, "backend": None}})
+        priv = privacy_record(record, facts)
+        priv["userdp_notes"] = list(self.userdp_notes)
+        # this script's evaluation is its own (disclosed above when it scores the training data)
+        priv["data_accesses_covered"] = "training only (the sequence of noised aggregated updates)"
+        write_json(rd.privacy, priv)
+        with atomic_dir(rd.model, keep_existing=False) as tmp:
+            models.save_model(self.model, tmp, self.processing_class)
+            write_manifest(tmp, exclude=(MODEL_CARD,))
+        rd.write_state(status="done", summary={
+            "epsilon": priv["epsilon"], "delta": priv["delta"], "steps": record.steps_applied,
+            "stopped": record.get("stopped"), "algorithm": algo.name, "train_users": self.user_data.num_users})
+        write_report(rd.root)
 
     def epsilon(self, delta: Optional[float] = None) -> float:
         """The epsilon spent (at the run's delta, or at ``delta``), from the ledger's DpEvent."""

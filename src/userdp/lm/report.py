@@ -119,7 +119,8 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
         raise UserError(f"{journal}: missing, so {rd.privacy} cannot be checked against the steps the run began")
     header, hashes, begun = read_chain(journal)
     ctx = header.get("context") or {}
-    if ("config_sha256" in ctx or "config_privacy_sha256" in ctx) and not rd.matches_journal(ctx):
+    bound = ("config_sha256", "config_privacy_sha256", "engine_privacy_config_sha256")
+    if any(k in ctx for k in bound) and not rd.matches_journal(ctx):
         raise UserError(f"{rd.config}: not the configuration this run's ledger journal was bound to (edited, or "
                         "copied in from another run)")
     check_metrics_cite_journal(rd)

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -98,10 +99,19 @@ class RunDir:
         return C.privacy_fingerprint(C.load_yaml(self.config))
 
     def matches_journal(self, context: dict) -> bool:
-        """Whether config.yaml is the configuration a journal ``context`` was bound to."""
+        """Whether config.yaml is the configuration a journal ``context`` was bound to: a
+        ``userdp train`` config by its privacy fingerprint (by its bytes before 0.3); a Trainer
+        run's (``hf_trainer:``, :mod:`userdp.hf`) by the engine config it states, which the engine
+        bound the journal to (``engine_privacy_config_sha256``)."""
         if "config_privacy_sha256" in context:
             return context["config_privacy_sha256"] == self.config_fingerprint()
-        return context.get("config_sha256") == self.config_sha256()  # a run begun before 0.3
+        if "config_sha256" in context:
+            return context["config_sha256"] == self.config_sha256()  # a run begun before 0.3
+        raw = C.load_yaml(self.config)
+        hf = raw.get("hf_trainer") if isinstance(raw, dict) else None
+        stated = hf.get("privacy") if isinstance(hf, dict) else None
+        return isinstance(stated, str) and context.get("engine_privacy_config_sha256") == \
+            hashlib.sha256(stated.encode()).hexdigest()
 
     def read_state(self) -> dict:
         """state.json's content ({} when absent).
