@@ -83,9 +83,10 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
 @pytest.mark.parametrize("name, value", [
     ("gradient_accumulation_steps", 2), ("fp16", True), ("bf16", True), ("torch_compile", True),
     ("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
-    ("n_gpu", 2), ("world_size", 2)])
+    ("mixed_precision", "bf16"), ("n_gpu", 2), ("world_size", 2)])
 def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name, value):
-    args = types.SimpleNamespace(gradient_accumulation_steps=1, fp16=False, bf16=False, torch_compile=False,
+    args = types.SimpleNamespace(gradient_accumulation_steps=1, fp16=False, bf16=False, mixed_precision="no",
+                                 torch_compile=False,
                                  deepspeed=None, fsdp=None, neftune_noise_alpha=None, label_smoothing_factor=0.0,
                                  n_gpu=1, world_size=1, max_grad_norm=0.0, max_steps=-1,
                                  per_device_train_batch_size=8, num_train_epochs=3.0)
@@ -95,8 +96,9 @@ def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name,
         check_arguments(args)
     msg = str(exc.value)
     assert "\n" not in msg and (f"TrainingArguments.{name}=" in msg or f"{value} " in msg), msg
-    assert {n for n, _, _ in REFUSED} <= {"gradient_accumulation_steps", "fp16", "bf16", "torch_compile", "deepspeed",
-                                           "fsdp", "neftune_noise_alpha", "label_smoothing_factor"}
+    assert {n for n, _, _ in REFUSED} <= {"gradient_accumulation_steps", "fp16", "bf16", "mixed_precision",
+                                           "torch_compile", "deepspeed", "fsdp", "neftune_noise_alpha",
+                                           "label_smoothing_factor"}
 
 
 def test_a_real_trainer_refuses_accumulation_and_records_it_cannot_read(tmp_path):

@@ -19,6 +19,7 @@ LAYERS = {
     "userdp.lm": 5,
     "userdp.audit": 6, "userdp.tuning": 6, "userdp.experiments": 6,
     "userdp.hf": 6,  # the Trainer integration: on the engine and the LM models
+    "userdp.hf_trl": 7,  # TRL's SFTTrainer on userdp.hf
     # --nproc: the CLI's process starter (its workers run the CLI again); it reads devices via launch
     "userdp.cli": 7, "userdp.launcher": 7, "userdp.__main__": 8,
 }

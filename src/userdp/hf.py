@@ -65,6 +65,8 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "TrainConfig(precision='bfloat16') (norms, sums and noise stay float32) or float32"),
     ("bf16", bool, "mixed precision is the engine's: use TrainConfig(precision='bfloat16') (norms, sums and "
      "noise stay float32) instead of the Trainer's autocast"),
+    ("mixed_precision", lambda v: v not in (None, "no"), "the Trainer's accelerator would run the model under its own "
+     "autocast (set here by bf16/fp16 or ACCELERATE_MIXED_PRECISION): use TrainConfig(precision='bfloat16')"),
     ("torch_compile", bool, "the per-user step runs the model under torch.func and hooks; a compiled model is "
      "not supported"),
     ("deepspeed", lambda v: v is not None, "DeepSpeed shards and reduces the gradient itself; userdp's noised "
@@ -202,6 +204,10 @@ class PrivateTrainer(Trainer):
     def __init__(self, *args, privacy: TrainConfig, user_field: str = "user",
                  loss_fn: Callable = causal_lm_loss, **kwargs):
         super().__init__(*args, **kwargs)
+        self._userdp_init(privacy, user_field, loss_fn)
+
+    def _userdp_init(self, privacy: TrainConfig, user_field: str, loss_fn: Callable) -> None:
+        """What userdp adds once the Trainer (and its own data preparation) is built."""
         check_instance(privacy, "privacy", (TrainConfig,), "a userdp.engine.TrainConfig")
         if self.train_dataset is None:
             raise UserError("PrivateTrainer: give train_dataset (the tokenized records, with the user column)")
