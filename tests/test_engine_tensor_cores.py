@@ -265,3 +265,32 @@ def test_every_tensor_core_gemm_of_a_ghost_chunk_gets_aligned_operands(monkeypat
     assert wide, "the head's GEMMs were not seen"
     unaligned = [s for s in seen if s[1] % 8 or s[3] % 8]
     assert not unaligned, unaligned
+
+
+def test_the_tied_heads_cross_gram_gathers_before_it_upcasts(monkeypatch):
+    """The embedding's one-hot rows against the tied head's logit gradient: the columns are gathered
+    from the bf16 factor, then upcast (exact either way); the whole factor is never copied to
+    float32 (3.3 GB at a 64-user gpt2-small chunk)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    m, t, vocab = 3, 16, 1001
+    ids = torch.randint(0, vocab, (m, t), generator=torch.Generator().manual_seed(1))
+    emb = ghost_mod.Factored(ids, _bf16(m, t, 8, seed=2), vocab, index=True, dtype=torch.float32, tc=True)
+    head = ghost_mod.Factored(_bf16(m, t, vocab, seed=3), _bf16(m, t, 8, seed=4), vocab, dtype=torch.float32, tc=True)
+
+    class Widest(TorchDispatchMode):
+        widest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+                Widest.widest = max(Widest.widest, out.numel())
+            return out
+
+    with Widest():
+        g = ghost_mod._x_gram(emb, head)
+    assert Widest.widest < m * t * vocab  # no float32 copy of the head's factor
+    ref = head.x.float()[torch.arange(m)[:, None, None], torch.arange(t)[None, None, :], ids[:, :, None]]
+    assert g.dtype == torch.float32 and torch.equal(g, ref)
+    assert torch.equal(ghost_mod._x_gram(head, emb), ref.transpose(1, 2))

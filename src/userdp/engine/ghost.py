@@ -282,8 +282,10 @@ def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
     """``[m, Ta, Tb]``: the inner products of a's and b's x rows."""
     if a.index and b.index:
         return (a.x.unsqueeze(2) == b.x.unsqueeze(1)).to(a.compute_dtype)
-    if a.index:  # one-hot row ids_t against dense rows: b.x[u, s, ids_t]
-        return torch.gather(b.fx(), 2, a.x.unsqueeze(1).expand(-1, b.x.shape[1], -1)).transpose(1, 2)
+    if a.index:  # one-hot row ids_t against dense rows: b.x[u, s, ids_t], gathered before the upcast (exact
+        # either way; upcasting first copied the whole factor: the tied head's 50,257-wide logit gradient)
+        picked = torch.gather(b.x, 2, a.x.unsqueeze(1).expand(-1, b.x.shape[1], -1))
+        return picked.to(b.compute_dtype).transpose(1, 2)
     if b.index:
         return _x_gram(b, a).transpose(1, 2)
     if a.narrow and b.narrow:  # bf16 x bf16 is exact in float32: tensor cores, float32 accumulation
