@@ -14,6 +14,7 @@ the process's peak resident set over the timed steps (Linux VmHWM after a reset)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -27,7 +28,7 @@ warnings.filterwarnings("ignore")
 
 from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
 
-MODES = ("nonprivate_trainer", "own_loop", "private_trainer")
+MODES = ("nonprivate_trainer", "engine_train", "own_loop", "private_trainer")
 
 
 def _worker(mode: str, a) -> dict:
@@ -36,7 +37,7 @@ def _worker(mode: str, a) -> dict:
     from datasets import Dataset
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from userdp.engine import ULS, FlatClip, TrainConfig, make_private
+    from userdp.engine import SGD, ULS, FlatClip, TrainConfig, make_private, train
     from userdp.hf import PrivateTrainer, UserRecords
     from userdp.lm.models import causal_lm_loss
 
@@ -79,6 +80,18 @@ def _worker(mode: str, a) -> dict:
         t = PrivateTrainer(model=model, args=args, train_dataset=ds, privacy=privacy, user_field="user",
                            callbacks=[Clock()])
         t.train()
+    elif mode == "engine_train":  # the loop `userdp train` hands its RunPlan to: engine.train
+        last = [time.perf_counter()]
+
+        def tick(metrics):
+            now = time.perf_counter()
+            times.append(now - last[0])
+            if len(times) == 1:
+                _reset_peak_rss()
+            last[0] = now
+
+        train(model, UserRecords(ds, "user"), causal_lm_loss, dataclasses.replace(privacy, optimizer=SGD(0.01)),
+              callbacks=[tick])
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
@@ -134,8 +147,10 @@ def main(argv=None) -> int:
         rows[mode] = {"mode": mode, "s_per_step": statistics.median(r["s_per_step"] for r in ok),
                       "s_per_step_min": min(r["s_per_step"] for r in ok), "s_per_step_max": max(r["s_per_step"] for r in ok),
                       "peak_bytes": statistics.median(r["peak_bytes"] for r in ok), "repeats": len(ok)}
-    own, hf, plain = rows["own_loop"], rows["private_trainer"], rows["nonprivate_trainer"]
+    own, hf, plain, eng = rows["own_loop"], rows["private_trainer"], rows["nonprivate_trainer"], rows["engine_train"]
     if all("s_per_step" in r for r in rows.values()):
+        hf["time_vs_engine_train"] = hf["s_per_step"] / eng["s_per_step"]
+        hf["memory_vs_engine_train"] = hf["peak_bytes"] / eng["peak_bytes"]
         hf["time_vs_own_loop"] = hf["s_per_step"] / own["s_per_step"]
         hf["memory_vs_own_loop"] = hf["peak_bytes"] / own["peak_bytes"]
         hf["time_vs_nonprivate_trainer"] = hf["s_per_step"] / plain["s_per_step"]
@@ -149,6 +164,9 @@ def main(argv=None) -> int:
         else:
             print(f"{r['mode']:20s} {r['s_per_step']:.3f} s/step [{r['s_per_step_min']:.3f}-{r['s_per_step_max']:.3f}]  "
                   f"peak {r['peak_bytes'] / 2**20:.0f} MiB")
+    if "time_vs_engine_train" in hf:
+        print(f"PrivateTrainer vs engine.train (the loop `userdp train` runs): {hf['time_vs_engine_train']:.2f}x time, "
+              f"{hf['memory_vs_engine_train']:.2f}x peak memory")
     if "time_vs_own_loop" in hf:
         print(f"PrivateTrainer vs make_private's own loop: {hf['time_vs_own_loop']:.2f}x time, "
               f"{hf['memory_vs_own_loop']:.2f}x peak memory; vs a non-private Trainer step over the same records: "
