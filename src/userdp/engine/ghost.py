@@ -114,11 +114,17 @@ def round_down_bf16(c: torch.Tensor) -> torch.Tensor:
     return (c.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
 
 
-def split_bf16(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def split_bf16(p: torch.Tensor, hi: torch.Tensor | None = None,
+               lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hi, lo)`` bf16 with ``hi + lo == p`` exactly, for ``p`` a float32 product of two bf16
-    numbers (at most 16 significant bits: hi holds the leading 8, lo the rest)."""
-    hi = p.to(torch.bfloat16)
-    return hi, (p - hi.float()).to(torch.bfloat16)
+    numbers (at most 16 significant bits: hi holds the leading 8, lo the rest). Written into
+    ``hi``/``lo`` when given (bf16 views of p's shape, e.g. the two halves of one GEMM operand):
+    hi is p rounded to nearest, lo = p - hi taken in float32 (exact) and stored as bf16 (exact)."""
+    hi = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device) if hi is None else hi
+    lo = torch.empty_like(hi) if lo is None else lo
+    hi.copy_(p)
+    torch.sub(p, hi, out=lo)
+    return hi, lo
 
 
 def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narrow: bool,
@@ -133,16 +139,13 @@ def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narr
     xt = x.reshape(*lead, m * t, wx).transpose(-1, -2)
     scale = c.view(*lead, m, 1, 1)
     if narrow:
-        # [hi | lo] written in place into one bf16 buffer (the split of split_bf16, three kernels and
-        # no float32 copies of y): p = c·y is exact in float32, hi its bf16 rounding, lo = p - hi
-        # (exact, and a bf16 number). Each half starts on an aligned column, so the GEMM's operand
-        # keeps the tensor cores' fast layouts whatever the width (GPT-2's 50,257 is odd).
+        # [hi | lo] split in place into one bf16 buffer (three kernels, no float32 copy of y): p = c·y
+        # is exact in float32. Each half starts on an aligned column, so the GEMM's operand keeps the
+        # tensor cores' fast layouts whatever the width (GPT-2's 50,257 is odd).
         p = torch.mul(y, scale.float()).reshape(*lead, m * t, wy)  # bf16 x float32 -> float32, one kernel
         wp = _aligned_width(wy)
         buf = torch.empty(*lead, m * t, 2 * wp, dtype=torch.bfloat16, device=y.device)
-        hi, lo = buf[..., :wy], buf[..., wp : wp + wy]
-        hi.copy_(p)  # round to nearest, as .to(bfloat16)
-        torch.sub(p, hi, out=lo)  # in float32, then stored as bf16: exact
+        split_bf16(p, buf[..., :wy], buf[..., wp : wp + wy])
         del p
         if wp != wy:  # the pad columns reach only the output columns that are dropped; zeroed anyway
             buf[..., wy:wp].zero_()
