@@ -33,7 +33,6 @@ without noise: it is listed among the run's non-private touches of the data.
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -44,14 +43,13 @@ import yaml
 from transformers import Trainer
 
 from userdp.engine import PrivacyRecord, TensorUserData, TrainConfig, make_private
-from userdp.engine.plan import SAMPLER_MODE, privacy_repr
+from userdp.engine.plan import privacy_repr
 from userdp.engine.private_loop import PrivateTraining
-from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError
-from userdp.fileio import atomic_dir, write_atomic, write_json, write_manifest
-from userdp.lm import models
+from userdp.fileio import write_atomic, write_json
 from userdp.lm.models import IGNORE_INDEX, causal_lm_loss
-from userdp.lm.report import MODEL_CARD, write_report
+from userdp.lm.release import save_released_model
+from userdp.lm.report import write_report
 from userdp.lm.run_dir import RunDir
 from userdp.lm.statement import ReleaseFacts, privacy_record
 from userdp.validation import check_instance
@@ -203,11 +201,7 @@ class PrivateTrainer(Trainer):
 
     def __init__(self, *args, privacy: TrainConfig, user_field: str = "user",
                  loss_fn: Callable = causal_lm_loss, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._userdp_init(privacy, user_field, loss_fn)
-
-    def _userdp_init(self, privacy: TrainConfig, user_field: str, loss_fn: Callable) -> None:
-        """What userdp adds once the Trainer (and its own data preparation) is built."""
+        super().__init__(*args, **kwargs)  # a subclass's own data preparation (TRL's) runs here
         check_instance(privacy, "privacy", (TrainConfig,), "a userdp.engine.TrainConfig")
         if self.train_dataset is None:
             raise UserError("PrivateTrainer: give train_dataset (the tokenized records, with the user column)")
@@ -237,7 +231,7 @@ class PrivateTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """The Trainer's ``train``. ``resume_from_checkpoint`` (a ``checkpoint-N`` folder, or True
         for the latest) continues the run with its ledger: userdp's checkpoint in
-        ``output_dir/userdp`` is written with every Trainer checkpoint, must be at the same step,
+        ``output_dir/checkpoints`` is written with every Trainer checkpoint, must be at the same step,
         and the steps begun after it are counted as lost (their noise never reused)."""
         self._resuming = bool(resume_from_checkpoint)
         out = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
@@ -260,7 +254,6 @@ class PrivateTrainer(Trainer):
         a = self.args
         return {"hf_trainer": {
             "privacy": privacy_repr(self.privacy),
-            "privacy_sha256": hashlib.sha256(privacy_repr(self.privacy).encode()).hexdigest(),
             "user_field": self.user_data.user_field,
             "model": type(self.model).__name__,
             "training_arguments": {"learning_rate": a.learning_rate, "optim": str(a.optim),
@@ -308,7 +301,7 @@ class PrivateTrainer(Trainer):
         algo = cfg.algorithm
         facts = ReleaseFacts(
             algorithm=algo.name, accountant=cfg.accountant,
-            sampler_assumed=SAMPLER_MODE[(accounted_as(cfg.sampling), algo.unit)],
+            sampler_assumed=record.sampler_mode,  # one config here: the run's plan is what was assumed
             epsilon_target=cfg.target_epsilon, steps_planned=cfg.steps,
             group_size=getattr(algo, "group_size", None), num_records=self.user_data.num_records,
             clipping=type(cfg.clipping).__name__,
@@ -321,9 +314,7 @@ class PrivateTrainer(Trainer):
         # this script's evaluation is its own (disclosed above when it scores the training data)
         priv["data_accesses_covered"] = "training only (the sequence of noised aggregated updates)"
         write_json(rd.privacy, priv)
-        with atomic_dir(rd.model, keep_existing=False) as tmp:
-            models.save_model(self.model, tmp, self.processing_class)
-            write_manifest(tmp, exclude=(MODEL_CARD,))
+        save_released_model(rd, self.model, self.processing_class)
         rd.write_state(status="done", summary={
             "epsilon": priv["epsilon"], "delta": priv["delta"], "steps": record.steps_applied,
             "stopped": record.get("stopped"), "algorithm": algo.name, "train_users": self.user_data.num_users})

@@ -17,7 +17,7 @@ from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import JobPlan
 from userdp.lm.plan_auto import plan_touches
 from userdp.lm.report import MODEL_CARD, write_report
-from userdp.lm.run_dir import plot_curves, read_json
+from userdp.lm.run_dir import RunDir, plot_curves, read_json
 from userdp.lm.statement import ReleaseFacts, privacy_record
 from userdp.lm.tensorboard_log import Scalars
 
@@ -39,6 +39,16 @@ def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: d
                  "quantization": notes.get("quantization"),
                  "processes": notes.get("processes", {"world_size": 1, "backend": None})})
     return privacy_record(record, facts)
+
+
+def save_released_model(rd: RunDir, model, tokenizer, **save_kwargs) -> None:
+    """``rd.model``: the model as ``from_pretrained`` loads it (:func:`userdp.lm.models.save_model`,
+    ``save_kwargs`` passed on), written atomically with its manifest. Evaluate, report and
+    personalize verify the released files against it; the model card (README.md) is derived from
+    the verified statement and rewritten by every `userdp report`."""
+    with atomic_dir(rd.model, keep_existing=False) as tmp:
+        models.save_model(model, tmp, tokenizer, **save_kwargs)
+        write_manifest(tmp, exclude=(MODEL_CARD,))
 
 
 def _monitoring(output: C.OutputConfig) -> list[str]:
@@ -101,11 +111,8 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         priv["not_accounted"] = list(priv.get("not_accounted") or []) + audit_disclosures(priv["audit"])
         log(f"audit: {priv['audit']['statement']}")
     write_json(rd.privacy, priv)
-    with atomic_dir(rd.model, keep_existing=False) as tmp:  # validate(): quantize needs LoRA
-        models.save_model(model, tmp, tok, quantize=job.lora.quantize, tokenizer_folder=notes.get("tokenizer_folder"))
-        # evaluate, report and personalize verify the released files against it; the model card
-        # (README.md) is derived from the verified statement and rewritten by every `userdp report`
-        write_manifest(tmp, exclude=(MODEL_CARD,))
+    save_released_model(rd, model, tok, quantize=job.lora.quantize,  # validate(): quantize needs LoRA
+                        tokenizer_folder=notes.get("tokenizer_folder"))
     if job.lora.enabled and job.lora.save_adapter:
         with atomic_dir(rd.adapter, keep_existing=False) as tmp:
             models.save_model(model, tmp, None, adapter=True)
