@@ -1,5 +1,7 @@
 """Shared tiny models and data for the engine tests."""
 
+import os
+import socket
 import threading
 
 import numpy as np
@@ -100,3 +102,36 @@ def run_ranks(world, run_rank, expected=()):
         t.join(120)
     assert not errors, errors
     return results, shared
+
+
+def _gloo_worker(target, rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, target(rank)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo_pair(target, timeout: float = 240) -> dict:
+    """``target(rank)`` in each of two spawned processes joined by a gloo process group (real
+    processes: ranks simulated by threads would share torch's global generator); returns
+    ``{rank: result}``. ``target`` must be a module-level function (it is pickled by name)."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_worker, args=(target, r, port, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert sorted(results) == [0, 1]
+    return results

@@ -8,17 +8,15 @@ What is not built yet (docs/scaling.md, "Sharding"): the first-chunk coverage ch
 DTensor gradients (skipped here), reduce-scattering the sums to the shards, per-shard noise,
 sharded checkpoints and ``training.sharding``."""
 
-import os
-import socket
-
 import pytest
 import torch
+
+from _engine_helpers import run_gloo_pair
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 
 
-def _rank(rank: int, port: int, queue) -> None:
-    import torch.distributed as dist
+def _rank(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from userdp.engine import ULS
@@ -28,59 +26,39 @@ def _rank(rank: int, port: int, queue) -> None:
     from userdp.lm import models
     from userdp.lm.models import causal_lm_loss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(0)
-        plain = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
-        torch.manual_seed(0)
-        sharded = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
-        for block in sharded.transformer.h:
-            fully_shard(block)
-        fully_shard(sharded)
-        kinds = sorted({type(p).__name__ for p in sharded.parameters()})
-        ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(10 + rank))  # rank's own units
-        batch, mask = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2)
-        out = {}
-        for name, model in (("plain", plain), ("sharded", sharded)):
-            st = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
-            if name == "sharded":
-                st._verified = True  # the coverage check of DTensor gradients is the next step (module docstring)
-            per_unit = []
-            for u in range(4 if name == "sharded" else 0):  # each unit alone: its clipped contribution
-                w = torch.zeros(4)
-                w[u] = 1.0
-                sums, norms, _, bad = st.clipped_sum(batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5},
-                                                     torch.float32)
-                per_unit.append(float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums))))
-            sums, norms, _, bad = st.clipped_sum(batch, mask, torch.ones(4), FlatClip(0.5), {"clip_norm": 0.5},
+    torch.manual_seed(0)
+    plain = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
+    torch.manual_seed(0)
+    sharded = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
+    for block in sharded.transformer.h:
+        fully_shard(block)
+    fully_shard(sharded)
+    kinds = sorted({type(p).__name__ for p in sharded.parameters()})
+    ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(10 + rank))  # rank's own units
+    batch, mask = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2)
+    out = {}
+    for name, model in (("plain", plain), ("sharded", sharded)):
+        st = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
+        if name == "sharded":
+            st._verified = True  # the coverage check of DTensor gradients is the next step (module docstring)
+        per_unit = []
+        for u in range(4 if name == "sharded" else 0):  # each unit alone: its clipped contribution
+            w = torch.zeros(4)
+            w[u] = 1.0
+            sums, norms, _, bad = st.clipped_sum(batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5},
                                                  torch.float32)
-            out[name] = ([s.clone() for s in sums], norms.clone(), per_unit, bool(bad.any()))
-        same_sums = all(torch.equal(a, b) for a, b in zip(out["plain"][0], out["sharded"][0]))
-        queue.put((rank, {"kinds": kinds, "same_sums": same_sums, "same_norms": torch.equal(out["plain"][1],
-                                                                                             out["sharded"][1]),
-                          "norms": out["sharded"][1].tolist(), "per_unit": out["sharded"][2],
-                          "bad": out["sharded"][3], "shapes": [tuple(s.shape) for s in out["sharded"][0]][:2]}))
-    finally:
-        dist.destroy_process_group()
+            per_unit.append(float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums))))
+        sums, norms, _, bad = st.clipped_sum(batch, mask, torch.ones(4), FlatClip(0.5), {"clip_norm": 0.5},
+                                             torch.float32)
+        out[name] = ([s.clone() for s in sums], norms.clone(), per_unit, bool(bad.any()))
+    (plain_sums, plain_norms, _, _), (sums, norms, per_unit, bad) = out["plain"], out["sharded"]
+    return {"kinds": kinds, "same_sums": all(torch.equal(a, b) for a, b in zip(plain_sums, sums)),
+            "same_norms": torch.equal(plain_norms, norms), "norms": norms.tolist(), "per_unit": per_unit,
+            "bad": bad, "shapes": [tuple(s.shape) for s in sums][:2]}
 
 
 def test_ghost_norms_and_clipped_sums_of_a_fully_sharded_model_are_the_unsharded_models():
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(60)
-    assert sorted(results) == [0, 1]
+    results = run_gloo_pair(_rank)
     for rank, r in results.items():
         assert r["kinds"] == ["DTensor"]  # every parameter is a shard
         assert r["same_norms"] and r["same_sums"], rank  # bit for bit, on this rank's own units

@@ -16,6 +16,8 @@ from userdp.engine import ghost as ghost_mod
 from userdp.engine.loop import EngineRun
 from userdp.engine.neighbour import join, neighbour_gap
 
+from _engine_helpers import run_gloo_pair
+
 D_IN, D_OUT = 8, 4
 
 
@@ -179,48 +181,22 @@ TWO_RANK_CASES = [("uls", "auto", "cancelling"), ("uls", "ghost", "huge"), ("els
                   ("fedavg", "vmap", "nonfinite")]
 
 
-def _gloo_rank(rank: int, port: int, queue) -> None:
-    """One of two gloo processes: the neighbour gap of each two-rank case (spawned by the test)."""
-    import os
-
-    import torch.distributed as dist
-
+def _gloo_rank(rank: int) -> list:
+    """One of two gloo processes: the neighbour gap of each two-rank case (run_gloo_pair)."""
     from userdp.engine.distributed import TorchDistributedCombiner
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    try:
-        out = []
-        for algorithm, per_unit, adversary in TWO_RANK_CASES:
-            gap = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss,
-                                config(algorithm, g=4, per_unit=per_unit), combiner=TorchDistributedCombiner())
-            out.append((gap.gap, gap.within()))
-        queue.put((rank, out))
-    finally:
-        dist.destroy_process_group()
+    out = []
+    for algorithm, per_unit, adversary in TWO_RANK_CASES:
+        gap = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss,
+                            config(algorithm, g=4, per_unit=per_unit), combiner=TorchDistributedCombiner())
+        out.append((gap.gap, gap.within()))
+    return out
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 def test_two_gloo_ranks_that_split_the_cohort_release_no_more_than_the_bound():
-    # each rank clips its share of the cohort; the shares are all-reduced over gloo (two processes:
-    # ranks simulated by threads would share torch's global generator and so not replay one step)
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(60)
-    assert sorted(results) == [0, 1]
+    # each rank clips its share of the cohort; the shares are all-reduced over gloo
+    results = run_gloo_pair(_gloo_rank)
     for (gap0, ok0), (gap1, ok1), case in zip(results[0], results[1], TWO_RANK_CASES):
         assert ok0 and ok1, f"{case}: {gap0:.4f} / {gap1:.4f} x the bound"
         assert gap0 == gap1  # both ranks release the one all-reduced sum
