@@ -4,8 +4,8 @@
   draws that matter (G below most users' sizes) — with exactly two all-reduces per step: the
   statistics (float64, a few numbers), then the noised clipped sums in float32.
 * ``torchrun -m userdp train`` end to end: the same model as one process; rank 0 alone writes.
-* A process killed mid-run ends the job with a clear message; ``--resume`` (on another world
-  size) continues, and the ledger counts every step begun once.
+* A process killed mid-run ends the job with a clear message; ``--resume`` (on the same and on
+  another world size) continues, and the ledger counts every step begun once.
 """
 
 import json
@@ -172,21 +172,17 @@ def _rank_of(pid):
     return int(next(e for e in env if e.startswith(b"RANK=")).split(b"=")[1])
 
 
-@pytest.mark.slow
-@needs_torchrun
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_killed_process_ends_the_job_and_resume_counts_every_step_once(tmp_path, victim):
-    cfg = _tiny(tmp_path, "  checkpoint_every: 1\n")  # unseeded: steps begun and lost are spent
-    cfg.write_text(cfg.read_text().replace("steps: 4", "steps: 30"))
-    run = tmp_path / "run"
-    proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "userdp", "train", str(cfg),
-                             "--output", str(run), "--no-progress"], cwd=tmp_path, env=_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _kill_one_rank(cmd, tmp_path, run, victim, after_step):
+    """Start ``cmd`` (torchrun, 2 processes), kill -9 rank ``victim`` once metrics.jsonl shows step
+    ``after_step``; returns torchrun's stderr once every process has ended (no hang)."""
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
             m = run / "metrics.jsonl"
-            if m.is_file() and len(m.read_text().splitlines()) >= 3:
+            rows = m.read_text().splitlines() if m.is_file() else []
+            if rows and json.loads(rows[-1])["step"] >= after_step:
                 break
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.05)
@@ -197,26 +193,47 @@ def test_a_killed_process_ends_the_job_and_resume_counts_every_step_once(tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    if victim == 1:  # the survivor (rank 0) says what happened and how to go on: its collective fails,
-        # or torchrun's SIGTERM reaches it first
-        assert re.search(r"rank 0 of 2: (lost contact with another process of the job|stopped by SIGTERM)", err), err
-        assert f"--resume {run}" in err, err
-    journal = run / "checkpoints" / "ledger_journal.jsonl"
-    begun = len(journal.read_text().splitlines()) - 1
-    # the committed checkpoint's step is MANIFEST.json's: a kill between that commit and the renames
-    # leaves the previous ledger.json in place, and the resume rolls the commit forward
-    ckpt_step = json.loads((run / "checkpoints" / "MANIFEST.json").read_text())["step"]
-    assert begun >= ckpt_step >= 2
-    # resume on ONE process: the checkpoint holds no per-rank state
+    return err
+
+
+def _begun_and_committed(run):
+    """Steps begun (the journal's rows less its header) and the committed checkpoint's step: that of
+    MANIFEST.json (a kill between that commit and the renames leaves the previous ledger.json in
+    place, and the resume rolls the commit forward)."""
+    begun = len((run / "checkpoints" / "ledger_journal.jsonl").read_text().splitlines()) - 1
+    return begun, json.loads((run / "checkpoints" / "MANIFEST.json").read_text())["step"]
+
+
+@pytest.mark.slow
+@needs_torchrun
+def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path):
+    """Rank 1 killed, resumed on 2 processes; rank 0 killed, resumed on ONE process (the checkpoint
+    holds no per-rank state): every step begun is counted once, the model goes on from the commit."""
+    cfg = _tiny(tmp_path, "  checkpoint_every: 1\n")  # unseeded: steps begun and lost are spent
+    cfg.write_text(cfg.read_text().replace("steps: 4", "steps: 30"))
+    run = tmp_path / "run"
+    launch = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "userdp", "train"]
+    err = _kill_one_rank(launch + [str(cfg), "--output", str(run), "--no-progress"], tmp_path, run, 1, 3)
+    # the survivor (rank 0) says what happened and how to go on: its collective fails, or torchrun's
+    # SIGTERM reaches it first
+    assert re.search(r"rank 0 of 2: (lost contact with another process of the job|stopped by SIGTERM)", err), err
+    assert f"--resume {run}" in err, err
+    begun1, ckpt1 = _begun_and_committed(run)
+    assert begun1 >= ckpt1 >= 2
+    _kill_one_rank(launch + ["--resume", str(run), "--no-progress"], tmp_path, run, 0, begun1 + 2)
+    begun2, ckpt2 = _begun_and_committed(run)
+    assert begun2 - begun1 >= ckpt2 - ckpt1 >= 1
     res = subprocess.run([sys.executable, "-m", "userdp", "train", "--resume", str(run), "--no-progress", "--json"],
                          cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     priv = json.loads((run / "privacy.json").read_text())
-    accounted = len(journal.read_text().splitlines()) - 1
+    accounted, _ = _begun_and_committed(run)
     applied = len((run / "metrics.jsonl").read_text().splitlines())
+    # the journal counts begun steps since the start, a checkpoint the applied ones
+    lost = (begun1 - ckpt1) + (begun2 - begun1) - (ckpt2 - ckpt1)
     assert priv["steps_taken"] == accounted  # every step begun counted once
-    assert priv["steps_lost_to_crashes"] == begun - ckpt_step
-    assert priv["steps_applied"] == applied and accounted == applied + (begun - ckpt_step)
+    assert priv["steps_lost_to_crashes"] == lost
+    assert priv["steps_applied"] == applied and accounted == applied + lost
     assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == list(
         range(1, applied + 1))
 
