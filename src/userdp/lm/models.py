@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,11 +264,10 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
 
 
 def is_lora(model: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(model, PeftModel)
+    """Whether ``model`` is a peft LoRA model. A model can only be one once peft is imported: a run
+    without LoRA never pays peft's import (~1.5 s with bitsandbytes, which compiles at import)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def merged(model: nn.Module) -> nn.Module:
