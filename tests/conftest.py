@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+
+def pytest_configure(config):
+    """One folder for the whole session, every xdist worker (they inherit the environment): what the
+    tests build once and share (tests/_lm_corpus.py: the tiny pretrained model)."""
+    if not os.environ.get("USERDP_TEST_SESSION"):
+        os.environ["USERDP_TEST_SESSION"] = tempfile.mkdtemp(prefix="userdp-tests-")
+        config._userdp_session_dir = os.environ["USERDP_TEST_SESSION"]
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_userdp_session_dir", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("USERDP_TEST_SESSION", None)
+
+
 SHARED_DATA = Path(os.environ.get("USERDP_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
