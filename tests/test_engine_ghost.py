@@ -304,11 +304,46 @@ class _Outside(nn.Module):
 
 
 def test_a_parameter_used_outside_its_layer_is_refused():
+    """Refused at the second chunk whose sums differ from autograd's: a missing use fails every chunk,
+    while one unit whose records cancel can make a single chunk's float32 sums differ (it is checked
+    again on the next chunk, test_a_unit_whose_records_cancel_does_not_refuse_the_model)."""
     model = _Outside().double()
     batch, mask = _mlp_chunk()
+    st = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
+    args = (batch, mask, torch.ones(5, dtype=F64), FlatClip(1.0), {"clip_norm": 1.0}, F64)
+    st.clipped_sum(*args)
+    assert not st._verified
     with pytest.raises(UserError, match="lin.weight.*vmap"):
-        GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, torch.ones(5, dtype=F64), FlatClip(1.0),
-                                                              {"clip_norm": 1.0}, F64)
+        st.clipped_sum(*args)
+
+
+def test_a_unit_whose_records_cancel_does_not_refuse_the_model():
+    """ULS units of records whose gradients are 3e4 and cancel, split across two ranks' chunks, made the
+    first chunk's float32 sums differ from autograd's batch gradient by more than 1e-4 (summation order):
+    an explicit per_unit=ghost run was refused (and `auto` fell back to vmap). The neighbour test of
+    test_guarantee_neighbour runs this over two gloo ranks; here the chunk alone, then a clean one."""
+    from test_guarantee_neighbour import Reg, cancelling, honest, reg_loss
+
+    from userdp.engine.neighbour import join
+
+    torch.manual_seed(3)
+    model = Reg(2)
+    data = join(honest(g=4), cancelling(3e4))
+    units = [6, 0, 2, 4]  # rank 0's half of the cohort, as the engine orders it (fewest records first)
+    st = GhostPerUnit(model, reg_loss, ULS(4, 1.0))
+    rows = [torch.arange(data.offsets[u], data.offsets[u + 1]) for u in units]
+    g = max(len(r) for r in rows)
+    mask = torch.zeros(len(units), g)
+    idx = torch.zeros(len(units), g, dtype=torch.long)
+    for i, r in enumerate(rows):
+        mask[i, : len(r)] = 1
+        idx[i, : len(r)] = r
+    batch = {k: v[idx] for k, v in data.tensors.items()}
+    st.clipped_sum(batch, mask, torch.ones(len(units)), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+    assert st._mismatches == 1 and not st._verified  # this chunk's sums are off by more than the tolerance
+    clean = {k: v[idx[1:]] for k, v in data.tensors.items()}  # the honest users alone
+    st.clipped_sum(clean, mask[1:], torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+    assert st._verified  # the clean chunk verified the coverage: no refusal
 
 
 class _Broadcast(nn.Module):
