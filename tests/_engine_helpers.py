@@ -112,8 +112,16 @@ def _gloo_worker(target, rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     try:
         queue.put((rank, target(rank)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which stops the other rank
+        import traceback
+
+        queue.put((rank, _Failed(traceback.format_exc())))
     finally:
         dist.destroy_process_group()
+
+
+class _Failed(str):
+    """A rank's traceback (run_gloo_pair raises it)."""
 
 
 def run_gloo_pair(target, timeout: float = 240) -> dict:
@@ -130,8 +138,17 @@ def run_gloo_pair(target, timeout: float = 240) -> dict:
     procs = [ctx.Process(target=_gloo_worker, args=(target, r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=timeout) for _ in procs)
-    for p in procs:
-        p.join(60)
+    results = {}
+    try:
+        for _ in procs:
+            rank, value = queue.get(timeout=timeout)
+            if isinstance(value, _Failed):  # the other rank may wait in a collective: stop it
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(60 if len(results) == len(procs) else 1)
+            if p.is_alive():
+                p.kill()
     assert sorted(results) == [0, 1]
     return results

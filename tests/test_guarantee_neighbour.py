@@ -177,8 +177,10 @@ def test_a_loop_written_around_make_private_releases_no_more_than_the_bound(adve
     assert abs(same.gap - gap.gap) <= 1e-6 * max(1.0, gap.gap)  # the same release as train's
 
 
-TWO_RANK_CASES = [("uls", "auto", "cancelling"), ("uls", "ghost", "huge"), ("els", "ghost", "cancelling"),
-                  ("fedavg", "vmap", "nonfinite")]
+TWO_RANK_CASES = [("uls", "auto", "cancelling", "none"), ("uls", "ghost", "huge", "none"),
+                  ("els", "ghost", "cancelling", "none"), ("fedavg", "vmap", "nonfinite", "none"),
+                  ("uls", "auto", "cancelling", "fsdp"), ("uls", "ghost", "nonfinite", "fsdp"),
+                  ("els", "ghost", "cancelling", "fsdp"), ("els", "ghost", "many_records", "fsdp")]
 
 
 def _gloo_rank(rank: int) -> list:
@@ -186,16 +188,19 @@ def _gloo_rank(rank: int) -> list:
     from userdp.engine.distributed import TorchDistributedCombiner
 
     out = []
-    for algorithm, per_unit, adversary in TWO_RANK_CASES:
+    for algorithm, per_unit, adversary, sharding in TWO_RANK_CASES:
         gap = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss,
-                            config(algorithm, g=4, per_unit=per_unit), combiner=TorchDistributedCombiner())
+                            config(algorithm, g=4, per_unit=per_unit, sharding=sharding),
+                            combiner=TorchDistributedCombiner())
         out.append((gap.gap, gap.within()))
     return out
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 def test_two_gloo_ranks_that_split_the_cohort_release_no_more_than_the_bound():
-    # each rank clips its share of the cohort; the shares are all-reduced over gloo
+    # each rank clips its share of the cohort; the shares are all-reduced over gloo (sharding: none), or
+    # reduce-scattered to the ranks' halves of each parameter (sharding: fsdp, FSDP2; the sum gathered whole
+    # to measure it)
     results = run_gloo_pair(_gloo_rank)
     for (gap0, ok0), (gap1, ok1), case in zip(results[0], results[1], TWO_RANK_CASES):
         assert ok0 and ok1, f"{case}: {gap0:.4f} / {gap1:.4f} x the bound"

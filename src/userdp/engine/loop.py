@@ -38,6 +38,7 @@ from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_differ
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.sampling import bucket_size
+from userdp.engine.sharding import check_shardable, chunks_per_rank, is_sharded, reduce_scatter_sums, shard_model
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_bool, check_callable, check_instance
 
@@ -161,7 +162,13 @@ class EngineRun:
         self._compact = self.algo.unit == "user" and self.algo.update == "gradient" and self.algo.records_per_unit > 1
         self.combiner = combiner or LocalCombiner()
         precision = Precision(cfg.precision)
-        self.per_unit = make_per_unit(cfg.per_unit, model, loss_fn, self.algo, precision)
+        self.sharded = cfg.sharding == "fsdp"
+        if self.sharded:  # every rank starts from rank 0's whole model, then keeps its 1/W of it
+            check_shardable(cfg, model, checkpoint_dir)
+            broadcast_module_state(self.combiner, model)
+            shard_model(model, self.combiner)
+        per_unit = "ghost" if self.sharded and cfg.per_unit == "auto" else cfg.per_unit
+        self.per_unit = make_per_unit(per_unit, model, loss_fn, self.algo, precision)
         self._mixing = mixing_modules(model)  # checked again at every release (issue 34, H2)
         self.params = self.per_unit.params
         self.device = self.params[0].device
@@ -173,6 +180,10 @@ class EngineRun:
             self.master = [nn.Parameter(p.detach().float().clone()) for p in self.params]
         else:
             self.master = self.params
+        if not self.sharded and is_sharded(self.params):
+            raise UserError("the model's parameters are DTensors (fully_shard): set sharding='fsdp' "
+                            "(training.sharding: fsdp)")
+        self._padding = None  # a sharded rank's zero-weight chunk (clipped_sum)
         self.precision = {"autocast": cfg.precision,
                           "model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
                           "master_weights": "float32" if self.master is not self.params else "the model's own",
@@ -304,8 +315,18 @@ class EngineRun:
                 pending = self._loader.submit(self._load, chunks[i + 1], self.step)
             yield ready
 
-    def clipped_sum(self, ids: np.ndarray):
-        """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise."""
+    def _padding_chunk(self, template):
+        """A chunk of one unit whose mask and weight are zero (its update is exactly zero, it counts
+        for nothing): a sharded rank with fewer units than another runs these, so that every rank
+        runs FSDP's gathers as often. Its records are a real unit's (a finite forward), masked out."""
+        if self._padding is None:
+            batch, mask = template if template is not None else self._load(np.zeros(1, dtype=np.int64), 0)
+            self._padding = ({n: v[:1].clone() for n, v in batch.items()}, torch.zeros_like(mask[:1]))
+        return self._padding
+
+    def clipped_sum(self, ids: np.ndarray, n_chunks: int | None = None):
+        """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise. ``n_chunks``:
+        run at least that many chunks, the extra ones of zero weight (a sharded step)."""
         cfg, algo = self.cfg, self.algo
         acc = _accumulation_dtype(self.params[0].dtype)
         sums = None  # the first chunk's sums become the accumulators (no extra model-sized buffer)
@@ -317,7 +338,11 @@ class EngineRun:
         if self._compact:  # users of like record counts share a chunk, so little padding is left to compute
             ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
         chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
-        for cid, (batch, mask) in zip(chunks, self._prefetch(chunks)):
+        loaded = self._prefetch(chunks)
+        if n_chunks is not None and n_chunks > len(chunks):
+            loaded = self._padded(loaded, n_chunks - len(chunks))
+            chunks = chunks + [ids[:0]] * (n_chunks - len(chunks))
+        for cid, (batch, mask) in zip(chunks, loaded):
             k = len(cid)
             b = mask.shape[0]
             valid = torch.zeros(b, dtype=acc, device=self.device)
@@ -337,9 +362,18 @@ class EngineRun:
             stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
                                   ((1 - unclipped) * valid).sum(), w.sum(),
                                   (bad.to(acc) * valid).sum()]).double()
-        if sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
-            sums = [torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype)) for p in self.params]
+        if sums is None:  # an empty cohort (Poisson can draw none): the sum is zero (whole, even if p is a shard)
+            sums = [torch.zeros(p.shape, dtype=_accumulation_dtype(p.dtype), device=self.device) for p in self.params]
         return sums, stats
+
+    def _padded(self, loaded, extra: int):
+        """The loaded chunks, then ``extra`` zero-weight padding chunks (:meth:`_padding_chunk`)."""
+        last = None
+        for item in loaded:
+            last = item
+            yield item
+        for _ in range(extra):
+            yield self._padding_chunk(last)
 
     def run_step(self, stop_requested: bool = False):
         """One step. ``stop_requested``: this rank wants the run to stop after this step (Ctrl-C);
@@ -370,7 +404,9 @@ class EngineRun:
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self._cohort_rng(self.step), self.sampler_state)
         mine = ids[comb.rank :: comb.world_size]
-        sums, stats = self.clipped_sum(mine)
+        # sharded: every rank runs as many chunks as the rank with the most units (FSDP's gathers pair up)
+        sums, stats = self.clipped_sum(mine, chunks_per_rank(len(ids), comb.world_size, cfg.chunk_size)
+                                       if self.sharded else None)
         check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
         stats = stats.cpu()  # the step's one host sync: a few float64 statistics
         # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
@@ -387,7 +423,8 @@ class EngineRun:
         self.last_denominator = den  # what .grad was divided by (the neighbour test multiplies it back)
         if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
             self.noise.add_noise(sums, est_std * den)  # in place (drawn meanwhile on a CPU, else streamed)
-        sums = comb.all_reduce_sum(sums)
+        # replicated: every rank gets the whole noised sum; sharded: each rank the total of its shards
+        sums = reduce_scatter_sums(sums, self.params) if self.sharded else comb.all_reduce_sum(sums)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
             m.grad = x.div_(den).to(m.dtype)
@@ -697,6 +734,9 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     Raises:
         UserError: see :func:`train`."""
     checkpoint_dir = _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, journal_context)
+    cfg = config.config if isinstance(config, RunPlan) else config
+    if cfg.sharding == "fsdp":  # refused before anything is written
+        check_shardable(cfg, model, checkpoint_dir)
     comb = combiner or LocalCombiner()
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
@@ -775,8 +815,10 @@ def _agree(run: EngineRun) -> None:
     if not torch.equal(mine, main):
         raise UserError(f"rank {comb.rank}: this process's training config or data differ from rank 0's "
                         "(every process of a job must read the same config and the same corpus)")
-    # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank
-    broadcast_module_state(comb, run.model, extra=run.master if run.master is not run.params else ())
+    # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank (a sharded
+    # run did so before sharding: its ranks now hold different shards)
+    if not run.sharded:
+        broadcast_module_state(comb, run.model, extra=run.master if run.master is not run.params else ())
 
 
 def _train_loop(run: EngineRun, config: TrainConfig, checkpoint_dir, callbacks, checkpoint_extra) -> TrainResult:

@@ -78,9 +78,7 @@ def released_sum(model: nn.Module, data: UserData, loss_fn: Callable, config: Tr
         try:
             steps = iter(private)  # held: the loop's generator ends the step when it is dropped
             next(steps).backward()
-            den = float(run.last_denominator)
-            out = [m.grad.detach().double() * den for m in run.master]
-            return out, float(run._sensitivity()) * float(getattr(run.algo, "group_sensitivity", 1))
+            return _released(run), float(run._sensitivity()) * float(getattr(run.algo, "group_sensitivity", 1))
         finally:
             private.close()
     if entry != "train":
@@ -88,12 +86,18 @@ def released_sum(model: nn.Module, data: UserData, loss_fn: Callable, config: Tr
     run = start_run(model, data, loss_fn, config, combiner=combiner)
     try:
         run.release()
-        den = float(run.last_denominator)
-        out = [m.grad.detach().double() * den for m in run.master]
         # one user owns up to group_sensitivity units (ELS: G records, each clipped to C)
-        return out, float(run._sensitivity()) * float(getattr(run.algo, "group_sensitivity", 1))
+        return _released(run), float(run._sensitivity()) * float(getattr(run.algo, "group_sensitivity", 1))
     finally:
         run._loader.shutdown(wait=True)
+
+
+def _released(run) -> list[torch.Tensor]:
+    """The step's released sum, float64: ``.grad`` times the public denominator, whole (a sharded
+    run's gradients are DTensor shards: gathered, on every rank)."""
+    den = float(run.last_denominator)
+    grads = [m.grad.full_tensor() if hasattr(m.grad, "full_tensor") else m.grad for m in run.master]
+    return [g.detach().double() * den for g in grads]
 
 
 def neighbour_gap(build_model: Callable[[], nn.Module], data: UserData, added: UserData | None,

@@ -31,6 +31,7 @@ from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
 from userdp.engine.sampling import accounted_as, get_sampler
+from userdp.engine.sharding import SHARDINGS
 from userdp.errors import UserError
 from userdp.validation import (
     check_bool,
@@ -67,7 +68,9 @@ class TrainConfig:
     in :data:`~userdp.engine.noise.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
     ``precision``: the autocast dtype of the per-unit forward and backward (``float32``,
     ``bfloat16``, ``float16``; norms, sums and noise stay float32, see
-    :mod:`userdp.engine.precision`). ``prior_events``: ``dp_accounting`` DpEvents released about
+    :mod:`userdp.engine.precision`). ``sharding``: ``"none"`` (every rank holds the whole model)
+    or ``"fsdp"`` (FSDP2: each rank of a torchrun job holds 1/W of the parameters, gradients and
+    optimizer state; :mod:`userdp.engine.sharding`). ``prior_events``: ``dp_accounting`` DpEvents released about
     the same people before training (e.g. the DP median that chose G): the ledger counts them before
     the first step, against ``target_epsilon`` like the steps, and a calibrated sigma leaves room
     for them; the journal is bound to them (they are a privacy setting).
@@ -94,6 +97,7 @@ class TrainConfig:
     noise: str = "iid_gaussian"
     precision: str = "float32"
     prior_events: tuple = ()
+    sharding: str = "none"
 
     def __post_init__(self):
         # the one boundary of the engine's config: every field's type and range, converted in
@@ -134,6 +138,7 @@ class TrainConfig:
             PER_UNIT_STRATEGIES.lookup(self.per_unit)
         NOISE_MECHANISMS.lookup(self.noise)
         check_choice(self.precision, "precision", PRECISIONS)
+        check_choice(self.sharding, "sharding", SHARDINGS)
         if sampling == "fixed_size" and self.accountant != "rdp":
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:
@@ -142,7 +147,7 @@ class TrainConfig:
 
 #: TrainConfig fields that change how a run computes, not what it releases: a resumed run may
 #: change them (the journal and the checkpoint are bound to the other fields, :func:`privacy_repr`)
-PERFORMANCE_FIELDS = ("chunk_size", "per_unit", "precision", "checkpoint_every", "track_epsilon")
+PERFORMANCE_FIELDS = ("chunk_size", "per_unit", "precision", "checkpoint_every", "track_epsilon", "sharding")
 
 
 def privacy_repr(config: TrainConfig) -> str:

