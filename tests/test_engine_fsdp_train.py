@@ -4,6 +4,9 @@ ELS, on a tiny GPT-2 (tied head) and a tiny Llama (RMSNorm, rotary, untied head)
 half of every parameter and of Adam's state; one adversarial user moves the released sum by at most
 C under sharding; and what the sharded step does not do is refused in one line."""
 
+import functools
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -125,7 +128,6 @@ def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
     (dict(algorithm="fedavg"), "FedAvg's local SGD"),
     (dict(per_unit="vmap"), "ghost strategy only"),
     (dict(dtype=torch.bfloat16), "trains float32 parameters"),
-    (dict(checkpoint_dir="ckpt"), "does not write checkpoints yet"),
     (dict(), "needs torch.distributed"),  # every setting shardable, but no process group
 ])
 def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, change, words):
@@ -138,7 +140,7 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
     if change.get("algorithm") == "fedavg":
         cfg = TrainConfig(algorithm=FedAvg(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, seed=1,
                           sharding="fsdp", accountant="rdp")
-    ckpt = str(tmp_path / change["checkpoint_dir"]) if "checkpoint_dir" in change else None
+    ckpt = str(tmp_path / "ckpt")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(UserError) as err:
         train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt)
@@ -147,3 +149,70 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before any work
     assert not (tmp_path / "ckpt").exists()
 
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_at(step):
+    def cb(m):
+        if m["step"] == step:
+            raise _Crash()
+    return cb
+
+
+def _crash_and_resume(folder: str, rank: int) -> dict:
+    """Both ranks: a sharded ULS run crashes after step 3 (checkpoint at step 2, step 3 begun), rank 0
+    keeps a copy of the checkpoint, and the run resumes sharded on the two processes."""
+    import torch.distributed as dist
+
+    from userdp.engine import checkpoint
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.lm.models import causal_lm_loss
+
+    cfg = _config("uls", "fsdp", checkpoint_every=2)
+    cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
+    ckpt = f"{folder}/ckpt"
+    try:
+        train(_model("gpt2"), _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt, callbacks=[_crash_at(3)],
+              combiner=TorchDistributedCombiner())
+    except _Crash:
+        pass
+    saved = checkpoint.load(ckpt) if rank == 0 else None
+    if rank == 0:
+        shutil.copytree(ckpt, f"{folder}/copy")
+    dist.barrier()
+    model = _model("gpt2")
+    res = train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt, resume=True,
+                combiner=TorchDistributedCombiner())
+    return {"params": _full(model), "steps": res.steps, "lost": res.record["steps_lost_to_crashes"],
+            "epsilon": res.epsilon,
+            "saved_shapes": None if saved is None else [tuple(v.shape) for v in saved["params"]],
+            "saved_adam": None if saved is None else sorted({tuple(v["exp_avg"].shape) == tuple(p.shape)
+                                                              for v, p in zip(saved["optimizer"]["state"].values(),
+                                                                              saved["params"])})}
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
+    """The checkpoint of a sharded run holds whole tensors (gathered, written by rank 0): resumed on
+    the two processes, sharded, and on one process, unsharded, the run continues to the same model,
+    with the crash's begun step counted."""
+    from userdp.lm.models import causal_lm_loss
+
+    results = run_gloo_pair(functools.partial(_crash_and_resume, str(tmp_path)))
+    model = _model("gpt2")
+    cfg = _config("uls", "none", checkpoint_every=2)
+    cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
+    one = train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=str(tmp_path / "copy"), resume=True)
+    want = {n: p.detach().numpy() for n, p in model.named_parameters()}
+    assert one.steps == 5 and one.record["steps_lost_to_crashes"] == 1
+    shapes = results[0]["saved_shapes"]
+    assert shapes == [tuple(p.shape) for p in model.parameters()]  # whole tensors, not rank 0's shards
+    assert results[0]["saved_adam"] == [True]  # Adam's moments whole too
+    for rank in (0, 1):
+        got = results[rank]
+        assert got["steps"] == 5 and got["lost"] == 1 and got["epsilon"] == one.epsilon
+        diff = max(float(np.abs(got["params"][n] - want[n]).max()) for n in want)
+        assert diff < 5e-5, (rank, diff)  # a resume that lost the moments or a shard would move it by ~1e-2

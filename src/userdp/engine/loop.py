@@ -38,7 +38,17 @@ from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_differ
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.sampling import bucket_size
-from userdp.engine.sharding import check_shardable, chunks_per_rank, is_sharded, reduce_scatter_sums, shard_model
+from userdp.engine.sharding import (
+    check_shardable,
+    chunks_per_rank,
+    gathered,
+    is_sharded,
+    optimizer_state_like,
+    reduce_scatter_sums,
+    shard_like,
+    shard_model,
+    whole,
+)
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_bool, check_callable, check_instance
 
@@ -164,7 +174,7 @@ class EngineRun:
         precision = Precision(cfg.precision)
         self.sharded = cfg.sharding == "fsdp"
         if self.sharded:  # every rank starts from rank 0's whole model, then keeps its 1/W of it
-            check_shardable(cfg, model, checkpoint_dir)
+            check_shardable(cfg, model, self.combiner)
             broadcast_module_state(self.combiner, model)
             shard_model(model, self.combiner)
         per_unit = "ghost" if self.sharded and cfg.per_unit == "auto" else cfg.per_unit
@@ -454,10 +464,11 @@ class EngineRun:
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict:
+        # a sharded run gathers its shards whole (every rank calls this: engine.sharding.gathered)
         st = {"step": self.step, "ledger": self.ledger.state_dict(),
-              "params": [p.detach().cpu() for p in self.master], "param_names": self.per_unit.names,
+              "params": [whole(p).detach().cpu() for p in self.master], "param_names": self.per_unit.names,
               "buffers": {n: b.detach().cpu() for n, b in self.model.named_buffers()},
-              "optimizer": self.optimizer.state_dict(), "clip_state": dict(self.clip_state),
+              "optimizer": gathered(self.optimizer.state_dict()), "clip_state": dict(self.clip_state),
               "table_users": torch.from_numpy(self.table.users),
               "table_records": torch.from_numpy(self.table.records) if self.table.records is not None else None,
               "seeded": self.seeded, "config": privacy_repr(self.cfg), "history": self.history,
@@ -472,8 +483,11 @@ class EngineRun:
 
     def save(self, extra=None):
         """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit)."""
-        if self.dir and self.combiner.rank == 0:  # one writer
-            ckpt.save(self.dir, self.state(), extra(self) if extra is not None else None)
+        if not self.dir:
+            return
+        st = self.state() if self.sharded else None  # gathering the shards is a collective: every rank
+        if self.combiner.rank == 0:  # one writer
+            ckpt.save(self.dir, st if st is not None else self.state(), extra(self) if extra is not None else None)
 
     def restore(self, st: dict):
         if st["config"] != privacy_repr(self.cfg):
@@ -488,13 +502,14 @@ class EngineRun:
                                 f"{tuple(v.shape)} there and {tuple(m.shape)} in this model")
         with torch.no_grad():
             for p, m, v in zip(self.params, self.master, st["params"]):
-                m.copy_(v.to(m.device))
+                m.copy_(shard_like(v, m))  # a shard of the whole saved tensor where the run is sharded
                 if m is not p:
                     p.copy_(m)
             bufs = dict(self.model.named_buffers())
             for n, v in st["buffers"].items():
                 bufs[n].copy_(v.to(bufs[n].device))
-        self.optimizer.load_state_dict(st["optimizer"])
+        held = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.optimizer.load_state_dict(optimizer_state_like(st["optimizer"], held) if self.sharded else st["optimizer"])
         self.clip_state = dict(st["clip_state"])
         users = st["table_users"].numpy()
         recs = st["table_records"].numpy() if st["table_records"] is not None else None
@@ -734,10 +749,10 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     Raises:
         UserError: see :func:`train`."""
     checkpoint_dir = _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, journal_context)
+    comb = combiner or LocalCombiner()
     cfg = config.config if isinstance(config, RunPlan) else config
     if cfg.sharding == "fsdp":  # refused before anything is written
-        check_shardable(cfg, model, checkpoint_dir)
-    comb = combiner or LocalCombiner()
+        check_shardable(cfg, model, comb)
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
     # would race it. A refusal there ends the main rank, and the others with it (docs/scaling.md).

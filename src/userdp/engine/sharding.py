@@ -59,9 +59,7 @@ def shard_model(model: nn.Module, combiner) -> None:
 
     if is_sharded(model.parameters()):
         return
-    if not dist.is_initialized() or getattr(combiner, "world_size", 1) != dist.get_world_size():
-        raise UserError("sharding='fsdp' needs torch.distributed: launch with torchrun (a process group and the "
-                        "engine's TorchDistributedCombiner), or use sharding='none'")
+    _check_process_group(combiner)
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in _blocks(model):
@@ -69,8 +67,15 @@ def shard_model(model: nn.Module, combiner) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def check_shardable(config, model: nn.Module, checkpoint_dir) -> None:
-    """Refuse, in one line each and before any work, what the sharded step does not do (yet).
+def _check_process_group(combiner) -> None:
+    if not dist.is_initialized() or getattr(combiner, "world_size", 1) != dist.get_world_size():
+        raise UserError("sharding='fsdp' needs torch.distributed: launch with torchrun (a process group and the "
+                        "engine's TorchDistributedCombiner), or use sharding='none'")
+
+
+def check_shardable(config, model: nn.Module, combiner) -> None:
+    """Refuse, in one line each and before any work, what the sharded step does not do (yet), and a
+    run with no process group.
 
     Raises:
         UserError: naming the setting."""
@@ -83,9 +88,7 @@ def check_shardable(config, model: nn.Module, checkpoint_dir) -> None:
     if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
         raise UserError("sharding='fsdp' trains float32 parameters (bfloat16 or float16 weights would need sharded "
                         "float32 masters): load the model in float32; precision='bfloat16' autocast is allowed")
-    if checkpoint_dir is not None:
-        raise UserError("sharding='fsdp' does not write checkpoints yet (the sharded state would need "
-                        "torch.distributed.checkpoint): train without a checkpoint directory, or use sharding='none'")
+    _check_process_group(combiner)
 
 
 def chunks_per_rank(cohort_size: int, world_size: int, chunk_size: int) -> int:
@@ -104,4 +107,44 @@ def reduce_scatter_sums(sums: list[torch.Tensor], params) -> list:
     for x, p in zip(sums, params):
         partial = DTensor.from_local(x, p.device_mesh, [Partial()] * len(p.placements), run_check=False)
         out.append(partial.redistribute(p.device_mesh, p.placements))
+    return out
+
+
+def whole(t):
+    """``t`` itself, or the whole tensor of a DTensor shard (an all-gather: every rank calls it)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def gathered(obj):
+    """``obj`` (a state dict: dicts, lists, tuples, tensors) with every DTensor made whole, in the
+    same order on every rank (each is an all-gather). A sharded run's checkpoint holds whole tensors,
+    written by rank 0 in the replicated run's format: it resumes on any world size, sharded or not."""
+    if hasattr(obj, "full_tensor"):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: gathered(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(gathered(v) for v in obj)
+    return obj
+
+
+def shard_like(full: torch.Tensor, param) -> torch.Tensor:
+    """The whole tensor ``full`` laid out as ``param`` is: a DTensor of its mesh and placements for a
+    sharded parameter (every rank calls it, with the same ``full``), else ``full`` on its device."""
+    if not hasattr(param, "device_mesh"):
+        return full.to(param.device)
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+
+
+def optimizer_state_like(state_dict: dict, params) -> dict:
+    """An optimizer state dict of whole tensors (:func:`gathered`) with each per-parameter tensor of
+    the parameter's shape laid out as the parameter (:func:`shard_like`); scalars (Adam's step) stay."""
+    out = dict(state_dict)
+    out["state"] = {}
+    for idx, entry in state_dict["state"].items():
+        p = params[int(idx)]
+        out["state"][idx] = {k: shard_like(v, p) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
+                             else v for k, v in entry.items()}
     return out
