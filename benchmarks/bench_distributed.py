@@ -1,6 +1,8 @@
 """Step time of a userdp ULS step on 1 and W processes (torchrun), measured in one run.
 
     python benchmarks/bench_distributed.py --quick --json        # CPU: W = 1, 2 (gloo), a small GPT
+    python benchmarks/bench_distributed.py --quick --nproc 2 --sharding none,fsdp --optimizer adam
+                                             # per-rank parameter + gradient + Adam bytes, FSDP2 vs replicated
     python benchmarks/bench_distributed.py --nproc 1,2,4,8 --device cuda --model gpt2-small   # NCCL
 
 Every W runs the same job under ``torchrun --standalone --nproc_per_node=W``: the same model,
@@ -10,7 +12,9 @@ combiner — the code path of ``torchrun -m userdp train``. Each row: the mean t
 the warm-up steps (rank 0's clock; a step ends for every rank at its last all-reduce), the
 speed-up against W = 1 of the same run, tokens per second, the bytes each step all-reduces
 (the float32 clipped sums plus 7 float64 statistics), and the host-side noise draw's share of a
-step (drawn once, on rank 0, while the other ranks wait).
+step (drawn once, on rank 0, while the other ranks wait), and the bytes of parameters, gradients and
+optimizer state that rank 0 holds (``state_bytes_per_rank``; with ``--sharding fsdp`` its 1/W share,
+and ``state_ratio_vs_replicated`` against the replicated run of the same W).
 
 On CPU every process gets ``cores / W`` intra-op threads, so W = 2 on a 2-core machine compares
 one process with two threads against two processes with one thread each: it measures the
@@ -38,7 +42,9 @@ def _worker(a) -> None:
     import torch
 
     from userdp import launch
-    from userdp.engine import SGD, ULS, FlatClip, TensorUserData, TrainConfig, train
+    from userdp.engine import SGD, ULS, Adam, FlatClip, TensorUserData, TrainConfig, train
+    from userdp.engine import loop as engine_loop
+    from userdp.engine.distributed import combiner_for
     from userdp.engine.noise import source_for
     from userdp.lm import models
 
@@ -54,7 +60,17 @@ def _worker(a) -> None:
     cfg = TrainConfig(algorithm=ULS(a.group_size, a.cohort / a.users), steps=a.warmup + a.steps,
                       clipping=FlatClip(1.0), optimizer=SGD(1e-3), noise_multiplier=1.0, delta=1e-6, seed=1,
                       chunk_size=a.chunk, track_epsilon=False, accountant="rdp", per_unit=a.per_unit,
-                      precision=a.dtype)
+                      precision=a.dtype, sharding=a.sharding)
+    if a.optimizer == "adam":
+        cfg = TrainConfig(**{**cfg.__dict__, "optimizer": Adam(1e-3)})
+    runs = []  # the EngineRun, to count the optimizer state it holds after training
+    init = engine_loop.EngineRun.__init__
+
+    def keep(self, *args, **kw):
+        init(self, *args, **kw)
+        runs.append(self)
+
+    engine_loop.EngineRun.__init__ = keep
     times, units = [], []
 
     def on_step(m):
@@ -63,8 +79,21 @@ def _worker(a) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize()
-    train(model, data, models.causal_lm_loss, cfg, callbacks=[on_step], combiner=world.combiner())
-    params = [p for p in model.parameters() if p.requires_grad]
+    train(model, data, models.causal_lm_loss, cfg, callbacks=[on_step], combiner=combiner_for(world.distributed))
+
+    def local_bytes(t):
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    held = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
+    held += sum(local_bytes(v) for st in runs[-1].optimizer.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    if a.sharding == "fsdp":
+        from torch.distributed.tensor import DTensor
+
+        params = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
     # the draw the run itself uses on this device (ChaCha20 on CUDA, numpy's PCG64 on the CPU),
     # once to build it, then timed
     src = source_for(device, 1, seeded=True)
@@ -87,7 +116,8 @@ def _worker(a) -> None:
                "seq_len": a.seq_len, "steps_timed": len(timed), "step_s": round(step_s, 4),
                "tokens_per_s": round(float(np.mean(units[a.warmup:])) * a.group_size * a.seq_len / step_s, 1),
                "allreduce_bytes_per_step": 4 * n_params + 8 * 7, "noise_draw_s": round(noise_s, 4),
-               "threads_per_process": torch.get_num_threads()}
+               "threads_per_process": torch.get_num_threads(), "sharding": a.sharding, "optimizer": a.optimizer,
+               "state_bytes_per_rank": held}
         with open(a.out, "w") as f:
             json.dump(row, f)
     world.close()
@@ -103,7 +133,7 @@ def _run(w: int, a, out: str) -> dict:
            "--device", a.device, "--model", a.model, "--users", str(a.users), "--records", str(a.records),
            "--group-size", str(a.group_size), "--cohort", str(a.cohort), "--seq-len", str(a.seq_len),
            "--vocab", str(a.vocab), "--steps", str(a.steps), "--warmup", str(a.warmup), "--chunk", str(a.chunk),
-           "--per-unit", a.per_unit, "--dtype", a.dtype]
+           "--per-unit", a.per_unit, "--dtype", a.dtype, "--sharding", a.sharding, "--optimizer", a.optimizer]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"bench_distributed: W = {w} failed:\n{res.stderr[-3000:]}")
@@ -130,6 +160,8 @@ def main(argv=None) -> int:
     p.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the forward's autocast precision (training.precision)")
+    p.add_argument("--sharding", default="none", help="none, fsdp or both (comma-separated): FSDP2 rows")
+    p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -141,21 +173,30 @@ def main(argv=None) -> int:
     a.steps = a.steps or (6 if a.quick else 10)
     sizes = [int(x) for x in a.nproc.split(",")]
     rows = []
+    shardings = [x for x in a.sharding.split(",") if x]
     with tempfile.TemporaryDirectory() as tmp:
         for w in sizes:
-            rows.append(_run(w, a, os.path.join(tmp, f"w{w}.json")))
-    base = next((r for r in rows if r["world_size"] == 1), rows[0])
+            for sh in shardings:
+                a.sharding = sh
+                rows.append(_run(w, a, os.path.join(tmp, f"w{w}-{sh}.json")))
+    base = next((r for r in rows if r["world_size"] == 1 and r["sharding"] == "none"), rows[0])
     for r in rows:
         r["speedup_vs_1"] = round(base["step_s"] / r["step_s"], 3)
+        rep = next((x for x in rows if x["world_size"] == r["world_size"] and x["sharding"] == "none"), None)
+        if rep is not None:
+            r["state_ratio_vs_replicated"] = round(r["state_bytes_per_rank"] / rep["state_bytes_per_rank"], 3)
         r["hardware"] = f"{platform.machine()}, {os.cpu_count()} cores" + (
             "" if a.device == "cpu" else f", {_gpu_name()}")
     if a.json:
         print(json.dumps(rows))
     else:
         for r in rows:
-            print(f"W={r['world_size']} ({r['backend']}, {r['device']}): {r['step_s'] * 1000:.0f} ms/step, "
+            print(f"W={r['world_size']} ({r['backend']}, {r['device']}, sharding {r['sharding']}): "
+                  f"{r['step_s'] * 1000:.0f} ms/step, "
                   f"{r['tokens_per_s']:.0f} tokens/s, speed-up {r['speedup_vs_1']:.2f}x; all-reduce "
-                  f"{r['allreduce_bytes_per_step'] / 2**20:.1f} MiB/step; noise draw {r['noise_draw_s'] * 1000:.0f} ms")
+                  f"{r['allreduce_bytes_per_step'] / 2**20:.1f} MiB/step; noise draw {r['noise_draw_s'] * 1000:.0f} ms; "
+                  f"rank 0 holds {r['state_bytes_per_rank'] / 2**20:.1f} MiB of parameters, gradients and optimizer "
+                  f"state ({r.get('state_ratio_vs_replicated', 1.0):.2f}x the replicated run)")
     return 0
 
 
