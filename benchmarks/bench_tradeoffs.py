@@ -539,7 +539,7 @@ def main(argv=None) -> int:
         return 0
     q = a.quick
     a.model, a.vocab, a.seq_len = "tiny", 2048, 64
-    a.pretrain_steps = 60 if q else 600
+    a.pretrain_steps = 20 if q else 600
     a.eval_users, a.eval_records = (tuple(int(x) for x in a.eval.split(",")) if a.eval
                                     else (40, 4) if q else (150, 16))
     a.max_users = 600 if q else None

@@ -1,5 +1,5 @@
 """benchmarks/bench_tradeoffs.py --quick: the rows the issue asks for, each run within its epsilon,
-and the figures written (Stack Exchange only and 3 steps a run, to stay within CI's time: the
+and the figures written (Stack Exchange only and 2 steps a run, to stay within CI's time: the
 test checks the rows, the epsilons and the figures, not the losses)."""
 
 import json
@@ -20,7 +20,7 @@ def test_quick_rows_epsilons_and_figures(tmp_path):
     figs = tmp_path / "figs"
     env = dict(os.environ, USERDP_CACHE=str(tmp_path / "cache"))
     out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_tradeoffs.py"), "--quick", "--json",
-                          "--datasets", "stackexchange", "--parts", "grid,els_group_sweep", "--steps", "3",
+                          "--datasets", "stackexchange", "--parts", "grid,els_group_sweep", "--steps", "2",
                           "--accountant", "rdp",  # the rows, not PLD's tightness: ~60 s of PLD calibrations less
                           "--figures", str(figs)], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
