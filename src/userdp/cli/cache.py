@@ -55,7 +55,9 @@ def info(root: Path, local: list[Path] = ()) -> dict:
     kinds = {}
     for kind, private in KINDS.items():
         d = root / kind
-        entries = sorted(p.name for p in d.iterdir() if p.name != OWNED_MARK) if d.is_dir() else []
+        # (a pretraining's lock file, `.<entry>.lock`, is not an entry)
+        entries = sorted(p.name for p in d.iterdir() if p.name != OWNED_MARK and not p.name.endswith(".lock")) \
+            if d.is_dir() else []
         kinds[kind] = {"entries": len(entries), "bytes": _size(d), "private": private, "path": str(d)}
     elsewhere = [{"path": str(p), "bytes": sum(_size(p / k) for k, private in KINDS.items() if private)}
                  for p in local]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from userdp.caches import cache_root, fingerprint
 from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
@@ -30,6 +31,11 @@ def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> P
     key = fingerprint(fingerprint(prep.public_texts), t.vocab_size, t.seq_len, m.preset,
                       dataclasses.asdict(m.pretraining), "v1")
     return owned_dir(cache_root() / "pretrained") / f"{m.preset}-{key}"
+
+
+def _complete(cdir: Path) -> bool:
+    """Whether the pretrained-model folder ``cdir`` is there whole (it is renamed into place when done)."""
+    return (cdir / "config.json").is_file() and (cdir / "tokenizer.json").is_file()
 
 
 def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = stderr_log,
@@ -95,38 +101,54 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
         notes["tokenizer"] = f"byte-level BPE trained on public text only: {prep.public_description}"
     notes.setdefault("tokenizer", f"byte-level BPE trained on public text only: {prep.public_description}")
     if m.pretrain and prep.public_texts:
-        if (cdir / "config.json").is_file() and (cdir / "tokenizer.json").is_file():
+        if _complete(cdir):
             log(f"using the cached pretrained model {cdir}")
             model = models.load_local(cdir)
         else:
-            pc = m.pretraining
-            log(f"pretraining a {m.preset} GPT non-privately on the public text "
-                f"({pc.steps} steps; cached in {cdir}) ...")
-            t0 = time.time()
-
-            make_dir(partial)  # public data only, in the shared cache
-            if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
-                tok.save(str(partial / "tokenizer.json"))
+            # one process pretrains a given model: another that wants the same one (a tuning trial, a
+            # second run started meanwhile) waits for it and loads it, instead of pretraining it again
+            lock = FileLock(str(cdir.with_name(f".{cdir.name}.lock")))
             try:
-                model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
-                                             steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
-                                             warmup=pc.warmup, seed=pc.seed, progress=progress,
-                                             device=device,
-                                             state_path=partial / "state.pt",
-                                             say=log)
-            except KeyboardInterrupt:
-                log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
-                raise
-            info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
-                        preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
-            with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
-                save_pretrained(model, tok, tmp, info)
-            shutil.rmtree(partial, ignore_errors=True)
-            model = models.load_local(cdir)
-            # the tokenizer as saved (transformers adds a no-op post-processor): the one every later
-            # run loads from this folder, so their tokenized data share one cache key (issue 39)
-            tok = load_tokenizer(cdir)
-            log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
+                lock.acquire(timeout=0)
+            except Timeout:
+                log(f"waiting for another process that pretrains this model ({cdir}) ...")
+                lock.acquire()
+            try:
+                if _complete(cdir):  # built by that other process meanwhile
+                    log(f"using the pretrained model another process just saved in {cdir}")
+                    model = models.load_local(cdir)
+                    tok = load_tokenizer(cdir)
+                else:
+                    pc = m.pretraining
+                    log(f"pretraining a {m.preset} GPT non-privately on the public text "
+                        f"({pc.steps} steps; cached in {cdir}) ...")
+                    t0 = time.time()
+
+                    make_dir(partial)  # public data only, in the shared cache
+                    if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
+                        tok.save(str(partial / "tokenizer.json"))
+                    try:
+                        model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
+                                                     steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
+                                                     warmup=pc.warmup, seed=pc.seed, progress=progress,
+                                                     device=device,
+                                                     state_path=partial / "state.pt",
+                                                     say=log)
+                    except KeyboardInterrupt:
+                        log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
+                        raise
+                    info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
+                                preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
+                    with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
+                        save_pretrained(model, tok, tmp, info)
+                    shutil.rmtree(partial, ignore_errors=True)
+                    model = models.load_local(cdir)
+                    # the tokenizer as saved (transformers adds a no-op post-processor): the one every later
+                    # run loads from this folder, so their tokenized data share one cache key (issue 39)
+                    tok = load_tokenizer(cdir)
+                    log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
+            finally:
+                lock.release()
         notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
     else:
         sp = special_ids(tok)
