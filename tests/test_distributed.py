@@ -99,6 +99,16 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
                           "--no-progress", "--json"], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
                          text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
+    # the same job with the model sharded over the two processes (FSDP2, issue 37)
+    shard = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "shard",
+                            "--no-progress", "--json", "--set", "training.sharding=fsdp"], cwd=tmp_path,
+                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert shard.returncode == 0, shard.stderr[-3000:]
+    s3 = json.loads(shard.stdout.splitlines()[-1])
+    assert s3["steps"] == 4 and s3["epsilon"] == json.loads(one.stdout.splitlines()[-1])["epsilon"]
+    w3 = _weights(tmp_path / "shard")
+    assert max(float((_weights(tmp_path / "one")[k].float() - w3[k].float()).abs().max()) for k in w3) < 1e-4
+    assert json.loads((tmp_path / "shard" / "privacy.json").read_text())["compute"]["sharding"] == "fsdp"
     assert two.stdout.count("run directory:") == 1  # one summary, from rank 0
     s1, s2 = json.loads(one.stdout.splitlines()[-1]), json.loads(two.stdout.splitlines()[-1])
     assert s2["steps"] == s1["steps"] == 4 and s2["epsilon"] == s1["epsilon"]
@@ -118,6 +128,7 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
     ("data.path=/no/such/file.jsonl", "data.path /no/such/file.jsonl"),
     ("audit.canaries=10", "audit.canaries"),
     ("model.device=cuda:0", "names one GPU"),
+    ("training.sharding=fsdp training.algorithm=fedavg", "training.sharding: fsdp FedAvg"),
 ])
 def test_train_nproc_refuses_a_bad_input_before_any_process_starts(tmp_path, monkeypatch, capsys, override, words):
     from userdp import launcher
@@ -126,7 +137,8 @@ def test_train_nproc_refuses_a_bad_input_before_any_process_starts(tmp_path, mon
     cfg = _tiny(tmp_path, "")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(launcher, "launch", lambda *a, **k: pytest.fail("a process was started"))
-    assert main(["train", str(cfg), "--nproc", "2", "--set", override, "--output", str(tmp_path / "o")]) == 2
+    sets = [a for o in override.split() for a in ("--set", o)]
+    assert main(["train", str(cfg), "--nproc", "2", *sets, "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if "error:" in ln]
     assert len(lines) == 1 and words in lines[0] and "Traceback" not in err, err
@@ -207,8 +219,9 @@ def _begun_and_committed(run):
 @pytest.mark.slow
 @needs_torchrun
 def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path):
-    """Rank 1 killed, resumed on 2 processes; rank 0 killed, resumed on ONE process (the checkpoint
-    holds no per-rank state): every step begun is counted once, the model goes on from the commit."""
+    """Rank 1 killed, resumed on 2 processes with the model sharded (FSDP2); rank 0 killed, resumed on
+    ONE process, unsharded (the checkpoint holds whole tensors, no per-rank state): every step begun
+    is counted once, the model goes on from the commit."""
     cfg = _tiny(tmp_path, "  checkpoint_every: 1\n")  # unseeded: steps begun and lost are spent
     cfg.write_text(cfg.read_text().replace("steps: 4", "steps: 30"))
     run = tmp_path / "run"
@@ -220,11 +233,16 @@ def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path
     assert f"--resume {run}" in err, err
     begun1, ckpt1 = _begun_and_committed(run)
     assert begun1 >= ckpt1 >= 2
-    _kill_one_rank(launch + ["--resume", str(run), "--no-progress"], tmp_path, run, 0, begun1 + 2)
+    # the resume shards the model (a performance setting may change on resume): rank 0 of a sharded job killed
+    _kill_one_rank(launch + ["--resume", str(run), "--no-progress", "--set", "training.sharding=fsdp"], tmp_path, run,
+                   0, begun1 + 2)
     begun2, ckpt2 = _begun_and_committed(run)
     assert begun2 - begun1 >= ckpt2 - ckpt1 >= 1
-    res = subprocess.run([sys.executable, "-m", "userdp", "train", "--resume", str(run), "--no-progress", "--json"],
-                         cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    one = [sys.executable, "-m", "userdp", "train", "--resume", str(run), "--no-progress", "--json"]
+    res = subprocess.run(one, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "training.sharding: fsdp" in res.stderr  # one process cannot shard: said
+    res = subprocess.run(one + ["--set", "training.sharding=none"], cwd=tmp_path, env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     priv = json.loads((run / "privacy.json").read_text())
     accounted, _ = _begun_and_committed(run)

@@ -34,6 +34,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from userdp.errors import ERROR_DIR_ENV, UserError
 from userdp.fileio import read_input
 from userdp.launch import shared_device
+from userdp.lm.config import check_sharding
 
 
 def precheck(cfg, nproc: int, plan: str | None) -> None:
@@ -52,6 +53,7 @@ def precheck(cfg, nproc: int, plan: str | None) -> None:
             raise UserError(f"{key} {value}: does not exist")
     if plan:
         read_input(plan, f"--plan {plan}")
+    check_sharding(cfg, distributed=True)
 
     if shared_device(cfg.model.device, f"--nproc {nproc} starts {nproc} processes") \
             and nproc > torch.cuda.device_count():

@@ -194,6 +194,7 @@ class EngineRun:
             raise UserError("the model's parameters are DTensors (fully_shard): set sharding='fsdp' "
                             "(training.sharding: fsdp)")
         self._padding = None  # a sharded rank's zero-weight chunk (clipped_sum)
+        self.whole_params: dict | None = None  # a sharded run's gathered weights at its last checkpoint (save)
         self.precision = {"autocast": cfg.precision,
                           "model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
                           "master_weights": "float32" if self.master is not self.params else "the model's own",
@@ -486,6 +487,8 @@ class EngineRun:
         if not self.dir:
             return
         st = self.state() if self.sharded else None  # gathering the shards is a collective: every rank
+        if st is not None:  # the whole trainable weights, for a caller's extra files (the LM's model.safetensors)
+            self.whole_params = dict(zip(self.per_unit.names, st["params"]))
         if self.combiner.rank == 0:  # one writer
             ckpt.save(self.dir, st if st is not None else self.state(), extra(self) if extra is not None else None)
 

@@ -148,3 +148,27 @@ def optimizer_state_like(state_dict: dict, params) -> dict:
         out["state"][idx] = {k: shard_like(v, p) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
                              else v for k, v in entry.items()}
     return out
+
+
+def gathered_model(model: nn.Module) -> nn.Module:
+    """A whole (unsharded) copy of a ``fully_shard``-ed Hugging Face model, on every rank (an
+    all-gather per tensor: every rank calls it); ``model`` itself when it is not sharded. What the
+    phases after training (evaluation, the released model) run on.
+
+    Raises:
+        UserError: a sharded model that is not a Hugging Face ``PreTrainedModel`` (no config to
+            build the whole copy from)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return model
+    state = {k: whole(v).detach() for k, v in model.state_dict().items()}
+    cls = next(c for c in type(model).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
+    config = getattr(model, "config", None)
+    if config is None:
+        raise UserError(f"sharding='fsdp': cannot rebuild a whole {cls.__name__} after training (not a Hugging Face "
+                        "model with a config); gather it yourself with full_tensor()")
+    plain = cls(config).to(next(iter(state.values())).device)
+    plain.load_state_dict(state)
+    plain.train(model.training)
+    return plain

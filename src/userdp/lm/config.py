@@ -36,6 +36,7 @@ from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.sampling import SAMPLERS
+from userdp.engine.sharding import SHARDINGS
 from userdp.errors import UserError
 from userdp.fileio import read_input, unclaimable
 from userdp.lm.presets import PRESETS
@@ -249,6 +250,7 @@ class TrainingConfig:
     memory_gb: Positive | None = None  # cap for chunk_size: auto (null: 80% of the free device memory)
     per_unit: _choice(PER_UNIT_STRATEGIES.choices("auto")) = "auto"  # auto: ghost norms for gradient updates
     precision: _choice("auto", "float32", "bfloat16", "float16") = "auto"  # autocast dtype
+    sharding: _choice(*SHARDINGS) = "none"  # fsdp: each of the torchrun processes holds 1/W of the model (FSDP2)
     seed: Seed | None = None           # null: sampling and noise from OS entropy (secret)
     checkpoint_every: Count = 25
 
@@ -583,7 +585,7 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
 #: settings that change how a run computes, not what it releases: `userdp train --resume RUN --set`
 #: may change them, and a run's ledger journal is bound to everything else (:func:`privacy_fingerprint`)
 PERFORMANCE_KEYS = {
-    "training": ("chunk_size", "memory_gb", "per_unit", "precision", "checkpoint_every"),
+    "training": ("chunk_size", "memory_gb", "per_unit", "precision", "checkpoint_every", "sharding"),
     "model": ("device",),
     "eval": ("batch_size",),
     "output": ("plot", "tensorboard"),
@@ -618,3 +620,24 @@ def to_dict(cfg) -> dict:
 
 def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def check_sharding(cfg: RunConfig, distributed: bool) -> None:
+    """``training.sharding: fsdp`` needs a torchrun job and what the sharded step does (refused here, in
+    one line, before the run directory is made; ``distributed``: the job has several processes).
+
+    Raises:
+        UserError: naming the setting."""
+    if cfg.training.sharding != "fsdp":
+        return
+    why = None
+    if not distributed:
+        why = "shards the model over the processes of a job: launch with --nproc N (or torchrun)"
+    elif cfg.training.algorithm == "fedavg":
+        why = "FedAvg's local SGD needs each user's whole model on one process"
+    elif cfg.training.per_unit not in ("auto", "ghost"):
+        why = f"clips per unit with ghost norms only (training.per_unit is {cfg.training.per_unit})"
+    elif cfg.model.lora.enabled:
+        why = "LoRA on a sharded base is not built yet (model.lora.enabled)"
+    if why:
+        raise UserError(f"training.sharding: fsdp {why}; or set training.sharding: none")

@@ -25,6 +25,7 @@ from userdp.caches import cache_in, private_cache_for
 from userdp.devices import resolve_device
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.ledger import JOURNAL
+from userdp.engine.sharding import gathered_model
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, write_atomic
 from userdp.launch import JobStopped, World, translate
@@ -131,6 +132,7 @@ def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: J
     if world.distributed and cfg.audit.canaries:
         raise UserError("audit.canaries: the empirical audit runs in one process only (its canaries and "
                         "secrets file are not shared out yet); run `userdp audit` without torchrun")
+    C.check_sharding(cfg, world.distributed)
     if resume_dir is not None:
         rd = existing_run_dir(resume_dir)
         # rank 0 reads the journal and metrics (the others would race its rewrite of metrics.jsonl)
@@ -237,5 +239,6 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     # 4. train (the held-out users scored first)
     ev_state = evaluate_before(job.eval, model, data, ctx)
     res = train_model(job, model, data, ctx)
+    model = gathered_model(model)  # a sharded run's phases after training use the whole model (every rank)
     # 5. evaluate, save, report (rank 0 writes)
     return release(job, model, data, res, ev_state, ctx)

@@ -69,7 +69,7 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int, device: torch.device, p
     kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
               accountant=p.accountant, sampling=p.sampler, noise=p.noise, seed=t.seed,
               chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
-              checkpoint_every=t.checkpoint_every, per_unit=t.per_unit, precision=precision)
+              checkpoint_every=t.checkpoint_every, per_unit=t.per_unit, precision=precision, sharding=t.sharding)
     if not algo.private:
         kw["noise_multiplier"] = 0.0
     elif p.noise_multiplier is not None:
@@ -103,7 +103,7 @@ def mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tupl
 def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
     """``cfg`` with its performance settings fixed (they change how a run computes, not its plan)."""
     t = dataclasses.replace(cfg.training, chunk_size=1, memory_gb=None, per_unit="auto", precision="float32",
-                            checkpoint_every=1)
+                            checkpoint_every=1, sharding="none")
     return dataclasses.replace(cfg, training=t, model=dataclasses.replace(cfg.model, device="cpu"))
 
 

@@ -37,7 +37,8 @@ def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: d
         not_accounted=tuple(touches), plan=plan, plugins=tuple(plugins.loaded()),
         compute={"device": notes.get("device"), "chunk_size": notes.get("chunk_size"),
                  "quantization": notes.get("quantization"),
-                 "processes": notes.get("processes", {"world_size": 1, "backend": None})})
+                 "processes": notes.get("processes", {"world_size": 1, "backend": None}),
+                 "sharding": t.sharding})
     return privacy_record(record, facts)
 
 
