@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from userdp.engine import ELS, ULS, Adam, FlatClip, TrainConfig, train
+from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, TrainConfig, train
 from userdp.engine.data import TensorUserData
 from userdp.errors import UserError
 
@@ -216,3 +216,44 @@ def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
         assert got["steps"] == 5 and got["lost"] == 1 and got["epsilon"] == one.epsilon
         diff = max(float(np.abs(got["params"][n] - want[n]).max()) for n in want)
         assert diff < 5e-5, (rank, diff)  # a resume that lost the moments or a shard would move it by ~1e-2
+
+
+def _own_loop(rank: int) -> dict:
+    """Both ranks: a caller shards the model itself (fully_shard per block, then the root), builds its
+    own optimizer over the shards, and drives make_private's steps; then the engine's train() on an
+    unsharded copy, sharded by the engine."""
+    from torch.distributed.fsdp import fully_shard
+
+    from userdp.engine import make_private
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.lm.models import causal_lm_loss
+
+    cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=3, clipping=FlatClip(0.5), optimizer=Adam(lr=1e-2),
+                      noise_multiplier=1.0, delta=1e-5, seed=11, chunk_size=2, track_epsilon=False,
+                      accountant="rdp", sharding="fsdp")
+    mine = _model("gpt2")
+    for block in mine.transformer.h:
+        fully_shard(block)
+    fully_shard(mine)
+    opt = torch.optim.SGD(mine.parameters(), lr=0.05)
+    with make_private(mine, opt, _data(), causal_lm_loss, cfg, combiner=TorchDistributedCombiner()) as private:
+        for step in private:
+            step.backward()
+            opt.step()
+    engine = _model("gpt2")
+    sgd = TrainConfig(**{**cfg.__dict__, "optimizer": SGD(0.05)})
+    train(engine, _data(), causal_lm_loss, sgd, combiner=TorchDistributedCombiner())
+    return {"own": _full(mine), "engine": _full(engine)}
+
+
+def test_a_loop_of_its_own_around_a_model_the_caller_sharded():
+    """make_private with sharding='fsdp' on a model the caller passed through fully_shard: its shards
+    are kept (not overwritten by rank 0's), its own optimizer steps them, and the released updates
+    are train()'s (the same seeded run, SGD both)."""
+    results = run_gloo_pair(_own_loop)
+    for rank in (0, 1):
+        got = results[rank]
+        diff = max(float(np.abs(got["own"][n] - got["engine"][n]).max()) for n in got["engine"])
+        assert diff < 1e-6, (rank, diff)
+        moved = max(float(np.abs(got["own"][n] - _full(_model("gpt2"))[n]).max()) for n in got["own"])
+        assert moved > 1e-3  # it trained

@@ -175,8 +175,9 @@ class EngineRun:
         self.sharded = cfg.sharding == "fsdp"
         if self.sharded:  # every rank starts from rank 0's whole model, then keeps its 1/W of it
             check_shardable(cfg, model, self.combiner)
-            broadcast_module_state(self.combiner, model)
-            shard_model(model, self.combiner)
+            if not is_sharded(model.parameters()):  # a model the caller sharded: its shards are its own
+                broadcast_module_state(self.combiner, model)
+                shard_model(model, self.combiner)
         per_unit = "ghost" if self.sharded and cfg.per_unit == "auto" else cfg.per_unit
         self.per_unit = make_per_unit(per_unit, model, loss_fn, self.algo, precision)
         self._mixing = mixing_modules(model)  # checked again at every release (issue 34, H2)
