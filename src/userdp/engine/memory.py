@@ -39,6 +39,7 @@ from torch import nn
 from userdp.engine.ghost import GROUP_ELEMENTS
 from userdp.engine.host import free_host_bytes
 from userdp.engine.noise import GaussianNoise, draws_ahead, source_class
+from userdp.engine.sharding import gathered_blocks
 from userdp.errors import UserError
 
 MAX_AUTO_CHUNK = 256
@@ -117,14 +118,19 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
 
 
 def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "ghost", *,
-                noise_ahead: bool = False) -> int:
+                noise_ahead: bool = False, shards: int = 1) -> int:
     """Bytes that do not grow with the chunk: the weights, the float32 running and partial sums,
     float32 masters of parameters narrower than float32, ``optimizer_states`` float32 states per
     trainable parameter (Adam: 2), for ghost the first chunk's batch gradient (4 B a trainable
     parameter, held while the strategy checks its hooks against autograd) and the temporaries of
     its stacked groups (:data:`STACK_TRANSIENT_BYTES`), and with ``noise_ahead`` the step's noise
     drawn while its sums are computed (4 B a trainable parameter: a host source on a CPU,
-    :func:`userdp.engine.noise.draws_ahead`)."""
+    :func:`userdp.engine.noise.draws_ahead`).
+
+    ``shards``: W of a sharded run (``sharding: fsdp``, :mod:`userdp.engine.sharding`), per rank: 1/W
+    of the weights, of the released gradient and of the optimizer's states, plus the two largest
+    blocks gathered whole at once (FSDP gathers the next block while one computes); the running and
+    partial sums, the first chunk's check and the drawn-ahead noise stay whole."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in trainable)
@@ -132,6 +138,12 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
     verify = n if strategy == "ghost" else 0
     stacks = STACK_TRANSIENT_BYTES if strategy == "ghost" else 0
     ahead = n if noise_ahead else 0
+    if shards > 1:
+        blocks = sorted((sum(p.numel() * p.element_size() for p in b.parameters()) for b in gathered_blocks(model)),
+                        reverse=True)
+        gathered = sum(blocks[:2]) if blocks else total  # no blocks: the root gathers everything
+        return int(total / shards + gathered + 4 * (n * (2 + (1 + optimizer_states) / shards) + masters + verify
+                                                    + ahead) + stacks)
     return int(total + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
 
 
@@ -145,11 +157,12 @@ def free_bytes(device: torch.device) -> int:
 
 def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: torch.device, strategy: str,
                     low_precision: bool, memory_cap_bytes: int | None = None,
-                    optimizer_states: int = 2) -> tuple[int, dict]:
+                    optimizer_states: int = 2, shards: int = 1) -> tuple[int, dict]:
     """The largest power-of-two chunk whose estimated peak fits the cap, and how it was chosen.
 
     Args:
         memory_cap_bytes: the cap; None means 80% of the device's free memory now.
+        shards: W of a sharded run (each rank's share, :func:`fixed_bytes`); 1: replicated.
 
     Returns:
         (chunk_size, info) with info holding the cap, the fixed and per-unit estimates.
@@ -161,9 +174,9 @@ def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: 
     per = unit_bytes(model, group_size, seq_len, strategy=strategy, low_precision=low_precision)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ahead = source_class(device) is GaussianNoise and draws_ahead(n)
-    fixed = fixed_bytes(model, optimizer_states, strategy, noise_ahead=ahead)
+    fixed = fixed_bytes(model, optimizer_states, strategy, noise_ahead=ahead, shards=shards)
     info = {"memory_cap_bytes": cap, "cap_source": "training.memory_gb" if memory_cap_bytes is not None
-            else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per}
+            else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per, "shards": shards}
     if per is None:
         info["rule"] = "no transformer config to estimate from: the default chunk of 8"
         return 8, info

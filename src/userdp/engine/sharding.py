@@ -41,7 +41,7 @@ def is_sharded(params) -> bool:
     return has_dtensors(params)
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def gathered_blocks(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards one by one: those whose class a Hugging Face model lists in
     ``_no_split_modules`` (its transformer blocks), else none (the root holds every parameter)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
@@ -62,7 +62,7 @@ def shard_model(model: nn.Module, combiner) -> None:
     _check_process_group(combiner)
     device = next(model.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in _blocks(model):
+    for block in gathered_blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 

@@ -227,7 +227,7 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
             cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, per_unit="vmap"))
             log("audit: gradient canaries: per-unit gradients by vmap")
     with world.main_first("choosing the chunk size"):  # rank 0's choice, saved, is every rank's
-        cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log)
+        cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log, world.world_size)
     if chunk_info:
         ctx.notes["chunk_size"] = chunk_info
     # the job plan: the sections the later phases read and the one run plan (budget checked)

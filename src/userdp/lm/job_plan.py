@@ -189,10 +189,11 @@ def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dic
                    plan=plan)
 
 
-def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = stderr_log):
+def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = stderr_log, world_size: int = 1):
     """``training.chunk_size: auto`` -> the largest power-of-two chunk that fits the memory cap
-    (:func:`userdp.engine.memory.auto_chunk_size`), saved in the run directory so that a resume
-    uses the same one. Returns the config with the chunk fixed and the choice (None when fixed).
+    (:func:`userdp.engine.memory.auto_chunk_size`; per rank, with ``training.sharding: fsdp`` over
+    ``world_size`` processes), saved in the run directory so that a resume uses the same one.
+    Returns the config with the chunk fixed and the choice (None when fixed).
 
     Raises:
         UserError: one unit does not fit the cap.
@@ -212,7 +213,8 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = s
         chunk, info = auto_chunk_size(model, records, cfg.tokenizer.seq_len, device=device, strategy=strategy,
                                       low_precision=resolve_precision(t.precision, device) != "float32",
                                       memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None,
-                                      optimizer_states=states)
+                                      optimizer_states=states,
+                                      shards=world_size if t.sharding == "fsdp" else 1)
         info["chunk_size"] = chunk
         write_json(saved, info)
     per = info.get("unit_bytes")
