@@ -152,3 +152,16 @@ def run_gloo_pair(target, timeout: float = 240) -> dict:
                 p.kill()
     assert sorted(results) == [0, 1]
     return results
+
+
+class Crash(Exception):
+    """A crash a test's callback raises mid-run (:func:`crash_at`)."""
+
+
+def crash_at(step: int):
+    """A training callback that raises :class:`Crash` once step ``step`` is done (before its
+    checkpoint: the step is begun, and lost unless a checkpoint follows)."""
+    def cb(m):
+        if m["step"] == step:
+            raise Crash()
+    return cb

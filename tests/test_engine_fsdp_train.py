@@ -15,7 +15,7 @@ from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, TrainConfig, train
 from userdp.engine.data import TensorUserData
 from userdp.errors import UserError
 
-from _engine_helpers import run_gloo_pair
+from _engine_helpers import Crash, crash_at, run_gloo_pair
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 
@@ -151,15 +151,6 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
 
 
 
-class _Crash(Exception):
-    pass
-
-
-def _crash_at(step):
-    def cb(m):
-        if m["step"] == step:
-            raise _Crash()
-    return cb
 
 
 def _crash_and_resume(folder: str, rank: int) -> dict:
@@ -175,9 +166,9 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
     ckpt = f"{folder}/ckpt"
     try:
-        train(_model("gpt2"), _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt, callbacks=[_crash_at(3)],
+        train(_model("gpt2"), _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt, callbacks=[crash_at(3)],
               combiner=TorchDistributedCombiner())
-    except _Crash:
+    except Crash:
         pass
     saved = checkpoint.load(ckpt) if rank == 0 else None
     if rank == 0:

@@ -25,7 +25,7 @@ from userdp.engine import (
 from userdp.engine.per_unit import PerUnit
 from userdp.errors import UserError
 
-from _engine_helpers import MLP, Mean, ce_loss, linear_loss, mlp_data, sq_loss, user_data
+from _engine_helpers import MLP, Crash, Mean, ce_loss, crash_at, linear_loss, mlp_data, sq_loss, user_data
 
 
 def _manual_user_avg_gd(model, data, steps, lr):
@@ -184,15 +184,6 @@ def _resume_cfg(seed, algo):
                        checkpoint_every=3, track_epsilon=True, accountant="rdp", chunk_size=8)
 
 
-class _Crash(Exception):
-    pass
-
-
-def _crash_at(step):
-    def cb(m):
-        if m["step"] == step:
-            raise _Crash()
-    return cb
 
 
 @pytest.mark.slow
@@ -211,8 +202,8 @@ def test_interrupted_and_resumed_run_counts_its_lost_steps_and_is_reproducible(t
     for d in ("a", "b"):
         m = MLP()
         m.load_state_dict(init)
-        with pytest.raises(_Crash):  # crash after step 5: last checkpoint at step 3, steps 4-5 begun
-            train(m, data, ce_loss, _resume_cfg(42, algo), checkpoint_dir=str(tmp_path / d), callbacks=[_crash_at(5)])
+        with pytest.raises(Crash):  # crash after step 5: last checkpoint at step 3, steps 4-5 begun
+            train(m, data, ce_loss, _resume_cfg(42, algo), checkpoint_dir=str(tmp_path / d), callbacks=[crash_at(5)])
         m2 = MLP()
         m2.load_state_dict(init)
         with pytest.raises(UserError, match="resume=True"):
@@ -231,8 +222,8 @@ def test_unseeded_crash_counts_the_lost_steps(tmp_path):
     torch.manual_seed(0)
     m = MLP()
     cfg = _resume_cfg(None, ULS(3, 0.3))
-    with pytest.raises(_Crash):
-        train(m, data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[_crash_at(5)])
+    with pytest.raises(Crash):
+        train(m, data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(5)])
     r = train(m, data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
     # steps 4 and 5 ran with secret randomness that is gone: they may have been seen, so they count
     assert r.steps == 10 and r.record["steps_accounted"] == 12 and r.record["steps_lost_to_crashes"] == 2
@@ -243,8 +234,8 @@ def test_unseeded_crash_counts_the_lost_steps(tmp_path):
 def test_crash_before_the_first_checkpoint_still_counts(tmp_path):
     data = mlp_data([3, 5, 2, 7] * 10, seed=7)
     cfg = _resume_cfg(None, ULS(3, 0.3))
-    with pytest.raises(_Crash):
-        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[_crash_at(2)])
+    with pytest.raises(Crash):
+        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(2)])
     with pytest.raises(UserError, match="resume=True"):
         train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path))
     r = train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)

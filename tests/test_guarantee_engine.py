@@ -23,7 +23,7 @@ from userdp.engine.ledger import JOURNAL
 from userdp.engine.loop import EngineRun
 from userdp.errors import UserError
 
-from _engine_helpers import Mean, sq_loss, user_data
+from _engine_helpers import Crash, Mean, crash_at, sq_loss, user_data
 
 
 # ------------------------------------------------------------------------------ item 1: the key
@@ -140,24 +140,14 @@ def test_bf16_model_one_adversarial_user_moves_the_release_by_at_most_c_over_den
 
 
 # ------------------------------------------------------------------------------ item 5: event = ledger
-class _Crash(Exception):
-    pass
-
-
-def _crash_at(step):
-    def cb(m):
-        if m["step"] == step:
-            raise _Crash
-
-    return cb
 
 
 def test_published_event_composes_exactly_the_counted_steps_after_a_crash(tmp_path):
     data = user_data([3] * 30, d=4)
     cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4,
                       track_epsilon=False)
-    with pytest.raises(_Crash):
-        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[_crash_at(6)])
+    with pytest.raises(Crash):
+        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(6)])
     res = train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
     rec = res.record
     assert rec["steps_applied"] == 8 and rec["steps_accounted"] == 10 and rec["steps_lost_to_crashes"] == 2
@@ -206,8 +196,8 @@ def _cfg(**kw):
 
 def _crashed_run(tmp_path, crash=6, **kw):
     data = user_data([3] * 30, d=4)
-    with pytest.raises(_Crash):
-        train(Mean(4), data, sq_loss, _cfg(**kw), checkpoint_dir=str(tmp_path), callbacks=[_crash_at(crash)])
+    with pytest.raises(Crash):
+        train(Mean(4), data, sq_loss, _cfg(**kw), checkpoint_dir=str(tmp_path), callbacks=[crash_at(crash)])
     return data
 
 
@@ -247,9 +237,9 @@ def test_an_older_copy_of_the_journal_refuses_resume(tmp_path):
         if m["step"] == 4:
             saved["journal"] = (tmp_path / JOURNAL).read_bytes()
         if m["step"] == 6:
-            raise _Crash
+            raise Crash
 
-    with pytest.raises(_Crash):
+    with pytest.raises(Crash):
         train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), callbacks=[copy_at_checkpoint])
     (tmp_path / JOURNAL).write_bytes(saved["journal"])
     with pytest.raises(UserError, match="truncated or replaced by an older copy"):
@@ -321,8 +311,8 @@ def test_missing_manifest_refuses_resume(tmp_path):
 def test_crash_before_first_checkpoint_resumes_from_step_zero_with_begun_steps_counted(tmp_path):
     data = user_data([3] * 30, d=4)
     cfg = _cfg(checkpoint_every=0)
-    with pytest.raises(_Crash):
-        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[_crash_at(3)])
+    with pytest.raises(Crash):
+        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(3)])
     assert not ckpt.exists(str(tmp_path))
     res = train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
     assert res.steps == 8 and res.record["steps_accounted"] == 11 and res.record["steps_lost_to_crashes"] == 3
