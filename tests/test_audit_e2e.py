@@ -128,7 +128,7 @@ def test_a_leftover_secrets_file_is_refused_and_a_failed_start_leaves_none(tiny,
     # secrets file it wrote, with the run directory
     seen = []
 
-    def fail(cfg_, model, device, rd, log):
+    def fail(cfg_, model, device, rd, log, world_size=1):
         seen.append((tmp / "run3.audit-secrets.json").is_file())
         raise UserError("training.chunk_size: boom")
 
