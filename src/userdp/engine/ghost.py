@@ -52,7 +52,6 @@ see it. FedAvg's unit update is a local-SGD delta, not a gradient: it keeps the 
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,6 +63,7 @@ from torch.nn import functional as F
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
+from userdp.engine.sharding import is_sharded, whole
 from userdp.errors import UserError
 
 
@@ -501,7 +501,7 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
     n = gout.shape[0]
     # a sharded parameter (FSDP2: a DTensor once the forward has resharded it) is gathered whole for
     # the layer's VJP: an all-gather that every rank runs, the handlers going in the same order on each
-    params = {k: _whole(getattr(mod, k)).detach() for k in names}
+    params = {k: whole(getattr(mod, k)).detach() for k in names}
     split = []
     for i, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
@@ -516,11 +516,6 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
 
     grads = vmap(one, in_dims=(None, 0, 0))(params, split, go)
     return {k: [grads[k].to(dtype)] for k in names}
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or the whole tensor of a DTensor shard (an all-gather)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _weighted_sum(dense: torch.Tensor | None, factored: list[Factored], c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -723,16 +718,6 @@ def _captured(a, cast: torch.dtype | None):
 
 
 # --------------------------------------------------------------------------- the strategy
-def has_dtensors(params) -> bool:
-    """Whether any of ``params`` is a DTensor (FSDP2). None can be before DTensor's module is
-    imported, so a run that does not shard never pays that import."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in params)
-
-
 class _Capture:
     __slots__ = ("inputs", "module", "output")
 
@@ -775,7 +760,7 @@ class GhostPerUnit:
         # FSDP2 (engine.sharding): the parameters are DTensor shards and the forward uses the
         # unsharded tensors FSDP gathers, so the first-chunk check differentiates with respect to
         # those (what the hooks saw in use), not the shards (autograd gives None for those)
-        self._sharded = has_dtensors(self.params)
+        self._sharded = is_sharded(self.params)
         self._in_use: list = []  # (module, name, tensor in use) while a checked forward runs
         self.last_choice: dict[str, str] = {}  # parameter -> "ghost" | "materialized" (last chunk)
         #: parameter -> for each dense (GEMM) use in the last chunk, whether it took the bf16 tensor-core path

@@ -487,11 +487,14 @@ class EngineRun:
         """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit)."""
         if not self.dir:
             return
-        st = self.state() if self.sharded else None  # gathering the shards is a collective: every rank
-        if st is not None:  # the whole trainable weights, for a caller's extra files (the LM's model.safetensors)
+        main = self.combiner.rank == 0
+        if not (main or self.sharded):
+            return
+        st = self.state()  # sharded: gathering the shards is a collective, so every rank builds it
+        if self.sharded:  # the whole trainable weights, for a caller's extra files (the LM's model.safetensors)
             self.whole_params = dict(zip(self.per_unit.names, st["params"]))
-        if self.combiner.rank == 0:  # one writer
-            ckpt.save(self.dir, st if st is not None else self.state(), extra(self) if extra is not None else None)
+        if main:  # one writer
+            ckpt.save(self.dir, st, extra(self) if extra is not None else None)
 
     def restore(self, st: dict):
         if st["config"] != privacy_repr(self.cfg):

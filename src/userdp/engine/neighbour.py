@@ -32,6 +32,7 @@ from userdp.engine.data import TensorUserData, UserData
 from userdp.engine.loop import start_run
 from userdp.engine.plan import TrainConfig
 from userdp.engine.private_loop import make_private
+from userdp.engine.sharding import whole
 from userdp.errors import UserError
 
 #: the default relative tolerance: float32 sums of a few hundred terms, reordered
@@ -96,8 +97,7 @@ def _released(run) -> list[torch.Tensor]:
     """The step's released sum, float64: ``.grad`` times the public denominator, whole (a sharded
     run's gradients are DTensor shards: gathered, on every rank)."""
     den = float(run.last_denominator)
-    grads = [m.grad.full_tensor() if hasattr(m.grad, "full_tensor") else m.grad for m in run.master]
-    return [g.detach().double() * den for g in grads]
+    return [whole(m.grad).detach().double() * den for m in run.master]
 
 
 def neighbour_gap(build_model: Callable[[], nn.Module], data: UserData, added: UserData | None,

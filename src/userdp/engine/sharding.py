@@ -24,12 +24,12 @@ Only what no library does is written here: FSDP2 does the sharding, DTensor the 
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from userdp.engine.ghost import has_dtensors
 from userdp.errors import UserError
 
 #: the choices of ``TrainConfig.sharding`` (and ``training.sharding``)
@@ -37,8 +37,14 @@ SHARDINGS = ("none", "fsdp")
 
 
 def is_sharded(params) -> bool:
-    """Whether any of ``params`` is a DTensor shard (a model already passed through ``fully_shard``)."""
-    return has_dtensors(params)
+    """Whether any of ``params`` is a DTensor shard (a model already passed through ``fully_shard``).
+    None can be before DTensor's module is imported, so a run that does not shard never pays that
+    import."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
 
 
 def gathered_blocks(model: nn.Module) -> list[nn.Module]:
@@ -119,8 +125,8 @@ def gathered(obj):
     """``obj`` (a state dict: dicts, lists, tuples, tensors) with every DTensor made whole, in the
     same order on every rank (each is an all-gather). A sharded run's checkpoint holds whole tensors,
     written by rank 0 in the replicated run's format: it resumes on any world size, sharded or not."""
-    if hasattr(obj, "full_tensor"):
-        return obj.full_tensor()
+    if isinstance(obj, torch.Tensor):
+        return whole(obj)
     if isinstance(obj, dict):
         return {k: gathered(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
