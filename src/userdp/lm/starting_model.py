@@ -5,6 +5,7 @@ which text."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -36,6 +37,51 @@ def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> P
 def _complete(cdir: Path) -> bool:
     """Whether the pretrained-model folder ``cdir`` is there whole (it is renamed into place when done)."""
     return (cdir / "config.json").is_file() and (cdir / "tokenizer.json").is_file()
+
+
+@contextlib.contextmanager
+def _one_pretrainer(cdir: Path, log: Log):
+    """Hold the lock of the pretrained-model folder ``cdir``: one process pretrains a given model,
+    and another that wants the same one (a tuning trial, a second run started meanwhile) waits for
+    it, then loads what it saved instead of pretraining it again."""
+    lock = FileLock(str(cdir.with_name(f".{cdir.name}.lock")))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log(f"waiting for another process that pretrains this model ({cdir}) ...")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _pretrain(cdir: Path, partial: Path, tok, m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared, log: Log,
+              progress, device: torch.device):
+    """Pretrain the preset on the public text (continuing ``partial``'s checkpoint, if any), save it
+    as ``cdir``, and return (model, tokenizer) as loaded back from there."""
+    pc = m.pretraining
+    log(f"pretraining a {m.preset} GPT non-privately on the public text ({pc.steps} steps; cached in {cdir}) ...")
+    t0 = time.time()
+    make_dir(partial)  # public data only, in the shared cache
+    if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
+        tok.save(str(partial / "tokenizer.json"))
+    try:
+        model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len, steps=pc.steps,
+                                     batch_size=pc.batch_size, lr=pc.lr, warmup=pc.warmup, seed=pc.seed,
+                                     progress=progress, device=device, state_path=partial / "state.pt", say=log)
+    except KeyboardInterrupt:
+        log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
+        raise
+    info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
+                preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
+    with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
+        save_pretrained(model, tok, tmp, info)
+    shutil.rmtree(partial, ignore_errors=True)
+    log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
+    # the tokenizer as saved (transformers adds a no-op post-processor): the one every later run loads
+    # from this folder, so their tokenized data share one cache key (issue 39)
+    return models.load_local(cdir), load_tokenizer(cdir)
 
 
 def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = stderr_log,
@@ -105,50 +151,12 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
             log(f"using the cached pretrained model {cdir}")
             model = models.load_local(cdir)
         else:
-            # one process pretrains a given model: another that wants the same one (a tuning trial, a
-            # second run started meanwhile) waits for it and loads it, instead of pretraining it again
-            lock = FileLock(str(cdir.with_name(f".{cdir.name}.lock")))
-            try:
-                lock.acquire(timeout=0)
-            except Timeout:
-                log(f"waiting for another process that pretrains this model ({cdir}) ...")
-                lock.acquire()
-            try:
-                if _complete(cdir):  # built by that other process meanwhile
+            with _one_pretrainer(cdir, log):
+                if _complete(cdir):  # built by the process this one waited for
                     log(f"using the pretrained model another process just saved in {cdir}")
-                    model = models.load_local(cdir)
-                    tok = load_tokenizer(cdir)
+                    model, tok = models.load_local(cdir), load_tokenizer(cdir)
                 else:
-                    pc = m.pretraining
-                    log(f"pretraining a {m.preset} GPT non-privately on the public text "
-                        f"({pc.steps} steps; cached in {cdir}) ...")
-                    t0 = time.time()
-
-                    make_dir(partial)  # public data only, in the shared cache
-                    if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
-                        tok.save(str(partial / "tokenizer.json"))
-                    try:
-                        model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len,
-                                                     steps=pc.steps, batch_size=pc.batch_size, lr=pc.lr,
-                                                     warmup=pc.warmup, seed=pc.seed, progress=progress,
-                                                     device=device,
-                                                     state_path=partial / "state.pt",
-                                                     say=log)
-                    except KeyboardInterrupt:
-                        log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
-                        raise
-                    info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
-                                preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
-                    with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
-                        save_pretrained(model, tok, tmp, info)
-                    shutil.rmtree(partial, ignore_errors=True)
-                    model = models.load_local(cdir)
-                    # the tokenizer as saved (transformers adds a no-op post-processor): the one every later
-                    # run loads from this folder, so their tokenized data share one cache key (issue 39)
-                    tok = load_tokenizer(cdir)
-                    log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
-            finally:
-                lock.release()
+                    model, tok = _pretrain(cdir, partial, tok, m, t, prep, log, progress, device)
         notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
     else:
         sp = special_ids(tok)
