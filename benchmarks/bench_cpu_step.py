@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     for k in ("uls", "els"):
         rw = [x / y for x, y in zip(wall[k], wall["nonprivate"])]
         rc = [x / y for x, y in zip(cpu[k], cpu["nonprivate"])]
-        out[k] = {"time": round(statistics.median(rw), 3), "time_range": [round(min(rw), 2), round(max(rw), 2)],
-                  "cpu": round(statistics.median(rc), 3), "cpu_range": [round(min(rc), 2), round(max(rc), 2)]}
+        out[k] = {"time": round(statistics.median(rw), 3), "time_range": [round(min(rw), 3), round(max(rw), 3)],
+                  "cpu": round(statistics.median(rc), 3), "cpu_range": [round(min(rc), 3), round(max(rc), 3)]}
     print(json.dumps(out))
     return 0
 
