@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,12 +123,10 @@ def _worker(a) -> None:
 
 
 def _run(w: int, a, out: str) -> dict:
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        raise SystemExit("bench_distributed: torchrun not found (it comes with torch)")
     threads = max(1, (os.cpu_count() or 1) // w) if a.device == "cpu" else 1
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [torchrun, "--standalone", f"--nproc_per_node={w}", __file__, "--worker", "--out", out,
+    # torch's own launcher, by module: a bare box may hold torch without torchrun on PATH
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w}", __file__, "--worker", "--out", out,
            "--device", a.device, "--model", a.model, "--users", str(a.users), "--records", str(a.records),
            "--group-size", str(a.group_size), "--cohort", str(a.cohort), "--seq-len", str(a.seq_len),
            "--vocab", str(a.vocab), "--steps", str(a.steps), "--warmup", str(a.warmup), "--chunk", str(a.chunk),
