@@ -263,7 +263,7 @@ def _profile(step, device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -274,7 +274,11 @@ def _profile(step, device) -> dict:
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     avgs = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
     return {"profile": {
-        "top_ops": [{"name": e.key, "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)} for e in avgs[:12]],
+        "top_ops": [{"name": e.key, "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)} for e in avgs[:30]],
+        # the same by input shapes, aten ops only: which tensors the elementwise time goes to
+        "top_shapes": [{"name": f"{e.key} {e.input_shapes}", "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)}
+                       for e in sorted((e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")),
+                                       key=lambda e: getattr(e, key, 0.0), reverse=True)[:30]],
         "stream_synchronize": sum("Synchronize" in n for n in names),
         "memcpy": sum("Memcpy" in n for n in names),
         "scalar_reads": sum(n == "aten::_local_scalar_dense" for n in names),

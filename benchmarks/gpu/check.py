@@ -169,7 +169,7 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
     base = None
     for alg in algorithms:
         args = ["--model", model, "--mode", mode, "--lora-rank", "8", "--algorithm", alg, *_common(a)]
-        if profile and alg != "nonprivate":
+        if profile:
             args.append("--profile")
         r = _worker(a, args)
         if alg == "nonprivate":
@@ -180,7 +180,8 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
         prof = r.pop("profile", None) or {}
         _row(part=part, model=model, mode=mode, algorithm=alg, **r,
              syncs_per_step=prof.get("stream_synchronize"), memcpy_per_step=prof.get("memcpy"),
-             top_ops=[f'{o["ms"]} ms x{o["count"]} {o["name"][:70]}' for o in prof.get("top_ops", [])[:12]] or None)
+             top_ops=[f'{o["ms"]} ms x{o["count"]} {o["name"][:90]}' for o in prof.get("top_ops", [])] or None,
+             top_shapes=[f'{o["ms"]} ms x{o["count"]} {o["name"][:160]}' for o in prof.get("top_shapes", [])] or None)
 
 
 def part_steps_small(a) -> None:
@@ -188,7 +189,7 @@ def part_steps_small(a) -> None:
 
 
 def part_steps_medium(a) -> None:
-    _series(a, "steps-medium", "small" if a.quick else "gpt2-medium", "full", ("nonprivate", "uls", "els"), False)
+    _series(a, "steps-medium", "small" if a.quick else "gpt2-medium", "full", ("nonprivate", "uls", "els"), True)
 
 
 def part_lora(a) -> None:
