@@ -192,3 +192,80 @@ def test_the_fused_slab_kernel_draws_what_the_block_function_and_transform_draw(
     want = CH._normals_from_blocks(CH.chacha20_blocks(key, nonce, 0, 5))[:37]
     got = g.like([torch.zeros(37, dtype=torch.float64)], 1.0)[0]
     assert torch.equal(got, want)
+
+
+_TRITON_PROBE = r"""
+import sys, torch
+from userdp.engine import chacha as CH
+from userdp.engine import chacha_triton as T
+fixed = torch.arange(7, 7 + 16 * 977, 977, dtype=torch.int64)
+top = torch.tensor([*CH._CONSTANTS, *[0xFFFFFFFF - i for i in range(8)], 0, 0xFFFFFFFF, 0x80000000, 2], dtype=torch.int64)
+rfc = CH._fixed_words(KEY, NONCE, torch.device("cpu"))
+words_equal = torch.equal(T.blocks(torch.tensor([1]), rfc)[0], torch.tensor(BLOCK_1))
+worst = 0.0
+for ctr, fx in ((torch.arange(0, 1000, dtype=torch.int64), fixed),            # not a multiple of a program
+                (torch.arange(2**32 - 1024, 2**32, dtype=torch.int64), top)):  # every word near 2^32
+    words_equal &= torch.equal(T.blocks(ctr, fx), CH._words(ctr, fx))
+    got, ref = T.slab(ctr, fx), CH._slab_eager(ctr, fx)
+    assert got.dtype == torch.float64 and got.shape == ref.shape, (got.dtype, got.shape)
+    worst = max(worst, float(CH.normals_error(got, ref)))
+flipped = fixed.clone(); flipped[4] ^= 1 << 31                                  # one key bit
+far = (T.slab(torch.arange(0, 64, dtype=torch.int64), flipped) - CH._slab_eager(torch.arange(0, 64), fixed)).abs()
+CH.CHECK_BLOCKS = 2048            # the interpreter is slow
+CH.NORMALS_ULPS = 2 ** 23         # and its numpy log is not libdevice's (below)
+kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)
+print(words_equal, worst, float(far.min()), float(far.median()), status, kernel is T.slab)
+"""
+
+
+def test_the_triton_kernel_draws_the_eager_keystream_and_normals_and_is_taken_first():
+    """The hand-written CUDA kernel (engine/chacha_triton.py), run by Triton's interpreter on the
+    CPU: its keystream is RFC 8439's block and the tensor code's bit for bit, at the first counters
+    and at the last ones with every key word near 2^32 (uint32 wrap-around, the logical shifts); a
+    one-bit change of the key moves every normal by O(1); compile_kernel takes it first.
+
+    The normals are held to 1e-9 of their pair's radius here, not to NORMALS_ULPS: the interpreter
+    runs the transform's log on numpy, whose AVX-512 log near 1 is off by ~1e-12 (seen at 4e5 ulps
+    of a radius of 0.0096, in some processes and not others: it depends on the arrays' alignment).
+    On a GPU, libdevice runs it, and every run start holds the kernel to NORMALS_ULPS
+    (chacha._check_compiled; tests/test_cuda.py asserts the status there is "triton")."""
+    pytest.importorskip("triton", reason="the Triton kernel's test needs triton (pip install -e '.[test]')")
+    import os
+    import subprocess
+    import sys
+
+    probe = (_TRITON_PROBE.replace("KEY", repr(RFC_KEY)).replace("NONCE", repr(RFC_NONCE))
+             .replace("BLOCK_1", repr(RFC_BLOCK_1)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    words_equal, worst, far_min, far_median, status, taken = out.stdout.split()
+    assert words_equal == "True"
+    assert float(worst) <= 1e-9
+    assert float(far_median) > 0.3 and float(far_min) > 0.0
+    assert status == "triton" and taken == "True"
+
+
+def test_a_triton_kernel_that_is_missing_or_wrong_falls_back_and_says_why(monkeypatch):
+    import sys
+    import types
+
+    from userdp.engine import chacha as CH
+
+    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: (lambda ctr, fixed: fn(ctr, fixed)))  # gets it right
+    monkeypatch.setitem(sys.modules, "userdp.engine.chacha_triton", None)  # import fails: no triton
+    kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)
+    assert status.startswith("compiled (the Triton kernel refused: no triton") and kernel is not CH._slab_eager
+
+    fake = types.ModuleType("userdp.engine.chacha_triton")
+    fake.slab = _one_flipped_bit(CH._slab_eager)  # one wrong bit in the integer part
+    monkeypatch.setitem(sys.modules, "userdp.engine.chacha_triton", fake)
+    monkeypatch.setattr(CH, "CHECK_BLOCKS", 4096)
+    kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)
+    assert kernel is not fake.slab and "the Triton kernel refused: the compiled normals differ" in status
+
+    fake.slab = lambda ctr, fixed: 1 / 0
+    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: _one_flipped_bit(fn))  # and a wrong compiler
+    kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)
+    assert kernel is CH._slab_eager and status.startswith("eager (the compiled normals differ")
+    assert "the Triton kernel refused: ZeroDivisionError" in status

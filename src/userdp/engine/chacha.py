@@ -79,48 +79,92 @@ def _slab_eager(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
     return _normals_from_blocks(_words(ctr, fixed))
 
 
-#: how far the compiled normals may sit from the eager ones, in float64 ulps (relative): the
-#: transcendental functions (log, sqrt, sin, cos) differ between libm and a compiler's code by an ulp
-#: or two (Inductor's CPU code: 5,351 of 524,288 normals, at most 4e-16 relative). The integer part
-#: needs no tolerance of its own: a wrong bit anywhere in ChaCha's 20 rounds changes the whole block
-#: (avalanche), which moves its eight normals by O(1), far outside this bound.
+#: how far the compiled normals may sit from the eager ones, in float64 ulps of their pair's radius r
+#: (Box–Muller's r cos θ, r sin θ): the transcendental functions (log, sqrt, sin, cos) differ between
+#: libm and a compiler's code by an ulp or two (Inductor's CPU code: 5,351 of 524,288 normals, at most
+#: 4e-16 relative). Relative to r, not to the normal itself: a SIMD cosine of an angle near π/2 is
+#: accurate to an ulp of 1, not of its tiny result (numpy's, under Triton's interpreter, was 4e5
+#: ulps of a 1e-10 normal). The integer part needs no tolerance of its own: a wrong bit anywhere in
+#: ChaCha's 20 rounds changes the whole block (avalanche), which moves its eight normals by O(1), far
+#: outside this bound; float32 arithmetic anywhere (1e-7) is as far outside it.
 NORMALS_ULPS = 16
 
 #: the longest the kernel's build (trace, compile, check) may take before the run goes on eager
 COMPILE_TIMEOUT_S = float(os.environ.get("USERDP_COMPILE_TIMEOUT", "300"))
 
 
+#: blocks the check runs (524,288 normals): a few milliseconds on a GPU
+CHECK_BLOCKS = 1 << 16
+
+
 def _check_compiled(compiled, device: torch.device) -> str | None:
-    """None when ``compiled`` matches the eager slab on 65,536 blocks (524,288 normals) within
+    """None when ``compiled`` matches the eager slab on :data:`CHECK_BLOCKS` blocks within
     :data:`NORMALS_ULPS`; else why not."""
-    ctr = torch.arange(1, 1 + (1 << 16), dtype=torch.int64, device=device)
+    ctr = torch.arange(1, 1 + CHECK_BLOCKS, dtype=torch.int64, device=device)
     fixed = torch.arange(7, 7 + 16 * 977, 977, dtype=torch.int64, device=device)
     got, ref = compiled(ctr, fixed), _slab_eager(ctr, fixed)
     if got.shape != ref.shape or got.dtype != ref.dtype or not bool(torch.isfinite(got).all()):
         return "the compiled kernel's output differs in shape, dtype or finiteness"
-    rel = float(((got - ref).abs() / ref.abs().clamp(min=1e-300)).max())
+    rel = float(normals_error(got, ref))
     if rel > NORMALS_ULPS * 2.0 ** -52:
-        return f"the compiled normals differ from the eager ones by {rel:.3g} relative (> {NORMALS_ULPS} ulps)"
+        return (f"the compiled normals differ from the eager ones by {rel:.3g} of their pair's radius "
+                f"(> {NORMALS_ULPS} ulps)")
     return None
 
 
-def _build(device: torch.device) -> tuple:
+def normals_error(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The largest ``|got - ref|`` over Box–Muller pairs, each relative to the pair's radius in
+    ``ref`` (:data:`NORMALS_ULPS`)."""
+    radius = torch.hypot(ref[0::2], ref[1::2]).clamp(min=1e-300).repeat_interleave(2)
+    return ((got - ref).abs() / radius).max()
+
+
+def _triton_slab(device: torch.device) -> tuple:
+    """``(kernel, None)`` when the hand-written Triton kernel (:mod:`userdp.engine.chacha_triton`)
+    builds and passes :func:`_check_compiled` on ``device``; else ``(None, why not)``."""
+    try:
+        from userdp.engine import chacha_triton  # needs triton: CUDA builds of torch bring it
+    except ImportError as exc:
+        return None, f"no triton: {exc}"
+    try:
+        why = _check_compiled(chacha_triton.slab, device)
+    except Exception as exc:  # noqa: BLE001 - reported in the status, never silent
+        return None, f"{type(exc).__name__}: {str(exc)[:160]}"
+    return (chacha_triton.slab, None) if why is None else (None, why)
+
+
+def _build(device: torch.device, triton: bool) -> tuple:
+    """The fastest kernel that passes :func:`_check_compiled`: the Triton kernel (``triton``: on
+    CUDA), else ``torch.compile`` of the tensor code, else the eager code; the status says which
+    and why the faster ones were not taken."""
+    refused = ""
+    if triton:
+        kernel, why = _triton_slab(device)
+        if kernel is not None:
+            return kernel, "triton"
+        refused = f"; the Triton kernel refused: {why}"
     try:
         compiled = torch.compile(_slab_eager, dynamic=True)
         why = _check_compiled(compiled, device)
-        return (compiled, "compiled") if why is None else (_slab_eager, f"eager ({why})")
+        if why is None:
+            return compiled, "compiled" + (f" ({refused[2:]})" if refused else "")
+        return _slab_eager, f"eager ({why}{refused})"
     except Exception as exc:  # noqa: BLE001 - reported, not swallowed: the status says why
-        return (_slab_eager, f"eager (torch.compile failed: {type(exc).__name__}: {str(exc)[:160]})")
+        return _slab_eager, f"eager (torch.compile failed: {type(exc).__name__}: {str(exc)[:160]}{refused})"
 
 
-def compile_kernel(device: torch.device, *, force: bool = False, timeout: float | None = None) -> tuple:
-    """``(kernel, status)``: the slab kernel (:func:`_slab_eager`) fused by ``torch.compile`` on
-    CUDA (eagerly it is about 2,000 small kernels a slab: 0.42 s against 0.016 s for 124M normals on
-    an H100), used only after its normals matched the eager function's within
+def compile_kernel(device: torch.device, *, force: bool = False, timeout: float | None = None,
+                   triton: bool | None = None) -> tuple:
+    """``(kernel, status)``: the slab kernel on CUDA is the hand-written Triton kernel
+    (:mod:`userdp.engine.chacha_triton`), else :func:`_slab_eager` fused by ``torch.compile``
+    (eagerly it is about 2,000 small kernels a slab: 0.42 s against 0.016 s for 124M normals on an
+    H100), each used only after its normals matched the eager function's within
     :data:`NORMALS_ULPS` on a test input; the eager function elsewhere. Built once per process and
     device type, within ``timeout`` seconds (:data:`COMPILE_TIMEOUT_S`; past it the run goes on
-    eager). The status is ``"compiled"`` or ``"eager (reason)"``, logged and recorded in the privacy
-    record, never a silent fallback. ``force`` compiles on any device (tests)."""
+    eager). The status is ``"triton"``, ``"compiled"`` (with why the Triton kernel was not taken)
+    or ``"eager (reason)"``, logged and recorded in the privacy record, never a silent fallback.
+    ``force`` builds on any device (tests); ``triton`` tries the Triton kernel first (default: on
+    CUDA)."""
     key = device.type
     if key in _COMPILED and not force:
         return _COMPILED[key]
@@ -129,7 +173,8 @@ def compile_kernel(device: torch.device, *, force: bool = False, timeout: float 
     else:
         limit = COMPILE_TIMEOUT_S if timeout is None else timeout
         box: list = []
-        worker = threading.Thread(target=lambda: box.append(_build(device)), daemon=True,
+        use_triton = device.type == "cuda" if triton is None else bool(triton)
+        worker = threading.Thread(target=lambda: box.append(_build(device, use_triton)), daemon=True,
                                   name="userdp-chacha-compile")
         worker.start()
         worker.join(limit)
