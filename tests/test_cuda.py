@@ -90,3 +90,42 @@ def test_a_training_step_on_cuda_uses_fused_optimizers_and_records_its_kernels()
     assert rec["noise_kernel"] == "triton"
     assert "pinned off" in rec["precision"]["float32_contractions"]
     assert rec["noise_tail"]["delta"] < 1e-12
+
+
+def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(monkeypatch):
+    """The one-pass [hi | lo] kernel (engine/split_triton.py) against the torch passes, bit for bit,
+    at the step's own sizes (a 64-user chunk's c_fc factor, a stack, the odd-width head stored
+    with aligned rows), a bad unit holding Inf zeroed; and a ghost chunk's sums with it agree with
+    the torch passes' (to float32 rounding only: the embedding's index_add_ sums in atomic order)."""
+    from userdp.engine import ghost as G
+    from userdp.engine.algorithms import ULS
+    from userdp.engine.clipping import FlatClip
+    from userdp.engine.precision import Precision
+    from userdp.engine.split_triton import scale_split
+    from userdp.lm import models
+    from userdp.lm.models import causal_lm_loss
+
+    assert G._check_fused_split(CUDA) is True
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    for shape in ((64, 256, 3072), (4, 16, 64, 768), (8, 64, 50257)):
+        y = G._aligned_rows(torch.randn(shape, generator=g, device=CUDA).to(torch.bfloat16))
+        m = shape[-3]
+        c = G.round_down_bf16(torch.rand(shape[:-2], generator=g, device=CUDA)).float()
+        bad = torch.zeros(m, dtype=torch.bool, device=CUDA)
+        bad[1] = True
+        y[..., 1, 0, 0] = float("inf")
+        wp = G._aligned_width(shape[-1])
+        got = scale_split(y, c, bad, wp)
+        assert got is not None and torch.equal(got.view(torch.int16), G._split_operand(y, c, bad, wp).view(torch.int16))
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=1001, n_positions=32).to(CUDA).train()
+    ids = torch.randint(0, 1001, (3, 2, 16), device=CUDA)
+    out = {}
+    for mode in ("off", "on"):
+        monkeypatch.setattr(G, "FUSED_SPLIT", mode)
+        st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
+        out[mode] = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2, device=CUDA),
+                                   torch.ones(3, device=CUDA), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)[0]
+    assert G._FUSED.get("cuda") is True
+    for a, b in zip(out["off"], out["on"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -294,3 +294,93 @@ def test_the_tied_heads_cross_gram_gathers_before_it_upcasts(monkeypatch):
     ref = head.x.float()[torch.arange(m)[:, None, None], torch.arange(t)[None, None, :], ids[:, :, None]]
     assert g.dtype == torch.float32 and torch.equal(g, ref)
     assert torch.equal(ghost_mod._x_gram(head, emb), ref.transpose(1, 2))
+
+
+_FUSED_PROBE = r"""
+import torch
+from userdp.engine import ghost as G
+from userdp.engine import split_triton as S
+from userdp.engine.algorithms import ULS
+from userdp.engine.clipping import FlatClip
+from userdp.engine.precision import Precision
+from userdp.lm import models
+from userdp.lm.models import causal_lm_loss
+
+class OneBad(FlatClip):  # unit 1's clip factor is NaN: the run counts it bad and zeroes its rows
+    def factors_from_norms(self, norms, state):
+        f, n = super().factors_from_norms(norms, state)
+        f = f.clone(); f[1] = float("nan")
+        return f, n
+
+G.TENSOR_CORES = "on"
+G._must_zero = lambda bad: True  # as on a device: the bad units' rows are always zeroed
+calls = []
+real = S.scale_split
+S.scale_split = lambda *a: calls.append(a[0].shape) or real(*a)
+torch.manual_seed(0)
+model = models.build_preset("tiny", vocab_size=1001, n_positions=32).train()
+ids = torch.randint(0, 1001, (3, 2, 16))
+out = {}
+for mode in ("off", "on"):
+    G.FUSED_SPLIT = mode
+    st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
+    sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
+                                         torch.ones(3), OneBad(1.0), {"clip_norm": 1.0}, torch.float32)
+    out[mode] = sums
+same = all(torch.equal(a, b) for a, b in zip(out["off"], out["on"]))
+print(same, bad.tolist() == [False, True, False], G._FUSED.get("cpu"), len(calls))
+"""
+
+
+def test_the_fused_operand_kernel_gives_the_torch_passes_sums_bit_for_bit():
+    """The Triton kernel that builds the clipped sum's [hi | lo] operand in one pass
+    (engine/split_triton.py), run by Triton's interpreter on the CPU inside a whole ghost chunk on
+    tensor cores: its run-time check passes, it serves the narrow uses, and the chunk's clipped sums
+    (a 1,001-token vocabulary: odd widths, aligned rows) equal the torch passes' bit for bit, with a
+    bad unit zeroed as on a device."""
+    pytest.importorskip("triton", reason="the fused kernel's test needs triton (pip install -e '.[test]')")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _FUSED_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    same, one_bad, state, calls = res.stdout.split()
+    assert one_bad == "True" and state == "True"
+    assert int(calls) >= 4
+    assert same == "True"
+
+
+def test_a_fused_operand_kernel_that_differs_is_not_used_and_is_warned_about(monkeypatch):
+    import sys
+    import types
+    import warnings
+
+    fake = types.ModuleType("userdp.engine.split_triton")
+
+    def off_by_one_bit(y, c, bad, wp):  # the torch passes' buffer with one bit flipped
+        buf = ghost_mod._split_operand(y, c, bad, wp)
+        flat = buf.view(torch.int16).view(-1)
+        flat[3] ^= 1
+        return buf
+
+    fake.scale_split = off_by_one_bit
+    monkeypatch.setitem(sys.modules, "userdp.engine.split_triton", fake)
+    monkeypatch.setattr(ghost_mod, "FUSED_SPLIT", "on")
+    monkeypatch.setattr(ghost_mod, "_FUSED", {})
+    y, c = _bf16(2, 3, 37), round_down_bf16(torch.rand(2)).float()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ghost_mod._fused_split(y, c, None, 40) is None
+        assert ghost_mod._fused_split(y, c, None, 40) is None  # decided once
+    assert len(caught) == 1 and "differs from torch's" in str(caught[0].message)
+    monkeypatch.setitem(sys.modules, "userdp.engine.split_triton", None)  # no triton
+    monkeypatch.setattr(ghost_mod, "_FUSED", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ghost_mod._fused_split(y, c, None, 40) is None
+    assert "no triton" in str(caught[0].message)
+    monkeypatch.setattr(ghost_mod, "FUSED_SPLIT", "auto")  # off CUDA, auto never tries it
+    monkeypatch.setattr(ghost_mod, "_FUSED", {})
+    assert ghost_mod._fused_split(y, c, None, 40) is None and ghost_mod._FUSED == {}

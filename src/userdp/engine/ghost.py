@@ -52,6 +52,7 @@ see it. FedAvg's unit update is a local-SGD delta, not a gradient: it keeps the 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -84,6 +85,12 @@ _TC_DEVICES = ("cuda", "meta")
 #: BOUND = False takes the factor from the estimate alone (the pre-0.4 behaviour: a unit whose
 #: per-token terms cancel could then add up to 3x C); only tests set it, to show that.
 BOUND = True
+
+#: where the clipped sum's ``[hi | lo]`` operand is built by one Triton kernel
+#: (:mod:`userdp.engine.split_triton`) instead of four torch passes: "auto" on CUDA, "off" never,
+#: "on" on any device (tests, under Triton's interpreter). Either way the same bits (checked).
+FUSED_SPLIT = "auto"
+_FUSED: dict = {}  # device type -> True, or why the kernel is not used
 
 
 def _must_zero(bad: torch.Tensor) -> bool:
@@ -129,31 +136,98 @@ def split_bf16(p: torch.Tensor, hi: torch.Tensor | None = None,
 
 
 def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narrow: bool,
-                         dtype: torch.dtype) -> torch.Tensor:
+                         dtype: torch.dtype, bad: torch.Tensor | None = None) -> torch.Tensor:
     """``Σ_u c_u Σ_t x[..., u, t] ⊗ y[..., u, t]``: ``x [..., m, T, X]``, ``y [..., m, T, Y]``,
     ``c [..., m]`` -> ``[..., X, Y]`` (one use, or a stack of uses with a leading dimension).
+    ``bad`` (bool ``[m]``): units whose rows of ``y`` count as zero (``x``'s must be zero already;
+    ``c`` is 0 there, but 0 times Inf is NaN).
 
     ``narrow`` (tensor cores): ``c`` holds bf16 numbers, so each ``c_u · y`` is exact in float32 and
     splits exactly into bf16 ``hi + lo``; ``xᵀ [hi lo]`` is one bf16 GEMM with float32 accumulation.
     Otherwise both factors in ``dtype``, one GEMM."""
     lead, (m, t, wx), wy = x.shape[:-3], x.shape[-3:], y.shape[-1]
     xt = x.reshape(*lead, m * t, wx).transpose(-1, -2)
-    scale = c.view(*lead, m, 1, 1)
     if narrow:
-        # [hi | lo] split in place into one bf16 buffer (three kernels, no float32 copy of y): p = c·y
-        # is exact in float32. Each half starts on an aligned column, so the GEMM's operand keeps the
-        # tensor cores' fast layouts whatever the width (GPT-2's 50,257 is odd).
-        p = torch.mul(y, scale.float()).reshape(*lead, m * t, wy)  # bf16 x float32 -> float32, one kernel
+        # [hi | lo]: each half starts on an aligned column, so the GEMM's operand keeps the tensor
+        # cores' fast layouts whatever the width (GPT-2's 50,257 is odd)
         wp = _aligned_width(wy)
-        buf = torch.empty(*lead, m * t, 2 * wp, dtype=torch.bfloat16, device=y.device)
-        split_bf16(p, buf[..., :wy], buf[..., wp : wp + wy])
-        del p
-        if wp != wy:  # the pad columns reach only the output columns that are dropped; zeroed anyway
-            buf[..., wy:wp].zero_()
-            buf[..., wp + wy :].zero_()
+        buf = _fused_split(y, c, bad, wp)
+        if buf is None:
+            buf = _split_operand(y, c, bad, wp)
         out = _mm32(xt, buf)
         return out[..., :wy] + out[..., wp : wp + wy]
-    return xt.to(dtype) @ (y.to(dtype) * scale).reshape(*lead, m * t, wy)
+    if bad is not None:
+        y = y.masked_fill(bad.view(*([1] * len(lead)), -1, 1, 1), 0)
+    return xt.to(dtype) @ (y.to(dtype) * c.view(*lead, m, 1, 1)).reshape(*lead, m * t, wy)
+
+
+def _split_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int) -> torch.Tensor:
+    """``[..., m·T, 2·wp]`` bf16: ``[hi | lo]`` of ``c_u · y`` (exact in float32), split in place into
+    one buffer (no float32 copy of y beyond the product), the pad columns zero and the units
+    ``bad`` zeroed; torch's passes (:func:`_fused_split` is the same bits in one kernel)."""
+    lead, (m, t, wy) = y.shape[:-3], y.shape[-3:]
+    if bad is not None:
+        y = _zero_rows(y, bad.view(*([1] * len(lead)), -1, 1, 1))
+    p = torch.mul(y, c.view(*lead, m, 1, 1).float()).reshape(*lead, m * t, wy)  # bf16 x float32 -> float32
+    buf = torch.empty(*lead, m * t, 2 * wp, dtype=torch.bfloat16, device=y.device)
+    split_bf16(p, buf[..., :wy], buf[..., wp : wp + wy])
+    del p
+    if wp != wy:  # the pad columns reach only the output columns that are dropped; zeroed anyway
+        buf[..., wy:wp].zero_()
+        buf[..., wp + wy :].zero_()
+    return buf
+
+
+def _fused_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int) -> torch.Tensor | None:
+    """:func:`_split_operand`'s buffer from one Triton kernel (:mod:`userdp.engine.split_triton`)
+    where :data:`FUSED_SPLIT` allows it and the kernel has matched :func:`_split_operand` bit for bit
+    on this device type (checked once per process; a mismatch or a failure is warned about once and
+    the torch passes are used); else None."""
+    kind = y.device.type
+    if FUSED_SPLIT == "off" or (FUSED_SPLIT == "auto" and kind != "cuda"):
+        return None
+    state = _FUSED.get(kind)
+    if state is None:
+        state = _FUSED[kind] = _check_fused_split(y.device)
+        if state is not True:
+            warnings.warn(f"userdp: the fused [hi | lo] kernel is not used on {kind} ({state}); the clipped "
+                          f"sums take torch's passes (the same numbers, slower)", RuntimeWarning, stacklevel=2)
+    if state is not True:
+        return None
+    from userdp.engine import split_triton
+
+    return split_triton.scale_split(y, c, bad, wp)
+
+
+def _check_fused_split(device: torch.device) -> bool | str:
+    """True when the Triton kernel builds ``[hi | lo]`` bit for bit as :func:`_split_operand` on a test
+    input: odd and aligned widths, a stack, rows with a padded stride, a bad unit holding Inf and
+    NaN; else why not."""
+    try:
+        from userdp.engine import split_triton  # needs triton: CUDA builds of torch bring it
+    except ImportError as exc:
+        return f"no triton: {exc}"
+    g = torch.Generator().manual_seed(0)
+    try:
+        for shape, aligned in (((3, 5, 37), False), ((2, 3, 4, 64), False), ((3, 5, 37), True),
+                               ((3, 2, 2500), True)):  # several column tiles
+            y = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
+            y[..., 1, 1, :5] = float("inf")
+            y[..., 1, 1, 7] = float("nan")
+            if aligned:  # rows padded to an aligned stride, as _aligned_rows stores them
+                pad = _aligned_width(shape[-1] + 1) - shape[-1]
+                y = F.pad(y, (0, pad))[..., : shape[-1]]
+            c = round_down_bf16(torch.rand(shape[:-2], generator=g)).float()
+            bad = torch.tensor([False, True, False])
+            c[..., 1] = 0.0
+            y, c, bad = y.to(device), c.to(device), bad.to(device)
+            wp = _aligned_width(shape[-1])
+            got = split_triton.scale_split(y, c, bad, wp)
+            if got is None or not torch.equal(got.view(torch.int16), _split_operand(y, c, bad, wp).view(torch.int16)):
+                return f"its buffer differs from torch's on {tuple(shape)}"
+    except Exception as exc:  # noqa: BLE001 - reported (warned), never silent
+        return f"{type(exc).__name__}: {str(exc)[:160]}"
+    return True
 
 
 @dataclass
@@ -175,6 +249,8 @@ class Factored:
     #: cached upper bounds on the rows' norms (:meth:`row_norms`) and on the magnitude (:meth:`magnitude`)
     _rows: tuple | None = field(default=None, repr=False, compare=False)
     _mag: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    #: units whose rows of ``y`` count as zero in :meth:`weighted_sum` (:meth:`zero_units`)
+    bad: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def narrow(self) -> bool:
@@ -256,7 +332,7 @@ class Factored:
         two bf16 pieces, and ``xᵀ hi + xᵀ lo`` is one bf16 GEMM with float32 accumulation — the
         float32 result up to the order of its sums, at twice the bf16 FLOPs instead of float32's."""
         if not self.index:
-            return _clipped_contraction(self.x, self.y, c, self.narrow, self.compute_dtype)
+            return _clipped_contraction(self.x, self.y, c, self.narrow, self.compute_dtype, self.bad)
         width = self.y.shape[2]
         if self.narrow:
             y = self.y.float() * c.float().view(-1, 1, 1)  # exact: bf16 x bf16
@@ -267,9 +343,13 @@ class Factored:
 
     def zero_units(self, bad: torch.Tensor) -> Factored:
         """This use with the units ``bad`` (bool ``[m]``) zeroed in both factors (Inf and NaN
-        included: masked_fill writes the zeros, it does not multiply)."""
+        included: masked_fill writes the zeros, it does not multiply). On tensor cores ``y`` is
+        left as it is and :meth:`weighted_sum` zeroes its rows as it builds the GEMM's operand
+        (``bad`` is kept: one pass over the factor, not two)."""
         drop = bad.view(-1, 1, 1)
         x = self.x if self.index else _zero_rows(self.x, drop)
+        if self.narrow and not self.index:
+            return Factored(x, self.y, self.size_x, self.index, self.dtype, self.tc, bad=bad)
         return Factored(x, _zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
 
 
@@ -625,12 +705,14 @@ class _FactorStack:
         x, y = self.x, self.y
         if bad is not None:
             drop = bad.view(1, -1, 1, 1)
-            x, y = x.masked_fill(drop, 0), y.masked_fill(drop, 0)
+            x = x.masked_fill(drop, 0)
+            if not self.narrow:  # on tensor cores the operand's build zeroes y's rows (one pass)
+                y, bad = y.masked_fill(drop, 0), None
         self.x = self.y = None
         cg = torch.stack([c[:, j] for j in self.members])  # [k, m]
         if self.narrow:
             cg = round_down_bf16(cg)
-        return _clipped_contraction(x, y, cg, self.narrow, self.dtype or y.dtype)
+        return _clipped_contraction(x, y, cg, self.narrow, self.dtype or y.dtype, bad)
 
 
 @dataclass
