@@ -198,11 +198,14 @@ def part_lora(a) -> None:
 
 
 def part_tests(a) -> None:
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rsf", "--tb=line",
                           os.path.join(ROOT, "tests", "test_cuda.py")], capture_output=True, text=True, env=_env(),
                          cwd=ROOT)
-    tail = (out.stdout.strip().splitlines() or [out.stderr.strip()])[-1]
-    _row(part="tests", exit=out.returncode, summary=tail)
+    lines = out.stdout.strip().splitlines()
+    tail = (lines or [out.stderr.strip()])[-1]
+    # a failure names its test and its assertion (one line each): a summary alone cannot be acted on
+    failed = [x[:300] for x in lines if x.startswith("FAILED") or (x.startswith("/") and "Error" in x)]
+    _row(part="tests", exit=out.returncode, summary=tail, failed=failed or None)
 
 
 PART_FUNCS = {"env": part_env, "chacha": part_chacha, "steps-small": part_steps_small, "tests": part_tests,
