@@ -128,7 +128,8 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
     ("data.path=/no/such/file.jsonl", "data.path /no/such/file.jsonl"),
     ("audit.canaries=10", "audit.canaries"),
     ("model.device=cuda:0", "names one GPU"),
-    ("training.sharding=fsdp training.algorithm=fedavg", "training.sharding: fsdp FedAvg"),
+    ("training.sharding=fsdp training.algorithm=fedavg", "training.sharding: fsdp a local-SGD update"),
+    ("training.sharding=fsdp training.per_unit=vmap", "training.sharding: fsdp clips per unit with the ghost"),
 ])
 def test_train_nproc_refuses_a_bad_input_before_any_process_starts(tmp_path, monkeypatch, capsys, override, words):
     from userdp import launcher

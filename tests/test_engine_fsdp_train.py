@@ -125,7 +125,7 @@ def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(algorithm="fedavg"), "FedAvg's local SGD"),
+    (dict(algorithm="fedavg"), "a local-SGD update (FedAvg's)"),
     (dict(per_unit="vmap"), "ghost strategy only"),
     (dict(dtype=torch.bfloat16), "trains float32 parameters"),
     (dict(), "needs torch.distributed"),  # every setting shardable, but no process group

@@ -79,18 +79,26 @@ def _check_process_group(combiner) -> None:
                         "engine's TorchDistributedCombiner), or use sharding='none'")
 
 
+def unshardable(update: str, per_unit: str) -> str | None:
+    """Why a run whose units' update is ``update`` (an algorithm's ``update``: ``"gradient"`` or
+    ``"local_sgd"``) and whose per-unit strategy is ``per_unit`` cannot be sharded; None when it can.
+    The one statement of these rules: the engine's check and the CLI's (before any work) read it."""
+    if update != "gradient":
+        return "a local-SGD update (FedAvg's) needs each user's whole model on one process"
+    if per_unit not in ("auto", "ghost"):
+        return f"clips per unit with the ghost strategy only (per_unit {per_unit!r} needs whole weights)"
+    return None
+
+
 def check_shardable(config, model: nn.Module, combiner) -> None:
     """Refuse, in one line each and before any work, what the sharded step does not do (yet), and a
     run with no process group.
 
     Raises:
         UserError: naming the setting."""
-    if config.algorithm.update != "gradient":
-        raise UserError(f"sharding='fsdp': {type(config.algorithm).__name__}'s local SGD needs each user's whole "
-                        "model on one rank; use sharding='none' (or ULS/ELS)")
-    if config.per_unit not in ("auto", "ghost"):
-        raise UserError(f"sharding='fsdp' clips per unit with the ghost strategy only (per_unit={config.per_unit!r} "
-                        "needs whole weights): set per_unit='ghost' or 'auto'")
+    why = unshardable(config.algorithm.update, config.per_unit)
+    if why:
+        raise UserError(f"sharding='fsdp': {why}; use sharding='none' (or ULS/ELS with per_unit='auto' or 'ghost')")
     if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
         raise UserError("sharding='fsdp' trains float32 parameters (bfloat16 or float16 weights would need sharded "
                         "float32 masters): load the model in float32; precision='bfloat16' autocast is allowed")

@@ -36,7 +36,7 @@ from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.sampling import SAMPLERS
-from userdp.engine.sharding import SHARDINGS
+from userdp.engine.sharding import SHARDINGS, unshardable
 from userdp.errors import UserError
 from userdp.fileio import read_input, unclaimable
 from userdp.lm.presets import PRESETS
@@ -633,11 +633,9 @@ def check_sharding(cfg: RunConfig, distributed: bool) -> None:
     why = None
     if not distributed:
         why = "shards the model over the processes of a job: launch with --nproc N (or torchrun)"
-    elif cfg.training.algorithm == "fedavg":
-        why = "FedAvg's local SGD needs each user's whole model on one process"
-    elif cfg.training.per_unit not in ("auto", "ghost"):
-        why = f"clips per unit with ghost norms only (training.per_unit is {cfg.training.per_unit})"
     elif cfg.model.lora.enabled:
         why = "LoRA on a sharded base is not built yet (model.lora.enabled)"
+    else:  # the engine's own rules, read before any work (training.algorithm, training.per_unit)
+        why = unshardable(ALGORITHMS.lookup(cfg.training.algorithm).update, cfg.training.per_unit)
     if why:
         raise UserError(f"training.sharding: fsdp {why}; or set training.sharding: none")
