@@ -48,7 +48,17 @@ def _worker(a) -> None:
     from userdp.lm import models
 
     world = launch.init_world(a.device)
-    device = torch.device("cuda", torch.cuda.current_device()) if world.backend == "nccl" else torch.device(
+    backend = world.backend
+    if a.sharding == "fsdp" and not world.distributed:
+        # FSDP2 needs a process group, even of one process (W = 1: one GPU's NCCL row of the GPU check)
+        import torch.distributed as dist
+
+        backend = "nccl" if a.device == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend, rank=0, world_size=1,
+                                **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}))
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device(
         "cuda" if a.device == "cuda" else "cpu")
     torch.manual_seed(0)
     model = models.build_preset(a.model, vocab_size=a.vocab, n_positions=max(a.seq_len, 128)).to(device).train()
@@ -78,7 +88,7 @@ def _worker(a) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize()
-    train(model, data, models.causal_lm_loss, cfg, callbacks=[on_step], combiner=combiner_for(world.distributed))
+    train(model, data, models.causal_lm_loss, cfg, callbacks=[on_step], combiner=combiner_for(backend is not None))
 
     def local_bytes(t):
         t = t.to_local() if hasattr(t, "to_local") else t
@@ -110,7 +120,7 @@ def _worker(a) -> None:
         timed = times[a.warmup:]
         step_s = float(np.mean(timed))
         n_params = sum(p.numel() for p in params)
-        row = {"world_size": world.world_size, "backend": world.backend or "none", "device": str(device),
+        row = {"world_size": world.world_size, "backend": backend or "none", "device": str(device),
                "model": a.model, "dtype": a.dtype, "params": n_params, "group_size": a.group_size, "cohort": a.cohort,
                "seq_len": a.seq_len, "steps_timed": len(timed), "step_s": round(step_s, 4),
                "tokens_per_s": round(float(np.mean(units[a.warmup:])) * a.group_size * a.seq_len / step_s, 1),
@@ -120,6 +130,10 @@ def _worker(a) -> None:
         with open(a.out, "w") as f:
             json.dump(row, f)
     world.close()
+    if backend is not None and not world.distributed:  # the one-process group made above
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def _run(w: int, a, out: str) -> dict:

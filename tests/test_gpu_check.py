@@ -84,7 +84,7 @@ def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
     # every part but steps-medium, which is steps-small's code on a larger model (its processes are
     # ~25 s of start-up on this CPU and prove nothing steps-small does not), and tests, whose "ok" row
     # the failing-and-hanging test above already asserts; --parts is honoured
-    parts = ["env", "chacha", "steps-small", "lora"]
+    parts = ["env", "chacha", "steps-small", "lora", "fsdp"]
     res = _run(["--device", "cpu", "--quick", "--parts", ",".join(parts)], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
     rows = _rows(tmp_path)
@@ -99,4 +99,7 @@ def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
     lora = [r for r in rows if r.get("part") == "lora" and "s_per_step" in r]
     assert {r["model"] for r in lora} == {"tiny", "llama-tiny"}
     assert any(r.get("kernel", "").startswith("eager (cpu") for r in rows if r.get("part") == "chacha")
-    assert "[" in res.stdout and "done: 4/4 parts ok" in res.stdout  # progress printed as it goes
+    fsdp = {r["sharding"]: r for r in rows if r.get("part") == "fsdp" and "sharding" in r}
+    assert set(fsdp) == {"none", "fsdp"} and fsdp["fsdp"]["backend"] == "gloo"  # W = 1, a process group of one
+    assert fsdp["fsdp"]["state_bytes_per_rank"] == fsdp["none"]["state_bytes_per_rank"]  # 1/W of it at W = 1
+    assert "[" in res.stdout and "done: 5/5 parts ok" in res.stdout  # progress printed as it goes

@@ -20,7 +20,8 @@ Rows: the environment (driver, torch, CUDA, triton, transformers, peft, dp-accou
 kernel's status and draw time at 124M / 355M normals; non-private / ULS G = 4 / ELS at
 gpt2-small and gpt2-medium, bf16, 64 users x 64 tokens (time and peak memory ratios against the
 non-private step measured in the same part, host syncs per step); LoRA r = 8 at gpt2-small and a
-~1.1B Llama-shaped model; ``tests/test_cuda.py``.
+~1.1B Llama-shaped model; ``tests/test_cuda.py``; FSDP2 on the one GPU (NCCL, W = 1) against the
+replicated run.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ PARTS = {
     "tests": (90, "pytest tests/test_cuda.py"),
     "lora": (150, "LoRA r=8: gpt2-small and a 1.1B Llama shape, non-private and ULS"),
     "steps-medium": (180, "gpt2-medium: non-private, ULS G=4, ELS"),
+    "fsdp": (150, "FSDP2 on one GPU (NCCL, W = 1) against the replicated run: step time, per-rank state"),
 }
 
 
@@ -208,8 +210,26 @@ def part_tests(a) -> None:
     _row(part="tests", exit=out.returncode, summary=tail, failed=failed or None)
 
 
+def part_fsdp(a) -> None:
+    """benchmarks/bench_distributed.py at W = 1 (a one-GPU box can hold no more: NCCL refuses two
+    ranks on one device), sharded and not, Adam: the sharded path on NCCL, its overhead at W = 1."""
+    size = (["--model", "tiny", "--users", "32", "--cohort", "8", "--steps", "2", "--warmup", "1", "--vocab", "512"]
+            if a.quick else ["--model", "gpt2-small", "--users", "256", "--cohort", "64", "--steps", "5",
+                             "--vocab", "50257", "--dtype", "bfloat16"])
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_distributed.py"), "--json",
+                          "--nproc", "1", "--device", a.device, "--sharding", "none,fsdp", "--optimizer", "adam",
+                          "--chunk", "64" if not a.quick else "8", *size],
+                         capture_output=True, text=True, env=_env(), cwd=ROOT)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_distributed failed: {(out.stderr.strip().splitlines() or ['no message'])[-1][:300]}")
+    for r in json.loads(out.stdout.strip().splitlines()[-1]):
+        _row(part="fsdp", model=r["model"], sharding=r["sharding"], backend=r["backend"], world_size=r["world_size"],
+             s_per_step=r["step_s"], time_ratio=round(1 / r["speedup_vs_1"], 3),
+             state_bytes_per_rank=r["state_bytes_per_rank"], noise_draw_s=r["noise_draw_s"])
+
+
 PART_FUNCS = {"env": part_env, "chacha": part_chacha, "steps-small": part_steps_small, "tests": part_tests,
-              "lora": part_lora, "steps-medium": part_steps_medium}
+              "lora": part_lora, "steps-medium": part_steps_medium, "fsdp": part_fsdp}
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -218,7 +238,7 @@ def _say(t0: float, msg: str) -> None:
 
 
 def _figure(row: dict) -> str:
-    keys = ("model", "mode", "algorithm", "s_per_step", "time_ratio", "memory_ratio", "syncs_per_step", "noise_s",
+    keys = ("model", "mode", "algorithm", "sharding", "backend", "s_per_step", "time_ratio", "memory_ratio", "syncs_per_step", "noise_s",
             "kernel", "normals", "draw_s", "build_s", "summary", "error", "gpu", "torch", "dp-accounting")
     return ", ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}"
                      for k in keys if row.get(k) is not None)
