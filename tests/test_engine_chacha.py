@@ -247,19 +247,19 @@ def test_the_triton_kernel_draws_the_eager_keystream_and_normals_and_is_taken_fi
 
 
 def test_a_triton_kernel_that_is_missing_or_wrong_falls_back_and_says_why(monkeypatch):
-    import sys
     import types
 
     from userdp.engine import chacha as CH
 
     monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: (lambda ctr, fixed: fn(ctr, fixed)))  # gets it right
-    monkeypatch.setitem(sys.modules, "userdp.engine.chacha_triton", None)  # import fails: no triton
+    monkeypatch.setattr(CH, "chacha_triton", None)  # no triton (the CPU wheel of torch)
+    monkeypatch.setattr(CH, "_NO_TRITON", "no triton: ModuleNotFoundError: No module named 'triton'")
     kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)
     assert status.startswith("compiled (the Triton kernel refused: no triton") and kernel is not CH._slab_eager
 
     fake = types.ModuleType("userdp.engine.chacha_triton")
     fake.slab = _one_flipped_bit(CH._slab_eager)  # one wrong bit in the integer part
-    monkeypatch.setitem(sys.modules, "userdp.engine.chacha_triton", fake)
+    monkeypatch.setattr(CH, "chacha_triton", fake)
     monkeypatch.setattr(CH, "CHECK_BLOCKS", 4096)
     kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)
     assert kernel is not fake.slab and "the Triton kernel refused: the compiled normals differ" in status

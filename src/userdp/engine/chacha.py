@@ -33,6 +33,12 @@ import torch
 from userdp.engine.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
 
+_NO_TRITON: str | None = None  # why the Triton kernel cannot be imported here
+try:  # the CUDA kernel is written in Triton, which CUDA builds of torch bring (the CPU wheel does not)
+    from userdp.engine import chacha_triton
+except Exception as exc:  # noqa: BLE001 - a missing or broken triton: the kernel's status says why
+    chacha_triton, _NO_TRITON = None, f"no triton: {type(exc).__name__}: {str(exc)[:120]}"
+
 _MASK = 0xFFFFFFFF
 _CONSTANTS = (0x61707865, 0x3320646E, 0x79622D32, 0x6B206574)  # "expand 32-byte k"
 _SLAB_BLOCKS = 1 << 20  # blocks per pass (8M normals; ~1 GB of int64 temporaries at most)
@@ -122,10 +128,8 @@ def normals_error(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def _triton_slab(device: torch.device) -> tuple:
     """``(kernel, None)`` when the hand-written Triton kernel (:mod:`userdp.engine.chacha_triton`)
     builds and passes :func:`_check_compiled` on ``device``; else ``(None, why not)``."""
-    try:
-        from userdp.engine import chacha_triton  # needs triton: CUDA builds of torch bring it
-    except ImportError as exc:
-        return None, f"no triton: {exc}"
+    if chacha_triton is None:
+        return None, _NO_TRITON
     try:
         why = _check_compiled(chacha_triton.slab, device)
     except Exception as exc:  # noqa: BLE001 - reported in the status, never silent

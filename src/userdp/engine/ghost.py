@@ -67,6 +67,12 @@ from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.engine.sharding import is_sharded, whole
 from userdp.errors import UserError
 
+_NO_TRITON: str | None = None  # why the Triton kernel cannot be imported here
+try:  # the CUDA kernel is written in Triton, which CUDA builds of torch bring (the CPU wheel does not)
+    from userdp.engine import split_triton
+except Exception as exc:  # noqa: BLE001 - a missing or broken triton: the warning says why
+    split_triton, _NO_TRITON = None, f"no triton: {type(exc).__name__}: {str(exc)[:120]}"
+
 
 class GhostUnsupported(UserError):
     """The model cannot be served by ghost norms (a layer that is not batch-first, an input broadcast
@@ -194,8 +200,6 @@ def _fused_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp:
                           f"sums take torch's passes (the same numbers, slower)", RuntimeWarning, stacklevel=2)
     if state is not True:
         return None
-    from userdp.engine import split_triton
-
     return split_triton.scale_split(y, c, bad, wp)
 
 
@@ -203,10 +207,8 @@ def _check_fused_split(device: torch.device) -> bool | str:
     """True when the Triton kernel builds ``[hi | lo]`` bit for bit as :func:`_split_operand` on a test
     input: odd and aligned widths, a stack, rows with a padded stride, a bad unit holding Inf and
     NaN; else why not."""
-    try:
-        from userdp.engine import split_triton  # needs triton: CUDA builds of torch bring it
-    except ImportError as exc:
-        return f"no triton: {exc}"
+    if split_triton is None:
+        return _NO_TRITON
     g = torch.Generator().manual_seed(0)
     try:
         for shape, aligned in (((3, 5, 37), False), ((2, 3, 4, 64), False), ((3, 5, 37), True),
