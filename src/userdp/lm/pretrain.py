@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -40,16 +42,47 @@ def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int | None)
     return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
-def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_size: int,
-             lr: float, warmup: int = 0, seed: int = 0, weight_decay: float = 0.01,
-             progress: bool = True, desc: str = "pretrain", log=None, state_path: Path | None = None,
-             every: int = 50, say=None) -> list[float]:
-    """Plain (non-private) LM training on packed blocks; returns the loss per step.
+@dataclass(frozen=True)
+class PretrainSpec:
+    """What public pretraining builds and how it trains: the preset built (or ``base_model``, a local
+    model folder, loaded), blocks of ``seq_len`` tokens, ``steps`` steps of AdamW on batches of
+    ``batch_size`` blocks (learning rate ``lr``, linear warm-up over ``warmup`` steps, cosine decay,
+    ``weight_decay``), batches drawn from ``seed``."""
 
-    ``state_path``: a checkpoint of this training (model, optimizer, batch generator, step),
-    written atomically every ``every`` steps and removed at the end; a run that finds one made
-    with the same settings continues from it (bit for bit what an uninterrupted run computes).
-    ``say``: a line of progress (where it resumed, how long it will take)."""
+    preset: str = "tiny"
+    seq_len: int = 64
+    steps: int = 600
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup: int = 30
+    seed: int = 0
+    weight_decay: float = 0.01
+    base_model: str | None = None
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """How a training reports and checkpoints: a progress bar (``progress``, titled ``desc``),
+    ``log(step, loss)`` after each step, ``say(line)`` lines of progress (where it resumed, how long
+    it will take), and at ``state_path`` a checkpoint every ``every`` steps."""
+
+    progress: bool = True
+    desc: str = "pretrain"
+    log: Callable | None = None
+    say: Callable | None = None
+    every: int = 50
+    state_path: Path | None = None
+
+
+def train_lm(model: torch.nn.Module, blocks: torch.Tensor, spec: PretrainSpec,
+             report: Reporting = Reporting()) -> list[float]:
+    """Plain (non-private) LM training on packed blocks, as ``spec`` says; returns the loss per step.
+
+    ``report.state_path``: a checkpoint of this training (model, optimizer, batch generator, step),
+    written atomically every ``report.every`` steps and removed at the end; a run that finds one
+    made with the same settings continues from it (bit for bit what an uninterrupted run computes)."""
+    steps, batch_size, lr, warmup, seed = spec.steps, spec.batch_size, spec.lr, spec.warmup, spec.seed
+    weight_decay, state_path, every, say, log = spec.weight_decay, report.state_path, report.every, report.say, report.log
     if steps < 1:
         raise UserError(f"pretrain: steps must be >= 1, got {steps}")
     gen = torch.Generator().manual_seed(seed)
@@ -85,8 +118,8 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
 
     model.train()
     bar = None
-    if progress:
-        bar = progress_bar(steps, desc, "step", initial=start, lines=LOOP_LINES)
+    if report.progress:
+        bar = progress_bar(steps, report.desc, "step", initial=start, lines=LOOP_LINES)
     t0 = time.time()
     for step in range(start, steps):
         idx = torch.randint(0, blocks.shape[0], (min(batch_size, blocks.shape[0]),), generator=gen)
@@ -119,30 +152,26 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, *, steps: int, batch_
     return losses
 
 
-def pretrain_model(texts: Sequence[str], tokenizer, *, preset: str = "tiny", seq_len: int = 64,
-                   steps: int = 600, batch_size: int = 32, lr: float = 3e-3, warmup: int = 30,
-                   seed: int = 0, base_model: str | None = None, progress: bool = True, device=None,
-                   state_path: Path | None = None, say=None, log=None, every: int = 50):
-    """Build (preset) or load (``base_model``) a causal LM and train it on public ``texts``
-    (on ``device``, default the CPU; the model is returned on the CPU)."""
+def pretrain_model(texts: Sequence[str], tokenizer, spec: PretrainSpec, *, device=None,
+                   report: Reporting = Reporting()):
+    """Build (``spec.preset``) or load (``spec.base_model``) a causal LM and train it on public
+    ``texts`` as ``spec`` says (on ``device``, default the CPU; the model is returned on the CPU)."""
     ids = encode_texts(tokenizer, texts)
     sp = special_ids(tokenizer)
-    blocks = pack(ids, seq_len, sp.get("eos"))
-    if base_model:
-        model = models.load_local(base_model)
+    blocks = pack(ids, spec.seq_len, sp.get("eos"))
+    if spec.base_model:
+        model = models.load_local(spec.base_model)
     else:
-        model = models.build_preset(preset, vocab_size=tokenizer.get_vocab_size(),
-                                    n_positions=max(seq_len, 128), bos_token_id=sp.get("eos"),
+        model = models.build_preset(spec.preset, vocab_size=tokenizer.get_vocab_size(),
+                                    n_positions=max(spec.seq_len, 128), bos_token_id=sp.get("eos"),
                                     eos_token_id=sp.get("eos"), pad_token_id=sp.get("pad"),
-                                    seed=seed)
+                                    seed=spec.seed)
     if device is not None:
         model.to(device)
-    losses = train_lm(model, blocks, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
-                      seed=seed, progress=progress, state_path=state_path, say=say, log=log,
-                      every=every)
+    losses = train_lm(model, blocks, spec, report)
     model.cpu()
     return model, {"blocks": int(blocks.shape[0]), "tokens": int(blocks.numel()),
-                   "final_loss": float(np.mean(losses[-20:])), "steps": steps}
+                   "final_loss": float(np.mean(losses[-20:])), "steps": spec.steps}
 
 
 def save_pretrained(model, tokenizer, out_dir: str | Path, info: dict) -> Path:

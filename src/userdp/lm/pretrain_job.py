@@ -13,7 +13,7 @@ from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
 from userdp.devices import resolve_device
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir
-from userdp.lm.pretrain import pretrain_model, save_pretrained
+from userdp.lm.pretrain import PretrainSpec, pretrain_model, save_pretrained
 
 
 def public_texts(args) -> tuple[list[str], str]:
@@ -57,9 +57,9 @@ def pretrain_job(args) -> dict:
     else:
         tok = train_bpe(PublicText(texts, description=desc), args.vocab_size)
     t0 = time.time()
-    model, info = pretrain_model(texts, tok, preset=args.preset, seq_len=args.seq_len, steps=args.steps,
-                                 batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                                 base_model=args.base_model, device=device)
+    spec = PretrainSpec(preset=args.preset, seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size,
+                        lr=args.lr, seed=args.seed, base_model=args.base_model)
+    model, info = pretrain_model(texts, tok, spec, device=device)
     info.update(public_text=desc, seconds=round(time.time() - t0, 1), preset=args.preset,
                 vocab_size=tok.get_vocab_size(), seq_len=args.seq_len, output=str(out))
     with atomic_dir(out, keep_existing=False) as tmp:  # an empty folder there (checked above) is replaced

@@ -24,7 +24,7 @@ from userdp.fileio import atomic_dir, make_dir, owned_dir
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.prepare import Log, Prepared, stderr_log
-from userdp.lm.pretrain import pretrain_model, save_pretrained
+from userdp.lm.pretrain import PretrainSpec, Reporting, pretrain_model, save_pretrained
 from userdp.lm.tokenization import special_ids
 
 
@@ -56,25 +56,24 @@ def _one_pretrainer(cdir: Path, log: Log):
         lock.release()
 
 
-def _pretrain(cdir: Path, partial: Path, tok, m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared, log: Log,
-              progress, device: torch.device):
-    """Pretrain the preset on the public text (continuing ``partial``'s checkpoint, if any), save it
-    as ``cdir``, and return (model, tokenizer) as loaded back from there."""
-    pc = m.pretraining
-    log(f"pretraining a {m.preset} GPT non-privately on the public text ({pc.steps} steps; cached in {cdir}) ...")
+def _pretrain(cdir: Path, tok, spec: PretrainSpec, prep: Prepared, device: torch.device, report: Reporting):
+    """Pretrain as ``spec`` says on the public text (continuing the checkpoint in ``cdir``'s
+    ``.partial`` folder, if any), save it as ``cdir``, and return (model, tokenizer) as loaded back
+    from there. ``report.say`` logs."""
+    log, partial = report.say, cdir.with_name(cdir.name + ".partial")
+    log(f"pretraining a {spec.preset} GPT non-privately on the public text ({spec.steps} steps; cached in {cdir}) ...")
     t0 = time.time()
     make_dir(partial)  # public data only, in the shared cache
     if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
         tok.save(str(partial / "tokenizer.json"))
     try:
-        model, info = pretrain_model(prep.public_texts, tok, preset=m.preset, seq_len=t.seq_len, steps=pc.steps,
-                                     batch_size=pc.batch_size, lr=pc.lr, warmup=pc.warmup, seed=pc.seed,
-                                     progress=progress, device=device, state_path=partial / "state.pt", say=log)
+        model, info = pretrain_model(prep.public_texts, tok, spec, device=device,
+                                     report=dataclasses.replace(report, state_path=partial / "state.pt"))
     except KeyboardInterrupt:
         log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
         raise
     info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
-                preset=m.preset, vocab_size=t.vocab_size, seq_len=t.seq_len)
+                preset=spec.preset, vocab_size=tok.get_vocab_size(), seq_len=spec.seq_len)
     with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
         save_pretrained(model, tok, tmp, info)
     shutil.rmtree(partial, ignore_errors=True)
@@ -156,7 +155,10 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
                     log(f"using the pretrained model another process just saved in {cdir}")
                     model, tok = models.load_local(cdir), load_tokenizer(cdir)
                 else:
-                    model, tok = _pretrain(cdir, partial, tok, m, t, prep, log, progress, device)
+                    pc = m.pretraining
+                    spec = PretrainSpec(preset=m.preset, seq_len=t.seq_len, steps=pc.steps, batch_size=pc.batch_size,
+                                        lr=pc.lr, warmup=pc.warmup, seed=pc.seed)
+                    model, tok = _pretrain(cdir, tok, spec, prep, device, Reporting(progress=progress, say=log))
         notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
     else:
         sp = special_ids(tok)
