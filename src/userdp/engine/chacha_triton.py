@@ -17,6 +17,7 @@ kernel under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -131,8 +132,14 @@ def _launch(ctr: torch.Tensor, fixed: torch.Tensor, words: bool) -> torch.Tensor
     if n:
         pi = torch.full((1,), math.pi, dtype=torch.float64, device=ctr.device)  # a fill kernel, no copy
         grid = (triton.cdiv(n, BLOCKS_PER_PROGRAM),)
-        _slab_kernel[grid](ctr, fixed.contiguous(), pi, out, n, BLOCK=BLOCKS_PER_PROGRAM, WORDS=words)
+        with _on(ctr.device):  # Triton launches on the current device: make it the tensors' (cuda:1, ...)
+            _slab_kernel[grid](ctr, fixed.contiguous(), pi, out, n, BLOCK=BLOCKS_PER_PROGRAM, WORDS=words)
     return out
+
+
+def _on(device: torch.device):
+    """The context that makes ``device`` current for a launch (nothing to do off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def slab(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:

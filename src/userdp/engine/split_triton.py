@@ -17,6 +17,8 @@ on a CPU, tests run it under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -70,8 +72,10 @@ def scale_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padd
     if has_bad and bad_arg.numel() != cf.numel():  # one bad flag per unit, repeated over the lead dimensions
         bad_arg = bad_arg.repeat(cf.numel() // bad_arg.numel())
     grid = (rows, triton.cdiv(padded, BLOCK_COLUMNS))
-    _split_kernel[grid](flat, cf, bad_arg, out, width, padded, t, flat.stride(0),
-                        BLOCK=BLOCK_COLUMNS, HAS_BAD=has_bad)
+    # Triton launches on the current device: make it the tensors' (cuda:1 in a one-process run, ...)
+    with torch.cuda.device(y.device) if y.device.type == "cuda" else contextlib.nullcontext():
+        _split_kernel[grid](flat, cf, bad_arg, out, width, padded, t, flat.stride(0),
+                            BLOCK=BLOCK_COLUMNS, HAS_BAD=has_bad)
     return out
 
 
