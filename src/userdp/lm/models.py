@@ -94,9 +94,9 @@ def set_attention(model: nn.Module, impl: str) -> None:
 
 
 def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
-                 bos_token_id: int | None = None, eos_token_id: int | None = None,
-                 pad_token_id: int | None = None, seed: int = 0) -> nn.Module:
-    """A randomly initialised GPT-2-style model of the named size (a key of :data:`PRESETS`)."""
+                 bos_token_id: int | None = None, eos_token_id: int | None = None, seed: int = 0) -> nn.Module:
+    """A randomly initialised GPT-2-style model of the named size (a key of :data:`PRESETS`). Its
+    config has no pad token: GPT-2's has none, and the loss masks padding by its labels."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     _quiet_transformers()

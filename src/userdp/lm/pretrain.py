@@ -164,8 +164,7 @@ def pretrain_model(texts: Sequence[str], tokenizer, spec: PretrainSpec, *, devic
     else:
         model = models.build_preset(spec.preset, vocab_size=tokenizer.get_vocab_size(),
                                     n_positions=max(spec.seq_len, 128), bos_token_id=sp.get("eos"),
-                                    eos_token_id=sp.get("eos"), pad_token_id=sp.get("pad"),
-                                    seed=spec.seed)
+                                    eos_token_id=sp.get("eos"), seed=spec.seed)
     if device is not None:
         model.to(device)
     losses = train_lm(model, blocks, spec, report)

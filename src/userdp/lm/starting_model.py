@@ -162,8 +162,7 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
         notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
     else:
         sp = special_ids(tok)
-        model = models.build_preset(m.preset, tok.get_vocab_size(), max(t.seq_len, 128),
-                                    eos_token_id=sp.get("eos"), pad_token_id=sp.get("pad"))
+        model = models.build_preset(m.preset, tok.get_vocab_size(), max(t.seq_len, 128), eos_token_id=sp.get("eos"))
         notes["pretraining"] = "none (randomly initialised preset)"
     return tok, model, notes
 
