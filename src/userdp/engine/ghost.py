@@ -163,7 +163,7 @@ def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narr
         out = _mm32(xt, buf)
         return out[..., :wy] + out[..., wp : wp + wy]
     if bad is not None:
-        y = y.masked_fill(bad.view(*([1] * len(lead)), -1, 1, 1), 0)
+        y = _zero_rows(y, bad.view(*([1] * len(lead)), -1, 1, 1))
     return xt.to(dtype) @ (y.to(dtype) * c.view(*lead, m, 1, 1)).reshape(*lead, m * t, wy)
 
 
@@ -345,14 +345,13 @@ class Factored:
 
     def zero_units(self, bad: torch.Tensor) -> Factored:
         """This use with the units ``bad`` (bool ``[m]``) zeroed in both factors (Inf and NaN
-        included: masked_fill writes the zeros, it does not multiply). On tensor cores ``y`` is
-        left as it is and :meth:`weighted_sum` zeroes its rows as it builds the GEMM's operand
-        (``bad`` is kept: one pass over the factor, not two)."""
+        included: masked_fill writes the zeros, it does not multiply). A dense use keeps ``y`` as it
+        is and ``bad`` with it: :meth:`weighted_sum` zeroes those rows where it reads ``y``
+        (:func:`_clipped_contraction`; on tensor cores in the same pass that builds the GEMM's operand)."""
         drop = bad.view(-1, 1, 1)
-        x = self.x if self.index else _zero_rows(self.x, drop)
-        if self.narrow and not self.index:
-            return Factored(x, self.y, self.size_x, self.index, self.dtype, self.tc, bad=bad)
-        return Factored(x, _zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
+        if self.index:  # x holds token ids
+            return Factored(self.x, _zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
+        return Factored(_zero_rows(self.x, drop), self.y, self.size_x, self.index, self.dtype, self.tc, bad=bad)
 
 
 def _zero_rows(t: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
@@ -705,11 +704,8 @@ class _FactorStack:
         (masked_fill writes the zeros, so a non-finite unit cannot turn the sum into NaN; None: no unit
         is bad); on tensor cores each member's factors are rounded down to bf16 as one use's are."""
         x, y = self.x, self.y
-        if bad is not None:
-            drop = bad.view(1, -1, 1, 1)
-            x = x.masked_fill(drop, 0)
-            if not self.narrow:  # on tensor cores the operand's build zeroes y's rows (one pass)
-                y, bad = y.masked_fill(drop, 0), None
+        if bad is not None:  # y's rows are zeroed where the contraction reads them
+            x = x.masked_fill(bad.view(1, -1, 1, 1), 0)
         self.x = self.y = None
         cg = torch.stack([c[:, j] for j in self.members])  # [k, m]
         if self.narrow:
