@@ -141,20 +141,20 @@ def _build(device: torch.device, triton: bool) -> tuple:
     """The fastest kernel that passes :func:`_check_compiled`: the Triton kernel (``triton``: on
     CUDA), else ``torch.compile`` of the tensor code, else the eager code; the status says which
     and why the faster ones were not taken."""
-    refused = ""
+    refused = None  # why the Triton kernel was not taken (None: not tried)
     if triton:
         kernel, why = _triton_slab(device)
         if kernel is not None:
             return kernel, "triton"
-        refused = f"; the Triton kernel refused: {why}"
+        refused = f"the Triton kernel refused: {why}"
     try:
         compiled = torch.compile(_slab_eager, dynamic=True)
         why = _check_compiled(compiled, device)
         if why is None:
-            return compiled, "compiled" + (f" ({refused[2:]})" if refused else "")
-        return _slab_eager, f"eager ({why}{refused})"
+            return compiled, "compiled" if refused is None else f"compiled ({refused})"
     except Exception as exc:  # noqa: BLE001 - reported, not swallowed: the status says why
-        return _slab_eager, f"eager (torch.compile failed: {type(exc).__name__}: {str(exc)[:160]}{refused})"
+        why = f"torch.compile failed: {type(exc).__name__}: {str(exc)[:160]}"
+    return _slab_eager, f"eager ({'; '.join(w for w in (why, refused) if w)})"
 
 
 def compile_kernel(device: torch.device, *, force: bool = False, timeout: float | None = None,

@@ -26,6 +26,7 @@ import triton.language as tl
 
 #: blocks per program (each lane one block; 8 float64 normals out per lane)
 BLOCKS_PER_PROGRAM = 256
+_PI: dict = {}  # device -> pi as a float64 tensor (a Python float argument would reach Triton as float32)
 
 
 @triton.jit
@@ -130,7 +131,9 @@ def _launch(ctr: torch.Tensor, fixed: torch.Tensor, words: bool) -> torch.Tensor
     n = ctr.numel()
     out = torch.empty(16 * n if words else 8 * n, dtype=torch.int64 if words else torch.float64, device=ctr.device)
     if n:
-        pi = torch.full((1,), math.pi, dtype=torch.float64, device=ctr.device)  # a fill kernel, no copy
+        pi = _PI.get(ctr.device)
+        if pi is None:  # once per device (a fill kernel, no copy), not once per slab
+            pi = _PI[ctr.device] = torch.full((1,), math.pi, dtype=torch.float64, device=ctr.device)
         grid = (triton.cdiv(n, BLOCKS_PER_PROGRAM),)
         with _on(ctr.device):  # Triton launches on the current device: make it the tensors' (cuda:1, ...)
             _slab_kernel[grid](ctr, fixed.contiguous(), pi, out, n, BLOCK=BLOCKS_PER_PROGRAM, WORDS=words)
