@@ -14,7 +14,10 @@ speed-up against W = 1 of the same run, tokens per second, the bytes each step a
 (the float32 clipped sums plus 7 float64 statistics), and the host-side noise draw's share of a
 step (drawn once, on rank 0, while the other ranks wait), and the bytes of parameters, gradients and
 optimizer state that rank 0 holds (``state_bytes_per_rank``; with ``--sharding fsdp`` its 1/W share,
-and ``state_ratio_vs_replicated`` against the replicated run of the same W).
+and ``state_ratio_vs_replicated`` against the replicated run of the same W), and the peak memory rank 0
+reaches above its built model (``peak_bytes_per_rank``: held state plus every transient buffer, the
+clipped sums, the noise and the activations among them; CUDA's allocator peak, the CPU's peak resident
+set) with its ratio to the replicated run's.
 
 On CPU every process gets ``cores / W`` intra-op threads, so W = 2 on a 2-core machine compares
 one process with two threads against two processes with one thread each: it measures the
@@ -72,6 +75,7 @@ def _worker(a) -> None:
                       precision=a.dtype, sharding=a.sharding)
     if a.optimizer == "adam":
         cfg = TrainConfig(**{**cfg.__dict__, "optimizer": Adam(1e-3)})
+    start = _reset_peak(device)  # the peak the run adds above the built model: its transient buffers too
     runs = []  # the EngineRun, to count the optimizer state it holds after training
     init = engine_loop.EngineRun.__init__
 
@@ -89,6 +93,8 @@ def _worker(a) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     train(model, data, models.causal_lm_loss, cfg, callbacks=[on_step], combiner=combiner_for(backend is not None))
+
+    peak = _peak(device) - start
 
     def local_bytes(t):
         t = t.to_local() if hasattr(t, "to_local") else t
@@ -126,7 +132,7 @@ def _worker(a) -> None:
                "tokens_per_s": round(float(np.mean(units[a.warmup:])) * a.group_size * a.seq_len / step_s, 1),
                "allreduce_bytes_per_step": 4 * n_params + 8 * 7, "noise_draw_s": round(noise_s, 4),
                "threads_per_process": torch.get_num_threads(), "sharding": a.sharding, "optimizer": a.optimizer,
-               "state_bytes_per_rank": held}
+               "state_bytes_per_rank": held, "peak_bytes_per_rank": peak}
         with open(a.out, "w") as f:
             json.dump(row, f)
     world.close()
@@ -134,6 +140,44 @@ def _worker(a) -> None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+def _reset_peak(device) -> int:
+    """Reset this process's peak-memory mark; returns what is held now (CUDA: allocated bytes; CPU:
+    the resident set, its peak reset by writing 5 to /proc/self/clear_refs)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status_bytes("VmRSS:")
+
+
+def _peak(device) -> int:
+    """The peak since :func:`_reset_peak` (CUDA: allocated bytes; CPU: VmHWM, the resident set's peak)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(device)
+    return _status_bytes("VmHWM:")
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _run(w: int, a, out: str) -> dict:
@@ -196,6 +240,7 @@ def main(argv=None) -> int:
         rep = next((x for x in rows if x["world_size"] == r["world_size"] and x["sharding"] == "none"), None)
         if rep is not None:
             r["state_ratio_vs_replicated"] = round(r["state_bytes_per_rank"] / rep["state_bytes_per_rank"], 3)
+            r["peak_ratio_vs_replicated"] = round(r["peak_bytes_per_rank"] / max(1, rep["peak_bytes_per_rank"]), 3)
         r["hardware"] = f"{platform.machine()}, {os.cpu_count()} cores" + (
             "" if a.device == "cpu" else f", {_gpu_name()}")
     if a.json:
@@ -207,7 +252,8 @@ def main(argv=None) -> int:
                   f"{r['tokens_per_s']:.0f} tokens/s, speed-up {r['speedup_vs_1']:.2f}x; all-reduce "
                   f"{r['allreduce_bytes_per_step'] / 2**20:.1f} MiB/step; noise draw {r['noise_draw_s'] * 1000:.0f} ms; "
                   f"rank 0 holds {r['state_bytes_per_rank'] / 2**20:.1f} MiB of parameters, gradients and optimizer "
-                  f"state ({r.get('state_ratio_vs_replicated', 1.0):.2f}x the replicated run)")
+                  f"state ({r.get('state_ratio_vs_replicated', 1.0):.2f}x the replicated run); its peak above the "
+                  f"built model {r['peak_bytes_per_rank'] / 2**20:.1f} MiB ({r.get('peak_ratio_vs_replicated', 1.0):.2f}x)")
     return 0
 
 

@@ -4,9 +4,10 @@ Under FSDP2 (``fully_shard`` per block and at the root; two gloo processes) ever
 DTensor shard, and the weights exist whole only while FSDP has gathered them, layer by layer. The
 ghost strategy reads a layer's captured inputs and output gradients alone, so its per-unit norms and
 clipped sums of a sharded model are the unsharded model's, bit for bit, on each rank's own units.
-What is not built yet (docs/scaling.md, "Sharding"): the first-chunk coverage check against
-DTensor gradients (skipped here), reduce-scattering the sums to the shards, per-shard noise,
-sharded checkpoints and ``training.sharding``."""
+With a ``sink`` the strategy hands each parameter's sum over as soon as it is formed, one at a time
+and in the parameters' order (the same on every rank: the collectives pair up), and the
+reduce-scatter of those leaves each rank its shard of the total. The training loop on top of this
+is tests/test_engine_fsdp_train.py."""
 
 import pytest
 import torch
@@ -66,3 +67,59 @@ def test_ghost_norms_and_clipped_sums_of_a_fully_sharded_model_are_the_unsharded
         assert not r["bad"] and min(r["norms"]) > 0.5  # every unit is clipped ...
         assert max(r["per_unit"]) <= 0.5 * (1 + 1e-6)  # ... and adds at most C
     assert results[0]["norms"] != results[1]["norms"]  # the ranks held different units
+
+
+def _sink_rank(rank: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from userdp.engine import ULS
+    from userdp.engine.clipping import FlatClip
+    from userdp.engine.ghost import GhostPerUnit
+    from userdp.engine.precision import Precision
+    from userdp.engine.sharding import reduce_scatter
+    from userdp.lm import models
+    from userdp.lm.models import causal_lm_loss
+
+    torch.manual_seed(0)
+    plain = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
+    torch.manual_seed(0)
+    sharded = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
+    for block in sharded.transformer.h:
+        fully_shard(block)
+    fully_shard(sharded)
+    ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(10 + rank))
+    batch, mask, w = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2), torch.ones(4)
+    ref, _, _, _ = GhostPerUnit(plain, causal_lm_loss, ULS(2, 0.5), Precision("float32")).clipped_sum(
+        batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5}, torch.float32)
+    for x in ref:
+        dist.all_reduce(x)  # the replicated run's total, whole
+    st = GhostPerUnit(sharded, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
+    params = list(st.params)
+    order, sizes, shards = [], [], {}
+
+    def sink(j, x):
+        order.append(j)
+        sizes.append(tuple(x.shape) == tuple(params[j].shape))
+        shards[j] = reduce_scatter(x, params[j])
+
+    sums, norms, _, _ = st.clipped_sum(batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5}, torch.float32, sink=sink)
+    gap = 0.0
+    for j, r in enumerate(ref):  # this rank's rows of the whole total
+        local = shards[j].to_local()
+        rows = -(-r.shape[0] // 2)
+        gap = max(gap, float((local - r[rank * rows: rank * rows + local.shape[0]]).abs().max()) if local.numel() else 0.0)
+    return {"returned": sums, "order": order, "n": len(params), "one_param_each": all(sizes), "gap": gap,
+            "scale": max(float(r.abs().max()) for r in ref),
+            "local_numel": sum(shards[j].to_local().numel() for j in shards),
+            "whole_numel": sum(p.numel() for p in params)}
+
+
+def test_a_sinks_sums_come_one_parameter_at_a_time_and_reduce_scatter_to_the_total():
+    results = run_gloo_pair(_sink_rank)
+    for rank, r in results.items():
+        assert r["returned"] is None  # nothing whole is returned: the sink had every sum
+        assert r["order"] == list(range(r["n"]))  # each parameter once, in order (the same on every rank)
+        assert r["one_param_each"]  # one parameter's sum a call, never a stacked group's
+        assert r["gap"] <= 1e-6 * r["scale"], rank  # the shard is this rank's rows of the two ranks' total
+    assert results[0]["local_numel"] + results[1]["local_numel"] == results[0]["whole_numel"]  # 1/W each

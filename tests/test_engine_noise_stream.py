@@ -187,3 +187,32 @@ def test_a_seeded_run_is_the_same_with_its_noise_drawn_ahead(monkeypatch, own_lo
     assert len(fills) == 4 * noise_mod._STREAMS  # "on" drew every step ahead, "off" never
     assert all(torch.equal(a, b) for a, b in zip(out["off"][0], out["on"][0]))
     assert out["off"][1] == out["on"][1]
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("source", [noise_mod.GaussianNoise, chacha.ChaChaNoise])
+def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, source, ahead):
+    """A sharded step reads the step's one draw a parameter at a time (``pieces`` through a
+    ``DrawCursor``) to scatter each parameter's noise to its shards: the numbers are those ``add_``
+    adds, rounded alike, and the generator stands where a whole draw leaves it."""
+    from userdp.engine.flat import DrawCursor
+
+    monkeypatch.setattr(noise_mod, "_PIECE", 1000)  # pieces cut across tensors and stream blocks
+    monkeypatch.setattr(chacha, "_SLAB_BLOCKS", 1001)
+    monkeypatch.setattr(noise_mod, "PREFETCH", "on")
+    whole, by_tensor = source(41, seeded=True), source(41, seeded=True)
+    mech = noise_mod.IIDGaussian(by_tensor)
+    tensors = _tensors(wide=True)
+    want = whole.like(tensors, 0.3)
+    numel, dtypes = _numel_dtypes(tensors)
+    if ahead and source is noise_mod.GaussianNoise:
+        assert by_tensor.prefetch(numel, dtypes)  # drawn while the sums were computed: the same numbers
+    cursor = DrawCursor(mech.pieces(numel, dtypes, 0.3, "cpu"))
+    got = [cursor.take(t.numel(), t.dtype, "cpu").view(t.shape) for t in tensors]
+    cursor.finish()
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got))
+    assert torch.equal(whole.like(tensors, 1.0)[0], by_tensor.like(tensors, 1.0)[0])  # the next draw, alike
+    short = DrawCursor(mech.pieces(numel, dtypes, 0.3, "cpu"))
+    short.take(numel - 1, torch.float32, "cpu")
+    with pytest.raises(RuntimeError, match="not read to its end"):
+        short.finish()

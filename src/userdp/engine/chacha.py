@@ -329,6 +329,12 @@ class ChaChaNoise:
             add_piece(flats, offsets, z.mul_(float(std)), lo)
         return tensors
 
+    def pieces(self, total: int, dtypes: Sequence[torch.dtype], device):
+        """The float64 standard normals :meth:`add_` would draw over ``total`` numbers, as
+        ``(offset, slab)`` in increasing order, computed on ``device``: one draw (one nonce), for a
+        sharded step (:class:`userdp.engine.flat.DrawCursor`)."""
+        return self._slabs(int(total), device, _VECTOR)
+
     def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:
         """One draw of N(0, std² I) shaped like ``tensors`` (float32, float64 where a tensor is
         float64; on each tensor's device): :meth:`add_` on zeros."""

@@ -52,3 +52,39 @@ def zeros_for_noise(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Zeros shaped like ``tensors`` on their devices, in float32 (float64 for a float64 tensor)."""
     return [torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
             for t in tensors]
+
+
+class DrawCursor:
+    """Reads one flat draw given as ``(offset, piece)`` in increasing order (a source's ``pieces``)
+    ``n`` numbers at a time: :meth:`take` returns the next ``n`` as one tensor, each number rounded
+    to ``dtype`` as :func:`add_piece` rounds it before adding. What a sharded step scatters, one
+    parameter at a time, so that no model-sized noise buffer exists."""
+
+    def __init__(self, pieces):
+        self._pieces = iter(pieces)
+        self._z: torch.Tensor | None = None
+        self._at = 0  # position in self._z
+        self._pos = 0  # position in the draw
+
+    def take(self, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+        out = torch.empty(n, dtype=dtype, device=device)
+        filled = 0
+        while filled < n:
+            if self._z is None or self._at >= self._z.numel():
+                lo, self._z = next(self._pieces)
+                if lo != self._pos:
+                    raise RuntimeError(f"a draw's pieces out of order: {lo} after {self._pos}")
+                self._at = 0
+            k = min(n - filled, self._z.numel() - self._at)
+            out[filled:filled + k] = self._z[self._at:self._at + k]  # the same rounding as z.to(dtype)
+            filled, self._at, self._pos = filled + k, self._at + k, self._pos + k
+        return out
+
+    def finish(self) -> None:
+        """The draw read to its end (its generator then stands where a whole draw leaves it).
+
+        Raises:
+            RuntimeError: numbers left over (the reader took fewer than the draw holds)."""
+        left = (self._z.numel() - self._at) if self._z is not None else 0
+        if left or next(self._pieces, None) is not None:
+            raise RuntimeError("a draw was not read to its end")

@@ -873,8 +873,13 @@ class GhostPerUnit:
         return losses, captures
 
     def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
-                    acc_dtype: torch.dtype, reproject=None):
+                    acc_dtype: torch.dtype, reproject=None, sink=None):
         """One chunk's clipped, weighted sum from one forward and one backward (module docstring).
+
+        ``sink``: None, or ``sink(j, s)`` called with each parameter's sum ``s`` as soon as it is
+        formed, in the order of the parameters, one at a time (no stacked groups): a sharded step
+        reduce-scatters it there, so no rank holds more than one parameter's whole sum at a time
+        (:mod:`userdp.engine.sharding`). The returned sums are then None.
 
         Returns:
             (sums, norms, losses, bad) as :meth:`userdp.engine.per_unit.PerUnit.clipped_sum`.
@@ -942,9 +947,10 @@ class GhostPerUnit:
             # same-shaped parameters are stacked, so their norms and sums take a few kernels per group,
             # not a few per parameter: small materialized-only ones (biases, LayerNorms, LoRA factors)
             # [m, k, size], and single-use dense ghosts (a block's c_fc, ...) by their factors
+            # (a sink takes the sums one parameter at a time, in order: no groups)
             blocks = [(g, torch.stack([dense[j].reshape(m, -1) for j in g], dim=1))
-                      for g in _vector_groups(dense, factored, m)]
-            stacks = [_FactorStack(g, factored) for g in _factor_groups(dense, factored, m)]
+                      for g in (_vector_groups(dense, factored, m) if sink is None else [])]
+            stacks = [_FactorStack(g, factored) for g in (_factor_groups(dense, factored, m) if sink is None else [])]
             # per parameter: the estimate of each unit's squared norm and what bounds the unit's
             # contribution above it (float64 [m] each; see _bounded_norms)
             parts: list = [None] * len(self.params)
@@ -1012,7 +1018,11 @@ class GhostPerUnit:
                     cj = round_down_bf16(cj)
                 sums[j] = _weighted_sum(d, fs, cj, p)
                 del d, fs
-            return sums, torch.where(bad, 0.0, norms), unit_loss.detach(), bad
+                if sink is not None:
+                    s, sums[j] = sums[j], None
+                    sink(j, s)
+                    del s
+            return None if sink is not None else sums, torch.where(bad, 0.0, norms), unit_loss.detach(), bad
 
     def _arrange(self, contrib, m, dtype):
         """Per parameter: the materialized part ``[m, *shape]`` (or None) and the uses kept factored.

@@ -32,6 +32,7 @@ from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
+from userdp.engine.flat import DrawCursor
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
@@ -44,7 +45,8 @@ from userdp.engine.sharding import (
     gathered,
     is_sharded,
     optimizer_state_like,
-    reduce_scatter_sums,
+    reduce_scatter,
+    scatter_from_main,
     shard_like,
     shard_model,
     whole,
@@ -225,6 +227,9 @@ class EngineRun:
         self.sampler = self.plan.sampler
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
+        if self.sharded and not hasattr(self.noise, "pieces"):
+            raise UserError(f"sharding='fsdp': the noise mechanism {type(self.noise).__name__} has no pieces() (its "
+                            "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'")
         # what the noise is added to each step: the sums, one per trainable parameter, in float32+
         self._sum_numel = sum(p.numel() for p in self.params)
         self._sum_dtypes = sorted({_accumulation_dtype(p.dtype) for p in self.params}, key=str)
@@ -351,6 +356,13 @@ class EngineRun:
             ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
         chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
         loaded = self._prefetch(chunks)
+        shards: list | None = [None] * len(self.params) if self.sharded else None
+
+        def sink(j: int, x: torch.Tensor | None) -> None:  # sharded: each parameter's sum to its shards, now
+            if x is not None:
+                r = reduce_scatter(x.to(acc), self.params[j])
+                shards[j] = r if shards[j] is None else shards[j].add_(r)
+
         if n_chunks is not None and n_chunks > len(chunks):
             loaded = self._padded(loaded, n_chunks - len(chunks))
             chunks = chunks + [ids[:0]] * (n_chunks - len(chunks))
@@ -363,10 +375,11 @@ class EngineRun:
             if self.table.weights is not None:
                 w[:k] *= _to_device(torch.as_tensor(self.table.weights[cid], dtype=w.dtype), self.device)
             part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, cfg.clipping, self.clip_state, acc,
-                                                                 reproject=reproject)
-            if sums is None:  # the strategy's sums are fresh: keep them (.to is a no-op in the same dtype)
+                                                                 reproject=reproject,
+                                                                 **({"sink": sink} if self.sharded else {}))
+            if shards is None and sums is None:  # the strategy's sums are fresh: keep them (.to: no-op, same dtype)
                 sums = [x.to(_accumulation_dtype(p.dtype)) for x, p in zip(part, self.params)]
-            else:
+            elif shards is None:  # (sharded: the sink has them)
                 for j, x in enumerate(part):
                     sums[j] += x
             unclipped = (norms <= c_now).to(acc)
@@ -374,7 +387,10 @@ class EngineRun:
             stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
                                   ((1 - unclipped) * valid).sum(), w.sum(),
                                   (bad.to(acc) * valid).sum()]).double()
-        if sums is None:  # an empty cohort (Poisson can draw none): the sum is zero (whole, even if p is a shard)
+        if shards is not None:  # each rank's shards of the totals (zero where no chunk ran: an empty cohort)
+            sums = [x if x is not None else torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype))
+                    for x, p in zip(shards, self.params)]
+        elif sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
             sums = [torch.zeros(p.shape, dtype=_accumulation_dtype(p.dtype), device=self.device) for p in self.params]
         return sums, stats
 
@@ -409,8 +425,9 @@ class EngineRun:
         check_release(self.model, self._mixing, None)  # a caller's loop may have called model.train()
         self.ledger.record_step()  # before anything of this step can be seen (on every rank: before its all-reduce)
         main = comb.rank == 0
-        if main and plan.update_noise_multiplier > 0 and hasattr(self.noise, "begin_step"):
+        if main and plan.update_noise_multiplier > 0 and hasattr(self.noise, "begin_step") and not self.sharded:
             # the noise depends on nothing of the step's data: a host source draws it while the sums are computed
+            # (not when sharded: that would be a model-sized buffer; the shards' noise is read a parameter at a time)
             self.noise.begin_step(self._sum_numel, self._sum_dtypes)
         versions = buffer_versions(self.model)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
@@ -433,10 +450,13 @@ class EngineRun:
         std_sum = plan.update_noise_multiplier * self._sensitivity()
         den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
         self.last_denominator = den  # what .grad was divided by (the neighbour test multiplies it back)
-        if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
-            self.noise.add_noise(sums, est_std * den)  # in place (drawn meanwhile on a CPU, else streamed)
-        # replicated: every rank gets the whole noised sum; sharded: each rank the total of its shards
-        sums = reduce_scatter_sums(sums, self.params) if self.sharded else comb.all_reduce_sum(sums)
+        if self.sharded:  # the sums are each rank's shards of the totals already (clipped_sum's sink)
+            if est_std > 0:
+                self._add_shard_noise(sums, est_std * den)
+        else:  # every rank gets the whole noised sum
+            if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
+                self.noise.add_noise(sums, est_std * den)  # in place (drawn meanwhile on a CPU, else streamed)
+            sums = comb.all_reduce_sum(sums)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
             m.grad = x.div_(den).to(m.dtype)
@@ -445,6 +465,20 @@ class EngineRun:
                    "fraction_clipped": n_clipped / max(n_units, 1.0),
                    "clip_norm": float(self.clip_state["clip_norm"])}
         return metrics, noisy_centered
+
+    def _add_shard_noise(self, shards: list, std: float) -> None:
+        """Add the step's one noise draw to the shards of the totals (DTensors; every rank calls this):
+        rank 0 reads the draw in the replicated run's order, a parameter at a time
+        (:class:`userdp.engine.flat.DrawCursor`: the same numbers as :meth:`IIDGaussian.add_noise`),
+        and scatters each parameter's noise to the ranks holding its shards."""
+        main = self.combiner.rank == 0
+        cursor = DrawCursor(self.noise.pieces(self._sum_numel, self._sum_dtypes, std, self.device)) if main else None
+        for p, x in zip(self.params, shards):
+            local = x.to_local()
+            full = cursor.take(p.numel(), local.dtype, local.device) if main else None
+            local.add_(scatter_from_main(full, p, local.dtype))
+        if main:
+            cursor.finish()
 
     def end_step(self, metrics: dict, noisy_centered: float, t0: float) -> dict:
         """After the optimizer's step: the step counts as applied, the adaptive clip norm moves,
@@ -550,6 +584,9 @@ class EngineRun:
         self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
+        if self.sharded and not hasattr(self.noise, "pieces"):
+            raise UserError(f"sharding='fsdp': the noise mechanism {type(self.noise).__name__} has no pieces() (its "
+                            "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'")
         torch.manual_seed(torch_seed)
         self.sampler_state = {}
         self.rekeyed_at = int(begun)

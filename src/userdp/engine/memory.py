@@ -128,9 +128,11 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
     :func:`userdp.engine.noise.draws_ahead`).
 
     ``shards``: W of a sharded run (``sharding: fsdp``, :mod:`userdp.engine.sharding`), per rank: 1/W
-    of the weights, of the released gradient and of the optimizer's states, plus the two largest
-    blocks gathered whole at once (FSDP gathers the next block while one computes); the running and
-    partial sums, the first chunk's check and the drawn-ahead noise stay whole."""
+    of the weights, of the running sums (which become the released gradient) and of the optimizer's
+    states, plus the two largest blocks gathered whole at once (FSDP gathers the next block while one
+    computes) and two copies of the largest parameter (the one whole sum a rank holds while it is
+    reduce-scattered, or rank 0's noise for it while it is scattered); no stacked groups and no noise
+    drawn ahead; the first chunk's check stays whole."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in trainable)
@@ -142,8 +144,9 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
         blocks = sorted((sum(p.numel() * p.element_size() for p in b.parameters()) for b in gathered_blocks(model)),
                         reverse=True)
         gathered = sum(blocks[:2]) if blocks else total  # no blocks: the root gathers everything
-        return int(total / shards + gathered + 4 * (n * (2 + (1 + optimizer_states) / shards) + masters + verify
-                                                    + ahead) + stacks)
+        largest = max((p.numel() for p in trainable), default=0)
+        return int(total / shards + gathered + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters
+                                                    + verify))
     return int(total + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
 
 

@@ -175,6 +175,26 @@ class GaussianNoise:
         float64; on each tensor's device): :meth:`add_` on zeros."""
         return list(self.add_(zeros_for_noise(tensors), std))
 
+    def pieces(self, total: int, dtypes: Sequence[torch.dtype], device=None):
+        """The standard normals :meth:`add_` would draw over ``total`` numbers of ``dtypes``, as
+        ``(offset, piece)`` in increasing order (host tensors of at most ``_PIECE``, unscaled): the
+        same numbers from the same streams, read in order instead of in parallel, for a sharded step
+        (:class:`userdp.engine.flat.DrawCursor`). Read it to the end: the streams then stand where
+        :meth:`add_` leaves them. ``device`` is not used (host draws)."""
+        dtype = _draw_dtype(dtypes)
+        pending = self._take_pending(int(total), dtype)
+        if pending is not None:  # drawn ahead: those numbers, in order
+            yield 0, torch.from_numpy(pending.buf)
+            return
+        bounds = _blocks(int(total))
+        for k in range(_STREAMS):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            while lo < hi:
+                out = np.empty(min(_PIECE, hi - lo), dtype=dtype)
+                self._streams[k].standard_normal(out=out, dtype=dtype)
+                yield lo, torch.from_numpy(out)
+                lo += out.size
+
     # ------------------------------------------------------------------ drawing ahead
     def prefetch(self, numel: int, dtypes: Sequence[torch.dtype]) -> bool:
         """Begin drawing the next :meth:`add_`'s standard normals in a background thread, so the draw
@@ -346,6 +366,15 @@ class IIDGaussian:
         narrower type. Nothing is added where there is no source or ``std`` is 0."""
         if self.source is not None and std > 0:
             self.source.add_(tensors, std)
+
+    def pieces(self, numel: int, dtypes: Sequence[torch.dtype], std: float, device):
+        """This step's noise as :meth:`add_noise` would add it to ``numel`` numbers of ``dtypes``,
+        as ``(offset, piece)`` in increasing order, each piece scaled by ``std`` (as :meth:`add_noise`
+        scales it): a sharded step reads it one parameter at a time and scatters each parameter's
+        noise to its shards (:meth:`userdp.engine.loop.EngineRun.release`). Only where there is a
+        source (the main rank)."""
+        for lo, z in self.source.pieces(numel, dtypes, device):
+            yield lo, z.mul_(float(std))
 
     def scalar(self, std: float) -> float:
         """One N(0, std^2) draw for a scalar query (adaptive clipping's count); 0 without a source."""

@@ -6,14 +6,15 @@ weights for its forward and backward only. The private step is unchanged in what
 
 - **Per-unit clipping** is the ghost strategy's (:mod:`userdp.engine.ghost`): it reads each
   layer's captured input and output gradient, never the weights, so its norms and clipped sums of a
-  sharded model are the unsharded model's (tests/test_engine_fsdp.py). Each rank's sums are whole
-  (one float32 buffer the size of the model) until the release.
-- **One collective per step for the sums**: a reduce-scatter (:func:`reduce_scatter_sums`: a
-  ``Partial`` DTensor redistributed to the parameter's own placement) leaves on each rank the total
-  of its shard, where the replicated run all-reduces the whole sum to every rank.
-- **The noise is drawn once for the whole vector**, on rank 0, and added to rank 0's partial sum
-  before the reduce-scatter, exactly as in the replicated run: the shards of the noised total are
-  one draw whatever W.
+  sharded model are the unsharded model's (tests/test_engine_fsdp.py).
+- **One reduce-scatter per parameter and chunk** (:func:`reduce_scatter`: a ``Partial`` DTensor
+  redistributed to the parameter's own placement): the ghost strategy hands each parameter's
+  clipped sum over as soon as it is formed (its ``sink``), so a rank holds its shard's running total
+  (1/W of the model, float32) and one parameter's whole sum at a time, never the model's whole sums.
+- **The noise is drawn once for the whole vector**, on rank 0, in the replicated run's order and
+  with its numbers, one parameter at a time (:class:`userdp.engine.flat.DrawCursor`), and each
+  parameter's noise is scattered to its shards (:func:`scatter_from_main`): the shards of the noise
+  are one draw whatever W, and the key never leaves rank 0.
 - **Every rank runs the same number of forward and backward passes** (FSDP's gathers are
   collectives): a rank with fewer units this step runs zero-weight padding chunks
   (:func:`chunks_per_rank`).
@@ -112,16 +113,25 @@ def chunks_per_rank(cohort_size: int, world_size: int, chunk_size: int) -> int:
     return math.ceil(math.ceil(cohort_size / world_size) / chunk_size)
 
 
-def reduce_scatter_sums(sums: list[torch.Tensor], params) -> list:
-    """Each rank's whole partial sums, reduced across ranks and scattered to the parameters' own
-    shards: one DTensor per parameter, of its placement (a reduce-scatter per tensor)."""
+def reduce_scatter(x: torch.Tensor, param):
+    """Each rank's whole partial sum ``x`` of ``param``, reduced across ranks and scattered to the
+    parameter's own shards: a DTensor of its placement (one reduce-scatter; every rank calls it)."""
     from torch.distributed.tensor import DTensor, Partial
 
-    out = []
-    for x, p in zip(sums, params):
-        partial = DTensor.from_local(x, p.device_mesh, [Partial()] * len(p.placements), run_check=False)
-        out.append(partial.redistribute(p.device_mesh, p.placements))
-    return out
+    partial = DTensor.from_local(x, param.device_mesh, [Partial()] * len(param.placements), run_check=False)
+    return partial.redistribute(param.device_mesh, param.placements)
+
+
+def scatter_from_main(full: torch.Tensor | None, param, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's shard (a local tensor) of the main rank's whole tensor ``full`` laid out as
+    ``param`` is (one scatter; every rank calls it; ``full`` is read on rank 0 only, None elsewhere):
+    how a sharded step hands each rank its part of the one noise draw (the key stays on rank 0)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if full is None:
+        full = torch.empty(param.shape, dtype=dtype, device=param.device)
+    return distribute_tensor(full.view(param.shape), param.device_mesh, param.placements,
+                             src_data_rank=0).to_local()
 
 
 def whole(t):
