@@ -5,13 +5,14 @@ half of every parameter and of Adam's state; one adversarial user moves the rele
 C under sharding; and what the sharded step does not do is refused in one line."""
 
 import functools
+import os
 import shutil
 
 import numpy as np
 import pytest
 import torch
 
-from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, TrainConfig, train
+from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, TrainConfig, checkpoint, train
 from userdp.engine.data import TensorUserData
 from userdp.errors import UserError
 
@@ -178,30 +179,41 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     res = train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt, resume=True,
                 combiner=TorchDistributedCombiner())
     return {"params": _full(model), "steps": res.steps, "lost": res.record["steps_lost_to_crashes"],
-            "epsilon": res.epsilon,
-            "saved_shapes": None if saved is None else [tuple(v.shape) for v in saved["params"]],
-            "saved_adam": None if saved is None else sorted({tuple(v["exp_avg"].shape) == tuple(p.shape)
-                                                              for v, p in zip(saved["optimizer"]["state"].values(),
-                                                                              saved["params"])})}
+            "epsilon": res.epsilon, "saved": None if saved is None else {
+                "params": saved["params"], "shards": saved["shards"],
+                "adam": sorted({v["exp_avg"] for v in saved["optimizer"]["state"].values()}),
+                "files": sorted(checkpoint.read_manifest(f"{folder}/copy")["files"]),
+                "folders": sorted(os.listdir(f"{folder}/copy"))}}
 
 
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
-    """The checkpoint of a sharded run holds whole tensors (gathered, written by rank 0): resumed on
-    the two processes, sharded, and on one process, unsharded, the run continues to the same model,
-    with the crash's begun step counted."""
+    """The checkpoint of a sharded run holds each rank's shards (torch.distributed.checkpoint files,
+    listed in the manifest with their checksums; nothing is gathered): resumed on the two processes,
+    sharded, and on one process, unsharded, the run continues to the same model, with the crash's
+    begun step counted; a damaged shard is refused in one line naming it."""
     from userdp.lm.models import causal_lm_loss
 
     results = run_gloo_pair(functools.partial(_crash_and_resume, str(tmp_path)))
     model = _model("gpt2")
     cfg = _config("uls", "none", checkpoint_every=2)
     cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
+    shutil.copytree(tmp_path / "copy", tmp_path / "damaged")
     one = train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=str(tmp_path / "copy"), resume=True)
     want = {n: p.detach().numpy() for n, p in model.named_parameters()}
     assert one.steps == 5 and one.record["steps_lost_to_crashes"] == 1
-    shapes = results[0]["saved_shapes"]
-    assert shapes == [tuple(p.shape) for p in model.parameters()]  # whole tensors, not rank 0's shards
-    assert results[0]["saved_adam"] == [True]  # Adam's moments whole too
+    saved = results[0]["saved"]
+    assert saved["params"] is None and saved["adam"] == [checkpoint.IN_SHARDS]  # nothing gathered to rank 0
+    assert saved["shards"] == "shards-00000002" and "shards-00000002" in saved["folders"]
+    assert {"shards-00000002/__0_0.distcp", "shards-00000002/__1_0.distcp",
+            "shards-00000002/.metadata"} <= set(saved["files"])  # each rank's own file, checksummed
+    assert not [f for f in saved["folders"] if f.startswith(".")]  # no pending folder left
+    shard = tmp_path / "damaged" / "shards-00000002" / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match=r"__1_0\.distcp: checksum mismatch"):
+        train(_model("gpt2"), _data(), causal_lm_loss, cfg, checkpoint_dir=str(tmp_path / "damaged"), resume=True)
     for rank in (0, 1):
         got = results[rank]
         assert got["steps"] == 5 and got["lost"] == 1 and got["epsilon"] == one.epsilon

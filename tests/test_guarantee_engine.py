@@ -348,3 +348,45 @@ def test_a_crash_between_commit_and_switch_rolls_forward(tmp_path, monkeypatch):
     ckpt.save(str(tmp_path), {"step": 2}, {"w.bin": lambda p: torch.save({"v": 2}, p)})
     monkeypatch.undo()
     assert ckpt.load(str(tmp_path))["step"] == 2 and torch.load(tmp_path / "w.bin")["v"] == 2
+
+
+def _shard_files(directory, step: int, payload: bytes) -> tuple:
+    """A sharded run's folder as its ranks leave it before the commit: files in the pending folder,
+    hashed (what engine.sharding.save_shards hands to checkpoint.save)."""
+    from userdp.fileio import sha256_file
+
+    folder = ckpt.shards_folder(step)
+    pend = ckpt.pending_folder(str(directory), folder)
+    os.makedirs(pend)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+        with open(os.path.join(pend, name), "wb") as f:
+            f.write(payload + name.encode())
+    return folder, {n: {"sha256": sha256_file(os.path.join(pend, n)), "bytes": os.path.getsize(os.path.join(pend, n))}
+                    for n in os.listdir(pend)}
+
+
+def test_a_sharded_checkpoints_folder_commits_with_it_and_replaces_the_last(tmp_path, monkeypatch):
+    """A sharded run's shards folder is one more part of the unit: switched in with the files,
+    checked by every read, rolled forward after a crash between the commit and the switch, removed
+    with the checkpoint it belonged to, and removed (never committed) when the rest cannot be written."""
+    ckpt.save(str(tmp_path), {"step": 2}, shards=_shard_files(tmp_path, 2, b"a"))
+    assert sorted(os.listdir(tmp_path / "shards-00000002")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    monkeypatch.setattr(ckpt, "_switch", lambda directory, manifest: None)  # die right after the commit
+    ckpt.save(str(tmp_path), {"step": 4}, shards=_shard_files(tmp_path, 4, b"b"))
+    monkeypatch.undo()
+    assert ckpt.load(str(tmp_path))["step"] == 4  # rolled forward: the new folder switched in ...
+    assert (tmp_path / "shards-00000004" / "__1_0.distcp").read_bytes() == b"b__1_0.distcp"
+    ckpt.save(str(tmp_path), {"step": 6}, shards=_shard_files(tmp_path, 6, b"c"))
+    assert sorted(f for f in os.listdir(tmp_path) if "shards" in f) == ["shards-00000006"]  # ... the old ones gone
+    (tmp_path / "shards-00000006" / "__0_0.distcp").write_bytes(b"edited")
+    with pytest.raises(UserError, match=r"shards-00000006/__0_0\.distcp: checksum mismatch"):
+        ckpt.load(str(tmp_path))
+    (tmp_path / "shards-00000006" / "__0_0.distcp").write_bytes(b"c__0_0.distcp")
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError, match="previous checkpoint is intact"):
+        ckpt.save(str(tmp_path), {"step": 8}, {"w.bin": full}, shards=_shard_files(tmp_path, 8, b"d"))
+    assert ckpt.load(str(tmp_path))["step"] == 6
+    assert sorted(f for f in os.listdir(tmp_path) if "shards" in f) == ["shards-00000006"]  # no pending folder

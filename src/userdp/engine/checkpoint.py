@@ -16,6 +16,12 @@ whose pending files match the new manifest. A write that fails (disk full) remov
 files and raises one clear :class:`UserError` saying the previous checkpoint is intact. Every
 load checks every file against the manifest and refuses a mismatch, naming the file.
 
+A sharded run (``sharding: fsdp``) adds a folder of ``torch.distributed.checkpoint`` files,
+``shards-<step>/``: every rank writes its own shards of the weights and the optimizer's states there
+(:func:`userdp.engine.sharding.save_shards`), under the pending name ``.shards-<step>.pending/``; each
+file is listed in the manifest like the others (``shards-<step>/__0_0.distcp``, ...), the folder is
+switched in with the files, and the previous step's folder is removed after the commit.
+
 An unseeded run's random states are secret — whoever holds them could subtract the noise — so
 they are never saved, and a resumed unseeded run draws fresh entropy.
 """
@@ -25,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
+import shutil
 import zipfile
 from typing import Callable, Mapping, Optional
 
@@ -36,6 +44,8 @@ from userdp.fileio import failure_text, free_space, fsync_path, is_writer_failur
 CHECKPOINT = "checkpoint.pt"
 MANIFEST = "MANIFEST.json"
 Writer = Callable[[str], None]
+#: what a sharded run's checkpoint.pt holds in place of an optimizer state kept in its shards
+IN_SHARDS = "in shards-<step>/"
 
 
 def path(directory: str) -> str:
@@ -52,13 +62,32 @@ def exists(directory: str) -> bool:
     return os.path.exists(manifest_path(directory)) or os.path.exists(path(directory))
 
 
+_SHARDS = re.compile(r"^shards-\d{8}$")
+
+
 def _pending(directory: str, name: str) -> str:
-    return os.path.join(directory, f".{name}.pending")
+    """Where ``name`` is written before the commit: ``.NAME.pending``, or for a file of a folder
+    (``shards-<step>/FILE``) that file in the folder's pending name."""
+    top, _, rest = name.partition("/")
+    return os.path.join(directory, f".{top}.pending", rest) if rest else os.path.join(directory, f".{name}.pending")
 
 
-def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None) -> None:
+def shards_folder(step: int) -> str:
+    """The name of a sharded run's folder of ``torch.distributed.checkpoint`` files at ``step``."""
+    return f"shards-{int(step):08d}"
+
+
+def pending_folder(directory: str, folder: str) -> str:
+    """Where the ranks write ``folder`` (:func:`shards_folder`) before the commit."""
+    return os.path.join(directory, f".{folder}.pending")
+
+
+def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None,
+         shards: Optional[tuple[str, dict]] = None) -> None:
     """Write a checkpoint: ``state`` as ``checkpoint.pt`` plus ``extra`` files (name -> a function
-    that writes that file at the path it is given), committed as one unit.
+    that writes that file at the path it is given), committed as one unit. ``shards``: a sharded
+    run's ``(folder, {file: {"sha256", "bytes"}})``, files every rank has already written in
+    :func:`pending_folder` (committed with the rest; removed if the rest cannot be written).
 
     Raises:
         UserError: the files could not be written (e.g. the disk is full); the previous checkpoint
@@ -67,10 +96,10 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
     os.makedirs(directory, exist_ok=True)
     writers: dict[str, Writer] = {CHECKPOINT: lambda p: torch.save(state, p)}
     writers.update(extra or {})
-    written: list[str] = []
+    written: list[str] = [pending_folder(directory, shards[0])] if shards else []
     tmp_manifest = os.path.join(directory, f".{MANIFEST}.pending")
     try:
-        files = {}
+        files = {f"{shards[0]}/{name}": meta for name, meta in shards[1].items()} if shards else {}
         for name, write in writers.items():
             pend = _pending(directory, name)
             written.append(pend)
@@ -84,9 +113,7 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
             f.flush()
             os.fsync(f.fileno())
     except Exception as exc:  # noqa: BLE001 - classified below
-        for p in written:
-            if os.path.exists(p):
-                os.unlink(p)
+        _remove(written)
         if not is_writer_failure(exc, any_runtime_error=True):
             raise
         # torch.save's RuntimeError on a full disk, safetensors' error, an OSError: one line; the
@@ -96,20 +123,36 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
                         f"{free_space(directory)}); the previous checkpoint is intact: free "
                         "space and resume the run") from None
     except BaseException:
-        for p in written:
-            if os.path.exists(p):
-                os.unlink(p)
+        _remove(written)
         raise
     os.replace(tmp_manifest, manifest_path(directory))  # the commit
     fsync_path(directory)
     _switch(directory, manifest)
 
 
+def _remove(paths: list[str]) -> None:
+    for p in paths:
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.exists(p):
+            os.unlink(p)
+
+
 def _switch(directory: str, manifest: dict) -> None:
+    folders = {name.partition("/")[0] for name in manifest["files"] if "/" in name}
     for name in manifest["files"]:
         pend = _pending(directory, name)
-        if os.path.exists(pend):
+        if "/" not in name and os.path.exists(pend):
             os.replace(pend, os.path.join(directory, name))
+    for folder in folders:  # a folder is switched whole (its files were checked by the writers)
+        pend = pending_folder(directory, folder)
+        if os.path.isdir(pend):
+            shutil.rmtree(os.path.join(directory, folder), ignore_errors=True)
+            os.replace(pend, os.path.join(directory, folder))
+    for entry in os.listdir(directory):  # the previous checkpoint's shards, or a failed write's
+        bare = entry[1:-len(".pending")] if entry.startswith(".") and entry.endswith(".pending") else entry
+        if _SHARDS.match(bare) and bare not in folders:
+            shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     fsync_path(directory)
 
 
@@ -135,8 +178,15 @@ def read_manifest(directory: str) -> dict:
     # roll forward a commit whose files were not all switched in (a crash during step 3)
     for name, meta in files.items():
         pend = _pending(directory, name)
-        if os.path.exists(pend) and sha256_file(pend) == meta["sha256"]:
+        if "/" not in name and os.path.exists(pend) and sha256_file(pend) == meta["sha256"]:
             os.replace(pend, os.path.join(directory, name))
+    for folder in {name.partition("/")[0] for name in files if "/" in name}:
+        pend, final = pending_folder(directory, folder), os.path.join(directory, folder)
+        if os.path.isdir(pend) and all(
+                os.path.isfile(_pending(directory, n)) and sha256_file(_pending(directory, n)) == m["sha256"]
+                for n, m in files.items() if n.partition("/")[0] == folder):
+            shutil.rmtree(final, ignore_errors=True)  # a folder of the same step, committed before
+            os.replace(pend, final)
     return manifest
 
 

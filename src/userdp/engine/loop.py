@@ -42,14 +42,14 @@ from userdp.engine.sampling import bucket_size
 from userdp.engine.sharding import (
     check_shardable,
     chunks_per_rank,
-    gathered,
     is_sharded,
+    load_shards,
     optimizer_state_like,
     reduce_scatter,
+    save_shards,
     scatter_from_main,
     shard_like,
     shard_model,
-    whole,
 )
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_bool, check_callable, check_instance
@@ -197,7 +197,6 @@ class EngineRun:
             raise UserError("the model's parameters are DTensors (fully_shard): set sharding='fsdp' "
                             "(training.sharding: fsdp)")
         self._padding = None  # a sharded rank's zero-weight chunk (clipped_sum)
-        self.whole_params: dict | None = None  # a sharded run's gathered weights at its last checkpoint (save)
         self.precision = {"autocast": cfg.precision,
                           "model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
                           "master_weights": "float32" if self.master is not self.params else "the model's own",
@@ -466,6 +465,21 @@ class EngineRun:
                    "clip_norm": float(self.clip_state["clip_norm"])}
         return metrics, noisy_centered
 
+    def _read_shards(self, st: dict, held: list) -> dict:
+        """Read a sharded checkpoint's shards into this run's masters (in place) and its optimizer
+        states (returned: ``st["optimizer"]`` with each :data:`userdp.engine.checkpoint.IN_SHARDS` filled), whatever this run's
+        layout: sharded on any W, or whole (``torch.distributed.checkpoint`` reshards). Every rank of
+        the run calls it."""
+        template = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master)}
+        opt = {**st["optimizer"], "state": {}}
+        for i, entry in st["optimizer"]["state"].items():
+            opt["state"][i] = dict(entry)
+            for k, v in entry.items():
+                if isinstance(v, str) and v == ckpt.IN_SHARDS:
+                    opt["state"][i][k] = template[f"optim/{i}/{k}"] = torch.zeros_like(held[int(i)].detach())
+        load_shards(template, os.path.join(self.dir, st["shards"]), f"cannot resume from {self.dir}")
+        return opt
+
     def _add_shard_noise(self, shards: list, std: float) -> None:
         """Add the step's one noise draw to the shards of the totals (DTensors; every rank calls this):
         rank 0 reads the draw in the replicated run's order, a parameter at a time
@@ -500,11 +514,18 @@ class EngineRun:
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict:
-        # a sharded run gathers its shards whole (every rank calls this: engine.sharding.gathered)
+        """The checkpoint's state. A sharded run's weights and per-parameter optimizer states are not
+        in it (``params`` None, each such state :data:`userdp.engine.checkpoint.IN_SHARDS`): :meth:`shard_tensors` has them."""
+        optimizer = self.optimizer.state_dict()
+        if self.sharded:
+            optimizer = {**optimizer, "state": {i: {k: ckpt.IN_SHARDS if k in self._sharded_keys(i, entry) else v
+                                                    for k, v in entry.items()}
+                                                for i, entry in optimizer["state"].items()}}
         st = {"step": self.step, "ledger": self.ledger.state_dict(),
-              "params": [whole(p).detach().cpu() for p in self.master], "param_names": self.per_unit.names,
+              "params": None if self.sharded else [p.detach().cpu() for p in self.master],
+              "param_names": self.per_unit.names,
               "buffers": {n: b.detach().cpu() for n, b in self.model.named_buffers()},
-              "optimizer": gathered(self.optimizer.state_dict()), "clip_state": dict(self.clip_state),
+              "optimizer": optimizer, "clip_state": dict(self.clip_state),
               "table_users": torch.from_numpy(self.table.users),
               "table_records": torch.from_numpy(self.table.records) if self.table.records is not None else None,
               "seeded": self.seeded, "config": privacy_repr(self.cfg), "history": self.history,
@@ -517,18 +538,40 @@ class EngineRun:
                              "perm": torch.from_numpy(perm) if perm is not None else None}
         return st
 
+    def _held(self) -> list:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _sharded_keys(self, idx, entry: dict) -> set:
+        """The states of optimizer entry ``idx`` laid out as its parameter (Adam's moments): those a
+        sharded checkpoint keeps in its shards; scalars (Adam's step) stay in checkpoint.pt."""
+        p = self._held()[int(idx)]
+        return {k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+                and tuple(v.shape) == tuple(p.shape)}
+
+    def shard_tensors(self) -> dict:
+        """A sharded run's weights and per-parameter optimizer states, by name (``param/NAME``,
+        ``optim/INDEX/KEY``): each rank's shards, for ``torch.distributed.checkpoint``."""
+        out = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master)}
+        for i, entry in self.optimizer.state_dict()["state"].items():
+            out.update({f"optim/{i}/{k}": entry[k] for k in self._sharded_keys(i, entry)})
+        return out
+
     def save(self, extra=None):
-        """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit)."""
+        """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit).
+        A sharded run's ranks each write their shards first (a collective: every rank calls this),
+        then rank 0 commits them with the rest."""
         if not self.dir:
             return
         main = self.combiner.rank == 0
         if not (main or self.sharded):
             return
-        st = self.state()  # sharded: gathering the shards is a collective, so every rank builds it
-        if self.sharded:  # the whole trainable weights, for a caller's extra files (the LM's model.safetensors)
-            self.whole_params = dict(zip(self.per_unit.names, st["params"]))
+        st = self.state()
+        shards = None
+        if self.sharded:  # every rank its own shards (engine.sharding.save_shards), then one commit
+            st["shards"] = ckpt.shards_folder(self.step)
+            shards = (st["shards"], save_shards(self.shard_tensors(), ckpt.pending_folder(self.dir, st["shards"])))
         if main:  # one writer
-            ckpt.save(self.dir, st, extra(self) if extra is not None else None)
+            ckpt.save(self.dir, st, extra(self) if extra is not None else None, shards=shards)
 
     def restore(self, st: dict):
         if st["config"] != privacy_repr(self.cfg):
@@ -537,20 +580,27 @@ class EngineRun:
                             "settings may change: chunk size, per-unit strategy, precision, checkpoint cadence)")
         if st["param_names"] != self.per_unit.names:
             raise UserError(f"cannot resume from {ckpt.path(self.dir)}: the model's trainable parameters differ")
-        for name, m, v in zip(self.per_unit.names, self.master, st["params"]):
-            if tuple(v.shape) != tuple(m.shape):
-                raise UserError(f"cannot resume from {ckpt.path(self.dir)}: parameter {name} has shape "
-                                f"{tuple(v.shape)} there and {tuple(m.shape)} in this model")
+        held = self._held()
+        optimizer = st["optimizer"]
+        if st.get("shards") is not None:  # a sharded run's: its shards, read into this run's layout
+            optimizer = self._read_shards(st, held)
+        else:
+            for name, m, v in zip(self.per_unit.names, self.master, st["params"]):
+                if tuple(v.shape) != tuple(m.shape):
+                    raise UserError(f"cannot resume from {ckpt.path(self.dir)}: parameter {name} has shape "
+                                    f"{tuple(v.shape)} there and {tuple(m.shape)} in this model")
+            if self.sharded:
+                optimizer = optimizer_state_like(optimizer, held)
         with torch.no_grad():
-            for p, m, v in zip(self.params, self.master, st["params"]):
-                m.copy_(shard_like(v, m))  # a shard of the whole saved tensor where the run is sharded
+            for i, (p, m) in enumerate(zip(self.params, self.master)):
+                if st.get("shards") is None:
+                    m.copy_(shard_like(st["params"][i], m))  # a shard of the whole saved tensor where sharded
                 if m is not p:
                     p.copy_(m)
             bufs = dict(self.model.named_buffers())
             for n, v in st["buffers"].items():
                 bufs[n].copy_(v.to(bufs[n].device))
-        held = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.optimizer.load_state_dict(optimizer_state_like(st["optimizer"], held) if self.sharded else st["optimizer"])
+        self.optimizer.load_state_dict(optimizer)
         self.clip_state = dict(st["clip_state"])
         users = st["table_users"].numpy()
         recs = st["table_records"].numpy() if st["table_records"] is not None else None

@@ -25,13 +25,17 @@ Only what no library does is written here: FSDP2 does the sharding, DTensor the 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from userdp.errors import UserError
+from userdp.fileio import sha256_file
 
 #: the choices of ``TrainConfig.sharding`` (and ``training.sharding``)
 SHARDINGS = ("none", "fsdp")
@@ -134,22 +138,53 @@ def scatter_from_main(full: torch.Tensor | None, param, dtype: torch.dtype) -> t
                              src_data_rank=0).to_local()
 
 
+def save_shards(tensors: dict, folder: str) -> dict:
+    """Write ``tensors`` (name -> tensor: DTensor shards, or whole tensors) to ``folder`` with
+    ``torch.distributed.checkpoint``, every rank its own shards (every rank calls it); returns every
+    rank's files as ``{file: {"sha256", "bytes"}}`` (each rank hashes its own files; all ranks get
+    the union), for the checkpoint's manifest. ``folder`` is emptied first (a failed attempt's)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+    dist.barrier()
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+    mine = {f: {"sha256": sha256_file(os.path.join(folder, f)), "bytes": os.path.getsize(os.path.join(folder, f))}
+            for f in sorted(os.listdir(folder)) if f.startswith(f"__{rank}_") or (rank == 0 and f == ".metadata")}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {k: v for part in every for k, v in part.items()}
+
+
+def load_shards(template: dict, folder: str, where: str) -> None:
+    """Read a :func:`save_shards` folder into ``template``'s tensors, in place, whatever their layout
+    (DTensor shards of any W, or whole tensors in one process): ``torch.distributed.checkpoint``
+    reshards. Every rank of a process group calls it.
+
+    Raises:
+        UserError: a tensor the folder lacks, or of another shape (named, with ``where``)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(folder)
+    try:
+        meta = reader.read_metadata().state_dict_metadata
+    except Exception as exc:  # noqa: BLE001 - an unreadable metadata file: one line
+        raise UserError(f"{where}: unreadable sharded checkpoint ({type(exc).__name__})") from None
+    for name, t in template.items():
+        got = meta.get(name)
+        if got is None or tuple(getattr(got, "size", ())) != tuple(t.shape):
+            raise UserError(f"{where}: {name} is {'missing' if got is None else f'of shape {tuple(got.size)}'} "
+                            f"there and of shape {tuple(t.shape)} in this run")
+    with warnings.catch_warnings():  # one process with no group (a resume unsharded): what we intend
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(template, storage_reader=reader)
+
+
 def whole(t):
     """``t`` itself, or the whole tensor of a DTensor shard (an all-gather: every rank calls it)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def gathered(obj):
-    """``obj`` (a state dict: dicts, lists, tuples, tensors) with every DTensor made whole, in the
-    same order on every rank (each is an all-gather). A sharded run's checkpoint holds whole tensors,
-    written by rank 0 in the replicated run's format: it resumes on any world size, sharded or not."""
-    if isinstance(obj, torch.Tensor):
-        return whole(obj)
-    if isinstance(obj, dict):
-        return {k: gathered(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(gathered(v) for v in obj)
-    return obj
 
 
 def shard_like(full: torch.Tensor, param) -> torch.Tensor:

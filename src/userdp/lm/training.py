@@ -116,8 +116,10 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     def checkpoint_files(run) -> dict:
         """The LM files committed with each engine checkpoint, as one unit."""
         eps = run.ledger.epsilon_upper_bound()
-        return {"model.safetensors": lambda path: _save_weights(model, path, run.step, eps, run.whole_params),
-                "ledger.json": lambda path: _write_ledger_summary(path, run.step, run.ledger.spent, eps)}
+        files = {"ledger.json": lambda path: _write_ledger_summary(path, run.step, run.ledger.spent, eps)}
+        if not run.sharded:  # a sharded run's weights are in the checkpoint's shards (docs/scaling.md)
+            files["model.safetensors"] = lambda path: _save_weights(model, path, run.step, eps)
+        return files
 
     if main:
         rd.write_state(status="running")
@@ -167,13 +169,10 @@ def _announce(info: dict, log: Log) -> None:
         log(f"warning: the device noise kernel runs {info['noise_kernel']}: correct, but about 20x slower")
 
 
-def _save_weights(model, path, step: int, eps, whole: dict | None = None) -> None:
+def _save_weights(model, path, step: int, eps) -> None:
     """Write the trainable weights to ``path`` (checkpoints/model.safetensors, committed with the
-    engine's checkpoint as one unit). ``whole``: a sharded run's weights, gathered by the engine."""
-    if whole is not None:
-        tensors = {n: v.detach().cpu().contiguous() for n, v in whole.items()}
-    else:
-        tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+    engine's checkpoint as one unit)."""
+    tensors = {n: p.detach().cpu().contiguous() for n, p in model.named_parameters() if p.requires_grad}
     save_file(tensors, str(path), metadata={"step": str(step), "epsilon_spent_upper_bound": str(eps)})
 
 
