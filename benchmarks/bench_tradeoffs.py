@@ -176,7 +176,7 @@ def selection_data(c: Corpus, selection: str):
         cfg = dataclasses.replace(c.cfg, training=dataclasses.replace(c.cfg.training, selection=selection))
         c.model.load_state_dict(c.start)
         c.data_by_selection[selection] = F.build_datasets(c.prep, c.tok, seq_len=cfg.tokenizer.seq_len,
-                                                          selection=selection, log=_log, model=c.model, notes={})[0]
+                                                          selection=selection, log=_log, model=c.model)[0]
     return c.data_by_selection[selection]
 
 

@@ -28,6 +28,7 @@ from userdp.audit.faults import broken_build
 from userdp.audit.session import AuditSession
 from userdp.lm import config as C
 from userdp.lm.finetune import run
+from userdp.lm.job_context import Launch
 
 AUDIT = ["audit.canaries=400", "audit.seed=2026", "training.seed=11", "audit.inference_users=0",
          "eval.before=false", "data.max_eval_users=16",  # the held-out perplexity is not what these test
@@ -41,9 +42,9 @@ def _audit(tmp_path, overrides, fault=None, times=16):
     cfg = C.load_config(None, AUDIT + overrides)
     if fault:
         with broken_build(fault, times):
-            s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, audit=AuditSession)
+            s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession))
     else:
-        s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, audit=AuditSession)
+        s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession))
     return s, json.loads((tmp_path / "run" / "privacy.json").read_text())
 
 

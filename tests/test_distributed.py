@@ -277,11 +277,12 @@ def test_the_audit_is_refused_on_several_processes(tmp_path):
     from userdp.launch import World
     from userdp.lm import config as C
     from userdp.lm.finetune import run
+    from userdp.lm.job_context import Launch
 
     cfg = _tiny(tmp_path, "")
     c = C.load_config(str(cfg), ["audit.canaries=10"])
     with pytest.raises(UserError, match="audit runs in one process"):
-        run(c, output=str(tmp_path / "r"), world=World(rank=0, world_size=2))
+        run(c, output=str(tmp_path / "r"), launch=Launch(world=World(rank=0, world_size=2)))
     assert not (tmp_path / "r").exists()
 
 

@@ -80,12 +80,12 @@ def _interrupt_at(monkeypatch, step, exc=KeyboardInterrupt):
 
     real = F._save_weights
 
-    def boom(model, path, s, eps, whole=None):
+    def boom(model, path, s, eps):
         if s == step:
             if exc is KeyboardInterrupt:
                 raise KeyboardInterrupt
             raise exc
-        real(model, path, s, eps, whole)
+        real(model, path, s, eps)
 
     monkeypatch.setattr(F, "_save_weights", boom)
     return real
@@ -273,13 +273,13 @@ def test_an_older_copy_of_journal_and_head_is_caught_by_the_metrics(tiny, capsys
     real = F._save_weights
     saved = {}
 
-    def boom(model, path, s, eps, whole=None):
+    def boom(model, path, s, eps):
         if s == 3:
             for name in (JOURNAL, "ledger_head.json"):
                 saved[name] = (out / "checkpoints" / name).read_bytes()
         if s == 4:
             raise KeyboardInterrupt
-        real(model, path, s, eps, whole)
+        real(model, path, s, eps)
 
     monkeypatch.setattr(F, "_save_weights", boom)
     assert _train([str(cfg), "--output", str(out)], capsys)[0] == 130

@@ -244,8 +244,8 @@ def test_ctrl_c_in_train_writes_an_honest_record_and_report(tmp_path, monkeypatc
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
     real = F._save_weights
 
-    def press_ctrl_c(model, path, step, eps, whole=None):
-        real(model, path, step, eps, whole)
+    def press_ctrl_c(model, path, step, eps):
+        real(model, path, step, eps)
         if step == 2:
             os.kill(os.getpid(), signal.SIGINT)  # deferred: step 3 finishes and is saved, then it stops
 

@@ -11,6 +11,7 @@ from userdp.cli import jsonout
 from userdp.errors import UserError
 from userdp.lm import config as C
 from userdp.lm.finetune import run
+from userdp.lm.job_context import Launch
 from userdp.lm.run_dir import existing_run_dir, read_json
 
 
@@ -64,7 +65,8 @@ def main(args) -> int:
         k = args.canaries if args.canaries is not None else (cfg.audit.canaries or DEFAULT_CANARIES)
         cfg = C.load_config(args.config, args.overrides + [f"audit.canaries={k}"])
 
-    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, audit=AuditSession)
+    s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress,
+            launch=Launch(audit=AuditSession))
     a = s["audit"]
     print(f"run directory:        {s['run_dir']}")
     print(f"audit:                {a['statement']} — {a['canaries']} canary users, "

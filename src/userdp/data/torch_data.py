@@ -21,6 +21,10 @@ from userdp.errors import UserError
 class TokenizedUserData(UserData):
     """User u's records are the tokenized sequences of view user u (cut to ``seq_len``)."""
 
+    #: a statement of the non-private touch of the data that chose its records (perplexity-based
+    #: selection, :func:`userdp.lm.prepare.build_datasets`), for the report; None: none
+    data_touch: str | None = None
+
     def __init__(self, tokenized: TokenizedStore, seq_len: int | None = None):
         self.ts = tokenized
         self.seq_len = int(seq_len or tokenized.seq_len)

@@ -30,9 +30,9 @@ from userdp.engine.algorithms import UnitTable
 from userdp.engine.chacha import tail_delta
 from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
+from userdp.engine.flat import DrawCursor
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
-from userdp.engine.flat import DrawCursor
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, os_entropy, source_class, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)

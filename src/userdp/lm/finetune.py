@@ -31,7 +31,7 @@ from userdp.fileio import atomic_dir, write_atomic
 from userdp.launch import JobStopped, World, translate
 from userdp.lm import config as C
 from userdp.lm import models
-from userdp.lm.job_context import JobContext, JobData
+from userdp.lm.job_context import JobContext, JobData, Launch
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
 from userdp.lm.plan_auto import planned_config
 from userdp.lm.prepare import Log, build_datasets, prepare_data, stderr_log
@@ -86,36 +86,33 @@ def _keep_performance_changes(rd: RunDir, cfg: C.RunConfig, log: Log) -> None:
 
 
 def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
-        progress: bool = True, log: Log = stderr_log, plan_file: Optional[str] = None, world=None,
-        audit: Optional[Callable] = None) -> Optional[dict]:
+        progress: bool = True, log: Log = stderr_log, launch: Optional[Launch] = None) -> Optional[dict]:
     """Run (or resume) a training job; returns the summary (also in the run directory).
 
-    ``audit``: the empirical audit's hooks, needed when ``cfg.audit.canaries > 0``: a factory
-    ``audit(audit_cfg, run_root, resume=, log=, steps_begun=)`` returning a session with
-    ``attach``, ``gradient``, ``loss``, ``observe_step``, ``journal_context``, ``finish`` and
-    ``discard`` (``userdp.audit.session.AuditSession``, which ``userdp train`` and ``userdp audit``
-    pass). The LM job does not import the audit: it is a layer above it.
+    ``output``: the new run's directory (empty or absent; None: ``output.dir``, else
+    ``runs/<UTC time>``); ``resume_dir``: a run directory to continue instead. A new run that fails
+    before its first step (bad data, a budget that cannot be met, ...) removes the run directory it
+    made, so nothing half-written blocks the rerun; once a step has begun, the directory (and its
+    ledger) stays.
 
-    ``plan_file``: a plan saved by ``userdp plan`` to apply (its data touches and its DP median's
-    epsilon then go into the report, as with ``plan: auto``). A new run that fails before its
-    first step (bad data, a budget that cannot be met, ...) removes the run directory it made, so
-    nothing half-written blocks the rerun; once a step has begun, the directory (and its ledger)
-    stays.
-
-    ``world``: the job's processes (:func:`userdp.launch.init_world`; None: one process). Under
-    torchrun every rank calls this; rank 0 alone writes and logs (docs/scaling.md), and only
-    rank 0 returns the summary (the others return None).
+    ``launch`` (:class:`userdp.lm.job_context.Launch`): what the command line brings: the job's
+    processes (under torchrun every rank calls this; rank 0 alone writes and logs, docs/scaling.md,
+    and only rank 0 returns the summary, the others None), a plan saved by ``userdp plan`` to apply
+    (its data touches and its DP median's epsilon then go into the report, as with ``plan: auto``),
+    and the empirical audit's hooks (needed when ``cfg.audit.canaries > 0``).
 
     Raises:
         UserError: bad configuration or data, a damaged run directory, an unmet budget.
         KeyboardInterrupt: after Ctrl-C (the run can be resumed).
         userdp.launch.PeerLost: another process of a torchrun job failed (the run can be resumed)."""
-    world = world or World()
+    launch = launch or Launch()
+    world, audit = launch.world or World(), launch.audit
     if not world.is_main:
         log, progress = (lambda msg: None), False
     try:
         with bars_shown(progress):  # every phase's bar, as the training bar, follows --no-progress
-            ctx = JobContext(world=world, log=log, progress=progress, plan_file=plan_file, resume_dir=resume_dir)
+            ctx = JobContext(world=world, log=log, progress=progress, plan_file=launch.plan_file,
+                             resume_dir=resume_dir)
             return _run_top(cfg, output, audit, ctx)
     except (Exception, JobStopped) as exc:
         lost = exc if isinstance(exc, JobStopped) else translate(exc) if world.distributed else None
@@ -214,8 +211,9 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, device=ctx.device)
     with world.main_first("tokenizing the data"):
         train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
-                                               selection=cfg.training.selection, log=log, model=model,
-                                               notes=ctx.notes)
+                                               selection=cfg.training.selection, log=log, model=model)
+    if train_data.data_touch is not None:  # a non-private touch of the data: the report states it
+        ctx.notes["data_touch"] = train_data.data_touch
     # 3. the plan: its choices, the audit's canaries (before any step), the chunk size, the run plan
     cfg, plan = planned_config(cfg, ctx, prep, train_data, model)
     audit = ctx.audit

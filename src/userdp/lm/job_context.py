@@ -13,6 +13,22 @@ from userdp.lm.prepare import Log, Prepared
 from userdp.lm.run_dir import RunDir
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How a job was launched, beyond its config: what ``userdp train`` (or ``userdp audit``) brings
+    to :func:`userdp.lm.finetune.run`, and an API caller seldom needs.
+
+    ``world``: the job's processes (:func:`userdp.launch.init_world`; None: one process).
+    ``plan_file``: a plan saved by ``userdp plan`` to apply (``--plan``).
+    ``audit``: the empirical audit's hooks, needed when ``audit.canaries > 0``: a factory
+    ``audit(audit_cfg, run_root, resume=, log=, steps_begun=)`` returning a session
+    (``userdp.audit.session.AuditSession``); the LM job does not import the audit, a layer above it."""
+
+    world: Any = None
+    plan_file: Optional[str] = None
+    audit: Any = None
+
+
 @dataclasses.dataclass
 class JobContext:
     """One job's surroundings. ``rd`` and ``audit`` are set when the run directory is made (or

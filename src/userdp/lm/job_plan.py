@@ -110,8 +110,8 @@ def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
 @functools.lru_cache(maxsize=8)
 def _mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> RunPlan:
     # a performance-neutral config (model.device cpu): its precision is float32 wherever the job runs
-    return make_plan(engine_config(cfg, num_units, _NEUTRAL_DEVICE, prior), num_users=num_users,
-                     num_units=num_units)
+    config = engine_config(cfg, num_units, _NEUTRAL_DEVICE, prior)
+    return make_plan(config, num_users=num_users, num_units=num_units)
 
 
 _NEUTRAL_DEVICE = torch.device("cpu")
@@ -210,8 +210,9 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = s
         strategy = "vmap" if algo.update != "gradient" or t.per_unit == "vmap" else "ghost"
         records = algo.records_per_unit
         states = {"adam": 2, "adafactor": 1}.get(t.optimizer, 1 if t.momentum else 0)
+        low = resolve_precision(t.precision, device) != "float32"
         chunk, info = auto_chunk_size(model, records, cfg.tokenizer.seq_len, device=device, strategy=strategy,
-                                      low_precision=resolve_precision(t.precision, device) != "float32",
+                                      low_precision=low,
                                       memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None,
                                       optimizer_states=states,
                                       shards=world_size if t.sharding == "fsdp" else 1)

@@ -99,12 +99,12 @@ def _perplexity_scores(L: int, prep, tok, model, log):
     return np.asarray(scores)[rows], touch
 
 
-def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None, notes=None):
+def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None):
     """(training UserData, held-out UserData) as ``userdp train`` builds them (tokenized, cached):
     ``seq_len`` is ``tokenizer.seq_len``, ``selection`` is ``training.selection``.
 
-    ``model`` is needed only for perplexity-based record selection (whose data touch is then
-    noted in ``notes["data_touch"]``)."""
+    ``model`` is needed only for perplexity-based record selection, a non-private touch of the
+    data: the training data's ``data_touch`` then states it (None otherwise), for the report."""
 
     cache = owned_dir(private_cache_root() / "tokenized")
     t0 = time.time()
@@ -117,11 +117,11 @@ def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None, 
         if part.num_users and part.num_tokens == 0:
             raise UserError(f"the {name} users' records tokenized to 0 tokens: the tokenizer cannot encode this "
                             "data (check tokenizer.path / model.path, data.text_field); nothing was trained")
-    scores = None
+    scores, touch = None, None
     if selection in ("highest_ppl", "lowest_ppl"):
         if model is None:
             raise UserError(f"training.selection = {selection} needs the starting model")
         scores, touch = _perplexity_scores(seq_len, prep, tok, model, log)
-        if notes is not None:
-            notes["data_touch"] = touch.statement
-    return (LMUserData(tr, selection, seq_len, scores), LMUserData(ev, "random", seq_len))
+    train = LMUserData(tr, selection, seq_len, scores)
+    train.data_touch = touch.statement if touch is not None else None
+    return train, LMUserData(ev, "random", seq_len)
