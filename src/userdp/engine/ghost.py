@@ -834,6 +834,10 @@ class GhostPerUnit:
         self._index = {id(p): j for j, p in enumerate(self.params)}
         self._layers = [mod for mod in model.modules()
                         if any(p.requires_grad for p in mod.parameters(recurse=False))]
+        # (layer, attribute) -> the parameter's index: under FSDP2 the attribute holds a gathered tensor
+        # while the module is unsharded (the root's stays so from its forward to its backward)
+        self._owner = {(id(mod), n): self._index[id(p)] for mod in self._layers
+                       for n, p in mod.named_parameters(recurse=False) if id(p) in self._index}
         self.fallback_layers = sorted({type(mod).__name__ for mod in self._layers if type(mod) not in GHOST_LAYERS})
         self._verified = False
         self._mismatches = 0  # first-chunk checks whose sums differed from autograd's (_verify)
@@ -842,6 +846,13 @@ class GhostPerUnit:
         # those (what the hooks saw in use), not the shards (autograd gives None for those)
         self._sharded = is_sharded(self.params)
         self._in_use: list = []  # (module, name, tensor in use) while a checked forward runs
+        # the parameters whose coverage is still to check (_verify): all on the first chunk; a sharded
+        # rank checks them a group of at most 1/W of the model at a time (a whole batch gradient of
+        # each in the group), so the check never holds the model's whole gradient
+        self._unchecked: list[int] = list(range(len(self.params)))
+        self._check_budget = (max(max(p.numel() for p in self.params),
+                                  math.ceil(sum(p.numel() for p in self.params) / self.params[0].device_mesh.size()))
+                              if self._sharded else None)
         self.last_choice: dict[str, str] = {}  # parameter -> "ghost" | "materialized" (last chunk)
         #: parameter -> for each dense (GEMM) use in the last chunk, whether it took the bf16 tensor-core path
         self.last_narrow: dict[str, list[bool]] = {}
@@ -902,18 +913,23 @@ class GhostPerUnit:
         outs = [c.output for c in captures]
         # the first chunk (with a unit in it: a sharded rank's padding chunk proves nothing) checks coverage
         check = not self._verified and (not self._sharded or bool(weights.any()))
+        group = self._check_group() if check else set()
         in_use = list({id(t): (mod, a, t) for mod, a, t in self._in_use}.values()) if check and self._sharded else []
         self._in_use = []
-        wrt = [t for _, _, t in in_use] if self._sharded else (self.params if check else [])
+        in_use = [(mod, a, t) for mod, a, t in in_use if self._owner.get((id(mod), a)) in group]
+        wrt = [t for _, _, t in in_use] if self._sharded else [self.params[j] for j in sorted(group)]
         grads = torch.autograd.grad(unit_loss.sum() * scale, outs + wrt, allow_unused=True)
-        out_grads, batch_grads = list(grads[: len(outs)]), grads[len(outs):]
-        if in_use:  # each gathered tensor's gradient is its (sharded) parameter's batch gradient on this rank
-            by_param: list = [None] * len(self.params)
-            for (mod, attr, _), g in zip(in_use, batch_grads):
-                j = self._index.get(id(getattr(mod, attr)))  # after the forward: the shard again
-                if j is not None and g is not None:
-                    by_param[j] = g if by_param[j] is None else by_param[j] + g
-            batch_grads = by_param
+        out_grads, checked = list(grads[: len(outs)]), grads[len(outs):]
+        batch_grads: list = [None] * len(self.params)  # the checked group's batch gradients (on this rank)
+        if self._sharded:  # each gathered tensor's gradient is its (sharded) parameter's batch gradient
+            for (mod, attr, _), g in zip(in_use, checked):
+                j = self._owner[(id(mod), attr)]
+                if g is not None:
+                    batch_grads[j] = g if batch_grads[j] is None else batch_grads[j] + g
+        else:
+            for j, g in zip(sorted(group), checked):
+                batch_grads[j] = g
+        del checked
         del grads  # each output's gradient is dropped once its layer's factors hold what they need
         # every contraction of norms and sums in IEEE float32, whatever the caller's TF32 setting
         with exact_float32():
@@ -977,7 +993,7 @@ class GhostPerUnit:
             est, upper = _bounded_norms(parts, m)
             del parts
             if check:
-                self._verify(seen, dense, factored, batch_grads, scale)
+                self._verify(seen, dense, factored, batch_grads, scale, group)
             del batch_grads
             for g in [g for g, _ in blocks] + [st.members for st in stacks]:
                 for j in g:  # the stacks hold these now
@@ -1074,19 +1090,39 @@ class GhostPerUnit:
             mag = torch.zeros_like(value)
         return value, err, mag
 
-    def _verify(self, seen, dense, factored, batch_grads, scale) -> None:
-        """First chunk: every parameter the loss uses must be seen by a hook, and the units'
+    def _check_group(self) -> set:
+        """The parameters this chunk's coverage check compares: every one still unchecked, or on a
+        sharded rank the next of them up to :attr:`_check_budget` numbers (at least one)."""
+        if self._check_budget is None:
+            return set(self._unchecked)
+        group, size = set(), 0
+        for j in self._unchecked:
+            n = self.params[j].numel()
+            if group and size + n > self._check_budget:
+                break
+            group.add(j)
+            size += n
+        return group
+
+    def _verify(self, seen, dense, factored, batch_grads, scale, group: set) -> None:
+        """First chunks: every parameter the loss uses must be seen by a hook, and the units'
         gradients must add up to autograd's batch gradient (checked on the first chunk whose values
-        are finite). A parameter used outside its layers' forward would otherwise be missing from
-        its norms and from the sum alike: the sensitivity bound still holds for what is summed
-        (both come from the same factors), but the update would silently lack that use."""
+        are finite; ``group``: the parameters compared on this chunk, :meth:`_check_group`). A
+        parameter used outside its layers' forward would otherwise be missing from its norms and from
+        the sum alike: the sensitivity bound still holds for what is summed (both come from the same
+        factors), but the update would silently lack that use. (A sharded run's later groups are
+        compared on later chunks, maybe of later steps: a model that fails one trains those steps
+        without that use, then stops with the error; its privacy is the same.)"""
         tol = self.precision.verify_tolerance
         complete = True
-        for name, p, d, fs, bg, used in zip(self.names, self.params, dense, factored, batch_grads, seen):
+        for j, (name, p, d, fs, bg, used) in enumerate(zip(self.names, self.params, dense, factored, batch_grads,
+                                                           seen)):
             if not used and self._sharded:  # its gathered tensor was never seen: no gradient to compare
                 raise GhostUnsupported(f"sharding=fsdp: parameter {name!r} is trainable but not used through the "
                                        "forward of a layer that owns it; freeze it (requires_grad=False) or use "
                                        "sharding: none")
+            if j not in group:
+                continue
             if not used and bg is not None:  # structural: no layer's hook saw a parameter the loss uses
                 raise GhostUnsupported(f"per_unit=ghost: parameter {name!r} is used by the loss but not through the "
                                        "forward of a layer that owns it, so no per-unit norm can be formed from "
@@ -1112,4 +1148,6 @@ class GhostPerUnit:
                                            "call in a parent module), so its per-unit norm would be wrong: use "
                                            "training.per_unit: vmap")
                 break
-        self._verified = complete
+        if complete:
+            self._unchecked = [j for j in self._unchecked if j not in group]
+        self._verified = not self._unchecked

@@ -33,6 +33,8 @@ tokens a chunk and 0.99 at 2,048 (benchmarks/README.md); not yet measured on a G
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -132,7 +134,8 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
     states, plus the two largest blocks gathered whole at once (FSDP gathers the next block while one
     computes) and two copies of the largest parameter (the one whole sum a rank holds while it is
     reduce-scattered, or rank 0's noise for it while it is scattered); no stacked groups and no noise
-    drawn ahead; the first chunk's check stays whole."""
+    drawn ahead; the coverage check's batch gradient of 1/W of the parameters at a time (at least the
+    largest), over the first W chunks."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     n = sum(p.numel() for p in trainable)
@@ -145,6 +148,7 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
                         reverse=True)
         gathered = sum(blocks[:2]) if blocks else total  # no blocks: the root gathers everything
         largest = max((p.numel() for p in trainable), default=0)
+        verify = max(math.ceil(n / shards), largest) if strategy == "ghost" else 0
         return int(total / shards + gathered + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters
                                                     + verify))
     return int(total + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
