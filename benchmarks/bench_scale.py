@@ -245,6 +245,8 @@ def _worker(a) -> dict:
             mem = _peak_rss()
         if a.profile:
             extra.update(_profile(step, device))
+        if a.memory_snapshot and device.type == "cuda":
+            extra.update(_memory_at_peak(step, device))
     except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, do not hide (OOM, unsupported layer)
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}", "params": params}
     s = statistics.median(times)
@@ -283,6 +285,55 @@ def _profile(step, device) -> dict:
         "memcpy": sum("Memcpy" in n for n in names),
         "scalar_reads": sum(n == "aten::_local_scalar_dense" for n in names),
         "ops": sum(n.startswith("aten::") for n in names)}}
+
+
+def _memory_at_peak(step, device, top: int = 15) -> dict:
+    """One more step with CUDA's allocator history recorded: what was allocated during the step
+    and still alive at its peak, grouped by where it was allocated (:func:`peak_composition`)."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    try:
+        step()
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    traces = snap.get("device_traces") or [[]]
+    return peak_composition(traces[device.index or 0], top)
+
+
+def peak_composition(trace: list, top: int = 15) -> dict:
+    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][i]``: alloc and
+    free events in order) and return the bytes allocated during it at their peak, and the blocks
+    alive then grouped by allocation site (the first userdp frame, else the first frame), largest
+    first: ``peak_live`` lines of "MiB xcount site"."""
+    live: dict = {}
+    total = best = 0
+    at_best: dict = {}
+    for ev in trace:
+        action = ev.get("action")
+        if action == "alloc":
+            live[ev["addr"]] = ev
+            total += int(ev["size"])
+            if total > best:
+                best, at_best = total, dict(live)
+        elif action == "free_completed":
+            gone = live.pop(ev["addr"], None)
+            if gone is not None:
+                total -= int(gone["size"])
+    groups: dict = {}
+    for ev in at_best.values():
+        frames = ev.get("frames") or []
+        mine = next((f for f in frames if "userdp" in f.get("filename", "")), frames[0] if frames else None)
+        site = f"{os.path.basename(mine['filename'])}:{mine['line']} {mine['name']}" if mine else "?"
+        g = groups.setdefault(site, [0, 0])
+        g[0] += int(ev["size"])
+        g[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    return {"peak_traced_bytes": best,
+            "peak_live": [f"{size / 2**20:.1f} MiB x{n} {site}" for site, (size, n) in ranked]}
 
 
 FIT_MODELS = ("gpt2-small", "gpt2-medium", "gpt2-large")
@@ -441,6 +492,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--memory-snapshot", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tf32-ceiling", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")

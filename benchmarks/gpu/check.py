@@ -173,6 +173,8 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
         args = ["--model", model, "--mode", mode, "--lora-rank", "8", "--algorithm", alg, *_common(a)]
         if profile:
             args.append("--profile")
+        if profile and alg == "uls":  # what a DP step's peak holds, by allocation site (the memory model's check)
+            args.append("--memory-snapshot")
         r = _worker(a, args)
         if alg == "nonprivate":
             base = r
