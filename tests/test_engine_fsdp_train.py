@@ -260,3 +260,36 @@ def test_a_loop_of_its_own_around_a_model_the_caller_sharded():
         assert diff < 1e-6, (rank, diff)
         moved = max(float(np.abs(got["own"][n] - _full(_model("gpt2"))[n]).max()) for n in got["own"])
         assert moved > 1e-3  # it trained
+
+
+def _whole_again(rank: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from userdp.engine.sharding import gathered_blocks, gathered_model
+
+    out = {}
+    for kind in ("gpt2", "llama"):
+        plain, sharded = _model(kind).eval(), _model(kind).eval()
+        for block in gathered_blocks(sharded):
+            fully_shard(block)
+        fully_shard(sharded)
+        whole = gathered_model(sharded)
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+        with torch.no_grad():
+            gap = float((whole(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max())
+        tensors = list(whole.parameters()) + list(whole.buffers())
+        out[kind] = {"gap": gap, "meta": sum(t.is_meta for t in tensors), "type": type(whole).__name__,
+                     "tied": whole.lm_head.weight is whole.get_input_embeddings().weight,
+                     "mode": whole.training}
+    return out
+
+
+def test_a_sharded_model_is_made_whole_without_a_second_initialised_copy():
+    """After training each rank gathers the sharded model into a plain one built on the meta device
+    (no random initialisation, no copy in host memory): it computes what the unsharded model does,
+    with its non-persistent buffers (Llama's rotary frequencies) and its tied head (GPT-2's)."""
+    for rank, r in run_gloo_pair(_whole_again).items():
+        assert r["gpt2"]["type"] == "GPT2LMHeadModel" and r["llama"]["type"] == "LlamaForCausalLM"
+        for kind in ("gpt2", "llama"):
+            assert r[kind]["meta"] == 0 and r[kind]["gap"] < 1e-5 and r[kind]["mode"] is False, (rank, kind)
+        assert r["gpt2"]["tied"] and not r["llama"]["tied"]

@@ -221,13 +221,19 @@ def gathered_model(model: nn.Module) -> nn.Module:
 
     if not isinstance(model, FSDPModule):
         return model
-    state = {k: whole(v).detach() for k, v in model.state_dict().items()}
     cls = next(c for c in type(model).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
     config = getattr(model, "config", None)
     if config is None:
         raise UserError(f"sharding='fsdp': cannot rebuild a whole {cls.__name__} after training (not a Hugging Face "
                         "model with a config); gather it yourself with full_tensor()")
-    plain = cls(config).to(next(iter(state.values())).device)
-    plain.load_state_dict(state)
+    state = {k: whole(v).detach() for k, v in model.state_dict().items()}
+    with torch.device("meta"):  # no second copy in host memory, no random initialisation of it
+        plain = cls(config)
+    plain.load_state_dict(state, assign=True)  # the gathered tensors become its parameters
+    for name, buf in model.named_buffers():  # the buffers a state dict leaves out (rotary frequencies, ...)
+        owner, _, leaf = name.rpartition(".")
+        plain.get_submodule(owner)._buffers[leaf] = buf.detach().clone()
+    if hasattr(plain, "tie_weights"):
+        plain.tie_weights()  # tied weights (GPT-2's head) are one tensor again, as in the trained model
     plain.train(model.training)
     return plain
