@@ -11,6 +11,7 @@ trained on examples/data/public.txt (text declared public) and the model is buil
 
 import argparse
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -38,6 +39,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--output", default=None, help="output_dir (default: a temporary folder)")
     a = ap.parse_args()
+    if a.output is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one folder for all
+        ap.error("--output: give the run's folder under torchrun (each process would make its own temporary one)")
 
     tok = tokenizer_from_public_text()
     rows = [json.loads(line) for line in (DATA / "commits.jsonl").read_text().splitlines() if line.strip()]
@@ -56,8 +59,9 @@ def main() -> None:
                              privacy=privacy, user_field="author")  # userdp: was Trainer(model=..., ...)
     trainer.train()
     rec = trainer.privacy_record()
-    print(f"user-level ({trainer.epsilon():.3f}, {rec['delta']:.3g})-DP over {rec['steps_accounted']} steps "
-          f"({rec['stopped']}); sigma {rec['noise_multiplier']:.3f}; statement in {args.output_dir}/report.md")
+    if trainer.is_world_process_zero():  # rank 0 wrote the run folder
+        print(f"user-level ({trainer.epsilon():.3f}, {rec['delta']:.3g})-DP over {rec['steps_accounted']} steps "
+              f"({rec['stopped']}); sigma {rec['noise_multiplier']:.3f}; statement in {args.output_dir}/report.md")
 
 
 if __name__ == "__main__":

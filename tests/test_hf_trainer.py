@@ -38,7 +38,7 @@ def _model():
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out"), report_to=[], logging_steps=1, save_strategy="no", use_cpu=True,
+    base = dict(output_dir=str(tmp_path / "out") if tmp_path is not None else None, report_to=[], logging_steps=1, save_strategy="no", use_cpu=True,
                 optim="sgd", learning_rate=0.2, lr_scheduler_type="constant", disable_tqdm=True)
     base.update(kw)
     return TrainingArguments(**base)
@@ -83,7 +83,7 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
 @pytest.mark.parametrize("name, value", [
     ("gradient_accumulation_steps", 2), ("fp16", True), ("bf16", True), ("torch_compile", True),
     ("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
-    ("mixed_precision", "bf16"), ("n_gpu", 2), ("world_size", 2)])
+    ("mixed_precision", "bf16"), ("n_gpu", 2)])
 def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name, value):
     args = types.SimpleNamespace(gradient_accumulation_steps=1, fp16=False, bf16=False, mixed_precision="no",
                                  torch_compile=False,
@@ -99,6 +99,62 @@ def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name,
     assert {n for n, _, _ in REFUSED} <= {"gradient_accumulation_steps", "fp16", "bf16", "mixed_precision",
                                            "torch_compile", "deepspeed", "fsdp", "neftune_noise_alpha",
                                            "label_smoothing_factor"}
+
+
+_TORCHRUN_SCRIPT = """
+import sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+sys.path.insert(0, {tests!r})
+from test_hf_trainer import _args, _dataset, _model
+from userdp.engine import ULS, FlatClip, TrainConfig
+from userdp.hf import PrivateTrainer
+
+out = sys.argv[1]
+privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=4, clipping=FlatClip(0.5),
+                      noise_multiplier=1.0, delta=1e-4, seed=11)
+trainer = PrivateTrainer(model=_model(), args=_args(None, output_dir=out), train_dataset=_dataset(), privacy=privacy,
+                         user_field="user")
+trainer.train()
+torch.save({{"params": [p.detach() for p in trainer.model.parameters()], "epsilon": trainer.epsilon(),
+            "units": [h["units"] for h in trainer._private.history], "world": trainer.args.world_size}},
+           out + f"/result-{{trainer.args.process_index}}.pt")
+"""
+
+
+@pytest.mark.slow
+def test_a_trainer_script_under_torchrun_is_the_one_process_run(tmp_path):
+    """The same script on two processes (torchrun, gloo): every process draws the same cohorts,
+    computes its share, and userdp sums them (the model is not wrapped in DDP): both processes end
+    with one process's parameters and epsilon; rank 0 alone writes the run folder, which `userdp
+    report` verifies and which says two processes ran."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "script.py"
+    script.write_text(_TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", USERDP_CACHE=str(tmp_path / "cache"))
+    one = subprocess.run([sys.executable, str(script), str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script), str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    ref = torch.load(tmp_path / "one" / "result-0.pt")
+    assert ref["world"] == 1
+    for rank in (0, 1):
+        got = torch.load(tmp_path / "two" / f"result-{rank}.pt")
+        assert got["world"] == 2 and got["units"] == ref["units"] and got["epsilon"] == ref["epsilon"]
+        for a, b in zip(got["params"], ref["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # float32 sums in another order
+    rec = json.loads((tmp_path / "two" / "privacy.json").read_text())
+    assert rec["compute"]["processes"] == {"world_size": 2, "backend": "gloo"}
+    assert any(n.startswith("2 processes (torchrun)") for n in rec["userdp_notes"])
+    report = subprocess.run([sys.executable, "-m", "userdp", "report", str(tmp_path / "two")], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
 
 
 def test_a_real_trainer_refuses_accumulation_and_records_it_cannot_read(tmp_path):

@@ -39,10 +39,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 from transformers import Trainer
 
 from userdp.engine import PrivacyRecord, TensorUserData, TrainConfig, make_private
+from userdp.engine.distributed import combiner_for
 from userdp.engine.plan import privacy_repr
 from userdp.engine.private_loop import PrivateTraining
 from userdp.errors import UserError
@@ -89,10 +91,11 @@ def check_arguments(args) -> list[str]:
     if getattr(args, "n_gpu", 1) > 1:
         raise UserError(f"TrainingArguments: {args.n_gpu} GPUs in one process (DataParallel) is not supported: "
                         "run on one GPU (CUDA_VISIBLE_DEVICES)")
-    if getattr(args, "world_size", 1) > 1:
-        raise UserError(f"TrainingArguments: {args.world_size} processes is not supported by userdp.hf yet: "
-                        "run one process, or `torchrun -m userdp train` for a config job")
     notes = []
+    if getattr(args, "world_size", 1) > 1:
+        notes.append(f"{args.world_size} processes (torchrun): every process draws the same cohort, computes "
+                     "its share of the units' clipped updates, and userdp all-reduces the sums (the noise is "
+                     "drawn once, on rank 0); the model is not wrapped in DistributedDataParallel")
     if args.max_grad_norm:
         notes.append(f"TrainingArguments.max_grad_norm={args.max_grad_norm} set aside: each user's update is "
                      "clipped to the privacy config's clip norm, and the noised sum is not clipped again")
@@ -220,7 +223,13 @@ class PrivateTrainer(Trainer):
 
     # ------------------------------------------------------------------ the Trainer's hooks
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        # not the accelerator's: every process runs every step (each computes its share of the cohort)
         return torch.utils.data.DataLoader(_Steps(self.privacy.steps), batch_size=1)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """The model itself, never DistributedDataParallel: userdp sums the clipped updates across
+        processes (and the per-unit step never runs DDP's forward and backward)."""
+        return model
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """The Trainer's log, with the epsilon spent so far (so log_history and report_to carry it)."""
@@ -268,7 +277,8 @@ class PrivateTrainer(Trainer):
                 write_atomic(rd.config, yaml.safe_dump(self._config_yaml(), sort_keys=False))
             self._private = make_private(self.model, getattr(self.optimizer, "optimizer", self.optimizer),
                                          self.user_data, self.loss_fn, self.privacy,
-                                         checkpoint_dir=str(rd.checkpoints), resume=self._resuming)
+                                         checkpoint_dir=str(rd.checkpoints), resume=self._resuming,
+                                         combiner=combiner_for(self.args.world_size > 1))
             if self._private.step != self.state.global_step:
                 raise UserError(f"resume_from_checkpoint: the Trainer's checkpoint is at step {self.state.global_step}, "
                                 f"userdp's ({rd.checkpoints}) at step {self._private.step}: "
@@ -308,7 +318,9 @@ class PrivateTrainer(Trainer):
             seq_len=self.user_data.seq_len,
             not_accounted=tuple(self.disclosures()),
             compute={"driver": "transformers.Trainer (userdp.hf.PrivateTrainer)", "device": str(self.args.device),
-                     "chunk_size": cfg.chunk_size, "processes": {"world_size": 1, "backend": None}})
+                     "chunk_size": cfg.chunk_size,
+                     "processes": {"world_size": self.args.world_size,
+                                   "backend": dist.get_backend() if self.args.world_size > 1 else None}})
         priv = privacy_record(record, facts)
         priv["userdp_notes"] = list(self.userdp_notes)
         # this script's evaluation is its own (disclosed above when it scores the training data)
