@@ -293,3 +293,19 @@ def test_a_sharded_model_is_made_whole_without_a_second_initialised_copy():
         for kind in ("gpt2", "llama"):
             assert r[kind]["meta"] == 0 and r[kind]["gap"] < 1e-5 and r[kind]["mode"] is False, (rank, kind)
         assert r["gpt2"]["tied"] and not r["llama"]["tied"]
+
+
+def test_a_bfloat16_checkpoint_is_widened_for_sharding_and_said():
+    """transformers loads a bfloat16 checkpoint as bfloat16; the sharded step trains float32 weights,
+    so an LM job with training.sharding: fsdp widens them, and says so in the log and the notes the
+    report reads (one process, no process group needed for this part)."""
+    from userdp.lm.starting_model import float32_for_sharding
+
+    model = _model("gpt2").to(torch.bfloat16)
+    notes, said = {}, []
+    out = float32_for_sharding(model, notes, said.append)
+    assert out is model and {p.dtype for p in model.parameters()} == {torch.float32}
+    assert "bfloat16 weights were widened to float32" in notes["weights_widened"] and len(said) == 1
+    notes2, said2 = {}, []
+    float32_for_sharding(_model("gpt2"), notes2, said2.append)  # float32 already: nothing to say
+    assert notes2 == {} and said2 == []

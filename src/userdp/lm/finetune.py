@@ -37,7 +37,7 @@ from userdp.lm.plan_auto import planned_config
 from userdp.lm.prepare import Log, build_datasets, prepare_data, stderr_log
 from userdp.lm.release import evaluate_before, release
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, new_run_dir
-from userdp.lm.starting_model import get_tokenizer_and_model, place_model
+from userdp.lm.starting_model import float32_for_sharding, get_tokenizer_and_model, place_model
 from userdp.lm.tensorboard_log import check_available
 from userdp.lm.training import train_model
 from userdp.progress import shown as bars_shown
@@ -209,6 +209,8 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
         tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress,
                                                         device=ctx.device)
     model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, device=ctx.device)
+    if cfg.training.sharding == "fsdp":
+        model = float32_for_sharding(model, ctx.notes, log)
     with world.main_first("tokenizing the data"):
         train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
                                                selection=cfg.training.selection, log=log, model=model)

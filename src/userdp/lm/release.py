@@ -38,7 +38,8 @@ def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: d
         compute={"device": notes.get("device"), "chunk_size": notes.get("chunk_size"),
                  "quantization": notes.get("quantization"),
                  "processes": notes.get("processes", {"world_size": 1, "backend": None}),
-                 "sharding": t.sharding})
+                 "sharding": t.sharding,
+                 **({"weights": notes["weights_widened"]} if notes.get("weights_widened") else {})})
     return privacy_record(record, facts)
 
 
