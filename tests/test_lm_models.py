@@ -91,6 +91,25 @@ def test_lora_trains_only_adapters_and_merges(tmp_path):
     assert (tmp_path / "a" / "adapter_config.json").is_file()
 
 
+def test_lora_adapters_start_the_same_whatever_the_process_drew_before():
+    """The adapters' initialisation comes from a fixed public seed: a run that built its pretrained
+    model (drawing from the global generator) and one that read it from the cache, or rank 0 and
+    rank 1 of a job, start from the same adapters; the global generator is left where it was."""
+    def adapters(draws: int):
+        torch.manual_seed(123)
+        torch.rand(draws)  # what the process drew before (e.g. pretraining the base)
+        m = models.build_preset("tiny", vocab_size=32, n_positions=16)
+        torch.rand(draws)
+        state = torch.get_rng_state()
+        lm = models.apply_lora(m, models.LoraSpec(rank=2, alpha=4))
+        assert torch.equal(torch.get_rng_state(), state)  # the caller's generator untouched
+        return {n: p.detach().clone() for n, p in lm.named_parameters() if p.requires_grad}
+
+    a, b = adapters(0), adapters(1000)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(float(v.abs().sum()) > 0 for k, v in a.items() if "lora_A" in k)  # A is random, not zeros
+
+
 def test_lora_unknown_target_is_named():
     m = models.build_preset("tiny", vocab_size=30, n_positions=16)
     with pytest.raises(UserError, match="q_proj"):

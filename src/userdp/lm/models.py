@@ -243,7 +243,8 @@ def default_lora_targets(model: nn.Module) -> list[str]:
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
-    """Wrap ``model`` with LoRA adapters (peft); only the adapters are trainable."""
+    """Wrap ``model`` with LoRA adapters (peft); only the adapters are trainable. Their initialisation
+    is drawn from :data:`LORA_INIT_SEED`, whatever the global generator's state."""
     from peft import LoraConfig, get_peft_model
 
     if spec.rank < 1:
@@ -258,9 +259,17 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     cfg = LoraConfig(r=int(spec.rank), lora_alpha=float(spec.alpha), target_modules=targets,
                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
                      fan_in_fan_out=fan_in_fan_out)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
         warnings.simplefilter("ignore")
+        torch.manual_seed(LORA_INIT_SEED)  # the adapters' initialisation: public, the same in every run
         return get_peft_model(model, cfg)
+
+
+#: the seed of the adapters' random initialisation (LoRA's A; B starts at zero): public randomness,
+#: fixed, so that a run's adapters do not depend on what the process drew before (a pretrained model
+#: built or read from the cache, the number of processes): seeded runs repeat, and every process of a
+#: job starts from the same adapters
+LORA_INIT_SEED = 0
 
 
 def is_lora(model: nn.Module) -> bool:
