@@ -89,6 +89,32 @@ def _weights(run_dir):
 
 @pytest.mark.slow
 @needs_torchrun
+def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path):
+    """`userdp train --nproc 2 --set training.sharding=fsdp` with LoRA: the base sharded by FSDP2, the
+    adapters trained as one process trains them (same epsilon, the released merged weights within
+    float32 rounding; the adapters start alike in every process and run: models.LORA_INIT_SEED)."""
+    cfg = _tiny(tmp_path, "  seed: 5\n")
+    lora = ["--set", "model.lora.enabled=true", "--set", "model.lora.rank=4"]
+    one = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--output", "one", "--no-progress",
+                          "--json", *lora], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    shard = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "shard",
+                            "--no-progress", "--json", "--set", "training.sharding=fsdp", *lora], cwd=tmp_path,
+                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert shard.returncode == 0, shard.stderr[-3000:]
+    s1, s2 = json.loads(one.stdout.splitlines()[-1]), json.loads(shard.stdout.splitlines()[-1])
+    assert s2["steps"] == s1["steps"] == 4 and s2["epsilon"] == s1["epsilon"]
+    assert s2["loss_after"] == pytest.approx(s1["loss_after"], abs=1e-5)
+    w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "shard")
+    gap = max(float((w1[k].float() - w2[k].float()).abs().max()) for k in w1)
+    assert sorted(w1) == sorted(w2) and gap < 1e-5, gap  # float32 sums in another order
+    priv = json.loads((tmp_path / "shard" / "privacy.json").read_text())
+    assert priv["compute"]["sharding"] == "fsdp"
+
+
+@pytest.mark.slow
+@needs_torchrun
 def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
     cfg = _tiny(tmp_path, "  seed: 5\n  checkpoint_every: 1\n")
     one = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--output", "one", "--no-progress",

@@ -305,7 +305,60 @@ def test_a_bfloat16_checkpoint_is_widened_for_sharding_and_said():
     notes, said = {}, []
     out = float32_for_sharding(model, notes, said.append)
     assert out is model and {p.dtype for p in model.parameters()} == {torch.float32}
-    assert "bfloat16 weights were widened to float32" in notes["weights_widened"] and len(said) == 1
+    assert "bfloat16 trainable weights were widened to float32" in notes["weights_widened"] and len(said) == 1
     notes2, said2 = {}, []
     float32_for_sharding(_model("gpt2"), notes2, said2.append)  # float32 already: nothing to say
     assert notes2 == {} and said2 == []
+    frozen = _model("gpt2").to(torch.bfloat16)
+    frozen.lm_head.weight.requires_grad_(False)  # tied: the embedding too
+    frozen.transformer.h[0].mlp.c_fc.weight.requires_grad_(False)
+    float32_for_sharding(frozen, {}, said2.append)
+    assert frozen.transformer.h[0].mlp.c_fc.weight.dtype == torch.bfloat16  # a frozen weight stays narrow
+    assert frozen.transformer.h[0].mlp.c_proj.weight.dtype == torch.float32
+
+
+def _lora_runs(rank: int) -> dict:
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.sharding import gathered_model
+    from userdp.lm import models
+    from userdp.lm.models import causal_lm_loss
+
+    def lora():
+        torch.manual_seed(0)
+        return models.apply_lora(_model("gpt2"), models.LoraSpec(4, 8, None))
+
+    replicated, sharded = lora(), lora()
+    train(replicated, _data(), causal_lm_loss, _config("uls", "none"), combiner=TorchDistributedCombiner())
+    res = train(sharded, _data(), causal_lm_loss, _config("uls", "fsdp"), combiner=TorchDistributedCombiner())
+    whole = gathered_model(sharded).eval()
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        gap = float((whole(input_ids=ids).logits - replicated.eval()(input_ids=ids).logits).abs().max())
+    trained = {n: p.detach().numpy().copy() for n, p in whole.named_parameters() if p.requires_grad}
+    want = {n: p.detach().numpy().copy() for n, p in replicated.named_parameters() if p.requires_grad}
+    return {"gap": gap, "type": type(whole).__name__, "trained": sorted(trained), "want": sorted(want),
+            "diff": max(float(np.abs(trained[n] - want[n]).max()) for n in want), "steps": res.steps,
+            "merged": type(models.merged(whole)).__name__}
+
+
+def test_lora_on_a_sharded_base_trains_the_replicated_runs_adapters():
+    """LoRA on a base sharded by FSDP2: the adapters (the trainable parameters) train to the replicated
+    run's, and the model made whole after training is a PEFT model that computes what the replicated
+    one does and merges into its base for release."""
+    for rank, r in run_gloo_pair(_lora_runs).items():
+        assert r["type"] == "PeftModelForCausalLM" and r["trained"] == r["want"] and len(r["want"]) > 0
+        assert r["steps"] == 3 and r["diff"] < 1e-6 and r["gap"] < 1e-5, (rank, r["diff"], r["gap"])
+        assert r["merged"] == "GPT2LMHeadModel"
+
+
+def test_a_quantized_base_is_refused_for_sharding_in_one_line():
+    import dataclasses
+
+    from userdp.lm import config as C
+
+    cfg = C.load_config(None, ["training.sharding=fsdp", "model.lora.enabled=true"])
+    C.check_sharding(cfg, distributed=True)  # LoRA on a sharded base: built
+    q = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora,
+                                                                                             quantize="nf4")))
+    with pytest.raises(UserError, match="training.sharding: fsdp cannot shard a quantized base"):
+        C.check_sharding(q, distributed=True)

@@ -209,8 +209,42 @@ def optimizer_state_like(state_dict: dict, params) -> dict:
     return out
 
 
+def _plain_class(module: nn.Module) -> type:
+    """The class ``fully_shard`` derived ``type(module)`` from (itself for a module it did not shard)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
+
+
+def _empty_like(model: nn.Module) -> nn.Module:
+    """A model of ``model``'s (unsharded) class and architecture with its tensors on the meta device:
+    a Hugging Face model from its config, a PEFT model as its base with the same adapters.
+
+    Raises:
+        UserError: neither (nothing to build the whole model from)."""
+    try:  # an optional library: a PEFT model is one only where peft is installed
+        from peft import PeftModel, get_peft_model
+    except ImportError:
+        PeftModel = get_peft_model = None
+    with torch.device("meta"):  # no second copy in host memory, no random initialisation of it
+        if PeftModel is not None and isinstance(model, PeftModel):
+            base = model.get_base_model()
+            peft = None
+            for name, cfg in model.peft_config.items():
+                if peft is None:
+                    peft = get_peft_model(_plain_class(base)(base.config), cfg, adapter_name=name)
+                else:
+                    peft.add_adapter(name, cfg)
+            return peft
+        config = getattr(model, "config", None)
+        if config is None:
+            raise UserError(f"sharding='fsdp': cannot rebuild a whole {_plain_class(model).__name__} after training "
+                            "(not a Hugging Face or PEFT model with a config); gather it yourself with full_tensor()")
+        return _plain_class(model)(config)
+
+
 def gathered_model(model: nn.Module) -> nn.Module:
-    """A whole (unsharded) copy of a ``fully_shard``-ed Hugging Face model, on every rank (an
+    """A whole (unsharded) copy of a ``fully_shard``-ed Hugging Face or PEFT model, on every rank (an
     all-gather per tensor: every rank calls it); ``model`` itself when it is not sharded. What the
     phases after training (evaluation, the released model) run on.
 
@@ -221,14 +255,8 @@ def gathered_model(model: nn.Module) -> nn.Module:
 
     if not isinstance(model, FSDPModule):
         return model
-    cls = next(c for c in type(model).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))
-    config = getattr(model, "config", None)
-    if config is None:
-        raise UserError(f"sharding='fsdp': cannot rebuild a whole {cls.__name__} after training (not a Hugging Face "
-                        "model with a config); gather it yourself with full_tensor()")
+    plain = _empty_like(model)
     state = {k: whole(v).detach() for k, v in model.state_dict().items()}
-    with torch.device("meta"):  # no second copy in host memory, no random initialisation of it
-        plain = cls(config)
     plain.load_state_dict(state, assign=True)  # the gathered tensors become its parameters
     for name, buf in model.named_buffers():  # the buffers a state dict leaves out (rotary frequencies, ...)
         owner, _, leaf = name.rpartition(".")

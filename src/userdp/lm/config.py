@@ -633,8 +633,8 @@ def check_sharding(cfg: RunConfig, distributed: bool) -> None:
     why = None
     if not distributed:
         why = "shards the model over the processes of a job: launch with --nproc N (or torchrun)"
-    elif cfg.model.lora.enabled:
-        why = "LoRA on a sharded base is not built yet (model.lora.enabled)"
+    elif cfg.model.lora.enabled and cfg.model.lora.quantize != "none":
+        why = f"cannot shard a quantized base (model.lora.quantize: {cfg.model.lora.quantize}): bitsandbytes' weights are not DTensors"
     else:  # the engine's own rules, read before any work (training.algorithm, training.per_unit)
         why = unshardable(ALGORITHMS.lookup(cfg.training.algorithm).update, cfg.training.per_unit)
     if why:

@@ -187,15 +187,17 @@ def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_l
 
 
 def float32_for_sharding(model, notes: dict, log: Log = stderr_log):
-    """The model with float32 weights, for ``training.sharding: fsdp`` (the sharded step trains float32
-    parameters: it builds no sharded float32 masters of narrower weights). A checkpoint saved in
+    """The model with float32 trainable weights, for ``training.sharding: fsdp`` (the sharded step trains
+    float32 parameters: it builds no sharded float32 masters of narrower weights). A checkpoint saved in
     bfloat16 loads as bfloat16 (transformers' ``dtype="auto"``): it is widened here, said in the log and
     in the report's notes. Returns the model (changed in place)."""
-    narrow = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
-                     if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)})
+    params = [p for p in model.parameters() if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)]
+    narrow = sorted({str(p.dtype).replace("torch.", "") for p in params})
     if narrow:
-        model.float()
-        notes["weights_widened"] = (f"the model's {'/'.join(narrow)} weights were widened to float32 for "
+        with torch.no_grad():
+            for p in params:  # the trainable ones: a frozen base (LoRA's) may stay narrow, FSDP2 shards it so
+                p.data = p.data.float()
+        notes["weights_widened"] = (f"the model's {'/'.join(narrow)} trainable weights were widened to float32 for "
                                     "training.sharding: fsdp (4 bytes a parameter, sharded; the released model "
                                     "is float32)")
         log(f"sharding: {notes['weights_widened']}")
