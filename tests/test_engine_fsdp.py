@@ -97,51 +97,7 @@ def _sink_rank(rank: int) -> dict:
     st = GhostPerUnit(sharded, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
     params = list(st.params)
     order, sizes, shards = [], [], {}
-
-    def sink(j, x):
-        order.append(j)
-        sizes.append(tuple(x.shape) == tuple(params[j].shape))
-        shards[j] = reduce_scatter(x, params[j])
-
-    sums, norms, _, _ = st.clipped_sum(batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5}, torch.float32, sink=sink)
-    gap = 0.0
-    for j, r in enumerate(ref):  # this rank's rows of the whole total
-        local = shards[j].to_local()
-        rows = -(-r.shape[0] // 2)
-        gap = max(gap, float((local - r[rank * rows: rank * rows + local.shape[0]]).abs().max()) if local.numel() else 0.0)
-    return {"returned": sums, "order": order, "n": len(params), "one_param_each": all(sizes), "gap": gap,
-            "scale": max(float(r.abs().max()) for r in ref),
-            "local_numel": sum(shards[j].to_local().numel() for j in shards),
-            "whole_numel": sum(p.numel() for p in params)}
-
-
-def test_a_sinks_sums_come_one_parameter_at_a_time_and_reduce_scatter_to_the_total():
-    results = run_gloo_pair(_sink_rank)
-    for rank, r in results.items():
-        assert r["returned"] is None  # nothing whole is returned: the sink had every sum
-        assert r["order"] == list(range(r["n"]))  # each parameter once, in order (the same on every rank)
-        assert r["one_param_each"]  # one parameter's sum a call, never a stacked group's
-        assert r["gap"] <= 1e-6 * r["scale"], rank  # the shard is this rank's rows of the two ranks' total
-    assert results[0]["local_numel"] + results[1]["local_numel"] == results[0]["whole_numel"]  # 1/W each
-
-
-def _check_rank(rank: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
-
-    from userdp.engine import ULS
-    from userdp.engine.clipping import FlatClip
-    from userdp.engine.ghost import GhostPerUnit
-    from userdp.engine.precision import Precision
-    from userdp.lm import models
-    from userdp.lm.models import causal_lm_loss
-
-    torch.manual_seed(0)
-    sharded = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
-    for block in sharded.transformer.h:
-        fully_shard(block)
-    fully_shard(sharded)
-    st = GhostPerUnit(sharded, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
-    groups, verified = [], []
+    groups, verified = [], []  # the coverage check's groups (a share of the model a chunk)
     pick = st._check_group
 
     def recorded():
@@ -150,24 +106,55 @@ def _check_rank(rank: int) -> dict:
         return g
 
     st._check_group = recorded
-    for chunk in range(4):
-        ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(100 * rank + chunk))
-        st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2), torch.ones(4), FlatClip(0.5),
-                       {"clip_norm": 0.5}, torch.float32)
+
+    def sink(j, x):
+        order.append(j)
+        sizes.append(tuple(x.shape) == tuple(params[j].shape))
+        shards[j] = reduce_scatter(x, params[j])
+
+    sums, norms, _, _ = st.clipped_sum(batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5}, torch.float32, sink=sink)
+    verified.append(st._verified)
+    for chunk in range(1, 4):  # more chunks: the coverage check goes on, a share at a time
+        more = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(100 * rank + chunk))
+        st.clipped_sum({"input_ids": more, "labels": more.clone()}, mask, w, FlatClip(0.5), {"clip_norm": 0.5},
+                       torch.float32)
         verified.append(st._verified)
-    sizes = [sum(st.params[j].numel() for j in g) for g in groups]
-    return {"groups": groups, "verified": verified, "sizes": sizes, "budget": st._check_budget,
-            "n": len(st.params), "total": sum(p.numel() for p in st.params),
-            "largest": max(p.numel() for p in st.params)}
+    gap = 0.0
+    for j, r in enumerate(ref):  # this rank's rows of the whole total
+        local = shards[j].to_local()
+        rows = -(-r.shape[0] // 2)
+        gap = max(gap, float((local - r[rank * rows: rank * rows + local.shape[0]]).abs().max()) if local.numel() else 0.0)
+    return {"groups": groups, "verified": verified, "group_sizes": [sum(params[j].numel() for j in g) for g in groups],
+            "budget": st._check_budget, "largest": max(p.numel() for p in params),
+            "returned": sums, "order": order, "n": len(params), "one_param_each": all(sizes), "gap": gap,
+            "scale": max(float(r.abs().max()) for r in ref),
+            "local_numel": sum(shards[j].to_local().numel() for j in shards),
+            "whole_numel": sum(p.numel() for p in params)}
 
 
-def test_a_sharded_rank_checks_coverage_a_share_of_the_model_at_a_time():
+@pytest.fixture(scope="module")
+def sink_ranks() -> dict:
+    return run_gloo_pair(_sink_rank)
+
+
+def test_a_sinks_sums_come_one_parameter_at_a_time_and_reduce_scatter_to_the_total(sink_ranks):
+    results = sink_ranks
+    for rank, r in results.items():
+        assert r["returned"] is None  # nothing whole is returned: the sink had every sum
+        assert r["order"] == list(range(r["n"]))  # each parameter once, in order (the same on every rank)
+        assert r["one_param_each"]  # one parameter's sum a call, never a stacked group's
+        assert r["gap"] <= 1e-6 * r["scale"], rank  # the shard is this rank's rows of the two ranks' total
+    assert results[0]["local_numel"] + results[1]["local_numel"] == results[0]["whole_numel"]  # 1/W each
+
+
+def test_a_sharded_rank_checks_coverage_a_share_of_the_model_at_a_time(sink_ranks):
     """The first-chunk coverage check differentiates with respect to the gathered weights: whole
     batch gradients. A sharded rank compares 1/W of the parameters a chunk (at least the largest),
     so the check never holds the model's whole gradient, and every parameter is checked once."""
-    for rank, r in run_gloo_pair(_check_rank).items():
-        assert r["budget"] == max(r["largest"], -(-r["total"] // 2))
-        assert all(s <= r["budget"] for s in r["sizes"]), rank  # never more than a rank's share at once
+    for rank, r in sink_ranks.items():
+        total = r["whole_numel"]
+        assert r["budget"] == max(r["largest"], -(-total // 2))
+        assert all(s <= r["budget"] for s in r["group_sizes"]), rank  # never more than a rank's share at once
         assert len(r["groups"]) >= 2 and r["verified"][0] is False  # not all on the first chunk
         flat = [j for g in r["groups"] for j in g]
         assert sorted(flat) == list(range(r["n"]))  # each parameter compared exactly once ...
