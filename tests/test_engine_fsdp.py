@@ -17,15 +17,11 @@ from _engine_helpers import run_gloo_pair
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 
 
-def _rank(rank: int) -> dict:
+def _plain_and_sharded():
+    """A tiny GPT-2, and the same one with each block and the root passed through ``fully_shard``."""
     from torch.distributed.fsdp import fully_shard
 
-    from userdp.engine import ULS
-    from userdp.engine.clipping import FlatClip
-    from userdp.engine.ghost import GhostPerUnit
-    from userdp.engine.precision import Precision
     from userdp.lm import models
-    from userdp.lm.models import causal_lm_loss
 
     torch.manual_seed(0)
     plain = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
@@ -34,6 +30,17 @@ def _rank(rank: int) -> dict:
     for block in sharded.transformer.h:
         fully_shard(block)
     fully_shard(sharded)
+    return plain, sharded
+
+
+def _rank(rank: int) -> dict:
+    from userdp.engine import ULS
+    from userdp.engine.clipping import FlatClip
+    from userdp.engine.ghost import GhostPerUnit
+    from userdp.engine.precision import Precision
+    from userdp.lm.models import causal_lm_loss
+
+    plain, sharded = _plain_and_sharded()
     kinds = sorted({type(p).__name__ for p in sharded.parameters()})
     ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(10 + rank))  # rank's own units
     batch, mask = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2)
@@ -63,7 +70,7 @@ def test_ghost_norms_and_clipped_sums_of_a_fully_sharded_model_are_the_unsharded
     for rank, r in results.items():
         assert r["kinds"] == ["DTensor"]  # every parameter is a shard
         assert r["same_norms"] and r["same_sums"], rank  # bit for bit, on this rank's own units
-        assert r["shapes"][0] == (64, 128)  # the sums are whole (a reduce-scatter to the shards is next)
+        assert r["shapes"][0] == (64, 128)  # without a sink the sums are whole (the sink's test is below)
         assert not r["bad"] and min(r["norms"]) > 0.5  # every unit is clipped ...
         assert max(r["per_unit"]) <= 0.5 * (1 + 1e-6)  # ... and adds at most C
     assert results[0]["norms"] != results[1]["norms"]  # the ranks held different units
@@ -71,23 +78,15 @@ def test_ghost_norms_and_clipped_sums_of_a_fully_sharded_model_are_the_unsharded
 
 def _sink_rank(rank: int) -> dict:
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from userdp.engine import ULS
     from userdp.engine.clipping import FlatClip
     from userdp.engine.ghost import GhostPerUnit
     from userdp.engine.precision import Precision
     from userdp.engine.sharding import reduce_scatter
-    from userdp.lm import models
     from userdp.lm.models import causal_lm_loss
 
-    torch.manual_seed(0)
-    plain = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
-    torch.manual_seed(0)
-    sharded = models.build_preset("tiny", vocab_size=64, n_positions=32).train()
-    for block in sharded.transformer.h:
-        fully_shard(block)
-    fully_shard(sharded)
+    plain, sharded = _plain_and_sharded()
     ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(10 + rank))
     batch, mask, w = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2), torch.ones(4)
     ref, _, _, _ = GhostPerUnit(plain, causal_lm_loss, ULS(2, 0.5), Precision("float32")).clipped_sum(
