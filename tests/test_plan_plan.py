@@ -130,3 +130,27 @@ def test_cli_plan_rejects_bad_budget_in_one_line(capsys):
     assert main(["plan", "--compute-budget", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--compute-budget" in err[0]
+
+
+def test_l_of_g_of_a_language_model_comes_from_ghost_norms_equal_to_the_users_gradients():
+    """The planner reads L(G) through the strategy training uses: for a GPT-2, ghost norms (no
+    per-user gradient materialized), equal to the norms of the users' materialized mean gradients."""
+    import copy
+
+    from userdp.engine import ULS
+    from userdp.engine.per_unit import PerUnit
+    from userdp.lm import models
+
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=64, n_positions=16)
+    sizes = np.array([1, 3, 5, 2, 4, 6])
+    ids = torch.randint(0, 64, (int(sizes.sum()), 12), generator=torch.Generator().manual_seed(1))
+    data = TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.concatenate([[0], np.cumsum(sizes)]))
+    est = GradientNormEstimator(model, data, models.causal_lm_loss, num_users=6, rng=np.random.default_rng(0))
+    rng = copy.deepcopy(est.rng)  # the records the estimator is about to draw
+    got = est.user_norms(3)
+    assert est._per_unit.name == "ghost"
+    batch, mask = data.draw_records(est.users, 3, rng)
+    updates, _ = PerUnit(model, models.causal_lm_loss, ULS(group_size=1, sampling_rate=1.0))(batch, mask)
+    want = torch.sqrt(sum(u.reshape(u.shape[0], -1).double().pow(2).sum(1) for u in updates)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4)

@@ -5,19 +5,26 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
 from userdp import progress
 from userdp.engine.algorithms import ULS
-from userdp.engine.per_unit import PerUnit
+from userdp.engine.clipping import FlatClip
+from userdp.engine.per_unit import make_per_unit
 from userdp.errors import UserError
+
+#: a clip norm no gradient reaches: the strategy's norms are what is read, its sums are not used
+_NO_CLIP = FlatClip(1e30)
 
 
 class GradientNormEstimator:
     """``L(G)`` = median over a fixed sample of users of ||mean gradient over up to G of the
     user's records|| at the model's current (pretrained) parameters.
 
-    Uses the engine's vectorized per-unit code (:class:`userdp.engine.per_unit.PerUnit`:
-    functional_call + grad + vmap over users, in chunks) — no Python loop over users' gradients.
+    Uses the per-unit strategy training would (``per_unit: auto``): the ghost strategy's norms from
+    each layer's activations and output gradients (no per-user gradient is materialized: a chunk
+    costs a training chunk's memory, not ``chunk`` copies of the model), else vmap over users
+    (:class:`userdp.engine.per_unit.PerUnit`) for a model ghost cannot serve.
     The users are sampled once (uniformly without replacement, ``num_users`` of them, default
     128); each L(G) draws up to G records per user afresh via ``data.draw_records``. Calls are
     cached by G. This is a NON-PRIVATE touch of the data.
@@ -33,7 +40,7 @@ class GradientNormEstimator:
         self.users = np.sort(self.rng.choice(n, size=min(num_users, n), replace=False))
         self.model, self.data, self.loss_fn = model, data, loss_fn
         self.chunk_size = int(chunk_size)
-        self._per_unit = PerUnit(model, loss_fn, ULS(group_size=1, sampling_rate=1.0))
+        self._per_unit = make_per_unit("auto", model, loss_fn, ULS(group_size=1, sampling_rate=1.0))
         self._cache: dict[int, float] = {}
         self.norms: dict[int, np.ndarray] = {}
         self.log = log  # optional progress: one line per group size evaluated
@@ -45,9 +52,11 @@ class GradientNormEstimator:
             for lo in range(0, len(self.users), self.chunk_size):
                 users = self.users[lo: lo + self.chunk_size]
                 batch, mask = self.data.draw_records(users, int(group_size), self.rng)
-                updates, _ = self._per_unit(batch, mask)
-                sq = sum(u.reshape(u.shape[0], -1).double().pow(2).sum(1) for u in updates)
-                out.append(sq.sqrt().detach().cpu().numpy())
+                ones = torch.ones(mask.shape[0], dtype=torch.float32, device=mask.device)
+                _, norms, _, bad = self._per_unit.clipped_sum(batch, mask, ones, _NO_CLIP, _NO_CLIP.initial_state(),
+                                                              torch.float32)
+                # a non-finite user's norm is NaN (the strategy reports 0 for it): never a small norm
+                out.append(torch.where(bad, float("nan"), norms.double()).detach().cpu().numpy())
                 shown.update(len(users))
         return np.concatenate(out)
 
