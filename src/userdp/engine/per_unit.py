@@ -259,16 +259,21 @@ class AutoPerUnit:
     def name(self) -> str:
         return self._inner.name
 
-    def clipped_sum(self, *args, **kwargs):
-        """The inner strategy's clipped sum (see :class:`PerUnitStrategy`)."""
+    def clipped_sum(self, *args, sink=None, **kwargs):
+        """The inner strategy's clipped sum (see :class:`PerUnitStrategy`); ``sink`` as the ghost
+        strategy's (each parameter's sum handed over in order; vmap's handed over once formed)."""
         try:
-            return self._inner.clipped_sum(*args, **kwargs)
+            if self._inner.name == "ghost":
+                return self._inner.clipped_sum(*args, sink=sink, **kwargs)
         except GhostUnsupported as exc:
-            if self._inner.name != "ghost":
-                raise
             self.fallback_reason = str(exc)
             self._inner = VmapPerUnit(*self._args)
-            return self._inner.clipped_sum(*args, **kwargs)
+        out = self._inner.clipped_sum(*args, **kwargs)
+        if sink is None:
+            return out
+        for j, x in enumerate(out[0]):
+            sink(j, x)
+        return (None, *out[1:])
 
 
 def make_per_unit(name: str, model: nn.Module, loss_fn: LossFn, algorithm,

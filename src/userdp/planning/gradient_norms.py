@@ -17,13 +17,19 @@ from userdp.errors import UserError
 _NO_CLIP = FlatClip(1e30)
 
 
+def _drop(j: int, x) -> None:
+    """The planner reads norms only: each parameter's sum is dropped as soon as it is formed (no
+    model-sized buffer of sums)."""
+
+
 class GradientNormEstimator:
     """``L(G)`` = median over a fixed sample of users of ||mean gradient over up to G of the
     user's records|| at the model's current (pretrained) parameters.
 
     Uses the per-unit strategy training would (``per_unit: auto``): the ghost strategy's norms from
-    each layer's activations and output gradients (no per-user gradient is materialized: a chunk
-    costs a training chunk's memory, not ``chunk`` copies of the model), else vmap over users
+    each layer's activations and output gradients (no per-user gradient is materialized, and each
+    parameter's sum is dropped once formed: a chunk costs a training chunk's activations, not
+    ``chunk`` copies of the model), else vmap over users
     (:class:`userdp.engine.per_unit.PerUnit`) for a model ghost cannot serve.
     The users are sampled once (uniformly without replacement, ``num_users`` of them, default
     128); each L(G) draws up to G records per user afresh via ``data.draw_records``. Calls are
@@ -54,7 +60,7 @@ class GradientNormEstimator:
                 batch, mask = self.data.draw_records(users, int(group_size), self.rng)
                 ones = torch.ones(mask.shape[0], dtype=torch.float32, device=mask.device)
                 _, norms, _, bad = self._per_unit.clipped_sum(batch, mask, ones, _NO_CLIP, _NO_CLIP.initial_state(),
-                                                              torch.float32)
+                                                              torch.float32, sink=_drop)
                 # a non-finite user's norm is NaN (the strategy reports 0 for it): never a small norm
                 out.append(torch.where(bad, float("nan"), norms.double()).detach().cpu().numpy())
                 shown.update(len(users))
