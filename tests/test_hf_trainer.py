@@ -344,3 +344,24 @@ def test_an_adversarial_author_moves_the_trainers_released_sum_by_at_most_its_bo
     s1, bound1 = released(bigger, "d-plus-one")
     gap = Gap(float(sum(((a - b) ** 2).sum() for a, b in zip(s1, s0))) ** 0.5, max(bound0, bound1))
     assert gap.ratio > 0.1 and gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"  # drawn, and bounded
+
+
+def test_the_trainers_cohorts_are_poisson_at_the_sampling_rate(tmp_path):
+    """Each Trainer step is a Poisson cohort of users at the privacy config's rate, not the Trainer's
+    batch (a constant 8 rows): over 100 seeded steps the cohort sizes have Binomial(30, 0.3)'s mean and
+    variance, within 4 standard errors of each."""
+    ds = _dataset(n=90, users=30)
+    privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=100, clipping=FlatClip(0.5),
+                          noise_multiplier=1.0, delta=1e-4, seed=7)
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path, logging_steps=1000), train_dataset=ds,
+                             privacy=privacy, user_field="user")
+    trainer.train()
+    sizes = np.array([h["units"] for h in trainer._private.history], dtype=float)
+    n, q, t = 30, 0.3, len(sizes)
+    mean, var = n * q, n * q * (1 - q)
+    assert t == 100
+    assert abs(sizes.mean() - mean) < 4 * np.sqrt(var / t)
+    # the sample variance's standard error: sqrt((mu4 - var^2 (t-3)/(t-1)) / t), mu4 of a binomial
+    mu4 = n * q * (1 - q) * (1 + 3 * (n - 2) * q * (1 - q))
+    assert abs(sizes.var(ddof=1) - var) < 4 * np.sqrt((mu4 - var**2 * (t - 3) / (t - 1)) / t)
+    assert sizes.min() >= 0 and sizes.max() <= n
