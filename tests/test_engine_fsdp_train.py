@@ -105,6 +105,20 @@ def _sharded_runs(rank: int) -> dict:
                 out[(kind, algo)]["made_whole"] = {
                     "gap": gap, "meta": sum(t.is_meta for t in tensors), "type": type(plain).__name__,
                     "tied": plain.lm_head.weight is plain.get_input_embeddings().weight, "training": plain.training}
+    # a noise mechanism that cannot read its draw a parameter at a time (no pieces()) cannot be scattered
+    from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+
+    class Whole(IIDGaussian):
+        name = "whole_only"
+        pieces = None
+
+    NOISE_MECHANISMS.register(Whole)
+    try:
+        train(_model("gpt2"), _data(), causal_lm_loss, TrainConfig(**{**_config("uls", "fsdp").__dict__, "noise":
+                                                                    "whole_only"}), combiner=TorchDistributedCombiner())
+        out["no_pieces"] = None
+    except UserError as exc:
+        out["no_pieces"] = str(exc)
     return out
 
 
@@ -113,6 +127,9 @@ def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
     from userdp.lm.models import causal_lm_loss
 
     results = run_gloo_pair(_sharded_runs)
+    for rank in (0, 1):  # refused in one line, before any step
+        msg = results[rank]["no_pieces"]
+        assert msg is not None and "\n" not in msg and "has no pieces()" in msg and "sharding='none'" in msg
     for kind in ("gpt2", "llama"):
         for algo in ("uls", "els"):
             model = _model(kind)

@@ -226,7 +226,7 @@ class EngineRun:
         self.sampler = self.plan.sampler
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
-        if self.sharded and not hasattr(self.noise, "pieces"):
+        if self.sharded and not callable(getattr(self.noise, "pieces", None)):
             raise UserError(f"sharding='fsdp': the noise mechanism {type(self.noise).__name__} has no pieces() (its "
                             "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'")
         # what the noise is added to each step: the sums, one per trainable parameter, in float32+
@@ -634,9 +634,6 @@ class EngineRun:
         self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
-        if self.sharded and not hasattr(self.noise, "pieces"):
-            raise UserError(f"sharding='fsdp': the noise mechanism {type(self.noise).__name__} has no pieces() (its "
-                            "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'")
         torch.manual_seed(torch_seed)
         self.sampler_state = {}
         self.rekeyed_at = int(begun)
