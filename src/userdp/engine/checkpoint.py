@@ -138,6 +138,14 @@ def _remove(paths: list[str]) -> None:
             os.unlink(p)
 
 
+def _switch_folder(directory: str, folder: str) -> None:
+    """The pending ``folder`` in place of a committed one of that name (a checkpoint saved twice at
+    one step: the second replaces the first)."""
+    final = os.path.join(directory, folder)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(pending_folder(directory, folder), final)
+
+
 def _switch(directory: str, manifest: dict) -> None:
     folders = {name.partition("/")[0] for name in manifest["files"] if "/" in name}
     for name in manifest["files"]:
@@ -145,10 +153,8 @@ def _switch(directory: str, manifest: dict) -> None:
         if "/" not in name and os.path.exists(pend):
             os.replace(pend, os.path.join(directory, name))
     for folder in folders:  # a folder is switched whole (its files were checked by the writers)
-        pend = pending_folder(directory, folder)
-        if os.path.isdir(pend):
-            shutil.rmtree(os.path.join(directory, folder), ignore_errors=True)
-            os.replace(pend, os.path.join(directory, folder))
+        if os.path.isdir(pending_folder(directory, folder)):
+            _switch_folder(directory, folder)
     for entry in os.listdir(directory):  # the previous checkpoint's shards, or a failed write's
         bare = entry[1:-len(".pending")] if entry.startswith(".") and entry.endswith(".pending") else entry
         if _SHARDS.match(bare) and bare not in folders:
@@ -181,12 +187,10 @@ def read_manifest(directory: str) -> dict:
         if "/" not in name and os.path.exists(pend) and sha256_file(pend) == meta["sha256"]:
             os.replace(pend, os.path.join(directory, name))
     for folder in {name.partition("/")[0] for name in files if "/" in name}:
-        pend, final = pending_folder(directory, folder), os.path.join(directory, folder)
-        if os.path.isdir(pend) and all(
+        if os.path.isdir(pending_folder(directory, folder)) and all(
                 os.path.isfile(_pending(directory, n)) and sha256_file(_pending(directory, n)) == m["sha256"]
                 for n, m in files.items() if n.partition("/")[0] == folder):
-            shutil.rmtree(final, ignore_errors=True)  # a folder of the same step, committed before
-            os.replace(pend, final)
+            _switch_folder(directory, folder)
     return manifest
 
 

@@ -513,14 +513,14 @@ class EngineRun:
         return metrics
 
     # ------------------------------------------------------------------ checkpoints
-    def state(self) -> dict:
-        """The checkpoint's state. A sharded run's weights and per-parameter optimizer states are not
-        in it (``params`` None, each such state :data:`userdp.engine.checkpoint.IN_SHARDS`): :meth:`shard_tensors` has them."""
-        optimizer = self.optimizer.state_dict()
+    def state(self) -> tuple[dict, dict]:
+        """(the checkpoint's state, a sharded run's shards by name). A sharded run's weights and
+        per-parameter optimizer states are not in the state (``params`` None, each such state
+        :data:`userdp.engine.checkpoint.IN_SHARDS`) but in the shards (``param/NAME``,
+        ``optim/INDEX/KEY``: each rank's, for ``torch.distributed.checkpoint``); ``{}`` when not sharded."""
+        optimizer, shards = self.optimizer.state_dict(), {}
         if self.sharded:
-            optimizer = {**optimizer, "state": {i: {k: ckpt.IN_SHARDS if k in self._sharded_keys(i, entry) else v
-                                                    for k, v in entry.items()}
-                                                for i, entry in optimizer["state"].items()}}
+            optimizer, shards = self._split_for_shards(optimizer)
         st = {"step": self.step, "ledger": self.ledger.state_dict(),
               "params": None if self.sharded else [p.detach().cpu() for p in self.master],
               "param_names": self.per_unit.names,
@@ -536,25 +536,25 @@ class EngineRun:
             perm = self.sampler_state.get("perm")
             st["sampler"] = {"epoch": self.sampler_state.get("epoch"),
                              "perm": torch.from_numpy(perm) if perm is not None else None}
-        return st
+        return st, shards
 
     def _held(self) -> list:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _sharded_keys(self, idx, entry: dict) -> set:
-        """The states of optimizer entry ``idx`` laid out as its parameter (Adam's moments): those a
-        sharded checkpoint keeps in its shards; scalars (Adam's step) stay in checkpoint.pt."""
-        p = self._held()[int(idx)]
-        return {k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
-                and tuple(v.shape) == tuple(p.shape)}
-
-    def shard_tensors(self) -> dict:
-        """A sharded run's weights and per-parameter optimizer states, by name (``param/NAME``,
-        ``optim/INDEX/KEY``): each rank's shards, for ``torch.distributed.checkpoint``."""
-        out = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master)}
-        for i, entry in self.optimizer.state_dict()["state"].items():
-            out.update({f"optim/{i}/{k}": entry[k] for k in self._sharded_keys(i, entry)})
-        return out
+    def _split_for_shards(self, optimizer: dict) -> tuple[dict, dict]:
+        """``optimizer`` (a state dict) with each state laid out as its parameter (Adam's moments)
+        replaced by :data:`userdp.engine.checkpoint.IN_SHARDS`, and those states with the masters
+        by name, for the shards; scalars (Adam's step) stay in the state dict."""
+        held = self._held()
+        shards = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master)}
+        kept = {}
+        for i, entry in optimizer["state"].items():
+            shape = tuple(held[int(i)].shape)
+            moved = {k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
+                     and tuple(v.shape) == shape}
+            shards.update({f"optim/{i}/{k}": entry[k] for k in moved})
+            kept[i] = {k: ckpt.IN_SHARDS if k in moved else v for k, v in entry.items()}
+        return {**optimizer, "state": kept}, shards
 
     def save(self, extra=None):
         """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit).
@@ -565,11 +565,11 @@ class EngineRun:
         main = self.combiner.rank == 0
         if not (main or self.sharded):
             return
-        st = self.state()
+        st, tensors = self.state()
         shards = None
         if self.sharded:  # every rank its own shards (engine.sharding.save_shards), then one commit
             st["shards"] = ckpt.shards_folder(self.step)
-            shards = (st["shards"], save_shards(self.shard_tensors(), ckpt.pending_folder(self.dir, st["shards"])))
+            shards = (st["shards"], save_shards(tensors, ckpt.pending_folder(self.dir, st["shards"])))
         if main:  # one writer
             ckpt.save(self.dir, st, extra(self) if extra is not None else None, shards=shards)
 
@@ -582,7 +582,8 @@ class EngineRun:
             raise UserError(f"cannot resume from {ckpt.path(self.dir)}: the model's trainable parameters differ")
         held = self._held()
         optimizer = st["optimizer"]
-        if st.get("shards") is not None:  # a sharded run's: its shards, read into this run's layout
+        from_shards = st.get("shards") is not None
+        if from_shards:  # a sharded run's: its shards, read into this run's layout
             optimizer = self._read_shards(st, held)
         else:
             for name, m, v in zip(self.per_unit.names, self.master, st["params"]):
@@ -593,7 +594,7 @@ class EngineRun:
                 optimizer = optimizer_state_like(optimizer, held)
         with torch.no_grad():
             for i, (p, m) in enumerate(zip(self.params, self.master)):
-                if st.get("shards") is None:
+                if not from_shards:
                     m.copy_(shard_like(st["params"][i], m))  # a shard of the whole saved tensor where sharded
                 if m is not p:
                     p.copy_(m)
