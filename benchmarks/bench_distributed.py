@@ -38,6 +38,8 @@ import warnings
 
 warnings.filterwarnings("ignore")
 
+from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
+
 
 def _worker(a) -> None:
     import numpy as np
@@ -144,19 +146,15 @@ def _worker(a) -> None:
 
 def _reset_peak(device) -> int:
     """Reset this process's peak-memory mark; returns what is held now (CUDA: allocated bytes; CPU:
-    the resident set, its peak reset by writing 5 to /proc/self/clear_refs)."""
+    the resident set, bench_scale's peak-RSS mark just reset)."""
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
-    return _status_bytes("VmRSS:")
+    _reset_peak_rss()
+    return _peak_rss()
 
 
 def _peak(device) -> int:
@@ -166,18 +164,7 @@ def _peak(device) -> int:
     if device.type == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated(device)
-    return _status_bytes("VmHWM:")
-
-
-def _status_bytes(field: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _peak_rss()
 
 
 def _run(w: int, a, out: str) -> dict:
