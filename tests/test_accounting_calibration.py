@@ -34,7 +34,7 @@ def test_els_calibration_is_within_one_percent_above_fine_pld():
 def test_rdp_calibration():
     q, T, eps, delta = 0.05, 200, 2.0, 1e-8
     make = lambda z: A.uls_step_event(z, q)  # noqa: E731
-    sigma = A.calibrate_noise_multiplier(make, T, eps, delta, accountant="rdp")
+    sigma = A.calibrate_noise_multiplier(make, T, eps, delta, "rdp")
     rdp = lambda z: A.epsilon(A.compose(make(z), T), delta, "rdp")  # noqa: E731
     assert rdp(sigma) <= eps < rdp(sigma / 1.005)
 
@@ -45,7 +45,7 @@ def test_fixed_cohort_calibration_reproduces_andrew_z():
     n = 10**6
     make = lambda z: A.fixed_cohort_step_event(z, n, 510)  # noqa: E731
     orders = list(range(2, 65))  # integer orders: dp_accounting's WOR RDP is slow at fractional ones
-    sigma = A.calibrate_noise_multiplier(make, 1200, 5.0, n**-1.1, accountant="rdp", orders=orders)
+    sigma = A.calibrate_noise_multiplier(make, 1200, 5.0, n**-1.1, A.Calibration("rdp", orders=orders))
     assert A.epsilon(A.compose(make(sigma), 1200), n**-1.1, "rdp", orders=orders) <= 5.0
     assert 0.500 < sigma <= 0.510 * 1.01
 

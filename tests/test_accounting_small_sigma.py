@@ -78,8 +78,7 @@ def test_small_sigma_els_calibration_is_sound_and_tight():
 
 def test_rdp_at_small_sigma_does_not_flood_the_log(caplog):
     with caplog.at_level(logging.WARNING):
-        sigma = A.calibrate_noise_multiplier(lambda z: A.uls_step_event(z, 0.05), 50, 5.0, 1e-5,
-                                             accountant="rdp")
+        sigma = A.calibrate_noise_multiplier(lambda z: A.uls_step_event(z, 0.05), 50, 5.0, 1e-5, "rdp")
     assert not [r for r in caplog.records if "failed to converge" in r.getMessage()]
     rdp = lambda z: A.epsilon(A.compose(A.uls_step_event(z, 0.05), 50), 1e-5, "rdp")  # noqa: E731
     assert rdp(sigma) <= 5.0 < rdp(sigma / 1.005)

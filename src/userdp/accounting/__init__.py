@@ -32,7 +32,7 @@ from userdp.accounting.accountants import (
     max_steps,
     register_accountant,
 )
-from userdp.accounting.calibration import MAX_CALIBRATION_EPSILON, SIGMA_MAX, calibrate_noise_multiplier
+from userdp.accounting.calibration import MAX_CALIBRATION_EPSILON, SIGMA_MAX, Calibration, calibrate_noise_multiplier
 from userdp.accounting.events import (
     MAX_ELS_GROUP,
     NeighborRel,
@@ -72,7 +72,7 @@ __all__ = [
     "ACCOUNTANTS", "Accountant", "check_supports", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",
     "Mechanism", "els_step_event", "uls_step_event", "fixed_cohort_step_event", "no_amplification_step_event",
     "binomial_sensitivity", "compose", "compose_after", "pure_dp_event", "pure_dp_epsilon", "has_pure_dp",
-    "split_pure_dp", "epsilon", "delta", "calibrate_noise_multiplier", "max_steps",
+    "split_pure_dp", "epsilon", "delta", "Calibration", "calibrate_noise_multiplier", "max_steps",
     "default_delta", "adjacency", "event_to_dict", "event_to_json", "event_from_dict", "epsilon_and_accountant",
     "moments_accountant_epsilon", "rdp_orders", "step_rdp", "mog_rdp", "clear_caches", "NeighborRel",
     "PLD_INTERVAL", "PLD_SIGMA_RANGE", "PLD_MAX_STEPS", "RDP_ORDERS", "SIGMA_MAX", "MAX_ELS_GROUP",

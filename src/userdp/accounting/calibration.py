@@ -4,6 +4,7 @@ never below the truth."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
@@ -21,6 +22,19 @@ from userdp.validation import check_int
 SIGMA_MAX = 1e4
 #: Largest epsilon calibration accepts (e^epsilon overflows past ~709; beyond ~1000 nothing is promised).
 MAX_CALIBRATION_EPSILON = 1000.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How :func:`calibrate_noise_multiplier` searches: the accountant (``"pld"`` or ``"rdp"``),
+    the relative width ``rtol`` at which it stops, the largest noise multiplier it considers, PLD's
+    value discretization ``interval`` and RDP's ``orders`` (None: the accountant's own)."""
+
+    accountant: str = "pld"
+    rtol: float = 0.004
+    sigma_max: float = SIGMA_MAX
+    interval: float = 1e-3
+    orders: Sequence[float] | None = None
 
 
 def _gdp_delta(eps: float, mu: float) -> float:
@@ -91,27 +105,26 @@ def _initial_guess(make_step_event: Callable[[float], dpe.DpEvent], steps: int, 
 
 
 def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], steps: int,
-                               epsilon: float, delta: float, accountant: str = "pld", *,
-                               rtol: float = 0.004, sigma_max: float = SIGMA_MAX,
-                               value_discretization_interval: float = 1e-3,
-                               orders: Sequence[float] | None = None,
+                               epsilon: float, delta: float, how: Calibration | str = "pld", *,
                                prior: Sequence[dpe.DpEvent] = ()) -> float:
     """Smallest noise multiplier whose T-step composition is (ε, δ)-DP, never below the truth.
 
+    ``how``: the accountant's name, or a :class:`Calibration` (accountant and search settings).
     ``prior``: events released before the steps about the same people (a DP median that planned
     the run): the steps are calibrated so that the prior events and the T steps together, composed
     by ``dp_accounting.DpEventBuilder``, are (ε, δ)-DP.
 
     Returns σ such that an upper bound on ε(σ) meets the target (PLD with pessimistic
-    discretization at ``value_discretization_interval``, default 1e-3, or RDP): so σ ≥ the
-    true σ. It stops when some σ' < σ with σ/σ' ≤ 1 + ``rtol`` fails the same evaluation.
-    With 1e-3 discretization the answer is within about 0.3% of what a 1e-4 PLD gives (the
-    pessimism of the coarser grid); see benchmarks/bench_accounting.py.
+    discretization at ``how.interval``, default 1e-3, or RDP): so σ ≥ the true σ. It stops when
+    some σ' < σ with σ/σ' ≤ 1 + ``how.rtol`` fails the same evaluation. With 1e-3 discretization
+    the answer is within about 0.3% of what a 1e-4 PLD gives (the pessimism of the coarser grid);
+    see benchmarks/bench_accounting.py.
 
     Speed: PLD evaluations at small σ are the slow ones, so the search never steps far below
     a σ it has seen: it starts from a central-limit (μ-GDP) estimate and runs a safeguarded
     secant on log ε against log σ, aiming just either side of the root.
     """
+    how = Calibration(how) if isinstance(how, str) else how
     eps = float(epsilon)
     if not (eps > 0 and math.isfinite(eps)):
         raise UserError(f"epsilon must be a positive number (got {epsilon})")
@@ -120,32 +133,35 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
                         f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
     dlt = check_delta(delta)
     t = check_int(steps, "steps")
-    acc = get_accountant(accountant)
+    acc = get_accountant(how.accountant)
     prior, spent = tuple(prior), 0.0
     if prior:  # what the prior events alone spend: nothing left for training is refused in one line
-        spent = acc.epsilon(compose_after(prior, None, 0), dlt, interval=value_discretization_interval,
-                            orders=orders)[0]
+        spent = acc.epsilon(compose_after(prior, None, 0), dlt, interval=how.interval, orders=how.orders)[0]
         if not spent < eps:
             raise UserError(f"the events released before training already spend epsilon = {spent:.4g} of the "
                             f"{eps:g} at delta = {dlt:g}: nothing is left for training; raise epsilon or spend "
                             "less before training (e.g. a smaller planning.dp_median_epsilon)")
+
+    def eps_at(s: float, interval: float) -> float:
+        return acc.epsilon(compose_after(prior, make_step_event(s), t), dlt, interval=interval, orders=how.orders)[0]
+
+    # the steps' share, roughly (basic composition with the prior): only where the search starts
+    guess = _initial_guess(make_step_event, t, eps - spent, dlt)
+    unreachable = (f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
+                   f"up to {how.sigma_max:g} in {t} steps")
     try:
-        return _calibrate(make_step_event, t, eps, dlt, accountant, rtol=rtol, sigma_max=sigma_max,
-                          value_discretization_interval=value_discretization_interval, orders=orders,
-                          prior=prior, guess_epsilon=eps - spent)
+        return _calibrate(eps_at, guess, eps, t, how, unreachable)
     except RuntimeError:
         after = " after the events released before training" if prior else ""
-        raise UserError(f"no noise multiplier up to {sigma_max:g} meets epsilon = {eps:g} at delta = {dlt:g} "
+        raise UserError(f"no noise multiplier up to {how.sigma_max:g} meets epsilon = {eps:g} at delta = {dlt:g} "
                         f"over {t} steps{after}; raise epsilon or delta, or take fewer steps") from None
 
 
-def _calibrate(make_step_event, t, eps, dlt, accountant, *, rtol, sigma_max, value_discretization_interval,
-               orders, prior=(), guess_epsilon=None):
+def _calibrate(eps_at: Callable[[float, float], float], guess: float | None, eps: float, t: int,
+               how: Calibration, unreachable: str) -> float:
+    """The search of :func:`calibrate_noise_multiplier` over ``eps_at(σ, interval)``."""
     log_target = math.log(eps)
-    acc = get_accountant(accountant)
-
-    def eps_at(s: float, interval: float) -> float:
-        return acc.epsilon(compose_after(prior, make_step_event(s), t), dlt, interval=interval, orders=orders)[0]
+    discretized = get_accountant(how.accountant).discretized
 
     def f_of(e: float) -> float:
         if e <= 0:
@@ -154,19 +170,16 @@ def _calibrate(make_step_event, t, eps, dlt, accountant, *, rtol, sigma_max, val
             return 50.0
         return math.log(e) - log_target
 
-    # the steps' share, roughly (basic composition with the prior): only where the search starts
-    guess = _initial_guess(make_step_event, t, guess_epsilon or eps, dlt)
-    s0 = min(max(guess if guess else 1.0, 1e-3), sigma_max)
+    s0 = min(max(guess if guess else 1.0, 1e-3), how.sigma_max)
     # Pessimism of a Δ grid after T steps, measured here: ε(Δ) − ε ≈ 0.7·T·Δ² near ε ≈ 3
     # (0.0065 at T = 1e4, Δ = 1e-3; 0.07 at T = 1e5). Start on a grid that keeps it ≲ 0.3%;
     # the 3Δ check below catches mechanisms where the constant is larger.
-    interval = value_discretization_interval
-    if acc.discretized:
+    interval = how.interval
+    if discretized:
         predicted = math.sqrt(0.003 * eps / (0.7 * t))
         interval = min(interval, max(PLD_INTERVAL, PLD_INTERVAL * math.floor(predicted / PLD_INTERVAL)))
-    hi, lo, slope = _secant_search(lambda s: f_of(eps_at(s, interval)), s0, [], rtol, sigma_max,
-                                   eps, dlt, t)
-    if not acc.discretized or interval <= PLD_INTERVAL:
+    hi, lo, slope = _secant_search(lambda s: f_of(eps_at(s, interval)), s0, [], how, unreachable)
+    if not discretized or interval <= PLD_INTERVAL:
         return hi
     # The discretization's pessimism grows with T (about as Δ²): estimate it at the answer
     # from a 3Δ evaluation, and if σ could be too far above the 1e-4 answer, search again on
@@ -175,24 +188,24 @@ def _calibrate(make_step_event, t, eps, dlt, accountant, *, rtol, sigma_max, val
     e3 = eps_at(hi, 3 * interval)  # a 3Δ grid costs a third of a Δ one
     excess = max(e3 - e1, 0.0) / 8.0  # ε(Δ) - ε(0) ≈ (ε(3Δ) - ε(Δ)) / 8 when error ∝ Δ²
     sigma_excess = excess / max(e1, 1e-12) / max(abs(slope), 0.05)
-    if sigma_excess + rtol <= 0.008:
+    if sigma_excess + how.rtol <= 0.008:
         return hi
     fine = max(PLD_INTERVAL, interval * math.sqrt(0.001 / sigma_excess))
     fine = PLD_INTERVAL * math.ceil(fine / PLD_INTERVAL - 1e-9)
     pts = [(hi, f_of(eps_at(hi, fine)))]
     start = hi * math.exp(-min(sigma_excess, 0.2))
-    hi2, _, _ = _secant_search(lambda s: f_of(eps_at(s, fine)), start, pts, rtol, sigma_max, eps, dlt, t)
+    hi2, _, _ = _secant_search(lambda s: f_of(eps_at(s, fine)), start, pts, how, unreachable)
     return hi2
 
 
-def _secant_search(f: Callable[[float], float], s: float, pts: list, rtol: float, sigma_max: float,
-                   eps: float, dlt: float, t: int) -> tuple[float, float | None, float]:
+def _secant_search(f: Callable[[float], float], s: float, pts: list, how: Calibration,
+                   unreachable: str) -> tuple[float, float | None, float]:
     """Safeguarded secant on (log σ, f = log ε − log ε_target) for a decreasing ε(σ).
 
     Returns (hi, lo, slope): hi passes (f ≤ 0), lo fails or None, hi ≤ lo·(1 + rtol). Never
     steps more than ×1.5 below a passing σ (small σ are the expensive evaluations).
     """
-    pts = list(pts)
+    pts, rtol, sigma_max = list(pts), how.rtol, how.sigma_max
     evaluate = True
     widths: list[float] = []  # log(hi / lo) after each evaluation inside a bracket
     for _ in range(60):
@@ -212,9 +225,7 @@ def _secant_search(f: Callable[[float], float], s: float, pts: list, rtol: float
         if hi is not None and lo is not None and hi <= lo * (1 + rtol):
             return float(hi), float(lo), slope
         if hi is None and lo >= sigma_max:
-            raise UserError(
-                f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
-                f"up to {sigma_max:g} in {t} steps")
+            raise UserError(unreachable)
         r = math.exp(math.log(near[0][0]) - max(min(near[0][1], 5.0), -5.0) / slope)
         step = rtol / 3
         if hi is None:  # no passing σ yet: aim just above the root, but grow at most 3x
