@@ -75,7 +75,7 @@ def _limited_blogs(limit: int | None, tmp: Path) -> Path:
 
 def child_pipeline(tmp: Path, limit: int | None, tag: str) -> dict:
     from userdp.data import build_store, open_source
-    from userdp.data.tokenize import tokenize_store
+    from userdp.data.tokenize import TokenLayout, tokenize_store
 
     tok = _tokenizer(tmp / "tok.json")
     src = _limited_blogs(limit, tmp)
@@ -94,7 +94,7 @@ def child_pipeline(tmp: Path, limit: int | None, tag: str) -> dict:
         t_build = time.perf_counter() - t0
     t1 = time.perf_counter()
     c1 = cpu_s()
-    ts = tokenize_store(store, tok, 1024, mode="full", add_eos=False, cache_dir=tmp / "tokcache")
+    ts = tokenize_store(store, tok, TokenLayout(1024, "full", add_eos=False), cache_dir=tmp / "tokcache")
     t_tok = time.perf_counter() - t1
     c2 = cpu_s()
     return dict(records=store.num_records, users=store.num_users, tokens=ts.num_tokens, build_s=t_build,

@@ -10,6 +10,7 @@ from userdp.data import build_store, open_source
 from userdp.data.selection import bound_contributions
 from userdp.data.tokenize import (
     PublicText,
+    TokenLayout,
     load_tokenizer,
     record_token_lengths,
     tokenize_store,
@@ -62,17 +63,17 @@ def test_load_from_file_and_folder(tok, tmp_path):
 def test_modes_and_cache(store, tok, tmp_path, monkeypatch):
     L = 16
     eos = tok.token_to_id("<|endoftext|>")
-    full = tokenize_store(store, tok, L, mode="full", cache_dir=tmp_path / "c")
+    full = tokenize_store(store, tok, TokenLayout(L, "full"), cache_dir=tmp_path / "c")
     # full: each record's ids + EOS, equal to a plain encode
     for u in (0, 3):
         texts = store.texts(u)
         ref = [tok.encode(t, add_special_tokens=False).ids + [eos] for t in texts]
         a = full.user_offsets[u]
         assert [full.sequence(a + j).tolist() for j in range(len(texts))] == ref
-    tr = tokenize_store(store, tok, L, mode="truncate", cache_dir=tmp_path / "c")
+    tr = tokenize_store(store, tok, TokenLayout(L, "truncate"), cache_dir=tmp_path / "c")
     assert tr.seq_lengths().max() <= L
     assert np.array_equal(tr.seq_lengths(), np.minimum(full.seq_lengths(), L))
-    pk = tokenize_store(store, tok, L, mode="pack", cache_dir=tmp_path / "c")
+    pk = tokenize_store(store, tok, TokenLayout(L, "pack"), cache_dir=tmp_path / "c")
     for u in range(store.num_users):
         assert np.array_equal(pk.user_stream(u), full.user_stream(u))  # windows tile the stream
         lens = np.diff(pk.seq_offsets[pk.user_offsets[u]:pk.user_offsets[u + 1] + 1])
@@ -82,15 +83,15 @@ def test_modes_and_cache(store, tok, tmp_path, monkeypatch):
     called = []
     orig = store._column_rows
     monkeypatch.setattr(store, "_column_rows", lambda *a, **k: called.append(1) or orig(*a, **k))
-    again = tokenize_store(store, tok, L, mode="pack", cache_dir=tmp_path / "c")
+    again = tokenize_store(store, tok, TokenLayout(L, "pack"), cache_dir=tmp_path / "c")
     assert again.from_cache and not called and np.array_equal(np.asarray(again.tokens), np.asarray(pk.tokens))
     # a different seq_len, mode, tokenizer or subset is a different key
-    keys = {full.key, tr.key, pk.key, tokenize_store(store, tok, L + 1, mode="pack", cache_dir=tmp_path / "c").key}
+    keys = {full.key, tr.key, pk.key, tokenize_store(store, tok, TokenLayout(L + 1, "pack"), cache_dir=tmp_path / "c").key}
     sub = bound_contributions(store, 2, "shortest")
-    keys.add(tokenize_store(store, tok, L, mode="pack", subset=sub, cache_dir=tmp_path / "c").key)
+    keys.add(tokenize_store(store, tok, TokenLayout(L, "pack"), subset=sub, cache_dir=tmp_path / "c").key)
     assert len(keys) == 5
     with pytest.raises(UserError, match="mode"):
-        tokenize_store(store, tok, L, mode="chunky")
+        tokenize_store(store, tok, TokenLayout(L, "chunky"))
 
 
 def test_token_lengths_drive_longest_selection(store, tok, tmp_path):

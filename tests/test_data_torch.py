@@ -8,7 +8,7 @@ import torch
 
 from userdp.data import build_store, open_source
 from userdp.data.selection import RandomChunkUserData
-from userdp.data.tokenize import PublicText, tokenize_store, train_bpe
+from userdp.data.tokenize import PublicText, TokenLayout, tokenize_store, train_bpe
 from userdp.data.torch_data import TokenizedUserData
 from userdp.engine.data import UserData
 from userdp.errors import UserError
@@ -30,7 +30,7 @@ def store(tmp_path):
 
 
 def test_gather_pads_and_masks_labels(store, tok):
-    ts = tokenize_store(store, tok, 12, mode="truncate")
+    ts = tokenize_store(store, tok, TokenLayout(12, "truncate"))
     ud = TokenizedUserData(ts)
     assert isinstance(ud, UserData) and ud.num_users == 3
     assert np.array_equal(ud.sizes(), store.sizes())
@@ -52,7 +52,7 @@ def test_gather_pads_and_masks_labels(store, tok):
 
 def test_random_chunk_windows_are_fresh_uniform_slices(store, tok):
     L = 16
-    ts = tokenize_store(store, tok, L, mode="full")
+    ts = tokenize_store(store, tok, TokenLayout(L, "full"))
     ud = RandomChunkUserData(ts)
     u = store.user_index()["long"]
     stream = ts.user_stream(u)
@@ -85,13 +85,13 @@ def test_random_chunk_windows_are_fresh_uniform_slices(store, tok):
 
 def test_random_chunk_needs_whole_streams(store, tok):
     with pytest.raises(UserError, match="full"):
-        RandomChunkUserData(tokenize_store(store, tok, 8, mode="truncate"))
+        RandomChunkUserData(tokenize_store(store, tok, TokenLayout(8, "truncate")))
 
 
 def test_lm_user_data_selections(store, tok):
     from userdp.data.selection import LMUserData, RankedUserData
 
-    ts = tokenize_store(store, tok, 64, mode="truncate")
+    ts = tokenize_store(store, tok, TokenLayout(64, "truncate"))
     mid = store.user_index()["mid"]
     lens = ts.seq_lengths()[ts.user_offsets[mid]:ts.user_offsets[mid + 1]]
     for sel, pick in (("longest", np.argmax), ("shortest", np.argmin)):
@@ -115,7 +115,7 @@ def test_lm_user_data_selections(store, tok):
     with pytest.raises(UserError, match="full"):
         LMUserData(ts, "random_chunk")
     assert type(LMUserData(ts, "random")) is TokenizedUserData
-    assert isinstance(LMUserData(tokenize_store(store, tok, 64, mode="full"), "random_chunk"), RandomChunkUserData)
+    assert isinstance(LMUserData(tokenize_store(store, tok, TokenLayout(64, "full")), "random_chunk"), RandomChunkUserData)
 
 
 def test_els_contribution_bound_honours_the_selection(store, tok):
@@ -124,7 +124,7 @@ def test_els_contribution_bound_honours_the_selection(store, tok):
     from userdp.data.selection import LMUserData
     from userdp.engine import ELS
 
-    ts = tokenize_store(store, tok, 64, mode="truncate")
+    ts = tokenize_store(store, tok, TokenLayout(64, "truncate"))
     ud = LMUserData(ts, "longest")
     table = ELS(group_size=2, sampling_rate=0.5).units(ud, np.random.default_rng(0))
     sizes = ud.sizes()

@@ -9,6 +9,7 @@ import torch
 
 import userdp.progress as P
 from userdp.data import build_store, open_source
+from userdp.data import tokenize as T
 from userdp.data.tokenize import PublicText, tokenize_store, train_bpe
 
 from _engine_helpers import Mean, sq_loss, user_data
@@ -50,12 +51,13 @@ def _store(tmp_path, n=300):
     return build_store(open_source(str(p)), tmp_path / "s", batch_size=64).store
 
 
-def test_reading_tokenizing_planning_and_evaluating_each_count_their_whole_work(tmp_path, bars):
+def test_reading_tokenizing_planning_and_evaluating_each_count_their_whole_work(tmp_path, bars, monkeypatch):
     store = _store(tmp_path)
     (reading,) = [b for b in bars if b.desc == "reading records"]
     assert reading.n == 300 and reading.disable is None  # None: tqdm shows it on a terminal only
     tok = train_bpe(PublicText(["a b c d e"] * 20, description="t"), vocab_size=270, min_frequency=1)
-    tokenize_store(store, tok, 16, cache_dir=tmp_path / "tok", block=50)
+    monkeypatch.setattr(T, "ENCODE_BLOCK", 50)  # several blocks of records: the bar counts them all
+    tokenize_store(store, tok, 16, cache_dir=tmp_path / "tok")
     (tokenizing,) = [b for b in bars if b.desc == "tokenizing"]
     assert tokenizing.total == tokenizing.n == store.num_records
 

@@ -10,7 +10,7 @@ from userdp.cli import jsonout
 from userdp.data.sources import open_source
 from userdp.data.stats import corpus_stats, format_stats, plot_records_per_user
 from userdp.data.store import UserStore, build_store
-from userdp.data.tokenize import load_tokenizer, tokenize_store
+from userdp.data.tokenize import TokenLayout, load_tokenizer, tokenize_store
 from userdp.errors import UserError
 
 
@@ -45,7 +45,7 @@ def _stats(args) -> int:
         tokenized = None
         if args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
-            tokenized = tokenize_store(store, tok, 2**30, mode="full", add_eos=False,
+            tokenized = tokenize_store(store, tok, TokenLayout(2**30, "full", add_eos=False),
                                        cache_dir=Path(tmp) / "tokenized")
         s = corpus_stats(store, tokenized)
         if args.plot:

@@ -215,22 +215,32 @@ def _load(folder: Path) -> TokenizedStore:
     )
 
 
-def tokenize_store(
-    store: UserStore,
-    tokenizer,
-    seq_len: int,
-    *,
-    mode: str = "truncate",
-    subset: Optional[UserSubset] = None,
-    cache_dir=None,
-    add_eos: bool = True,
-    block: int = ENCODE_BLOCK,
-) -> TokenizedStore:
-    """Tokenize the store (or a subset of it), or load the cached result for the same key."""
-    if mode not in MODES:
-        raise UserError(f"tokenization mode must be one of {', '.join(MODES)}, got {mode!r}")
-    if seq_len < 2:
-        raise UserError(f"sequence length must be >= 2, got {seq_len}")
+@dataclasses.dataclass(frozen=True)
+class TokenLayout:
+    """How records become sequences: at most ``seq_len`` tokens each; ``mode`` ``truncate`` (one
+    sequence a record, cut), ``pack`` (each user's records streamed into windows) or ``full`` (one
+    sequence a record, whole); ``add_eos``: an end-of-text token after each record.
+
+    Raises:
+        UserError: an unknown mode, or ``seq_len`` below 2."""
+
+    seq_len: int
+    mode: str = "truncate"
+    add_eos: bool = True
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise UserError(f"tokenization mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.seq_len < 2:
+            raise UserError(f"sequence length must be >= 2, got {self.seq_len}")
+
+
+def tokenize_store(store: UserStore, tokenizer, layout: TokenLayout | int, *, subset: Optional[UserSubset] = None,
+                   cache_dir=None) -> TokenizedStore:
+    """Tokenize the store (or a subset of it) as ``layout`` says (an int: ``TokenLayout(seq_len)``,
+    truncated records with an end-of-text token), or load the cached result for the same key."""
+    layout = TokenLayout(layout) if isinstance(layout, int) else layout
+    seq_len, mode, add_eos = layout.seq_len, layout.mode, layout.add_eos
     t0 = time.perf_counter()
     subset = subset or UserSubset.full(store.sizes())
     key = _key(store, subset, tokenizer, seq_len, mode, add_eos)
@@ -242,25 +252,23 @@ def tokenize_store(
         return ts
     eos_id = special_id(tokenizer, EOS_CANDIDATES)
     if add_eos and eos_id is None:
-        raise UserError("the tokenizer has no end-of-text token (<|endoftext|>, </s>, <eos>); pass add_eos=False")
+        raise UserError("the tokenizer has no end-of-text token (<|endoftext|>, </s>, <eos>); use "
+                        "TokenLayout(..., add_eos=False)")
     pad_id = special_id(tokenizer, PAD_CANDIDATES)
     if pad_id is None:
         pad_id = eos_id if eos_id is not None else 0
-    tok = tokenizer
-    if mode == "truncate":
-        from tokenizers import Tokenizer
+    from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_str(tokenizer.to_str())
-        tok.no_padding()
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.no_padding()
+    if mode == "truncate":
         tok.enable_truncation(max_length=seq_len - (1 if add_eos else 0))
     else:
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_str(tokenizer.to_str())
-        tok.no_padding()
         tok.no_truncation()
+    meta = dict(key=key, seq_len=int(seq_len), mode=mode, eos_id=eos_id, pad_id=int(pad_id), add_eos=add_eos,
+                store=store.fingerprint, tokenizer=tokenizer_fingerprint(tokenizer))
     with atomic_dir(folder) as tmp:  # renamed to folder when whole; another process's entry is kept
-        _write_tokens(tmp, tok, store, subset, seq_len, mode, add_eos, eos_id, pad_id, key, tokenizer, block)
+        _write_tokens(tmp, tok, store, subset, meta)
     ts = _load(folder)
     ts.from_cache = False
     ts.seconds = time.perf_counter() - t0
@@ -272,13 +280,14 @@ def record_token_lengths(store: UserStore, tokenizer, *, cache_dir=None) -> np.n
 
     Reuses (and fills) the ``full`` tokenization cache of the whole store.
     """
-    ts = tokenize_store(store, tokenizer, 2**30, mode="full", add_eos=False, cache_dir=cache_dir)
+    ts = tokenize_store(store, tokenizer, TokenLayout(2**30, "full", add_eos=False), cache_dir=cache_dir)
     return ts.seq_lengths().astype(np.int64)
 
 
-def _write_tokens(tmp: Path, tok, store, subset, seq_len: int, mode: str, add_eos: bool, eos_id, pad_id,
-                  key: str, tokenizer, block: int) -> None:
-    """Tokenize ``subset``'s records into the (temporary) cache folder ``tmp``."""
+def _write_tokens(tmp: Path, tok, store, subset, meta: dict) -> None:
+    """Tokenize ``subset``'s records into the (temporary) cache folder ``tmp``, as ``meta`` (the
+    cache entry's key, layout and special tokens) says, in blocks of :data:`ENCODE_BLOCK` records."""
+    seq_len, mode, add_eos, eos_id, block = meta["seq_len"], meta["mode"], meta["add_eos"], meta["eos_id"], ENCODE_BLOCK
     rows = subset.rows(store.offsets)
     rec_lens = np.empty(len(rows), dtype=np.int64)
     n_tok = 0
@@ -316,6 +325,5 @@ def _write_tokens(tmp: Path, tok, store, subset, seq_len: int, mode: str, add_eo
     np.save(tmp / "seq_offsets.npy", seq_offsets)
     np.save(tmp / "user_offsets.npy", user_offsets)
     np.save(tmp / "users.npy", subset.users.astype(np.int64))
-    meta = dict(key=key, num_tokens=n_tok, seq_len=int(seq_len), mode=mode, eos_id=eos_id, pad_id=int(pad_id),
-                add_eos=add_eos, store=store.fingerprint, tokenizer=tokenizer_fingerprint(tokenizer))
+    meta = dict(meta, num_tokens=n_tok)
     (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a folder with meta.json is whole

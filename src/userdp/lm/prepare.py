@@ -16,7 +16,7 @@ from userdp.caches import fingerprint, private_cache_root
 from userdp.data.acquire import acquire
 from userdp.data.selection import LMUserData, perplexity_scores
 from userdp.data.splits import heldout_users, sample_users, user_ids_of
-from userdp.data.tokenize import tokenize_store
+from userdp.data.tokenize import TokenLayout, tokenize_store
 from userdp.errors import UserError
 from userdp.fileio import owned_dir
 from userdp.lm import config as C
@@ -109,8 +109,8 @@ def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None):
     cache = owned_dir(private_cache_root() / "tokenized")
     t0 = time.time()
     mode = "full" if selection == "random_chunk" else "truncate"
-    tr = tokenize_store(prep.store, tok, seq_len, mode=mode, subset=prep.train_subset, cache_dir=cache)
-    ev = tokenize_store(prep.store, tok, seq_len, mode="truncate", subset=prep.eval_subset, cache_dir=cache)
+    tr = tokenize_store(prep.store, tok, TokenLayout(seq_len, mode), subset=prep.train_subset, cache_dir=cache)
+    ev = tokenize_store(prep.store, tok, TokenLayout(seq_len), subset=prep.eval_subset, cache_dir=cache)
     log(f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
         f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)")
     for name, part in (("training", tr), ("held-out", ev)):  # never train or evaluate on nothing
