@@ -40,6 +40,8 @@ warnings.filterwarnings("ignore")
 
 from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
 
+from userdp.engine import RunOptions
+
 
 def _worker(a) -> None:
     import numpy as np
@@ -94,7 +96,8 @@ def _worker(a) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize()
-    train(model, data, models.causal_lm_loss, cfg, callbacks=[on_step], combiner=combiner_for(backend is not None))
+    train(model, data, models.causal_lm_loss, cfg,
+        RunOptions(callbacks=[on_step], combiner=combiner_for(backend is not None)))
 
     peak = _peak(device) - start
 

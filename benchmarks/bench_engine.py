@@ -114,7 +114,7 @@ def engine_step(model, data, loss_fn, algo, chunk):
     cfg = TrainConfig(algorithm=algo, steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-3),
                       noise_multiplier=1.0, delta=1e-5, seed=0, sampling=sampling, accountant=acc,
                       chunk_size=chunk, track_epsilon=False)
-    run = EngineRun(model, data, loss_fn, cfg, None, None)
+    run = EngineRun(model, data, loss_fn, cfg)
     return run.run_step
 
 

@@ -28,6 +28,8 @@ warnings.filterwarnings("ignore")
 
 from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
 
+from userdp.engine import RunOptions
+
 MODES = ("nonprivate_trainer", "engine_train", "own_loop", "private_trainer")
 
 
@@ -91,7 +93,7 @@ def _worker(mode: str, a) -> dict:
             last[0] = now
 
         train(model, UserRecords(ds, "user"), causal_lm_loss, dataclasses.replace(privacy, optimizer=SGD(0.01)),
-              callbacks=[tick])
+              RunOptions(callbacks=[tick]))
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:

@@ -63,7 +63,7 @@ def uls_step(model, data, loss_fn, G, M, chunk, compact: bool):
     cfg = TrainConfig(algorithm=ULS(G, M / data.num_users), steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-3),
                       noise_multiplier=1.0, delta=1e-5, seed=0, sampling="fixed_size", accountant="rdp",
                       chunk_size=chunk, track_epsilon=False)
-    run = EngineRun(model, data, loss_fn, cfg, None, None)
+    run = EngineRun(model, data, loss_fn, cfg)
     run._compact = compact  # False: the padded chunks of before
     return run.run_step
 

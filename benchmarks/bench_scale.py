@@ -204,7 +204,7 @@ def _worker(a) -> dict:
                           noise_multiplier=1.0, delta=1e-5, seed=0, sampling=sampling, accountant=acc,
                           chunk_size=chunk if a.algorithm != "els" else chunk * G, track_epsilon=False,
                           per_unit=a.per_unit, precision=a.dtype)
-        run = EngineRun(model, data, causal_lm_loss, cfg, None, None)
+        run = EngineRun(model, data, causal_lm_loss, cfg)
         step = run.run_step
         extra["per_unit"] = run.per_unit.name
         # the memory model that chunk_size: auto uses, for this step's chunk (one chunk: chunk = M)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from userdp.engine import SGD, ULS, FlatClip, TensorUserData, TrainConfig, train
+from userdp.engine import SGD, ULS, FlatClip, RunOptions, TensorUserData, TrainConfig, train
 
 
 class Mean(nn.Module):
@@ -42,9 +42,9 @@ def main():
     )
     model = Mean(dim)
     result = train(model, data, loss_fn, config,
-                   callbacks=[lambda m: m["step"] % 25 == 0 and print(
+                   RunOptions(callbacks=[lambda m: m["step"] % 25 == 0 and print(
                        f"step {m['step']:3d}  loss {m['loss']:.3f}  eps<= {m['epsilon_spent']:.2f}  "
-                       f"units {m['units']}  clipped {m['fraction_clipped']:.2f}")])
+                       f"units {m['units']}  clipped {m['fraction_clipped']:.2f}")]))
     target = torch.tensor(user_means.mean(0), dtype=torch.float32)
     print(f"noise multiplier {result.noise_multiplier:.3f}; spent epsilon = {result.epsilon:.3f} "
           f"at delta = {result.delta:g} over {result.steps} steps ({result.record['sampler_mode']})")

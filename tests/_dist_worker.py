@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from userdp import launch
-from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
+from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TrainConfig, train
 from userdp.engine.data import DelegatingUserData
 from userdp.engine.distributed import combiner_for
 
@@ -47,7 +47,7 @@ def run_all(combiner=None) -> dict:
         torch.manual_seed(0)
         model = MLP()
         data = Recorded(mlp_data(SIZES, seed=2))
-        train(model, data, ce_loss, cfg, combiner=combiner)
+        train(model, data, ce_loss, cfg, RunOptions(combiner=combiner))
         out[name] = {n: p.detach().clone() for n, p in model.named_parameters()}
         if name == "uls":
             out["loaded_uls"] = data.loaded

@@ -15,7 +15,7 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from userdp import accounting
-from userdp.engine import ELS, ULS, AdaptiveClip, FedAvg, FlatClip, PerLayerClip, TrainConfig, train
+from userdp.engine import ELS, ULS, AdaptiveClip, FedAvg, FlatClip, PerLayerClip, RunOptions, TrainConfig, train
 from userdp.engine import checkpoint as ckpt
 from userdp.engine import noise as noise_mod
 from userdp.engine import per_unit as per_unit_mod
@@ -247,7 +247,7 @@ def test_a_registered_noise_mechanism_gets_the_std_on_the_sum(tmp_path):
         cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=2.0, clipping=FlatClip(0.5), seed=3,
                           noise="recording", delta=1e-5)
         data = user_data([2] * 20, d=3)
-        res = train(Mean(3), data, sq_loss, cfg, checkpoint_dir=str(tmp_path))
+        res = train(Mean(3), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path)))
         # the noise goes on the clipped SUM (on rank 0, before the all-reduce): std z * C; the noised
         # sum is then divided by the fixed denominator q * N = 10
         assert asked == [pytest.approx(2.0 * 0.5)] * 2 and res.steps == 2
@@ -300,7 +300,7 @@ def test_the_plan_holds_its_parts_and_the_run_uses_them():
     assert plan.noise_mechanism is noise_mod.NOISE_MECHANISMS.lookup("iid_gaussian_float64")
     assert plan.performance["chunk_size"] == 8 and set(plan.performance) == set(PERFORMANCE_FIELDS)
     assert privacy_repr(cfg) == privacy_repr(dataclasses.replace(cfg, chunk_size=64, per_unit="vmap"))
-    run = EngineRun(Mean(2), data, sq_loss, plan, None, None)
+    run = EngineRun(Mean(2), data, sq_loss, plan)
     assert run.sampler is plan.sampler and type(run.noise) is plan.noise_mechanism
     res = train(Mean(2), data, sq_loss, plan)
     assert res.record["sampler"]["mode"] == sampler.mode and res.record["noise_mechanism"] == "iid_gaussian_float64"

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
+from userdp.engine import SGD, ULS, FlatClip, RunOptions, TrainConfig, train
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, sq_loss, user_data
@@ -323,7 +323,7 @@ def test_a_rank_whose_config_differs_from_rank_0s_is_refused():
         cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=3 + r, clipping=FlatClip(0.5), optimizer=SGD(0.5),
                           noise_multiplier=1.0, delta=1e-5, seed=1, track_epsilon=False, accountant="rdp")
         try:
-            train(Mean(4), user_data([3] * 8, d=4), sq_loss, cfg, combiner=_ThreadCombiner(r, 2, shared))
+            train(Mean(4), user_data([3] * 8, d=4), sq_loss, cfg, RunOptions(combiner=_ThreadCombiner(r, 2, shared)))
         except Exception as e:  # noqa: BLE001 - recorded for the assertion
             errors[r] = e
             shared["barrier"].abort()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from userdp.engine import ELS, ULS, TrainConfig, train
+from userdp.engine import ELS, ULS, RunOptions, TrainConfig, train
 from userdp.engine import noise as N
 from userdp.engine.algorithms import FedAvg
 from userdp.engine.chacha import ChaChaNoise
@@ -121,7 +121,7 @@ def test_a_step_syncs_once_and_never_copies_to_the_device_blockingly(monkeypatch
         last.update(now)
 
     with mode:
-        train(model, _data(), lm_loss, cfg, callbacks=[cb])
+        train(model, _data(), lm_loss, cfg, RunOptions(callbacks=[cb]))
     assert len(per_step) == 3
     for i, c in enumerate(per_step[1:], 2):  # step 1 holds the ghost strategy's one-time check
         assert c["sync"] <= 1, (name, i, dict(c))

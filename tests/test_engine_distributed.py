@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
+from userdp.engine import SGD, ULS, FlatClip, RunOptions, TrainConfig, train
 from userdp.engine.distributed import TorchDistributedCombiner
 
 from _engine_helpers import Mean, sq_loss, user_data
@@ -30,7 +30,7 @@ def test_two_ranks_equal_one():
     world = 2
     models = [Mean(64) for _ in range(world)]
     results, shared = _run_ranks(world, lambda r, comb: train(models[r], user_data(SIZES, d=64, seed=2), sq_loss,
-                                                              _cfg(), combiner=comb))
+                                                              _cfg(), RunOptions(combiner=comb)))
     single = Mean(64)
     ref = train(single, user_data(SIZES, d=64, seed=2), sq_loss, _cfg())
     assert shared["calls"] == [8, 8]  # two all-reduces per step: the statistics, then the noised clipped sum
@@ -50,7 +50,7 @@ def test_torch_distributed_combiner_on_a_gloo_group(tmp_path):
         assert out[0].dtype == torch.float32 and out[1].dtype == torch.float64
         assert torch.equal(out[0], a) and torch.equal(out[1], b)
         m1, m2 = Mean(64), Mean(64)
-        train(m1, user_data(SIZES, d=64, seed=2), sq_loss, _cfg(), combiner=c)
+        train(m1, user_data(SIZES, d=64, seed=2), sq_loss, _cfg(), RunOptions(combiner=c))
         train(m2, user_data(SIZES, d=64, seed=2), sq_loss, _cfg())
         assert torch.equal(m1.theta, m2.theta)
     finally:
@@ -71,8 +71,9 @@ def test_one_writer_and_a_shared_count_after_a_crash(tmp_path):
                 raise KeyError("crash")
 
         return _run_ranks(world, lambda r, comb: train(Mean(64), user_data(SIZES, d=64, seed=2), sq_loss, unseeded,
-                                                       combiner=comb, checkpoint_dir=str(dirs[r]), resume=resume,
-                                                       callbacks=[crash]), expected=(KeyError,))[0]
+                                                       RunOptions(combiner=comb, checkpoint_dir=str(dirs[r]),
+                                                                  resume=resume,
+                                                                  callbacks=[crash])), expected=(KeyError,))[0]
 
     run_all(resume=False, crash_at=2)
     assert (dirs[0] / "ledger_journal.jsonl").is_file()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, TrainConfig, checkpoint, train
+from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, RunOptions, TrainConfig, checkpoint, train
 from userdp.engine.data import TensorUserData
 from userdp.errors import UserError
 
@@ -80,15 +80,18 @@ def _sharded_runs(rank: int) -> dict:
     for kind in ("gpt2", "llama"):
         for algo in ("uls", "els"):
             replicated = _model(kind)
-            train(replicated, _data(), causal_lm_loss, _config(algo, "none"), combiner=TorchDistributedCombiner())
+            train(replicated, _data(), causal_lm_loss, _config(algo, "none"),
+                RunOptions(combiner=TorchDistributedCombiner()))
             model = _model(kind)
             whole = sum(p.numel() for p in model.parameters())
-            res = train(model, _data(), causal_lm_loss, _config(algo, "fsdp"), combiner=TorchDistributedCombiner())
+            res = train(model, _data(), causal_lm_loss, _config(algo, "fsdp"),
+                RunOptions(combiner=TorchDistributedCombiner()))
             local = sum(p.to_local().numel() for p in model.parameters())
             adam = sum(v.to_local().numel() for s in runs[-1].optimizer.state.values() for k, v in s.items()
                        if isinstance(v, DTensor) and k != "step")
             try:  # the sharded model again, as if whole: its shards would be all-reduced as whole sums
-                train(model, _data(), causal_lm_loss, _config(algo, "none"), combiner=TorchDistributedCombiner())
+                train(model, _data(), causal_lm_loss, _config(algo, "none"),
+                    RunOptions(combiner=TorchDistributedCombiner()))
                 refused = None
             except UserError as exc:
                 refused = str(exc)
@@ -114,8 +117,10 @@ def _sharded_runs(rank: int) -> dict:
 
     NOISE_MECHANISMS.register(Whole)
     try:
-        train(_model("gpt2"), _data(), causal_lm_loss, TrainConfig(**{**_config("uls", "fsdp").__dict__, "noise":
-                                                                    "whole_only"}), combiner=TorchDistributedCombiner())
+        train(_model("gpt2"), _data(), causal_lm_loss,
+              TrainConfig(**{**_config("uls", "fsdp").__dict__, "noise":
+                                                                    "whole_only"}),
+              RunOptions(combiner=TorchDistributedCombiner()))
         out["no_pieces"] = None
     except UserError as exc:
         out["no_pieces"] = str(exc)
@@ -175,7 +180,7 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
     ckpt = str(tmp_path / "ckpt")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(UserError) as err:
-        train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt)
+        train(model, _data(), causal_lm_loss, cfg, RunOptions(checkpoint_dir=ckpt))
     msg = str(err.value)
     assert words in msg and "\n" not in msg and "sharding" in msg
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before any work
@@ -198,8 +203,8 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
     ckpt = f"{folder}/ckpt"
     try:
-        train(_model("gpt2"), _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt, callbacks=[crash_at(3)],
-              combiner=TorchDistributedCombiner())
+        train(_model("gpt2"), _data(), causal_lm_loss, cfg,
+              RunOptions(checkpoint_dir=ckpt, callbacks=[crash_at(3)], combiner=TorchDistributedCombiner()))
     except Crash:
         pass
     saved = checkpoint.load(ckpt) if rank == 0 else None
@@ -207,8 +212,8 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
         shutil.copytree(ckpt, f"{folder}/copy")
     dist.barrier()
     model = _model("gpt2")
-    res = train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=ckpt, resume=True,
-                combiner=TorchDistributedCombiner())
+    res = train(model, _data(), causal_lm_loss, cfg,
+                RunOptions(checkpoint_dir=ckpt, resume=True, combiner=TorchDistributedCombiner()))
     return {"params": _full(model), "steps": res.steps, "lost": res.record["steps_lost_to_crashes"],
             "epsilon": res.epsilon, "saved": None if saved is None else {
                 "params": saved["params"], "shards": saved["shards"],
@@ -230,7 +235,7 @@ def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
     cfg = _config("uls", "none", checkpoint_every=2)
     cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
     shutil.copytree(tmp_path / "copy", tmp_path / "damaged")
-    one = train(model, _data(), causal_lm_loss, cfg, checkpoint_dir=str(tmp_path / "copy"), resume=True)
+    one = train(model, _data(), causal_lm_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path / "copy"), resume=True))
     want = {n: p.detach().numpy() for n, p in model.named_parameters()}
     assert one.steps == 5 and one.record["steps_lost_to_crashes"] == 1
     saved = results[0]["saved"]
@@ -244,7 +249,8 @@ def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
     raw[len(raw) // 2] ^= 1
     shard.write_bytes(bytes(raw))
     with pytest.raises(UserError, match=r"__1_0\.distcp: checksum mismatch"):
-        train(_model("gpt2"), _data(), causal_lm_loss, cfg, checkpoint_dir=str(tmp_path / "damaged"), resume=True)
+        train(_model("gpt2"), _data(), causal_lm_loss, cfg,
+            RunOptions(checkpoint_dir=str(tmp_path / "damaged"), resume=True))
     for rank in (0, 1):
         got = results[rank]
         assert got["steps"] == 5 and got["lost"] == 1 and got["epsilon"] == one.epsilon
@@ -270,13 +276,14 @@ def _own_loop(rank: int) -> dict:
         fully_shard(block)
     fully_shard(mine)
     opt = torch.optim.SGD(mine.parameters(), lr=0.05)
-    with make_private(mine, opt, _data(), causal_lm_loss, cfg, combiner=TorchDistributedCombiner()) as private:
+    with make_private(mine, opt, _data(), causal_lm_loss, cfg,
+        RunOptions(combiner=TorchDistributedCombiner())) as private:
         for step in private:
             step.backward()
             opt.step()
     engine = _model("gpt2")
     sgd = TrainConfig(**{**cfg.__dict__, "optimizer": SGD(0.05)})
-    train(engine, _data(), causal_lm_loss, sgd, combiner=TorchDistributedCombiner())
+    train(engine, _data(), causal_lm_loss, sgd, RunOptions(combiner=TorchDistributedCombiner()))
     return {"own": _full(mine), "engine": _full(engine)}
 
 

@@ -42,7 +42,7 @@ def _with_adversary(data: TensorUserData, n_records: int, direction: torch.Tenso
 def _pre_noise_sum(model, data, loss, algo, clip, seed=0):
     cfg = TrainConfig(algorithm=algo, steps=1, clipping=clip, noise_multiplier=1.0, delta=1e-5, seed=seed,
                       chunk_size=16, track_epsilon=False, accountant="rdp")
-    run = EngineRun(model, data, loss, cfg, None, None)
+    run = EngineRun(model, data, loss, cfg)
     sums, stats_ = run.clipped_sum(np.arange(run.n_units))  # every unit in the cohort: worst case
     return torch.cat([s.reshape(-1) for s in sums]), run
 

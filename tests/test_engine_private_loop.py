@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from userdp import accounting
-from userdp.engine import ELS, SGD, ULS, Adam, FedAvg, FlatClip, TrainConfig, make_private, train
+from userdp.engine import ELS, SGD, ULS, Adam, FedAvg, FlatClip, RunOptions, TrainConfig, make_private, train
 from userdp.engine.ledger import JOURNAL, steps_begun
 from userdp.errors import UserError
 
@@ -195,7 +195,7 @@ def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
     cut = MLP()
     cut.load_state_dict(init)
     opt = torch.optim.SGD(cut.parameters(), lr=0.2, momentum=0.9)
-    with make_private(cut, opt, data, ce_loss, cfg, checkpoint_dir=ck) as private:
+    with make_private(cut, opt, data, ce_loss, cfg, RunOptions(checkpoint_dir=ck)) as private:
         for step in private:
             step.backward()
             opt.step()
@@ -203,12 +203,12 @@ def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
                 break
     assert steps_begun(os.path.join(ck, JOURNAL)) == 5
     with pytest.raises(UserError, match="already holds a checkpoint|already private"):
-        make_private(cut, opt, data, ce_loss, cfg, checkpoint_dir=ck)
+        make_private(cut, opt, data, ce_loss, cfg, RunOptions(checkpoint_dir=ck))
 
     again = MLP()  # a fresh process: the model and optimizer come back from the checkpoint
     opt2 = torch.optim.SGD(again.parameters(), lr=0.2, momentum=0.9)
     grads = []
-    with make_private(again, opt2, data, ce_loss, cfg, checkpoint_dir=ck, resume=True) as private:
+    with make_private(again, opt2, data, ce_loss, cfg, RunOptions(checkpoint_dir=ck, resume=True)) as private:
         assert private.step == 3 and private._run.rekeyed_at == 5
         for step in private:
             step.backward()
@@ -226,7 +226,7 @@ def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
     cut2 = MLP()
     cut2.load_state_dict(init)
     o = torch.optim.SGD(cut2.parameters(), lr=0.2, momentum=0.9)
-    with make_private(cut2, o, data, ce_loss, cfg, checkpoint_dir=ck2) as private:
+    with make_private(cut2, o, data, ce_loss, cfg, RunOptions(checkpoint_dir=ck2)) as private:
         for step in private:
             step.backward()
             o.step()
@@ -234,7 +234,7 @@ def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
                 break
     third = MLP()
     o3 = torch.optim.SGD(third.parameters(), lr=0.2, momentum=0.9)
-    with make_private(third, o3, data, ce_loss, cfg, checkpoint_dir=ck2, resume=True) as private:
+    with make_private(third, o3, data, ce_loss, cfg, RunOptions(checkpoint_dir=ck2, resume=True)) as private:
         for step in private:
             step.backward()
             o3.step()
@@ -275,7 +275,8 @@ def test_two_ranks_of_the_own_loop_give_one_process_model():
 
     def loop(model, combiner=None):
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        with make_private(model, opt, user_data(DSIZES, d=64, seed=2), sq_loss, dcfg(), combiner=combiner) as p:
+        with make_private(model, opt, user_data(DSIZES, d=64, seed=2), sq_loss, dcfg(),
+            RunOptions(combiner=combiner)) as p:
             for step in p:
                 opt.zero_grad()
                 step.backward()

@@ -18,6 +18,7 @@ from userdp.engine import (
     FedAvg,
     FedSGD,
     FlatClip,
+    RunOptions,
     TensorUserData,
     TrainConfig,
     train,
@@ -203,12 +204,13 @@ def test_interrupted_and_resumed_run_counts_its_lost_steps_and_is_reproducible(t
         m = MLP()
         m.load_state_dict(init)
         with pytest.raises(Crash):  # crash after step 5: last checkpoint at step 3, steps 4-5 begun
-            train(m, data, ce_loss, _resume_cfg(42, algo), checkpoint_dir=str(tmp_path / d), callbacks=[crash_at(5)])
+            train(m, data, ce_loss, _resume_cfg(42, algo),
+                RunOptions(checkpoint_dir=str(tmp_path / d), callbacks=[crash_at(5)]))
         m2 = MLP()
         m2.load_state_dict(init)
         with pytest.raises(UserError, match="resume=True"):
-            train(m2, data, ce_loss, _resume_cfg(42, algo), checkpoint_dir=str(tmp_path / d))
-        r = train(m2, data, ce_loss, _resume_cfg(42, algo), checkpoint_dir=str(tmp_path / d), resume=True)
+            train(m2, data, ce_loss, _resume_cfg(42, algo), RunOptions(checkpoint_dir=str(tmp_path / d)))
+        r = train(m2, data, ce_loss, _resume_cfg(42, algo), RunOptions(checkpoint_dir=str(tmp_path / d), resume=True))
         assert r.steps == 10 and r.record["steps_accounted"] == 12 and r.record["steps_lost_to_crashes"] == 2
         assert r.epsilon > r_ref.epsilon
         models.append(m2)
@@ -223,8 +225,8 @@ def test_unseeded_crash_counts_the_lost_steps(tmp_path):
     m = MLP()
     cfg = _resume_cfg(None, ULS(3, 0.3))
     with pytest.raises(Crash):
-        train(m, data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(5)])
-    r = train(m, data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+        train(m, data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash_at(5)]))
+    r = train(m, data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     # steps 4 and 5 ran with secret randomness that is gone: they may have been seen, so they count
     assert r.steps == 10 and r.record["steps_accounted"] == 12 and r.record["steps_lost_to_crashes"] == 2
     from userdp.engine import checkpoint
@@ -235,10 +237,10 @@ def test_crash_before_the_first_checkpoint_still_counts(tmp_path):
     data = mlp_data([3, 5, 2, 7] * 10, seed=7)
     cfg = _resume_cfg(None, ULS(3, 0.3))
     with pytest.raises(Crash):
-        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(2)])
+        train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash_at(2)]))
     with pytest.raises(UserError, match="resume=True"):
-        train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path))
-    r = train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+        train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path)))
+    r = train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     assert r.record["steps_accounted"] == 12 and r.record["steps_lost_to_crashes"] == 2
 
 
@@ -246,17 +248,19 @@ def test_resume_refuses_a_different_config(tmp_path):
     data = user_data([2] * 20, d=2)
     cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, seed=0,
                       accountant="rdp", track_epsilon=False)
-    train(Mean(2), data, sq_loss, cfg, checkpoint_dir=str(tmp_path))
+    train(Mean(2), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path)))
     with pytest.raises(UserError, match="different config"):
         train(Mean(2), data, sq_loss, dataclasses.replace(cfg, noise_multiplier=2.0),
-              checkpoint_dir=str(tmp_path), resume=True)
+              RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_callbacks_get_metrics_and_loss_fn_shape_is_checked():
     data = user_data([2] * 30, d=2)
     seen = []
-    train(Mean(2), data, sq_loss, TrainConfig(algorithm=ELS(2, 0.2), steps=4, noise_multiplier=1.0, delta=1e-5,
-                                              seed=0, accountant="rdp"), callbacks=[seen.append])
+    train(Mean(2), data, sq_loss,
+          TrainConfig(algorithm=ELS(2, 0.2), steps=4, noise_multiplier=1.0, delta=1e-5,
+                                              seed=0, accountant="rdp"),
+          RunOptions(callbacks=[seen.append]))
     assert [m["step"] for m in seen] == [1, 2, 3, 4]
     for k in ["loss", "epsilon_spent", "fraction_clipped", "units", "units_per_s", "clip_norm"]:
         assert k in seen[0]
@@ -285,10 +289,10 @@ def test_ctrl_c_finishes_the_step_saves_it_and_resume_loses_nothing(tmp_path):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt) as info:
-            train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c])
+            train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c]))
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
     finally:
         signal.signal(signal.SIGINT, previous)
     assert info.value.record["stopped"] == "interrupted" and info.value.steps == 2
-    r = train(MLP(), data, ce_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+    r = train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     assert r.steps == 10 and r.record["steps_accounted"] == 10 and r.record["steps_lost_to_crashes"] == 0

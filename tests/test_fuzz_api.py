@@ -28,6 +28,7 @@ from userdp.engine import (
     FedAvg,
     FlatClip,
     PerLayerClip,
+    RunOptions,
     TensorUserData,
     TrainConfig,
     make_private,
@@ -57,10 +58,16 @@ def _cfg(**over):
     return TrainConfig(**kw)
 
 
+_OPTIONS = ("options", "checkpoint_dir", "resume", "callbacks", "combiner", "journal_context", "checkpoint_extra", "on_start")
+
+
 def _train(**over):
+    """train() with the defaults, ``over`` replacing them; RunOptions' fields go to a RunOptions."""
     args = dict(model=_model(), data=_data(), loss_fn=_loss, config=_cfg())
-    args.update(over)
-    return train(**args)
+    args.update({k: v for k, v in over.items() if k not in _OPTIONS})
+    options = {k: v for k, v in over.items() if k in _OPTIONS}
+    given = options.pop("options", None)
+    return train(**args, options=RunOptions(**options) if options else given)
 
 
 def _file(tmp_path):
@@ -136,6 +143,11 @@ CASES = [
             ("checkpoint_dir",)),
     ApiCase("train-checkpoint-dir-number", lambda t: _train(checkpoint_dir=3), ("checkpoint_dir",)),
     ApiCase("train-resume-string", lambda t: _train(checkpoint_dir=str(t / "c"), resume="yes"), ("resume",)),
+    ApiCase("train-resume-without-a-folder", lambda t: _train(resume=True), ("resume", "checkpoint_dir")),
+    ApiCase("train-options-a-dict", lambda t: _train(options={"checkpoint_dir": str(t)}), ("options", "RunOptions")),
+    ApiCase("private-with-train-hooks",
+            lambda t: make_private(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), _data(), _loss, _cfg(),
+                                   RunOptions(callbacks=[print])), ("callbacks", "make_private")),
     ApiCase("private-optimizer-other-params",
             lambda t: make_private(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), _data(), _loss, _cfg()),
             ("optimizer",)),

@@ -12,7 +12,7 @@ import torch
 from userdp import accounting as A
 from userdp.accounting import private_selection as PS
 from userdp.accounting.selection import TrialCount
-from userdp.engine import ELS, ULS, TrainConfig, train
+from userdp.engine import ELS, ULS, RunOptions, TrainConfig, train
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.chacha import TAIL_MASS_PER_PAIR, _normals_from_blocks, tail_delta
 from userdp.engine.plan import make_plan
@@ -68,7 +68,7 @@ def test_an_algorithm_whose_units_weigh_more_than_one_is_refused_before_a_step(t
     cfg = TrainConfig(algorithm=Heavy(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, track_epsilon=False)
     seen = []
     with pytest.raises(UserError, match="unit weights"):
-        train(Mean(4), user_data([3] * 10, d=4), sq_loss, cfg, callbacks=[seen.append])
+        train(Mean(4), user_data([3] * 10, d=4), sq_loss, cfg, RunOptions(callbacks=[seen.append]))
     assert seen == []
 
 
@@ -159,8 +159,8 @@ def test_a_seeded_run_resumed_after_a_crash_never_reuses_its_noise(tmp_path):
                       track_epsilon=False, seed=7)
     whole = train(Mean(4), data, sq_loss, cfg)
     with pytest.raises(Crash):
-        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash])
-    res = train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash]))
+    res = train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     assert res.record["steps_lost_to_crashes"] == 1 and res.record["steps_accounted"] == 7
     # steps 3..6 after the resume are not the uncrashed run's steps 3..6 (other noise)
     assert [h["loss"] for h in res.history[2:]] != [h["loss"] for h in whole.history[2:]]

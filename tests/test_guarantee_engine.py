@@ -16,7 +16,7 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from userdp import accounting
-from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TensorUserData, TrainConfig, train
+from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TensorUserData, TrainConfig, train
 from userdp.engine import checkpoint as ckpt
 from userdp.engine import noise as noise_mod
 from userdp.engine.ledger import JOURNAL
@@ -62,8 +62,10 @@ def test_noise_is_standard_normal_in_float32():
 
 def test_unseeded_checkpoint_holds_no_generator_state(tmp_path):
     data = user_data([3] * 10, d=4)
-    train(Mean(4), data, sq_loss, TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=3.0, delta=1e-5,
-                                              track_epsilon=False), checkpoint_dir=str(tmp_path))
+    train(Mean(4), data, sq_loss,
+          TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=3.0, delta=1e-5,
+                                              track_epsilon=False),
+          RunOptions(checkpoint_dir=str(tmp_path)))
     st = ckpt.load(str(tmp_path))
     assert not st["seeded"] and "noise_rng" not in st and "numpy_rng" not in st
 
@@ -90,8 +92,8 @@ def test_a_non_finite_user_contributes_zero_and_is_counted(algo):
     # and it contributed exactly zero: the clipped sum equals the sum without that user
     cfg = TrainConfig(algorithm=algo, steps=1, noise_multiplier=1.0, delta=1e-5, seed=0, clipping=FlatClip(1.0),
                       accountant="rdp")
-    with_bad = EngineRun(Mean(4), data, sq_loss, cfg, None, None)
-    clean = EngineRun(Mean(4), user_data([3, 2, 4, 3, 5], d=4, seed=2), sq_loss, cfg, None, None)
+    with_bad = EngineRun(Mean(4), data, sq_loss, cfg)
+    clean = EngineRun(Mean(4), user_data([3, 2, 4, 3, 5], d=4, seed=2), sq_loss, cfg)
     s1, st1 = with_bad.clipped_sum(np.arange(with_bad.n_units))
     s2, _ = clean.clipped_sum(np.arange(clean.n_units))
     if isinstance(algo, ELS):
@@ -105,7 +107,7 @@ def _bf16_run(data, sigma, seed=3, init=100.0, d=4096):
     model = Mean(d, torch.full((d,), init)).to(torch.bfloat16)
     cfg = TrainConfig(algorithm=ULS(1, 1.0), steps=1, noise_multiplier=sigma, delta=1e-5, seed=seed,
                       clipping=FlatClip(1.0), optimizer=SGD(1.0), accountant="rdp", track_epsilon=False)
-    run = EngineRun(model, data, sq_loss, cfg, None, None)
+    run = EngineRun(model, data, sq_loss, cfg)
     before = run.master[0].detach().clone()
     run.run_step()
     return before - run.master[0].detach(), run
@@ -147,8 +149,8 @@ def test_published_event_composes_exactly_the_counted_steps_after_a_crash(tmp_pa
     cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4,
                       track_epsilon=False)
     with pytest.raises(Crash):
-        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(6)])
-    res = train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash_at(6)]))
+    res = train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     rec = res.record
     assert rec["steps_applied"] == 8 and rec["steps_accounted"] == 10 and rec["steps_lost_to_crashes"] == 2
     ev = accounting.event_from_dict(json.loads(json.dumps(rec["dp_event_total"])))
@@ -197,7 +199,7 @@ def _cfg(**kw):
 def _crashed_run(tmp_path, crash=6, **kw):
     data = user_data([3] * 30, d=4)
     with pytest.raises(Crash):
-        train(Mean(4), data, sq_loss, _cfg(**kw), checkpoint_dir=str(tmp_path), callbacks=[crash_at(crash)])
+        train(Mean(4), data, sq_loss, _cfg(**kw), RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash_at(crash)]))
     return data
 
 
@@ -205,7 +207,7 @@ def test_deleted_journal_refuses_resume(tmp_path):
     data = _crashed_run(tmp_path)
     os.unlink(tmp_path / JOURNAL)
     with pytest.raises(UserError, match="ledger_journal.jsonl.*missing"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_truncated_journal_refuses_resume(tmp_path):
@@ -213,7 +215,7 @@ def test_truncated_journal_refuses_resume(tmp_path):
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
     (tmp_path / JOURNAL).write_text("".join(lines[:3]))  # below the checkpoint's 4 steps
     with pytest.raises(UserError, match="truncated"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_journal_cut_back_to_a_valid_prefix_after_the_checkpoint_refuses_resume(tmp_path):
@@ -225,7 +227,7 @@ def test_journal_cut_back_to_a_valid_prefix_after_the_checkpoint_refuses_resume(
     assert len(lines) == 1 + 6
     (tmp_path / JOURNAL).write_text("".join(lines[:1 + 4]))
     with pytest.raises(UserError, match="truncated or replaced by an older copy"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_an_older_copy_of_the_journal_refuses_resume(tmp_path):
@@ -240,17 +242,17 @@ def test_an_older_copy_of_the_journal_refuses_resume(tmp_path):
             raise Crash
 
     with pytest.raises(Crash):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), callbacks=[copy_at_checkpoint])
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), callbacks=[copy_at_checkpoint]))
     (tmp_path / JOURNAL).write_bytes(saved["journal"])
     with pytest.raises(UserError, match="truncated or replaced by an older copy"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_deleted_journal_head_refuses_resume(tmp_path):
     data = _crashed_run(tmp_path)
     os.unlink(tmp_path / "ledger_head.json")
     with pytest.raises(UserError, match="ledger_head.json.*missing"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_every_step_metric_cites_the_journal_head(tmp_path):
@@ -258,7 +260,7 @@ def test_every_step_metric_cites_the_journal_head(tmp_path):
     metrics.jsonl), so a record outside the journal binds its length."""
     data = user_data([3] * 30, d=4)
     seen = []
-    train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), callbacks=[seen.append])
+    train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), callbacks=[seen.append]))
     assert [m["journal"]["lines"] for m in seen] == list(range(1, 9))
     assert len({m["journal"]["head"] for m in seen}) == 8 and len({m["journal"]["run"] for m in seen}) == 1
 
@@ -271,24 +273,24 @@ def test_edited_journal_line_refuses_resume(tmp_path):
     lines[5] = json.dumps(row) + "\n"
     (tmp_path / JOURNAL).write_text("".join(lines))
     with pytest.raises(UserError, match="hash chain"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_torn_final_journal_line_is_repaired_and_never_undercounts(tmp_path):
     data = _crashed_run(tmp_path)
     with open(tmp_path / JOURNAL, "a") as f:
         f.write('{"spent": 7, "ha')  # a crash mid-write: step 7 never began
-    res = train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+    res = train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     assert res.record["steps_accounted"] == 6 + 4 and res.steps == 8
 
 
 def test_journal_of_another_config_refuses_resume(tmp_path):
     data = _crashed_run(tmp_path)
     with pytest.raises(UserError):
-        train(Mean(4), data, sq_loss, _cfg(noise_multiplier=2.5), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(noise_multiplier=2.5), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     with pytest.raises(UserError, match="different"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True,
-              journal_context={"data_fingerprint": "other"})
+        train(Mean(4), data, sq_loss, _cfg(),
+              RunOptions(checkpoint_dir=str(tmp_path), resume=True, journal_context={"data_fingerprint": "other"}))
 
 
 def test_flipped_checkpoint_byte_refuses_resume(tmp_path):
@@ -298,23 +300,23 @@ def test_flipped_checkpoint_byte_refuses_resume(tmp_path):
     raw[len(raw) // 2] ^= 0x40
     open(p, "wb").write(bytes(raw))
     with pytest.raises(UserError, match="checkpoint.pt: checksum mismatch"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_missing_manifest_refuses_resume(tmp_path):
     data = _crashed_run(tmp_path)
     os.unlink(ckpt.manifest_path(str(tmp_path)))
     with pytest.raises(UserError, match="MANIFEST.json: missing"):
-        train(Mean(4), data, sq_loss, _cfg(), checkpoint_dir=str(tmp_path), resume=True)
+        train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
 
 def test_crash_before_first_checkpoint_resumes_from_step_zero_with_begun_steps_counted(tmp_path):
     data = user_data([3] * 30, d=4)
     cfg = _cfg(checkpoint_every=0)
     with pytest.raises(Crash):
-        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), callbacks=[crash_at(3)])
+        train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash_at(3)]))
     assert not ckpt.exists(str(tmp_path))
-    res = train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), resume=True)
+    res = train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     assert res.steps == 8 and res.record["steps_accounted"] == 11 and res.record["steps_lost_to_crashes"] == 3
 
 
@@ -335,7 +337,7 @@ def test_disk_full_during_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
         return {"model.bin": write_weights}
 
     with pytest.raises(UserError, match="No space left on device.*previous checkpoint is intact"):
-        train(Mean(4), data, sq_loss, cfg, checkpoint_dir=str(tmp_path), checkpoint_extra=extra)
+        train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), checkpoint_extra=extra))
     manifest = ckpt.verify(str(tmp_path))  # every file matches: one consistent unit
     assert manifest["step"] == 4
     assert torch.load(tmp_path / "model.bin")["step"] == 4 and ckpt.load(str(tmp_path))["step"] == 4

@@ -138,7 +138,7 @@ def test_an_added_user_moves_no_other_users_membership(algorithm):
     data = honest(n_users=12, g=6)  # every user holds more than G records: D' draws for each
     bigger = join(data, ADVERSARIES["repeated"]())  # 8 records, more than G
     cfg = config(algorithm, g=2, rate=0.5, per_unit="auto")
-    small, big = (EngineRun(builder()(), d, reg_loss, cfg, None, None) for d in (data, bigger))
+    small, big = (EngineRun(builder()(), d, reg_loss, cfg) for d in (data, bigger))
     try:
         n = small.n_units
         assert big.n_units > n

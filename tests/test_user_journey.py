@@ -16,6 +16,7 @@ import pytest
 
 from userdp import accounting as A
 from userdp.cli import main as cli
+from userdp.engine import RunOptions
 from userdp.engine.ledger import PrivacyLedger
 from userdp.fileio import owned_dir
 
@@ -222,9 +223,10 @@ def test_train_announces_the_mechanism_before_the_first_step(tmp_path, capsys):
     from _engine_helpers import Mean, sq_loss, user_data
 
     seen = []
-    train(Mean(3), user_data([2] * 20), sq_loss, TrainConfig(algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0,
+    train(Mean(3), user_data([2] * 20), sq_loss,
+          TrainConfig(algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0,
                                                              delta=1e-5, track_epsilon=False),
-          on_start=seen.append, callbacks=[lambda m: seen.append("step")])
+          RunOptions(on_start=seen.append, callbacks=[lambda m: seen.append("step")]))
     info = seen[0]
     assert isinstance(info, dict) and seen[1] == "step"
     assert info["sampling_rate"] == 0.2 and info["steps"] == 2 and info["noise_multiplier"] > 0

@@ -47,6 +47,7 @@ from userdp.engine import PrivacyRecord, TensorUserData, TrainConfig, make_priva
 from userdp.engine.distributed import combiner_for
 from userdp.engine.plan import privacy_repr
 from userdp.engine.private_loop import PrivateTraining
+from userdp.engine.run_options import RunOptions
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm.models import IGNORE_INDEX, causal_lm_loss
@@ -277,8 +278,8 @@ class PrivateTrainer(Trainer):
                 write_atomic(rd.config, yaml.safe_dump(self._config_yaml(), sort_keys=False))
             self._private = make_private(self.model, getattr(self.optimizer, "optimizer", self.optimizer),
                                          self.user_data, self.loss_fn, self.privacy,
-                                         checkpoint_dir=str(rd.checkpoints), resume=self._resuming,
-                                         combiner=combiner_for(self.args.world_size > 1))
+                                         RunOptions(checkpoint_dir=str(rd.checkpoints), resume=self._resuming,
+                                                    combiner=combiner_for(self.args.world_size > 1)))
             if self._private.step != self.state.global_step:
                 raise UserError(f"resume_from_checkpoint: the Trainer's checkpoint is at step {self.state.global_step}, "
                                 f"userdp's ({rd.checkpoints}) at step {self._private.step}: "

@@ -23,11 +23,12 @@ from userdp.engine.loop import TrainConfig, TrainingInterrupted, TrainResult, tr
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.private_loop import PrivateTraining, make_private
 from userdp.engine.record import PrivacyRecord
+from userdp.engine.run_options import RunOptions
 
 __all__ = [
     "TrainingInterrupted",
     "DelegatingUserData",
-    "train", "TrainConfig", "TrainResult", "PrivacyRecord", "make_private", "PrivateTraining",
+    "train", "RunOptions", "TrainConfig", "TrainResult", "PrivacyRecord", "make_private", "PrivateTraining",
     "ELS", "ULS", "FedAvg", "FedSGD", "NonPrivate", "ALGORITHMS", "register_algorithm",
     "FlatClip", "PerLayerClip", "AdaptiveClip",
     "FixedDenominator", "ClippedDenominator",

@@ -269,14 +269,15 @@ class PrivacyLedger:
         target_epsilon: the budget (None: no budget).
         accountant: a registered accountant name ("pld" or "rdp").
         safe_steps: a step count already known to fit the budget (from calibration).
-        journal_dir: where ``ledger_journal.jsonl`` lives (None: no journal, nothing survives).
-        journal_context: facts the journal is bound to (see :class:`Journal`).
+
+    Without :meth:`attach_journal` the ledger lives in memory only (nothing survives the process).
     """
 
+    #: the budget check's step grid grows by this ratio (:meth:`max_steps`)
+    GRID_RATIO = 1.01
+
     def __init__(self, step_event, delta: float, *, target_epsilon: Optional[float] = None,
-                 accountant: str = "pld", safe_steps: Optional[int] = None,
-                 journal_dir: Optional[str] = None, grid_ratio: float = 1.01,
-                 journal_context: Optional[dict] = None):
+                 accountant: str = "pld", safe_steps: Optional[int] = None):
         self.step_event = step_event
         self.delta = float(delta)
         self.target_epsilon = target_epsilon
@@ -285,15 +286,21 @@ class PrivacyLedger:
         self.lost_steps = 0  # begun before a crash and not replayed (counted in spent)
         self._safe = safe_steps
         self._max_steps: Optional[int] = None
-        self._grid_ratio = grid_ratio
         self._grid: dict[int, float] = {}
         # events spent before this ledger's steps (a DP median, earlier trials, an earlier sigma):
         # composed heterogeneously with the steps; steps [0, segment_start) are inside them
         self.prior: list = []
         self.segment_start = 0
         self.private = step_event is not None
-        self.journal = (Journal(os.path.join(journal_dir, JOURNAL), self.event_json(), journal_context)
-                        if journal_dir else None)
+        self.journal: Optional[Journal] = None
+
+    def attach_journal(self, journal_dir: str, context: Optional[dict] = None) -> "PrivacyLedger":
+        """Keep the ledger in ``journal_dir/ledger_journal.jsonl``, bound to the facts in ``context``
+        (see :class:`Journal`); before any step is counted."""
+        if self.spent or self.prior:
+            raise RuntimeError("attach_journal: the ledger has already counted")  # pragma: no cover
+        self.journal = Journal(os.path.join(journal_dir, JOURNAL), self.event_json(), context)
+        return self
 
     def event_json(self) -> str:
         return accounting.event_to_json(self.step_event) if self.private else "non-private"
@@ -420,7 +427,7 @@ class PrivacyLedger:
         if t > self.EXACT_CURVE_STEPS:
             g = self.EXACT_CURVE_STEPS
             while g < t:
-                g = max(g + 1, int(math.ceil(g * self._grid_ratio)))
+                g = max(g + 1, int(math.ceil(g * self.GRID_RATIO)))
         if g not in self._grid:
             self._grid[g] = self._cheap_epsilon(g)
         return self._grid[g]

@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
@@ -38,6 +38,7 @@ from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
+from userdp.engine.run_options import RunOptions, run_options
 from userdp.engine.sampling import bucket_size
 from userdp.engine.sharding import (
     check_shardable,
@@ -52,7 +53,7 @@ from userdp.engine.sharding import (
     shard_model,
 )
 from userdp.errors import BudgetExceededError, UserError
-from userdp.validation import check_bool, check_callable, check_instance
+from userdp.validation import check_callable, check_instance
 
 
 @dataclass
@@ -162,8 +163,9 @@ def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
 class EngineRun:
     """State of one training run (kept small: everything here is saved in a checkpoint)."""
 
-    def __init__(self, model, data, loss_fn, config: TrainConfig | RunPlan, checkpoint_dir, combiner,
-                 journal_context=None, optimizer: torch.optim.Optimizer | None = None):
+    def __init__(self, model, data, loss_fn, config: TrainConfig | RunPlan, options: RunOptions | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
+        options = run_options(options)
         if not isinstance(data, UserData):
             raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
         given_plan = config if isinstance(config, RunPlan) else None
@@ -172,7 +174,7 @@ class EngineRun:
         self.algo = cfg.algorithm
         # a user's masked mean gradient does not see its padding slots: trim them (engine.data.compact_groups)
         self._compact = self.algo.unit == "user" and self.algo.update == "gradient" and self.algo.records_per_unit > 1
-        self.combiner = combiner or LocalCombiner()
+        self.combiner = options.combiner or LocalCombiner()
         precision = Precision(cfg.precision)
         self.sharded = cfg.sharding == "fsdp"
         if self.sharded:  # every rank starts from rank 0's whole model, then keeps its 1/W of it
@@ -203,7 +205,7 @@ class EngineRun:
                           "norms_sums_noise": sorted({str(_accumulation_dtype(p.dtype)).replace("torch.", "")
                                                       for p in self.params}),
                           "float32_contractions": EXACT_FLOAT32}
-        self.dir = checkpoint_dir
+        self.dir = options.checkpoint_dir
         self.seeded = cfg.seed is not None
         # generators: the cohort and the data key (identical on every rank), the noise (main rank)
         self._data_key, source, torch_seed = _seeds(cfg.seed, self.combiner, self.device)
@@ -243,12 +245,12 @@ class EngineRun:
         context = {"engine_privacy_config_sha256": hashlib.sha256(privacy_repr(cfg).encode()).hexdigest(),
                    "delta": None if self.plan.delta is None else float(self.plan.delta),
                    "accountant": cfg.accountant}
-        context.update(journal_context or {})
+        context.update(options.journal_context or {})
         # one writer: only the main rank keeps the journal (every rank counts the same steps)
         self.ledger = PrivacyLedger(self.plan.step_event, self.plan.delta, target_epsilon=cfg.target_epsilon,
-                                    accountant=cfg.accountant, safe_steps=self.plan.safe_steps,
-                                    journal_dir=self.dir if self.combiner.rank == 0 else None,
-                                    journal_context=context)
+                                    accountant=cfg.accountant, safe_steps=self.plan.safe_steps)
+        if self.dir and self.combiner.rank == 0:  # one writer: only the main rank keeps the journal
+            self.ledger.attach_journal(self.dir, context)
         for event in cfg.prior_events:  # released before the first step: counted first, against the budget
             self.ledger.spend_event(event)  # (a resumed run's checkpoint restores the same, with its steps)
         self.clip_state = cfg.clipping.initial_state()
@@ -776,63 +778,50 @@ def _check_plan_fits(plan: RunPlan, num_users: int, num_units: int, total_weight
                         f"has {num_users} users and {num_units} units (make the plan from this data: make_plan)")
 
 
-def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan, *,
-          checkpoint_dir: str | None = None, resume: bool = False,
-          callbacks: Sequence[Callable[[dict], Any]] = (), combiner=None,
-          journal_context: dict | None = None,
-          checkpoint_extra: Callable[[EngineRun], dict] | None = None,
-          on_start: Callable[[dict], Any] | None = None) -> TrainResult:
+def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan,
+          options: RunOptions | None = None) -> TrainResult:
     """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
 
     ``config``: the run's :class:`TrainConfig`, or the :class:`RunPlan` already made from it for
     this data (:func:`make_plan`; it must count this data's users and units): the engine then
     trains by that plan, calibrated once, instead of making its own.
 
-    ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable). Each callback
-    receives the step's metrics dict (step, loss, units, fraction_clipped, clip_norm,
-    step_time, units_per_s, epsilon_spent — a cheap upper bound). ``loss`` and
-    ``fraction_clipped`` are computed on private data and are NOT privatized: for the data
-    holder's monitoring only. ``checkpoint_dir`` with ``checkpoint_every`` > 0 writes atomic
-    checkpoints (also at the end); ``resume=True`` continues from one — or, after a crash before
-    the first checkpoint, from step 0 with the steps the journal records as begun counted.
-    ``journal_context``: facts (e.g. config and data fingerprints) the ledger journal is bound to;
-    a resume with other facts is refused. ``checkpoint_extra(run) -> {name: writer(path)}``: files
-    committed with each checkpoint as one unit (see :mod:`userdp.engine.checkpoint`).
-    ``on_start(info)`` is called once before the first step with what the run will do
-    (noise_multiplier, sampling_rate, expected_units, steps, delta, delta_rule, sampler_mode,
-    accountant, target_epsilon, steps_accounted, unit).
+    ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable).
+
+    ``options``: a :class:`~userdp.engine.run_options.RunOptions` (None: one process, in memory):
+    its ``checkpoint_dir`` with ``checkpoint_every`` > 0 gets atomic checkpoints (also at the end);
+    ``resume=True`` continues from one — or, after a crash before the first checkpoint, from step 0
+    with the steps the journal records as begun counted. Each of its ``callbacks`` receives the
+    step's metrics dict (step, loss, units, fraction_clipped, clip_norm, step_time, units_per_s,
+    epsilon_spent — a cheap upper bound); ``loss`` and ``fraction_clipped`` are computed on private
+    data and are NOT privatized: for the data holder's monitoring only. ``on_start(info)`` is called
+    once before the first step with what the run will do (noise_multiplier, sampling_rate,
+    expected_units, steps, delta, delta_rule, sampler_mode, accountant, target_epsilon,
+    steps_accounted, unit).
 
     Raises:
         UserError: bad configuration, a checkpoint or journal that is damaged, edited or from
             another run, or a checkpoint that could not be written.
         KeyboardInterrupt: after Ctrl-C, once the step in flight is finished and saved.
     """
-    if isinstance(callbacks, (str, bytes)) or not hasattr(callbacks, "__iter__"):
-        raise UserError(f"callbacks must be a sequence of callables (got {type(callbacks).__name__})")
-    callbacks = list(callbacks)
-    for i, cb in enumerate(callbacks):
-        check_callable(cb, f"callbacks[{i}]")
-    for name, fn in (("checkpoint_extra", checkpoint_extra), ("on_start", on_start)):
-        if fn is not None:
-            check_callable(fn, name)
-    run = start_run(model, data, loss_fn, config, checkpoint_dir=checkpoint_dir, resume=resume, combiner=combiner,
-                    journal_context=journal_context)
+    options = run_options(options)
+    run = start_run(model, data, loss_fn, config, options)
     config = run.cfg
-    if on_start is not None:
-        on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
-                  "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
-                  "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode, "accountant": config.accountant,
-                  "target_epsilon": config.target_epsilon, "steps_accounted": run.ledger.spent,
-                  "unit": run.plan.unit, "num_units": run.n_units, "noise_kernel": run.noise_kernel})
+    if options.on_start is not None:
+        options.on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
+                          "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
+                          "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode,
+                          "accountant": config.accountant, "target_epsilon": config.target_epsilon,
+                          "steps_accounted": run.ledger.spent, "unit": run.plan.unit, "num_units": run.n_units,
+                          "noise_kernel": run.noise_kernel})
     try:
-        return _train_loop(run, config, checkpoint_dir, callbacks, checkpoint_extra)
+        return _train_loop(run, options)
     finally:
         run._loader.shutdown(wait=True)
 
 
-def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan, *,
-              checkpoint_dir: str | None = None, resume: bool = False, combiner=None,
-              journal_context: dict | None = None, optimizer: torch.optim.Optimizer | None = None) -> EngineRun:
+def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan,
+              options: RunOptions, optimizer: torch.optim.Optimizer | None = None) -> EngineRun:
     """A run ready for its first step (shared by :func:`train` and
     :func:`userdp.engine.private_loop.make_private`): its plan made or checked, its journal started
     (or, on ``resume``, its checkpoint restored and its journal's begun steps counted), every rank
@@ -840,8 +829,9 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
 
     Raises:
         UserError: see :func:`train`."""
-    checkpoint_dir = _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, journal_context)
-    comb = combiner or LocalCombiner()
+    _check_run_arguments(model, data, loss_fn, config)
+    checkpoint_dir, resume = options.checkpoint_dir, options.resume
+    comb = options.combiner or LocalCombiner()
     cfg = config.config if isinstance(config, RunPlan) else config
     if cfg.sharding == "fsdp":  # refused before anything is written
         check_shardable(cfg, model, comb)
@@ -852,14 +842,12 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
             and (ckpt.exists(checkpoint_dir) or os.path.exists(journal))):
         raise UserError(f"{checkpoint_dir} already holds a checkpoint: pass resume=True to continue it, "
                         "or use an empty directory")
-    if resume and not checkpoint_dir:
-        raise UserError("resume=True needs a checkpoint_dir")
     if checkpoint_dir and comb.rank == 0:
         try:
             os.makedirs(checkpoint_dir, exist_ok=True)
         except OSError as e:
             raise UserError(f"checkpoint_dir {checkpoint_dir}: cannot create it ({e.strerror or e})") from None
-    run = EngineRun(model, data, loss_fn, config, checkpoint_dir, comb, journal_context, optimizer=optimizer)
+    run = EngineRun(model, data, loss_fn, config, options, optimizer=optimizer)
     if comb.world_size > 1:
         _agree(run)
     if resume and ckpt.exists(checkpoint_dir):
@@ -879,10 +867,10 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     return run
 
 
-def _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, journal_context) -> str | None:
+def _check_run_arguments(model, data, loss_fn, config) -> None:
     """The engine's boundary for :func:`train` and ``make_private``: each argument of the right
-    kind, named in one line, before anything is built from it (issue 40). Returns the checkpoint
-    directory as a string (a ``PathLike`` is accepted).
+    kind, named in one line, before anything is built from it (issue 40; the options are checked
+    by :class:`~userdp.engine.run_options.RunOptions` itself).
 
     Raises:
         UserError: the first argument that is wrong."""
@@ -892,18 +880,6 @@ def _check_run_arguments(model, data, loss_fn, config, checkpoint_dir, resume, j
     check_instance(data, "data", UserData, "a userdp.engine.UserData (e.g. TensorUserData)")
     check_callable(loss_fn, "loss_fn")
     check_instance(config, "config", (TrainConfig, RunPlan), "a TrainConfig (or a RunPlan made from one)")
-    check_bool(resume, "resume")
-    if journal_context is not None:
-        check_instance(journal_context, "journal_context", dict, "a dict of facts (or None)")
-    if checkpoint_dir is None:
-        return None
-    check_instance(checkpoint_dir, "checkpoint_dir", (str, os.PathLike), "a directory path (or None)")
-    checkpoint_dir = os.fspath(checkpoint_dir)
-    if not checkpoint_dir:
-        raise UserError("checkpoint_dir must be a directory path (got an empty string)")
-    if os.path.exists(checkpoint_dir) and not os.path.isdir(checkpoint_dir):
-        raise UserError(f"checkpoint_dir {checkpoint_dir} exists and is not a directory")
-    return checkpoint_dir
 
 
 def _agree(run: EngineRun) -> None:
@@ -928,7 +904,8 @@ def _agree(run: EngineRun) -> None:
         broadcast_module_state(comb, run.model, extra=run.master if run.master is not run.params else ())
 
 
-def _train_loop(run: EngineRun, config: TrainConfig, checkpoint_dir, callbacks, checkpoint_extra) -> TrainResult:
+def _train_loop(run: EngineRun, options: RunOptions) -> TrainResult:
+    config, checkpoint_dir, checkpoint_extra = run.cfg, options.checkpoint_dir, options.checkpoint_extra
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:
@@ -940,7 +917,7 @@ def _train_loop(run: EngineRun, config: TrainConfig, checkpoint_dir, callbacks, 
                 break
             agreed = m.pop("stop")
             run.history.append(m)
-            for cb in callbacks:
+            for cb in options.callbacks:
                 cb(m)
             if agreed or (interrupt.requested and run.combiner.world_size == 1):
                 # Ctrl-C: the step in flight was finished (parameters, optimizer and ledger agree),

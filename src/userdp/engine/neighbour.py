@@ -32,6 +32,7 @@ from userdp.engine.data import TensorUserData, UserData
 from userdp.engine.loop import start_run
 from userdp.engine.plan import TrainConfig
 from userdp.engine.private_loop import make_private
+from userdp.engine.run_options import RunOptions
 from userdp.engine.sharding import whole
 from userdp.errors import UserError
 
@@ -74,7 +75,7 @@ def released_sum(model: nn.Module, data: UserData, loss_fn: Callable, config: Tr
     the model's trainable parameters."""
     if entry == "make_private":
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-        private = make_private(model, opt, data, loss_fn, config, combiner=combiner)
+        private = make_private(model, opt, data, loss_fn, config, RunOptions(combiner=combiner))
         run = private._run
         try:
             steps = iter(private)  # held: the loop's generator ends the step when it is dropped
@@ -84,7 +85,7 @@ def released_sum(model: nn.Module, data: UserData, loss_fn: Callable, config: Tr
             private.close()
     if entry != "train":
         raise UserError(f"released_sum: entry must be one of {', '.join(ENTRIES)} (got {entry!r})")
-    run = start_run(model, data, loss_fn, config, combiner=combiner)
+    run = start_run(model, data, loss_fn, config, RunOptions(combiner=combiner))
     try:
         run.release()
         # one user owns up to group_sensitivity units (ELS: G records, each clipped to C)

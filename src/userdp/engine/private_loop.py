@@ -36,6 +36,7 @@ from userdp import accounting
 from userdp.engine.data import UserData
 from userdp.engine.loop import EngineRun, RunPlan, TrainConfig, start_run
 from userdp.engine.record import PrivacyRecord
+from userdp.engine.run_options import RunOptions, run_options
 from userdp.errors import UserError
 
 
@@ -161,8 +162,7 @@ class PrivateTraining:
 
 
 def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserData, loss_fn: Callable,
-                 config: TrainConfig | RunPlan, *, checkpoint_dir: Optional[str] = None, resume: bool = False,
-                 journal_context: Optional[dict] = None, combiner=None) -> PrivateTraining:
+                 config: TrainConfig | RunPlan, options: RunOptions | None = None) -> PrivateTraining:
     """User-level DP for a training loop the caller writes (see the module docstring).
 
     Args:
@@ -174,25 +174,29 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserD
         loss_fn: ``loss_fn(model, batch) -> Tensor[n]``, one loss per record (as for ``train``).
         config: the run's :class:`TrainConfig` (algorithm, steps, clipping, noise or target
             epsilon, delta, sampler, seed), or a :class:`RunPlan` made from it for this data.
-        checkpoint_dir: where the ledger's journal and the checkpoints go (every
-            ``config.checkpoint_every`` steps and at the end); None keeps the ledger in memory only.
-        resume: continue the run in ``checkpoint_dir``.
-        combiner: the job's processes (:mod:`userdp.engine.distributed`, e.g.
-            ``TorchDistributedCombiner()`` under torchrun; None: one process). Every rank runs the
-            same loop over its share of each cohort; the noisy sum is all-reduced, so every rank's
-            optimizer steps the same gradient and rank 0 alone keeps the journal and checkpoints.
+        options: a :class:`~userdp.engine.run_options.RunOptions` (None: one process, in memory):
+            its ``checkpoint_dir`` is where the ledger's journal and the checkpoints go (every
+            ``config.checkpoint_every`` steps and at the end); ``resume`` continues the run in it;
+            ``combiner`` names the job's processes (:mod:`userdp.engine.distributed`, e.g.
+            ``TorchDistributedCombiner()`` under torchrun). Every rank runs the same loop over its
+            share of each cohort; the noisy sum is all-reduced, so every rank's optimizer steps the
+            same gradient and rank 0 alone keeps the journal and checkpoints. Its hooks (callbacks,
+            checkpoint_extra, on_start) are ``train()``'s and are refused here: the loop is yours.
 
     Raises:
         UserError: a bad configuration, an optimizer that does not hold exactly the trainable
             parameters, float16/bfloat16 parameters, or a checkpoint_dir that holds another run.
     """
+    options = run_options(options)
+    if options.hooks:
+        raise UserError(f"make_private: options.{options.hooks[0]} is train()'s hook; in a loop of your own, call "
+                        "your own code between the steps")
     earlier = getattr(model, _MARK, None)
-    if earlier is not None and earlier.spent > 0 and not resume:
+    if earlier is not None and earlier.spent > 0 and not options.resume:
         raise UserError("make_private: this model is already private under another make_private call; a second "
                         "call would start a fresh ledger that does not count the first one's steps (their "
                         "epsilons compose): continue the first, or resume it from its checkpoint_dir")
-    run = start_run(model, data, loss_fn, config, checkpoint_dir=checkpoint_dir, resume=resume,
-                    journal_context=journal_context, optimizer=optimizer, combiner=combiner)
+    run = start_run(model, data, loss_fn, config, options, optimizer=optimizer)
     setattr(model, _MARK, run.ledger)  # the ledger alone (its count), not the run and its data
     return PrivateTraining(run)
 

@@ -27,6 +27,7 @@ from torch import nn
 from userdp import accounting
 from userdp.engine import ELS, SGD, ULS, FlatClip, TrainConfig, train
 from userdp.engine.data import TensorUserData
+from userdp.engine.run_options import RunOptions
 from userdp.errors import UserError
 from userdp.planning import els_group_size, els_noise_multiplier, uls_noise_multiplier
 
@@ -209,11 +210,12 @@ def train_once(data: SyntheticUsers, algorithm, config: MeanEstimationConfig, *,
             acc["sum"] += model.theta.detach().double()
             acc["n"] += 1
 
-    result = train(model, ud, loss_fn, TrainConfig(
+    result = train(model, ud, loss_fn,
+                   TrainConfig(
         algorithm=algorithm, steps=config.steps, clipping=FlatClip(clip_norm),
         optimizer=SGD(learning_rate), noise_multiplier=noise_multiplier, delta=delta,
         accountant=config.accountant, seed=seed, track_epsilon=False, chunk_size=256),
-        callbacks=(_average,) if n_avg > 0 else ())
+                   RunOptions(callbacks=(_average,) if n_avg > 0 else ()))
     theta = (acc["sum"] / acc["n"] if acc["n"] else model.theta.detach().double()).numpy()
     return float(np.sum((theta - data.mu) ** 2)), float(result.epsilon)
 

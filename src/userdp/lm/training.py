@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.data import DelegatingUserData
 from userdp.engine.loop import TrainingInterrupted, train
+from userdp.engine.run_options import RunOptions
 from userdp.fileio import strict_dumps, write_atomic, write_json
 from userdp.lm import models
 from userdp.lm.job_context import JobContext, JobData
@@ -131,10 +132,10 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     try:
         loss_fn = audit.loss(models.causal_lm_loss) if audit is not None else models.causal_lm_loss
         callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
-        return train(model, counted, loss_fn, plan, checkpoint_dir=str(rd.checkpoints),
-                     resume=engine_resume, callbacks=callbacks, journal_context=context,
-                     checkpoint_extra=checkpoint_files, on_start=lambda info: _announce(info, log),
-                     combiner=ctx.combiner)
+        return train(model, counted, loss_fn, plan,
+                     RunOptions(checkpoint_dir=str(rd.checkpoints), resume=engine_resume, callbacks=callbacks,
+                                journal_context=context, checkpoint_extra=checkpoint_files,
+                                on_start=lambda info: _announce(info, log), combiner=ctx.combiner))
     except KeyboardInterrupt as exc:
         if main:
             rd.write_state(status="interrupted")
