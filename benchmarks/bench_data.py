@@ -75,6 +75,7 @@ def _limited_blogs(limit: int | None, tmp: Path) -> Path:
 
 def child_pipeline(tmp: Path, limit: int | None, tag: str) -> dict:
     from userdp.data import build_store, open_source
+    from userdp.data.sources import Fields
     from userdp.data.tokenize import TokenLayout, tokenize_store
 
     tok = _tokenizer(tmp / "tok.json")
@@ -89,7 +90,7 @@ def child_pipeline(tmp: Path, limit: int | None, tag: str) -> dict:
         store = UserStore(store_dir)
         t_build = 0.0
     else:
-        res = build_store(open_source(str(src), date_field="date"), store_dir, overwrite=True)
+        res = build_store(open_source(str(src), fields=Fields(date="date")), store_dir, overwrite=True)
         store = res.store
         t_build = time.perf_counter() - t0
     t1 = time.perf_counter()

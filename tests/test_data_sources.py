@@ -10,7 +10,7 @@ import pytest
 
 from userdp.data import build_store, open_source
 from userdp.data.records import EMPTY_TEXT, USERS_WITHOUT_RECORDS
-from userdp.data.sources import BLANK_LINES, detect_format
+from userdp.data.sources import BLANK_LINES, Fields, detect_format
 from userdp.errors import UserError
 
 
@@ -32,7 +32,7 @@ def build(tmp_path, src, name="store"):
 @pytest.mark.parametrize("gz", [False, True])
 def test_jsonl_roundtrip_groups_users_in_dataset_order(tmp_path, gz):
     p = write_jsonl(tmp_path / ("a.jsonl.gz" if gz else "a.jsonl"), ROWS, gz)
-    res = build(tmp_path, open_source(str(p), date_field="date"))
+    res = build(tmp_path, open_source(str(p), fields=Fields(date="date")))
     st = res.store
     assert st.num_users == 5 and st.num_records == 40
     got = {st.user_id(u): st.texts(u) for u in range(st.num_users)}
@@ -59,7 +59,7 @@ def test_missing_user_field_names_file_line_and_field(tmp_path):
 def test_missing_text_field_and_custom_fields(tmp_path):
     p = write_jsonl(tmp_path / "a.jsonl", [{"author": "x", "body": "hi"}, {"author": "y"}])
     with pytest.raises(UserError, match=r"line 2: missing text field 'body'"):
-        build(tmp_path, open_source(str(p), user_field="author", text_field="body"))
+        build(tmp_path, open_source(str(p), fields=Fields("author", "body")))
 
 
 def test_null_user_is_an_error(tmp_path):
@@ -144,7 +144,7 @@ def test_csv_short_row_and_bad_utf8(tmp_path):
 def test_parquet_and_missing_column(tmp_path):
     t = pa.table({"who": ["a", "b", "a", "c"], "body": ["x", "y", "", "z"], "n": [1, 2, 3, 4]})
     pq.write_table(t, tmp_path / "a.parquet")
-    res = build(tmp_path, open_source(str(tmp_path / "a.parquet"), user_field="who", text_field="body"))
+    res = build(tmp_path, open_source(str(tmp_path / "a.parquet"), fields=Fields("who", "body")))
     assert res.store.num_records == 3 and res.drops.get(EMPTY_TEXT) == 1
     assert "a.parquet:row 2" in res.drops.examples[EMPTY_TEXT][0]
     with pytest.raises(UserError, match=r"a\.parquet: no user field 'user' \(columns: who, body, n"):
@@ -191,7 +191,7 @@ def test_text_not_a_string_and_missing_date(tmp_path):
         build(tmp_path, open_source(str(p)))
     p = write_jsonl(tmp_path / "b.jsonl", [{"user": "a", "text": "ok", "d": "2020-01-01"}, {"user": "a", "text": "x"}])
     with pytest.raises(UserError, match=r"b\.jsonl:line 2: missing date field 'd'"):
-        build(tmp_path, open_source(str(p), date_field="d"), name="s2")
+        build(tmp_path, open_source(str(p), fields=Fields(date="d")), name="s2")
 
 
 def test_parquet_binary_text_invalid_utf8(tmp_path):

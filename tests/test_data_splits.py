@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from userdp.data import build_store, open_source
+from userdp.data.sources import Fields
 from userdp.data.splits import cc_news_n_eval, cc_news_split, heldout_users, time_split
 from userdp.errors import UserError
 
@@ -23,7 +24,7 @@ def store(tmp_path):
             rows.append({"user": f"u{u}", "text": f"{u}:{j}", "date": f"{2016 + j % 4}-06-0{1 + u % 9}T00:00:00"})
     p = tmp_path / "a.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return build_store(open_source(str(p), date_field="date"), tmp_path / "s").store
+    return build_store(open_source(str(p), fields=Fields(date="date")), tmp_path / "s").store
 
 
 def test_heldout_users_disjoint_deterministic(store):
@@ -105,7 +106,7 @@ def test_time_split_errors(tmp_path):
     with pytest.raises(UserError, match="needs dates"):
         time_split(st, "2018-01-01")
     p.write_text(json.dumps({"user": "a", "text": "x", "d": "14,May,2004"}) + "\n" + json.dumps({"user": "a", "text": "y", "d": "someday"}) + "\n")
-    st = build_store(open_source(str(p), date_field="d"), tmp_path / "s2").store
+    st = build_store(open_source(str(p), fields=Fields(date="d")), tmp_path / "s2").store
     with pytest.raises(UserError, match=r"user 'a' record 1: unrecognised date 'someday'"):
         time_split(st, "2005-01-01")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
-from userdp.data.sources import open_source
+from userdp.data.sources import Fields, open_source
 from userdp.data.stats import corpus_stats, format_stats, plot_records_per_user
 from userdp.data.store import UserStore, build_store
 from userdp.data.tokenize import TokenLayout, load_tokenizer, tokenize_store
@@ -33,8 +33,8 @@ def _open_store(args, out_dir):
     if args.source != "shakespeare" and (src_path / "meta.json").is_file() and (src_path / "records.arrow").is_file():
         return UserStore(src_path)
     plays = tuple(p for p in args.public_plays.split(",") if p.strip())
-    source = open_source(args.source, args.format, user_field=args.user_field, text_field=args.text_field,
-                         date_field=args.date_field, split=args.split, public_plays=plays,
+    source = open_source(args.source, args.format, fields=Fields(args.user_field, args.text_field, args.date_field),
+                         split=args.split, public_plays=plays,
                          sites=tuple(x for x in args.sites.split(",") if x.strip()))
     return build_store(source, out_dir, num_shards=args.shards, overwrite=getattr(args, "overwrite", False)).store
 

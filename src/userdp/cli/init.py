@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from userdp.data.acquire import read_public_file
-from userdp.data.sources import detect_format, is_gzip, open_source
+from userdp.data.sources import Fields, detect_format, is_gzip, open_source
 from userdp.data.stats import corpus_stats
 from userdp.data.store import build_store
 from userdp.errors import UserError
@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     uf = args.user_field or _guess(fields, USER_FIELDS, "user", "--user-field", path)
     tf = args.text_field or _guess(fields, TEXT_FIELDS, "text", "--text-field", path)
     print(f"reading {path} ({fmt}, user field {uf!r}, text field {tf!r}) ...", file=sys.stderr)
-    source = open_source(str(path), fmt, user_field=uf, text_field=tf)
+    source = open_source(str(path), fmt, fields=Fields(uf, tf))
     with tempfile.TemporaryDirectory(prefix="userdp-init-") as tmp:
         stats = corpus_stats(build_store(source, Path(tmp) / "store").store)
     if stats["users"] < MIN_USERS:

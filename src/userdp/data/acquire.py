@@ -13,7 +13,7 @@ from typing import Optional
 
 from userdp.caches import fingerprint, private_cache_root
 from userdp.data.shakespeare import ShakespeareSource, public_text
-from userdp.data.sources import open_source
+from userdp.data.sources import Fields, open_source
 from userdp.data.stackexchange import StackExchangeSource, find_sites
 from userdp.data.store import build_store, open_store
 from userdp.errors import UserError
@@ -107,7 +107,7 @@ def _user_source(d) -> tuple:
     if d.source == "stackexchange":
         src = stackexchange_source(d.path, d.sites, public=False)
         return src, ("se", d.path, [s.name for s in src.sites])
-    return (open_source(d.path, d.source, user_field=d.user_field, text_field=d.text_field),
+    return (open_source(d.path, d.source, fields=Fields(d.user_field, d.text_field)),
             (d.source, d.path, d.user_field, d.text_field))
 
 

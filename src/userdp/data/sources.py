@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import dataclasses
 import gzip
 import io
 import json
@@ -104,18 +105,33 @@ def detect_format(source: str) -> str:
     raise UserError(f"{source}: cannot tell the format from the name or contents; pass --format ({', '.join(FORMATS)})")
 
 
-def open_source(
-    source: str,
-    format: Optional[str] = None,
-    *,
-    user_field: str = "user",
-    text_field: str = "text",
-    date_field: Optional[str] = None,
-    split: Optional[str] = None,
-    public_plays: tuple[str, ...] = (),
-    sites: tuple[str, ...] = (),
-):
-    """Open ``source`` (a path, or ``shakespeare``) as a streaming record source."""
+@dataclasses.dataclass(frozen=True)
+class Fields:
+    """Which field of a record (JSONL, CSV, Parquet, a saved HF dataset) names its user, which holds
+    its text, and which its date (None: no dates).
+
+    Raises:
+        UserError: the user and text fields are one field (every distinct text would become its own
+            user), or the date field is one of them."""
+
+    user: str = "user"
+    text: str = "text"
+    date: Optional[str] = None
+
+    def __post_init__(self):
+        if self.user == self.text:
+            raise UserError(f"--user-field and --text-field are both {self.user!r}: every distinct text "
+                            "would become its own user, which silently changes the privacy unit")
+        if self.date is not None and self.date in (self.user, self.text):
+            raise UserError(f"--date-field {self.date!r} is also the user or text field")
+
+
+def open_source(source: str, format: Optional[str] = None, *, fields: Optional[Fields] = None,
+                split: Optional[str] = None, public_plays: tuple[str, ...] = (), sites: tuple[str, ...] = ()):
+    """Open ``source`` (a path, or ``shakespeare``) as a streaming record source. ``fields``: which
+    of a record's fields hold its user, text and date (default ``Fields()``: user, text, no date);
+    ``split`` a saved HF dataset's split; ``public_plays`` and ``sites`` the bundled sources'."""
+    fields = fields or Fields()
     fmt = format or detect_format(source)
     if fmt != "shakespeare" and os.path.exists(source):
         note_input(source)
@@ -131,28 +147,22 @@ def open_source(
         raise UserError(f"{source}: a folder, not a {fmt.upper()} file")
     if fmt == "stackexchange":
         return StackExchangeSource(path, sites=sites)
-    fields = dict(user_field=user_field, text_field=text_field, date_field=date_field)
     if fmt == "jsonl":
-        return JsonlSource(path, **fields)
+        return JsonlSource(path, fields)
     if fmt == "csv":
-        return CsvSource(path, **fields)
+        return CsvSource(path, fields)
     if fmt == "parquet":
-        return ParquetSource(path, **fields)
-    return HfDiskSource(path, split=split, **fields)
+        return ParquetSource(path, fields)
+    return HfDiskSource(path, fields, split=split)
 
 
 class _FieldSource:
-    def __init__(self, path: Path, user_field: str, text_field: str, date_field: Optional[str]):
-        if user_field == text_field:
-            raise UserError(f"--user-field and --text-field are both {user_field!r}: every distinct text "
-                            "would become its own user, which silently changes the privacy unit")
-        if date_field is not None and date_field in (user_field, text_field):
-            raise UserError(f"--date-field {date_field!r} is also the user or text field")
+    def __init__(self, path: Path, fields: Fields):
         self.path = Path(path)
-        self.user_field = user_field
-        self.text_field = text_field
-        self.date_field = date_field
-        self.has_dates = date_field is not None
+        self.user_field = fields.user
+        self.text_field = fields.text
+        self.date_field = fields.date
+        self.has_dates = fields.date is not None
         self.drops = DropReport()
         self.size_hint = _size_hint(self.path)
 
@@ -450,8 +460,8 @@ class HfDiskSource(_ArrowSource):
 
     kind = "hf"
 
-    def __init__(self, path: Path, split: Optional[str] = None, **fields):
-        super().__init__(path, **fields)
+    def __init__(self, path: Path, fields: Fields, split: Optional[str] = None):
+        super().__init__(path, fields)
         self.split = split
 
     def _dataset(self):
