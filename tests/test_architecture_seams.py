@@ -86,9 +86,7 @@ def test_the_record_step_event_is_the_mechanisms():
                           accountant="rdp" if sampling == "fixed_size" else "pld")
         rec = train(Mean(3), data, sq_loss, cfg).record
         n_units = 40 if algo.unit == "record" else 20
-        mech = accounting.Mechanism.for_training(
-            unit=algo.unit, sampling=sampling, noise_multiplier=1.3, steps=2, sampling_rate=0.3,
-            group_size=2, num_units=n_units, cohort_size=max(1, round(0.3 * n_units)))
+        mech = accounting.Mechanism.for_training(algo, sampling, 1.3, 2, n_units)  # cohorts of round(0.3 * n)
         assert rec["step_event"] == accounting.event_to_dict(mech.step_event())
 
 

@@ -48,8 +48,7 @@ def test_the_median_composes_with_the_steps_within_the_sum_and_above_each(step, 
 
 
 def test_calibration_leaves_room_for_the_prior_and_no_more():
-    mech = A.Mechanism.for_training(unit="user", sampling="poisson", noise_multiplier=1.0, sampling_rate=0.1,
-                                    steps=40, group_size=2)
+    mech = A.Mechanism.for_training(A.UnitSampling("user", 0.1, 2), "poisson", 1.0, 40)
     median = A.pure_dp_event(0.5)
     alone = mech.calibrated(3.0, DELTA).noise_multiplier
     z = mech.calibrated(3.0, DELTA, prior=(median,)).noise_multiplier

@@ -53,7 +53,7 @@ from userdp.accounting.events import (
     split_pure_dp,
     uls_step_event,
 )
-from userdp.accounting.mechanism import Mechanism
+from userdp.accounting.mechanism import Mechanism, UnitSampling
 
 # backend internals that the tests inspect (the PLD cache and the vectorized PLDs)
 from userdp.accounting.pld import (  # noqa: F401
@@ -70,7 +70,7 @@ from userdp.validation import MIN_SAMPLING_RATE
 
 __all__ = [
     "ACCOUNTANTS", "Accountant", "check_supports", "PLDAccountant", "RDPAccountant", "register_accountant", "get_accountant",
-    "Mechanism", "els_step_event", "uls_step_event", "fixed_cohort_step_event", "no_amplification_step_event",
+    "Mechanism", "UnitSampling", "els_step_event", "uls_step_event", "fixed_cohort_step_event", "no_amplification_step_event",
     "binomial_sensitivity", "compose", "compose_after", "pure_dp_event", "pure_dp_epsilon", "has_pure_dp",
     "split_pure_dp", "epsilon", "delta", "Calibration", "calibrate_noise_multiplier", "max_steps",
     "default_delta", "adjacency", "event_to_dict", "event_to_json", "event_from_dict", "epsilon_and_accountant",

@@ -46,6 +46,17 @@ UNITS = ("record", "user")
 
 
 @dataclasses.dataclass(frozen=True)
+class UnitSampling:
+    """What a training step samples: its ``unit`` (``record``: ELS, one user owns up to
+    ``group_size`` of them; ``user``) at ``sampling_rate``. The engine's algorithms
+    (``userdp.engine.ELS``, ``ULS``, ...) carry the same three fields and are accepted as they are."""
+
+    unit: str
+    sampling_rate: float
+    group_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class Mechanism:
     """A training run's mechanism, as the privacy report records it.
 
@@ -79,22 +90,24 @@ class Mechanism:
         check_int(self.steps, "steps")
 
     @classmethod
-    def for_training(cls, *, unit: str, sampling: str, noise_multiplier: float, steps: int,
-                     sampling_rate: float, group_size: int, num_units: Optional[int] = None,
-                     cohort_size: Optional[int] = None) -> "Mechanism":
+    def for_training(cls, units: UnitSampling, sampling: str, noise_multiplier: float, steps: int,
+                     num_units: Optional[int] = None) -> "Mechanism":
         """The mechanism of a training run, from what the sampler does to what a unit is.
 
         Args:
-            unit: ``record`` (ELS: a user owns up to ``group_size`` units) or ``user``.
-            sampling: ``poisson`` (as accounted), ``fixed_size`` (``num_units`` and
-                ``cohort_size`` needed; ELS only with G = 1), or ``shuffle`` (no amplification:
-                the Gaussian mechanism with the user's whole sensitivity).
-            noise_multiplier, steps, sampling_rate, group_size: as in the class.
+            units: the unit, its sampling rate and G (a :class:`UnitSampling`, or an engine
+                algorithm, which has the same fields): ``record`` (ELS: a user owns up to
+                ``group_size`` units) or ``user``.
+            sampling: ``poisson`` (as accounted), ``fixed_size`` (``num_units`` needed: cohorts of
+                max(1, round(rate · num_units)); ELS only with G = 1), or ``shuffle`` (no
+                amplification: the Gaussian mechanism with the user's whole sensitivity).
+            noise_multiplier, steps: as in the class.
 
         Raises:
             UserError: an unknown unit or sampling, or a fixed-size ELS run with G > 1 (no
                 accounted sampler).
         """
+        unit, rate, group_size = units.unit, units.sampling_rate, units.group_size
         if unit not in UNITS:
             raise UserError(f"unit must be one of {', '.join(UNITS)} (got {unit!r})")
         owned = int(group_size) if unit == "record" else 1  # units one user can own
@@ -104,12 +117,13 @@ class Mechanism:
             if owned > 1:
                 raise UserError("ELS with G > 1 has no accounted fixed-size sampler; use sampling='poisson' "
                                 "(or 'shuffle', which reports the no-amplification guarantee too)")
-            return cls("fixed_cohort", noise_multiplier, steps, num_users=num_units, cohort_size=cohort_size)
+            cohort = None if num_units is None else max(1, int(round(rate * num_units)))
+            return cls("fixed_cohort", noise_multiplier, steps, num_users=num_units, cohort_size=cohort)
         if sampling != "poisson":
             raise UserError(f"sampling must be one of {', '.join(SAMPLINGS)} (got {sampling!r})")
         if unit == "record":
-            return cls("els", noise_multiplier, steps, sampling_rate=sampling_rate, group_size=group_size)
-        return cls("uls", noise_multiplier, steps, sampling_rate=sampling_rate)
+            return cls("els", noise_multiplier, steps, sampling_rate=rate, group_size=group_size)
+        return cls("uls", noise_multiplier, steps, sampling_rate=rate)
 
     def step_event(self, noise_multiplier: float | None = None) -> dpe.DpEvent:
         """One step's DpEvent (at ``noise_multiplier`` instead of this one's, when given).

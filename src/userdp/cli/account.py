@@ -99,11 +99,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
 
 def mechanism_of(m: dict[str, Any], noise_multiplier: float):
     """The resolved flags as a :class:`userdp.accounting.Mechanism` (the one event mapping)."""
-    return accounting.Mechanism.for_training(
-        unit="record" if m["mechanism"] == "els" else "user",
-        sampling="poisson" if m["sampling"] == "poisson" else "fixed_size",
-        noise_multiplier=noise_multiplier, steps=m["steps"], sampling_rate=m["sampling_rate"],
-        group_size=m["group_size"], num_units=m.get("users"), cohort_size=m.get("cohort_size"))
+    units = accounting.UnitSampling("record" if m["mechanism"] == "els" else "user", m["sampling_rate"],
+                                    m["group_size"])
+    sampling = "poisson" if m["sampling"] == "poisson" else "fixed_size"  # fixed cohorts of cohort_size / users
+    return accounting.Mechanism.for_training(units, sampling, noise_multiplier, m["steps"], m.get("users"))
 
 
 

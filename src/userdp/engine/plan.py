@@ -319,10 +319,8 @@ def _cohort(config: TrainConfig, num_units: int) -> int:
 def _mechanism(config: TrainConfig, unit: str, sampling: str, z: float, num_units: int) -> accounting.Mechanism:
     """The one place a training config becomes a mechanism (and so a DpEvent)."""
     algo = config.algorithm
-    return accounting.Mechanism.for_training(
-        unit=unit, sampling=sampling, noise_multiplier=z if z > 0 else 1.0, steps=config.steps,
-        sampling_rate=algo.sampling_rate, group_size=algo.group_size, num_units=num_units,
-        cohort_size=_cohort(config, num_units))
+    units = accounting.UnitSampling(unit, algo.sampling_rate, algo.group_size)
+    return accounting.Mechanism.for_training(units, sampling, z if z > 0 else 1.0, config.steps, num_units)
 
 
 def _noise_split(config: TrainConfig, z: float, expected_units: float) -> tuple[float, Optional[float]]:
