@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from userdp.engine.clipping import StepClipping
+
 #: aten ops that only make a new view of storage: no kernel launches
 VIEW_OPS = frozenset({
     "view.default", "_unsafe_view.default", "reshape.default", "transpose.int", "permute.default", "t.default",
@@ -73,8 +75,8 @@ def chunk_ops(preset: str, *, users: int = 8, records: int = 4, tokens: int = 16
     for _ in range(2):  # the first chunk carries the strategy's one-time check of its hooks
         dp = OpCounter()
         with dp:
-            per_unit.clipped_sum(batch, mask, torch.ones(users, device="meta"), clip, clip.initial_state(),
-                                 torch.float32)
+            per_unit.clipped_sum(batch, mask, torch.ones(users, device="meta"),
+                                 StepClipping(clip, clip.initial_state(), torch.float32))
     flat = {n: v.reshape(users * records, *v.shape[2:]) for n, v in batch.items()}
     plain = OpCounter()
     with plain:

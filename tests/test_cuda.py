@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from userdp.engine.clipping import StepClipping
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu/run.sh)")
 
 CUDA = torch.device("cuda") if torch.cuda.is_available() else None
@@ -69,7 +71,7 @@ def test_a_bf16_ghost_step_on_cuda_stays_within_the_bound_and_matches_float32():
         w = torch.zeros(4, device=CUDA)
         w[u] = 1.0
         sums, norms, *_ = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
-            batch, mask, w, clip, clip.initial_state(), torch.float32)
+            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
         total = torch.sqrt(sum((s.double() ** 2).sum() for s in sums))
         assert float(norms[u]) > 0.05 and float(total) <= 0.05
 
@@ -125,7 +127,7 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
         monkeypatch.setattr(G, "FUSED_SPLIT", mode)
         st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
         out[mode] = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2, device=CUDA),
-                                   torch.ones(3, device=CUDA), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)[0]
+                                   torch.ones(3, device=CUDA), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))[0]
     assert G._FUSED.get("cuda") is True
     for a, b in zip(out["off"], out["on"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -11,6 +11,7 @@ import torch
 
 from userdp.engine import ULS, Adam, FlatClip, NonPrivate, TensorUserData, TrainConfig, train
 from userdp.engine.batch_unit import UNCLIPPED, BatchPerUnit
+from userdp.engine.clipping import StepClipping
 from userdp.engine.per_unit import make_per_unit, resolve_per_unit
 from userdp.errors import UserError
 
@@ -73,7 +74,7 @@ def _chunk(poison):
 def _sums(strategy, model, batch, mask, w, loss=ce_loss):
     s = make_per_unit(strategy, model, loss, NonPrivate(3, 0.5))
     state = {"clip_norm": UNCLIPPED}  # what a non-private run clips at: nothing
-    return s.clipped_sum(batch, mask, w, FlatClip(UNCLIPPED), state, torch.float64)
+    return s.clipped_sum(batch, mask, w, StepClipping(FlatClip(UNCLIPPED), state, torch.float64))
 
 
 @pytest.mark.parametrize("poison", [None, "loss"])
@@ -108,8 +109,7 @@ def test_a_finite_loss_with_an_infinite_gradient_is_redone_per_unit():
     batch["x"][1, 0] = 0.0  # unit 1's first record: h_0 = 0
     s = make_per_unit("batch", model, ce_loss, NonPrivate(3, 0.5))
     assert isinstance(s, BatchPerUnit)
-    sums, _, losses, bad = s.clipped_sum(batch, mask, w, FlatClip(UNCLIPPED), {"clip_norm": UNCLIPPED},
-                                         torch.float64)
+    sums, _, losses, bad = s.clipped_sum(batch, mask, w, StepClipping(FlatClip(UNCLIPPED), {"clip_norm": UNCLIPPED}, torch.float64))
     assert torch.isfinite(losses).all() and bad.tolist() == [False, True, False, False, False]
     ref, _, _, ref_bad = _sums("vmap", model, batch, mask, w)
     assert ref_bad.tolist() == bad.tolist()  # the unit at fault is zeroed, as vmap does

@@ -12,6 +12,8 @@ is tests/test_engine_fsdp_train.py."""
 import pytest
 import torch
 
+from userdp.engine.clipping import StepClipping
+
 from _engine_helpers import run_gloo_pair
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
@@ -53,11 +55,9 @@ def _rank(rank: int) -> dict:
         for u in range(4 if name == "sharded" else 0):  # each unit alone: its clipped contribution
             w = torch.zeros(4)
             w[u] = 1.0
-            sums, norms, _, bad = st.clipped_sum(batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5},
-                                                 torch.float32)
+            sums, norms, _, bad = st.clipped_sum(batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
             per_unit.append(float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums))))
-        sums, norms, _, bad = st.clipped_sum(batch, mask, torch.ones(4), FlatClip(0.5), {"clip_norm": 0.5},
-                                             torch.float32)
+        sums, norms, _, bad = st.clipped_sum(batch, mask, torch.ones(4), StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
         out[name] = ([s.clone() for s in sums], norms.clone(), per_unit, bool(bad.any()))
     (plain_sums, plain_norms, _, _), (sums, norms, per_unit, bad) = out["plain"], out["sharded"]
     return {"kinds": kinds, "same_sums": all(torch.equal(a, b) for a, b in zip(plain_sums, sums)),
@@ -90,7 +90,7 @@ def _sink_rank(rank: int) -> dict:
     ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(10 + rank))
     batch, mask, w = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2), torch.ones(4)
     ref, _, _, _ = GhostPerUnit(plain, causal_lm_loss, ULS(2, 0.5), Precision("float32")).clipped_sum(
-        batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5}, torch.float32)
+        batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
     for x in ref:
         dist.all_reduce(x)  # the replicated run's total, whole
     st = GhostPerUnit(sharded, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
@@ -111,12 +111,11 @@ def _sink_rank(rank: int) -> dict:
         sizes.append(tuple(x.shape) == tuple(params[j].shape))
         shards[j] = reduce_scatter(x, params[j])
 
-    sums, norms, _, _ = st.clipped_sum(batch, mask, w, FlatClip(0.5), {"clip_norm": 0.5}, torch.float32, sink=sink)
+    sums, norms, _, _ = st.clipped_sum(batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32), sink=sink)
     verified.append(st._verified)
     for chunk in range(1, 4):  # more chunks: the coverage check goes on, a share at a time
         more = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(100 * rank + chunk))
-        st.clipped_sum({"input_ids": more, "labels": more.clone()}, mask, w, FlatClip(0.5), {"clip_norm": 0.5},
-                       torch.float32)
+        st.clipped_sum({"input_ids": more, "labels": more.clone()}, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
         verified.append(st._verified)
     gap = 0.0
     for j, r in enumerate(ref):  # this rank's rows of the whole total

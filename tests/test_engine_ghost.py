@@ -15,7 +15,7 @@ from torch import nn
 
 from userdp.engine import TrainConfig, train
 from userdp.engine.algorithms import ELS, ULS, FedAvg
-from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
+from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip, StepClipping
 from userdp.engine.ghost import GHOST_LAYERS, GROUP_ELEMENTS, GhostPerUnit
 from userdp.engine.optimizers import SGD
 from userdp.engine.per_unit import VmapPerUnit, make_per_unit, resolve_per_unit
@@ -31,9 +31,9 @@ F64 = torch.float64
 
 def _both(model, loss, algo, batch, mask, weights, clip, acc=F64, precision=None):
     st = clip.initial_state()
-    a = VmapPerUnit(model, loss, algo, precision).clipped_sum(batch, mask, weights, clip, st, acc)
+    a = VmapPerUnit(model, loss, algo, precision).clipped_sum(batch, mask, weights, StepClipping(clip, st, acc))
     g = GhostPerUnit(model, loss, algo, precision)
-    b = g.clipped_sum(batch, mask, weights, clip, st, acc)
+    b = g.clipped_sum(batch, mask, weights, StepClipping(clip, st, acc))
     return a, b, g
 
 
@@ -185,7 +185,7 @@ def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_pat
     mask = mask.float()
     clip = FlatClip(0.05)
     g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), None)
-    sums, norms, losses, bad = g.clipped_sum(batch, mask, torch.ones(3), clip, clip.initial_state(), torch.float32)
+    sums, norms, losses, bad = g.clipped_sum(batch, mask, torch.ones(3), StepClipping(clip, clip.initial_state(), torch.float32))
     params = [p for p in model.parameters() if p.requires_grad]
     want = [torch.zeros_like(p) for p in params]
     want_norms = []
@@ -265,14 +265,14 @@ def test_a_unit_with_a_nonfinite_gradient_contributes_zero(monkeypatch, build, c
     batch["x"][2, 0, 0] = float("nan")
     w = torch.ones(5, dtype=F64)
     st = clip.initial_state()
-    sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, w, clip, st, F64)
+    sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, st, F64))
     assert (3 in seen) == (build is _Deep)  # the three hidden weights were one stack
     assert bad.tolist() == [False, False, True, False, False] and float(norms[2]) == 0.0
     w_ok, mask_ok = w.clone(), mask.clone()
     w_ok[2] = mask_ok[2] = 0.0
     batch_ok = {k: v.clone() for k, v in batch.items()}
     batch_ok["x"][2] = 0.0
-    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch_ok, mask_ok, w_ok, clip, st, F64)
+    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch_ok, mask_ok, w_ok, StepClipping(clip, st, F64))
     for s, r in zip(sums, ref):
         assert torch.isfinite(s).all() and torch.allclose(s, r, atol=1e-12)
 
@@ -286,7 +286,7 @@ def test_each_units_clipped_contribution_is_within_the_bound():
         w = torch.zeros(4)
         w[u] = 1.0
         sums, norms, *_ = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
-            batch, mask, w, clip, clip.initial_state(), torch.float32)
+            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
         total = torch.sqrt(sum((s.double() ** 2).sum() for s in sums))
         assert float(norms[u]) > 0.05  # clipping is active
         assert float(total) <= 0.05 * (1 + 1e-5)
@@ -310,7 +310,7 @@ def test_a_parameter_used_outside_its_layer_is_refused():
     model = _Outside().double()
     batch, mask = _mlp_chunk()
     st = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
-    args = (batch, mask, torch.ones(5, dtype=F64), FlatClip(1.0), {"clip_norm": 1.0}, F64)
+    args = (batch, mask, torch.ones(5, dtype=F64), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, F64))
     st.clipped_sum(*args)
     assert not st._verified
     with pytest.raises(UserError, match="lin.weight.*vmap"):
@@ -339,10 +339,10 @@ def test_a_unit_whose_records_cancel_does_not_refuse_the_model():
         mask[i, : len(r)] = 1
         idx[i, : len(r)] = r
     batch = {k: v[idx] for k, v in data.tensors.items()}
-    st.clipped_sum(batch, mask, torch.ones(len(units)), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+    st.clipped_sum(batch, mask, torch.ones(len(units)), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     assert st._mismatches == 1 and not st._verified  # this chunk's sums are off by more than the tolerance
     clean = {k: v[idx[1:]] for k, v in data.tensors.items()}  # the honest users alone
-    st.clipped_sum(clean, mask[1:], torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+    st.clipped_sum(clean, mask[1:], torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     assert st._verified  # the clean chunk verified the coverage: no refusal
 
 
@@ -360,8 +360,7 @@ def test_an_input_broadcast_over_the_batch_is_refused():
     model = _Broadcast().double()
     batch, mask = _mlp_chunk()
     with pytest.raises(UserError, match="broadcast.*vmap"):
-        GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, torch.ones(5, dtype=F64), FlatClip(1.0),
-                                                              {"clip_norm": 1.0}, F64)
+        GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, torch.ones(5, dtype=F64), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, F64))
 
 
 def test_auto_picks_ghost_for_gradients_and_vmap_for_fedavg():
@@ -406,11 +405,10 @@ def test_bf16_autocast_keeps_norms_sums_and_losses_in_float32_and_agrees_with_fl
     mask = mask.float()
     clip = FlatClip(0.5)
     w = torch.ones(3)
-    ref = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, clip, clip.initial_state(),
-                                                                       torch.float32)
+    ref = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
     for strategy in (GhostPerUnit, VmapPerUnit):
         sums, norms, losses, bad = strategy(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
-            batch, mask, w, clip, clip.initial_state(), torch.float32)
+            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
         assert all(s.dtype == torch.float32 for s in sums)
         assert norms.dtype == torch.float32 and losses.dtype == torch.float32 and not bool(bad.any())
         # bf16 has 8 bits of mantissa: ~1% relative agreement on norms, sums a few %
@@ -444,7 +442,7 @@ def test_bf16_factors_kept_narrow_give_bit_identical_norms_and_sums(monkeypatch,
     def run(keep, clip):
         monkeypatch.setattr(ghost_mod, "KEEP_NARROW", keep)
         g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16"))
-        out = g.clipped_sum(batch, mask, w, clip, clip.initial_state(), torch.float32)
+        out = g.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
         return out, g.last_choice
 
     for clip in (FlatClip(0.5), PerLayerClip(0.05)):
@@ -493,16 +491,16 @@ def test_the_cpu_zeroes_factors_only_when_a_unit_is_bad(monkeypatch, build):
         if poison:
             batch["x"][2, 0, 0] = float("nan")
         strategy = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
-        strategy.clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)  # the first chunk's check
+        strategy.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))  # the first chunk's check
         with Count() as count:
-            sums, *_ = strategy.clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)
+            sums, *_ = strategy.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
         out[poison] = count.fills, sums
     assert out[False][0] == 0  # no unit bad: no masked copy
     assert out[True][0] >= 2  # a bad unit: its factors zeroed (x and y of each factored use at least)
     monkeypatch.setattr(ghost_mod, "_must_zero", lambda bad: True)  # the device's path: always zero
     batch, mask = _mlp_chunk()
     strategy = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
-    ref, *_ = strategy.clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)
+    ref, *_ = strategy.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
     assert all(torch.equal(a, b) for a, b in zip(out[False][1], ref))
 
 
@@ -515,12 +513,10 @@ def test_auto_falls_back_to_vmap_for_a_parameter_no_layer_owns_in_its_forward():
     batch, mask = data.draw_records(np.arange(3), 3, np.random.default_rng(0))
     batch["x"][0, 0, 0] = float("inf")
     with pytest.raises(UserError, match="theta.*vmap"):
-        GhostPerUnit(Mean(4), sq_loss, ULS(3, 0.5)).clipped_sum(batch, mask, torch.ones(3), FlatClip(1.0),
-                                                                {"clip_norm": 1.0}, torch.float32)
+        GhostPerUnit(Mean(4), sq_loss, ULS(3, 0.5)).clipped_sum(batch, mask, torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     auto = make_per_unit("auto", Mean(4), sq_loss, ULS(3, 0.5))
     assert auto.name == "ghost"
-    sums, norms, _, bad = auto.clipped_sum(batch, mask, torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0},
-                                           torch.float32)
+    sums, norms, _, bad = auto.clipped_sum(batch, mask, torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     assert auto.name == "vmap" and "theta" in auto.fallback_reason
     assert bad.tolist() == [True, False, False] and float(norms[1]) > 0
     assert all(bool(torch.isfinite(x).all()) for x in sums)  # the inf unit contributes zero
@@ -541,10 +537,10 @@ def test_ghost_norms_and_sums_are_the_same_under_sdpa_as_under_eager_attention()
     for impl in ("sdpa", "eager"):
         set_attention(model, impl)
         out[impl] = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
-            batch, mask, w, clip, clip.initial_state(), F64)
+            batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
     _assert_same(out["sdpa"], out["eager"], 1e-12)
     set_attention(model, "sdpa")
-    vm = VmapPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, clip, clip.initial_state(), F64)
+    vm = VmapPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
     assert model.config._attn_implementation == "sdpa"  # restored after the vmap strategy ran eager
     _assert_same(vm, out["sdpa"], 1e-12)
 
@@ -572,7 +568,7 @@ def _grouped_and_alone(monkeypatch, model, loss, algo, batch, mask, w, clip, acc
     for elements in (GROUP_ELEMENTS, 0):
         monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", elements)
         sizes.clear()
-        out = GhostPerUnit(model, loss, algo, precision).clipped_sum(batch, mask, w, clip, clip.initial_state(), acc)
+        out = GhostPerUnit(model, loss, algo, precision).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), acc))
         runs.append((out, dict(sizes)))
     return runs
 
@@ -614,7 +610,7 @@ def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(
             w = torch.zeros(4)
             w[u] = 1.0
             g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16"))
-            sums, norms, *_ = g.clipped_sum(batch, mask, w, clip, clip.initial_state(), torch.float32)
+            sums, norms, *_ = g.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
             bound = clip.sensitivity(clip.initial_state(), len(sums))
             assert float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums))) <= bound
 
@@ -636,8 +632,7 @@ def test_stacked_groups_are_split_to_bound_their_temporaries(monkeypatch):
     outs = []
     for cap in (GROUP_ELEMENTS, 2 * 3 * 128, 1):  # unbounded here; two 128-vectors a group; none
         monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", cap)
-        outs.append(GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, clip,
-                                                                                 clip.initial_state(), F64))
+        outs.append(GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64)))
     big, two, none = sizes
     assert max(big) > 2 and max(two) == 2 and len(two) > len(big) and none == []
     _assert_same(outs[0], outs[1], 1e-12)

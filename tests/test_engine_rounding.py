@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from userdp.engine import ghost as ghost_mod
-from userdp.engine.clipping import FlatClip
+from userdp.engine.clipping import FlatClip, StepClipping
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.errors import UserError
 
@@ -59,8 +59,7 @@ def test_the_bound_costs_an_honest_gpt2_user_under_one_percent_of_its_clip():
 
     ghost_mod._bounded_norms = spy
     try:
-        st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 4), torch.ones(4), FlatClip(1.0),
-                       {"clip_norm": 1.0}, torch.float32)
+        st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 4), torch.ones(4), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     finally:
         ghost_mod._bounded_norms = real
     est, up = seen["est"], seen["up"]

@@ -18,7 +18,7 @@ import torch
 
 import userdp.engine.ghost as ghost_mod
 from userdp.engine.algorithms import ULS
-from userdp.engine.clipping import FlatClip, PerLayerClip
+from userdp.engine.clipping import FlatClip, PerLayerClip, StepClipping
 from userdp.engine.ghost import GhostPerUnit, _mm32, round_down_bf16, split_bf16
 from userdp.engine.precision import Precision, _fp32_handles, exact_float32
 from userdp.lm import models
@@ -84,7 +84,7 @@ def _run(monkeypatch, mode, clip, w, model=None):
     model = model or _tiny_gpt2()
     batch, mask = _chunk()
     return GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
-        batch, mask, w, clip, clip.initial_state(), torch.float32)
+        batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
 
 
 @pytest.mark.parametrize("clip", [FlatClip(0.5), PerLayerClip(0.05), FlatClip(1e9)],
@@ -163,7 +163,7 @@ def _narrow_flags(monkeypatch, lora: bool, capture_rounding: bool) -> tuple[list
     st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
     ids = torch.randint(0, 256, (3, 2, 16))
     sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
-                                         torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+                                         torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     assert not bad.any() and all(s.dtype == torch.float32 for s in sums)
     return st.names, st.last_narrow
 
@@ -259,7 +259,7 @@ def test_every_tensor_core_gemm_of_a_ghost_chunk_gets_aligned_operands(monkeypat
     st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
     ids = torch.randint(0, 1001, (3, 2, 16))
     sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
-                                         torch.ones(3), FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+                                         torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     assert not bad.any() and all(torch.isfinite(s).all() for s in sums)
     wide = [s for s in seen if 1001 in s[0] or 1001 in s[2]]
     assert wide, "the head's GEMMs were not seen"
@@ -301,7 +301,7 @@ import torch
 from userdp.engine import ghost as G
 from userdp.engine import split_triton as S
 from userdp.engine.algorithms import ULS
-from userdp.engine.clipping import FlatClip
+from userdp.engine.clipping import FlatClip, StepClipping
 from userdp.engine.precision import Precision
 from userdp.lm import models
 from userdp.lm.models import causal_lm_loss
@@ -325,7 +325,7 @@ for mode in ("off", "on"):
     G.FUSED_SPLIT = mode
     st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
     sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
-                                         torch.ones(3), OneBad(1.0), {"clip_norm": 1.0}, torch.float32)
+                                         torch.ones(3), StepClipping(OneBad(1.0), {"clip_norm": 1.0}, torch.float32))
     out[mode] = sums
 same = all(torch.equal(a, b) for a, b in zip(out["off"], out["on"]))
 print(same, bad.tolist() == [False, True, False], G._FUSED.get("cpu"), len(calls))

@@ -8,8 +8,9 @@ reference for the other two. It serves gradient updates (ELS, ULS, non-private);
 
     userdp train config.yaml --plugin examples/plugins/loop_per_unit.py --set training.per_unit=loop
 
-The contract (docs/ARCHITECTURE.md, "per-unit strategy"): ``clipped_sum(batch, mask, weights,
-clipping, clip_state, acc_dtype, reproject)`` returns ``(sums, norms, losses, bad)``: per trainable
+The contract (docs/ARCHITECTURE.md, "per-unit strategy"): ``clipped_sum(batch, mask, weights, clip)``
+(``clip``: a ``StepClipping`` — the clipping strategy, its state, the accumulation dtype and
+FedAvg's reprojection) returns ``(sums, norms, losses, bad)``: per trainable
 tensor the weighted sum of the clipped unit updates (fresh tensors), and per unit its norm (0 where
 not finite), its loss, and whether its update was non-finite (it then contributes zero).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from userdp.engine.clipping import per_tensor_norms
+from userdp.engine.clipping import StepClipping, per_tensor_norms
 from userdp.engine.model_lint import lint_model
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import Precision, exact_float32
@@ -56,8 +57,8 @@ class LoopPerUnit:
         grads = torch.autograd.grad(loss * scale, self.params, allow_unused=True)
         return [torch.zeros_like(p) if g is None else g / scale for g, p in zip(grads, self.params)], loss.detach()
 
-    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
-                    acc_dtype: torch.dtype, reproject=None):
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping):
+        clipping, clip_state, acc_dtype = clip.clipping, clip.state, clip.acc_dtype  # (gradients: no reproject)
         m = mask.shape[0]
         sums = [torch.zeros(p.shape, dtype=acc_dtype, device=p.device) for p in self.params]
         norms, losses, bad = [], [], []

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from userdp.engine.clipping import FlatClip
+from userdp.engine.clipping import FlatClip, StepClipping
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES, AutoPerUnit
 from userdp.engine.precision import Precision
@@ -61,12 +61,12 @@ class BatchPerUnit:
             self._fallback = AutoPerUnit(*self._args)
         return self._fallback
 
-    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
-                    acc_dtype: torch.dtype, reproject=None):
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping):
         """(sums, norms, losses, bad) as :meth:`userdp.engine.per_unit.PerUnit.clipped_sum`, with
         nothing clipped: ``sums = Σ_u w_u · mean-gradient_u``; ``norms`` are 0 (none computed),
         ``bad`` all False (a chunk with a non-finite unit is the per-unit strategy's)."""
-        args = (batch, mask, weights, clipping, clip_state, acc_dtype, reproject)
+        args = (batch, mask, weights, clip)
+        clipping, clip_state, acc_dtype = clip.clipping, clip.state, clip.acc_dtype
         if not (type(clipping) is FlatClip and not clipping.adaptive and not clipping.normalized
                 and float(clip_state["clip_norm"]) >= UNCLIPPED):
             return self._per_unit().clipped_sum(*args)  # a clipping that could bind: norms are needed

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -32,6 +32,19 @@ from userdp.errors import UserError
 from userdp.validation import check_bool, check_fields, check_fraction, check_positive, optional
 
 _TINY = 1e-12
+
+
+@dataclass(frozen=True)
+class StepClipping:
+    """How a per-unit strategy clips the units of one step's chunks: the clipping strategy
+    (``clipping``), its state at this step (``state``, e.g. the clip norm), the dtype of the norms
+    and sums (float32, or float64 for a float64 model) and FedAvg's re-projection of per-layer
+    bounds during local SGD (``reproject``, or None)."""
+
+    clipping: Any
+    state: dict
+    acc_dtype: torch.dtype = torch.float32
+    reproject: Optional[Callable] = None
 
 
 def project(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn import functional as F
 
+from userdp.engine.clipping import StepClipping
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
@@ -883,9 +884,10 @@ class GhostPerUnit:
                 h.remove()
         return losses, captures
 
-    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
-                    acc_dtype: torch.dtype, reproject=None, sink=None):
-        """One chunk's clipped, weighted sum from one forward and one backward (module docstring).
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping, sink=None):
+        """One chunk's clipped, weighted sum from one forward and one backward (module docstring),
+        its units clipped as ``clip`` says (FedAvg's ``reproject`` does not apply: ghost serves
+        gradient updates only).
 
         ``sink``: None, or ``sink(j, s)`` called with each parameter's sum ``s`` as soon as it is
         formed, in the order of the parameters, one at a time (no stacked groups): a sharded step
@@ -899,6 +901,7 @@ class GhostPerUnit:
             UserError: a layer whose input is not batch-first, or (first chunk) a parameter used
                 outside the layers that own it.
         """
+        clipping, clip_state, acc_dtype = clip.clipping, clip.state, clip.acc_dtype
         m, g_cap = mask.shape
         n = m * g_cap
         tc = _tensor_cores(self.params[0].device)

@@ -28,6 +28,7 @@ from userdp import accounting
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.chacha import tail_delta
+from userdp.engine.clipping import StepClipping
 from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.flat import DrawCursor
@@ -353,6 +354,7 @@ class EngineRun:
         c_now = float(self.clip_state["clip_norm"])
         reproject = (cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
                      if getattr(algo, "reproject", False) else None)
+        clip = StepClipping(cfg.clipping, self.clip_state, acc, reproject)
         if self._compact:  # users of like record counts share a chunk, so little padding is left to compute
             ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
         chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
@@ -375,8 +377,7 @@ class EngineRun:
             w = valid.clone()
             if self.table.weights is not None:
                 w[:k] *= _to_device(torch.as_tensor(self.table.weights[cid], dtype=w.dtype), self.device)
-            part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, cfg.clipping, self.clip_state, acc,
-                                                                 reproject=reproject,
+            part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, clip,
                                                                  **({"sink": sink} if self.sharded else {}))
             if shards is None and sums is None:  # the strategy's sums are fresh: keep them (.to: no-op, same dtype)
                 sums = [x.to(_accumulation_dtype(p.dtype)) for x, p in zip(part, self.params)]

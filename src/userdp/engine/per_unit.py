@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from userdp.engine.clipping import StepClipping
 from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
@@ -56,10 +57,10 @@ class PerUnitStrategy(Protocol):
     names: list[str]  # trainable parameter names, in order
     params: list[torch.Tensor]  # the trainable tensors (the model's own)
 
-    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
-                    acc_dtype: torch.dtype, reproject=None):
-        """(sums, norms [m], losses [m], bad [m]) of one chunk; see the module docstring. The sums
-        must be fresh tensors the caller owns (the loop accumulates into them in place)."""
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping):
+        """(sums, norms [m], losses [m], bad [m]) of one chunk, its units clipped as ``clip`` says;
+        see the module docstring. The sums must be fresh tensors the caller owns (the loop
+        accumulates into them in place)."""
         ...
 
 
@@ -159,16 +160,16 @@ class PerUnit:
             updates, losses = vmap(self._update, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
         return list(updates), losses
 
-    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clipping, clip_state: dict,
-                    acc_dtype: torch.dtype, reproject=None):
-        """Materialize the chunk's updates, clip them by the strategy's factors, and sum.
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping):
+        """Materialize the chunk's updates, clip them by ``clip``'s strategy's factors, and sum.
 
         Returns:
             (sums, norms, losses, bad): ``sums`` one ``acc_dtype`` tensor per trainable tensor,
             ``sum_i weights_i * factor_i * update_i``; ``norms`` the units' flat norms (0 where
             not finite); ``losses`` the units' losses; ``bad`` True where the update was Inf/NaN.
         """
-        updates, losses = self(batch, mask, reproject=reproject)
+        clipping, clip_state, acc_dtype = clip.clipping, clip.state, clip.acc_dtype
+        updates, losses = self(batch, mask, reproject=clip.reproject)
         with exact_float32():  # norms and sums in IEEE float32 whatever the caller's TF32 setting
             # the norms of what is summed, squares summed in float64; the factor is taken from them
             # inflated by the bound on the rounding of each unit's own terms in the m-term sum
@@ -259,16 +260,16 @@ class AutoPerUnit:
     def name(self) -> str:
         return self._inner.name
 
-    def clipped_sum(self, *args, sink=None, **kwargs):
+    def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping, sink=None):
         """The inner strategy's clipped sum (see :class:`PerUnitStrategy`); ``sink`` as the ghost
         strategy's (each parameter's sum handed over in order; vmap's handed over once formed)."""
         try:
             if self._inner.name == "ghost":
-                return self._inner.clipped_sum(*args, sink=sink, **kwargs)
+                return self._inner.clipped_sum(batch, mask, weights, clip, sink=sink)
         except GhostUnsupported as exc:
             self.fallback_reason = str(exc)
             self._inner = VmapPerUnit(*self._args)
-        out = self._inner.clipped_sum(*args, **kwargs)
+        out = self._inner.clipped_sum(batch, mask, weights, clip)
         if sink is None:
             return out
         for j, x in enumerate(out[0]):

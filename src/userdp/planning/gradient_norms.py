@@ -9,12 +9,14 @@ import torch
 
 from userdp import progress
 from userdp.engine.algorithms import ULS
-from userdp.engine.clipping import FlatClip
+from userdp.engine.clipping import FlatClip, StepClipping
 from userdp.engine.per_unit import make_per_unit
 from userdp.errors import UserError
 
 #: a clip norm no gradient reaches: the strategy's norms are what is read, its sums are not used
 _NO_CLIP = FlatClip(1e30)
+#: the norms unclipped, in float32
+_UNCLIPPED = StepClipping(_NO_CLIP, _NO_CLIP.initial_state(), torch.float32)
 
 
 def _drop(j: int, x) -> None:
@@ -59,8 +61,7 @@ class GradientNormEstimator:
                 users = self.users[lo: lo + self.chunk_size]
                 batch, mask = self.data.draw_records(users, int(group_size), self.rng)
                 ones = torch.ones(mask.shape[0], dtype=torch.float32, device=mask.device)
-                _, norms, _, bad = self._per_unit.clipped_sum(batch, mask, ones, _NO_CLIP, _NO_CLIP.initial_state(),
-                                                              torch.float32, sink=_drop)
+                _, norms, _, bad = self._per_unit.clipped_sum(batch, mask, ones, _UNCLIPPED, sink=_drop)
                 # a non-finite user's norm is NaN (the strategy reports 0 for it): never a small norm
                 out.append(torch.where(bad, float("nan"), norms.double()).detach().cpu().numpy())
                 shown.update(len(users))
