@@ -345,7 +345,7 @@ def _fit_rows(caps_gib, dtype: str, seq_len: int, vocab: int) -> list[dict]:
     the meta device: nothing is allocated. Any cohort then runs by accumulating chunks."""
     import torch
 
-    from userdp.engine.memory import auto_chunk_size
+    from userdp.engine.memory import RunShape, auto_chunk_size
     from userdp.errors import UserError
     from userdp.lm import models
 
@@ -363,9 +363,10 @@ def _fit_rows(caps_gib, dtype: str, seq_len: int, vocab: int) -> list[dict]:
                            "algorithm": alg, "records_per_unit": g, "seq_len": seq_len, "dtype": dtype,
                            "optimizer": "adam"}
                     try:
-                        chunk, info = auto_chunk_size(model, g, seq_len, device=torch.device("cpu"), strategy="ghost",
-                                                      low_precision=dtype != "float32",
-                                                      memory_cap_bytes=int(cap * 2**30), optimizer_states=2)
+                        shape = RunShape(g, seq_len, strategy="ghost", low_precision=dtype != "float32",
+                                         optimizer_states=2)
+                        chunk, info = auto_chunk_size(model, shape, device=torch.device("cpu"),
+                                                      memory_cap_bytes=int(cap * 2**30))
                         row.update(chunk=chunk, fixed_bytes=info["fixed_bytes"], unit_bytes=info["unit_bytes"],
                                    estimated_bytes=info["fixed_bytes"] + chunk * info["unit_bytes"])
                     except UserError:
@@ -616,14 +617,14 @@ def _fit_main(a) -> int:
     if a.fit_check:  # the model's chunk for the first cap, run, and its measured peak against the cap
         import torch
 
-        from userdp.engine.memory import auto_chunk_size
+        from userdp.engine.memory import RunShape, auto_chunk_size
         from userdp.lm import models
 
         with torch.device("meta"):
             model = models.build_preset("gpt2-medium", vocab_size=a.vocab, n_positions=max(a.seq_len, 128))
         cap = int(caps[0] * 2**30)
-        chunk, _ = auto_chunk_size(model, 4, a.seq_len, device=torch.device("cpu"), strategy="ghost",
-                                   low_precision=a.dtype != "float32", memory_cap_bytes=cap, optimizer_states=0)
+        shape = RunShape(4, a.seq_len, strategy="ghost", low_precision=a.dtype != "float32", optimizer_states=0)
+        chunk, _ = auto_chunk_size(model, shape, device=torch.device("cpu"), memory_cap_bytes=cap)
         res = _run_worker(["--model", "gpt2-medium", "--mode", "full", "--algorithm", "uls", "--group-size", "4",
                            "--device", a.device, "--dtype", a.dtype, "--users", str(chunk), "--seq-len", str(a.seq_len),
                            "--vocab", str(a.vocab), "--threads", str(a.threads), "--reps", "1", "--warmup", "1"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from userdp.engine import noise
-from userdp.engine.memory import MODEL_MARGIN, STACK_TRANSIENT_BYTES, auto_chunk_size, fixed_bytes, unit_bytes
+from userdp.engine.memory import MODEL_MARGIN, STACK_TRANSIENT_BYTES, RunShape, auto_chunk_size, fixed_bytes, unit_bytes
 from userdp.errors import UserError
 from userdp.lm import models
 
@@ -27,14 +27,12 @@ def test_the_chunk_is_the_largest_power_of_two_that_fits(gpt2, monkeypatch):
     fixed = fixed_bytes(gpt2)
     for want in (1, 4, 32):
         cap = int((fixed + want * per + per // 2) / MODEL_MARGIN)  # the usable share: want units and a half
-        chunk, info = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
-                                      memory_cap_bytes=cap)
+        chunk, info = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap)
         assert chunk == want and info["unit_bytes"] == per and info["cap_source"] == "training.memory_gb"
         assert fixed + chunk * per <= MODEL_MARGIN * cap < fixed + 2 * chunk * per
     # the estimate may fill only MODEL_MARGIN of a cap: a chunk that would fill all of it is halved
     cap = fixed + 4 * per
-    assert auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
-                           memory_cap_bytes=cap)[0] == 2
+    assert auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap)[0] == 2
 
 
 def test_the_estimate_grows_with_tokens_and_shrinks_with_low_precision_and_ghost(gpt2):
@@ -76,22 +74,19 @@ def test_the_noise_drawn_ahead_on_a_cpu_is_counted(gpt2, monkeypatch):
     fixed = {}
     for mode in ("on", "off"):
         monkeypatch.setattr(noise, "PREFETCH", mode)
-        fixed[mode] = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
-                                      memory_cap_bytes=1 << 36)[1]["fixed_bytes"]
+        fixed[mode] = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=1 << 36)[1]["fixed_bytes"]
     assert fixed["on"] - fixed["off"] == 4 * n
     # CUDA's source (ChaCha on the device) adds its noise as it draws it: nothing is drawn ahead
-    assert auto_chunk_size(gpt2, 4, 64, device=torch.device("cuda"), strategy="ghost", low_precision=False,
-                           memory_cap_bytes=1 << 36)[1]["fixed_bytes"] == fixed_bytes(gpt2)
+    assert auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=torch.device("cuda"), memory_cap_bytes=1 << 36)[1]["fixed_bytes"] == fixed_bytes(gpt2)
 
 
 def test_a_cap_that_cannot_hold_one_unit_is_refused_with_both_figures(gpt2):
     with pytest.raises(UserError, match=r"training.chunk_size: auto .* needs about .* GiB .* cap"):
-        auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
-                        memory_cap_bytes=fixed_bytes(gpt2))
+        auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=fixed_bytes(gpt2))
 
 
 def test_a_model_without_a_transformer_config_gets_the_default_chunk():
-    chunk, info = auto_chunk_size(torch.nn.Linear(3, 3), 4, 64, device=CPU, strategy="ghost", low_precision=False)
+    chunk, info = auto_chunk_size(torch.nn.Linear(3, 3), RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU)
     assert chunk == 8 and "default" in info["rule"]
 
 
@@ -154,10 +149,9 @@ def test_a_sharded_rank_counts_its_share_of_weights_gradient_and_states_and_two_
     assert (fixed_bytes(plain, optimizer_states=0, shards=2) - fixed_bytes(plain, optimizer_states=0)
             == 4 * m / 2 + 4 * (m / 2 + 2 * 64 * 64 - 2 * m) - 4 * m / 2 - STACK_TRANSIENT_BYTES)
     per = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=False)
-    _, info = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False, memory_cap_bytes=1 << 40)
+    _, info = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=1 << 40)
     cap = (info["fixed_bytes"] + 7.5 * per) / MODEL_MARGIN  # room for 7.5 units on a replicated rank
-    chunk1, _ = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False, memory_cap_bytes=cap)
-    chunk8, info = auto_chunk_size(gpt2, 4, 64, device=CPU, strategy="ghost", low_precision=False,
-                                   memory_cap_bytes=cap, shards=8)
+    chunk1, _ = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap)
+    chunk8, info = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False, shards=8), device=CPU, memory_cap_bytes=cap)
     assert chunk1 == 4
     assert chunk8 > chunk1 and info["shards"] == 8  # the room a rank saves goes to the chunk

@@ -34,6 +34,7 @@ tokens a chunk and 0.99 at 2,048 (benchmarks/README.md); not yet measured on a G
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -162,14 +163,27 @@ def free_bytes(device: torch.device) -> int:
     return 8 << 30 if free is None else free  # 8 GiB where the OS does not say
 
 
-def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: torch.device, strategy: str,
-                    low_precision: bool, memory_cap_bytes: int | None = None,
-                    optimizer_states: int = 2, shards: int = 1) -> tuple[int, dict]:
+@dataclass(frozen=True)
+class RunShape:
+    """What a run's memory depends on besides the model: a unit's records (``group_size``) and
+    tokens (``seq_len``), the per-unit ``strategy``, a bf16/fp16 forward (``low_precision``), the
+    optimizer's float32 states per parameter, and W of a sharded run (``shards``; 1: replicated)."""
+
+    group_size: int
+    seq_len: int
+    strategy: str = "ghost"
+    low_precision: bool = False
+    optimizer_states: int = 2
+    shards: int = 1
+
+
+def auto_chunk_size(model: nn.Module, shape: RunShape, *, device: torch.device,
+                    memory_cap_bytes: int | None = None) -> tuple[int, dict]:
     """The largest power-of-two chunk whose estimated peak fits the cap, and how it was chosen.
 
     Args:
+        shape: the run's unit, strategy, precision, optimizer states and shards (:class:`RunShape`).
         memory_cap_bytes: the cap; None means 80% of the device's free memory now.
-        shards: W of a sharded run (each rank's share, :func:`fixed_bytes`); 1: replicated.
 
     Returns:
         (chunk_size, info) with info holding the cap, the fixed and per-unit estimates.
@@ -177,11 +191,12 @@ def auto_chunk_size(model: nn.Module, group_size: int, seq_len: int, *, device: 
     Raises:
         UserError: when even one unit does not fit the cap (the message gives both figures).
     """
+    group_size, seq_len, shards = shape.group_size, shape.seq_len, shape.shards
     cap = int(memory_cap_bytes) if memory_cap_bytes is not None else int(HEADROOM * free_bytes(device))
-    per = unit_bytes(model, group_size, seq_len, strategy=strategy, low_precision=low_precision)
+    per = unit_bytes(model, group_size, seq_len, strategy=shape.strategy, low_precision=shape.low_precision)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ahead = source_class(device) is GaussianNoise and draws_ahead(n)
-    fixed = fixed_bytes(model, optimizer_states, strategy, noise_ahead=ahead, shards=shards)
+    fixed = fixed_bytes(model, shape.optimizer_states, shape.strategy, noise_ahead=ahead, shards=shards)
     info = {"memory_cap_bytes": cap, "cap_source": "training.memory_gb" if memory_cap_bytes is not None
             else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per, "shards": shards}
     if per is None:

@@ -18,7 +18,7 @@ from userdp import accounting
 from userdp import engine as E
 from userdp.devices import resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
-from userdp.engine.memory import auto_chunk_size
+from userdp.engine.memory import RunShape, auto_chunk_size
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, make_plan
 from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError
@@ -211,11 +211,10 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = s
         records = algo.records_per_unit
         states = {"adam": 2, "adafactor": 1}.get(t.optimizer, 1 if t.momentum else 0)
         low = resolve_precision(t.precision, device) != "float32"
-        chunk, info = auto_chunk_size(model, records, cfg.tokenizer.seq_len, device=device, strategy=strategy,
-                                      low_precision=low,
-                                      memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None,
-                                      optimizer_states=states,
-                                      shards=world_size if t.sharding == "fsdp" else 1)
+        shape = RunShape(records, cfg.tokenizer.seq_len, strategy=strategy, low_precision=low, optimizer_states=states,
+                         shards=world_size if t.sharding == "fsdp" else 1)
+        chunk, info = auto_chunk_size(model, shape, device=device,
+                                      memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None)
         info["chunk_size"] = chunk
         write_json(saved, info)
     per = info.get("unit_bytes")
