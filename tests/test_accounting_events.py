@@ -233,11 +233,11 @@ def test_bad_input_raises_user_error(call):
 
 def test_max_steps_is_largest_within_budget():
     step = A.uls_step_event(1.0, 0.01)
-    T = A.max_steps(step, 1.0, 1e-5, accountant="rdp")
+    T = A.max_steps(step, 1.0, 1e-5, "rdp")
     assert T > 1
     assert A.epsilon(A.compose(step, T), 1e-5, "rdp") <= 1.0
     assert A.epsilon(A.compose(step, T + 1), 1e-5, "rdp") > 1.0
-    assert A.max_steps(A.uls_step_event(0.3, 1.0), 1.0, 1e-5, accountant="rdp") == 0
+    assert A.max_steps(A.uls_step_event(0.3, 1.0), 1.0, 1e-5, "rdp") == 0
 
 
 # ----------------------------------------------------------------------------------- step_rdp

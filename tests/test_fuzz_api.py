@@ -251,7 +251,7 @@ def test_max_steps_with_a_huge_epsilon_answers_within_its_time_budget():
     assert time.time() - t0 < 30
     t0 = time.time()
     with pytest.raises(UserError, match="did not finish within 1 s"):
-        A.max_steps(ev, 1000.0, 1e-6, time_budget_s=1.0)
+        A.max_steps(ev, 1000.0, 1e-6, A.StepSearch(time_budget_s=1.0))
     assert time.time() - t0 < 20
     small = A.max_steps(ev, 2.0, 1e-6)  # the RDP bracket gives the same answer as the plain search
     assert A.epsilon(A.compose(ev, small), 1e-6) <= 2.0 < A.epsilon(A.compose(ev, small + 1), 1e-6)

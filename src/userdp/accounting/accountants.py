@@ -15,6 +15,7 @@ the ledger, calibration, the CLI, the planner, the report — looks accountants 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Optional, Protocol, Sequence
@@ -312,25 +313,37 @@ def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,
     return get_accountant(accountant).delta(event, eps, interval=value_discretization_interval, orders=orders)
 
 
-def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, accountant: str = "pld",
-              *, limit: int = 10**7, prior: Sequence[dpe.DpEvent] = (),
-              value_discretization_interval: Optional[float] = None, time_budget_s: float = 60.0) -> int:
-    """Largest T with ε(T steps) ≤ epsilon (0 if even one step exceeds; ``limit`` if reached).
+@dataclasses.dataclass(frozen=True)
+class StepSearch:
+    """How :func:`max_steps` searches: the accountant, the largest step count it tries (``limit``),
+    the accountant's grid (``interval``; None: its default) and the seconds it may take."""
 
-    ``prior``: events spent before the steps (composed with them by ``DpEventBuilder``);
-    ``value_discretization_interval``: the accountant's grid (None: its default). The search is
-    bracketed by RDP's answer where RDP can take the event (RDP is additive over steps, so its
-    search is cheap; the tighter accountant then searches upward from it), and bounded in time:
-    a search that has not finished within ``time_budget_s`` is refused, never left to run on.
+    accountant: str = "pld"
+    limit: int = 10**7
+    interval: Optional[float] = None
+    time_budget_s: float = 60.0
+
+
+def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, how: StepSearch | str = "pld", *,
+              prior: Sequence[dpe.DpEvent] = ()) -> int:
+    """Largest T with ε(T steps) ≤ epsilon (0 if even one step exceeds; ``how.limit`` if reached).
+
+    ``how``: the accountant's name, or a :class:`StepSearch`. ``prior``: events spent before the
+    steps (composed with them by ``DpEventBuilder``). The search is bracketed by RDP's answer where
+    RDP can take the event (RDP is additive over steps, so its search is cheap; the tighter
+    accountant then searches upward from it), and bounded in time: a search that has not finished
+    within ``how.time_budget_s`` is refused, never left to run on.
 
     Raises:
         UserError: epsilon or delta out of range, an unknown accountant, or a search that did not
             finish within its time budget (the message gives RDP's looser answer).
     """
+    how = StepSearch(how) if isinstance(how, str) else how
+    accountant, value_discretization_interval = how.accountant, how.interval
     eps_target = check_positive(epsilon, "epsilon")
     check_delta(delta)
-    limit = check_int(limit, "limit")
-    budget = check_positive(time_budget_s, "time_budget_s")
+    limit = check_int(how.limit, "limit")
+    budget = check_positive(how.time_budget_s, "time_budget_s")
     acc = get_accountant(accountant)
     deadline = time.monotonic() + budget
     rdp_answer = None
@@ -347,8 +360,8 @@ def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, accountant:
     lo = 0
     if acc.name != "rdp":
         try:
-            rdp_answer = max_steps(step_event, eps_target, delta, "rdp", limit=limit, prior=prior,
-                                   time_budget_s=budget)
+            rdp_answer = max_steps(step_event, eps_target, delta, StepSearch("rdp", limit, time_budget_s=budget),
+                                   prior=prior)
         except UserError:
             rdp_answer = None
         if rdp_answer and ok(rdp_answer):

@@ -18,9 +18,12 @@ import torch
 from userdp.lm import models
 from userdp.lm.evaluate import record_nll
 
+#: records scored in one forward (:func:`user_losses`, :func:`canary_losses`)
+SCORE_BATCH = 64
+
 
 @torch.no_grad()
-def canary_losses(model, canaries, batch_size: int = 64) -> np.ndarray:
+def canary_losses(model, canaries, batch_size: int = SCORE_BATCH) -> np.ndarray:
     """Mean next-token NLL (nats/token) of each canary's secret under ``model``; float64 [K]."""
     was_training = model.training
     model.eval()
@@ -41,8 +44,8 @@ def pick_users(num_users: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return np.sort(rng.choice(num_users, k, replace=False)) if k > 0 else np.zeros(0, np.int64)
 
 
-def user_losses(model, data, users: np.ndarray, max_records: int, batch_size: int = 64,
-                rng: np.random.Generator | None = None, records: list | None = None):
+def user_losses(model, data, users: np.ndarray, max_records: int, rng: np.random.Generator | None = None,
+                records: list | None = None):
     """Token-weighted mean NLL of each user's records under ``model`` (up to ``max_records`` of
     each, drawn once with ``rng`` unless ``records`` gives them). Returns ``(losses, records)`` so
     the same records can be scored under a second model."""
@@ -57,7 +60,7 @@ def user_losses(model, data, users: np.ndarray, max_records: int, batch_size: in
     uu = np.concatenate([np.full(len(r), u, np.int64) for u, r in zip(users, records)])
     rr = np.concatenate(records).astype(np.int64)
     try:
-        nll, cnt = record_nll(model, data, uu, rr, batch_size)
+        nll, cnt = record_nll(model, data, uu, rr, SCORE_BATCH)
     finally:
         model.train(was_training)
     bounds = np.cumsum([0] + [len(r) for r in records])

@@ -167,18 +167,20 @@ class AuditSession:
         scale = float(self.cfg.gradient_scale) * float(clip_norm)
         return GradientCanaries.generate(seed, int(self.cfg.canaries), self.records, param, w.numel(), scale)
 
-    def attach(self, train_data, eval_data, tok, model, *, group_size: int, seq_len: int,
-               clip_norm: float = 1.0):
+    def attach(self, train_data, eval_data, tok, model, run_cfg):
         """The training data with the included canaries appended (see the module docstring).
 
         Args:
             train_data, eval_data: the training and held-out users' ``UserData``.
             tok: the tokenizer (secrets are drawn from its ordinary tokens).
             model: the starting model (scored now; on a resume, not used).
-            group_size: training.group_size, the default records per canary.
-            seq_len: tokenizer.seq_len, the default and largest secret length.
-            clip_norm: training.clip_norm (a gradient canary's update is gradient_scale times it).
+            run_cfg: the run's config (``userdp.lm.config.RunConfig``): its ``training.group_size``
+                is the default records per canary, its ``tokenizer.seq_len`` the default and
+                largest secret length, its ``training.clip_norm`` what a gradient canary's update
+                is ``gradient_scale`` times.
         """
+        group_size, seq_len = run_cfg.training.group_size, run_cfg.tokenizer.seq_len
+        clip_norm = run_cfg.training.clip_norm
         self.records = int(self.cfg.records_per_canary or group_size)
         self.length = int(self.cfg.secret_tokens or seq_len)
         if self.length > seq_len:

@@ -375,9 +375,9 @@ class PrivacyLedger:
             return None
         if self._max_steps is None:
             # with prior events, a pessimistic 1e-3 PLD grid (still an upper bound, ten times cheaper)
+            how = accounting.StepSearch(self.accountant, interval=1e-3 if self.prior else None)
             self._max_steps = self.segment_start + accounting.max_steps(
-                self.step_event, self.target_epsilon, self.delta, self.accountant, prior=self.prior,
-                value_discretization_interval=1e-3 if self.prior else None)
+                self.step_event, self.target_epsilon, self.delta, how, prior=self.prior)
         return self._max_steps
 
     def allows(self, n: int = 1) -> bool:

@@ -220,8 +220,7 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     cfg, plan = planned_config(cfg, ctx, prep, train_data, model)
     audit = ctx.audit
     if audit is not None:  # canary users join the training data (docs/audit.md)
-        train_data = audit.attach(train_data, eval_data, tok, model, group_size=cfg.training.group_size,
-                                  seq_len=cfg.tokenizer.seq_len, clip_norm=cfg.training.clip_norm)
+        train_data = audit.attach(train_data, eval_data, tok, model, cfg)
         if audit.gradient and cfg.training.per_unit != "vmap":
             # the canaries' loss term uses a weight directly: only vmap's per-unit gradients see it
             cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, per_unit="vmap"))
