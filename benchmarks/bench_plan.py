@@ -73,8 +73,8 @@ def main(argv=None) -> int:
           f"pretrained held-out loss {base:.4f}", flush=True)
 
     sigma_of_m = planning.uls_sigma_of_m(n, steps, args.epsilon, delta)
-    est = planning.GradientNormEstimator(model0, data, loss_fn, num_users=args.sample_users,
-                                           rng=np.random.default_rng(args.seed))
+    est = planning.GradientNormEstimator(model0, data, loss_fn, planning.NormSample(args.sample_users),
+                                         rng=np.random.default_rng(args.seed))
     results = {}
     t_train_total, runs = 0.0, 0
     for b in budgets:

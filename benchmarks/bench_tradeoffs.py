@@ -130,7 +130,7 @@ def prepare(name: str, a, public_file: Path) -> Corpus:
     from userdp.lm import models
     from userdp.lm import prepare as F
     from userdp.lm.starting_model import get_tokenizer_and_model
-    from userdp.planning import GradientNormEstimator
+    from userdp.planning import GradientNormEstimator, NormSample
 
     cfg = C.load_config(None, _sets(name, a, public_file))
     prep = F.prepare_data(cfg.data, _log)
@@ -140,7 +140,7 @@ def prepare(name: str, a, public_file: Path) -> Corpus:
     train, heldout = F.build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection,
                                       log=_log)
     torch.manual_seed(0)
-    est = GradientNormEstimator(model, train, models.causal_lm_loss, num_users=a.lg_users, chunk_size=8,
+    est = GradientNormEstimator(model, train, models.causal_lm_loss, NormSample(a.lg_users, chunk_size=8),
                                 rng=np.random.default_rng(0), log=_log)
     c = Corpus(name, cfg, prep, tok, model, copy.deepcopy(model.state_dict()), train, heldout,
                _eval_pairs(heldout, a.eval_records), est, accountant=a.accountant)
@@ -157,12 +157,12 @@ def heldout_loss(c: Corpus) -> float:
 
 
 def plan(c: Corpus, eps: float, budget: int, steps: int):
-    from userdp.planning import plan_for_budget as make_plan
+    from userdp.planning import PlanBudget, plan_for_budget
 
     key = (eps, budget, steps)
     if key not in c.plans:
-        c.plans[key] = make_plan(c.train.sizes(), compute_budget=budget, epsilon=eps, steps=steps,
-                                 l_of_g=c.estimator, accountant=c.accountant)
+        c.plans[key] = plan_for_budget(c.train.sizes(), PlanBudget(budget, eps, steps, accountant=c.accountant),
+                                       c.estimator)
     return c.plans[key]
 
 

@@ -8,7 +8,7 @@ import torch
 
 from userdp.engine.data import TensorUserData
 from userdp.experiments.mean_estimation import MeanModel, loss_fn
-from userdp.planning import GradientNormEstimator, plan_for_budget, plan_for_training
+from userdp.planning import GradientNormEstimator, NormSample, PlanBudget, Sigmas, plan_for_budget, plan_for_training
 
 
 def _gaussian_users(n_users, dim, sizes, seed=0):
@@ -21,8 +21,8 @@ def test_l_of_g_follows_one_over_sqrt_g_for_nearly_orthogonal_gradients():
     # at theta = 0 the record gradient is -x with x ~ N(0, I_d): ||mean of G|| ~ sqrt(d/G)
     d = 256
     sizes = np.full(300, 32)
-    est = GradientNormEstimator(MeanModel(d), _gaussian_users(300, d, sizes), loss_fn,
-                                num_users=128, rng=np.random.default_rng(1))
+    est = GradientNormEstimator(MeanModel(d), _gaussian_users(300, d, sizes), loss_fn, NormSample(128),
+                                rng=np.random.default_rng(1))
     assert len(est.users) == 128 and len(set(est.users)) == 128
     for g in (1, 4, 16):
         assert est(g) * math.sqrt(g) / math.sqrt(d) == pytest.approx(1.0, abs=0.05)
@@ -31,7 +31,7 @@ def test_l_of_g_follows_one_over_sqrt_g_for_nearly_orthogonal_gradients():
     base = rng.normal(size=(200, d)).astype(np.float32)
     x = torch.from_numpy(np.repeat(base, 8, axis=0))
     same = TensorUserData({"x": x}, np.arange(0, 200 * 8 + 1, 8))
-    est2 = GradientNormEstimator(MeanModel(d), same, loss_fn, num_users=64, rng=rng)
+    est2 = GradientNormEstimator(MeanModel(d), same, loss_fn, NormSample(64), rng=rng)
     assert est2(8) == pytest.approx(est2(1), rel=1e-5)
 
 
@@ -42,7 +42,7 @@ def test_l_of_g_matches_a_direct_computation():
     model = MeanModel(d)
     with torch.no_grad():
         model.theta.fill_(0.5)
-    est = GradientNormEstimator(model, data, loss_fn, num_users=4, rng=np.random.default_rng(0))
+    est = GradientNormEstimator(model, data, loss_fn, NormSample(4), rng=np.random.default_rng(0))
     # G >= every user's size: each user's mean gradient is theta - mean(x_u), no sampling
     direct = [np.linalg.norm(0.5 - data.tensors["x"][a:b].numpy().mean(0))
               for a, b in zip(data.offsets[:-1], data.offsets[1:])]
@@ -61,9 +61,8 @@ def test_plan_for_budget_with_injected_parts():
         calls.append((p, g))
         return 3.0
 
-    plan = plan_for_budget(sizes, compute_budget=128, epsilon=1.0, steps=100, delta=1e-5,
-                     l_of_g=lambda g: 4.0 / math.sqrt(g), sigma_of_m=fake_sigma, els_sigma=els_sigma,
-                     sample_users=32)
+    plan = plan_for_budget(sizes, PlanBudget(128, 1.0, 100, delta=1e-5), lambda g: 4.0 / math.sqrt(g),
+                           sigmas=Sigmas(fake_sigma, els_sigma), sample_users=32)
     e, u = plan.els, plan.uls
     assert e["group_size"] == 9
     dprime = 50 * 1 + 40 * 9 + 30 * 9
@@ -93,16 +92,15 @@ def test_plan_for_budget_with_injected_parts():
 
 
 def test_plan_for_budget_budget_not_a_power_of_two_and_few_users():
-    plan = plan_for_budget(np.full(10, 50), compute_budget=100, epsilon=1.0, steps=10, delta=1e-5,
-                     l_of_g=lambda g: 1.0 / math.sqrt(g), sigma_of_m=lambda m: 1.0,
-                     els_sigma=lambda p, g: 1.0)
+    plan = plan_for_budget(np.full(10, 50), PlanBudget(100, 1.0, 10, delta=1e-5), lambda g: 1.0 / math.sqrt(g),
+                           sigmas=Sigmas(lambda m: 1.0, lambda p, g: 1.0))
     u = plan.uls
     assert u["cohort_size"] <= 10
     assert u["cohort_size"] * u["group_size"] == pytest.approx(100) or u["cohort_size"] == 10
     assert any("power" in n for n in plan.notes)
     # ELS: budget above |D'| -> p = 1 and a note
-    plan2 = plan_for_budget(np.full(4, 2), compute_budget=64, epsilon=1.0, steps=10, delta=1e-5,
-                      l_of_g=lambda g: 1.0, sigma_of_m=lambda m: 1.0, els_sigma=lambda p, g: 1.0)
+    plan2 = plan_for_budget(np.full(4, 2), PlanBudget(64, 1.0, 10, delta=1e-5), lambda g: 1.0,
+                            sigmas=Sigmas(lambda m: 1.0, lambda p, g: 1.0))
     assert plan2.els["sampling_rate"] == 1.0 and plan2.els["expected_batch_size"] == 8
     assert plan2.uls["cohort_size"] <= 4
 
@@ -113,8 +111,8 @@ def test_plan_for_training_end_to_end_with_the_accountant():
     rng = np.random.default_rng(5)
     sizes = rng.integers(1, 4, size=400)  # small G_ELS keeps the MoG calibration cheap
     data = _gaussian_users(400, d, sizes, seed=5)
-    plan = plan_for_training(data, MeanModel(d), loss_fn, compute_budget=16, epsilon=2.0, steps=100,
-                             sample_users=64, seed=0, accountant="rdp")  # RDP: cheap here
+    plan = plan_for_training(data, MeanModel(d), loss_fn, PlanBudget(16, 2.0, 100, accountant="rdp"),  # RDP: cheap
+                             NormSample(64, seed=0))
     u, e = plan.uls, plan.els
     assert u["cohort_size"] * u["group_size"] == 16
     assert e["group_size"] == int(math.ceil(np.median(sizes)))
@@ -146,7 +144,7 @@ def test_l_of_g_of_a_language_model_comes_from_ghost_norms_equal_to_the_users_gr
     sizes = np.array([1, 3, 5, 2, 4, 6])
     ids = torch.randint(0, 64, (int(sizes.sum()), 12), generator=torch.Generator().manual_seed(1))
     data = TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.concatenate([[0], np.cumsum(sizes)]))
-    est = GradientNormEstimator(model, data, models.causal_lm_loss, num_users=6, rng=np.random.default_rng(0))
+    est = GradientNormEstimator(model, data, models.causal_lm_loss, NormSample(6), rng=np.random.default_rng(0))
     rng = copy.deepcopy(est.rng)  # the records the estimator is about to draw
     got = est.user_norms(3)
     assert est._per_unit.name == "ghost"

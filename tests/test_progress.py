@@ -61,9 +61,9 @@ def test_reading_tokenizing_planning_and_evaluating_each_count_their_whole_work(
     (tokenizing,) = [b for b in bars if b.desc == "tokenizing"]
     assert tokenizing.total == tokenizing.n == store.num_records
 
-    from userdp.planning import GradientNormEstimator
+    from userdp.planning import GradientNormEstimator, NormSample
 
-    est = GradientNormEstimator(Mean(3), user_data([4] * 40), sq_loss, num_users=30, chunk_size=8,
+    est = GradientNormEstimator(Mean(3), user_data([4] * 40), sq_loss, NormSample(30, chunk_size=8),
                                 rng=np.random.default_rng(0))
     est(2)
     (planning,) = [b for b in bars if b.desc.startswith("planning: L(G = 2)")]

@@ -112,11 +112,11 @@ def _plan(args: argparse.Namespace) -> int:
     delta = args.delta if args.delta is not None else cfg.privacy.delta
     log(f"planning: estimating L(G) on {min(args.sample_users, data.num_users)} sampled users, "
         "calibrating sigma(M) ...")
-    plan = planning.plan_for_training(
-        data, model, loss_fn, compute_budget=args.compute_budget, epsilon=epsilon, steps=steps,
-        delta=delta, sample_users=args.sample_users, dp_median_epsilon=args.dp_median_epsilon,
-        accountant=args.accountant or cfg.privacy.accountant, seed=args.seed,
-        chunk_size=cfg.training.chunk_size or 8, log=log)
+    budget = planning.PlanBudget(args.compute_budget, epsilon, steps, delta=delta,
+                                 accountant=args.accountant or cfg.privacy.accountant,
+                                 dp_median_epsilon=args.dp_median_epsilon)
+    sample = planning.NormSample(args.sample_users, chunk_size=cfg.training.chunk_size or 8, seed=args.seed)
+    plan = planning.plan_for_training(data, model, loss_fn, budget, sample, log=log)
 
     out = plan_record(plan, plan.recommended, "recommended", seed=args.seed, data_fingerprint=data_fp)
     out["config"] = args.config or "embedded default of `userdp train`"

@@ -84,11 +84,10 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = stderr_log,
     k = min(pl.sample_users, int(train_data.num_users))
     log(f"plan: auto — estimating L(G) on {k} sampled users and calibrating sigma(M) "
         f"(compute budget {pl.compute_budget} gradients/step) ...")
-    plan = planning.plan_for_training(
-        train_data, model, models.causal_lm_loss, compute_budget=pl.compute_budget,
-        epsilon=p.epsilon, steps=t.steps, delta=p.delta, sample_users=pl.sample_users,
-        dp_median_epsilon=pl.dp_median_epsilon, accountant=p.accountant, seed=pl.seed,
-        chunk_size=t.chunk_size or 8)
+    budget = planning.PlanBudget(pl.compute_budget, p.epsilon, t.steps, delta=p.delta, accountant=p.accountant,
+                                 dp_median_epsilon=pl.dp_median_epsilon)
+    sample = planning.NormSample(pl.sample_users, chunk_size=t.chunk_size or 8, seed=pl.seed)
+    plan = planning.plan_for_training(train_data, model, models.causal_lm_loss, budget, sample)
     algo = plan.recommended if pl.algorithm == "recommended" else pl.algorithm
     out = plan_record(plan, algo, "recommended" if pl.algorithm == "recommended" else "planning.algorithm",
                       seed=pl.seed, data_fingerprint=data_fingerprint)

@@ -26,13 +26,15 @@ Modules: :mod:`~userdp.planning.group_size` (ELS), :mod:`~userdp.planning.estima
 from userdp.planning.budget_plan import (
     DATA_TOUCH_NOTE,
     BudgetPlan,
+    PlanBudget,
+    Sigmas,
     explain,
     format_plan,
     plan_for_budget,
     plan_for_training,
 )
 from userdp.planning.estimate_and_double import Doubling, EstimateAndDoubleResult, estimate_and_double
-from userdp.planning.gradient_norms import GradientNormEstimator
+from userdp.planning.gradient_norms import GradientNormEstimator, NormSample
 from userdp.planning.group_size import GroupSizeChoice, dp_median, dp_median_probabilities, els_group_size, log_grid
 from userdp.planning.noise import (
     els_noise_multiplier,
@@ -44,7 +46,7 @@ from userdp.planning.noise import (
 )
 
 __all__ = [
-    "BudgetPlan", "DATA_TOUCH_NOTE", "Doubling", "EstimateAndDoubleResult", "GradientNormEstimator",
+    "BudgetPlan", "PlanBudget", "NormSample", "Sigmas", "DATA_TOUCH_NOTE", "Doubling", "EstimateAndDoubleResult", "GradientNormEstimator",
     "GroupSizeChoice", "dp_median", "dp_median_probabilities", "els_group_size", "els_noise_multiplier",
     "els_noise_std", "estimate_and_double", "explain", "format_plan", "log_grid", "plan_for_budget",
     "plan_for_training", "uls_noise_multiplier", "uls_noise_std", "uls_sigma_of_m", "variance_ratio",

@@ -12,7 +12,7 @@ import numpy as np
 from userdp import accounting
 from userdp.errors import UserError
 from userdp.planning.estimate_and_double import estimate_and_double
-from userdp.planning.gradient_norms import GradientNormEstimator
+from userdp.planning.gradient_norms import GradientNormEstimator, NormSample
 from userdp.planning.group_size import els_group_size, per_user_counts
 from userdp.planning.noise import (
     els_noise_multiplier,
@@ -52,36 +52,55 @@ class BudgetPlan:
                 "training.cohort_size": self.uls["cohort_size"]}
 
 
+@dataclass(frozen=True)
+class PlanBudget:
+    """What a budget plan is for: ``compute_budget`` (B) gradients a step, ``steps`` (T), the
+    target (``epsilon``, ``delta``; None: N^-1.1), the accountant, and ``dp_median_epsilon``: ELS's
+    median group size released with that epsilon (None: the median of the counts, a touch disclosed).
+
+    Raises:
+        UserError: B or T below 1, or epsilon not above 0."""
+
+    compute_budget: int
+    epsilon: float
+    steps: int
+    delta: float | None = None
+    accountant: str = "pld"
+    dp_median_epsilon: float | None = None
+
+    def __post_init__(self):
+        if self.compute_budget < 1:
+            raise UserError(f"--compute-budget must be >= 1, got {self.compute_budget}")
+        if not self.epsilon > 0:
+            raise UserError(f"--epsilon must be > 0, got {self.epsilon}")
+        if self.steps < 1:
+            raise UserError(f"--steps must be >= 1, got {self.steps}")
+
+
+@dataclass(frozen=True)
+class Sigmas:
+    """The noise multipliers a plan compares, injectable: ``of_m(M)`` for ULS with an expected
+    cohort M, ``els(p, G)`` for ELS at rate p with G records a user (None: calibrated)."""
+
+    of_m: Callable[[int], float] | None = None
+    els: Callable[[float, int], float] | None = None
+
+
 def _largest_power_of_two_at_most(x: int) -> int:
     return 1 << (int(x).bit_length() - 1)
 
 
-def plan_for_budget(
-    sizes: np.ndarray,
-    *,
-    compute_budget: int,
-    epsilon: float,
-    steps: int,
-    l_of_g: Callable[[int], float],
-    delta: float | None = None,
-    sigma_of_m: Callable[[int], float] | None = None,
-    els_sigma: Callable[[float, int], float] | None = None,
-    dp_median_epsilon: float | None = None,
-    m0: int = 1,
-    g0: int = 1,
-    accountant: str = "pld",
-    sample_users: int | None = None,
-    rng: np.random.Generator | None = None,
-) -> BudgetPlan:
-    """The plan from per-user counts and an L(G) (injectable, like sigma(M) and sigma_ELS)."""
+def plan_for_budget(sizes: np.ndarray, budget: PlanBudget, l_of_g: Callable[[int], float], *,
+                    sigmas: Sigmas | None = None, sample_users: int | None = None,
+                    rng: np.random.Generator | None = None) -> BudgetPlan:
+    """The plan from per-user counts and an L(G) (injectable, like sigma(M) and sigma_ELS: ``sigmas``).
+    ``sample_users``: how many users L(G) was estimated on (for the data-touch note)."""
+    compute_budget, epsilon, steps, delta = budget.compute_budget, budget.epsilon, budget.steps, budget.delta
+    accountant, dp_median_epsilon = budget.accountant, budget.dp_median_epsilon
+    sigmas = sigmas or Sigmas()
+    sigma_of_m, els_sigma = sigmas.of_m, sigmas.els
     counts = per_user_counts(sizes)
     n = int(counts.size)
-    if compute_budget < 1:
-        raise UserError(f"--compute-budget must be >= 1, got {compute_budget}")
-    if not epsilon > 0:
-        raise UserError(f"--epsilon must be > 0, got {epsilon}")
-    if steps < 1:
-        raise UserError(f"--steps must be >= 1, got {steps}")
     notes = []
     if delta is None:
         delta, rule = accounting.default_delta(n)
@@ -114,9 +133,7 @@ def plan_for_budget(
     if b2 != compute_budget:
         notes.append(f"Estimate-and-Double runs on powers of two: B = {b2} (largest power of two "
                      f"<= {compute_budget}); the cohort then uses the whole budget, M = B/G")
-    m0 = min(m0, _largest_power_of_two_at_most(n))
-    g0 = min(g0, max(1, b2 // m0))
-    ed = estimate_and_double(b2, n, sigma_of_m, l_of_g, m0=m0, g0=g0)
+    ed = estimate_and_double(b2, n, sigma_of_m, l_of_g, m0=1, g0=1)
     g_uls = ed.group_size
     m = float(min(n, compute_budget / g_uls))
     q = m / n
@@ -140,35 +157,20 @@ def plan_for_budget(
     return BudgetPlan(els, uls, rec, touches, inputs, tuple(notes))
 
 
-def plan_for_training(
-    data,
-    model,
-    loss_fn,
-    *,
-    compute_budget: int,
-    epsilon: float,
-    steps: int,
-    delta: float | None = None,
-    sample_users: int = 128,
-    dp_median_epsilon: float | None = None,
-    accountant: str = "pld",
-    seed: int | None = None,
-    chunk_size: int = 16,
-    log=None,
-) -> BudgetPlan:
+def plan_for_training(data, model, loss_fn, budget: PlanBudget, sample: NormSample | None = None,
+                      log=None) -> BudgetPlan:
     """What ``userdp plan`` and a config with ``plan: auto`` call.
 
     ``data`` is the resolved training :class:`userdp.engine.data.UserData` (the users that will
     train; held-out users excluded), ``model`` the pretrained model in train mode (as it will be
-    trained, e.g. with LoRA applied), ``loss_fn`` the engine's per-record loss. Returns a
-    :class:`Plan`; ``plan.training_overrides()`` gives the config keys that apply it.
+    trained, e.g. with LoRA applied), ``loss_fn`` the engine's per-record loss, ``sample`` the users
+    L(G) is estimated on (default ``NormSample()``: 128 users). Returns a :class:`BudgetPlan`;
+    ``plan.training_overrides()`` gives the config keys that apply it.
     """
-    rng = np.random.default_rng(seed)
-    est = GradientNormEstimator(model, data, loss_fn, num_users=sample_users, chunk_size=chunk_size,
-                                rng=rng, log=log)
-    return plan_for_budget(data.sizes(), compute_budget=compute_budget, epsilon=epsilon, steps=steps,
-                     l_of_g=est, delta=delta, dp_median_epsilon=dp_median_epsilon,
-                     accountant=accountant, sample_users=len(est.users), rng=rng)
+    sample = sample or NormSample()
+    rng = np.random.default_rng(sample.seed)
+    est = GradientNormEstimator(model, data, loss_fn, sample, rng=rng, log=log)
+    return plan_for_budget(data.sizes(), budget, est, sample_users=len(est.users), rng=rng)
 
 
 def format_plan(plan: BudgetPlan) -> str:

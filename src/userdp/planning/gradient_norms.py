@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,6 +25,16 @@ def _drop(j: int, x) -> None:
     model-sized buffer of sums)."""
 
 
+@dataclass(frozen=True)
+class NormSample:
+    """The users L(G) is estimated on: ``users`` of them drawn at random (``seed``; None: OS
+    entropy), run ``chunk_size`` at a time through the per-unit strategy."""
+
+    users: int = 128
+    chunk_size: int = 16
+    seed: int | None = None
+
+
 class GradientNormEstimator:
     """``L(G)`` = median over a fixed sample of users of ||mean gradient over up to G of the
     user's records|| at the model's current (pretrained) parameters.
@@ -38,12 +49,13 @@ class GradientNormEstimator:
     cached by G. This is a NON-PRIVATE touch of the data.
     """
 
-    def __init__(self, model, data, loss_fn, *, num_users: int = 128, chunk_size: int = 16,
+    def __init__(self, model, data, loss_fn, sample: NormSample | None = None, *,
                  rng: np.random.Generator | None = None, log=None):
-
+        sample = sample or NormSample()
+        num_users, chunk_size = sample.users, sample.chunk_size
         if num_users < 1:
             raise UserError(f"the number of users sampled for L(G) must be >= 1, got {num_users}")
-        self.rng = rng if rng is not None else np.random.default_rng()
+        self.rng = rng if rng is not None else np.random.default_rng(sample.seed)
         n = int(data.num_users)
         self.users = np.sort(self.rng.choice(n, size=min(num_users, n), replace=False))
         self.model, self.data, self.loss_fn = model, data, loss_fn
