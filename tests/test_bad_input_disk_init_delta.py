@@ -33,7 +33,7 @@ _FULL_DISK = textwrap.dedent('''
     import json, resource, signal, sys
     import numpy as np, torch
     from torch import nn
-    from userdp.engine import ULS, TrainConfig, TensorUserData, train
+    from userdp.engine import ULS, RunOptions, TrainConfig, TensorUserData, train
     from userdp.errors import UserError
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
@@ -45,13 +45,13 @@ _FULL_DISK = textwrap.dedent('''
     resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))  # the journal fits; a 16 KB checkpoint does not
     torch.manual_seed(0)
     try:
-        train(nn.Linear(64, 64), data, loss, cfg, checkpoint_dir=sys.argv[1])
+        train(nn.Linear(64, 64), data, loss, cfg, RunOptions(checkpoint_dir=sys.argv[1]))
         first = "finished"
     except UserError as exc:
         first = str(exc)
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space freed
     torch.manual_seed(0)
-    res = train(nn.Linear(64, 64), data, loss, cfg, checkpoint_dir=sys.argv[1], resume=True)
+    res = train(nn.Linear(64, 64), data, loss, cfg, RunOptions(checkpoint_dir=sys.argv[1], resume=True))
     print(json.dumps({"first": first, "steps": res.steps_accounted if hasattr(res, "steps_accounted") else None,
                       "epsilon": res.epsilon}))
 ''')
