@@ -267,6 +267,7 @@ def clear_caches() -> None:
     _pld_mod.PLD_CACHE.clear()
     _pld_mod._STEP_PLD_CACHE.clear()
     _rdp_mod._MOG_RDP_CACHE.clear()
+    _rdp_mod._LIBRARY_RDP_CACHE.clear()
     _RDP._step_rdp.clear()
 
 

@@ -129,13 +129,28 @@ def _rdp_vector(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -
     eps = pure_dp_epsilon(event, relation)
     if eps is not None:
         return pure_dp_rdp(eps, orders)
-    acc = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
-    try:
-        with _quiet_rdp_convergence():
-            acc.compose(event)
-    except dp_accounting.UnsupportedEventError as exc:
-        raise UserError(f"the RDP accountant cannot account this event: {exc}") from None
-    return np.asarray(acc.rdp, dtype=float)
+    return _library_rdp_cached(event, tuple(orders), relation)
+
+
+_LIBRARY_RDP_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
+
+
+def _library_rdp_cached(event: dpe.DpEvent, orders: tuple, relation: NeighborRel) -> np.ndarray:
+    """dp_accounting's RDP of one event (Poisson-sampled or plain Gaussian, a fixed cohort), kept
+    for the last 1024 events: a calibration's secant search, and the planner's σ(M) beside it,
+    evaluate the same σ again and again (each evaluation is ~60 ms of dp_accounting's series)."""
+    key = (repr(event), orders, relation)
+    if key not in _LIBRARY_RDP_CACHE:
+        acc = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
+        try:
+            with _quiet_rdp_convergence():
+                acc.compose(event)
+        except dp_accounting.UnsupportedEventError as exc:
+            raise UserError(f"the RDP accountant cannot account this event: {exc}") from None
+        _LIBRARY_RDP_CACHE[key] = np.asarray(acc.rdp, dtype=float)
+        while len(_LIBRARY_RDP_CACHE) > 1024:
+            _LIBRARY_RDP_CACHE.popitem(last=False)
+    return _LIBRARY_RDP_CACHE[key].copy()
 
 
 class _DropRdpConvergence(logging.Filter):
