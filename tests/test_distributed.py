@@ -41,6 +41,20 @@ def _env(tmp_path):
     return env
 
 
+def _in_process(args, tmp_path, monkeypatch, capsys):
+    """``userdp <args>`` in this process, as the subprocesses see it (cwd ``tmp_path``, their
+    USERDP_CACHE): the one-process reference, without an interpreter and its imports to start.
+    Returns (exit code, stdout, stderr)."""
+    from userdp.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
+    capsys.readouterr()
+    rc = main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
 def _torchrun(n, args, tmp_path, **kw):
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={n}", *args]
     return subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300, **kw)
@@ -89,21 +103,20 @@ def _weights(run_dir):
 
 @pytest.mark.slow
 @needs_torchrun
-def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path):
+def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path, monkeypatch, capsys):
     """`userdp train --nproc 2 --set training.sharding=fsdp` with LoRA: the base sharded by FSDP2, the
     adapters trained as one process trains them (same epsilon, the released merged weights within
     float32 rounding; the adapters start alike in every process and run: models.LORA_INIT_SEED)."""
     cfg = _tiny(tmp_path, "  seed: 5\n")
     lora = ["--set", "model.lora.enabled=true", "--set", "model.lora.rank=4"]
-    one = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--output", "one", "--no-progress",
-                          "--json", *lora], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
-                         timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+    rc, one, err = _in_process(["train", str(cfg), "--output", "one", "--no-progress", "--json", *lora], tmp_path,
+                               monkeypatch, capsys)
+    assert rc == 0, err[-3000:]
     shard = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "shard",
                             "--no-progress", "--json", "--set", "training.sharding=fsdp", *lora], cwd=tmp_path,
                            env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert shard.returncode == 0, shard.stderr[-3000:]
-    s1, s2 = json.loads(one.stdout.splitlines()[-1]), json.loads(shard.stdout.splitlines()[-1])
+    s1, s2 = json.loads(one.splitlines()[-1]), json.loads(shard.stdout.splitlines()[-1])
     assert s2["steps"] == s1["steps"] == 4 and s2["epsilon"] == s1["epsilon"]
     assert s2["loss_after"] == pytest.approx(s1["loss_after"], abs=1e-5)
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "shard")
@@ -115,11 +128,11 @@ def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path):
 
 @pytest.mark.slow
 @needs_torchrun
-def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
+def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path, monkeypatch, capsys):
     cfg = _tiny(tmp_path, "  seed: 5\n  checkpoint_every: 1\n")
-    one = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--output", "one", "--no-progress",
-                          "--json"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
+    rc, one, err = _in_process(["train", str(cfg), "--output", "one", "--no-progress", "--json"], tmp_path,
+                               monkeypatch, capsys)
+    assert rc == 0, err[-3000:]
     # userdp's own launcher (issue 41): the same job as `torchrun --nproc_per_node=2 -m userdp train`
     two = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "two",
                           "--no-progress", "--json"], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
@@ -131,12 +144,12 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path):
                            env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert shard.returncode == 0, shard.stderr[-3000:]
     s3 = json.loads(shard.stdout.splitlines()[-1])
-    assert s3["steps"] == 4 and s3["epsilon"] == json.loads(one.stdout.splitlines()[-1])["epsilon"]
+    assert s3["steps"] == 4 and s3["epsilon"] == json.loads(one.splitlines()[-1])["epsilon"]
     w3 = _weights(tmp_path / "shard")
     assert max(float((_weights(tmp_path / "one")[k].float() - w3[k].float()).abs().max()) for k in w3) < 1e-4
     assert json.loads((tmp_path / "shard" / "privacy.json").read_text())["compute"]["sharding"] == "fsdp"
     assert two.stdout.count("run directory:") == 1  # one summary, from rank 0
-    s1, s2 = json.loads(one.stdout.splitlines()[-1]), json.loads(two.stdout.splitlines()[-1])
+    s1, s2 = json.loads(one.splitlines()[-1]), json.loads(two.stdout.splitlines()[-1])
     assert s2["steps"] == s1["steps"] == 4 and s2["epsilon"] == s1["epsilon"]
     assert s2["loss_after"] == pytest.approx(s1["loss_after"], abs=1e-5)
     w1, w2 = _weights(tmp_path / "one"), _weights(tmp_path / "two")
@@ -245,7 +258,7 @@ def _begun_and_committed(run):
 
 @pytest.mark.slow
 @needs_torchrun
-def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path):
+def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path, monkeypatch, capsys):
     """Rank 1 killed, resumed on 2 processes with the model sharded (FSDP2); rank 0 killed, resumed on
     ONE process, unsharded (the checkpoint holds whole tensors, no per-rank state): every step begun
     is counted once, the model goes on from the commit."""
@@ -265,12 +278,11 @@ def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path
                    0, begun1 + 2)
     begun2, ckpt2 = _begun_and_committed(run)
     assert begun2 - begun1 >= ckpt2 - ckpt1 >= 1
-    one = [sys.executable, "-m", "userdp", "train", "--resume", str(run), "--no-progress", "--json"]
-    res = subprocess.run(one, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "training.sharding: fsdp" in res.stderr  # one process cannot shard: said
-    res = subprocess.run(one + ["--set", "training.sharding=none"], cwd=tmp_path, env=_env(tmp_path),
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    one = ["train", "--resume", str(run), "--no-progress", "--json"]
+    rc, _, err = _in_process(one, tmp_path, monkeypatch, capsys)
+    assert rc == 2 and "training.sharding: fsdp" in err  # one process cannot shard: said
+    rc, _, err = _in_process(one + ["--set", "training.sharding=none"], tmp_path, monkeypatch, capsys)
+    assert rc == 0, err[-3000:]
     priv = json.loads((run / "privacy.json").read_text())
     accounted, _ = _begun_and_committed(run)
     applied = len((run / "metrics.jsonl").read_text().splitlines())
