@@ -149,3 +149,45 @@ def test_gradient_canaries_go_through_clipping_like_any_unit():
     loose = step("clipping_off") - step(None)  # same seeded noise: the unclipped minus the clipped
     want[c.coords[inc]] = (100.0 - 1.0) / den
     assert np.allclose(loose, want, atol=1e-4)
+
+
+def test_the_gradient_alignment_score_is_each_canarys_own_gradient_against_the_move(monkeypatch):
+    """score_k = <g_k, theta_0 - theta_T> / ||g_k|| with g_k canary k's own gradient at theta_0: the
+    vmapped chunks (several canaries a backward, a chunk smaller than the count) give what one
+    autograd call per canary gives, and the model's weights are left as they were."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from userdp.audit import scores as S
+    from userdp.lm import models
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=16,
+                                       attn_implementation="eager"))
+    secrets = np.random.default_rng(0).integers(0, 97, (23, 10))
+
+    class Secrets:
+        count = len(secrets)
+
+        def batch(self, which):
+            x = torch.from_numpy(secrets[np.asarray(which)])
+            return {"input_ids": x, "labels": x.clone()}
+
+    start = S.trainable_snapshot(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    final = [p.detach().clone() for p in model.parameters()]
+    n_params = sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr(S, "GRADIENT_CHUNK_BYTES", 4 * n_params * 5)  # chunks of 5: 23 = 4 x 5 + 3
+    got = S.gradient_alignment(model, Secrets(), start)
+    assert all(torch.equal(p, f) for p, f in zip(model.parameters(), final))
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), start):
+            p.copy_(s)
+    model.eval()
+    want = []
+    for k in range(len(secrets)):
+        g = torch.autograd.grad(models.causal_lm_loss(model, Secrets().batch([k])).sum(), list(model.parameters()))
+        dot = sum(float((gi.double() * (s - f).double()).sum()) for gi, s, f in zip(g, start, final))
+        want.append(dot / sum(float(gi.double().pow(2).sum()) for gi in g) ** 0.5)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-9), np.max(np.abs(got - np.array(want)))

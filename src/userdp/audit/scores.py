@@ -15,11 +15,15 @@ import itertools
 import numpy as np
 import torch
 
+from userdp.engine.algorithms import ULS
+from userdp.engine.per_unit import VmapPerUnit
 from userdp.lm import models
 from userdp.lm.evaluate import record_nll
 
 #: records scored in one forward (:func:`user_losses`, :func:`canary_losses`)
 SCORE_BATCH = 64
+#: bytes of per-canary gradients held at once (:func:`gradient_alignment`)
+GRADIENT_CHUNK_BYTES = 256 << 20
 
 
 @torch.no_grad()
@@ -84,20 +88,25 @@ def gradient_alignment(model, canaries, start: list[torch.Tensor]) -> np.ndarray
     """
     params = [p for p in model.parameters() if p.requires_grad]
     final = [p.detach().clone() for p in params]
-    delta = [(s.to(f.device, f.dtype) - f) for s, f in zip(start, final)]  # theta_0 - theta_T
+    delta = [(s.to(f.device, f.dtype) - f).double() for s, f in zip(start, final)]  # theta_0 - theta_T
     was_training = model.training
     model.eval()
     out = np.zeros(canaries.count)
+    # each canary's gradient from one vmapped backward over a chunk of canaries (the engine's vmap
+    # per-unit strategy: a unit of one record), as many at a time as fit in GRADIENT_CHUNK_BYTES
+    per_record = VmapPerUnit(model, models.causal_lm_loss, ULS(group_size=1, sampling_rate=1.0))
+    chunk = max(1, GRADIENT_CHUNK_BYTES // (4 * sum(p.numel() for p in params)))
     try:
         with torch.no_grad():
             for p, s in zip(params, start):
                 p.copy_(s.to(p.device, p.dtype))
-        for k in range(canaries.count):
-            loss = models.causal_lm_loss(model, canaries.batch([k])).sum()
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            dot = sum(float((g.double() * d.double()).sum()) for g, d in zip(grads, delta) if g is not None)
-            norm = sum(float(g.double().pow(2).sum()) for g in grads if g is not None) ** 0.5
-            out[k] = dot / max(norm, 1e-30)
+        for lo in range(0, canaries.count, chunk):
+            idx = np.arange(lo, min(canaries.count, lo + chunk))
+            batch = {k: v.unsqueeze(1).to(params[0].device) for k, v in canaries.batch(idx).items()}
+            grads, _ = per_record(batch, torch.ones(len(idx), 1, device=params[0].device))
+            dot = sum((g.double() * d).flatten(1).sum(1) for g, d in zip(grads, delta))
+            norm = sum(g.double().pow(2).flatten(1).sum(1) for g in grads).sqrt()
+            out[idx] = (dot / norm.clamp(min=1e-30)).cpu().numpy()
     finally:
         with torch.no_grad():
             for p, f in zip(params, final):
