@@ -264,10 +264,8 @@ register_accountant(PLDAccountant())
 
 def clear_caches() -> None:
     """Forget every cached PLD and RDP (for cold-cache timing, or to free memory)."""
-    _pld_mod.PLD_CACHE.clear()
-    _pld_mod._STEP_PLD_CACHE.clear()
-    _rdp_mod._MOG_RDP_CACHE.clear()
-    _rdp_mod._LIBRARY_RDP_CACHE.clear()
+    _pld_mod.clear_caches()
+    _rdp_mod.clear_caches()
     _RDP._step_rdp.clear()
 
 

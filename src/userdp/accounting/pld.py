@@ -133,6 +133,12 @@ _PLD_CACHE_SIZE = 64
 _STEP_PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
 
 
+def clear_caches() -> None:
+    """Forget every cached PLD (composed, and of one step)."""
+    PLD_CACHE.clear()
+    _STEP_PLD_CACHE.clear()
+
+
 class _VectorizedMixtureGaussianPrivacyLoss(PLM.MixtureGaussianPrivacyLoss):
     """dp_accounting's ``MixtureGaussianPrivacyLoss`` with its inverse privacy loss vectorized.
 

@@ -191,6 +191,12 @@ def _mog_rdp_cached(sigma, sens, probs, orders) -> np.ndarray:
     return _MOG_RDP_CACHE[key]
 
 
+def clear_caches() -> None:
+    """Forget every cached RDP vector (the mixtures' and dp_accounting's)."""
+    _MOG_RDP_CACHE.clear()
+    _LIBRARY_RDP_CACHE.clear()
+
+
 def step_rdp(step_event: dpe.DpEvent, orders: Sequence[float] | None = None) -> np.ndarray:
     """Rényi DP of one event at each order: ``rdp[i]`` is ε_RDP at ``orders[i]``.
 
