@@ -56,6 +56,10 @@ def test_audit_json_secrets_and_report(tiny, capsys):
     a = priv["audit"]
     assert a["canaries"] == 12 and a["canaries_included"] == sum(sec["included"])
     assert a["score"].startswith("gradient:") and a["steps_observed"] == 4  # every step was read
+    # the gradient canaries need vmap's per-unit gradients: settled before the data, so config.yaml,
+    # written once, says what ran
+    assert priv["compute"]["per_unit"]["strategy"] == "vmap"
+    assert "per_unit: vmap" in (out / "config.yaml").read_text()
     assert "included" not in a and "scores" not in a and isinstance(a["score"], str)  # no per-canary data
     # N counts the included canaries; the disclosures say so and name the user-inference touch
     train_users = int(json.loads((out / "state.json").read_text()).get("summary", {}).get("train_users", 0)) or None

@@ -194,6 +194,11 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     rd, world, log = ctx.rd, ctx.world, ctx.log
     ctx.t_start = time.time()
     ctx.device = resolve_device(cfg.model.device)  # once, before any data is read
+    if ctx.audit is not None and ctx.audit.gradient and cfg.training.per_unit != "vmap":
+        # the gradient canaries' loss term uses a weight directly: only vmap's per-unit gradients
+        # see it. Settled from the config alone, before the data, so config.yaml says what runs
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, per_unit="vmap"))
+        log("audit: gradient canaries: per-unit gradients by vmap")
     world.run_dir = str(rd.root)
     log(f"run directory: {rd.root}")
     if world.distributed:
@@ -221,10 +226,6 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     audit = ctx.audit
     if audit is not None:  # canary users join the training data (docs/audit.md)
         train_data = audit.attach(train_data, eval_data, tok, model, cfg)
-        if audit.gradient and cfg.training.per_unit != "vmap":
-            # the canaries' loss term uses a weight directly: only vmap's per-unit gradients see it
-            cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, per_unit="vmap"))
-            log("audit: gradient canaries: per-unit gradients by vmap")
     with world.main_first("choosing the chunk size"):  # rank 0's choice, saved, is every rank's
         cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log, world.world_size)
     if chunk_info:
