@@ -1,18 +1,14 @@
 """End to end: `userdp train` on tiny data, the run directory, resume, evaluate, report, refusals."""
 
-import inspect
 import json
-import os
-import sys
-import threading
 
 import pytest
 import torch
 
-import userdp
 from userdp.cli import main as cli
 
 from _lm_corpus import interrupt_after_checkpoint, write_tiny_run
+from _signatures import functions_called, wide
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +165,7 @@ def test_a_fixed_sigma_run_makes_one_run_plan_and_resolves_its_device_once(tiny,
     tmp, cfg = tiny
     # chunk_size auto with a fixed sigma was a traceback: the early budget check built a TrainConfig
     # with chunk_size None; performance settings no longer reach the plan's mechanism
-    with _functions_called() as called:
+    with functions_called() as called:
         assert cli(["train", str(cfg), "--output", str(tmp / "run"), "--no-progress", "--set",
                     "training.chunk_size=auto", "--set", "privacy.noise_multiplier=1.5", "--set", "privacy.epsilon=50"]) == 0
     assert len(calls) == 1
@@ -177,39 +173,8 @@ def test_a_fixed_sigma_run_makes_one_run_plan_and_resolves_its_device_once(tiny,
     # and no function of userdp's that the run called takes more than 6 parameters (issue 36): what
     # travels together is one value (RunOptions, StepClipping, TokenLayout, Calibration, RunShape, ...)
     assert len(called) > 300  # the whole run was seen: CLI, phases, engine, accounting
-    wide = sorted(f"{os.path.relpath(c.co_filename, SRC)}:{c.co_qualname} ({n})" for c in called
-                  if (n := _parameters(c)) > 6)
-    assert not wide, wide
+    assert not wide(called), wide(called)
 
-
-SRC = os.path.dirname(userdp.__file__)
-
-
-def _parameters(code) -> int:
-    """A function's parameters, as a caller sees them (self and cls not counted)."""
-    n = code.co_argcount + code.co_kwonlyargcount
-    n += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-    return n - (n > 0 and code.co_varnames[0] in ("self", "cls"))
-
-
-class _functions_called:
-    """The code objects of userdp's functions called inside the block, in every thread."""
-
-    def __enter__(self) -> set:
-        self.seen: set = set()
-
-        def profile(frame, event, arg):
-            if event == "call" and frame.f_code.co_filename.startswith(SRC):
-                self.seen.add(frame.f_code)
-
-        sys.setprofile(profile)
-        threading.setprofile(profile)
-        return self.seen
-
-    def __exit__(self, *exc):
-        sys.setprofile(None)
-        threading.setprofile(None)
-        return False
 
 
 def test_unknown_key_and_bad_type_are_one_line_errors(tiny, capsys):

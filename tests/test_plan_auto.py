@@ -12,6 +12,7 @@ from userdp.errors import UserError
 from userdp.lm import config as C
 
 from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpus
+from _signatures import functions_called, wide
 
 BUDGET = 16
 
@@ -104,7 +105,9 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
     for mod in (userdp.lm.finetune, userdp.lm.plan_auto):
         monkeypatch.setattr(mod, "write_atomic",
                             lambda path, *a, **k: written.append(Path(path).name) or userdp.fileio.write_atomic(path, *a, **k))
-    assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
+    with functions_called() as called:  # the plan: auto path takes at most 6 parameters a function too
+        assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
+    assert any(c.co_name == "plan_for_training" for c in called) and not wide(called), wide(called)
     err = capsys.readouterr().err
     chose = [ln for ln in err.splitlines() if ln.startswith("plan: auto chose")]
     assert len(chose) == 1, err
