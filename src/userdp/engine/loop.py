@@ -17,29 +17,27 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from userdp import accounting
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
-from userdp.engine.chacha import tail_delta
 from userdp.engine.clipping import StepClipping
 from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.flat import DrawCursor
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
-from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, os_entropy, source_class, source_for
+from userdp.engine.noise import ENTROPY_BITS, os_entropy, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
+from userdp.engine.run_record import run_record
 from userdp.engine.sampling import bucket_size
 from userdp.engine.sharding import (
     check_shardable,
@@ -68,16 +66,6 @@ class TrainResult:
     stopped: str  # "completed" | "budget"
     record: PrivacyRecord
     history: list = field(default_factory=list)
-
-
-def _cfg_dict(obj) -> Any:
-    if is_dataclass(obj):
-        d = {"type": type(obj).__name__}
-        d.update({k: _cfg_dict(v) for k, v in asdict(obj).items()})
-        return d
-    if isinstance(obj, (list, tuple)):
-        return [_cfg_dict(v) for v in obj]
-    return obj
 
 
 _POOL = ENTROPY_BITS // 32
@@ -150,15 +138,6 @@ def _own_optimizer(optimizer: torch.optim.Optimizer, run: "EngineRun") -> torch.
                         f"parameters (it holds {len(held)} tensors, {len({id(p) for p in held} & mine)} of them "
                         "trainable parameters of the model)")
     return optimizer
-
-
-def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
-    """The privacy record's description of a caller's optimizer: its class and hyperparameters
-    (post-processing of the released gradient; listed so that the record says what stepped)."""
-    groups = [{k: v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)
-               for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
-            "source": "the caller's own (make_private)"}
 
 
 class EngineRun:
@@ -648,81 +627,7 @@ class EngineRun:
     # ------------------------------------------------------------------ the record
     def record(self) -> PrivacyRecord:
         """The run's privacy record as of now (:class:`~userdp.engine.record.PrivacyRecord`)."""
-        cfg, plan = self.cfg, self.plan
-        eps = self.ledger.epsilon()
-        total = self.ledger.total_event()
-        when = {}  # the fields that apply to some runs only
-        tail_pair = getattr(source_class(self.device), "tail_mass_per_pair", None)
-        if plan.private and tail_pair:  # a sampler with a bounded tail: its dropped mass goes into delta
-            d = int(sum(p.numel() for p in self.master))
-            when["noise_tail"] = {"coordinates": d, "mass_per_pair": tail_pair, "steps": int(self.ledger.spent),
-                                  "delta": tail_delta(d, self.ledger.spent, eps, tail_pair),
-                                  "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta"}
-        if not plan.private:
-            when["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
-        elif plan.accounted_sampling == "shuffle":
-            when["epsilon_no_amplification"] = eps
-            when["epsilon_assuming_poisson"] = self._epsilon_under("poisson", cfg.accountant)
-            when["sampling_warning"] = ("training used shuffled fixed batches, which have no proven amplification: "
-                                        "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
-                                        "Gaussian mechanism with the user's whole sensitivity); "
-                                        "epsilon_assuming_poisson is a comparison only, not a guarantee")
-        elif plan.accounted_sampling != "poisson":
-            when["epsilon_no_amplification"] = self._epsilon_under("shuffle", "pld")
-            when["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
-                                        "adjacency (RDP); epsilon_no_amplification holds without amplification")
-        return PrivacyRecord(
-            algorithm=_cfg_dict(self.algo), unit=plan.unit,
-            num_users=int(self.data.num_users), num_units=int(self.n_units),
-            expected_units_per_step=self.expected_units, denominator=self.expected_weight,
-            denominator_kind=cfg.denominator.name, sampler_mode=plan.sampler_mode,
-            sampler={"name": cfg.sampling, "mode": getattr(self.sampler, "mode", cfg.sampling),
-                     "accounted_as": plan.accounted_sampling},
-            noise_mechanism=cfg.noise,
-            noise_multiplier=self.noise_multiplier, update_noise_multiplier=self.update_z,
-            count_noise_stddev=plan.count_stddev, clipping=_cfg_dict(cfg.clipping),
-            final_clip_norm=float(self.clip_state["clip_norm"]),
-            optimizer=_optimizer_record(self.optimizer) if self.external_optimizer else _cfg_dict(cfg.optimizer),
-            accountant=cfg.accountant, steps_applied=self.step, steps_accounted=self.ledger.spent,
-            steps_lost_to_crashes=self.ledger.lost_steps, epsilon=eps, delta=self.delta,
-            delta_rule=plan.delta_rule, target_epsilon=cfg.target_epsilon,
-            calibrated=cfg.noise_multiplier is None,
-            step_event=accounting.event_to_dict(plan.step_event) if plan.private else None,
-            adjacency=plan.mechanism.adjacency if plan.private else None,
-            dp_event_total=accounting.event_to_dict(total) if total is not None else None,
-            journal=self.ledger.journal.cite() if self.ledger.journal is not None else None,
-            seeded=self.seeded,
-            randomness=("seeded by the user (seed given): sampling and noise are reproducible by whoever "
-                        "holds the seed; the guarantee holds only against parties who do not know it")
-            if self.seeded else
-            f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored",
-            noise_generator=source_class(self.device).algorithm + "; " + GaussianNoise.keying_text(self.seeded),
-            noise_kernel=self.noise_kernel,
-            precision=self.precision,
-            per_unit={"strategy": self.per_unit.name, "requested": cfg.per_unit,
-                      "fallback_reason": getattr(self.per_unit, "fallback_reason", None),
-                      "device": str(self.device)},
-            nonfinite_units=self.nonfinite_units,
-            nonfinite_units_note=("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
-                                  "this count is computed on the private data and is NOT privatized"),
-            counts_treated_as_public=self._public_counts(),
-            **when)
-
-    def _epsilon_under(self, sampling: str, accountant: str) -> float:
-        """epsilon of the steps spent had they been sampled by ``sampling`` (a labelled comparison)."""
-        if not self.ledger.spent:
-            return 0.0
-        return self.plan.mechanism_for(sampling).replace(steps=self.ledger.spent).epsilon(self.delta, accountant)
-
-    def _public_counts(self) -> list[str]:
-        """Counts computed from the private data and used without noise (listed in the report)."""
-        out = [f"the number of users N = {int(self.data.num_users)} (in delta's default rule and the sampling rate)"]
-        if self.plan.unit == "record":
-            out.append(f"the number of records after capping at G, |D'| = {self.n_units} (fixes the record "
-                       "sampling rate p = cohort/|D'| and the denominator p*|D'|)")
-        elif self.table.weights is not None:
-            out.append("the total user weight W (FedAvg's fixed denominator q*W)")
-        return out
+        return run_record(self)
 
 
 class TrainingInterrupted(KeyboardInterrupt):
