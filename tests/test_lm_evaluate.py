@@ -49,7 +49,7 @@ def test_personalization_improves_on_repetitive_users():
         rows += [seq] * 4
     ids = torch.stack(rows)
     d = TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.array([0, 4, 8, 12]))
-    res = E.personalize(m, d, lr=0.1, epochs=4, batch_size=2)
+    res = E.personalize(m, d, how=E.Personalization(lr=0.1, epochs=4, batch_size=2))
     assert res["users"] == 3
     assert res["personalized"]["loss"] < res["base"]["loss"]
     assert res["users_improved"] == 3

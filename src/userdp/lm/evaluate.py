@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -93,8 +94,23 @@ def evaluate_lm(model, data, users: Sequence[int] | None = None, batch_size: int
     return summarize(u, both[0].numpy(), both[1].numpy())
 
 
-def personalize(model, data, users: Sequence[int] | None = None, *, lr: float = 0.05,
-                epochs: int = 4, batch_size: int = 8, seed: int = 0, eval_batch: int = 64) -> dict:
+@dataclass(frozen=True)
+class Personalization:
+    """How :func:`personalize` fine-tunes a copy of the model per user: SGD at ``lr`` for ``epochs``
+    over the user's training half in batches of ``batch_size`` records, the halves drawn by
+    ``seed``."""
+
+    lr: float = 0.05
+    epochs: int = 4
+    batch_size: int = 8
+    seed: int = 0
+
+
+#: records scored in one forward by :func:`personalize`
+PERSONALIZE_EVAL_BATCH = 64
+
+
+def personalize(model, data, users: Sequence[int] | None = None, how: Personalization | None = None) -> dict:
     """docs/data.md personalization: per user, SGD on half the records, evaluate on the other half.
 
     The records of each user are split by a seeded permutation: the first ``floor(n/2)`` train,
@@ -102,7 +118,9 @@ def personalize(model, data, users: Sequence[int] | None = None, *, lr: float = 
     token- and user-averaged loss/perplexity of the base and personalized models on the
     evaluation halves, and how many users improved.
     """
-    rng = np.random.default_rng(seed)
+    how = how or Personalization()
+    lr, epochs, batch_size, eval_batch = how.lr, how.epochs, how.batch_size, PERSONALIZE_EVAL_BATCH
+    rng = np.random.default_rng(how.seed)
     sizes = data.sizes()
     users = np.arange(data.num_users) if users is None else np.asarray(users, dtype=np.int64)
     base_state = {k: v.detach().clone() for k, v in model.state_dict().items()}

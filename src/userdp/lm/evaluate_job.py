@@ -14,7 +14,7 @@ from userdp.errors import UserError
 from userdp.fileio import MANIFEST, is_owned, verify_manifest, write_json
 from userdp.lm import config as C
 from userdp.lm import models
-from userdp.lm.evaluate import evaluate_lm
+from userdp.lm.evaluate import Personalization, evaluate_lm
 from userdp.lm.evaluate import personalize as run_personalize
 from userdp.lm.prepare import build_datasets, prepare_data
 from userdp.lm.run_dir import RunDir, verify_files
@@ -107,8 +107,8 @@ def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personaliz
     res = {"model": str(model_dir), "split": prep.split_rule,
            "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)}
     if personalize:
-        res["personalization"] = run_personalize(model, eval_data, lr=cfg.eval.personalize_lr,
-                                                 epochs=cfg.eval.personalize_epochs)
+        res["personalization"] = run_personalize(model, eval_data,
+                                                 how=Personalization(cfg.eval.personalize_lr, cfg.eval.personalize_epochs))
     if (t / "config.yaml").is_file():
         write_json(t / "evaluate.json", res)
     return res

@@ -12,7 +12,7 @@ from userdp.engine.record import PrivacyRecord
 from userdp.fileio import atomic_dir, write_json, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models
-from userdp.lm.evaluate import evaluate_lm, personalize
+from userdp.lm.evaluate import Personalization, evaluate_lm, personalize
 from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import JobPlan
 from userdp.lm.plan_auto import plan_touches
@@ -100,8 +100,8 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         return None
     if ev.personalize:
         log("personalization evaluation (docs/lm.md) ...")
-        ev_state["personalization"] = personalize(models.merged(model), eval_data, lr=ev.personalize_lr,
-                                                  epochs=ev.personalize_epochs)
+        ev_state["personalization"] = personalize(models.merged(model), eval_data,
+                                                  how=Personalization(ev.personalize_lr, ev.personalize_epochs))
     write_json(rd.eval, ev_state)
     priv = privacy_json(job, res.record, prep.train_subset.num_records, notes)
     priv["split"] = prep.split_rule
