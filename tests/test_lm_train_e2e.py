@@ -72,6 +72,8 @@ def test_train_run_directory_reload_report_evaluate(tiny, capsys):
     ev = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(ev["heldout"]["perplexity"] - summary["perplexity_after"]) < 1e-3 * summary["perplexity_after"]
     assert ev["personalization"]["users"] >= 1
+    assert cli(["evaluate", str(out), "--json"]) == 0  # without the flag, none (whatever the run's config says)
+    assert "personalization" not in json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
 @pytest.mark.slow

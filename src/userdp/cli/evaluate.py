@@ -7,7 +7,7 @@ import math
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.devices import resolve_device
-from userdp.lm.evaluate_job import evaluate_target
+from userdp.lm.evaluate_job import EvalSource, evaluate_target
 
 
 def register(p) -> None:
@@ -36,9 +36,9 @@ def _fmt(x):
 def main(args) -> int:
     if args.device is not None:
         resolve_device(args.device, name="--device")  # refused here, naming the flag
-    res = evaluate_target(args.target, data=args.data, fmt=args.format, config=args.config,
-                          overrides=args.overrides, personalize=args.personalize,
-                          max_users=args.max_users, device=args.device)
+    source = EvalSource(data=args.data, fmt=args.format, config=args.config, overrides=tuple(args.overrides or ()))
+    res = evaluate_target(args.target, source, personalize=args.personalize, max_users=args.max_users,
+                          device=args.device)
     if args.json:
         print(jsonout.dumps(res))
         return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from userdp.caches import cache_in, private_cache_for
@@ -38,9 +39,25 @@ def _run_context(run: Path) -> dict:
     return context
 
 
-def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = None,
-                    config: str | None = None, overrides: list[str] | None = None,
-                    personalize: bool = False, max_users: int | None = None, device: str | None = None) -> dict:
+@dataclass(frozen=True)
+class EvalSource:
+    """Which users a model folder is evaluated on: those a config names (``config``), or a data
+    source (``data``, in format ``fmt``; None: detected); ``overrides``: ``--set`` keys, applied to
+    that config (or to a run directory's own)."""
+
+    data: str | None = None
+    fmt: str | None = None
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+
+
+def evaluate_target(target: str, source: EvalSource | None = None, *, personalize: bool = False,
+                    max_users: int | None = None, device: str | None = None) -> dict:
+    """Evaluate a run directory's released model, or a model folder, on held-out users (``userdp
+    evaluate``); ``personalize``, ``max_users`` and ``device`` set ``eval.personalize``,
+    ``data.max_eval_users`` and ``model.device``."""
+    source = source or EvalSource()
+    data, fmt, config, overrides = source.data, source.fmt, source.config, list(source.overrides)
 
     t = Path(target)
     def holds_model(d: Path) -> bool:  # a saved model, or a LoRA adapter (a quantized base's is always one)
@@ -67,6 +84,7 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
         raise UserError(f"{target}: neither a finished userdp run directory (config.yaml + model/) "
                         "nor a model folder (config.json)")
     extra = ["training.selection=random"]  # evaluation reads held-out users only
+    extra.append(f"eval.personalize={'true' if personalize else 'false'}")  # the flag's, not the run's
     if max_users is not None:
         extra.append(f"data.max_eval_users={max_users}")
     if device is not None:
@@ -86,17 +104,17 @@ def evaluate_target(target: str, *, data: str | None = None, fmt: str | None = N
     if cfg.output.cache == "run":  # the run keeps the private caches of its data in <run>/cache
         if run_context is not None or is_owned(t / "cache"):  # a later `userdp evaluate` reuses the run's
             with cache_in(t / "cache"):
-                return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
+                return _evaluate(t, cfg, model, tok, model_dir, run_context)
         with tempfile.TemporaryDirectory(prefix="userdp-eval-cache-") as tmp, cache_in(Path(tmp)):
-            return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
+            return _evaluate(t, cfg, model, tok, model_dir, run_context)
     where = private_cache_for(cfg.output.cache, t)  # a project's folder (shared: None)
     if where is not None:
         with cache_in(where):
-            return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
-    return _evaluate(t, cfg, model, tok, model_dir, run_context, personalize)
+            return _evaluate(t, cfg, model, tok, model_dir, run_context)
+    return _evaluate(t, cfg, model, tok, model_dir, run_context)
 
 
-def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personalize: bool) -> dict:
+def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context) -> dict:
     prep = prepare_data(cfg.data, log=lambda m: None)
     if run_context is not None and run_context.get("data_fingerprint") != prep.data_fingerprint:
         raise UserError(f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "
@@ -106,7 +124,7 @@ def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context, personaliz
                                   log=lambda m: None)
     res = {"model": str(model_dir), "split": prep.split_rule,
            "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)}
-    if personalize:
+    if cfg.eval.personalize:
         res["personalization"] = run_personalize(model, eval_data,
                                                  how=Personalization(cfg.eval.personalize_lr, cfg.eval.personalize_epochs))
     if (t / "config.yaml").is_file():
