@@ -262,3 +262,17 @@ def test_step_rdp_matches_dp_accounting_rdp_accountant():
                                                                    A.rdp_orders().index(8.0)]])
     els = A.els_step_event(2.0, 0.01, 4)
     np.testing.assert_allclose(A.step_rdp(els, [2.0, 8.0]), A.mog_rdp(2.0, *A.binomial_sensitivity(4, 0.01), [2.0, 8.0]))
+
+
+@pytest.mark.parametrize("event", [A.uls_step_event(1.1, 0.05), A.els_step_event(1.1, 0.05, 3)],
+                         ids=["dp_accounting's", "mixture"])
+def test_a_cached_rdp_vector_cannot_be_changed_through_what_step_rdp_returns(event):
+    """step_rdp keeps each event's vector (a calibration asks for the same sigma again and again):
+    changing the returned array in place must not change what the next call, or epsilon, reads."""
+    A.clear_caches()
+    first = A.step_rdp(event)
+    want = first.copy()
+    eps = A.epsilon(A.compose(event, 100), 1e-6, "rdp")
+    first *= 0.0
+    assert np.array_equal(A.step_rdp(event), want)
+    assert A.epsilon(A.compose(event, 100), 1e-6, "rdp") == eps

@@ -124,33 +124,43 @@ def _rdp_vector(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -
     if isinstance(event, dpe.ComposedDpEvent):
         return sum((_rdp_vector(e, orders, relation) for e in event.events), np.zeros(len(orders)))
     if isinstance(event, dpe.MixtureOfGaussiansDpEvent):
-        return _mog_rdp_cached(float(event.standard_deviation), tuple(event.sensitivities),
-                               tuple(event.sampling_probs), tuple(orders))
+        sigma, sens, probs = float(event.standard_deviation), tuple(event.sensitivities), tuple(event.sampling_probs)
+        return _kept(_MOG_RDP_CACHE, 256, (sigma, sens, probs, tuple(orders)),
+                     lambda: mog_rdp(sigma, sens, probs, tuple(orders)))
     eps = pure_dp_epsilon(event, relation)
     if eps is not None:
         return pure_dp_rdp(eps, orders)
-    return _library_rdp_cached(event, tuple(orders), relation)
+    return _kept(_LIBRARY_RDP_CACHE, 1024, (repr(event), tuple(orders), relation),
+                 lambda: _library_rdp(event, orders, relation))
 
 
+#: RDP vectors already computed, the oldest forgotten first (:func:`_kept`): ELS mixtures' (ours),
+#: and dp_accounting's of one event (Poisson-sampled or plain Gaussian, a fixed cohort). A
+#: calibration's secant search, and the planner's σ(M) beside it, evaluate the same σ again and
+#: again; one dp_accounting evaluation is ~60 ms of its series.
+_MOG_RDP_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
 _LIBRARY_RDP_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
 
 
-def _library_rdp_cached(event: dpe.DpEvent, orders: tuple, relation: NeighborRel) -> np.ndarray:
-    """dp_accounting's RDP of one event (Poisson-sampled or plain Gaussian, a fixed cohort), kept
-    for the last 1024 events: a calibration's secant search, and the planner's σ(M) beside it,
-    evaluate the same σ again and again (each evaluation is ~60 ms of dp_accounting's series)."""
-    key = (repr(event), orders, relation)
-    if key not in _LIBRARY_RDP_CACHE:
-        acc = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
-        try:
-            with _quiet_rdp_convergence():
-                acc.compose(event)
-        except dp_accounting.UnsupportedEventError as exc:
-            raise UserError(f"the RDP accountant cannot account this event: {exc}") from None
-        _LIBRARY_RDP_CACHE[key] = np.asarray(acc.rdp, dtype=float)
-        while len(_LIBRARY_RDP_CACHE) > 1024:
-            _LIBRARY_RDP_CACHE.popitem(last=False)
-    return _LIBRARY_RDP_CACHE[key].copy()
+def _kept(cache: "OrderedDict[tuple, np.ndarray]", size: int, key: tuple, compute) -> np.ndarray:
+    """``compute()``, kept in ``cache`` under ``key`` (at most ``size`` entries); a copy, so that a
+    caller that changes the vector in place cannot change the cached one."""
+    if key not in cache:
+        cache[key] = compute()
+        while len(cache) > size:
+            cache.popitem(last=False)
+    return cache[key].copy()
+
+
+def _library_rdp(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -> np.ndarray:
+    """dp_accounting's RDP of one event at ``orders``."""
+    acc = rdp_lib.RdpAccountant(orders=list(orders), neighboring_relation=relation)
+    try:
+        with _quiet_rdp_convergence():
+            acc.compose(event)
+    except dp_accounting.UnsupportedEventError as exc:
+        raise UserError(f"the RDP accountant cannot account this event: {exc}") from None
+    return np.asarray(acc.rdp, dtype=float)
 
 
 class _DropRdpConvergence(logging.Filter):
@@ -177,18 +187,6 @@ def _quiet_rdp_convergence():
         yield
     finally:
         logger.removeFilter(_RDP_FILTER)
-
-
-_MOG_RDP_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
-
-
-def _mog_rdp_cached(sigma, sens, probs, orders) -> np.ndarray:
-    key = (sigma, sens, probs, orders)
-    if key not in _MOG_RDP_CACHE:
-        _MOG_RDP_CACHE[key] = mog_rdp(sigma, sens, probs, orders)
-        while len(_MOG_RDP_CACHE) > 256:
-            _MOG_RDP_CACHE.popitem(last=False)
-    return _MOG_RDP_CACHE[key]
 
 
 def clear_caches() -> None:
