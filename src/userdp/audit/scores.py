@@ -88,7 +88,7 @@ def gradient_alignment(model, canaries, start: list[torch.Tensor]) -> np.ndarray
     """
     params = [p for p in model.parameters() if p.requires_grad]
     final = [p.detach().clone() for p in params]
-    delta = [(s.to(f.device, f.dtype) - f).double() for s, f in zip(start, final)]  # theta_0 - theta_T
+    delta = [(s.to(f.device, f.dtype) - f) for s, f in zip(start, final)]  # theta_0 - theta_T
     was_training = model.training
     model.eval()
     out = np.zeros(canaries.count)
@@ -104,9 +104,12 @@ def gradient_alignment(model, canaries, start: list[torch.Tensor]) -> np.ndarray
             idx = np.arange(lo, min(canaries.count, lo + chunk))
             batch = {k: v.unsqueeze(1).to(params[0].device) for k, v in canaries.batch(idx).items()}
             grads, _ = per_record(batch, torch.ones(len(idx), 1, device=params[0].device))
-            dot = sum((g.double() * d).flatten(1).sum(1) for g, d in zip(grads, delta))
-            norm = sum(g.double().pow(2).flatten(1).sum(1) for g in grads).sqrt()
-            out[idx] = (dot / norm.clamp(min=1e-30)).cpu().numpy()
+            dot = norm2 = 0.0  # in float64, one parameter at a time
+            for g, d in zip(grads, delta):
+                g = g.double().flatten(1)
+                dot = dot + g @ d.double().flatten()
+                norm2 = norm2 + g.pow(2).sum(1)
+            out[idx] = (dot / norm2.sqrt().clamp(min=1e-30)).cpu().numpy()
     finally:
         with torch.no_grad():
             for p, f in zip(params, final):
