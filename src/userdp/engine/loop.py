@@ -226,10 +226,9 @@ class EngineRun:
                    "delta": None if self.plan.delta is None else float(self.plan.delta),
                    "accountant": cfg.accountant}
         context.update(options.journal_context or {})
-        # one writer: only the main rank keeps the journal (every rank counts the same steps)
         self.ledger = PrivacyLedger(self.plan.step_event, self.plan.delta, target_epsilon=cfg.target_epsilon,
                                     accountant=cfg.accountant, safe_steps=self.plan.safe_steps)
-        if self.dir and self.combiner.rank == 0:  # one writer: only the main rank keeps the journal
+        if self.dir and self.combiner.rank == 0:  # one writer: the main rank keeps the journal (every rank counts)
             self.ledger.attach_journal(self.dir, context)
         for event in cfg.prior_events:  # released before the first step: counted first, against the budget
             self.ledger.spend_event(event)  # (a resumed run's checkpoint restores the same, with its steps)

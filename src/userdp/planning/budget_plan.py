@@ -133,7 +133,7 @@ def plan_for_budget(sizes: np.ndarray, budget: PlanBudget, l_of_g: Callable[[int
     if b2 != compute_budget:
         notes.append(f"Estimate-and-Double runs on powers of two: B = {b2} (largest power of two "
                      f"<= {compute_budget}); the cohort then uses the whole budget, M = B/G")
-    ed = estimate_and_double(b2, n, sigma_of_m, l_of_g, m0=1, g0=1)
+    ed = estimate_and_double(b2, n, sigma_of_m, l_of_g)
     g_uls = ed.group_size
     m = float(min(n, compute_budget / g_uls))
     q = m / n
