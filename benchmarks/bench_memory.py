@@ -1,0 +1,181 @@
+"""Peak memory of a ghost chunk against a non-private forward and backward of the same records,
+counted op by op without a GPU: the memory side of issue 35's check, read on a CPU in seconds.
+
+How. The model and the batch are fake tensors (``FakeTensorMode``: shapes, dtypes and storages,
+no data), run under bf16 autocast with float32 weights, as a GPU run is, and with the ghost
+strategy's device path (the tensor-core contractions, aligned rows, the bad units always zeroed:
+:func:`device_path`). :class:`LiveBytes` counts the bytes of each storage an op makes, from the op
+until the storage is freed (a weak reference's finalizer), and keeps the peak with the op and the
+frames it was reached at, overall and inside the norm phase (``_norm2`` and the stacks' ``norm2``).
+The weights, made before, are counted on neither side.
+
+What it is not: a CUDA run. CPU autocast's op lists stand in for CUDA's (both cast the GEMMs and
+attention to bf16; userdp upcasts the logits itself), the clipped sums' ``[hi | lo]`` operand takes
+torch's passes (a float32 product more than CUDA's Triton kernel, in the sum phase), and there is
+no allocator (no caching, no fragmentation) and no optimizer. Stop 51's H100 read 1.28x / 1.31x
+the non-private step's peak (gpt2-small / gpt2-medium, the whole step); this count read 1.23x /
+1.25x on that code (benchmarks/README.md).
+
+    python benchmarks/bench_memory.py                      # gpt2-small and gpt2-medium, 64 users x G = 4 x 64 tokens
+    python benchmarks/bench_memory.py --models gpt2-small --users 8 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+import traceback
+import weakref
+from pathlib import Path
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import userdp.engine.ghost as ghost_mod  # noqa: E402
+from userdp.engine.algorithms import ELS, ULS  # noqa: E402
+from userdp.engine.clipping import FlatClip, StepClipping  # noqa: E402
+from userdp.engine.ghost import GhostPerUnit  # noqa: E402
+from userdp.engine.precision import Precision  # noqa: E402
+from userdp.lm.models import causal_lm_loss  # noqa: E402
+
+GiB = 2 ** 30
+SHAPES = {"gpt2-small": dict(n_embd=768, n_layer=12, n_head=12),
+          "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16)}
+#: the frames whose ops count as the norm phase
+NORM_PHASE = ("_norm2", "norm2")
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live storage bytes made under the mode: ``peak``, the ``(op, frames)`` it was reached at
+    (``at``), and the same inside the norm phase (``norm_peak``, ``norm_at``). A storage is counted
+    once, however many tensors view it, until it is freed."""
+
+    def __init__(self, frames: tuple[str, ...] = ("ghost.py",)):
+        super().__init__()
+        self._seen = WeakIdKeyDictionary()
+        self.live = self.peak = self.norm_peak = 0
+        self.at = self.norm_at = None
+        self._frames = frames
+
+    def _drop(self, n: int) -> None:
+        self.live -= n
+
+    def _where(self, stack) -> list[str]:
+        return [f"{f.name}:{f.lineno}" for f in stack if any(w in f.filename for w in self._frames)][-4:]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s not in self._seen:
+                    self._seen[s] = True
+                    n = s.nbytes()
+                    self.live += n
+                    weakref.finalize(s, self._drop, n)
+        if self.live > self.peak or self.live > self.norm_peak:
+            stack = traceback.extract_stack()
+            if self.live > self.peak:
+                self.peak, self.at = self.live, (str(func), self._where(stack))
+            if self.live > self.norm_peak and any(f.name in NORM_PHASE for f in stack):
+                self.norm_peak, self.norm_at = self.live, (str(func), self._where(stack))
+        return out
+
+
+@contextlib.contextmanager
+def device_path():
+    """Fake CPU tensors take the ghost strategy's device path: tensor-core contractions (aten
+    ``mm``/``bmm`` with a float32 ``out_dtype``, whose fake kernels need no data), aligned rows, and
+    the bad units' rows always zeroed (a device never reads whether any unit is bad)."""
+    with mock.patch.object(ghost_mod, "_TC_DEVICES", (*ghost_mod._TC_DEVICES, "cpu")), \
+            mock.patch.object(ghost_mod, "_must_zero", lambda bad: True), \
+            mock.patch.dict(ghost_mod._COEFFICIENTS, clear=True):  # its tensors belong to one fake mode
+        yield
+
+
+def fake_gpt2(mode: FakeTensorMode, vocab: int = 50257, positions: int = 1024, **shape) -> torch.nn.Module:
+    """A float32 GPT-2 of ``shape`` (n_embd, n_layer, n_head) made of fake tensors."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with mode:
+        cfg = GPT2Config(vocab_size=vocab, n_positions=positions, bos_token_id=vocab - 1, eos_token_id=vocab - 1, **shape)
+        return GPT2LMHeadModel(cfg).train()
+
+
+def peaks(mode: FakeTensorMode, model: torch.nn.Module, algorithm: str, users: int, group: int, seq: int) -> dict:
+    """The peak live bytes of a non-private forward and backward over ``users x group`` records of
+    ``seq`` tokens under bf16 autocast, and of one ghost chunk of the same records (``algorithm``
+    "uls": ``users`` units of ``group`` records; "els": each record a unit), each with where it was
+    reached. ``model`` was made under ``mode``."""
+    records = users * group
+    m, g = (users, group) if algorithm == "uls" else (records, 1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    algo = (ULS if algorithm == "uls" else ELS)(group_size=group, sampling_rate=0.5)
+    st = GhostPerUnit(model, causal_lm_loss, algo, Precision("bfloat16"))
+    st._verified, st._unchecked = True, []  # the first chunk's coverage check (once a run) is not the step's
+    with mode, device_path():
+        ids = torch.zeros(m, g, seq, dtype=torch.long)
+        ones_g, ones_m = torch.ones(m, g), torch.ones(m)
+
+        def nonprivate():
+            flat = ids.reshape(records, seq)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = causal_lm_loss(model, {"input_ids": flat, "labels": flat}).mean()
+            return torch.autograd.grad(loss, params)
+
+        def private():
+            return st.clipped_sum({"input_ids": ids, "labels": ids}, ones_g, ones_m,
+                                  StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+
+        seen = {}
+        for side, fn in (("nonprivate", nonprivate), ("ghost", private)):
+            live = LiveBytes()
+            with live:
+                result = fn()
+            del result
+            seen[side] = live
+    a, b = seen["nonprivate"], seen["ghost"]
+    return {"algorithm": algorithm, "users": users, "group_size": group, "seq_len": seq,
+            "nonprivate_peak_gib": a.peak / GiB, "ghost_peak_gib": b.peak / GiB,
+            "ghost_over_nonprivate": b.peak / a.peak, "ghost_peak_at": b.at,
+            "ghost_norm_phase_peak_gib": b.norm_peak / GiB, "ghost_norm_phase_peak_at": b.norm_at,
+            "narrow": all(all(v) for v in st.last_narrow.values())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--algorithms", nargs="+", default=["uls", "els"], choices=["uls", "els"])
+    p.add_argument("--users", type=int, default=64)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="one JSON row per line")
+    args = p.parse_args(argv)
+    for name in args.models:
+        mode = FakeTensorMode()
+        model = fake_gpt2(mode, **SHAPES[name])
+        for algorithm in args.algorithms:
+            t0 = time.perf_counter()
+            row = {"model": name, **peaks(mode, model, algorithm, args.users, args.group_size, args.seq_len)}
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(f"{name} {algorithm.upper()}: non-private {row['nonprivate_peak_gib']:.2f} GiB, ghost "
+                      f"{row['ghost_peak_gib']:.2f} GiB ({row['ghost_over_nonprivate']:.3f}x) at "
+                      f"{row['ghost_peak_at']}; norm phase {row['ghost_norm_phase_peak_gib']:.2f} GiB at "
+                      f"{row['ghost_norm_phase_peak_at']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
