@@ -121,14 +121,18 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
 
 
 def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "ghost", *,
-                noise_ahead: bool = False, shards: int = 1) -> int:
+                noise_ahead: bool = False, shards: int = 1, low_precision: bool = False) -> int:
     """Bytes that do not grow with the chunk: the weights, the float32 running and partial sums,
     float32 masters of parameters narrower than float32, ``optimizer_states`` float32 states per
     trainable parameter (Adam: 2), for ghost the first chunk's batch gradient (4 B a trainable
     parameter, held while the strategy checks its hooks against autograd) and the temporaries of
     its stacked groups (:data:`STACK_TRANSIENT_BYTES`), and with ``noise_ahead`` the step's noise
     drawn while its sums are computed (4 B a trainable parameter: a host source on a CPU,
-    :func:`userdp.engine.noise.draws_ahead`).
+    :func:`userdp.engine.noise.draws_ahead`), and with ``low_precision`` (a bf16/fp16 autocast
+    forward) the 2 B copy of each float32 weight matrix that autocast casts for its GEMMs and
+    autograd keeps for the backward (0.23 GiB at gpt2-small, 0.66 GiB at gpt2-medium; on a sharded
+    rank too, for every block: autocast casts each gathered weight, and the backward keeps the cast
+    after FSDP has freed the gathered float32 tensor).
 
     ``shards``: W of a sharded run (``sharding: fsdp``, :mod:`userdp.engine.sharding`), per rank: 1/W
     of the weights, of the running sums (which become the released gradient) and of the optimizer's
@@ -144,15 +148,17 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
     verify = n if strategy == "ghost" else 0
     stacks = STACK_TRANSIENT_BYTES if strategy == "ghost" else 0
     ahead = n if noise_ahead else 0
+    casts = 2 * sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p.dtype == torch.float32) \
+        if low_precision else 0
     if shards > 1:
         blocks = sorted((sum(p.numel() * p.element_size() for p in b.parameters()) for b in gathered_blocks(model)),
                         reverse=True)
         gathered = sum(blocks[:2]) if blocks else total  # no blocks: the root gathers everything
         largest = max((p.numel() for p in trainable), default=0)
         verify = max(math.ceil(n / shards), largest) if strategy == "ghost" else 0
-        return int(total / shards + gathered + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters
-                                                    + verify))
-    return int(total + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
+        return int(total / shards + gathered + casts + 4 * (n * (1 + optimizer_states) / shards
+                                                            + 2 * largest + masters + verify))
+    return int(total + casts + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
 
 
 def free_bytes(device: torch.device) -> int:
@@ -196,7 +202,8 @@ def auto_chunk_size(model: nn.Module, shape: RunShape, *, device: torch.device,
     per = unit_bytes(model, group_size, seq_len, strategy=shape.strategy, low_precision=shape.low_precision)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ahead = source_class(device) is GaussianNoise and draws_ahead(n)
-    fixed = fixed_bytes(model, shape.optimizer_states, shape.strategy, noise_ahead=ahead, shards=shards)
+    fixed = fixed_bytes(model, shape.optimizer_states, shape.strategy, noise_ahead=ahead, shards=shards,
+                        low_precision=shape.low_precision)
     info = {"memory_cap_bytes": cap, "cap_source": "training.memory_gb" if memory_cap_bytes is not None
             else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per, "shards": shards}
     if per is None:
