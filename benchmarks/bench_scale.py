@@ -211,9 +211,10 @@ def _worker(a) -> dict:
         from userdp.engine.memory import fixed_bytes, unit_bytes
 
         recs, units = (1, chunk * G) if a.algorithm == "els" else (G, chunk)
-        per = unit_bytes(model, recs, a.seq_len, strategy=run.per_unit.name, low_precision=a.dtype != "float32")
+        narrow = a.dtype != "float32"
+        per = unit_bytes(model, recs, a.seq_len, strategy=run.per_unit.name, low_precision=narrow)
         if per is not None:
-            extra["estimated_bytes"] = fixed_bytes(model, optimizer_states=0) + units * per
+            extra["estimated_bytes"] = fixed_bytes(model, optimizer_states=0, low_precision=narrow) + units * per
         z = [torch.zeros_like(p, dtype=torch.float32) for p in run.params]
         run.noise.add_noise(z, 1.0)  # once untimed (a compiled device generator compiles here)
         if device.type == "cuda":

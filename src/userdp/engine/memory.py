@@ -24,11 +24,16 @@ Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the ste
 and the chunk's partial sum being added to it; the noise is streamed into the sum in 4 MB pieces
 and the sum becomes the optimizer's gradient in place); on a CPU, where the host source draws a
 step's noise while its sums are computed, a third (:func:`userdp.engine.noise.draws_ahead`);
-float32 master weights where the parameters are narrower; and the optimizer state. The model is deliberately simple; the chosen
-chunk is reported, and a cap given by the user is a cap on this estimate, which may fill 90% of
-it (``MODEL_MARGIN``). ``benchmarks/bench_scale.py`` measures the real peak beside it
-(``estimate_over_measured``): on a CPU (peak RSS, gpt2-small, ghost, float32) 1.24–1.29 at 256
-tokens a chunk and 0.99 at 2,048 (benchmarks/README.md); not yet measured on a GPU.
+float32 master weights where the parameters are narrower; under a bf16/fp16 autocast forward,
+autocast's 2 B copy of each float32 weight matrix, which autograd keeps for the backward; and the
+optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap given
+by the user is a cap on this estimate, which may fill 90% of it (``MODEL_MARGIN``).
+``benchmarks/bench_scale.py`` measures the real peak beside it (``estimate_over_measured``): on a
+CPU (peak RSS, gpt2-small, ghost, float32) 1.24–1.29 at 256 tokens a chunk and 0.99 at 2,048
+(benchmarks/README.md). ``benchmarks/bench_memory.py`` counts a ghost chunk's live bytes op by op
+under bf16 autocast on the device path: the estimate reads 0.92–1.02 of that count at gpt2-small
+and gpt2-medium (a test holds it at or above ``MODEL_MARGIN``). On an H100, before the ghost
+captures stopped holding the layers' outputs, it read 0.78–0.83 of the CUDA peak (docs/gpus.md).
 """
 
 from __future__ import annotations
