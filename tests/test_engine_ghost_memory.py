@@ -8,6 +8,9 @@ path, and found two causes, both fixed and both kept here:
 * the captures held every layer's output until the backward, where a non-private step frees what
   autograd does not save (the tied head's logits first of all): the backward's peak rose by
   ~4.8 GiB at gpt2-small; they now hold the output's gradient edge;
+* a LayerNorm-fed layer's capture was a bf16 copy of its float32 input beside the one autocast
+  makes for the GEMM (0.56 GiB at gpt2-small); the input is now cast before the layer, as autocast
+  would, and the GEMM, autograd and the capture share that one tensor;
 * the tied weight's cross term (the embedding's one-hot rows against the head's logit gradient)
   came before the head's own Gram, so the head's row norms took a float32 copy and a square of the
   whole 50,257-wide factor (2 x 3.3 GB at gpt2-small); the Grams now come first and the row norms
@@ -35,14 +38,14 @@ BF16 = torch.bfloat16
 @pytest.mark.parametrize("algorithm", ["uls", "els"])
 def test_a_ghost_chunk_peaks_no_higher_than_a_nonprivate_forward_and_backward(algorithm):
     """A GPT-2 whose vocabulary is wide against its width (as GPT-2's 50,257 against 768), bf16
-    autocast: the ghost chunk's peak is the non-private step's within 5% (measured 1.011x; 1.198x
-    when the captures held the layers' outputs), and every weight's contraction is on the tensor
-    cores."""
+    autocast: the ghost chunk's peak is the non-private step's (measured 1.000x; 1.198x when the
+    captures held the layers' outputs, 1.011x when each LayerNorm-fed layer's capture was a bf16
+    copy of its own beside autocast's), and every weight's contraction is on the tensor cores."""
     mode = FakeTensorMode()
     model = fake_gpt2(mode, vocab=4099, positions=64, n_embd=64, n_layer=2, n_head=2)
     row = peaks(mode, model, algorithm, users=8, group=2, seq=32)
     assert row["narrow"]
-    assert row["ghost_over_nonprivate"] <= 1.05, row
+    assert row["ghost_over_nonprivate"] <= 1.002, row
 
 
 def test_the_norms_of_a_tied_weight_take_no_float32_copy_of_the_heads_factor():

@@ -167,8 +167,8 @@ def test_a_sharded_rank_counts_its_share_of_weights_gradient_and_states_and_two_
 def test_the_estimate_covers_a_ghost_chunks_live_bytes_counted_op_by_op(shape, users, group, seq):
     """Issue 35: on an H100 the estimate read 0.78-0.83x the CUDA peak. ``benchmarks/bench_memory.py``
     counts a ghost chunk's live bytes op by op on fake tensors under bf16 autocast, and read the same
-    (0.80-0.86x) on that code: the captures held every layer's output, and the tied head's norm took
-    a float32 copy of its factor. Now the estimate of what the count covers (the chunk's units and
+    (0.80-0.86x) on that code: the captures held every layer's output, and a second bf16 copy of
+    each LayerNorm-fed input. Now the estimate of what the count covers (the chunk's units and
     autocast's bf16 copies of the weights; not the weights, sums or optimizer) is at least the
     share of the count that a cap lets it fill (MODEL_MARGIN), so ``chunk_size: auto`` stays under
     its cap."""

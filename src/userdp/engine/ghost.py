@@ -785,12 +785,19 @@ def _autocast_operand_dtype(mod: nn.Module, device: torch.device) -> torch.dtype
     return torch.get_autocast_dtype(kind)
 
 
+def _narrowable(a) -> bool:
+    """A float32 tensor: what autocast casts to its low-precision dtype for a GEMM."""
+    return isinstance(a, torch.Tensor) and a.dtype == torch.float32
+
+
 def _captured(a, cast: torch.dtype | None):
     """A captured layer input: detached, and under autocast rounded to the dtype autocast gave the
     layer's GEMM (float32 LayerNorm outputs feed GPT-2's ``c_attn``, ``c_fc`` and its tied head: in
     bf16 the GEMM consumed their bf16 rounding, and autograd's weight gradient is built from it).
     So the norm, the clipped sum and autograd's own gradient see the same numbers, and on tensor
-    cores the contraction takes the bf16 path (float32 accumulation) instead of float32 SIMT."""
+    cores the contraction takes the bf16 path (float32 accumulation) instead of float32 SIMT.
+    The forward's pre-hook has normally cast such an input already (the tensor the GEMM consumed:
+    then this is a view of it, no copy); the cast here covers an input the pre-hook did not see."""
     if not isinstance(a, torch.Tensor):
         return a
     a = a.detach()
@@ -883,7 +890,17 @@ class GhostPerUnit:
             if self._sharded and not self._verified:
                 self._in_use.extend((mod, n, t) for n, t in mod.named_parameters(recurse=False) if t.requires_grad)
 
+        def cast_first(mod, args):
+            # a float32 input of an autocast GEMM layer is cast here, as autocast would cast it inside the
+            # layer (the same rounding), so the layer's GEMM, autograd's saved operand and the capture
+            # share one bf16 tensor; else the capture would be a second copy (0.56 GiB at gpt2-small)
+            cast = _autocast_operand_dtype(mod, device)
+            if cast is None or not any(_narrowable(a) for a in args):
+                return None
+            return tuple(a.to(cast) if _narrowable(a) else a for a in args)
+
         handles = [mod.register_forward_hook(hook) for mod in self._layers]
+        handles += [mod.register_forward_pre_hook(cast_first) for mod in self._layers]
         try:
             with self.precision.autocast(self.params[0].device):
                 losses = self.loss_fn(self.model, flat)

@@ -31,7 +31,7 @@ by the user is a cap on this estimate, which may fill 90% of it (``MODEL_MARGIN`
 ``benchmarks/bench_scale.py`` measures the real peak beside it (``estimate_over_measured``): on a
 CPU (peak RSS, gpt2-small, ghost, float32) 1.24–1.29 at 256 tokens a chunk and 0.99 at 2,048
 (benchmarks/README.md). ``benchmarks/bench_memory.py`` counts a ghost chunk's live bytes op by op
-under bf16 autocast on the device path: the estimate reads 0.92–1.02 of that count at gpt2-small
+under bf16 autocast on the device path: the estimate reads 0.95–1.05 of that count at gpt2-small
 and gpt2-medium (a test holds it at or above ``MODEL_MARGIN``). On an H100, before the ghost
 captures stopped holding the layers' outputs, it read 0.78–0.83 of the CUDA peak (docs/gpus.md).
 """
@@ -120,8 +120,8 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
     else:
         outs = _ghost_widths(model, dims["vocab"])
         extra = 2 * t * t * 4 + t * b * outs
-        if low_precision:  # autocast keeps LayerNorm in float32: the two LayerNorm-fed layers of each
-            extra += t * dims["layers"] * 2 * dims["d"] * 4  # block capture a float32 input the backward does not hold
+        if low_precision:  # autocast runs LayerNorm in float32: the backward keeps each block's two LayerNorm
+            extra += t * dims["layers"] * 2 * dims["d"] * 4  # inputs (the residual stream) in float32, not in b bytes
     return int(act + logits + extra)
 
 
