@@ -95,7 +95,7 @@ def test_a_training_step_on_cuda_uses_fused_optimizers_and_records_its_kernels()
 
 
 def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(monkeypatch):
-    """The one-pass [hi | lo] kernel (engine/split_triton.py) against the torch passes, bit for bit,
+    """The one-pass [hi | lo] and rounded-operand kernel (engine/split_triton.py) against the torch passes, bit for bit,
     at the step's own sizes (a 64-user chunk's c_fc factor, a stack, the odd-width head stored
     with aligned rows), a bad unit holding Inf zeroed; and a ghost chunk's sums with it agree with
     the torch passes' (to float32 rounding only: the embedding's index_add_ sums in atomic order)."""
@@ -119,6 +119,8 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
         wp = G._aligned_width(shape[-1])
         got = scale_split(y, c, bad, wp)
         assert got is not None and torch.equal(got.view(torch.int16), G._split_operand(y, c, bad, wp).view(torch.int16))
+        got = scale_split(y, c, bad, wp, False)  # the rounded operand
+        assert got is not None and torch.equal(got.view(torch.int16), G._rounded_operand(y, c, bad, wp).view(torch.int16))
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=1001, n_positions=32).to(CUDA).train()
     ids = torch.randint(0, 1001, (3, 2, 16), device=CUDA)

@@ -96,8 +96,10 @@ def test_cancelling_records_in_float64_and_in_a_stack_of_layers(monkeypatch):
     assert lay is Reg
 
 
-def test_cancelling_records_on_tensor_cores_emulated(monkeypatch):
+@pytest.mark.parametrize("operand", ["split", "rounded"])
+def test_cancelling_records_on_tensor_cores_emulated(monkeypatch, operand):
     monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", operand)
     gap = neighbour_gap(builder(layers=2), honest(), cancelling(3e4), reg_loss,
                         config(per_unit="ghost", precision="bfloat16"))
     assert gap.within(), gap

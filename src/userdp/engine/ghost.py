@@ -100,6 +100,14 @@ BOUND = True
 FUSED_SPLIT = "auto"
 _FUSED: dict = {}  # device type -> True, or why the kernel is not used
 
+#: the clipped sum's operand on tensor cores. "rounded": ``c_u · y`` rounded to bf16, one bf16 GEMM
+#: (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, is bounded per unit by
+#: 2^-8 · c_u · Σ_t |x_t||y_t| and folded into the clip factor (:func:`_bounded_norms`), so a unit
+#: still adds at most C. "split": ``[hi | lo]``, which is ``c_u · y`` exactly, at twice the FLOPs.
+SUM_OPERAND = "split"
+#: the relative error of rounding a float32 number to bf16 (8 significand bits, to nearest)
+ROUNDED_OPERAND_U = 2.0 ** -8
+
 
 def _must_zero(bad: torch.Tensor) -> bool:
     """Whether the bad units' factors must be zeroed before the clipped sum (their clip factor is
@@ -150,20 +158,23 @@ def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narr
     ``bad`` (bool ``[m]``): units whose rows of ``y`` count as zero (``x``'s must be zero already;
     ``c`` is 0 there, but 0 times Inf is NaN).
 
-    ``narrow`` (tensor cores): ``c`` holds bf16 numbers, so each ``c_u · y`` is exact in float32 and
-    splits exactly into bf16 ``hi + lo``; ``xᵀ [hi lo]`` is one bf16 GEMM with float32 accumulation.
+    ``narrow`` (tensor cores): ``c`` holds bf16 numbers, so each ``c_u · y`` is exact in float32. With
+    :data:`SUM_OPERAND` "rounded" it is rounded to bf16 and ``xᵀ (c·y)`` is one bf16 GEMM with float32
+    accumulation (the rounding is in the clip factor's bound); with "split" it splits exactly into
+    bf16 ``hi + lo`` and ``xᵀ [hi lo]`` is one GEMM of twice the width.
     Otherwise both factors in ``dtype``, one GEMM."""
     lead, (m, t, wx), wy = x.shape[:-3], x.shape[-3:], y.shape[-1]
     xt = x.reshape(*lead, m * t, wx).transpose(-1, -2)
     if narrow:
-        # [hi | lo]: each half starts on an aligned column, so the GEMM's operand keeps the tensor
-        # cores' fast layouts whatever the width (GPT-2's 50,257 is odd)
+        # the operand's rows (each half's, split) start on aligned columns, so the GEMM keeps the
+        # tensor cores' fast layouts whatever the width (GPT-2's 50,257 is odd)
         wp = _aligned_width(wy)
-        buf = _fused_split(y, c, bad, wp)
+        split = SUM_OPERAND == "split"
+        buf = _fused_split(y, c, bad, wp, split)
         if buf is None:
-            buf = _split_operand(y, c, bad, wp)
+            buf = _split_operand(y, c, bad, wp) if split else _rounded_operand(y, c, bad, wp)
         out = _mm32(xt, buf)
-        return out[..., :wy] + out[..., wp : wp + wy]
+        return out[..., :wy] + out[..., wp : wp + wy] if split else out[..., :wy]
     if bad is not None:
         y = _zero_rows(y, bad.view(*([1] * len(lead)), -1, 1, 1))
     return xt.to(dtype) @ (y.to(dtype) * c.view(*lead, m, 1, 1)).reshape(*lead, m * t, wy)
@@ -186,11 +197,26 @@ def _split_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, w
     return buf
 
 
-def _fused_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int) -> torch.Tensor | None:
-    """:func:`_split_operand`'s buffer from one Triton kernel (:mod:`userdp.engine.split_triton`)
-    where :data:`FUSED_SPLIT` allows it and the kernel has matched :func:`_split_operand` bit for bit
-    on this device type (checked once per process; a mismatch or a failure is warned about once and
-    the torch passes are used); else None."""
+def _rounded_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int) -> torch.Tensor:
+    """``[..., m·T, wp]`` bf16: ``c_u · y`` rounded to nearest bf16 (the product of two bf16 numbers is
+    exact in float32 and rounded once: torch's bf16 multiply), the pad columns zero and the units
+    ``bad`` zeroed; torch's passes (:func:`_fused_split` is the same bits in one kernel)."""
+    lead, (m, t, wy) = y.shape[:-3], y.shape[-3:]
+    if bad is not None:
+        y = _zero_rows(y, bad.view(*([1] * len(lead)), -1, 1, 1))
+    buf = torch.empty(*lead, m * t, wp, dtype=torch.bfloat16, device=y.device)
+    torch.mul(y, c.view(*lead, m, 1, 1).to(torch.bfloat16), out=buf[..., :wy].view(*lead, m, t, wy))
+    if wp != wy:
+        buf[..., wy:].zero_()
+    return buf
+
+
+def _fused_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int,
+                 split: bool = True) -> torch.Tensor | None:
+    """:func:`_split_operand`'s buffer (``split``) or :func:`_rounded_operand`'s from one Triton kernel
+    (:mod:`userdp.engine.split_triton`) where :data:`FUSED_SPLIT` allows it and the kernel has matched
+    both bit for bit on this device type (checked once per process; a mismatch or a failure is warned
+    about once and the torch passes are used); else None."""
     kind = y.device.type
     if FUSED_SPLIT == "off" or (FUSED_SPLIT == "auto" and kind != "cuda"):
         return None
@@ -202,13 +228,13 @@ def _fused_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp:
                           f"sums take torch's passes (the same numbers, slower)", RuntimeWarning, stacklevel=2)
     if state is not True:
         return None
-    return split_triton.scale_split(y, c, bad, wp)
+    return split_triton.scale_split(y, c, bad, wp, split)
 
 
 def _check_fused_split(device: torch.device) -> bool | str:
-    """True when the Triton kernel builds ``[hi | lo]`` bit for bit as :func:`_split_operand` on a test
-    input: odd and aligned widths, a stack, rows with a padded stride, a bad unit holding Inf and
-    NaN; else why not."""
+    """True when the Triton kernel builds ``[hi | lo]`` and the rounded operand bit for bit as
+    :func:`_split_operand` and :func:`_rounded_operand` on a test input: odd and aligned widths, a
+    stack, rows with a padded stride, a bad unit holding Inf and NaN; else why not."""
     if split_triton is None:
         return _NO_TRITON
     g = torch.Generator().manual_seed(0)
@@ -226,9 +252,10 @@ def _check_fused_split(device: torch.device) -> bool | str:
             c[..., 1] = 0.0
             y, c, bad = y.to(device), c.to(device), bad.to(device)
             wp = _aligned_width(shape[-1])
-            got = split_triton.scale_split(y, c, bad, wp)
-            if got is None or not torch.equal(got.view(torch.int16), _split_operand(y, c, bad, wp).view(torch.int16)):
-                return f"its buffer differs from torch's on {tuple(shape)}"
+            for split, torch_passes in ((True, _split_operand), (False, _rounded_operand)):
+                got = split_triton.scale_split(y, c, bad, wp, split)
+                if got is None or not torch.equal(got.view(torch.int16), torch_passes(y, c, bad, wp).view(torch.int16)):
+                    return f"its {'split' if split else 'rounded'} buffer differs from torch's on {tuple(shape)}"
     except Exception as exc:  # noqa: BLE001 - reported (warned), never silent
         return f"{type(exc).__name__}: {str(exc)[:160]}"
     return True
@@ -253,6 +280,8 @@ class Factored:
     #: cached upper bounds on the rows' norms (:meth:`row_norms`) and on the magnitude (:meth:`magnitude`)
     _rows: tuple | None = field(default=None, repr=False, compare=False)
     _mag: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    #: ``Σ_s |Ĝx_ts|`` ``[m, T]``, kept from the use's own Gram where the rounded operand needs it (:meth:`spread`)
+    _gx_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
     #: units whose rows of ``y`` count as zero in :meth:`weighted_sum` (:meth:`zero_units`)
     bad: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
@@ -299,6 +328,26 @@ class Factored:
             self._mag = (torch.bmm(rx.unsqueeze(1), ry.unsqueeze(2)).view(-1),
                          sx * sy * (1.0 + gamma(t + 2, 2.0 ** -23)))
         return self._mag
+
+    def spread(self) -> torch.Tensor:
+        """``[m]`` float64: an upper bound on ``‖Σ_t x_t ⊗ e_t‖`` per unit for any ``e_t`` with
+        ``|e_t| <= |y_t|`` elementwise: the scale of the rounded operand's error (which is at most
+        2^-8 · c_u · |y_t| an entry). It is ``‖X‖₂ ‖E‖_F <= ‖X‖₂ ‖Y‖_F`` with ``‖X‖₂² = λ_max(Gx)``
+        bounded by Gershgorin (the largest row sum of ``|Gx|``, from the computed Gram plus its
+        rounding, gamma_X |x_t||x_s| an entry), or ``B = Σ_t |x_t||y_t|`` (Cauchy-Schwarz on each
+        token) where that is smaller: up to sqrt(T) below B when the unit's inputs point apart.
+        Every computed term is inflated by the factor it may be low by."""
+        mag, smag = self.magnitude()
+        b = mag.double() * (smag * (1.0 + 2.0 ** -40))
+        if self._gx_rows is None or self.index:
+            return b
+        rx, ry, sx, sy = self.row_norms()
+        t = int(rx.shape[1])
+        gxn = gamma(int(self.x.shape[-1]), self.u)
+        rxd = rx.double() * sx
+        rows = self._gx_rows.double() * (1.0 + gamma(t + 2, 2.0 ** -23)) + gxn * rxd * rxd.sum(1, keepdim=True)
+        yf = (ry.double() * sy).pow(2).sum(1)
+        return torch.minimum(b, (rows.amax(1) * yf).sqrt() * (1.0 + 2.0 ** -40))
 
     def fx(self) -> torch.Tensor:
         """``x`` in the compute dtype (token ids as they are)."""
@@ -406,6 +455,8 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     u = max(a.u, b.u)
     gxn = 0.0 if (a.index or b.index) else gamma(int(a.x.shape[-1]), u)
     gyn = gamma(int(a.y.shape[-1]), u)
+    if b is a and not a.index and _operand_roundoff(a.narrow):  # the rounded operand's spread (Factored.spread)
+        a._gx_rows = gx.abs().sum(-1)
     if b is a and a._rows is None:  # the rows' norms from the Grams' diagonals
         ry = torch.diagonal(gy, dim1=1, dim2=2).sqrt()
         rx = torch.ones_like(ry) if a.index else torch.diagonal(gx, dim1=1, dim2=2).sqrt()
@@ -691,15 +742,17 @@ class _FactorStack:
             factored[j] = [Factored(x[i], y[i], self.size_x, False, self.dtype, self.tc)]
         self.x, self.y = x, y
 
-    def norm2(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[k, m]`` each: the members' squared per-unit norms, their rounding-error bounds and
-        their magnitudes (the stack as k·m units of one use; see :func:`_inner`)."""
+    def norm2(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``[k, m]`` each: the members' squared per-unit norms, their rounding-error bounds, their
+        magnitudes and, with the rounded operand, their spreads (else None; the stack as k·m units
+        of one use; see :func:`_inner`)."""
         k, m = self.x.shape[:2]
         flat = Factored(self.x.reshape(k * m, *self.x.shape[2:]), self.y.reshape(k * m, *self.y.shape[2:]),
                         self.size_x, False, self.dtype, self.tc)
         value, err = _inner(flat, flat)
         mag, smag = flat.magnitude()
-        return value.view(k, m), err.view(k, m), (mag * smag).view(k, m)
+        spread = flat.spread().view(k, m) if _operand_roundoff(flat.narrow) else None
+        return value.view(k, m), err.view(k, m), (mag * smag).view(k, m), spread
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
         """``[k, X, Y]``: each member's ``Σ_u c[u, member] · (unit u's gradient)``, units ``bad`` zeroed
@@ -721,7 +774,10 @@ class _Bound:
     ``value`` the computed squared norm, ``err`` the bound on its rounding error (None: exact to
     2^-53), ``magnitude`` ``Σ_uses Σ_t |x_t||y_t|`` of its factored uses, ``length`` the longest
     contraction its clipped sum takes (m·T), ``u`` the unit roundoff, ``size`` the norm of its
-    materialized part (None: none)."""
+    materialized part (None: none), ``operand`` the relative rounding of its clipped sum's operand
+    entries (:data:`ROUNDED_OPERAND_U` for the rounded tensor-core operand, else 0: exact) and
+    ``spread`` what that rounding is a share of (:meth:`Factored.spread` summed over the uses whose
+    operand is rounded; needed when ``operand`` is not 0)."""
 
     value: torch.Tensor
     err: torch.Tensor | None
@@ -729,9 +785,18 @@ class _Bound:
     length: int
     u: float
     size: torch.Tensor | None
+    operand: float = 0.0
+    spread: torch.Tensor | None = None
 
 
 _COEFFICIENTS: dict = {}
+
+
+def _operand_roundoff(narrow: bool) -> float:
+    """The relative rounding of a dense use's clipped-sum operand entries: :data:`ROUNDED_OPERAND_U`
+    on tensor cores with the rounded operand, else 0 (the split operand and the float paths are
+    exact products; an embedding's sum adds ``c_u · y`` in float32, exactly)."""
+    return ROUNDED_OPERAND_U if narrow and SUM_OPERAND == "rounded" else 0.0
 
 
 def _coefficients(values: tuple, device: torch.device) -> torch.Tensor:
@@ -750,8 +815,11 @@ def _bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(estimate, upper)``, float64 ``[m, L]``: per unit and parameter the estimated norm and a
     proven upper bound on the norm of what the unit adds to the clipped sum at factor 1:
     ``sqrt(value + err)`` bounds the exact norm of the unit's gradient (built from the stored
-    factors), and ``(gamma_K + 2u) · magnitude + (gamma_m + u) · size`` bounds the rounding of the
-    unit's own terms in the sum (a K-term contraction perturbs each term by at most gamma_K).
+    factors), and ``(gamma_K + 2u)(1 + r) · magnitude + r · spread + (gamma_m + u) · size`` bounds the
+    rounding of the unit's own terms in the sum (a K-term contraction perturbs each term by at most
+    gamma_K, and a rounded operand's terms are at most 1 + r times the exact ones; an operand entry
+    rounded to bf16 moves by at most r = 2^-8 of itself, which moves the unit's sum by at most
+    r · spread, :meth:`Factored.spread`).
     All parameters at once: a few kernels per chunk, not a few per parameter."""
     value = torch.stack([b.value for b in parts], dim=1).clamp(min=0)
     est = value.sqrt()
@@ -761,10 +829,14 @@ def _bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     err = torch.stack([zero if b.err is None else b.err for b in parts], dim=1)
     mag = torch.stack([zero if b.magnitude is None else b.magnitude for b in parts], dim=1)
     size = torch.stack([zero if b.size is None else b.size for b in parts], dim=1)
-    c_sum = _coefficients(tuple(gamma(b.length, b.u) + 2.0 * b.u if b.length else 0.0 for b in parts), value.device)
+    c_sum = _coefficients(tuple((gamma(b.length, b.u) + 2.0 * b.u) * (1.0 + b.operand) if b.length else 0.0
+                                for b in parts), value.device)
     c_dense = _coefficients(tuple(gamma(m, b.u) + b.u for b in parts), value.device)
     # 2^-40: the float64 square root and sums; the rest is what the float32 arithmetic may move
     upper = (value + err).sqrt() * (1.0 + 2.0 ** -40) + mag * c_sum + size * c_dense
+    if any(b.operand for b in parts):
+        spread = torch.stack([zero if not b.operand else b.spread for b in parts], dim=1)
+        upper = upper + spread * _coefficients(tuple(b.operand for b in parts), value.device)
     return est, upper
 
 
@@ -1007,19 +1079,21 @@ class GhostPerUnit:
                 for i, j in enumerate(g):
                     parts[j] = _Bound(sq[:, i], None, None, 0, u_dense, size[:, i])
             for st in stacks:
-                value, err, mag = st.norm2()  # [k, m]
+                value, err, mag, spread = st.norm2()  # [k, m]
                 k_len = m * int(st.y.shape[2])
                 u = unit_roundoff(st.dtype or st.y.dtype, st.narrow)
+                r = _operand_roundoff(st.narrow)
                 for i, j in enumerate(st.members):
-                    parts[j] = _Bound(value[i], err[i], mag[i], k_len, u, None)
+                    parts[j] = _Bound(value[i], err[i], mag[i], k_len, u, None, r, spread[i] if r else None)
             for j, (d, fs) in enumerate(zip(dense, factored)):
                 if parts[j] is None:
-                    value, err, mag = self._norm2(d, fs)
+                    value, err, mag, spread = self._norm2(d, fs)
                     size = (torch.linalg.vector_norm(d.reshape(m, -1), dim=1, dtype=torch.float64)
                             if d is not None else None)
                     k_len = max((m * x.tokens for x in fs), default=0)
                     u = max([x.u for x in fs] + [u_dense])
-                    parts[j] = _Bound(value, err, mag, k_len, u, size)
+                    r = ROUNDED_OPERAND_U if spread is not None else 0.0
+                    parts[j] = _Bound(value, err, mag, k_len, u, size, r, spread)
             est, upper = _bounded_norms(parts, m)
             del parts
             if check:
@@ -1094,11 +1168,12 @@ class GhostPerUnit:
         return dense, factored
 
     @staticmethod
-    def _norm2(d, fs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _norm2(d, fs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``[m]`` each, float64: a parameter's squared per-unit norm from its materialized part and
-        its uses, the bound on that value's rounding error, and the magnitude of its factored uses
-        (``Σ_uses Σ_t |x_t||y_t|``)."""
-        value = err = mag = None  # the first term starts each sum: no zeros + add per parameter
+        its uses, the bound on that value's rounding error, the magnitude of its factored uses
+        (``Σ_uses Σ_t |x_t||y_t|``), and the spread of those whose clipped-sum operand is rounded
+        (:meth:`Factored.spread`; None: none is)."""
+        value = err = mag = spread = None  # the first term starts each sum: no zeros + add per parameter
 
         def add(acc, term):
             return term if acc is None else acc + term
@@ -1113,6 +1188,8 @@ class GhostPerUnit:
             v, e = _inner(a, a)
             ma, sma = a.magnitude()
             value, err, mag = add(value, v), add(err, e), add(mag, ma * sma)
+            if not a.index and _operand_roundoff(a.narrow):
+                spread = add(spread, a.spread())
         for i, a in enumerate(fs):
             for b in fs[i + 1:]:
                 v, e = _inner(a, b)
@@ -1123,7 +1200,7 @@ class GhostPerUnit:
         if err is None:
             err = torch.zeros_like(value)
             mag = torch.zeros_like(value)
-        return value, err, mag
+        return value, err, mag, spread
 
     def _check_group(self) -> set:
         """The parameters this chunk's coverage check compares: every one still unchecked, or on a

@@ -1,4 +1,5 @@
-"""The clipped sum's operand in one pass on CUDA: ``[hi | lo] = split(c_u · y)``, bad units zeroed.
+"""The clipped sum's operand in one pass on CUDA: ``c_u · y`` rounded to bf16 (the rounded operand,
+the default), or ``[hi | lo] = split(c_u · y)`` (exact), bad units zeroed.
 
 Why by hand: on tensor cores the clipped sum of a layer is ``xᵀ [hi | lo]`` where ``hi + lo`` is
 exactly ``c_u · y`` (:func:`userdp.engine.ghost.split_bf16`). In torch that is a masked copy of
@@ -29,7 +30,7 @@ BLOCK_COLUMNS = 1024
 
 @triton.jit
 def _split_kernel(y_ptr, c_ptr, bad_ptr, out_ptr, width, padded, t_per_unit, y_row_stride,
-                  BLOCK: tl.constexpr, HAS_BAD: tl.constexpr):
+                  BLOCK: tl.constexpr, HAS_BAD: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     unit = row // t_per_unit
@@ -45,25 +46,30 @@ def _split_kernel(y_ptr, c_ptr, bad_ptr, out_ptr, width, padded, t_per_unit, y_r
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     hi32 = bits.to(tl.float32, bitcast=True)
     hi = hi32.to(tl.bfloat16)
-    lo = (p - hi32).to(tl.bfloat16)
     keep = cols < padded
-    base = out_ptr + row * (2 * padded)
-    tl.store(base + cols, hi, mask=keep)
-    tl.store(base + padded + cols, lo, mask=keep)
+    if SPLIT:
+        lo = (p - hi32).to(tl.bfloat16)
+        base = out_ptr + row * (2 * padded)
+        tl.store(base + cols, hi, mask=keep)
+        tl.store(base + padded + cols, lo, mask=keep)
+    else:
+        tl.store(out_ptr + row * padded + cols, hi, mask=keep)
 
 
-def scale_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padded: int) -> torch.Tensor | None:
+def scale_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padded: int,
+                split: bool = True) -> torch.Tensor | None:
     """``[..., m·T, 2·padded]`` bf16: ``[hi | lo]`` of ``c_u · y`` as ghost._clipped_contraction
     builds it (each half ``padded`` columns, the pad zero), units ``bad`` zeroed; ``y`` bf16
     ``[..., m, T, Y]`` with unit-stride columns and one row stride; ``c`` ``[..., m]`` bf16 numbers
-    (any float dtype); ``bad`` bool ``[m]`` or None. None when ``y``'s layout does not allow one
-    row stride (the caller takes the torch path)."""
+    (any float dtype); ``bad`` bool ``[m]`` or None. With ``split`` False, ``[..., m·T, padded]``:
+    ``hi`` alone, ``c_u · y`` rounded to bf16 (the rounded operand). None when ``y``'s layout does
+    not allow one row stride (the caller takes the torch path)."""
     lead, (m, t, width) = y.shape[:-3], y.shape[-3:]
     if width == 0 or y.stride(-1) != 1 or not _one_row_stride(y):
         return None
     rows = y.numel() // width
     flat = y.as_strided((rows, width), (y.stride(-2), 1))  # y's own storage offset
-    out = torch.empty(*lead, m * t, 2 * padded, dtype=torch.bfloat16, device=y.device)
+    out = torch.empty(*lead, m * t, (2 if split else 1) * padded, dtype=torch.bfloat16, device=y.device)
     if rows == 0:
         return out
     cf = c.reshape(-1).contiguous()
@@ -75,7 +81,7 @@ def scale_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padd
     # Triton launches on the current device: make it the tensors' (cuda:1 in a one-process run, ...)
     with torch.cuda.device(y.device) if y.device.type == "cuda" else contextlib.nullcontext():
         _split_kernel[grid](flat, cf, bad_arg, out, width, padded, t, flat.stride(0),
-                            BLOCK=BLOCK_COLUMNS, HAS_BAD=has_bad)
+                            BLOCK=BLOCK_COLUMNS, HAS_BAD=has_bad, SPLIT=split)
     return out
 
 
