@@ -123,6 +123,10 @@ def _worker(a) -> dict:
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
+    if a.sum_operand != "split":  # the tensor-core clipped sum's operand (ghost.SUM_OPERAND): a private mode
+        import userdp.engine.ghost as ghost_mod
+
+        ghost_mod.SUM_OPERAND = a.sum_operand
     if a.tf32_ceiling:  # NOT PRIVATE-SAFE: norms and sums in TF32 (a ceiling on speed, never a mode of userdp)
         import contextlib
 
@@ -496,6 +500,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--memory-snapshot", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tf32-ceiling", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--sum-operand", default="split", choices=["split", "rounded"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
     if a.users is None:

@@ -47,7 +47,7 @@ REQUIRED = {"torch": None, "numpy": None, "scipy": None, "transformers": None, "
 PARTS = {
     "env": (30, "versions"),
     "chacha": (150, "the noise kernel: compile status, draws at 124M / 355M normals"),
-    "steps-small": (150, "gpt2-small: non-private, ULS G=4, ELS (bf16, 64 users x 64 tokens)"),
+    "steps-small": (170, "gpt2-small: non-private, ULS G=4, ELS, ULS with the rounded operand (bf16, 64 users x 64 tokens)"),
     "tests": (90, "pytest tests/test_cuda.py"),
     "lora": (150, "LoRA r=8: gpt2-small and a 1.1B Llama shape, non-private and ULS"),
     "steps-medium": (180, "gpt2-medium: non-private, ULS G=4, ELS"),
@@ -168,12 +168,17 @@ def _common(a) -> list[str]:
 
 
 def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> None:
+    """Each of ``algorithms`` in its own process, ratios against the first (non-private); an entry
+    "uls:rounded" is ULS with the rounded tensor-core operand (``ghost.SUM_OPERAND``), unprofiled."""
     base = None
-    for alg in algorithms:
+    for entry in algorithms:
+        alg, _, operand = entry.partition(":")
         args = ["--model", model, "--mode", mode, "--lora-rank", "8", "--algorithm", alg, *_common(a)]
-        if profile:
+        if operand:
+            args += ["--sum-operand", operand]
+        if profile and not operand:
             args.append("--profile")
-        if profile and alg == "uls":  # what a DP step's peak holds, by allocation site (the memory model's check)
+        if profile and not operand and alg == "uls":  # what a DP step's peak holds, by allocation site (the memory model's check)
             args.append("--memory-snapshot")
         r = _worker(a, args)
         if alg == "nonprivate":
@@ -182,14 +187,15 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
             r["time_ratio"] = r["s_per_step"] / base["s_per_step"]
             r["memory_ratio"] = r["peak_bytes"] / base["peak_bytes"]
         prof = r.pop("profile", None) or {}
-        _row(part=part, model=model, mode=mode, algorithm=alg, **r,
+        _row(part=part, model=model, mode=mode, algorithm=entry, **r,
              syncs_per_step=prof.get("stream_synchronize"), memcpy_per_step=prof.get("memcpy"),
              top_ops=[f'{o["ms"]} ms x{o["count"]} {o["name"][:90]}' for o in prof.get("top_ops", [])] or None,
              top_shapes=[f'{o["ms"]} ms x{o["count"]} {o["name"][:160]}' for o in prof.get("top_shapes", [])] or None)
 
 
 def part_steps_small(a) -> None:
-    _series(a, "steps-small", "tiny" if a.quick else "gpt2-small", "full", ("nonprivate", "uls", "els"), True)
+    _series(a, "steps-small", "tiny" if a.quick else "gpt2-small", "full", ("nonprivate", "uls", "els", "uls:rounded"),
+            True)
 
 
 def part_steps_medium(a) -> None:
