@@ -216,23 +216,30 @@ def test_a_narrow_factor_of_odd_width_is_stored_with_aligned_rows(monkeypatch):
     assert ghost_mod._aligned_rows(t) is t  # off the tensor cores nothing is padded
 
 
-@pytest.mark.parametrize("wy", [64, 67, 1001])
-def test_the_fused_split_gives_the_old_split_sum(monkeypatch, wy):
-    """[hi | lo] written in place (aligned halves) is the clipped sum of split_bf16 + cat, and within
-    float32 accumulation of the exact (float64) sum."""
+def _contraction_case(monkeypatch, operand: str, wy: int):
+    """A chunk's contraction on tensor cores with ``operand``: (m, t, wx, x, y, c, its sum, the exact
+    float64 sum, the float64 sum of the terms' magnitudes)."""
     monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
-    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", "split")
+    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", operand)
     m, t, wx = 4, 9, 70
     x, y = _bf16(m, t, wx, seed=10), _bf16(m, t, wy, seed=11, scale=3.0)
     c = round_down_bf16(torch.rand(m, generator=torch.Generator().manual_seed(12)) + 0.1)
     got = ghost_mod._clipped_contraction(x, y, c, True, torch.float32)
+    exact = torch.einsum("mtx,mty->xy", x.double(), y.double() * c.double().view(m, 1, 1))
+    absdot = torch.einsum("mtx,mty->xy", x.double().abs(), y.double().abs() * c.double().view(m, 1, 1))
+    return m, t, wx, x, y, c, got, exact, absdot
+
+
+@pytest.mark.parametrize("wy", [64, 67, 1001])
+def test_the_fused_split_gives_the_old_split_sum(monkeypatch, wy):
+    """[hi | lo] written in place (aligned halves) is the clipped sum of split_bf16 + cat, and within
+    float32 accumulation of the exact (float64) sum."""
+    m, t, wx, x, y, c, got, exact, absdot = _contraction_case(monkeypatch, "split", wy)
     hi, lo = split_bf16(y.float() * c.float().view(m, 1, 1))
     xt = x.reshape(m * t, wx).t()
     old = _mm32(xt, torch.cat([hi, lo], dim=-1).reshape(m * t, 2 * wy))
     old = old[:, :wy] + old[:, wy:]
     assert got.shape == (wx, wy) and got.dtype == torch.float32
-    exact = torch.einsum("mtx,mty->xy", x.double(), y.double() * c.double().view(m, 1, 1))
-    absdot = torch.einsum("mtx,mty->xy", x.double().abs(), y.double().abs() * c.double().view(m, 1, 1))
     bound = (2 * m * t + 2) * 2.0 ** -24 * absdot
     assert bool(((got.double() - exact).abs() <= bound).all())
     assert bool(((got.double() - old.double()).abs() <= 2 * bound).all())
@@ -243,17 +250,10 @@ def test_the_rounded_operand_is_c_y_rounded_once_and_its_sum_within_its_bound(mo
     """SUM_OPERAND "rounded": the operand is c_u * y rounded to bf16 once (to nearest), the sum one
     GEMM on it, and every entry of the sum within (2^-8 + gamma_K (1 + 2^-8)) of its terms'
     magnitudes of the exact sum: the per-unit bound the clip factor is divided by."""
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
-    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", "rounded")
-    m, t, wx = 4, 9, 70
-    x, y = _bf16(m, t, wx, seed=10), _bf16(m, t, wy, seed=11, scale=3.0)
-    c = round_down_bf16(torch.rand(m, generator=torch.Generator().manual_seed(12)) + 0.1)
-    got = ghost_mod._clipped_contraction(x, y, c, True, torch.float32)
+    m, t, wx, x, y, c, got, exact, absdot = _contraction_case(monkeypatch, "rounded", wy)
     once = (y.float() * c.float().view(m, 1, 1)).to(BF16)  # exact product, one rounding
     want = _mm32(x.reshape(m * t, wx).t(), once.reshape(m * t, wy))
     assert got.shape == (wx, wy) and torch.equal(got, want)
-    exact = torch.einsum("mtx,mty->xy", x.double(), y.double() * c.double().view(m, 1, 1))
-    absdot = torch.einsum("mtx,mty->xy", x.double().abs(), y.double().abs() * c.double().view(m, 1, 1))
     k = m * t
     g = k * 2.0 ** -23 / (1 - k * 2.0 ** -23)
     err = (got.double() - exact).abs()
