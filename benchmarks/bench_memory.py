@@ -18,6 +18,7 @@ the non-private step's peak (gpt2-small / gpt2-medium, the whole step); this cou
 
     python benchmarks/bench_memory.py                      # gpt2-small and gpt2-medium, 64 users x G = 4 x 64 tokens
     python benchmarks/bench_memory.py --models gpt2-small --users 8 --json
+    python benchmarks/bench_memory.py --lora 8 --algorithms uls    # LoRA r = 8 (real weights, fake activations)
 """
 
 from __future__ import annotations
@@ -111,6 +112,18 @@ def fake_gpt2(mode: FakeTensorMode, vocab: int = 50257, positions: int = 1024, *
         return GPT2LMHeadModel(cfg).train()
 
 
+def lora_gpt2(rank: int, vocab: int = 50257, positions: int = 1024, **shape) -> torch.nn.Module:
+    """A float32 GPT-2 of ``shape`` with LoRA adapters of ``rank`` (userdp's own LoRA setup), its weights
+    real CPU tensors: peft's module moves do not run on fake tensors, so the LoRA rows take real
+    weights (not counted, as the fake ones are not) and fake activations (``allow_non_fake_inputs``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from userdp.lm import models
+
+    cfg = GPT2Config(vocab_size=vocab, n_positions=positions, bos_token_id=vocab - 1, eos_token_id=vocab - 1, **shape)
+    return models.apply_lora(GPT2LMHeadModel(cfg).train(), models.LoraSpec(rank=rank, alpha=2.0 * rank))
+
+
 def peaks(mode: FakeTensorMode, model: torch.nn.Module, algorithm: str, users: int, group: int, seq: int) -> dict:
     """The peak live bytes of a non-private forward and backward over ``users x group`` records of
     ``seq`` tokens under bf16 autocast, and of one ghost chunk of the same records (``algorithm``
@@ -158,14 +171,20 @@ def main(argv=None) -> int:
     p.add_argument("--users", type=int, default=64)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="LoRA adapters of rank R (real weights)")
     p.add_argument("--json", action="store_true", help="one JSON row per line")
     args = p.parse_args(argv)
     for name in args.models:
-        mode = FakeTensorMode()
-        model = fake_gpt2(mode, **SHAPES[name])
+        if args.lora:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            model = lora_gpt2(args.lora, **SHAPES[name])
+        else:
+            mode = FakeTensorMode()
+            model = fake_gpt2(mode, **SHAPES[name])
         for algorithm in args.algorithms:
             t0 = time.perf_counter()
-            row = {"model": name, **peaks(mode, model, algorithm, args.users, args.group_size, args.seq_len)}
+            row = {"model": name, "lora_rank": args.lora or None,
+                   **peaks(mode, model, algorithm, args.users, args.group_size, args.seq_len)}
             row["seconds"] = round(time.perf_counter() - t0, 1)
             if args.json:
                 print(json.dumps(row), flush=True)
