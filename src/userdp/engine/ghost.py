@@ -42,6 +42,11 @@ each use (one layer at a time): the values are the same as upcasting them once a
 norms and the sums are bit-identical to that, while the chunk holds half the bytes (no float32
 copy of every captured layer's input and output gradient until the clipped sum is formed).
 
+Memory: a capture holds its layer's inputs and its output's gradient edge, never the output (so
+what a non-private forward frees is freed here too), and an autocast GEMM layer's float32 input is
+cast before the layer (one bf16 tensor for the GEMM, autograd and the capture): a chunk's peak is
+the non-private forward and backward's, counted op by op (``benchmarks/bench_memory.py``).
+
 Assumptions, checked: every layer sees a batch-first input whose leading dimension is the chunk's
 record count (the engine's ``loss_fn`` contract); on its first chunk the strategy compares the
 sum of its per-unit gradients with autograd's batch gradient and refuses (naming the parameter)
