@@ -106,9 +106,10 @@ FUSED_SPLIT = "auto"
 _FUSED: dict = {}  # device type -> True, or why the kernel is not used
 
 #: the clipped sum's operand on tensor cores. "rounded": ``c_u · y`` rounded to bf16, one bf16 GEMM
-#: (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, is bounded per unit by
-#: 2^-8 · c_u · Σ_t |x_t||y_t| and folded into the clip factor (:func:`_bounded_norms`), so a unit
-#: still adds at most C. "split": ``[hi | lo]``, which is ``c_u · y`` exactly, at twice the FLOPs.
+#: (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, moves the unit's sum by at
+#: most 2^-8 · c_u · spread (:meth:`Factored.spread`), which the clip factor's bound adds
+#: (:func:`_bounded_norms`), so a unit still adds at most C. "split" (the default until a GPU has
+#: measured the other's time): ``[hi | lo]``, which is ``c_u · y`` exactly, at twice the FLOPs.
 SUM_OPERAND = "split"
 #: the relative error of rounding a float32 number to bf16 (8 significand bits, to nearest)
 ROUNDED_OPERAND_U = 2.0 ** -8
