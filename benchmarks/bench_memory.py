@@ -41,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import userdp.engine.contraction as contraction  # noqa: E402
 import userdp.engine.ghost as ghost_mod  # noqa: E402
 from userdp.engine.algorithms import ELS, ULS  # noqa: E402
 from userdp.engine.clipping import FlatClip, StepClipping  # noqa: E402
@@ -97,8 +98,8 @@ def device_path():
     """Fake CPU tensors take the ghost strategy's device path: tensor-core contractions (aten
     ``mm``/``bmm`` with a float32 ``out_dtype``, whose fake kernels need no data), aligned rows, and
     the bad units' rows always zeroed (a device never reads whether any unit is bad)."""
-    with mock.patch.object(ghost_mod, "_TC_DEVICES", (*ghost_mod._TC_DEVICES, "cpu")), \
-            mock.patch.object(ghost_mod, "_must_zero", lambda bad: True), \
+    with mock.patch.object(contraction, "TC_DEVICES", (*contraction.TC_DEVICES, "cpu")), \
+            mock.patch.object(contraction, "must_zero", lambda bad: True), \
             mock.patch.dict(ghost_mod._COEFFICIENTS, clear=True):  # its tensors belong to one fake mode
         yield
 

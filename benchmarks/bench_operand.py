@@ -1,6 +1,6 @@
 """What the rounded tensor-core operand costs the clip factor (issue 35): a ghost chunk's flat clip
 bound over its norm estimate, per unit, with the exact ``[hi | lo]`` operand and with the rounded
-one (``ghost.SUM_OPERAND``), on the CPU with the tensor-core arithmetic emulated (bf16 autocast).
+one (``contraction.SUM_OPERAND``), on the CPU with the tensor-core arithmetic emulated (bf16 autocast).
 
 The clip factor divides by the bound, so a bound 1% above the estimate clips an honest unit 1%
 harder than its norm asks. The rounded operand halves the clipped sum's FLOPs on a GPU; this is
@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import userdp.engine.contraction as contraction  # noqa: E402
 import userdp.engine.ghost as ghost_mod  # noqa: E402
 from userdp.engine.algorithms import ULS  # noqa: E402
 from userdp.engine.clipping import FlatClip, StepClipping  # noqa: E402
@@ -65,14 +66,14 @@ def bound_over_estimate(model: torch.nn.Module, ids: torch.Tensor, operand: str)
         return seen["est"], seen["up"]
 
     m, g, _ = ids.shape
-    saved = ghost_mod.TENSOR_CORES, ghost_mod.SUM_OPERAND, ghost_mod._bounded_norms
-    ghost_mod.TENSOR_CORES, ghost_mod.SUM_OPERAND, ghost_mod._bounded_norms = "on", operand, spy
+    saved = contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms
+    contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms = "on", operand, spy
     try:
         ghost_mod.GhostPerUnit(model, models.causal_lm_loss, ULS(g, 0.5), Precision("bfloat16")).clipped_sum(
             {"input_ids": ids, "labels": ids.clone()}, torch.ones(m, g), torch.ones(m),
             StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
     finally:
-        ghost_mod.TENSOR_CORES, ghost_mod.SUM_OPERAND, ghost_mod._bounded_norms = saved
+        contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms = saved
     return (seen["up"] ** 2).sum(1).sqrt() / (seen["est"] ** 2).sum(1).sqrt()
 
 

@@ -123,19 +123,20 @@ def _worker(a) -> dict:
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
-    if a.sum_operand != "split":  # the tensor-core clipped sum's operand (ghost.SUM_OPERAND): a private mode
-        import userdp.engine.ghost as ghost_mod
+    if a.sum_operand != "split":  # the tensor-core clipped sum's operand (contraction.SUM_OPERAND): a private mode
+        import userdp.engine.contraction as contraction_mod
 
-        ghost_mod.SUM_OPERAND = a.sum_operand
+        contraction_mod.SUM_OPERAND = a.sum_operand
     if a.tf32_ceiling:  # NOT PRIVATE-SAFE: norms and sums in TF32 (a ceiling on speed, never a mode of userdp)
         import contextlib
 
+        import userdp.engine.contraction as contraction_mod
         import userdp.engine.ghost as ghost_mod
         import userdp.engine.per_unit as per_unit_mod
         from userdp.engine.precision import _fp32_handles
 
         ghost_mod.exact_float32 = per_unit_mod.exact_float32 = contextlib.nullcontext
-        ghost_mod.TENSOR_CORES = "off"
+        contraction_mod.TENSOR_CORES = "off"
         for h in _fp32_handles():
             h.fp32_precision = "tf32"
     # what the process holds before the model exists (the CPU's peak RSS counts the interpreter and

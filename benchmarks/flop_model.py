@@ -16,7 +16,7 @@ Counted (multiply-adds x 2), per step of N = M * G * L tokens, with P the parame
   2PN;
   - before: Grams and sum in float32 SIMT (upcast copies);
   - after: Grams bf16 with float32 accumulation, the sum as hi + lo bf16 pieces (2 x 2PN);
-  - rounded operand (``ghost.SUM_OPERAND = "rounded"``): the sum one bf16 GEMM on c*y rounded (2PN).
+  - rounded operand (``contraction.SUM_OPERAND = "rounded"``): the sum one bf16 GEMM on c*y rounded (2PN).
 
 Rates (H100 SXM, dense): bf16 tensor cores 989 TFLOP/s and float32 SIMT 67 TFLOP/s peak, both
 taken at ``--efficiency`` (0.55) of peak. Memory traffic, launches and the noise draw are not in
@@ -50,7 +50,7 @@ def model_flops(name: str, users: int, group: int, seq: int, bf16_tflops: float,
     t_np = nonpriv / r_bf16
     before = fwd_bwd_inputs / r_bf16 + (grams + clipped_sum) / r_fp32
     after = fwd_bwd_inputs / r_bf16 + (grams + 2 * clipped_sum) / r_bf16
-    rounded = fwd_bwd_inputs / r_bf16 + (grams + clipped_sum) / r_bf16  # ghost.SUM_OPERAND = "rounded"
+    rounded = fwd_bwd_inputs / r_bf16 + (grams + clipped_sum) / r_bf16  # contraction.SUM_OPERAND = "rounded"
     return {"model": name, "users": users, "group_size": group, "seq_len": seq, "tokens": n,
             "matmul_params": p_mm, "nonprivate_tflop": nonpriv / 1e12, "ghost_fwd_bwd_tflop": fwd_bwd_inputs / 1e12,
             "grams_tflop": grams / 1e12, "clipped_sum_tflop": clipped_sum / 1e12,

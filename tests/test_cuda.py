@@ -39,12 +39,12 @@ def test_the_triton_kernel_draws_the_cpu_keystream_and_normals():
 
 
 def test_tensor_core_grams_and_sums_match_the_cpu_emulation():
-    from userdp.engine.ghost import _mm32, round_down_bf16, split_bf16
+    from userdp.engine.contraction import mm32, round_down_bf16, split_bf16
 
     g = torch.Generator().manual_seed(0)
     a = torch.randn(4, 256, 64, generator=g).to(torch.bfloat16)
     b = torch.randn(4, 64, 96, generator=g).to(torch.bfloat16)
-    got = _mm32(a.to(CUDA), b.to(CUDA)).cpu()
+    got = mm32(a.to(CUDA), b.to(CUDA)).cpu()
     exact = a.double() @ b.double()
     bound = 64 * 2.0 ** -24 * (a.double().abs() @ b.double().abs())
     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
@@ -99,6 +99,7 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
     at the step's own sizes (a 64-user chunk's c_fc factor, a stack, the odd-width head stored
     with aligned rows), a bad unit holding Inf zeroed; and a ghost chunk's sums with it agree with
     the torch passes' (to float32 rounding only: the embedding's index_add_ sums in atomic order)."""
+    from userdp.engine import contraction as C
     from userdp.engine import ghost as G
     from userdp.engine.algorithms import ULS
     from userdp.engine.clipping import FlatClip
@@ -107,29 +108,29 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
     from userdp.lm import models
     from userdp.lm.models import causal_lm_loss
 
-    assert G._check_fused_split(CUDA) is True
+    assert C.check_fused_operand(CUDA) is True
     g = torch.Generator(device=CUDA).manual_seed(0)
     for shape in ((64, 256, 3072), (4, 16, 64, 768), (8, 64, 50257)):
-        y = G._aligned_rows(torch.randn(shape, generator=g, device=CUDA).to(torch.bfloat16))
+        y = C.aligned_rows(torch.randn(shape, generator=g, device=CUDA).to(torch.bfloat16))
         m = shape[-3]
-        c = G.round_down_bf16(torch.rand(shape[:-2], generator=g, device=CUDA)).float()
+        c = C.round_down_bf16(torch.rand(shape[:-2], generator=g, device=CUDA)).float()
         bad = torch.zeros(m, dtype=torch.bool, device=CUDA)
         bad[1] = True
         y[..., 1, 0, 0] = float("inf")
-        wp = G._aligned_width(shape[-1])
+        wp = C.aligned_width(shape[-1])
         got = scale_split(y, c, bad, wp)
-        assert got is not None and torch.equal(got.view(torch.int16), G._split_operand(y, c, bad, wp).view(torch.int16))
+        assert got is not None and torch.equal(got.view(torch.int16), C.split_operand(y, c, bad, wp).view(torch.int16))
         got = scale_split(y, c, bad, wp, False)  # the rounded operand
-        assert got is not None and torch.equal(got.view(torch.int16), G._rounded_operand(y, c, bad, wp).view(torch.int16))
+        assert got is not None and torch.equal(got.view(torch.int16), C.rounded_operand(y, c, bad, wp).view(torch.int16))
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=1001, n_positions=32).to(CUDA).train()
     ids = torch.randint(0, 1001, (3, 2, 16), device=CUDA)
     out = {}
     for mode in ("off", "on"):
-        monkeypatch.setattr(G, "FUSED_SPLIT", mode)
+        monkeypatch.setattr(C, "FUSED_SPLIT", mode)
         st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
         out[mode] = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2, device=CUDA),
                                    torch.ones(3, device=CUDA), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))[0]
-    assert G._FUSED.get("cuda") is True
+    assert C.FUSED_CHECKED.get("cuda") is True
     for a, b in zip(out["off"], out["on"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -180,10 +180,11 @@ def test_the_cpu_configuration_of_a_ghost_chunk_is_held_to_its_op_count(monkeypa
     import sys
     from pathlib import Path
 
+    import userdp.engine.contraction as contraction
     import userdp.engine.ghost as ghost_mod
 
     monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "off")
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "off")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "off")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         from bench_ops import chunk_ops

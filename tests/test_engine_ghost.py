@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from userdp.engine import TrainConfig, train
+from userdp.engine import TrainConfig, contraction, train
 from userdp.engine.algorithms import ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip, StepClipping
 from userdp.engine.ghost import GHOST_LAYERS, GROUP_ELEMENTS, GhostPerUnit
@@ -497,7 +497,7 @@ def test_the_cpu_zeroes_factors_only_when_a_unit_is_bad(monkeypatch, build):
         out[poison] = count.fills, sums
     assert out[False][0] == 0  # no unit bad: no masked copy
     assert out[True][0] >= 2  # a bad unit: its factors zeroed (x and y of each factored use at least)
-    monkeypatch.setattr(ghost_mod, "_must_zero", lambda bad: True)  # the device's path: always zero
+    monkeypatch.setattr(contraction, "must_zero", lambda bad: True)  # the device's path: always zero
     batch, mask = _mlp_chunk()
     strategy = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
     ref, *_ = strategy.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
@@ -593,9 +593,8 @@ def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(
     """The bf16 tensor-core path (forced on the CPU: the same arithmetic, emulated) stacked: same
     norms (float32 Grams of the same bf16 products) and the same sums up to float32 summation order,
     and every unit's contribution still within C."""
-    import userdp.engine.ghost as ghost_mod
 
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     model = _gpt2()
     batch, mask = _lm_chunk(m=4, seed=12)
     mask = mask.float()

@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 import torch
 
+import userdp.engine.contraction as contraction
 import userdp.engine.ghost as ghost_mod
 from userdp.engine.algorithms import ULS
 from userdp.engine.clipping import FlatClip, PerLayerClip, StepClipping
-from userdp.engine.ghost import GhostPerUnit, _mm32, round_down_bf16, split_bf16
+from userdp.engine.contraction import mm32, round_down_bf16, split_bf16
+from userdp.engine.ghost import GhostPerUnit
 from userdp.engine.precision import Precision, _fp32_handles, exact_float32
 from userdp.lm import models
 from userdp.lm.models import causal_lm_loss
@@ -36,7 +38,7 @@ def test_bf16_products_and_grams_are_exact_in_float32():
     a, b = _bf16(3, 40, 24, seed=1), _bf16(3, 24, 17, seed=2)
     prods = a.float().unsqueeze(3) * b.float().unsqueeze(1)  # every product, in float32
     assert torch.equal(prods.double(), a.double().unsqueeze(3) * b.double().unsqueeze(1))
-    got = _mm32(a, b)
+    got = mm32(a, b)
     assert got.dtype == torch.float32
     exact = a.double() @ b.double()
     # float32 accumulation of K = 24 exact products: the standard bound K u sum |a_i b_i|, u = 2^-24
@@ -80,7 +82,7 @@ def _chunk(m=4, G=2, L=12, seed=8):
 
 
 def _run(monkeypatch, mode, clip, w, model=None):
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", mode)
+    monkeypatch.setattr(contraction, "TENSOR_CORES", mode)
     model = model or _tiny_gpt2()
     batch, mask = _chunk()
     return GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
@@ -104,7 +106,7 @@ def test_tensor_core_sums_match_the_float32_path(monkeypatch, clip):
 
 @pytest.mark.parametrize("operand", ["split", "rounded"])
 def test_each_units_tensor_core_contribution_is_within_the_bound(monkeypatch, operand):
-    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", operand)
+    monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
     clip = FlatClip(0.05)
     model = _tiny_gpt2()
     for u in range(4):
@@ -147,14 +149,14 @@ def test_meta_runs_the_cuda_contractions():
     """aten mm.dtype / bmm.dtype (the CUDA path) exist on the meta device: shapes and dtypes."""
     a = torch.empty(3, 5, 7, dtype=BF16, device="meta")
     b = torch.empty(3, 7, 2, dtype=BF16, device="meta")
-    out = _mm32(a, b)
+    out = mm32(a, b)
     assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (3, 5, 2)
-    assert _mm32(a[0], b[0]).shape == (5, 2)
-    np.testing.assert_equal(ghost_mod._tensor_cores(torch.device("meta")), True)
+    assert mm32(a[0], b[0]).shape == (5, 2)
+    np.testing.assert_equal(contraction.tensor_cores(torch.device("meta")), True)
 
 
 def _narrow_flags(monkeypatch, lora: bool, capture_rounding: bool) -> tuple[list, dict]:
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     if not capture_rounding:  # the capture as it was before issue 35: float32 inputs kept float32
         monkeypatch.setattr(ghost_mod, "AUTOCAST_GEMM_LAYERS", set())
         monkeypatch.setattr(ghost_mod, "_register_transformers_layers", lambda: None)
@@ -205,26 +207,26 @@ def _leading_stride(t: torch.Tensor) -> int:
 
 
 def test_a_narrow_factor_of_odd_width_is_stored_with_aligned_rows(monkeypatch):
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     t = _bf16(3, 5, 67, seed=9)
-    a = ghost_mod._aligned_rows(t)
+    a = contraction.aligned_rows(t)
     assert a.shape == t.shape and torch.equal(a, t) and a.dtype == BF16
-    assert a.stride(-2) % ghost_mod.ALIGN_ELEMENTS == 0 and a.stride(-2) >= 67
+    assert a.stride(-2) % contraction.ALIGN_ELEMENTS == 0 and a.stride(-2) >= 67
     even = _bf16(3, 5, 64, seed=9)
-    assert ghost_mod._aligned_rows(even) is even  # already aligned: no copy
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "off")
-    assert ghost_mod._aligned_rows(t) is t  # off the tensor cores nothing is padded
+    assert contraction.aligned_rows(even) is even  # already aligned: no copy
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "off")
+    assert contraction.aligned_rows(t) is t  # off the tensor cores nothing is padded
 
 
 def _contraction_case(monkeypatch, operand: str, wy: int):
     """A chunk's contraction on tensor cores with ``operand``: (m, t, wx, x, y, c, its sum, the exact
     float64 sum, the float64 sum of the terms' magnitudes)."""
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
-    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", operand)
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
     m, t, wx = 4, 9, 70
     x, y = _bf16(m, t, wx, seed=10), _bf16(m, t, wy, seed=11, scale=3.0)
     c = round_down_bf16(torch.rand(m, generator=torch.Generator().manual_seed(12)) + 0.1)
-    got = ghost_mod._clipped_contraction(x, y, c, True, torch.float32)
+    got = contraction.clipped_contraction(x, y, c, True, torch.float32)
     exact = torch.einsum("mtx,mty->xy", x.double(), y.double() * c.double().view(m, 1, 1))
     absdot = torch.einsum("mtx,mty->xy", x.double().abs(), y.double().abs() * c.double().view(m, 1, 1))
     return m, t, wx, x, y, c, got, exact, absdot
@@ -237,7 +239,7 @@ def test_the_fused_split_gives_the_old_split_sum(monkeypatch, wy):
     m, t, wx, x, y, c, got, exact, absdot = _contraction_case(monkeypatch, "split", wy)
     hi, lo = split_bf16(y.float() * c.float().view(m, 1, 1))
     xt = x.reshape(m * t, wx).t()
-    old = _mm32(xt, torch.cat([hi, lo], dim=-1).reshape(m * t, 2 * wy))
+    old = mm32(xt, torch.cat([hi, lo], dim=-1).reshape(m * t, 2 * wy))
     old = old[:, :wy] + old[:, wy:]
     assert got.shape == (wx, wy) and got.dtype == torch.float32
     bound = (2 * m * t + 2) * 2.0 ** -24 * absdot
@@ -252,7 +254,7 @@ def test_the_rounded_operand_is_c_y_rounded_once_and_its_sum_within_its_bound(mo
     magnitudes of the exact sum: the per-unit bound the clip factor is divided by."""
     m, t, wx, x, y, c, got, exact, absdot = _contraction_case(monkeypatch, "rounded", wy)
     once = (y.float() * c.float().view(m, 1, 1)).to(BF16)  # exact product, one rounding
-    want = _mm32(x.reshape(m * t, wx).t(), once.reshape(m * t, wy))
+    want = mm32(x.reshape(m * t, wx).t(), once.reshape(m * t, wy))
     assert got.shape == (wx, wy) and torch.equal(got, want)
     k = m * t
     g = k * 2.0 ** -23 / (1 - k * 2.0 ** -23)
@@ -267,20 +269,20 @@ def _adversarial_contribution(monkeypatch, fold: bool) -> float:
     clip factor they get, each c * y rounds away from the other's: the rounding errors add up over
     the records instead of cancelling. The norm of what the unit adds at the clip factor its bound
     gives (C = 1), with the rounded operand, its rounding folded into the bound or not."""
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
-    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", "rounded")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "SUM_OPERAND", "rounded")
     if not fold:
-        monkeypatch.setattr(ghost_mod, "_operand_roundoff", lambda narrow: 0.0)
+        monkeypatch.setattr(contraction, "operand_roundoff", lambda narrow: 0.0)
     t, w = 64, 8
     y = torch.tensor([1.265625, -1.3046875] * (t // 2)).view(1, t, 1).repeat(1, 1, w).to(BF16)
     f = ghost_mod.Factored(torch.ones(1, t, w, dtype=BF16), y, w, dtype=torch.float32, tc=True)
     value, err = ghost_mod._inner(f, f)
     mag, smag = f.magnitude()
-    r = ghost_mod._operand_roundoff(f.narrow)
+    r = contraction.operand_roundoff(f.narrow)
     bound = ghost_mod._Bound(value, err, mag * smag, t, f.u, None, r, f.spread() if r else None)
     _, upper = ghost_mod._bounded_norms([bound], 1)
     c = round_down_bf16((1.0 / upper[:, 0]).clamp(max=1.0).float())
-    s = ghost_mod._clipped_contraction(f.x, f.y, c, True, torch.float32)
+    s = contraction.clipped_contraction(f.x, f.y, c, True, torch.float32)
     return float(torch.linalg.vector_norm(s.double()))
 
 
@@ -288,8 +290,8 @@ def test_the_spread_bounds_what_any_bounded_operand_error_can_add(monkeypatch):
     """Factored.spread bounds ``‖Σ_t x_t ⊗ e_t‖`` for every ``|e_t| <= |y_t|``: it is at least
     ``‖X‖₂ ‖Y‖_F`` (computed exactly here) where that is below B, and at least what random-sign and
     aligned errors add; on rows that point apart it is well below B (the bound it tightens)."""
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
-    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", "rounded")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "SUM_OPERAND", "rounded")
     m, t, wx, wy = 3, 32, 256, 48
     x, y = _bf16(m, t, wx, seed=21), _bf16(m, t, wy, seed=22)
     f = ghost_mod.Factored(x, y, wx, dtype=torch.float32, tc=True)
@@ -324,7 +326,7 @@ def test_the_rounded_operand_costs_the_clip_factor_more_than_the_split_one(monke
     1.013-1.014 against 1.001; 1.036-1.038 with B in place of the spread). The rounded operand
     halves the clipped sum's FLOPs on a GPU; this is its price, which is why "split" stays the
     default until a GPU measures the other side."""
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     seen = {}
     real = ghost_mod._bounded_norms
 
@@ -335,7 +337,7 @@ def test_the_rounded_operand_costs_the_clip_factor_more_than_the_split_one(monke
     monkeypatch.setattr(ghost_mod, "_bounded_norms", spy)
     ratio = {}
     for operand in ("split", "rounded"):
-        monkeypatch.setattr(ghost_mod, "SUM_OPERAND", operand)
+        monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
         torch.manual_seed(0)
         model = models.build_preset("tiny", vocab_size=512, n_positions=64)
         ids = torch.randint(0, 512, (4, 4, 32), generator=torch.Generator().manual_seed(8))
@@ -354,18 +356,18 @@ def test_every_tensor_core_gemm_of_a_ghost_chunk_gets_aligned_operands(monkeypat
     step). Every bf16 operand of every tensor-core GEMM now has a leading dimension that is a
     multiple of 8 elements (16 bytes), also where the bad units' rows are zeroed before the sum (on a
     device always, since reading whether any unit is bad would wait for it)."""
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     if zeroing == "device":
-        monkeypatch.setattr(ghost_mod, "_must_zero", lambda bad: True)
+        monkeypatch.setattr(contraction, "must_zero", lambda bad: True)
     seen = []
-    real = ghost_mod._mm32
+    real = contraction.mm32
 
     def spy(a, b):
         if a.dtype == BF16 and min(a.shape[-2:]) > 1 and min(b.shape[-2:]) > 1:
             seen.append((tuple(a.shape), _leading_stride(a), tuple(b.shape), _leading_stride(b)))
         return real(a, b)
 
-    monkeypatch.setattr(ghost_mod, "_mm32", spy)
+    monkeypatch.setattr(contraction, "mm32", spy)
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=1001, n_positions=32).train()
     st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
@@ -385,7 +387,7 @@ def test_the_tied_heads_cross_gram_gathers_before_it_upcasts(monkeypatch):
     float32 (3.3 GB at a 64-user gpt2-small chunk)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     m, t, vocab = 3, 16, 1001
     ids = torch.randint(0, vocab, (m, t), generator=torch.Generator().manual_seed(1))
     emb = ghost_mod.Factored(ids, _bf16(m, t, 8, seed=2), vocab, index=True, dtype=torch.float32, tc=True)
@@ -410,6 +412,7 @@ def test_the_tied_heads_cross_gram_gathers_before_it_upcasts(monkeypatch):
 
 _FUSED_PROBE = r"""
 import torch
+from userdp.engine import contraction
 from userdp.engine import ghost as G
 from userdp.engine import split_triton as S
 from userdp.engine.algorithms import ULS
@@ -424,8 +427,8 @@ class OneBad(FlatClip):  # unit 1's clip factor is NaN: the run counts it bad an
         f = f.clone(); f[1] = float("nan")
         return f, n
 
-G.TENSOR_CORES = "on"
-G._must_zero = lambda bad: True  # as on a device: the bad units' rows are always zeroed
+contraction.TENSOR_CORES = "on"
+contraction.must_zero = lambda bad: True  # as on a device: the bad units' rows are always zeroed
 calls = []
 real = S.scale_split
 S.scale_split = lambda *a: calls.append(a[0].shape) or real(*a)
@@ -434,16 +437,16 @@ model = models.build_preset("tiny", vocab_size=1001, n_positions=32).train()
 ids = torch.randint(0, 1001, (3, 2, 16))
 same = []
 for operand in ("split", "rounded"):
-    G.SUM_OPERAND = operand
+    contraction.SUM_OPERAND = operand
     out = {}
     for mode in ("off", "on"):
-        G.FUSED_SPLIT = mode
+        contraction.FUSED_SPLIT = mode
         st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
         sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
                                              torch.ones(3), StepClipping(OneBad(1.0), {"clip_norm": 1.0}, torch.float32))
         out[mode] = sums
     same.append(all(torch.equal(a, b) for a, b in zip(out["off"], out["on"])))
-print(all(same), bad.tolist() == [False, True, False], G._FUSED.get("cpu"), len(calls))
+print(all(same), bad.tolist() == [False, True, False], contraction.FUSED_CHECKED.get("cpu"), len(calls))
 """
 
 
@@ -474,28 +477,28 @@ def test_a_fused_operand_kernel_that_differs_is_not_used_and_is_warned_about(mon
     fake = types.ModuleType("userdp.engine.split_triton")
 
     def off_by_one_bit(y, c, bad, wp, split=True):  # the torch passes' buffer with one bit flipped
-        buf = ghost_mod._split_operand(y, c, bad, wp)
+        buf = contraction.split_operand(y, c, bad, wp)
         flat = buf.view(torch.int16).view(-1)
         flat[3] ^= 1
         return buf
 
     fake.scale_split = off_by_one_bit
-    monkeypatch.setattr(ghost_mod, "split_triton", fake)
-    monkeypatch.setattr(ghost_mod, "FUSED_SPLIT", "on")
-    monkeypatch.setattr(ghost_mod, "_FUSED", {})
+    monkeypatch.setattr(contraction, "split_triton", fake)
+    monkeypatch.setattr(contraction, "FUSED_SPLIT", "on")
+    monkeypatch.setattr(contraction, "FUSED_CHECKED", {})
     y, c = _bf16(2, 3, 37), round_down_bf16(torch.rand(2)).float()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert ghost_mod._fused_split(y, c, None, 40) is None
-        assert ghost_mod._fused_split(y, c, None, 40) is None  # decided once
+        assert contraction.fused_operand(y, c, None, 40) is None
+        assert contraction.fused_operand(y, c, None, 40) is None  # decided once
     assert len(caught) == 1 and "differs from torch's" in str(caught[0].message)
-    monkeypatch.setattr(ghost_mod, "split_triton", None)  # no triton (the CPU wheel of torch)
-    monkeypatch.setattr(ghost_mod, "_NO_TRITON", "no triton: ModuleNotFoundError: No module named 'triton'")
-    monkeypatch.setattr(ghost_mod, "_FUSED", {})
+    monkeypatch.setattr(contraction, "split_triton", None)  # no triton (the CPU wheel of torch)
+    monkeypatch.setattr(contraction, "NO_TRITON", "no triton: ModuleNotFoundError: No module named 'triton'")
+    monkeypatch.setattr(contraction, "FUSED_CHECKED", {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert ghost_mod._fused_split(y, c, None, 40) is None
+        assert contraction.fused_operand(y, c, None, 40) is None
     assert "no triton" in str(caught[0].message)
-    monkeypatch.setattr(ghost_mod, "FUSED_SPLIT", "auto")  # off CUDA, auto never tries it
-    monkeypatch.setattr(ghost_mod, "_FUSED", {})
-    assert ghost_mod._fused_split(y, c, None, 40) is None and ghost_mod._FUSED == {}
+    monkeypatch.setattr(contraction, "FUSED_SPLIT", "auto")  # off CUDA, auto never tries it
+    monkeypatch.setattr(contraction, "FUSED_CHECKED", {})
+    assert contraction.fused_operand(y, c, None, 40) is None and contraction.FUSED_CHECKED == {}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TensorUserData, TrainConfig
+from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TensorUserData, TrainConfig, contraction
 from userdp.engine import ghost as ghost_mod
 from userdp.engine.loop import EngineRun
 from userdp.engine.neighbour import join, neighbour_gap
@@ -98,8 +98,8 @@ def test_cancelling_records_in_float64_and_in_a_stack_of_layers(monkeypatch):
 
 @pytest.mark.parametrize("operand", ["split", "rounded"])
 def test_cancelling_records_on_tensor_cores_emulated(monkeypatch, operand):
-    monkeypatch.setattr(ghost_mod, "TENSOR_CORES", "on")
-    monkeypatch.setattr(ghost_mod, "SUM_OPERAND", operand)
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
     gap = neighbour_gap(builder(layers=2), honest(), cancelling(3e4), reg_loss,
                         config(per_unit="ghost", precision="bfloat16"))
     assert gap.within(), gap

@@ -169,7 +169,7 @@ def _common(a) -> list[str]:
 
 def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> None:
     """Each of ``algorithms`` in its own process, ratios against the first (non-private); an entry
-    "uls:rounded" is ULS with the rounded tensor-core operand (``ghost.SUM_OPERAND``), unprofiled."""
+    "uls:rounded" is ULS with the rounded tensor-core operand (``contraction.SUM_OPERAND``), unprofiled."""
     base = None
     for entry in algorithms:
         alg, _, operand = entry.partition(":")

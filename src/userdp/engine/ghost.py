@@ -57,7 +57,6 @@ see it. FedAvg's unit update is a local-SGD delta, not a gradient: it keeps the 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +66,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vjp, vmap
 from torch.nn import functional as F
 
+from userdp.engine import contraction as cx
 from userdp.engine.clipping import StepClipping
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
@@ -74,23 +74,11 @@ from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.engine.sharding import is_sharded, whole
 from userdp.errors import UserError
 
-_NO_TRITON: str | None = None  # why the Triton kernel cannot be imported here
-try:  # the CUDA kernel is written in Triton, which CUDA builds of torch bring (the CPU wheel does not)
-    from userdp.engine import split_triton
-except Exception as exc:  # noqa: BLE001 - a missing or broken triton: the warning says why
-    split_triton, _NO_TRITON = None, f"no triton: {type(exc).__name__}: {str(exc)[:120]}"
-
 
 class GhostUnsupported(UserError):
     """The model cannot be served by ghost norms (a layer that is not batch-first, an input broadcast
     over the batch, a parameter used outside its layers): ``per_unit: auto`` then uses vmap."""
 
-
-#: where bf16 factors are contracted on tensor cores (bf16 inputs, float32 accumulation and
-#: output: aten ``mm.dtype``/``bmm.dtype``); elsewhere (the CPU) the reference path upcasts first.
-#: "auto" follows the device; tests force "on" to run the same arithmetic on the CPU (emulated).
-TENSOR_CORES = "auto"
-_TC_DEVICES = ("cuda", "meta")
 
 #: the clip factor is taken from a proven upper bound on what a unit adds, not from its estimated
 #: norm (docs/guarantee.md, "Ghost norms: the bound"): the Gram-form norm plus the bound on its
@@ -98,174 +86,6 @@ _TC_DEVICES = ("cuda", "meta")
 #: BOUND = False takes the factor from the estimate alone (the pre-0.4 behaviour: a unit whose
 #: per-token terms cancel could then add up to 3x C); only tests set it, to show that.
 BOUND = True
-
-#: where the clipped sum's ``[hi | lo]`` operand is built by one Triton kernel
-#: (:mod:`userdp.engine.split_triton`) instead of four torch passes: "auto" on CUDA, "off" never,
-#: "on" on any device (tests, under Triton's interpreter). Either way the same bits (checked).
-FUSED_SPLIT = "auto"
-_FUSED: dict = {}  # device type -> True, or why the kernel is not used
-
-#: the clipped sum's operand on tensor cores. "rounded": ``c_u · y`` rounded to bf16, one bf16 GEMM
-#: (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, moves the unit's sum by at
-#: most 2^-8 · c_u · spread (:meth:`Factored.spread`), which the clip factor's bound adds
-#: (:func:`_bounded_norms`), so a unit still adds at most C. "split" (the default until a GPU has
-#: measured the other's time): ``[hi | lo]``, which is ``c_u · y`` exactly, at twice the FLOPs.
-SUM_OPERAND = "split"
-#: the relative error of rounding a float32 number to bf16 (8 significand bits, to nearest)
-ROUNDED_OPERAND_U = 2.0 ** -8
-
-
-def _must_zero(bad: torch.Tensor) -> bool:
-    """Whether the bad units' factors must be zeroed before the clipped sum (their clip factor is
-    already 0, but 0 times Inf is NaN). On a CPU reading ``bad.any()`` costs nothing, so the masked
-    copies of every factor are made only when a unit is bad; on a device that read would wait for
-    it, so they are always made (zeroing no unit changes no value: the same sums either way)."""
-    return bad.device.type != "cpu" or bool(bad.any())
-
-
-def _tensor_cores(device: torch.device) -> bool:
-    return TENSOR_CORES == "on" or (TENSOR_CORES == "auto" and device.type in _TC_DEVICES)
-
-
-def _mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of two bf16 tensors (2-D or batched 3-D) with float32 accumulation and output.
-
-    On CUDA one tensor-core GEMM (aten ``mm.dtype``/``bmm.dtype``); on the CPU the same numbers by
-    upcasting first (a product of two bf16 numbers is exact in float32, so the two differ only in
-    the order of the float32 sums)."""
-    if a.device.type in _TC_DEVICES:
-        return (torch.bmm if a.dim() == 3 else torch.mm)(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
-
-
-def round_down_bf16(c: torch.Tensor) -> torch.Tensor:
-    """The largest bf16 values <= ``c`` (float32, >= 0): the float32 mantissa truncated to bf16's
-    7 bits, which for non-negative numbers rounds down. Exact: the result is a bf16 number."""
-    return (c.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
-
-
-def split_bf16(p: torch.Tensor, hi: torch.Tensor | None = None,
-               lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hi, lo)`` bf16 with ``hi + lo == p`` exactly, for ``p`` a float32 product of two bf16
-    numbers (at most 16 significant bits: hi holds the leading 8, lo the rest). Written into
-    ``hi``/``lo`` when given (bf16 views of p's shape, e.g. the two halves of one GEMM operand):
-    hi is p rounded to nearest, lo = p - hi taken in float32 (exact) and stored as bf16 (exact)."""
-    hi = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device) if hi is None else hi
-    lo = torch.empty_like(hi) if lo is None else lo
-    hi.copy_(p)
-    torch.sub(p, hi, out=lo)
-    return hi, lo
-
-
-def _clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narrow: bool,
-                         dtype: torch.dtype, bad: torch.Tensor | None = None) -> torch.Tensor:
-    """``Σ_u c_u Σ_t x[..., u, t] ⊗ y[..., u, t]``: ``x [..., m, T, X]``, ``y [..., m, T, Y]``,
-    ``c [..., m]`` -> ``[..., X, Y]`` (one use, or a stack of uses with a leading dimension).
-    ``bad`` (bool ``[m]``): units whose rows of ``y`` count as zero (``x``'s must be zero already;
-    ``c`` is 0 there, but 0 times Inf is NaN).
-
-    ``narrow`` (tensor cores): ``c`` holds bf16 numbers, so each ``c_u · y`` is exact in float32. With
-    :data:`SUM_OPERAND` "rounded" it is rounded to bf16 and ``xᵀ (c·y)`` is one bf16 GEMM with float32
-    accumulation (the rounding is in the clip factor's bound); with "split" it splits exactly into
-    bf16 ``hi + lo`` and ``xᵀ [hi lo]`` is one GEMM of twice the width.
-    Otherwise both factors in ``dtype``, one GEMM."""
-    lead, (m, t, wx), wy = x.shape[:-3], x.shape[-3:], y.shape[-1]
-    xt = x.reshape(*lead, m * t, wx).transpose(-1, -2)
-    if narrow:
-        # the operand's rows (each half's, split) start on aligned columns, so the GEMM keeps the
-        # tensor cores' fast layouts whatever the width (GPT-2's 50,257 is odd)
-        wp = _aligned_width(wy)
-        split = SUM_OPERAND == "split"
-        buf = _fused_split(y, c, bad, wp, split)
-        if buf is None:
-            buf = _split_operand(y, c, bad, wp) if split else _rounded_operand(y, c, bad, wp)
-        out = _mm32(xt, buf)
-        return out[..., :wy] + out[..., wp : wp + wy] if split else out[..., :wy]
-    if bad is not None:
-        y = _zero_rows(y, bad.view(*([1] * len(lead)), -1, 1, 1))
-    return xt.to(dtype) @ (y.to(dtype) * c.view(*lead, m, 1, 1)).reshape(*lead, m * t, wy)
-
-
-def _split_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int) -> torch.Tensor:
-    """``[..., m·T, 2·wp]`` bf16: ``[hi | lo]`` of ``c_u · y`` (exact in float32), split in place into
-    one buffer (no float32 copy of y beyond the product), the pad columns zero and the units
-    ``bad`` zeroed; torch's passes (:func:`_fused_split` is the same bits in one kernel)."""
-    lead, (m, t, wy) = y.shape[:-3], y.shape[-3:]
-    if bad is not None:
-        y = _zero_rows(y, bad.view(*([1] * len(lead)), -1, 1, 1))
-    p = torch.mul(y, c.view(*lead, m, 1, 1).float()).reshape(*lead, m * t, wy)  # bf16 x float32 -> float32
-    buf = torch.empty(*lead, m * t, 2 * wp, dtype=torch.bfloat16, device=y.device)
-    split_bf16(p, buf[..., :wy], buf[..., wp : wp + wy])
-    del p
-    if wp != wy:  # the pad columns reach only the output columns that are dropped; zeroed anyway
-        buf[..., wy:wp].zero_()
-        buf[..., wp + wy :].zero_()
-    return buf
-
-
-def _rounded_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int) -> torch.Tensor:
-    """``[..., m·T, wp]`` bf16: ``c_u · y`` rounded to nearest bf16 (the product of two bf16 numbers is
-    exact in float32 and rounded once: torch's bf16 multiply), the pad columns zero and the units
-    ``bad`` zeroed; torch's passes (:func:`_fused_split` is the same bits in one kernel)."""
-    lead, (m, t, wy) = y.shape[:-3], y.shape[-3:]
-    if bad is not None:
-        y = _zero_rows(y, bad.view(*([1] * len(lead)), -1, 1, 1))
-    buf = torch.empty(*lead, m * t, wp, dtype=torch.bfloat16, device=y.device)
-    torch.mul(y, c.view(*lead, m, 1, 1).to(torch.bfloat16), out=buf[..., :wy].view(*lead, m, t, wy))
-    if wp != wy:
-        buf[..., wy:].zero_()
-    return buf
-
-
-def _fused_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int,
-                 split: bool = True) -> torch.Tensor | None:
-    """:func:`_split_operand`'s buffer (``split``) or :func:`_rounded_operand`'s from one Triton kernel
-    (:mod:`userdp.engine.split_triton`) where :data:`FUSED_SPLIT` allows it and the kernel has matched
-    both bit for bit on this device type (checked once per process; a mismatch or a failure is warned
-    about once and the torch passes are used); else None."""
-    kind = y.device.type
-    if FUSED_SPLIT == "off" or (FUSED_SPLIT == "auto" and kind != "cuda"):
-        return None
-    state = _FUSED.get(kind)
-    if state is None:
-        state = _FUSED[kind] = _check_fused_split(y.device)
-        if state is not True:
-            warnings.warn(f"userdp: the fused [hi | lo] kernel is not used on {kind} ({state}); the clipped "
-                          f"sums take torch's passes (the same numbers, slower)", RuntimeWarning, stacklevel=2)
-    if state is not True:
-        return None
-    return split_triton.scale_split(y, c, bad, wp, split)
-
-
-def _check_fused_split(device: torch.device) -> bool | str:
-    """True when the Triton kernel builds ``[hi | lo]`` and the rounded operand bit for bit as
-    :func:`_split_operand` and :func:`_rounded_operand` on a test input: odd and aligned widths, a
-    stack, rows with a padded stride, a bad unit holding Inf and NaN; else why not."""
-    if split_triton is None:
-        return _NO_TRITON
-    g = torch.Generator().manual_seed(0)
-    try:
-        for shape, aligned in (((3, 5, 37), False), ((2, 3, 4, 64), False), ((3, 5, 37), True),
-                               ((3, 2, 2500), True)):  # several column tiles
-            y = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
-            y[..., 1, 1, :5] = float("inf")
-            y[..., 1, 1, 7] = float("nan")
-            if aligned:  # rows padded to an aligned stride, as _aligned_rows stores them
-                pad = _aligned_width(shape[-1] + 1) - shape[-1]
-                y = F.pad(y, (0, pad))[..., : shape[-1]]
-            c = round_down_bf16(torch.rand(shape[:-2], generator=g)).float()
-            bad = torch.tensor([False, True, False])
-            c[..., 1] = 0.0
-            y, c, bad = y.to(device), c.to(device), bad.to(device)
-            wp = _aligned_width(shape[-1])
-            for split, torch_passes in ((True, _split_operand), (False, _rounded_operand)):
-                got = split_triton.scale_split(y, c, bad, wp, split)
-                if got is None or not torch.equal(got.view(torch.int16), torch_passes(y, c, bad, wp).view(torch.int16)):
-                    return f"its {'split' if split else 'rounded'} buffer differs from torch's on {tuple(shape)}"
-    except Exception as exc:  # noqa: BLE001 - reported (warned), never silent
-        return f"{type(exc).__name__}: {str(exc)[:160]}"
-    return True
-
 
 @dataclass
 class Factored:
@@ -380,18 +200,18 @@ class Factored:
             out.index_add_(0, rows, self.fy().reshape(-1, y))
             return out.view(m, self.size_x, y)
         if self.narrow:
-            return _mm32(self.x.transpose(1, 2), self.y)
+            return cx.mm32(self.x.transpose(1, 2), self.y)
         return torch.bmm(self.fx().transpose(1, 2), self.fy())
 
     def weighted_sum(self, c: torch.Tensor) -> torch.Tensor:
         """``Σ_u c_u Σ_t x[u,t] ⊗ y[u,t]`` (``[X, Y]``): the clipped sum of this use.
 
         On tensor cores (:attr:`narrow`) the factors ``c`` must already be bf16 numbers (see
-        :func:`round_down_bf16`): then each ``c_u · y`` is exact in float32 and splits exactly into
+        :func:`~userdp.engine.contraction.round_down_bf16`): then each ``c_u · y`` is exact in float32 and splits exactly into
         two bf16 pieces, and ``xᵀ hi + xᵀ lo`` is one bf16 GEMM with float32 accumulation — the
         float32 result up to the order of its sums, at twice the bf16 FLOPs instead of float32's."""
         if not self.index:
-            return _clipped_contraction(self.x, self.y, c, self.narrow, self.compute_dtype, self.bad)
+            return cx.clipped_contraction(self.x, self.y, c, self.narrow, self.compute_dtype, self.bad)
         width = self.y.shape[2]
         if self.narrow:
             y = self.y.float() * c.float().view(-1, 1, 1)  # exact: bf16 x bf16
@@ -404,20 +224,11 @@ class Factored:
         """This use with the units ``bad`` (bool ``[m]``) zeroed in both factors (Inf and NaN
         included: masked_fill writes the zeros, it does not multiply). A dense use keeps ``y`` as it
         is and ``bad`` with it: :meth:`weighted_sum` zeroes those rows where it reads ``y``
-        (:func:`_clipped_contraction`; on tensor cores in the same pass that builds the GEMM's operand)."""
+        (:func:`~userdp.engine.contraction.clipped_contraction`; on tensor cores in the same pass that builds the GEMM's operand)."""
         drop = bad.view(-1, 1, 1)
         if self.index:  # x holds token ids
-            return Factored(self.x, _zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
-        return Factored(_zero_rows(self.x, drop), self.y, self.size_x, self.index, self.dtype, self.tc, bad=bad)
-
-
-def _zero_rows(t: torch.Tensor, drop: torch.Tensor) -> torch.Tensor:
-    """``t`` with the units ``drop`` zeroed (written, not multiplied), in ``t``'s own layout: a factor
-    stored with aligned rows (:func:`_aligned_rows`) keeps them (masked_fill would make it dense)."""
-    if t.is_contiguous():
-        return t.masked_fill(drop, 0)
-    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-    return torch.where(drop, torch.zeros((), dtype=t.dtype, device=t.device), t, out=out)
+            return Factored(self.x, cx.zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
+        return Factored(cx.zero_rows(self.x, drop), self.y, self.size_x, self.index, self.dtype, self.tc, bad=bad)
 
 
 def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
@@ -431,7 +242,7 @@ def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
     if b.index:
         return _x_gram(b, a).transpose(1, 2)
     if a.narrow and b.narrow:  # bf16 x bf16 is exact in float32: tensor cores, float32 accumulation
-        return _mm32(a.x, b.x.transpose(1, 2))
+        return cx.mm32(a.x, b.x.transpose(1, 2))
     ax = a.fx()
     return torch.bmm(ax, (ax if b is a else b.fx()).transpose(1, 2))
 
@@ -439,7 +250,7 @@ def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
 def _y_gram(a: Factored, b: Factored) -> torch.Tensor:
     """``[m, Ta, Tb]``: the inner products of a's and b's y rows."""
     if a.narrow and b.narrow:
-        return _mm32(a.y, b.y.transpose(1, 2))
+        return cx.mm32(a.y, b.y.transpose(1, 2))
     ay = a.fy()  # a use's own norm (b is a): one upcast, not two
     return torch.bmm(ay, (ay if b is a else b.fy()).transpose(1, 2))
 
@@ -461,7 +272,7 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     u = max(a.u, b.u)
     gxn = 0.0 if (a.index or b.index) else gamma(int(a.x.shape[-1]), u)
     gyn = gamma(int(a.y.shape[-1]), u)
-    if b is a and not a.index and _operand_roundoff(a.narrow):  # the rounded operand's spread (Factored.spread)
+    if b is a and not a.index and cx.operand_roundoff(a.narrow):  # the rounded operand's spread (Factored.spread)
         a._gx_rows = gx.abs().sum(-1)
     if b is a and a._rows is None:  # the rows' norms from the Grams' diagonals
         ry = torch.diagonal(gy, dim1=1, dim2=2).sqrt()
@@ -532,31 +343,8 @@ def _by_units(t: torch.Tensor, m: int, n: int, dtype: torch.dtype, what: str, *,
                         "first; this model is not batch-first here: use training.per_unit: vmap")
     t = t.reshape(m, -1, t.shape[-1])
     if store and KEEP_NARROW and t.dtype in (torch.bfloat16, torch.float16):
-        return _aligned_rows(t)
+        return cx.aligned_rows(t)
     return t.to(dtype)
-
-
-#: rows of a narrow factor start on 16-byte boundaries (8 bf16 elements) on tensor-core devices:
-#: cuBLAS's Hopper GEMMs need aligned leading dimensions, and a factor as wide as GPT-2's vocabulary
-#: (50,257) otherwise falls back to Turing-era kernels (seen on an H200: the tied head's GEMMs)
-ALIGN_ELEMENTS = 8
-
-
-def _aligned_width(w: int) -> int:
-    return -(-int(w) // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-
-
-def _aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[m, T, d]`` itself when its rows are aligned (or off a tensor-core device), else the
-    same values as a view of a buffer whose rows are padded to :func:`_aligned_width` (one copy;
-    the values are unchanged, only the row stride moves)."""
-    w = int(t.shape[-1])
-    if not _tensor_cores(t.device) or w % ALIGN_ELEMENTS == 0 or w < 64:
-        return t
-    buf = torch.empty(*t.shape[:-1], _aligned_width(w), dtype=t.dtype, device=t.device)
-    view = buf[..., :w]
-    view.copy_(t)
-    return view
 
 
 # --------------------------------------------------------------------------- layer registry
@@ -710,7 +498,7 @@ STACK_FACTORS = "auto"
 
 
 def _stack_factors(device: torch.device) -> bool:
-    return STACK_FACTORS == "on" or (STACK_FACTORS == "auto" and device.type in _TC_DEVICES)
+    return STACK_FACTORS == "on" or (STACK_FACTORS == "auto" and device.type in cx.TC_DEVICES)
 
 
 def _factor_groups(dense: list, factored: list, m: int) -> list[list[int]]:
@@ -757,7 +545,7 @@ class _FactorStack:
                         self.size_x, False, self.dtype, self.tc)
         value, err = _inner(flat, flat)
         mag, smag = flat.magnitude()
-        spread = flat.spread().view(k, m) if _operand_roundoff(flat.narrow) else None
+        spread = flat.spread().view(k, m) if cx.operand_roundoff(flat.narrow) else None
         return value.view(k, m), err.view(k, m), (mag * smag).view(k, m), spread
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
@@ -770,8 +558,8 @@ class _FactorStack:
         self.x = self.y = None
         cg = torch.stack([c[:, j] for j in self.members])  # [k, m]
         if self.narrow:
-            cg = round_down_bf16(cg)
-        return _clipped_contraction(x, y, cg, self.narrow, self.dtype or y.dtype, bad)
+            cg = cx.round_down_bf16(cg)
+        return cx.clipped_contraction(x, y, cg, self.narrow, self.dtype or y.dtype, bad)
 
 
 @dataclass
@@ -781,7 +569,7 @@ class _Bound:
     2^-53), ``magnitude`` ``Σ_uses Σ_t |x_t||y_t|`` of its factored uses, ``length`` the longest
     contraction its clipped sum takes (m·T), ``u`` the unit roundoff, ``size`` the norm of its
     materialized part (None: none), ``operand`` the relative rounding of its clipped sum's operand
-    entries (:data:`ROUNDED_OPERAND_U` for the rounded tensor-core operand, else 0: exact) and
+    entries (:data:`~userdp.engine.contraction.ROUNDED_OPERAND_U` for the rounded tensor-core operand, else 0: exact) and
     ``spread`` what that rounding is a share of (:meth:`Factored.spread` summed over the uses whose
     operand is rounded; needed when ``operand`` is not 0)."""
 
@@ -796,13 +584,6 @@ class _Bound:
 
 
 _COEFFICIENTS: dict = {}
-
-
-def _operand_roundoff(narrow: bool) -> float:
-    """The relative rounding of a dense use's clipped-sum operand entries: :data:`ROUNDED_OPERAND_U`
-    on tensor cores with the rounded operand, else 0 (the split operand and the float paths are
-    exact products; an embedding's sum adds ``c_u · y`` in float32, exactly)."""
-    return ROUNDED_OPERAND_U if narrow and SUM_OPERAND == "rounded" else 0.0
 
 
 def _coefficients(values: tuple, device: torch.device) -> torch.Tensor:
@@ -1007,7 +788,7 @@ class GhostPerUnit:
         clipping, clip_state, acc_dtype = clip.clipping, clip.state, clip.acc_dtype
         m, g_cap = mask.shape
         n = m * g_cap
-        tc = _tensor_cores(self.params[0].device)
+        tc = cx.tensor_cores(self.params[0].device)
         flat = {k: v.reshape(n, *v.shape[2:]) for k, v in batch.items()}
         losses, captures = self._forward(flat)
         if losses.shape != (n,):
@@ -1088,7 +869,7 @@ class GhostPerUnit:
                 value, err, mag, spread = st.norm2()  # [k, m]
                 k_len = m * int(st.y.shape[2])
                 u = unit_roundoff(st.dtype or st.y.dtype, st.narrow)
-                r = _operand_roundoff(st.narrow)
+                r = cx.operand_roundoff(st.narrow)
                 for i, j in enumerate(st.members):
                     parts[j] = _Bound(value[i], err[i], mag[i], k_len, u, None, r, spread[i] if r else None)
             for j, (d, fs) in enumerate(zip(dense, factored)):
@@ -1098,7 +879,7 @@ class GhostPerUnit:
                             if d is not None else None)
                     k_len = max((m * x.tokens for x in fs), default=0)
                     u = max([x.u for x in fs] + [u_dense])
-                    r = ROUNDED_OPERAND_U if spread is not None else 0.0
+                    r = cx.ROUNDED_OPERAND_U if spread is not None else 0.0
                     parts[j] = _Bound(value, err, mag, k_len, u, size, r, spread)
             est, upper = _bounded_norms(parts, m)
             del parts
@@ -1115,7 +896,7 @@ class GhostPerUnit:
             norms = norms.to(acc_dtype)
             bad = ~torch.isfinite(norms) | ~torch.isfinite(f).all(1)
             c = round_down_to(torch.where(bad.unsqueeze(1), 0.0, f) * weights.to(f.dtype).unsqueeze(1), acc_dtype)
-            zero = _must_zero(bad)
+            zero = cx.must_zero(bad)
             sums: list = [None] * len(self.params)
             while blocks:
                 g, block = blocks.pop()
@@ -1141,7 +922,7 @@ class GhostPerUnit:
                     fs = [x.zero_units(bad) for x in fs]
                 cj = c[:, j]
                 if any(x.narrow for x in fs):  # tensor cores: one bf16 factor (<= c) for all the parameter's parts
-                    cj = round_down_bf16(cj)
+                    cj = cx.round_down_bf16(cj)
                 sums[j] = _weighted_sum(d, fs, cj, p)
                 del d, fs
                 if sink is not None:
@@ -1194,7 +975,7 @@ class GhostPerUnit:
             v, e = _inner(a, a)
             ma, sma = a.magnitude()
             value, err, mag = add(value, v), add(err, e), add(mag, ma * sma)
-            if not a.index and _operand_roundoff(a.narrow):
+            if not a.index and cx.operand_roundoff(a.narrow):
                 spread = add(spread, a.spread())
         for i, a in enumerate(fs):
             for b in fs[i + 1:]:

@@ -2,7 +2,7 @@
 the default), or ``[hi | lo] = split(c_u · y)`` (exact), bad units zeroed.
 
 Why by hand: on tensor cores the clipped sum of a layer is ``xᵀ [hi | lo]`` where ``hi + lo`` is
-exactly ``c_u · y`` (:func:`userdp.engine.ghost.split_bf16`). In torch that is a masked copy of
+exactly ``c_u · y`` (:func:`userdp.engine.contraction.split_bf16`). In torch that is a masked copy of
 ``y`` (a non-finite unit's rows zeroed), the product in float32, its rounding to bf16 and the
 remainder: four passes over the factor and a float32 copy of it. On an H100 they were the largest
 part of the DP step's elementwise time (``masked_fill_``, ``mul``, ``copy_``, ``sub`` on the
@@ -11,7 +11,7 @@ bf16 buffer once, with the same arithmetic: ``p = c_u · y`` in float32 (exact: 
 numbers), ``hi`` = p rounded to bf16, ``lo`` = ``p - hi`` (exact in float32, and exactly a bf16
 number), zeros for a bad unit and in the pad columns.
 
-It is used only after :func:`userdp.engine.ghost._fused_split` finds it bit-equal to the torch
+It is used only after :func:`userdp.engine.contraction.fused_operand` finds it bit-equal to the torch
 path on a test input on that device, once per process. Importing this module needs ``triton``;
 on a CPU, tests run it under ``TRITON_INTERPRET=1``.
 """
@@ -58,7 +58,7 @@ def _split_kernel(y_ptr, c_ptr, bad_ptr, out_ptr, width, padded, t_per_unit, y_r
 
 def scale_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padded: int,
                 split: bool = True) -> torch.Tensor | None:
-    """``[..., m·T, 2·padded]`` bf16: ``[hi | lo]`` of ``c_u · y`` as ghost._clipped_contraction
+    """``[..., m·T, 2·padded]`` bf16: ``[hi | lo]`` of ``c_u · y`` as contraction.clipped_contraction
     builds it (each half ``padded`` columns, the pad zero), units ``bad`` zeroed; ``y`` bf16
     ``[..., m, T, Y]`` with unit-stride columns and one row stride; ``c`` ``[..., m]`` bf16 numbers
     (any float dtype); ``bad`` bool ``[m]`` or None. With ``split`` False, ``[..., m·T, padded]``:
