@@ -629,7 +629,7 @@ def _bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 #: layer types whose input autocast casts to its low-precision dtype before the layer's GEMM
 #: (aten linear and addmm are on autocast's lower-precision list): their captured input is rounded
-#: the same way, so the ghost factors are the GEMM's own operands (see :func:`_captured`)
+#: the same way, before the layer, so the ghost factors are the GEMM's own operands (see :func:`_captured`)
 AUTOCAST_GEMM_LAYERS: set = {nn.Linear}
 
 
@@ -649,20 +649,13 @@ def _narrowable(a) -> bool:
     return isinstance(a, torch.Tensor) and a.dtype == torch.float32
 
 
-def _captured(a, cast: torch.dtype | None):
-    """A captured layer input: detached, and under autocast rounded to the dtype autocast gave the
-    layer's GEMM (float32 LayerNorm outputs feed GPT-2's ``c_attn``, ``c_fc`` and its tied head: in
-    bf16 the GEMM consumed their bf16 rounding, and autograd's weight gradient is built from it).
-    So the norm, the clipped sum and autograd's own gradient see the same numbers, and on tensor
-    cores the contraction takes the bf16 path (float32 accumulation) instead of float32 SIMT.
-    The forward's pre-hook has normally cast such an input already (the tensor the GEMM consumed:
-    then this is a view of it, no copy); the cast here covers an input the pre-hook did not see."""
-    if not isinstance(a, torch.Tensor):
-        return a
-    a = a.detach()
-    if cast is not None and a.is_floating_point() and a.dtype != cast and a.dtype == torch.float32:
-        a = a.to(cast)
-    return a
+def _captured(a):
+    """A captured layer input, detached. Under autocast the forward's pre-hook has already cast a
+    float32 input of a GEMM layer to autocast's dtype (float32 LayerNorm outputs feed GPT-2's
+    ``c_attn``, ``c_fc`` and its tied head): the capture is the tensor the GEMM consumed and autograd
+    keeps, so the norm, the clipped sum and autograd's own gradient see the same numbers, no second
+    copy is held, and on tensor cores the contraction takes the bf16 path (float32 accumulation)."""
+    return a.detach() if isinstance(a, torch.Tensor) else a
 
 
 # --------------------------------------------------------------------------- the strategy
@@ -744,15 +737,14 @@ class GhostPerUnit:
             if not isinstance(out, torch.Tensor):
                 raise GhostUnsupported(f"per_unit=ghost: layer {type(mod).__name__} returns {type(out).__name__}, "
                                 "not a tensor: use training.per_unit: vmap")
-            cast = _autocast_operand_dtype(mod, device)
-            captures.append(_Capture(mod, tuple(_captured(a, cast) for a in args), out))
+            captures.append(_Capture(mod, tuple(_captured(a) for a in args), out))
             if self._sharded and not self._verified:
                 self._in_use.extend((mod, n, t) for n, t in mod.named_parameters(recurse=False) if t.requires_grad)
 
         def cast_first(mod, args):
             # a float32 input of an autocast GEMM layer is cast here, as autocast would cast it inside the
             # layer (the same rounding), so the layer's GEMM, autograd's saved operand and the capture
-            # share one bf16 tensor; else the capture would be a second copy (0.56 GiB at gpt2-small)
+            # (the hook above sees these args) share one bf16 tensor
             cast = _autocast_operand_dtype(mod, device)
             if cast is None or not any(_narrowable(a) for a in args):
                 return None
