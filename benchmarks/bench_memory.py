@@ -104,25 +104,28 @@ def device_path():
         yield
 
 
-def fake_gpt2(mode: FakeTensorMode, vocab: int = 50257, positions: int = 1024, **shape) -> torch.nn.Module:
-    """A float32 GPT-2 of ``shape`` (n_embd, n_layer, n_head) made of fake tensors."""
+def _gpt2(vocab: int, positions: int, shape: dict) -> torch.nn.Module:
+    """A float32 GPT-2 of ``shape`` (n_embd, n_layer, n_head) in training mode, made on whatever
+    device or fake mode is current."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    cfg = GPT2Config(vocab_size=vocab, n_positions=positions, bos_token_id=vocab - 1, eos_token_id=vocab - 1, **shape)
+    return GPT2LMHeadModel(cfg).train()
+
+
+def fake_gpt2(mode: FakeTensorMode, vocab: int = 50257, positions: int = 1024, **shape) -> torch.nn.Module:
+    """A float32 GPT-2 of ``shape`` made of fake tensors."""
     with mode:
-        cfg = GPT2Config(vocab_size=vocab, n_positions=positions, bos_token_id=vocab - 1, eos_token_id=vocab - 1, **shape)
-        return GPT2LMHeadModel(cfg).train()
+        return _gpt2(vocab, positions, shape)
 
 
 def lora_gpt2(rank: int, vocab: int = 50257, positions: int = 1024, **shape) -> torch.nn.Module:
     """A float32 GPT-2 of ``shape`` with LoRA adapters of ``rank`` (userdp's own LoRA setup), its weights
     real CPU tensors: peft's module moves do not run on fake tensors, so the LoRA rows take real
     weights (not counted, as the fake ones are not) and fake activations (``allow_non_fake_inputs``)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from userdp.lm import models
 
-    cfg = GPT2Config(vocab_size=vocab, n_positions=positions, bos_token_id=vocab - 1, eos_token_id=vocab - 1, **shape)
-    return models.apply_lora(GPT2LMHeadModel(cfg).train(), models.LoraSpec(rank=rank, alpha=2.0 * rank))
+    return models.apply_lora(_gpt2(vocab, positions, shape), models.LoraSpec(rank=rank, alpha=2.0 * rank))
 
 
 def peaks(mode: FakeTensorMode, model: torch.nn.Module, algorithm: str, users: int, group: int, seq: int) -> dict:

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from userdp.engine import TensorUserData
 
@@ -165,3 +166,18 @@ def crash_at(step: int):
         if m["step"] == step:
             raise Crash()
     return cb
+
+
+class WidestOutput(TorchDispatchMode):
+    """Under the mode, ``widest``: the most elements of any op's output of one of ``dtypes`` (what a
+    test holds a function to when it must not copy a wide factor into a wider dtype)."""
+
+    def __init__(self, dtypes: tuple):
+        super().__init__()
+        self.dtypes, self.widest = dtypes, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dtype in self.dtypes:
+            self.widest = max(self.widest, out.numel())
+        return out

@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from userdp.engine.algorithms import ULS
 from userdp.engine.clipping import FlatClip, StepClipping
 from userdp.engine.ghost import Factored, GhostPerUnit
+
+from _engine_helpers import WidestOutput
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_memory import fake_gpt2, peaks  # noqa: E402
@@ -59,19 +60,10 @@ def test_the_norms_of_a_tied_weight_take_no_float32_copy_of_the_heads_factor():
                     vocab, dtype=torch.float32, tc=True)
     assert emb.narrow and head.narrow
 
-    class Widest(TorchDispatchMode):
-        widest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype in (torch.float32, torch.float64):
-                Widest.widest = max(Widest.widest, out.numel())
-            return out
-
-    with Widest():
+    with WidestOutput((torch.float32, torch.float64)) as widest:
         value, err, mag, _ = GhostPerUnit._norm2(None, [emb, head])
     assert value.shape == err.shape == mag.shape == (m,)
-    assert Widest.widest < m * t * vocab
+    assert widest.widest < m * t * vocab
 
 
 def test_the_norms_of_a_tied_weight_do_not_depend_on_the_order_of_its_terms():

@@ -12,6 +12,9 @@ emulation differs from the GPU only in the order of float32 sums):
 * every unit's clipped contribution stays within C, and the result matches the float32 path.
 """
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +28,11 @@ from userdp.engine.ghost import GhostPerUnit
 from userdp.engine.precision import Precision, _fp32_handles, exact_float32
 from userdp.lm import models
 from userdp.lm.models import causal_lm_loss
+
+from _engine_helpers import WidestOutput
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_operand import bound_over_estimate  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -326,25 +334,10 @@ def test_the_rounded_operand_costs_the_clip_factor_more_than_the_split_one(monke
     1.013-1.014 against 1.001; 1.036-1.038 with B in place of the spread). The rounded operand
     halves the clipped sum's FLOPs on a GPU; this is its price, which is why "split" stays the
     default until a GPU measures the other side."""
-    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
-    seen = {}
-    real = ghost_mod._bounded_norms
-
-    def spy(parts, m):
-        seen["est"], seen["up"] = real(parts, m)
-        return seen["est"], seen["up"]
-
-    monkeypatch.setattr(ghost_mod, "_bounded_norms", spy)
-    ratio = {}
-    for operand in ("split", "rounded"):
-        monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
-        torch.manual_seed(0)
-        model = models.build_preset("tiny", vocab_size=512, n_positions=64)
-        ids = torch.randint(0, 512, (4, 4, 32), generator=torch.Generator().manual_seed(8))
-        GhostPerUnit(model, causal_lm_loss, ULS(4, 0.5), Precision("bfloat16")).clipped_sum(
-            {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 4), torch.ones(4),
-            StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
-        ratio[operand] = (seen["up"] ** 2).sum(1).sqrt() / (seen["est"] ** 2).sum(1).sqrt()
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=512, n_positions=64)
+    ids = torch.randint(0, 512, (4, 4, 32), generator=torch.Generator().manual_seed(8))
+    ratio = {operand: bound_over_estimate(model, ids, operand) for operand in ("split", "rounded")}
     assert bool((ratio["split"] >= 1.0).all() and (ratio["split"] < 1.005).all()), ratio
     assert bool((ratio["rounded"] > ratio["split"] + 0.005).all() and (ratio["rounded"] < 1.03).all()), ratio
 
@@ -385,26 +378,15 @@ def test_the_tied_heads_cross_gram_gathers_before_it_upcasts(monkeypatch):
     """The embedding's one-hot rows against the tied head's logit gradient: the columns are gathered
     from the bf16 factor, then upcast (exact either way); the whole factor is never copied to
     float32 (3.3 GB at a 64-user gpt2-small chunk)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     m, t, vocab = 3, 16, 1001
     ids = torch.randint(0, vocab, (m, t), generator=torch.Generator().manual_seed(1))
     emb = ghost_mod.Factored(ids, _bf16(m, t, 8, seed=2), vocab, index=True, dtype=torch.float32, tc=True)
     head = ghost_mod.Factored(_bf16(m, t, vocab, seed=3), _bf16(m, t, 8, seed=4), vocab, dtype=torch.float32, tc=True)
 
-    class Widest(TorchDispatchMode):
-        widest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.dtype == torch.float32:
-                Widest.widest = max(Widest.widest, out.numel())
-            return out
-
-    with Widest():
+    with WidestOutput((torch.float32,)) as widest:
         g = ghost_mod._x_gram(emb, head)
-    assert Widest.widest < m * t * vocab  # no float32 copy of the head's factor
+    assert widest.widest < m * t * vocab  # no float32 copy of the head's factor
     ref = head.x.float()[torch.arange(m)[:, None, None], torch.arange(t)[None, None, :], ids[:, :, None]]
     assert g.dtype == torch.float32 and torch.equal(g, ref)
     assert torch.equal(ghost_mod._x_gram(head, emb), ref.transpose(1, 2))
