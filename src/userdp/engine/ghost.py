@@ -272,8 +272,9 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     u = max(a.u, b.u)
     gxn = 0.0 if (a.index or b.index) else gamma(int(a.x.shape[-1]), u)
     gyn = gamma(int(a.y.shape[-1]), u)
+    gx_abs = gx.abs()
     if b is a and not a.index and cx.operand_roundoff(a.narrow):  # the rounded operand's spread (Factored.spread)
-        a._gx_rows = gx.abs().sum(-1)
+        a._gx_rows = gx_abs.sum(-1)
     if b is a and a._rows is None:  # the rows' norms from the Grams' diagonals
         ry = torch.diagonal(gy, dim1=1, dim2=2).sqrt()
         rx = torch.ones_like(ry) if a.index else torch.diagonal(gx, dim1=1, dim2=2).sqrt()
@@ -284,8 +285,8 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     # term is rounded at most ta + tb times: gamma_{ta+tb} Σ|Gx||Gy| <= gamma (1 + gamma_X) rxᵀ|Gy|rx
     rows = torch.bmm(gx.reshape(m * ta, 1, tb), gy.reshape(m * ta, tb, 1)).view(m, ta)
     value = rows.sum(1)
-    qy = _quadratic(rxa, gy, rxb)  # rxᵀ|Gy|rx, low by at most the rows' factors and gq
-    qx = _quadratic(rya, gx, ryb)  # ryᵀ|Gx|ry
+    qy = _quadratic(rxa, gy.abs(), rxb)  # rxᵀ|Gy|rx, low by at most the rows' factors and gq
+    qx = _quadratic(rya, gx_abs, ryb)  # ryᵀ|Gx|ry
     ma, sma = a.magnitude()
     mb, smb = (ma, sma) if b is a else b.magnitude()
     # every term is non-negative: each coefficient carries the factors its computed terms may be low
@@ -308,10 +309,10 @@ def _root_slack_of(g: float) -> float:
 
 
 def _quadratic(ra: torch.Tensor, g: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
-    """``[m]``: ``raᵀ |g| rb`` (``ra [m, Ta]``, ``g [m, Ta, Tb]``, ``rb [m, Tb]``) as two batched
-    products in ``g``'s dtype; every term is non-negative, so the result is low by at most
-    gamma_{Ta+Tb+2} relative (the caller adds it)."""
-    q = torch.bmm(g.abs(), rb.to(g.dtype).unsqueeze(2))  # [m, Ta, 1]
+    """``[m]``: ``raᵀ g rb`` (``ra [m, Ta]``, ``g [m, Ta, Tb]`` non-negative: a Gram's absolute values,
+    ``rb [m, Tb]``) as two batched products in ``g``'s dtype; every term is non-negative, so the result
+    is low by at most gamma_{Ta+Tb+2} relative (the caller adds it)."""
+    q = torch.bmm(g, rb.to(g.dtype).unsqueeze(2))  # [m, Ta, 1]
     return torch.bmm(ra.to(g.dtype).unsqueeze(1), q).view(-1)
 
 
