@@ -34,6 +34,7 @@ VIEW_OPS = frozenset({
     "expand.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default", "select.int",
     "slice.Tensor", "as_strided.default", "detach.default", "alias.default", "split.Tensor", "unbind.int",
     "split_with_sizes.default", "diagonal.default", "unflatten.int", "view_as.default", "narrow.default",
+    "view.dtype",
 })
 
 

@@ -589,12 +589,15 @@ def test_stacked_groups_give_what_one_parameter_at_a_time_gives(monkeypatch, cli
     _assert_same(alone, grouped, 1e-12)
 
 
-def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(monkeypatch):
+@pytest.mark.parametrize("operand", ["split", "rounded"])
+def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(monkeypatch, operand):
     """The bf16 tensor-core path (forced on the CPU: the same arithmetic, emulated) stacked: same
     norms (float32 Grams of the same bf16 products) and the same sums up to float32 summation order,
-    and every unit's contribution still within C."""
+    and every unit's contribution still within C; with either clipped-sum operand (the rounded one's
+    spreads come from a stack's terms split by member, or from each use's own)."""
 
     monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
     model = _gpt2()
     batch, mask = _lm_chunk(m=4, seed=12)
     mask = mask.float()

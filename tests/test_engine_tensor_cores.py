@@ -287,7 +287,7 @@ def _adversarial_contribution(monkeypatch, fold: bool) -> float:
     value, err = ghost_mod._inner(f, f)
     mag, smag = f.magnitude()
     r = contraction.operand_roundoff(f.narrow)
-    bound = ghost_mod._Bound(value, err, mag * smag, t, f.u, None, r, f.spread() if r else None)
+    bound = ghost_mod._Bound(value, err, mag * smag, t, f.u, None, r, [f.spread_term()] if r else None)
     _, upper = ghost_mod._bounded_norms([bound], 1)
     c = round_down_bf16((1.0 / upper[:, 0]).clamp(max=1.0).float())
     s = contraction.clipped_contraction(f.x, f.y, c, True, torch.float32)
@@ -318,6 +318,55 @@ def test_the_spread_bounds_what_any_bounded_operand_error_can_add(monkeypatch):
     u = torch.linalg.svd(xd).U[:, :, :1]  # [m, T, 1]
     e = yd.abs() * torch.sign(u)
     assert bool((torch.einsum("mtx,mty->mxy", xd, e).reshape(m, -1).norm(dim=1) <= spread).all())
+
+
+def _spread_by_hand(f) -> torch.Tensor:
+    """Factored.spread's formula for one use, written out (the reference for the batched form)."""
+    mag, smag = f.magnitude()
+    b = mag.double() * (smag * (1.0 + 2.0 ** -40))
+    if f._gx_rows is None:
+        return b
+    rx, ry, sx, sy = f.row_norms()
+    t = int(rx.shape[1])
+    rxd = rx.double() * sx
+    gxn = ghost_mod.gamma(int(f.x.shape[-1]), f.u)
+    rows = f._gx_rows.double() * (1.0 + ghost_mod.gamma(t + 2, 2.0 ** -23)) + gxn * rxd * rxd.sum(1, keepdim=True)
+    yf = (ry.double() * sy).pow(2).sum(1)
+    return torch.minimum(b, (rows.amax(1) * yf).sqrt() * (1.0 + 2.0 ** -40))
+
+
+def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
+    """_spreads takes every rounded use's spread in a few batched kernels: per parameter it must be
+    the sum of its uses' own spreads, whatever mix of token counts, widths and B-only uses (no Gram
+    rows kept) the parameters hold, and 0 for a parameter with none; a stack's term split by
+    member gives each member's own spread."""
+    monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
+    monkeypatch.setattr(contraction, "SUM_OPERAND", "rounded")
+    m = 3
+    uses = []
+    for i, (t, wx, wy, own_gram) in enumerate([(8, 64, 16, True), (8, 32, 48, True), (5, 64, 8, True),
+                                               (8, 16, 16, False)]):
+        f = ghost_mod.Factored(_bf16(m, t, wx, seed=40 + i), _bf16(m, t, wy, seed=50 + i), wx,
+                               dtype=torch.float32, tc=True)
+        if own_gram:
+            ghost_mod._inner(f, f)  # keeps the Gram's row sums
+        uses.append(f)
+    per_param = [[uses[0].spread_term(), uses[3].spread_term()], [], [uses[1].spread_term(), uses[2].spread_term()]]
+    got = ghost_mod._spreads(per_param, m)
+    want = [_spread_by_hand(uses[0]) + _spread_by_hand(uses[3]), torch.zeros(m, dtype=torch.float64),
+            _spread_by_hand(uses[1]) + _spread_by_hand(uses[2])]
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-15, atol=0)
+    assert bool((_spread_by_hand(uses[1]) < ghost_mod.Factored.magnitude(uses[1])[0].double()).all())  # not B alone
+    # a stack of two members (2·m units of one use) split back: each member's own spread
+    x = torch.cat([uses[0].x, uses[0].x.flip(0)])
+    y = torch.cat([uses[0].y, uses[0].y.flip(0)])
+    flat = ghost_mod.Factored(x, y, 64, dtype=torch.float32, tc=True)
+    ghost_mod._inner(flat, flat)
+    members = flat.spread_term().split(2)
+    both = ghost_mod._spreads([[members[0]], [members[1]]], m)
+    assert torch.allclose(both[0], _spread_by_hand(uses[0]), rtol=1e-6)
+    assert torch.allclose(both[1], _spread_by_hand(uses[0]).flip(0), rtol=1e-6)
 
 
 def test_records_built_to_round_one_way_stay_within_c_with_the_rounded_operand(monkeypatch):

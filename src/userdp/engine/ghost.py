@@ -162,18 +162,17 @@ class Factored:
         bounded by Gershgorin (the largest row sum of ``|Gx|``, from the computed Gram plus its
         rounding, gamma_X |x_t||x_s| an entry), or ``B = Σ_t |x_t||y_t|`` (Cauchy-Schwarz on each
         token) where that is smaller: up to sqrt(T) below B when the unit's inputs point apart.
-        Every computed term is inflated by the factor it may be low by."""
+        Every computed term is inflated by the factor it may be low by. (:func:`_spreads` computes
+        a chunk's spreads together, from :meth:`spread_term`.)"""
+        return _spreads([[self.spread_term()]], int(self.y.shape[0]))[0]
+
+    def spread_term(self) -> _SpreadTerm:
+        """What :meth:`spread` is computed from: this use's magnitude, rows' norms and, after its
+        own Gram (:func:`_inner`), the row sums of ``|Gx|`` (None: B alone)."""
         mag, smag = self.magnitude()
-        b = mag.double() * (smag * (1.0 + 2.0 ** -40))
-        if self._gx_rows is None or self.index:
-            return b
         rx, ry, sx, sy = self.row_norms()
-        t = int(rx.shape[1])
-        gxn = gamma(int(self.x.shape[-1]), self.u)
-        rxd = rx.double() * sx
-        rows = self._gx_rows.double() * (1.0 + gamma(t + 2, 2.0 ** -23)) + gxn * rxd * rxd.sum(1, keepdim=True)
-        yf = (ry.double() * sy).pow(2).sum(1)
-        return torch.minimum(b, (rows.amax(1) * yf).sqrt() * (1.0 + 2.0 ** -40))
+        rows = None if self._gx_rows is None or self.index else self._gx_rows
+        return _SpreadTerm(mag, smag, rx, ry, sx, sy, rows, gamma(int(self.x.shape[-1]), self.u))
 
     def fx(self) -> torch.Tensor:
         """``x`` in the compute dtype (token ids as they are)."""
@@ -229,6 +228,60 @@ class Factored:
         if self.index:  # x holds token ids
             return Factored(self.x, cx.zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
         return Factored(cx.zero_rows(self.x, drop), self.y, self.size_x, self.index, self.dtype, self.tc, bad=bad)
+
+
+@dataclass
+class _SpreadTerm:
+    """One rounded use's share of its parameter's spread (:meth:`Factored.spread`): ``mag`` ``[m]``
+    the computed ``Σ_t |x_t||y_t|`` (low by at most the factor ``smag``), ``rx``/``ry`` ``[m, T]`` the
+    rows' computed norms (low by at most ``sx``/``sy``), ``gx_rows`` ``[m, T]`` the row sums of the
+    computed ``|Gx|`` (None: the spread is B), ``gxn`` gamma_X of that Gram."""
+
+    mag: torch.Tensor
+    smag: float
+    rx: torch.Tensor
+    ry: torch.Tensor
+    sx: float
+    sy: float
+    gx_rows: torch.Tensor | None
+    gxn: float
+
+    def split(self, k: int) -> list[_SpreadTerm]:
+        """A stack's term (``k·m`` units: k members of m) as each member's, by views."""
+        def part(t, i):
+            return None if t is None else t.view(k, -1, *t.shape[1:])[i]
+        return [_SpreadTerm(part(self.mag, i), self.smag, part(self.rx, i), part(self.ry, i), self.sx, self.sy,
+                            part(self.gx_rows, i), self.gxn) for i in range(k)]
+
+
+def _spreads(per_param: list[list[_SpreadTerm]], m: int) -> torch.Tensor:
+    """``[P, m]`` float64: per parameter, the sum of its terms' spreads (:meth:`Factored.spread`),
+    all of a chunk's uses at once: a dozen kernels per token count, not a dozen per use (49 uses at
+    gpt2-small). A parameter without terms gets 0."""
+    terms = [(j, t) for j, ts in enumerate(per_param) for t in ts]
+    device = terms[0][1].mag.device if terms else torch.device("cpu")
+    out = torch.zeros(len(per_param), m, dtype=torch.float64, device=device)
+    groups: dict = {}
+    for j, t in terms:  # uses of one token count stack; B-only terms stack apart
+        groups.setdefault(None if t.gx_rows is None else int(t.rx.shape[1]), []).append((j, t))
+    for tokens, members in groups.items():
+        ts = [t for _, t in members]
+
+        def coef(values):
+            return _coefficients(tuple(values), device).view(-1, 1)
+
+        b = torch.stack([t.mag for t in ts]).double() * coef(t.smag * (1.0 + 2.0 ** -40) for t in ts)  # [U, m]
+        if tokens is None:
+            val = b
+        else:
+            rxd = torch.stack([t.rx for t in ts]).double() * coef(t.sx for t in ts).unsqueeze(2)  # [U, m, T]
+            rows = (torch.stack([t.gx_rows for t in ts]).double() * (1.0 + gamma(tokens + 2, 2.0 ** -23))
+                    + coef(t.gxn for t in ts).unsqueeze(2) * rxd * rxd.sum(2, keepdim=True))
+            yf = (torch.stack([t.ry for t in ts]).double() * coef(t.sy for t in ts).unsqueeze(2)).pow(2).sum(2)
+            val = torch.minimum(b, (rows.amax(2) * yf).sqrt() * (1.0 + 2.0 ** -40))
+        index = _coefficients(tuple(j for j, _ in members), device, torch.long)
+        out.index_add_(0, index, val)
+    return out
 
 
 def _x_gram(a: Factored, b: Factored) -> torch.Tensor:
@@ -537,29 +590,27 @@ class _FactorStack:
             factored[j] = [Factored(x[i], y[i], self.size_x, False, self.dtype, self.tc)]
         self.x, self.y = x, y
 
-    def norm2(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def norm2(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list | None]:
         """``[k, m]`` each: the members' squared per-unit norms, their rounding-error bounds, their
-        magnitudes and, with the rounded operand, their spreads (else None; the stack as k·m units
-        of one use; see :func:`_inner`)."""
+        magnitudes and, with the rounded operand, each member's spread term (else None; the stack as
+        k·m units of one use; see :func:`_inner`)."""
         k, m = self.x.shape[:2]
         flat = Factored(self.x.reshape(k * m, *self.x.shape[2:]), self.y.reshape(k * m, *self.y.shape[2:]),
                         self.size_x, False, self.dtype, self.tc)
         value, err = _inner(flat, flat)
         mag, smag = flat.magnitude()
-        spread = flat.spread().view(k, m) if cx.operand_roundoff(flat.narrow) else None
+        spread = flat.spread_term().split(k) if cx.operand_roundoff(flat.narrow) else None
         return value.view(k, m), err.view(k, m), (mag * smag).view(k, m), spread
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
         """``[k, X, Y]``: each member's ``Σ_u c[u, member] · (unit u's gradient)``, units ``bad`` zeroed
         (masked_fill writes the zeros, so a non-finite unit cannot turn the sum into NaN; None: no unit
-        is bad); on tensor cores each member's factors are rounded down to bf16 as one use's are."""
+        is bad). ``c`` ``[m, L]``: on tensor cores already rounded down to bf16 numbers, as one use's are."""
         x, y = self.x, self.y
         if bad is not None:  # y's rows are zeroed where the contraction reads them
             x = x.masked_fill(bad.view(1, -1, 1, 1), 0)
         self.x = self.y = None
         cg = torch.stack([c[:, j] for j in self.members])  # [k, m]
-        if self.narrow:
-            cg = cx.round_down_bf16(cg)
         return cx.clipped_contraction(x, y, cg, self.narrow, self.dtype or y.dtype, bad)
 
 
@@ -571,8 +622,8 @@ class _Bound:
     contraction its clipped sum takes (m·T), ``u`` the unit roundoff, ``size`` the norm of its
     materialized part (None: none), ``operand`` the relative rounding of its clipped sum's operand
     entries (:data:`~userdp.engine.contraction.ROUNDED_OPERAND_U` for the rounded tensor-core operand, else 0: exact) and
-    ``spread`` what that rounding is a share of (:meth:`Factored.spread` summed over the uses whose
-    operand is rounded; needed when ``operand`` is not 0)."""
+    ``spread`` what that rounding is a share of: the terms of the uses whose operand is rounded, their
+    :meth:`Factored.spread` summed (:func:`_spreads`; needed when ``operand`` is not 0)."""
 
     value: torch.Tensor
     err: torch.Tensor | None
@@ -581,21 +632,21 @@ class _Bound:
     u: float
     size: torch.Tensor | None
     operand: float = 0.0
-    spread: torch.Tensor | None = None
+    spread: list | None = None
 
 
 _COEFFICIENTS: dict = {}
 
 
-def _coefficients(values: tuple, device: torch.device) -> torch.Tensor:
-    """``values`` as a float64 tensor on ``device``, made once per distinct tuple (a chunk's shapes
-    repeat step after step): no host-to-device copy in the step after the first."""
-    key = (values, str(device))
+def _coefficients(values: tuple, device: torch.device, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``values`` as a ``dtype`` (float64) tensor on ``device``, made once per distinct tuple (a
+    chunk's shapes repeat step after step): no host-to-device copy in the step after the first."""
+    key = (values, str(device), dtype)
     t = _COEFFICIENTS.get(key)
     if t is None:
         if len(_COEFFICIENTS) > 64:
             _COEFFICIENTS.clear()
-        t = _COEFFICIENTS[key] = torch.tensor(values, dtype=torch.float64, device=device)
+        t = _COEFFICIENTS[key] = torch.tensor(values, dtype=dtype, device=device)
     return t
 
 
@@ -623,7 +674,7 @@ def _bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     # 2^-40: the float64 square root and sums; the rest is what the float32 arithmetic may move
     upper = (value + err).sqrt() * (1.0 + 2.0 ** -40) + mag * c_sum + size * c_dense
     if any(b.operand for b in parts):
-        spread = torch.stack([zero if not b.operand else b.spread for b in parts], dim=1)
+        spread = _spreads([b.spread if b.operand else [] for b in parts], m).t()
         upper = upper + spread * _coefficients(tuple(b.operand for b in parts), value.device)
     return est, upper
 
@@ -864,7 +915,7 @@ class GhostPerUnit:
                 u = unit_roundoff(st.dtype or st.y.dtype, st.narrow)
                 r = cx.operand_roundoff(st.narrow)
                 for i, j in enumerate(st.members):
-                    parts[j] = _Bound(value[i], err[i], mag[i], k_len, u, None, r, spread[i] if r else None)
+                    parts[j] = _Bound(value[i], err[i], mag[i], k_len, u, None, r, [spread[i]] if r else None)
             for j, (d, fs) in enumerate(zip(dense, factored)):
                 if parts[j] is None:
                     value, err, mag, spread = self._norm2(d, fs)
@@ -872,7 +923,7 @@ class GhostPerUnit:
                             if d is not None else None)
                     k_len = max((m * x.tokens for x in fs), default=0)
                     u = max([x.u for x in fs] + [u_dense])
-                    r = cx.ROUNDED_OPERAND_U if spread is not None else 0.0
+                    r = cx.ROUNDED_OPERAND_U if spread else 0.0
                     parts[j] = _Bound(value, err, mag, k_len, u, size, r, spread)
             est, upper = _bounded_norms(parts, m)
             del parts
@@ -890,6 +941,8 @@ class GhostPerUnit:
             bad = ~torch.isfinite(norms) | ~torch.isfinite(f).all(1)
             c = round_down_to(torch.where(bad.unsqueeze(1), 0.0, f) * weights.to(f.dtype).unsqueeze(1), acc_dtype)
             zero = cx.must_zero(bad)
+            # the tensor-core contractions' factors: bf16 numbers (<= c), rounded down once for the chunk
+            c_narrow = cx.round_down_bf16(c).float() if tc else None
             sums: list = [None] * len(self.params)
             while blocks:
                 g, block = blocks.pop()
@@ -901,7 +954,7 @@ class GhostPerUnit:
                 del block, out
             while stacks:
                 st = stacks.pop()
-                out = st.weighted_sums(c, bad if zero else None)
+                out = st.weighted_sums(c_narrow if st.narrow else c, bad if zero else None)
                 for i, j in enumerate(st.members):
                     sums[j] = out[i].to(c.dtype).view(self.params[j].shape)
                 del st, out
@@ -913,9 +966,8 @@ class GhostPerUnit:
                 if zero:
                     d = d.masked_fill(bad.view(-1, *([1] * (d.dim() - 1))), 0) if d is not None else None
                     fs = [x.zero_units(bad) for x in fs]
-                cj = c[:, j]
-                if any(x.narrow for x in fs):  # tensor cores: one bf16 factor (<= c) for all the parameter's parts
-                    cj = cx.round_down_bf16(cj)
+                # tensor cores: one bf16 factor (<= c) for all the parameter's parts
+                cj = c_narrow[:, j] if any(x.narrow for x in fs) else c[:, j]
                 sums[j] = _weighted_sum(d, fs, cj, p)
                 del d, fs
                 if sink is not None:
@@ -948,12 +1000,13 @@ class GhostPerUnit:
         return dense, factored
 
     @staticmethod
-    def _norm2(d, fs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _norm2(d, fs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
         """``[m]`` each, float64: a parameter's squared per-unit norm from its materialized part and
         its uses, the bound on that value's rounding error, the magnitude of its factored uses
-        (``Σ_uses Σ_t |x_t||y_t|``), and the spread of those whose clipped-sum operand is rounded
-        (:meth:`Factored.spread`; None: none is)."""
-        value = err = mag = spread = None  # the first term starts each sum: no zeros + add per parameter
+        (``Σ_uses Σ_t |x_t||y_t|``); and the spread terms of those whose clipped-sum operand is
+        rounded (:meth:`Factored.spread_term`; empty: none is)."""
+        value = err = mag = None  # the first term starts each sum: no zeros + add per parameter
+        spread: list = []
 
         def add(acc, term):
             return term if acc is None else acc + term
@@ -969,7 +1022,7 @@ class GhostPerUnit:
             ma, sma = a.magnitude()
             value, err, mag = add(value, v), add(err, e), add(mag, ma * sma)
             if not a.index and cx.operand_roundoff(a.narrow):
-                spread = add(spread, a.spread())
+                spread.append(a.spread_term())
         for i, a in enumerate(fs):
             for b in fs[i + 1:]:
                 v, e = _inner(a, b)
