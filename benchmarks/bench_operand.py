@@ -3,8 +3,9 @@ bound over its norm estimate, per unit, with the exact ``[hi | lo]`` operand and
 one (``contraction.SUM_OPERAND``), on the CPU with the tensor-core arithmetic emulated (bf16 autocast).
 
 The clip factor divides by the bound, so a bound 1% above the estimate clips an honest unit 1%
-harder than its norm asks. The rounded operand halves the clipped sum's FLOPs on a GPU; this is
-the other side of that trade. The time side needs a GPU (the GPU check's ``uls:rounded`` row).
+harder than its norm asks. The rounded operand (the default on tensor cores) halves the clipped
+sum's FLOPs on a GPU; this is the other side of that trade. The time side: ``bench_traffic.py``
+counts it, and the GPU check's ``uls:split`` row measures it.
 
     python benchmarks/bench_operand.py                                   # a random-weight tiny GPT-2
     python benchmarks/bench_operand.py --model DIR --store DIR           # a local model over a userdp store

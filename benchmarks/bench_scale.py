@@ -123,7 +123,7 @@ def _worker(a) -> dict:
 
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
-    if a.sum_operand != "split":  # the tensor-core clipped sum's operand (contraction.SUM_OPERAND): a private mode
+    if a.sum_operand:  # the tensor-core clipped sum's operand (contraction.SUM_OPERAND; default: the engine's)
         import userdp.engine.contraction as contraction_mod
 
         contraction_mod.SUM_OPERAND = a.sum_operand
@@ -501,7 +501,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--memory-snapshot", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tf32-ceiling", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--sum-operand", default="split", choices=["split", "rounded"], help=argparse.SUPPRESS)
+    ap.add_argument("--sum-operand", default=None, choices=["split", "rounded"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     gpu = a.device.startswith("cuda")
     if a.users is None:

@@ -97,18 +97,24 @@ def _run(monkeypatch, mode, clip, w, model=None):
         batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
 
 
+@pytest.mark.parametrize("operand", ["split", "rounded"])
 @pytest.mark.parametrize("clip", [FlatClip(0.5), PerLayerClip(0.05), FlatClip(1e9)],
                          ids=["flat", "per_layer", "unclipped"])
-def test_tensor_core_sums_match_the_float32_path(monkeypatch, clip):
+def test_tensor_core_sums_match_the_float32_path(monkeypatch, clip, operand):
     """Same norms bit for bit (Grams of bf16 factors are exact, summed in float32); sums within the
-    bf16 rounding of the clip factor (at most 2^-8 relative a unit) of the float32 reference."""
+    bf16 rounding down of the clip factor (under 2^-7 relative a unit) of the float32 reference with
+    the exact split operand; with the rounded one, also each entry's rounding (2^-8) and, for a
+    clipped unit, the factor's bound raised by the spread (0.8-1.2% measured on this random-weight model)."""
+    monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
     w = torch.tensor([1.0, 0.5, 2.0, 1.0])
     ref = _run(monkeypatch, "off", clip, w)
     tc = _run(monkeypatch, "on", clip, w)
     assert torch.allclose(tc[1], ref[1], rtol=1e-5)
     num = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(tc[0], ref[0])))
     den = torch.sqrt(sum((b.double() ** 2).sum() for b in ref[0]))
-    assert float(num / den) < 2.0 ** -7
+    clipped = clip.norm < 1e9
+    tol = 2.0 ** -7 if operand == "split" else 2.0 ** -7 + 2.0 ** -8 + (0.015 if clipped else 0.0)
+    assert float(num / den) < tol
     assert all(a.dtype == torch.float32 for a in tc[0])
 
 

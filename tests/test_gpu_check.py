@@ -92,10 +92,10 @@ def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert set(status) == set(parts)
     assert all(v == "ok" for v in status.values()), status
     steps = {r["algorithm"]: r for r in rows if r.get("part") == "steps-small" and "algorithm" in r}
-    assert set(steps) == {"nonprivate", "uls", "els", "uls:rounded"}  # the last: the tensor cores' rounded operand
-    for alg in ("uls", "els", "uls:rounded"):
+    assert set(steps) == {"nonprivate", "uls", "els", "uls:split"}  # the last: the tensor cores' exact split operand
+    for alg in ("uls", "els", "uls:split"):
         assert steps[alg]["time_ratio"] > 0 and steps[alg]["per_unit"] == "ghost"
-        assert steps[alg]["syncs_per_step"] in (0, None)  # the rounded row is not profiled
+        assert steps[alg]["syncs_per_step"] in (0, None)  # the split row is not profiled
     assert steps["uls"]["syncs_per_step"] == 0 and steps["els"]["syncs_per_step"] == 0
     lora = [r for r in rows if r.get("part") == "lora" and "s_per_step" in r]
     assert {r["model"] for r in lora} == {"tiny", "llama-tiny"}

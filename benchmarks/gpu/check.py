@@ -47,7 +47,7 @@ REQUIRED = {"torch": None, "numpy": None, "scipy": None, "transformers": None, "
 PARTS = {
     "env": (30, "versions"),
     "chacha": (150, "the noise kernel: compile status, draws at 124M / 355M normals"),
-    "steps-small": (170, "gpt2-small: non-private, ULS G=4, ELS, ULS with the rounded operand (bf16, 64 users x 64 tokens)"),
+    "steps-small": (170, "gpt2-small: non-private, ULS G=4, ELS, ULS with the split operand (bf16, 64 users x 64 tokens)"),
     "tests": (90, "pytest tests/test_cuda.py"),
     "lora": (150, "LoRA r=8: gpt2-small and a 1.1B Llama shape, non-private and ULS"),
     "steps-medium": (180, "gpt2-medium: non-private, ULS G=4, ELS"),
@@ -169,7 +169,8 @@ def _common(a) -> list[str]:
 
 def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> None:
     """Each of ``algorithms`` in its own process, ratios against the first (non-private); an entry
-    "uls:rounded" is ULS with the rounded tensor-core operand (``contraction.SUM_OPERAND``), unprofiled."""
+    "uls:split" is ULS with the exact split tensor-core operand (``contraction.SUM_OPERAND``; the default
+    is the rounded one), unprofiled: what the rounded operand saves."""
     base = None
     for entry in algorithms:
         alg, _, operand = entry.partition(":")
@@ -194,7 +195,7 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
 
 
 def part_steps_small(a) -> None:
-    _series(a, "steps-small", "tiny" if a.quick else "gpt2-small", "full", ("nonprivate", "uls", "els", "uls:rounded"),
+    _series(a, "steps-small", "tiny" if a.quick else "gpt2-small", "full", ("nonprivate", "uls", "els", "uls:split"),
             True)
 
 

@@ -46,12 +46,14 @@ TC_DEVICES = ("cuda", "meta")
 FUSED_SPLIT = "auto"
 FUSED_CHECKED: dict = {}  # device type -> True, or why the kernel is not used
 
-#: the clipped sum's operand on tensor cores. "rounded": ``c_u · y`` rounded to bf16, one bf16 GEMM
-#: (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, moves the unit's sum by at
-#: most 2^-8 · c_u · spread (:meth:`userdp.engine.ghost.Factored.spread`), which the clip factor's bound adds
-#: (``ghost._bounded_norms``), so a unit still adds at most C. "split" (the default until a GPU has
-#: measured the other's time): ``[hi | lo]``, which is ``c_u · y`` exactly, at twice the FLOPs.
-SUM_OPERAND = "split"
+#: the clipped sum's operand on tensor cores. "rounded" (the default): ``c_u · y`` rounded to bf16, one
+#: bf16 GEMM (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, moves the unit's sum
+#: by at most 2^-8 · c_u · spread (:meth:`userdp.engine.ghost.Factored.spread`), which the clip factor's
+#: bound adds (``ghost._bounded_norms``), so a unit still adds at most C; the price, a clip factor ~0.65%
+#: lower for a clipped unit (``benchmarks/bench_operand.py``). "split": ``[hi | lo]``, which is
+#: ``c_u · y`` exactly, at twice the FLOPs (the roofline count, ``benchmarks/bench_traffic.py``: a
+#: gpt2-small ghost chunk 1.35x a non-private forward and backward with it, 1.26x rounded).
+SUM_OPERAND = "rounded"
 #: the relative error of rounding a float32 number to bf16 (8 significand bits, to nearest)
 ROUNDED_OPERAND_U = 2.0 ** -8
 
