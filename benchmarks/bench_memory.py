@@ -97,9 +97,10 @@ class LiveBytes(TorchDispatchMode):
 def device_path():
     """Fake CPU tensors take the ghost strategy's device path: tensor-core contractions (aten
     ``mm``/``bmm`` with a float32 ``out_dtype``, whose fake kernels need no data), aligned rows, and
-    the bad units' rows always zeroed (a device never reads whether any unit is bad)."""
+    the bad units' rows zeroed as on a device (which never reads whether any unit is bad): always,
+    or never where the step zeroes lazily (``StepClipping.lazy_zeroing``, as the loop runs it)."""
     with mock.patch.object(contraction, "TC_DEVICES", (*contraction.TC_DEVICES, "cpu")), \
-            mock.patch.object(contraction, "must_zero", lambda bad: True), \
+            mock.patch.object(contraction, "must_zero", lambda bad, lazy=False: not lazy), \
             mock.patch.dict(ghost_mod._COEFFICIENTS, clear=True):  # its tensors belong to one fake mode
         yield
 
@@ -150,8 +151,8 @@ def peaks(mode: FakeTensorMode, model: torch.nn.Module, algorithm: str, users: i
             return torch.autograd.grad(loss, params)
 
         def private():
-            return st.clipped_sum({"input_ids": ids, "labels": ids}, ones_g, ones_m,
-                                  StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+            return st.clipped_sum({"input_ids": ids, "labels": ids}, ones_g, ones_m,  # as the loop runs it on a device
+                                  StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32, lazy_zeroing=True))
 
         seen = {}
         for side, fn in (("nonprivate", nonprivate), ("ghost", private)):

@@ -156,8 +156,10 @@ def _triton_operand(traffic: Traffic):
     return fused
 
 
-def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int, seq: int, rates: dict) -> dict:
-    """Traffic and roofline time of a non-private forward and backward and of one ghost chunk."""
+def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int, seq: int, rates: dict,
+            lazy: bool = True) -> dict:
+    """Traffic and roofline time of a non-private forward and backward and of one ghost chunk (its bad
+    units' rows zeroed lazily, as the loop runs it on a device, or always: ``lazy`` False)."""
     records = users * group
     m, g = (users, group) if algorithm == "uls" else (records, 1)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -177,7 +179,7 @@ def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int,
 
         def private():
             return st.clipped_sum({"input_ids": ids, "labels": ids}, ones_g, ones_m,
-                                  StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+                                  StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32, lazy_zeroing=lazy))
 
         for side, fn in (("nonprivate", nonprivate), ("ghost", private)):
             tr = Traffic(rates)
@@ -225,6 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp32", type=float, default=0.7, help="fraction of the float32 SIMT peak reached")
     p.add_argument("--launch", type=float, default=3e-6, help="seconds an op adds whatever its size")
     p.add_argument("--operand", choices=["split", "rounded"], default=contraction.SUM_OPERAND)
+    p.add_argument("--zero-always", action="store_true",
+                   help="zero the bad units' rows in every chunk (a sharded step; the code before lazy zeroing)")
     p.add_argument("--top", type=int, default=12, help="the DP-only rows to list")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -236,7 +240,8 @@ def main(argv=None) -> int:
         for algorithm in args.algorithms:
             t0 = time.perf_counter()
             with mock.patch.object(contraction, "SUM_OPERAND", args.operand):
-                res = profile(mode, model, algorithm, args.users, args.group_size, args.seq_len, rates)
+                res = profile(mode, model, algorithm, args.users, args.group_size, args.seq_len, rates,
+                              lazy=not args.zero_always)
             a, b = res["nonprivate"], res["ghost"]
             rows = excess(a, b)
             row = {"model": name, "algorithm": algorithm, "operand": args.operand, "users": args.users,

@@ -497,7 +497,7 @@ def test_the_cpu_zeroes_factors_only_when_a_unit_is_bad(monkeypatch, build):
         out[poison] = count.fills, sums
     assert out[False][0] == 0  # no unit bad: no masked copy
     assert out[True][0] >= 2  # a bad unit: its factors zeroed (x and y of each factored use at least)
-    monkeypatch.setattr(contraction, "must_zero", lambda bad: True)  # the device's path: always zero
+    monkeypatch.setattr(contraction, "must_zero", lambda bad, lazy=False: True)  # the device's path: always zero
     batch, mask = _mlp_chunk()
     strategy = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
     ref, *_ = strategy.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))

@@ -406,7 +406,7 @@ def test_every_tensor_core_gemm_of_a_ghost_chunk_gets_aligned_operands(monkeypat
     device always, since reading whether any unit is bad would wait for it)."""
     monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     if zeroing == "device":
-        monkeypatch.setattr(contraction, "must_zero", lambda bad: True)
+        monkeypatch.setattr(contraction, "must_zero", lambda bad, lazy=False: True)
     seen = []
     real = contraction.mm32
 
@@ -465,7 +465,7 @@ class OneBad(FlatClip):  # unit 1's clip factor is NaN: the run counts it bad an
         return f, n
 
 contraction.TENSOR_CORES = "on"
-contraction.must_zero = lambda bad: True  # as on a device: the bad units' rows are always zeroed
+contraction.must_zero = lambda bad, lazy=False: True  # as on a device: the bad units' rows are always zeroed
 calls = []
 real = S.scale_split
 S.scale_split = lambda *a: calls.append(a[0].shape) or real(*a)

@@ -63,8 +63,8 @@ def broken_build(fault: str, times: int = 8):
     else:
         clipped_sum = loop.EngineRun.clipped_sum
 
-        def counted(self, ids, n_chunks=None):  # every unit's clipped update added `times` times (no recomputation)
-            sums, stats = clipped_sum(self, ids, n_chunks)
+        def counted(self, ids, n_chunks=None, lazy=False):  # every unit's clipped update added `times` times
+            sums, stats = clipped_sum(self, ids, n_chunks, lazy)
             return [s.mul_(float(times)) for s in sums], stats
 
         patch(loop.EngineRun, "clipped_sum", counted)

@@ -39,12 +39,20 @@ class StepClipping:
     """How a per-unit strategy clips the units of one step's chunks: the clipping strategy
     (``clipping``), its state at this step (``state``, e.g. the clip norm), the dtype of the norms
     and sums (float32, or float64 for a float64 model) and FedAvg's re-projection of per-layer
-    bounds during local SGD (``reproject``, or None)."""
+    bounds during local SGD (``reproject``, or None).
+
+    ``lazy_zeroing``: the caller reads the chunk's ``bad`` flags and, where a unit was bad, computes
+    the chunk again with it False before anything is released (:meth:`userdp.engine.loop.EngineRun.release`).
+    A strategy may then leave a bad unit's rows unzeroed on a device, where zeroing them is a pass
+    over every factor and knowing whether any unit is bad would wait for the device
+    (:func:`userdp.engine.contraction.must_zero`); the sums are NaN when such a unit reached them.
+    False (the default): every bad unit contributes exactly zero, as the contract says."""
 
     clipping: Any
     state: dict
     acc_dtype: torch.dtype = torch.float32
     reproject: Optional[Callable] = None
+    lazy_zeroing: bool = False
 
 
 def project(x: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:

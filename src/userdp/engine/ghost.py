@@ -940,7 +940,7 @@ class GhostPerUnit:
             norms = norms.to(acc_dtype)
             bad = ~torch.isfinite(norms) | ~torch.isfinite(f).all(1)
             c = round_down_to(torch.where(bad.unsqueeze(1), 0.0, f) * weights.to(f.dtype).unsqueeze(1), acc_dtype)
-            zero = cx.must_zero(bad)
+            zero = cx.must_zero(bad, clip.lazy_zeroing)
             # the tensor-core contractions' factors: bf16 numbers (<= c), rounded down once for the chunk
             c_narrow = cx.round_down_bf16(c).float() if tc else None
             sums: list = [None] * len(self.params)

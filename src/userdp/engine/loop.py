@@ -26,6 +26,7 @@ from torch import nn
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.clipping import StepClipping
+from userdp.engine.contraction import defers_zeroing
 from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner, broadcast_module_state
 from userdp.engine.flat import DrawCursor
@@ -238,6 +239,7 @@ class EngineRun:
         self.optimizer = cfg.optimizer.build(self.master) if optimizer is None else _own_optimizer(optimizer, self)
         self.step = 0
         self.nonfinite_units = 0  # units whose update was Inf/NaN (zeroed); NOT a private statistic
+        self.recomputed_steps = 0  # steps whose sums were computed again, zeroing a bad unit (release)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="userdp-load")
         self.history: list[dict] = []
 
@@ -321,18 +323,21 @@ class EngineRun:
             self._padding = ({n: v[:1].clone() for n, v in batch.items()}, torch.zeros_like(mask[:1]))
         return self._padding
 
-    def clipped_sum(self, ids: np.ndarray, n_chunks: int | None = None):
+    def clipped_sum(self, ids: np.ndarray, n_chunks: int | None = None, lazy: bool = False):
         """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise. ``n_chunks``:
-        run at least that many chunks, the extra ones of zero weight (a sharded step)."""
+        run at least that many chunks, the extra ones of zero weight (a sharded step). ``lazy``: the
+        strategy may leave bad units' rows unzeroed on a device
+        (:attr:`~userdp.engine.clipping.StepClipping.lazy_zeroing`); the caller then reads the last
+        statistic (bad units, padding included) and computes the sums again where it is not 0."""
         cfg, algo = self.cfg, self.algo
         acc = _accumulation_dtype(self.params[0].dtype)
         sums = None  # the first chunk's sums become the accumulators (no extra model-sized buffer)
-        # units, centered count, loss, clipped, weight, non-finite units
-        stats = torch.zeros(6, dtype=torch.float64, device=self.device)  # read once a step, in run_step
+        # units, centered count, loss, clipped, weight, non-finite units; bad units with padding (release's redo)
+        stats = torch.zeros(7, dtype=torch.float64, device=self.device)  # read once a step, in run_step
         c_now = float(self.clip_state["clip_norm"])
         reproject = (cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
                      if getattr(algo, "reproject", False) else None)
-        clip = StepClipping(cfg.clipping, self.clip_state, acc, reproject)
+        clip = StepClipping(cfg.clipping, self.clip_state, acc, reproject, lazy_zeroing=lazy)
         if self._compact:  # users of like record counts share a chunk, so little padding is left to compute
             ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
         chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
@@ -366,7 +371,7 @@ class EngineRun:
             losses = torch.where(torch.isfinite(losses), losses.detach(), 0.0).to(acc)
             stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
                                   ((1 - unclipped) * valid).sum(), w.sum(),
-                                  (bad.to(acc) * valid).sum()]).double()
+                                  (bad.to(acc) * valid).sum(), bad.to(acc).sum()]).double()
         if shards is not None:  # each rank's shards of the totals (zero where no chunk ran: an empty cohort)
             sums = [x if x is not None else torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype))
                     for x, p in zip(shards, self.params)]
@@ -414,10 +419,22 @@ class EngineRun:
         ids = self.sampler.sample(self.n_units, self.rate, self.step, self._cohort_rng(self.step), self.sampler_state)
         mine = ids[comb.rank :: comb.world_size]
         # sharded: every rank runs as many chunks as the rank with the most units (FSDP's gathers pair up)
-        sums, stats = self.clipped_sum(mine, chunks_per_rank(len(ids), comb.world_size, cfg.chunk_size)
-                                       if self.sharded else None)
+        n_chunks = chunks_per_rank(len(ids), comb.world_size, cfg.chunk_size) if self.sharded else None
+        # on a device the strategy skips zeroing bad units' rows (a pass over every factor), and the
+        # step's one sync says whether any unit was bad: then the sums may hold NaN, and are computed
+        # again, zeroing, before anything of them is used (a sharded step's collectives run inside the
+        # chunks, so every rank would have to agree: it zeroes always)
+        lazy = not self.sharded and defers_zeroing(self.device, True)
+        sums, stats = self.clipped_sum(mine, n_chunks, lazy=lazy)
         check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
         stats = stats.cpu()  # the step's one host sync: a few float64 statistics
+        if lazy and stats[6] > 0:
+            sums = stats = None  # unreleased, and never will be: the step's sums are these
+            sums, stats = self.clipped_sum(mine, n_chunks)
+            self.recomputed_steps += 1
+            check_release(self.model, (), versions)
+            stats = stats.cpu()
+        stats = stats[:6]
         # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
         if main and plan.count_stddev:
             stats[1] += self.noise.scalar(plan.count_stddev)
