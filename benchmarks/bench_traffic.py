@@ -57,6 +57,8 @@ H100 = {"bandwidth": 3.35e12, "bf16": 989e12, "fp32": 67e12}
 NO_WRITE = frozenset({"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
                       "new_empty_strided.default"})
 GEMMS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm"})
+#: ops that read only the elements their index picks from their first argument
+GATHERS = frozenset({"gather", "index_select", "embedding", "index"})
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -66,6 +68,20 @@ def _bytes(t: torch.Tensor) -> int:
         return min(n, t.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
         return n
+
+
+def _distinct(ts: list) -> list:
+    """``ts`` with the second and later views of one storage left out."""
+    seen, out = set(), []
+    for t in ts:
+        try:
+            key = id(t.untyped_storage())
+        except (RuntimeError, NotImplementedError):
+            key = id(t)
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
 
 
 def gemm_flops(name: str, args: tuple) -> float:
@@ -122,7 +138,10 @@ class Traffic(TorchDispatchMode):
             return out
         if base in ("copy_", "fill_", "zero_") or "out" in kwargs:
             ins = ins[1:] if base in ("copy_", "fill_", "zero_") else [t for t in ins if t is not kwargs.get("out")]
-        read = sum(_bytes(t) for t in ins)
+        if base in GATHERS:  # reads what it picks, a 32-byte sector each at worst, and its index
+            read = sum(_bytes(t) for t in ins[1:]) + min(_bytes(ins[0]), 32 * sum(t.numel() for t in outs))
+        else:
+            read = sum(_bytes(t) for t in _distinct(ins))  # a Gram's two operands are one tensor: read once
         written = 0 if name in NO_WRITE else sum(_bytes(t) for t in outs)
         flops, narrow = 0.0, True
         if base in GEMMS:
@@ -194,7 +213,7 @@ def excess(a: Traffic, b: Traffic) -> list:
     """(key, calls, bytes, flops, seconds) of the ghost chunk's rows minus the same op on as many
     elements of the non-private side (any caller), largest time first."""
     def same(op: str, shapes: tuple) -> tuple:  # [n, L, d] and [n·L, d] are the same op on the same data
-        return op, tuple(math.prod(s) for s in shapes)
+        return op, tuple((math.prod(s), s[-1] if s else 1) for s in shapes)
 
     plain = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])
     for (op, shapes, _), r in a.rows.items():
