@@ -6,8 +6,9 @@ How. The model and batch are :mod:`bench_memory`'s (fake tensors, float32 weight
 autocast, the ghost strategy's device path). :class:`Traffic` charges each aten op the bytes of its
 tensor arguments (read) and results (written), views none, and its FLOPs where it is a GEMM
 (``mm``, ``bmm``, ``addmm``, ``linear``, with the float32 ``out_dtype`` contractions on the tensor
-cores) or an attention kernel; the clipped sum's operand is charged as the CUDA Triton kernel
-makes it (one read of the factor, one write of the bf16 buffer), not as the CPU's torch passes.
+cores) or an attention kernel; the clipped sum's operand and the LayerNorms' per-unit gradients
+are charged as the CUDA Triton kernels make them (one read of what they read, one write of what
+they write), not as the CPU's torch passes.
 Each op's time is ``max(bytes / bandwidth, flops / rate) + launch``: a roofline, at rates taken
 as fractions of an H100's peaks (``--bandwidth``, ``--bf16``, ``--fp32``, ``--launch``).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import sys
@@ -45,6 +47,7 @@ import bench_memory  # noqa: E402
 from bench_ops import VIEW_OPS  # noqa: E402
 
 import userdp.engine.contraction as contraction  # noqa: E402
+import userdp.engine.layer_norm_grads as layer_norm_grads  # noqa: E402
 from userdp.engine.algorithms import ELS, ULS  # noqa: E402
 from userdp.engine.clipping import FlatClip, StepClipping  # noqa: E402
 from userdp.engine.ghost import GhostPerUnit  # noqa: E402
@@ -175,6 +178,33 @@ def _triton_operand(traffic: Traffic):
     return fused
 
 
+class _LayerNormKernel:
+    """:mod:`userdp.engine.layer_norm_triton`'s kernel as CUDA runs it: each launch charged one read of
+    the input and the gradient, its statistics and its partial sums' write (the torch ops around it,
+    ``var_mean`` and the partials' sum, are counted as they run)."""
+
+    def __init__(self, traffic: Traffic):
+        self.traffic = traffic
+
+    def __getitem__(self, grid):
+        def launch(x2, g2, mean, rstd, w, b, *args, **kwargs):
+            nbytes = sum(t.numel() * t.element_size() for t in (x2, g2, mean, rstd, w, b))
+            self.traffic.charge(("triton_layer_norm", (tuple(x2.shape),), "unit_grads"), nbytes, 0.0, True)
+        return launch
+
+
+def _on_cuda(traffic: Traffic):
+    """The CUDA kernels in place of the CPU's torch passes: the clipped sum's operand and the
+    LayerNorms' per-unit gradients (where triton imports here)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(contraction, "fused_operand", _triton_operand(traffic)))
+    if layer_norm_grads.layer_norm_triton is not None:
+        stack.enter_context(mock.patch.object(layer_norm_grads, "_fused_allowed", lambda device: True))
+        stack.enter_context(mock.patch.object(layer_norm_grads.layer_norm_triton, "_grads_kernel",
+                                              _LayerNormKernel(traffic)))
+    return stack
+
+
 def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int, seq: int, rates: dict,
             lazy: bool = True) -> dict:
     """Traffic and roofline time of a non-private forward and backward and of one ghost chunk (its bad
@@ -202,7 +232,7 @@ def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int,
 
         for side, fn in (("nonprivate", nonprivate), ("ghost", private)):
             tr = Traffic(rates)
-            with mock.patch.object(contraction, "fused_operand", _triton_operand(tr)), tr:
+            with _on_cuda(tr), tr:
                 fn()
             seen[side] = tr
     a, b = seen["nonprivate"], seen["ghost"]

@@ -7,12 +7,11 @@ rule is emulated here: ``contraction.must_zero`` and ``loop.defers_zeroing`` as 
 
 import pytest
 import torch
+from test_guarantee_neighbour import ADVERSARIES, builder, honest, reg_loss
 
 import userdp.engine.loop as loop_mod
 from userdp.engine import ULS, FlatClip, TrainConfig, contraction
 from userdp.engine.neighbour import join, neighbour_gap, released_sum
-
-from test_guarantee_neighbour import ADVERSARIES, builder, honest, reg_loss
 
 
 def _as_on_a_device(monkeypatch) -> list:

@@ -539,3 +539,91 @@ def test_a_fused_operand_kernel_that_differs_is_not_used_and_is_warned_about(mon
     monkeypatch.setattr(contraction, "FUSED_SPLIT", "auto")  # off CUDA, auto never tries it
     monkeypatch.setattr(contraction, "FUSED_CHECKED", {})
     assert contraction.fused_operand(y, c, None, 40) is None and contraction.FUSED_CHECKED == {}
+
+
+_LN_PROBE = r"""
+import torch
+from userdp.engine import layer_norm_grads as L
+from userdp.engine import layer_norm_triton as T
+from userdp.engine import ghost as G
+from userdp.engine.algorithms import ULS
+from userdp.engine.clipping import FlatClip, StepClipping
+from userdp.engine.precision import Precision
+from userdp.lm import models
+from userdp.lm.models import causal_lm_loss
+
+calls = []
+real = T.unit_grads
+T.unit_grads = lambda *a: calls.append(a[0].shape) or real(*a)
+torch.manual_seed(0)
+model = models.build_preset("tiny", vocab_size=1001, n_positions=48).train()
+ids = torch.randint(0, 1001, (3, 2, 40))  # 80 tokens a unit: two blocks of the kernel's tokens
+out = {}
+for mode in ("off", "on"):
+    L.FUSED_LAYER_NORM = mode
+    st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
+    sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
+                                         torch.ones(3), StepClipping(FlatClip(1e9), {"clip_norm": 1e9}, torch.float32))
+    out[mode] = (sums, norms)
+names = [n for n, _ in model.named_parameters()]
+ln = [i for i, n in enumerate(names) if "ln" in n]
+worst = max(float((out["on"][0][i] - out["off"][0][i]).abs().max() / out["off"][0][i].abs().max()) for i in ln)
+rest = all(torch.equal(out["on"][0][i], out["off"][0][i]) for i in range(len(names)) if i not in ln)
+print(L.FUSED_CHECKED.get("cpu"), len(calls), len(ln), worst < 1e-5, rest,
+      bool(torch.allclose(out["on"][1], out["off"][1], rtol=1e-6)))
+"""
+
+
+def test_the_fused_layer_norm_kernel_gives_the_torch_passes_gradients():
+    """The Triton kernel for a LayerNorm's per-unit gradients (engine/layer_norm_triton.py), run by
+    Triton's interpreter on the CPU inside a whole bf16 ghost chunk: its run-time check passes, it
+    serves every LayerNorm, and the chunk's LayerNorm sums match the torch passes' to float32's
+    summation order (the other sums and the norms unchanged)."""
+    pytest.importorskip("triton", reason="the fused kernel's test needs triton (pip install -e '.[test]')")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _LN_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    state, calls, n_ln, close, rest, norms = res.stdout.split()
+    assert state == "True"
+    assert int(n_ln) > 0 and int(calls) == int(n_ln) // 2 + 3  # each LayerNorm once (weight and bias together),
+    # and the run-time check's three cases
+    assert close == "True" and rest == "True" and norms == "True"
+
+
+def test_a_layer_norm_kernel_that_differs_is_not_used_and_is_warned_about(monkeypatch):
+    import types
+    import warnings
+
+    import userdp.engine.layer_norm_grads as L
+
+    fake = types.ModuleType("userdp.engine.layer_norm_triton")
+
+    def off(x, g, m, eps):  # the torch sums, one of them moved by 1%
+        want = L.torch_grads(x, g, m, (x.shape[-1],), eps, torch.float32, True, True)
+        w = want["weight"].clone()
+        w[0, 0] *= 1.01
+        return w, want["bias"]
+
+    fake.unit_grads = off
+    monkeypatch.setattr(L, "layer_norm_triton", fake)
+    monkeypatch.setattr(L, "FUSED_LAYER_NORM", "on")
+    monkeypatch.setattr(L, "FUSED_CHECKED", {})
+    x, g = torch.randn(6, 8), torch.randn(6, 8)
+    ref = L.torch_grads(x, g, 2, (8,), 1e-5, torch.float32, True, True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # decided once
+            got = L.per_unit_grads(x, g, 2, (8,), 1e-5, torch.float32, True, True)
+            assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert len(caught) == 1 and "differ from torch's" in str(caught[0].message)
+    monkeypatch.setattr(L, "layer_norm_triton", None)  # no triton (the CPU wheel of torch)
+    monkeypatch.setattr(L, "NO_TRITON", "no triton: ModuleNotFoundError: No module named 'triton'")
+    monkeypatch.setattr(L, "FUSED_CHECKED", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.per_unit_grads(x, g, 2, (8,), 1e-5, torch.float32, True, True)
+    assert "no triton" in str(caught[0].message)

@@ -64,10 +64,10 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.func import functional_call, vjp, vmap
-from torch.nn import functional as F
 
 from userdp.engine import contraction as cx
 from userdp.engine.clipping import StepClipping
+from userdp.engine.layer_norm_grads import per_unit_grads
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
@@ -455,15 +455,11 @@ def _embedding(mod: nn.Embedding, inputs: tuple, gout: torch.Tensor, m: int, dty
 
 @register_ghost_layer(nn.LayerNorm)
 def _layer_norm(mod: nn.LayerNorm, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
-    # the normalized input, recomputed by one fused kernel (native layer_norm without affine)
-    xhat = F.layer_norm(inputs[0].to(dtype), mod.normalized_shape, eps=mod.eps)
-    shape = (m, -1, *mod.normalized_shape)
-    out = {}
-    if mod.weight is not None:  # a narrow gout times xhat promotes to dtype inside the one kernel
-        out["weight"] = [torch.mul(gout, xhat).to(dtype).reshape(shape).sum(1)]
-    if mod.bias is not None:
-        out["bias"] = [gout.reshape(shape).sum(1, dtype=dtype)]
-    return out
+    # materialized: a unit's gradients are d-vectors (engine/layer_norm_grads.py: torch's passes, or one
+    # Triton pass on CUDA)
+    got = per_unit_grads(inputs[0], gout, m, mod.normalized_shape, mod.eps, dtype,
+                         mod.weight is not None, mod.bias is not None)
+    return {name: [v] for name, v in got.items()}
 
 
 def _register_transformers_layers() -> None:
