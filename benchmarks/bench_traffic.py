@@ -6,8 +6,8 @@ How. The model and batch are :mod:`bench_memory`'s (fake tensors, float32 weight
 autocast, the ghost strategy's device path). :class:`Traffic` charges each aten op the bytes of its
 tensor arguments (read) and results (written), views none, and its FLOPs where it is a GEMM
 (``mm``, ``bmm``, ``addmm``, ``linear``, with the float32 ``out_dtype`` contractions on the tensor
-cores) or an attention kernel; the clipped sum's operand and the LayerNorms' per-unit gradients
-are charged as the CUDA Triton kernels make them (one read of what they read, one write of what
+cores) or an attention kernel; the clipped sum's operand, the ghost norms' Gram-pair reductions
+and the LayerNorms' per-unit gradients are charged as the CUDA Triton kernels make them (one read of what they read, one write of what
 they write), not as the CPU's torch passes.
 Each op's time is ``max(bytes / bandwidth, flops / rate) + launch``: a roofline, at rates taken
 as fractions of an H100's peaks (``--bandwidth``, ``--bf16``, ``--fp32``, ``--launch``).
@@ -193,11 +193,29 @@ class _LayerNormKernel:
         return launch
 
 
+class _GramKernel:
+    """:mod:`userdp.engine.gram_triton`'s kernel as CUDA runs it: each launch charged one read of the
+    two Grams and their row vectors and the write of its row sums."""
+
+    def __init__(self, traffic: Traffic):
+        self.traffic = traffic
+
+    def __getitem__(self, grid):
+        def launch(gx, gy, rbx, rby, v, qy, qx, sx, *args, ROW_SUMS=False, **kwargs):
+            outs = (v, qy, qx, sx) if ROW_SUMS else (v, qy, qx)
+            nbytes = sum(t.numel() * t.element_size() for t in (gx, gy, rbx, rby, *outs))
+            self.traffic.charge(("triton_gram_pair", (tuple(gx.shape),), "pair_rows"), nbytes, 0.0, True)
+        return launch
+
+
 def _on_cuda(traffic: Traffic):
-    """The CUDA kernels in place of the CPU's torch passes: the clipped sum's operand and the
-    LayerNorms' per-unit gradients (where triton imports here)."""
+    """The CUDA kernels in place of the CPU's torch passes: the clipped sum's operand, the ghost
+    norms' Gram-pair reductions and the LayerNorms' per-unit gradients (where triton imports here)."""
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(contraction, "fused_operand", _triton_operand(traffic)))
+    if contraction.gram_triton is not None:
+        stack.enter_context(mock.patch.object(contraction, "_grams_kernel_allowed", lambda device: True))
+        stack.enter_context(mock.patch.object(contraction.gram_triton, "_pair_kernel", _GramKernel(traffic)))
     if layer_norm_grads.layer_norm_triton is not None:
         stack.enter_context(mock.patch.object(layer_norm_grads, "_fused_allowed", lambda device: True))
         stack.enter_context(mock.patch.object(layer_norm_grads.layer_norm_triton, "_grads_kernel",

@@ -134,3 +134,41 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
     assert C.FUSED_CHECKED.get("cuda") is True
     for a, b in zip(out["off"], out["on"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_the_gram_and_layer_norm_kernels_pass_their_checks_and_give_the_torch_passes_norms(monkeypatch):
+    """The Gram-pair reductions (engine/gram_triton.py) and a LayerNorm's per-unit gradients
+    (engine/layer_norm_triton.py) pass their run-time checks here, at the step's own sizes too, and a
+    ghost chunk's norms and sums with them agree with the torch passes' (float32 summation order)."""
+    from userdp.engine import contraction as C
+    from userdp.engine import ghost as G
+    from userdp.engine import gram_triton
+    from userdp.engine import layer_norm_grads as L
+    from userdp.engine.algorithms import ULS
+    from userdp.engine.clipping import FlatClip
+    from userdp.engine.precision import Precision
+    from userdp.lm import models
+    from userdp.lm.models import causal_lm_loss
+
+    assert C.check_gram_kernel(CUDA) is True
+    assert L.check_fused(CUDA) is True
+    g = torch.Generator(device=CUDA).manual_seed(1)
+    gx = torch.randn(64, 256, 256, generator=g, device=CUDA)
+    gy = torch.randn(64, 256, 256, generator=g, device=CUDA)
+    rb = torch.rand(64, 256, generator=g, device=CUDA)
+    for a, b in zip(gram_triton.pair_rows(gx, gy, rb, rb, True), C.torch_pair_rows(gx, gy, rb, rb, True)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
+    torch.manual_seed(0)
+    model = models.build_preset("tiny", vocab_size=1001, n_positions=64).to(CUDA).train()
+    ids = torch.randint(0, 1001, (3, 2, 40), device=CUDA)
+    out = {}
+    for mode in ("off", "auto"):
+        monkeypatch.setattr(C, "FUSED_GRAMS", mode)
+        monkeypatch.setattr(L, "FUSED_LAYER_NORM", mode)
+        st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
+        out[mode] = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2, device=CUDA),
+                                   torch.ones(3, device=CUDA), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+    assert C.GRAMS_CHECKED.get("cuda") is True and L.FUSED_CHECKED.get("cuda") is True
+    torch.testing.assert_close(out["off"][1], out["auto"][1], rtol=1e-5, atol=1e-7)
+    for a, b in zip(out["off"][0], out["auto"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -627,3 +627,88 @@ def test_a_layer_norm_kernel_that_differs_is_not_used_and_is_warned_about(monkey
         warnings.simplefilter("always")
         L.per_unit_grads(x, g, 2, (8,), 1e-5, torch.float32, True, True)
     assert "no triton" in str(caught[0].message)
+
+
+_GRAM_PROBE = r"""
+import torch
+from userdp.engine import contraction
+from userdp.engine import ghost as G
+from userdp.engine import gram_triton as K
+from userdp.engine.algorithms import ULS
+from userdp.engine.clipping import FlatClip, StepClipping
+from userdp.engine.precision import Precision
+from userdp.lm import models
+from userdp.lm.models import causal_lm_loss
+
+contraction.TENSOR_CORES = "on"
+contraction.SUM_OPERAND = "rounded"  # its spread needs the |Gx| row sums too
+calls = []
+real = K.pair_rows
+K.pair_rows = lambda *a: calls.append(a[0].shape) or real(*a)
+torch.manual_seed(0)
+model = models.build_preset("tiny", vocab_size=1001, n_positions=48).train()
+ids = torch.randint(0, 1001, (4, 2, 20))
+clip = FlatClip(0.05)
+out = {}
+inside = True
+for mode in ("off", "on"):
+    contraction.FUSED_GRAMS = mode
+    st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
+    run = lambda w: st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2), w,
+                                   StepClipping(clip, {"clip_norm": 0.05}, torch.float32))
+    sums, norms, _, _ = run(torch.ones(4))
+    out[mode] = (sums, norms)
+    for u in range(4):  # each unit alone: within C whichever computed its bound
+        w = torch.zeros(4); w[u] = 1.0
+        s, *_ = run(w)
+        inside = inside and float(torch.sqrt(sum((x.double() ** 2).sum() for x in s))) <= 0.05
+same_norms = bool(torch.allclose(out["on"][1], out["off"][1], rtol=1e-5))
+close = all(torch.allclose(a, b, rtol=1e-3, atol=1e-7) for a, b in zip(out["on"][0], out["off"][0]))
+print(contraction.GRAMS_CHECKED.get("cpu"), len(calls), same_norms, close, inside)
+"""
+
+
+def test_the_fused_gram_kernel_gives_the_torch_passes_norms_and_keeps_units_within_c():
+    """The Triton kernel for a ghost norm's Gram-pair reductions (engine/gram_triton.py), run by
+    Triton's interpreter on the CPU inside whole bf16 ghost chunks on tensor cores with the rounded
+    operand: its run-time check passes, it serves the chunk's pairs, the norms equal the torch
+    passes' to float32 summation order, and every unit alone adds at most C."""
+    pytest.importorskip("triton", reason="the fused kernel's test needs triton (pip install -e '.[test]')")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _GRAM_PROBE], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    state, calls, same_norms, close, inside = res.stdout.split()
+    assert state == "True"
+    assert int(calls) >= 3 + 5 * 10  # the check's cases, and the chunks' pairs (10 dense ghost uses, 5 runs)
+    assert same_norms == "True" and close == "True" and inside == "True"
+
+
+def test_a_gram_kernel_that_differs_is_not_used_and_is_warned_about(monkeypatch):
+    import types
+    import warnings
+
+    fake = types.ModuleType("userdp.engine.gram_triton")
+
+    def low(gx, gy, rb_x, rb_y, row_sums):  # the torch row sums, one |Gy| form 0.1% low: a bound too small
+        v, qy, qx, sx = contraction.torch_pair_rows(gx, gy, rb_x, rb_y, row_sums)
+        qy = qy.clone()
+        qy[0, 0] *= 0.999
+        return v, qy, qx, sx
+
+    fake.pair_rows = low
+    monkeypatch.setattr(contraction, "gram_triton", fake)
+    monkeypatch.setattr(contraction, "FUSED_GRAMS", "on")
+    monkeypatch.setattr(contraction, "GRAMS_CHECKED", {})
+    gx, gy = torch.randn(2, 4, 6), torch.randn(2, 4, 6)
+    rb = torch.rand(2, 6)
+    ref = contraction.torch_pair_rows(gx, gy, rb, rb, True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # decided once
+            got = contraction.gram_pair_rows(gx, gy, rb, rb, True)
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert len(caught) == 1 and "|Gy| form differs from torch's" in str(caught[0].message)

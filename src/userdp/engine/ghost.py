@@ -325,21 +325,23 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     u = max(a.u, b.u)
     gxn = 0.0 if (a.index or b.index) else gamma(int(a.x.shape[-1]), u)
     gyn = gamma(int(a.y.shape[-1]), u)
-    gx_abs = gx.abs()
-    if b is a and not a.index and cx.operand_roundoff(a.narrow):  # the rounded operand's spread (Factored.spread)
-        a._gx_rows = gx_abs.sum(-1)
+    spread_rows = b is a and not a.index and cx.operand_roundoff(a.narrow)  # the rounded operand's (Factored.spread)
     if b is a and a._rows is None:  # the rows' norms from the Grams' diagonals
         ry = torch.diagonal(gy, dim1=1, dim2=2).sqrt()
         rx = torch.ones_like(ry) if a.index else torch.diagonal(gx, dim1=1, dim2=2).sqrt()
         a._rows = (rx, ry, 1.0 if a.index else _root_slack_of(gxn), _root_slack_of(gyn))
     rxa, rya, sxa, sya = a.row_norms()
     rxb, ryb, sxb, syb = b.row_norms()
-    # Σ_ts Gx⊙Gy in two levels: one batched dot per row (tb terms), then the rows (ta terms), so each
-    # term is rounded at most ta + tb times: gamma_{ta+tb} Σ|Gx||Gy| <= gamma (1 + gamma_X) rxᵀ|Gy|rx
-    rows = torch.bmm(gx.reshape(m * ta, 1, tb), gy.reshape(m * ta, tb, 1)).view(m, ta)
+    # Σ_ts Gx⊙Gy in two levels: a sum per row (tb terms), then the rows (ta terms), so each term is
+    # rounded at most ta + tb times: gamma_{ta+tb} Σ|Gx||Gy| <= gamma (1 + gamma_X) rxᵀ|Gy|rx; the two
+    # quadratic forms likewise, per row then over rows (one Triton pass over the Grams on CUDA)
+    rows, qy_rows, qx_rows, gx_rows = cx.gram_pair_rows(gx, gy, rxb, ryb, spread_rows)
+    del gx, gy
+    if spread_rows:
+        a._gx_rows = gx_rows
     value = rows.sum(1)
-    qy = _quadratic(rxa, gy.abs(), rxb)  # rxᵀ|Gy|rx, low by at most the rows' factors and gq
-    qx = _quadratic(rya, gx_abs, ryb)  # ryᵀ|Gx|ry
+    qy = _dot_rows(rxa, qy_rows)  # rxᵀ|Gy|rx, low by at most the rows' factors and gq
+    qx = _dot_rows(rya, qx_rows)  # ryᵀ|Gx|ry
     ma, sma = a.magnitude()
     mb, smb = (ma, sma) if b is a else b.magnitude()
     # every term is non-negative: each coefficient carries the factors its computed terms may be low
@@ -361,12 +363,11 @@ def _root_slack_of(g: float) -> float:
     return ((1.0 + 2.0 ** -20) / (1.0 - g)) ** 0.5
 
 
-def _quadratic(ra: torch.Tensor, g: torch.Tensor, rb: torch.Tensor) -> torch.Tensor:
-    """``[m]``: ``raᵀ g rb`` (``ra [m, Ta]``, ``g [m, Ta, Tb]`` non-negative: a Gram's absolute values,
-    ``rb [m, Tb]``) as two batched products in ``g``'s dtype; every term is non-negative, so the result
-    is low by at most gamma_{Ta+Tb+2} relative (the caller adds it)."""
-    q = torch.bmm(g, rb.to(g.dtype).unsqueeze(2))  # [m, Ta, 1]
-    return torch.bmm(ra.to(g.dtype).unsqueeze(1), q).view(-1)
+def _dot_rows(ra: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[m]``: ``Σ_t ra_t q_t`` (``ra``, ``q`` ``[m, Ta]`` non-negative: a quadratic form's row sums,
+    :func:`~userdp.engine.contraction.gram_pair_rows`) as one batched product in ``q``'s dtype; with
+    the rows' own sums the form is low by at most gamma_{Ta+Tb+2} relative (the caller adds it)."""
+    return torch.bmm(ra.to(q.dtype).unsqueeze(1), q.unsqueeze(2)).view(-1)
 
 
 def _inner_dense(a: Factored, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
