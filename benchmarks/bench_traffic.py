@@ -20,6 +20,7 @@ before a GPU can measure it. The absolute times are a model; the H100's own rows
     python benchmarks/bench_traffic.py                        # gpt2-small, ULS and ELS, 64 users x G = 4 x 64 tokens
     python benchmarks/bench_traffic.py --models gpt2-medium --top 20
     python benchmarks/bench_traffic.py --json
+    python benchmarks/bench_traffic.py --operand split --zero-always --without gram,layer_norm   # 9bc2cd5's step
 """
 
 from __future__ import annotations
@@ -208,15 +209,20 @@ class _GramKernel:
         return launch
 
 
-def _on_cuda(traffic: Traffic):
+def _on_cuda(traffic: Traffic, without: tuple = ()):
     """The CUDA kernels in place of the CPU's torch passes: the clipped sum's operand, the ghost
-    norms' Gram-pair reductions and the LayerNorms' per-unit gradients (where triton imports here)."""
+    norms' Gram-pair reductions and the LayerNorms' per-unit gradients (where triton imports here;
+    ``without``: "gram", "layer_norm" left to the torch passes)."""
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(contraction, "fused_operand", _triton_operand(traffic)))
-    if contraction.gram_triton is not None:
+    if "gram" in without:
+        stack.enter_context(mock.patch.object(contraction, "FUSED_GRAMS", "off"))
+    if "layer_norm" in without:
+        stack.enter_context(mock.patch.object(layer_norm_grads, "FUSED_LAYER_NORM", "off"))
+    if contraction.gram_triton is not None and "gram" not in without:
         stack.enter_context(mock.patch.object(contraction, "_grams_kernel_allowed", lambda device: True))
         stack.enter_context(mock.patch.object(contraction.gram_triton, "_pair_kernel", _GramKernel(traffic)))
-    if layer_norm_grads.layer_norm_triton is not None:
+    if layer_norm_grads.layer_norm_triton is not None and "layer_norm" not in without:
         stack.enter_context(mock.patch.object(layer_norm_grads, "_fused_allowed", lambda device: True))
         stack.enter_context(mock.patch.object(layer_norm_grads.layer_norm_triton, "_grads_kernel",
                                               _LayerNormKernel(traffic)))
@@ -224,7 +230,7 @@ def _on_cuda(traffic: Traffic):
 
 
 def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int, seq: int, rates: dict,
-            lazy: bool = True) -> dict:
+            lazy: bool = True, without: tuple = ()) -> dict:
     """Traffic and roofline time of a non-private forward and backward and of one ghost chunk (its bad
     units' rows zeroed lazily, as the loop runs it on a device, or always: ``lazy`` False)."""
     records = users * group
@@ -250,7 +256,7 @@ def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int,
 
         for side, fn in (("nonprivate", nonprivate), ("ghost", private)):
             tr = Traffic(rates)
-            with _on_cuda(tr), tr:
+            with _on_cuda(tr, without), tr:
                 fn()
             seen[side] = tr
     a, b = seen["nonprivate"], seen["ghost"]
@@ -296,6 +302,8 @@ def main(argv=None) -> int:
     p.add_argument("--operand", choices=["split", "rounded"], default=contraction.SUM_OPERAND)
     p.add_argument("--zero-always", action="store_true",
                    help="zero the bad units' rows in every chunk (a sharded step; the code before lazy zeroing)")
+    p.add_argument("--without", default="", help="kernels left to the torch passes, comma-separated: gram, layer_norm "
+                   "(the code before them)")
     p.add_argument("--top", type=int, default=12, help="the DP-only rows to list")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -308,7 +316,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             with mock.patch.object(contraction, "SUM_OPERAND", args.operand):
                 res = profile(mode, model, algorithm, args.users, args.group_size, args.seq_len, rates,
-                              lazy=not args.zero_always)
+                              lazy=not args.zero_always, without=tuple(filter(None, args.without.split(","))))
             a, b = res["nonprivate"], res["ghost"]
             rows = excess(a, b)
             row = {"model": name, "algorithm": algorithm, "operand": args.operand, "users": args.users,
