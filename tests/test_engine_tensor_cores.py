@@ -603,7 +603,7 @@ def test_a_layer_norm_kernel_that_differs_is_not_used_and_is_warned_about(monkey
     fake = types.ModuleType("userdp.engine.layer_norm_triton")
 
     def off(x, g, m, eps):  # the torch sums, one of them moved by 1%
-        want = L.torch_grads(x, g, m, (x.shape[-1],), eps, torch.float32, True, True)
+        want = L.torch_grads(x, g, m, L.LayerNormSpec((x.shape[-1],), eps), torch.float32)
         w = want["weight"].clone()
         w[0, 0] *= 1.01
         return w, want["bias"]
@@ -613,11 +613,12 @@ def test_a_layer_norm_kernel_that_differs_is_not_used_and_is_warned_about(monkey
     monkeypatch.setattr(L, "FUSED_LAYER_NORM", "on")
     monkeypatch.setattr(L, "FUSED_CHECKED", {})
     x, g = torch.randn(6, 8), torch.randn(6, 8)
-    ref = L.torch_grads(x, g, 2, (8,), 1e-5, torch.float32, True, True)
+    spec = L.LayerNormSpec((8,), 1e-5)
+    ref = L.torch_grads(x, g, 2, spec, torch.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # decided once
-            got = L.per_unit_grads(x, g, 2, (8,), 1e-5, torch.float32, True, True)
+            got = L.per_unit_grads(x, g, 2, spec, torch.float32)
             assert all(torch.equal(got[k], ref[k]) for k in ref)
     assert len(caught) == 1 and "differ from torch's" in str(caught[0].message)
     monkeypatch.setattr(L, "layer_norm_triton", None)  # no triton (the CPU wheel of torch)
@@ -625,7 +626,7 @@ def test_a_layer_norm_kernel_that_differs_is_not_used_and_is_warned_about(monkey
     monkeypatch.setattr(L, "FUSED_CHECKED", {})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        L.per_unit_grads(x, g, 2, (8,), 1e-5, torch.float32, True, True)
+        L.per_unit_grads(x, g, 2, spec, torch.float32)
     assert "no triton" in str(caught[0].message)
 
 

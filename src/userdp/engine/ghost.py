@@ -67,7 +67,7 @@ from torch.func import functional_call, vjp, vmap
 
 from userdp.engine import contraction as cx
 from userdp.engine.clipping import StepClipping
-from userdp.engine.layer_norm_grads import per_unit_grads
+from userdp.engine.layer_norm_grads import LayerNormSpec, per_unit_grads
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
@@ -458,8 +458,7 @@ def _embedding(mod: nn.Embedding, inputs: tuple, gout: torch.Tensor, m: int, dty
 def _layer_norm(mod: nn.LayerNorm, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
     # materialized: a unit's gradients are d-vectors (engine/layer_norm_grads.py: torch's passes, or one
     # Triton pass on CUDA)
-    got = per_unit_grads(inputs[0], gout, m, mod.normalized_shape, mod.eps, dtype,
-                         mod.weight is not None, mod.bias is not None)
+    got = per_unit_grads(inputs[0], gout, m, LayerNormSpec.of(mod), dtype)
     return {name: [v] for name, v in got.items()}
 
 

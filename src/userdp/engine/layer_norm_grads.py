@@ -14,6 +14,7 @@ whose clipped sum is formed.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -31,30 +32,42 @@ FUSED_CHECKED: dict = {}  # device type -> True, or why the kernel is not used
 CHECK_RTOL, CHECK_ATOL = 1e-4, 1e-5
 
 
-def per_unit_grads(x: torch.Tensor, g: torch.Tensor, m: int, normalized_shape, eps: float,
-                   dtype: torch.dtype, weight: bool, bias: bool) -> dict:
-    """``{"weight": [m, *shape], "bias": [m, *shape]}`` (those asked for) in ``dtype``: the units'
-    LayerNorm gradients from the layer's input ``x`` and its output's gradient ``g`` (a unit's
+@dataclass(frozen=True)
+class LayerNormSpec:
+    """What of a LayerNorm its gradients need: the normalized shape, eps, and which of its
+    parameters (weight, bias) want a gradient."""
+
+    shape: tuple
+    eps: float
+    weight: bool = True
+    bias: bool = True
+
+    @classmethod
+    def of(cls, mod: torch.nn.LayerNorm) -> LayerNormSpec:
+        return cls(tuple(mod.normalized_shape), float(mod.eps), mod.weight is not None, mod.bias is not None)
+
+
+def per_unit_grads(x: torch.Tensor, g: torch.Tensor, m: int, spec: LayerNormSpec, dtype: torch.dtype) -> dict:
+    """``{"weight": [m, *shape], "bias": [m, *shape]}`` (those ``spec`` asks for) in ``dtype``: the
+    units' LayerNorm gradients from the layer's input ``x`` and its output's gradient ``g`` (a unit's
     records consecutive, batch-first)."""
-    shape = tuple(normalized_shape)
-    if (weight or bias) and len(shape) == 1 and dtype == torch.float32 and _fused_allowed(x.device):
-        got = layer_norm_triton.unit_grads(x, g, m, eps)
+    if (spec.weight or spec.bias) and len(spec.shape) == 1 and dtype == torch.float32 and _fused_allowed(x.device):
+        got = layer_norm_triton.unit_grads(x, g, m, spec.eps)
         if got is not None:
             w, b = got
-            return {**({"weight": w} if weight else {}), **({"bias": b} if bias else {})}
-    return torch_grads(x, g, m, shape, eps, dtype, weight, bias)
+            return {**({"weight": w} if spec.weight else {}), **({"bias": b} if spec.bias else {})}
+    return torch_grads(x, g, m, spec, dtype)
 
 
-def torch_grads(x: torch.Tensor, g: torch.Tensor, m: int, shape: tuple, eps: float,
-                dtype: torch.dtype, weight: bool, bias: bool) -> dict:
+def torch_grads(x: torch.Tensor, g: torch.Tensor, m: int, spec: LayerNormSpec, dtype: torch.dtype) -> dict:
     """:func:`per_unit_grads` by torch's passes: the normalized input recomputed by one fused kernel
     (native layer_norm without affine), its product with ``g``, and the sums over each unit's tokens."""
-    units = (m, -1, *shape)
+    units = (m, -1, *spec.shape)
     out = {}
-    if weight:  # a narrow g times xhat promotes to dtype inside the one kernel
-        xhat = F.layer_norm(x.to(dtype), shape, eps=eps)
+    if spec.weight:  # a narrow g times xhat promotes to dtype inside the one kernel
+        xhat = F.layer_norm(x.to(dtype), spec.shape, eps=spec.eps)
         out["weight"] = torch.mul(g, xhat).to(dtype).reshape(units).sum(1)
-    if bias:
+    if spec.bias:
         out["bias"] = g.reshape(units).sum(1, dtype=dtype)
     return out
 
@@ -90,7 +103,7 @@ def check_fused(device: torch.device) -> bool | str:
             got = layer_norm_triton.unit_grads(x, g, m, 1e-5)
             if got is None:
                 return f"it refused a layout of shape {(m * t, d)}"
-            want = torch_grads(x, g, m, (d,), 1e-5, torch.float32, True, True)
+            want = torch_grads(x, g, m, LayerNormSpec((d,), 1e-5), torch.float32)
             for name, a in zip(("weight", "bias"), got):
                 b = want[name]
                 if a.shape != b.shape or not torch.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL * float(b.abs().max())):
