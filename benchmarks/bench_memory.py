@@ -129,33 +129,40 @@ def lora_gpt2(rank: int, vocab: int = 50257, positions: int = 1024, **shape) -> 
     return models.apply_lora(_gpt2(vocab, positions, shape), models.LoraSpec(rank=rank, alpha=2.0 * rank))
 
 
-def peaks(mode: FakeTensorMode, model: torch.nn.Module, algorithm: str, users: int, group: int, seq: int) -> dict:
-    """The peak live bytes of a non-private forward and backward over ``users x group`` records of
-    ``seq`` tokens under bf16 autocast, and of one ghost chunk of the same records (``algorithm``
-    "uls": ``users`` units of ``group`` records; "els": each record a unit), each with where it was
-    reached. ``model`` was made under ``mode``."""
+def sides(model: torch.nn.Module, algorithm: str, users: int, group: int, seq: int, lazy: bool = True):
+    """``(strategy, nonprivate, ghost)``: a non-private forward and backward over ``users x group``
+    records of ``seq`` tokens under bf16 autocast, and one ghost chunk of the same records
+    (``algorithm`` "uls": ``users`` units of ``group`` records; "els": each record a unit; its bad
+    units zeroed lazily, as the loop runs it on a device, or always), as two functions to call under
+    the fake mode and :func:`device_path` (their batch is made when they are called)."""
     records = users * group
     m, g = (users, group) if algorithm == "uls" else (records, 1)
     params = [p for p in model.parameters() if p.requires_grad]
     algo = (ULS if algorithm == "uls" else ELS)(group_size=group, sampling_rate=0.5)
     st = GhostPerUnit(model, causal_lm_loss, algo, Precision("bfloat16"))
     st._verified, st._unchecked = True, []  # the first chunk's coverage check (once a run) is not the step's
-    with mode, device_path():
+
+    def nonprivate():
+        flat = torch.zeros(records, seq, dtype=torch.long)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = causal_lm_loss(model, {"input_ids": flat, "labels": flat}).mean()
+        return torch.autograd.grad(loss, params)
+
+    def ghost():
         ids = torch.zeros(m, g, seq, dtype=torch.long)
-        ones_g, ones_m = torch.ones(m, g), torch.ones(m)
+        return st.clipped_sum({"input_ids": ids, "labels": ids}, torch.ones(m, g), torch.ones(m),
+                              StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32, lazy_zeroing=lazy))
 
-        def nonprivate():
-            flat = ids.reshape(records, seq)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = causal_lm_loss(model, {"input_ids": flat, "labels": flat}).mean()
-            return torch.autograd.grad(loss, params)
+    return st, nonprivate, ghost
 
-        def private():
-            return st.clipped_sum({"input_ids": ids, "labels": ids}, ones_g, ones_m,  # as the loop runs it on a device
-                                  StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32, lazy_zeroing=True))
 
-        seen = {}
-        for side, fn in (("nonprivate", nonprivate), ("ghost", private)):
+def peaks(mode: FakeTensorMode, model: torch.nn.Module, algorithm: str, users: int, group: int, seq: int) -> dict:
+    """The peak live bytes of :func:`sides`' non-private forward and backward and of its ghost chunk,
+    each with where it was reached. ``model`` was made under ``mode``."""
+    st, nonprivate, ghost = sides(model, algorithm, users, group, seq)
+    seen = {}
+    with mode, device_path():
+        for side, fn in (("nonprivate", nonprivate), ("ghost", ghost)):
             live = LiveBytes()
             with live:
                 result = fn()

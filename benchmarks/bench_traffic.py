@@ -49,11 +49,6 @@ from bench_ops import VIEW_OPS  # noqa: E402
 
 import userdp.engine.contraction as contraction  # noqa: E402
 import userdp.engine.layer_norm_grads as layer_norm_grads  # noqa: E402
-from userdp.engine.algorithms import ELS, ULS  # noqa: E402
-from userdp.engine.clipping import FlatClip, StepClipping  # noqa: E402
-from userdp.engine.ghost import GhostPerUnit  # noqa: E402
-from userdp.engine.precision import Precision  # noqa: E402
-from userdp.lm.models import causal_lm_loss  # noqa: E402
 
 #: H100 SXM peaks: HBM3 bytes/s, bf16 tensor-core and float32 SIMT FLOP/s (dense)
 H100 = {"bandwidth": 3.35e12, "bf16": 989e12, "fp32": 67e12}
@@ -233,28 +228,10 @@ def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int,
             lazy: bool = True, without: tuple = ()) -> dict:
     """Traffic and roofline time of a non-private forward and backward and of one ghost chunk (its bad
     units' rows zeroed lazily, as the loop runs it on a device, or always: ``lazy`` False)."""
-    records = users * group
-    m, g = (users, group) if algorithm == "uls" else (records, 1)
-    params = [p for p in model.parameters() if p.requires_grad]
-    algo = (ULS if algorithm == "uls" else ELS)(group_size=group, sampling_rate=0.5)
-    st = GhostPerUnit(model, causal_lm_loss, algo, Precision("bfloat16"))
-    st._verified, st._unchecked = True, []
+    _, nonprivate, ghost = bench_memory.sides(model, algorithm, users, group, seq, lazy)
     seen = {}
     with mode, bench_memory.device_path():
-        ids = torch.zeros(m, g, seq, dtype=torch.long)
-        ones_g, ones_m = torch.ones(m, g), torch.ones(m)
-
-        def nonprivate():
-            flat = ids.reshape(records, seq)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = causal_lm_loss(model, {"input_ids": flat, "labels": flat}).mean()
-            return torch.autograd.grad(loss, params)
-
-        def private():
-            return st.clipped_sum({"input_ids": ids, "labels": ids}, ones_g, ones_m,
-                                  StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32, lazy_zeroing=lazy))
-
-        for side, fn in (("nonprivate", nonprivate), ("ghost", private)):
+        for side, fn in (("nonprivate", nonprivate), ("ghost", ghost)):
             tr = Traffic(rates)
             with _on_cuda(tr, without), tr:
                 fn()

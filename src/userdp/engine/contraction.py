@@ -24,10 +24,10 @@ so tests and benchmarks set them here.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch.nn import functional as F
+
+from userdp.engine import kernel_gate
 
 NO_TRITON: str | None = None  # why the Triton kernels cannot be imported here
 try:  # the CUDA kernels are written in Triton, which CUDA builds of torch bring (the CPU wheel does not)
@@ -186,16 +186,8 @@ def fused_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp
     (:mod:`userdp.engine.split_triton`) where :data:`FUSED_SPLIT` allows it and the kernel has matched
     both bit for bit on this device type (checked once per process; a mismatch or a failure is warned
     about once and the torch passes are used); else None."""
-    kind = y.device.type
-    if FUSED_SPLIT == "off" or (FUSED_SPLIT == "auto" and kind != "cuda"):
-        return None
-    state = FUSED_CHECKED.get(kind)
-    if state is None:
-        state = FUSED_CHECKED[kind] = check_fused_operand(y.device)
-        if state is not True:
-            warnings.warn(f"userdp: the fused [hi | lo] kernel is not used on {kind} ({state}); the clipped "
-                          f"sums take torch's passes (the same numbers, slower)", RuntimeWarning, stacklevel=2)
-    if state is not True:
+    if not kernel_gate.allowed(FUSED_SPLIT, FUSED_CHECKED, y.device, check_fused_operand,
+                               "the fused clipped-sum operand kernel"):
         return None
     return split_triton.scale_split(y, c, bad, wp, split)
 
@@ -297,16 +289,7 @@ def torch_pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y
 
 
 def _grams_kernel_allowed(device: torch.device) -> bool:
-    kind = device.type
-    if FUSED_GRAMS == "off" or (FUSED_GRAMS == "auto" and kind != "cuda"):
-        return False
-    state = GRAMS_CHECKED.get(kind)
-    if state is None:
-        state = GRAMS_CHECKED[kind] = check_gram_kernel(device)
-        if state is not True:
-            warnings.warn(f"userdp: the fused Gram-pair kernel is not used on {kind} ({state}); the ghost norms "
-                          "take torch's passes (the same bound, slower)", RuntimeWarning, stacklevel=3)
-    return state is True
+    return kernel_gate.allowed(FUSED_GRAMS, GRAMS_CHECKED, device, check_gram_kernel, "the fused Gram-pair kernel")
 
 
 def check_gram_kernel(device: torch.device) -> bool | str:

@@ -13,11 +13,12 @@ whose clipped sum is formed.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
+
+from userdp.engine import kernel_gate
 
 NO_TRITON: str | None = None  # why the Triton kernel cannot be imported here
 try:  # CUDA builds of torch bring triton (the CPU wheel does not)
@@ -73,16 +74,8 @@ def torch_grads(x: torch.Tensor, g: torch.Tensor, m: int, spec: LayerNormSpec, d
 
 
 def _fused_allowed(device: torch.device) -> bool:
-    kind = device.type
-    if FUSED_LAYER_NORM == "off" or (FUSED_LAYER_NORM == "auto" and kind != "cuda"):
-        return False
-    state = FUSED_CHECKED.get(kind)
-    if state is None:
-        state = FUSED_CHECKED[kind] = check_fused(device)
-        if state is not True:
-            warnings.warn(f"userdp: the fused LayerNorm-gradient kernel is not used on {kind} ({state}); the "
-                          "ghost strategy takes torch's passes (the same sums, slower)", RuntimeWarning, stacklevel=3)
-    return state is True
+    return kernel_gate.allowed(FUSED_LAYER_NORM, FUSED_CHECKED, device, check_fused,
+                               "the fused LayerNorm-gradient kernel")
 
 
 def check_fused(device: torch.device) -> bool | str:
