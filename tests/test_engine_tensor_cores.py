@@ -447,6 +447,20 @@ def test_the_tied_heads_cross_gram_gathers_before_it_upcasts(monkeypatch):
     assert torch.equal(ghost_mod._x_gram(head, emb), ref.transpose(1, 2))
 
 
+def _interpreted(probe: str, timeout: int) -> list[str]:
+    """The words ``probe`` (a script) prints, run in a process of its own under Triton's interpreter
+    (the CUDA kernels' CPU stand-in); skipped where triton is not installed."""
+    pytest.importorskip("triton", reason="the fused kernels' tests need triton (pip install -e '.[test]')")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.split()
+
+
 _FUSED_PROBE = r"""
 import torch
 from userdp.engine import contraction
@@ -493,15 +507,7 @@ def test_the_fused_operand_kernel_gives_the_torch_passes_sums_bit_for_bit():
     chunk on tensor cores: its run-time check passes for both, it serves the narrow uses, and the
     chunk's clipped sums (a 1,001-token vocabulary: odd widths, aligned rows) equal the torch passes'
     bit for bit with either operand, with a bad unit zeroed as on a device."""
-    pytest.importorskip("triton", reason="the fused kernel's test needs triton (pip install -e '.[test]')")
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _FUSED_PROBE], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    same, one_bad, state, calls = res.stdout.split()
+    same, one_bad, state, calls = _interpreted(_FUSED_PROBE, 300)
     assert one_bad == "True" and state == "True"
     assert int(calls) >= 8
     assert same == "True"
@@ -579,15 +585,7 @@ def test_the_fused_layer_norm_kernel_gives_the_torch_passes_gradients():
     Triton's interpreter on the CPU inside a whole bf16 ghost chunk: its run-time check passes, it
     serves every LayerNorm, and the chunk's LayerNorm sums match the torch passes' to float32's
     summation order (the other sums and the norms unchanged)."""
-    pytest.importorskip("triton", reason="the fused kernel's test needs triton (pip install -e '.[test]')")
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _LN_PROBE], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
-    state, calls, n_ln, close, rest, norms = res.stdout.split()
+    state, calls, n_ln, close, rest, norms = _interpreted(_LN_PROBE, 300)
     assert state == "True"
     assert int(n_ln) > 0 and int(calls) == int(n_ln) // 2 + 3  # each LayerNorm once (weight and bias together),
     # and the run-time check's three cases
@@ -674,15 +672,7 @@ def test_the_fused_gram_kernel_gives_the_torch_passes_norms_and_keeps_units_with
     Triton's interpreter on the CPU inside whole bf16 ghost chunks on tensor cores with the rounded
     operand: its run-time check passes, it serves the chunk's pairs, the norms equal the torch
     passes' to float32 summation order, and every unit alone adds at most C."""
-    pytest.importorskip("triton", reason="the fused kernel's test needs triton (pip install -e '.[test]')")
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _GRAM_PROBE], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    state, calls, same_norms, close, inside = res.stdout.split()
+    state, calls, same_norms, close, inside = _interpreted(_GRAM_PROBE, 600)
     assert state == "True"
     assert int(calls) >= 3 + 5 * 10  # the check's cases, and the chunks' pairs (10 dense ghost uses, 5 runs)
     assert same_norms == "True" and close == "True" and inside == "True"
