@@ -640,7 +640,7 @@ def _coefficients(values: tuple, device: torch.device, dtype: torch.dtype = torc
     key = (values, str(device), dtype)
     t = _COEFFICIENTS.get(key)
     if t is None:
-        if len(_COEFFICIENTS) > 64:
+        if len(_COEFFICIENTS) > 512:  # a run's chunk shapes repeat: a few dozen keys (the spreads add five per token count)
             _COEFFICIENTS.clear()
         t = _COEFFICIENTS[key] = torch.tensor(values, dtype=dtype, device=device)
     return t

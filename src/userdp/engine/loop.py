@@ -239,7 +239,6 @@ class EngineRun:
         self.optimizer = cfg.optimizer.build(self.master) if optimizer is None else _own_optimizer(optimizer, self)
         self.step = 0
         self.nonfinite_units = 0  # units whose update was Inf/NaN (zeroed); NOT a private statistic
-        self.recomputed_steps = 0  # steps whose sums were computed again, zeroing a bad unit (release)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="userdp-load")
         self.history: list[dict] = []
 
@@ -431,7 +430,6 @@ class EngineRun:
         if lazy and stats[6] > 0:
             sums = stats = None  # unreleased, and never will be: the step's sums are these
             sums, stats = self.clipped_sum(mine, n_chunks)
-            self.recomputed_steps += 1
             check_release(self.model, (), versions)
             stats = stats.cpu()
         stats = stats[:6]
