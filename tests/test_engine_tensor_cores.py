@@ -703,3 +703,27 @@ def test_a_gram_kernel_that_differs_is_not_used_and_is_warned_about(monkeypatch)
             got = contraction.gram_pair_rows(gx, gy, rb, rb, True)
             assert all(torch.equal(a, b) for a, b in zip(got, ref))
     assert len(caught) == 1 and "|Gy| form differs from torch's" in str(caught[0].message)
+
+
+def test_the_kernel_gate_reports_a_check_that_raises_and_asks_once():
+    """A kernel whose check raises (a Triton build or launch failure) is not used: one warning names
+    the error, the answer is kept for the device type, and "off" or "auto" off CUDA never asks."""
+    import warnings
+
+    from userdp.engine import kernel_gate
+
+    asked = []
+
+    def broken(device):
+        asked.append(device.type)
+        raise RuntimeError("no kernel image for this device")
+
+    checked: dict = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert kernel_gate.allowed("on", checked, torch.device("cpu"), broken, "the test kernel") is False
+        assert kernel_gate.allowed("auto", {}, torch.device("cpu"), broken, "the test kernel") is False
+        assert kernel_gate.allowed("off", {}, torch.device("cpu"), broken, "the test kernel") is False
+    assert asked == ["cpu"] and checked == {"cpu": "RuntimeError: no kernel image for this device"}
+    assert len(caught) == 1 and "the test kernel is not used on cpu (RuntimeError: no kernel image" in str(caught[0].message)
