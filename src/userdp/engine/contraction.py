@@ -68,22 +68,22 @@ SUM_OPERAND = "rounded"
 ROUNDED_OPERAND_U = 2.0 ** -8
 
 
+def defers_zeroing(device: torch.device) -> bool:
+    """Whether knowing if any unit is bad would wait for ``device`` (every device but the CPU): there a
+    step may leave the bad units' rows unzeroed and, where one turns out bad, be computed again
+    with them zeroed (:attr:`~userdp.engine.clipping.StepClipping.lazy_zeroing`)."""
+    return device.type != "cpu"
+
+
 def must_zero(bad: torch.Tensor, lazy: bool = False) -> bool:
     """Whether the bad units' factors must be zeroed before the clipped sum (their clip factor is
     already 0, but 0 times Inf is NaN). On a CPU reading ``bad.any()`` costs nothing, so the masked
-    copies of every factor are made only when a unit is bad. On a device that read would wait for
-    it: the copies are made always (zeroing no unit changes no value), unless ``lazy``
-    (:attr:`~userdp.engine.clipping.StepClipping.lazy_zeroing`: the caller computes the chunk again,
-    zeroing, when a unit comes back bad; :func:`defers_zeroing`), where none is made."""
-    if bad.device.type == "cpu":
+    copies of every factor are made only when a unit is bad. On a device (:func:`defers_zeroing`)
+    that read would wait for it: the copies are made always (zeroing no unit changes no value),
+    unless ``lazy``, where none is made."""
+    if not defers_zeroing(bad.device):
         return bool(bad.any())
     return not lazy
-
-
-def defers_zeroing(device: torch.device, lazy: bool) -> bool:
-    """Whether :func:`must_zero` with ``lazy`` may leave a bad unit's rows in a sum on ``device``:
-    then a chunk with a bad unit must be computed again with ``lazy`` False."""
-    return lazy and device.type != "cpu"
 
 
 def tensor_cores(device: torch.device) -> bool:

@@ -423,7 +423,7 @@ class EngineRun:
         # step's one sync says whether any unit was bad: then the sums may hold NaN, and are computed
         # again, zeroing, before anything of them is used (a sharded step's collectives run inside the
         # chunks, so every rank would have to agree: it zeroes always)
-        lazy = not self.sharded and defers_zeroing(self.device, True)
+        lazy = not self.sharded and defers_zeroing(self.device)
         sums, stats = self.clipped_sum(mine, n_chunks, lazy=lazy)
         check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
         stats = stats.cpu()  # the step's one host sync: a few float64 statistics
