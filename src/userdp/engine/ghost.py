@@ -118,6 +118,13 @@ class Factored:
                 and (self.index or self.x.dtype == torch.bfloat16))
 
     @property
+    def rounds_operand(self) -> bool:
+        """This use's clipped sum takes the rounded tensor-core operand (a dense use on tensor cores
+        with :data:`~userdp.engine.contraction.SUM_OPERAND` "rounded"), whose rounding the norm's
+        bound takes in through :meth:`spread`; an embedding's sum is exact."""
+        return not self.index and cx.operand_roundoff(self.narrow) > 0
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         return self.dtype or self.y.dtype
 
@@ -171,8 +178,7 @@ class Factored:
         own Gram (:func:`_inner`), the row sums of ``|Gx|`` (None: B alone)."""
         mag, smag = self.magnitude()
         rx, ry, sx, sy = self.row_norms()
-        rows = None if self._gx_rows is None or self.index else self._gx_rows
-        return _SpreadTerm(mag, smag, rx, ry, sx, sy, rows, gamma(int(self.x.shape[-1]), self.u))
+        return _SpreadTerm(mag, smag, rx, ry, sx, sy, self._gx_rows, gamma(int(self.x.shape[-1]), self.u))
 
     def fx(self) -> torch.Tensor:
         """``x`` in the compute dtype (token ids as they are)."""
@@ -321,11 +327,11 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     Per-token terms that cancel (records built to hide a large gradient) make the estimate small and
     this bound large, so the clip factor still holds what is summed to C."""
     gx, gy = _x_gram(a, b), _y_gram(a, b)
-    m, ta, tb = gy.shape
+    ta, tb = gy.shape[1:]
     u = max(a.u, b.u)
     gxn = 0.0 if (a.index or b.index) else gamma(int(a.x.shape[-1]), u)
     gyn = gamma(int(a.y.shape[-1]), u)
-    spread_rows = b is a and not a.index and cx.operand_roundoff(a.narrow)  # the rounded operand's (Factored.spread)
+    spread_rows = b is a and a.rounds_operand  # |Gx|'s row sums for Factored.spread
     if b is a and a._rows is None:  # the rows' norms from the Grams' diagonals
         ry = torch.diagonal(gy, dim1=1, dim2=2).sqrt()
         rx = torch.ones_like(ry) if a.index else torch.diagonal(gx, dim1=1, dim2=2).sqrt()
@@ -595,7 +601,7 @@ class _FactorStack:
                         self.size_x, False, self.dtype, self.tc)
         value, err = _inner(flat, flat)
         mag, smag = flat.magnitude()
-        spread = flat.spread_term().split(k) if cx.operand_roundoff(flat.narrow) else None
+        spread = flat.spread_term().split(k) if flat.rounds_operand else None
         return value.view(k, m), err.view(k, m), (mag * smag).view(k, m), spread
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
@@ -1017,7 +1023,7 @@ class GhostPerUnit:
             v, e = _inner(a, a)
             ma, sma = a.magnitude()
             value, err, mag = add(value, v), add(err, e), add(mag, ma * sma)
-            if not a.index and cx.operand_roundoff(a.narrow):
+            if a.rounds_operand:
                 spread.append(a.spread_term())
         for i, a in enumerate(fs):
             for b in fs[i + 1:]:
