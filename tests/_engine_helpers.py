@@ -181,3 +181,22 @@ class WidestOutput(TorchDispatchMode):
         if isinstance(out, torch.Tensor) and out.dtype in self.dtypes:
             self.widest = max(self.widest, out.numel())
         return out
+
+
+def bf16_lm_chunk(model, ids: torch.Tensor, clip=None, weights: torch.Tensor | None = None):
+    """``(strategy, (sums, norms, losses, bad))``: one bf16 ghost ULS chunk of a causal LM over
+    ``ids`` ``[m, G, L]`` (every record kept, G records a unit), the units weighted ``weights`` (1
+    each by default), clipped by ``clip`` (FlatClip(1.0)) at its initial state, sums in float32."""
+    from userdp.engine import ULS, FlatClip
+    from userdp.engine.clipping import StepClipping
+    from userdp.engine.ghost import GhostPerUnit
+    from userdp.engine.precision import Precision
+    from userdp.lm.models import causal_lm_loss
+
+    m, g, _ = ids.shape
+    clip = clip or FlatClip(1.0)
+    st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=g, sampling_rate=0.5), Precision("bfloat16"))
+    w = torch.ones(m, device=ids.device) if weights is None else weights
+    out = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(m, g, device=ids.device), w,
+                         StepClipping(clip, clip.initial_state(), torch.float32))
+    return st, out

@@ -8,6 +8,8 @@ import torch
 
 from userdp.engine.clipping import StepClipping
 
+from _engine_helpers import bf16_lm_chunk
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu/run.sh)")
 
 CUDA = torch.device("cuda") if torch.cuda.is_available() else None
@@ -100,13 +102,8 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
     with aligned rows), a bad unit holding Inf zeroed; and a ghost chunk's sums with it agree with
     the torch passes' (to float32 rounding only: the embedding's index_add_ sums in atomic order)."""
     from userdp.engine import contraction as C
-    from userdp.engine import ghost as G
-    from userdp.engine.algorithms import ULS
-    from userdp.engine.clipping import FlatClip
-    from userdp.engine.precision import Precision
     from userdp.engine.split_triton import scale_split
     from userdp.lm import models
-    from userdp.lm.models import causal_lm_loss
 
     assert C.check_fused_operand(CUDA) is True
     g = torch.Generator(device=CUDA).manual_seed(0)
@@ -128,9 +125,7 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
     out = {}
     for mode in ("off", "on"):
         monkeypatch.setattr(C, "FUSED_SPLIT", mode)
-        st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
-        out[mode] = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2, device=CUDA),
-                                   torch.ones(3, device=CUDA), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))[0]
+        out[mode] = bf16_lm_chunk(model, ids)[1][0]
     assert C.FUSED_CHECKED.get("cuda") is True
     for a, b in zip(out["off"], out["on"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -141,14 +136,9 @@ def test_the_gram_and_layer_norm_kernels_pass_their_checks_and_give_the_torch_pa
     (engine/layer_norm_triton.py) pass their run-time checks here, at the step's own sizes too, and a
     ghost chunk's norms and sums with them agree with the torch passes' (float32 summation order)."""
     from userdp.engine import contraction as C
-    from userdp.engine import ghost as G
     from userdp.engine import gram_triton
     from userdp.engine import layer_norm_grads as L
-    from userdp.engine.algorithms import ULS
-    from userdp.engine.clipping import FlatClip
-    from userdp.engine.precision import Precision
     from userdp.lm import models
-    from userdp.lm.models import causal_lm_loss
 
     assert C.check_gram_kernel(CUDA) is True
     assert L.check_fused(CUDA) is True
@@ -165,9 +155,7 @@ def test_the_gram_and_layer_norm_kernels_pass_their_checks_and_give_the_torch_pa
     for mode in ("off", "auto"):
         monkeypatch.setattr(C, "FUSED_GRAMS", mode)
         monkeypatch.setattr(L, "FUSED_LAYER_NORM", mode)
-        st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
-        out[mode] = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2, device=CUDA),
-                                   torch.ones(3, device=CUDA), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+        out[mode] = bf16_lm_chunk(model, ids)[1]
     assert C.GRAMS_CHECKED.get("cuda") is True and L.FUSED_CHECKED.get("cuda") is True
     torch.testing.assert_close(out["off"][1], out["auto"][1], rtol=1e-5, atol=1e-7)
     for a, b in zip(out["off"][0], out["auto"][0]):

@@ -29,7 +29,7 @@ from userdp.engine.precision import Precision, _fp32_handles, exact_float32
 from userdp.lm import models
 from userdp.lm.models import causal_lm_loss
 
-from _engine_helpers import WidestOutput
+from _engine_helpers import WidestOutput, bf16_lm_chunk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_operand import bound_over_estimate  # noqa: E402
@@ -178,10 +178,7 @@ def _narrow_flags(monkeypatch, lora: bool, capture_rounding: bool) -> tuple[list
     model = models.build_preset("tiny", vocab_size=256, n_positions=32).train()
     if lora:
         model = models.apply_lora(model, models.LoraSpec(rank=4, alpha=8.0))
-    st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
-    ids = torch.randint(0, 256, (3, 2, 16))
-    sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
-                                         torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+    st, (sums, norms, _, bad) = bf16_lm_chunk(model, torch.randint(0, 256, (3, 2, 16)))
     assert not bad.any() and all(s.dtype == torch.float32 for s in sums)
     return st.names, st.last_narrow
 
@@ -418,10 +415,7 @@ def test_every_tensor_core_gemm_of_a_ghost_chunk_gets_aligned_operands(monkeypat
     monkeypatch.setattr(contraction, "mm32", spy)
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=1001, n_positions=32).train()
-    st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
-    ids = torch.randint(0, 1001, (3, 2, 16))
-    sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
-                                         torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+    _, (sums, norms, _, bad) = bf16_lm_chunk(model, torch.randint(0, 1001, (3, 2, 16)))
     assert not bad.any() and all(torch.isfinite(s).all() for s in sums)
     wide = [s for s in seen if 1001 in s[0] or 1001 in s[2]]
     assert wide, "the head's GEMMs were not seen"
@@ -455,7 +449,9 @@ def _interpreted(probe: str, timeout: int) -> list[str]:
     import subprocess
     import sys
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    here = os.path.dirname(os.path.abspath(__file__))  # the probes import _engine_helpers
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
     res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout.split()
@@ -464,13 +460,10 @@ def _interpreted(probe: str, timeout: int) -> list[str]:
 _FUSED_PROBE = r"""
 import torch
 from userdp.engine import contraction
-from userdp.engine import ghost as G
 from userdp.engine import split_triton as S
-from userdp.engine.algorithms import ULS
-from userdp.engine.clipping import FlatClip, StepClipping
-from userdp.engine.precision import Precision
+from userdp.engine.clipping import FlatClip
 from userdp.lm import models
-from userdp.lm.models import causal_lm_loss
+from _engine_helpers import bf16_lm_chunk
 
 class OneBad(FlatClip):  # unit 1's clip factor is NaN: the run counts it bad and zeroes its rows
     def factors_from_norms(self, norms, state):
@@ -492,9 +485,7 @@ for operand in ("split", "rounded"):
     out = {}
     for mode in ("off", "on"):
         contraction.FUSED_SPLIT = mode
-        st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
-        sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
-                                             torch.ones(3), StepClipping(OneBad(1.0), {"clip_norm": 1.0}, torch.float32))
+        _, (sums, norms, _, bad) = bf16_lm_chunk(model, ids, OneBad(1.0))
         out[mode] = sums
     same.append(all(torch.equal(a, b) for a, b in zip(out["off"], out["on"])))
 print(all(same), bad.tolist() == [False, True, False], contraction.FUSED_CHECKED.get("cpu"), len(calls))
@@ -551,12 +542,9 @@ _LN_PROBE = r"""
 import torch
 from userdp.engine import layer_norm_grads as L
 from userdp.engine import layer_norm_triton as T
-from userdp.engine import ghost as G
-from userdp.engine.algorithms import ULS
-from userdp.engine.clipping import FlatClip, StepClipping
-from userdp.engine.precision import Precision
+from userdp.engine.clipping import FlatClip
 from userdp.lm import models
-from userdp.lm.models import causal_lm_loss
+from _engine_helpers import bf16_lm_chunk
 
 calls = []
 real = T.unit_grads
@@ -567,9 +555,7 @@ ids = torch.randint(0, 1001, (3, 2, 40))  # 80 tokens a unit: two blocks of the 
 out = {}
 for mode in ("off", "on"):
     L.FUSED_LAYER_NORM = mode
-    st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
-    sums, norms, _, bad = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(3, 2),
-                                         torch.ones(3), StepClipping(FlatClip(1e9), {"clip_norm": 1e9}, torch.float32))
+    _, (sums, norms, _, bad) = bf16_lm_chunk(model, ids, FlatClip(1e9))
     out[mode] = (sums, norms)
 names = [n for n, _ in model.named_parameters()]
 ln = [i for i, n in enumerate(names) if "ln" in n]
@@ -631,13 +617,10 @@ def test_a_layer_norm_kernel_that_differs_is_not_used_and_is_warned_about(monkey
 _GRAM_PROBE = r"""
 import torch
 from userdp.engine import contraction
-from userdp.engine import ghost as G
 from userdp.engine import gram_triton as K
-from userdp.engine.algorithms import ULS
-from userdp.engine.clipping import FlatClip, StepClipping
-from userdp.engine.precision import Precision
+from userdp.engine.clipping import FlatClip
 from userdp.lm import models
-from userdp.lm.models import causal_lm_loss
+from _engine_helpers import bf16_lm_chunk
 
 contraction.TENSOR_CORES = "on"
 contraction.SUM_OPERAND = "rounded"  # its spread needs the |Gx| row sums too
@@ -652,9 +635,7 @@ out = {}
 inside = True
 for mode in ("off", "on"):
     contraction.FUSED_GRAMS = mode
-    st = G.GhostPerUnit(model, causal_lm_loss, ULS(group_size=2, sampling_rate=0.5), Precision("bfloat16"))
-    run = lambda w: st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2), w,
-                                   StepClipping(clip, {"clip_norm": 0.05}, torch.float32))
+    run = lambda w: bf16_lm_chunk(model, ids, clip, w)[1]
     sums, norms, _, _ = run(torch.ones(4))
     out[mode] = (sums, norms)
     for u in range(4):  # each unit alone: within C whichever computed its bound
