@@ -164,6 +164,7 @@ def test_ghost_equals_vmap_on_other_causal_lm_families(build, seed, fallback):
     assert g.fallback_layers == fallback
 
 
+@pytest.mark.extras
 def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_path):
     """QLoRA-style: a Llama whose linear layers bitsandbytes holds in 4 bits (NF4, frozen), LoRA
     adapters trained. vmap cannot run bitsandbytes' matmul, so the reference is a Python loop of
