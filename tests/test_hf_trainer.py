@@ -83,10 +83,10 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
 @pytest.mark.parametrize("name, value", [
     ("gradient_accumulation_steps", 2), ("fp16", True), ("bf16", True), ("torch_compile", True),
     ("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
-    ("mixed_precision", "bf16"), ("n_gpu", 2)])
+    ("mixed_precision", "bf16"), ("n_gpu", 2), ("load_best_model_at_end", True), ("save_strategy", "best")])
 def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name, value):
     args = types.SimpleNamespace(gradient_accumulation_steps=1, fp16=False, bf16=False, mixed_precision="no",
-                                 torch_compile=False,
+                                 torch_compile=False, load_best_model_at_end=False, save_strategy="steps",
                                  deepspeed=None, fsdp=None, neftune_noise_alpha=None, label_smoothing_factor=0.0,
                                  n_gpu=1, world_size=1, max_grad_norm=0.0, max_steps=-1,
                                  per_device_train_batch_size=8, num_train_epochs=3.0)
@@ -98,7 +98,30 @@ def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name,
     assert "\n" not in msg and (f"TrainingArguments.{name}=" in msg or f"{value} " in msg), msg
     assert {n for n, _, _ in REFUSED} <= {"gradient_accumulation_steps", "fp16", "bf16", "mixed_precision",
                                            "torch_compile", "deepspeed", "fsdp", "neftune_noise_alpha",
-                                           "label_smoothing_factor"}
+                                           "label_smoothing_factor", "load_best_model_at_end", "save_strategy"}
+
+
+def test_a_checkpoint_or_trial_chosen_by_an_unnoised_score_is_refused_before_any_step(tmp_path):
+    """Choosing the released checkpoint (load_best_model_at_end, save_strategy="best") or a trial
+    (hyperparameter_search, train(trial=...)) by an eval score computed without noise is not
+    post-processing: each is refused in one line, and nothing is written or counted."""
+    ds = _dataset()
+    privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=2, clipping=FlatClip(0.5),
+                          noise_multiplier=1.0, delta=1e-4)
+    for kw in (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps", eval_steps=1,
+                    save_steps=1, metric_for_best_model="loss"),
+               dict(save_strategy="best", eval_strategy="steps", eval_steps=1, metric_for_best_model="loss")):
+        with pytest.raises(UserError, match=f"TrainingArguments.{next(iter(kw))}=") as exc:
+            PrivateTrainer(model=_model(), args=_args(tmp_path, **kw), train_dataset=ds, eval_dataset=ds,
+                           privacy=privacy, user_field="user")
+        assert "\n" not in str(exc.value) and "un-noised" in str(exc.value)
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy,
+                             user_field="user")
+    with pytest.raises(UserError, match="hyperparameter_search: .*userdp tune"):
+        trainer.hyperparameter_search(n_trials=2)
+    with pytest.raises(UserError, match=r"train\(trial=...\): .*userdp tune"):
+        trainer.train(trial={"learning_rate": 0.1})
+    assert trainer._private is None and not (tmp_path / "out" / "checkpoints").exists()
 
 
 _TORCHRUN_SCRIPT = """

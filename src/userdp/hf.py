@@ -54,7 +54,7 @@ from userdp.lm.models import IGNORE_INDEX, causal_lm_loss
 from userdp.lm.release import save_released_model
 from userdp.lm.report import write_report
 from userdp.lm.run_dir import RunDir
-from userdp.lm.statement import ReleaseFacts, privacy_record
+from userdp.lm.statement import ReleaseFacts, privacy_record, statement_scope
 from userdp.validation import check_instance
 
 #: TrainingArguments settings refused, with why: (name, is_set(value), reason)
@@ -77,7 +77,20 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "supported"),
     ("label_smoothing_factor", lambda v: v != 0.0, "the per-record loss is userdp's (loss_fn=); the Trainer's "
      "label smoothing would be silently ignored"),
+    # choosing which checkpoint to release, or keep, by an eval score computed without noise is not
+    # post-processing: the released model would be an un-noised function of the data scored
+    ("load_best_model_at_end", bool, "the released model would be the checkpoint with the best un-noised eval "
+     "metric, a selection the guarantee does not cover: release the final model (set it to False), or tune "
+     "with `userdp tune`, which accounts the selection"),
+    ("save_strategy", lambda v: str(getattr(v, "value", v)) == "best", "which checkpoints are kept would follow "
+     "an un-noised eval metric (each kept checkpoint is a release): use 'steps' or 'epoch'"),
 )
+
+#: Trainer entry points a private run refuses: each would run several trainings and choose among them by an
+#: un-noised score (one certificate a trial, the selection outside every one of them)
+SELECTION_REFUSAL = ("hyperparameter search runs several private trainings and keeps the best by an un-noised "
+                     "score: the selection is outside each trial's guarantee; use `userdp tune` (it accounts the "
+                     "selection, docs/tuning.md)")
 
 
 def check_arguments(args) -> list[str]:
@@ -243,10 +256,19 @@ class PrivateTrainer(Trainer):
         for the latest) continues the run with its ledger: userdp's checkpoint in
         ``output_dir/checkpoints`` is written with every Trainer checkpoint, must be at the same step,
         and the steps begun after it are counted as lost (their noise never reused)."""
+        if trial is not None:
+            raise UserError(f"PrivateTrainer.train(trial=...): {SELECTION_REFUSAL}")
         self._resuming = bool(resume_from_checkpoint)
         out = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         self._finish()
         return out
+
+    def hyperparameter_search(self, *args, **kwargs):
+        """Refused (:data:`SELECTION_REFUSAL`).
+
+        Raises:
+            UserError: always."""
+        raise UserError(f"PrivateTrainer.hyperparameter_search: {SELECTION_REFUSAL}")
 
     def _save_checkpoint(self, model, trial, *args, **kwargs):
         super()._save_checkpoint(model, trial, *args, **kwargs)
@@ -279,7 +301,9 @@ class PrivateTrainer(Trainer):
             self._private = make_private(self.model, getattr(self.optimizer, "optimizer", self.optimizer),
                                          self.user_data, self.loss_fn, self.privacy,
                                          RunOptions(checkpoint_dir=str(rd.checkpoints), resume=self._resuming,
-                                                    combiner=combiner_for(self.args.world_size > 1)))
+                                                    combiner=combiner_for(self.args.world_size > 1),
+                                                    journal_context={"statement": statement_scope(
+                                                        self._release_facts())}))
             if self._private.step != self.state.global_step:
                 raise UserError(f"resume_from_checkpoint: the Trainer's checkpoint is at step {self.state.global_step}, "
                                 f"userdp's ({rd.checkpoints}) at step {self._private.step}: "
@@ -305,14 +329,14 @@ class PrivateTrainer(Trainer):
         if self.is_world_process_zero():
             self._release()
 
-    def _release(self) -> None:
-        """privacy.json, the model with its manifest, state.json and the report with the model card,
-        as ``userdp train`` writes them (the report re-derives every figure from the ledger)."""
-        rd, cfg, record = self.run_dir, self.privacy, self.privacy_record()
+    def _release_facts(self, sampler_mode: str = "") -> ReleaseFacts:
+        """The run's facts for its statement (``sampler_mode``: the run's, once it has run; the
+        journal binds the statement's scope before the first step without it)."""
+        cfg = self.privacy
         algo = cfg.algorithm
-        facts = ReleaseFacts(
+        return ReleaseFacts(
             algorithm=algo.name, accountant=cfg.accountant,
-            sampler_assumed=record.sampler_mode,  # one config here: the run's plan is what was assumed
+            sampler_assumed=sampler_mode,  # one config here: the run's plan is what was assumed
             epsilon_target=cfg.target_epsilon, steps_planned=cfg.steps,
             group_size=getattr(algo, "group_size", None), num_records=self.user_data.num_records,
             clipping=type(cfg.clipping).__name__,
@@ -322,7 +346,13 @@ class PrivateTrainer(Trainer):
                      "chunk_size": cfg.chunk_size,
                      "processes": {"world_size": self.args.world_size,
                                    "backend": dist.get_backend() if self.args.world_size > 1 else None}})
-        priv = privacy_record(record, facts)
+
+    def _release(self) -> None:
+        """privacy.json, the model with its manifest, state.json and the report with the model card,
+        as ``userdp train`` writes them (the report re-derives every figure from the ledger)."""
+        rd, record = self.run_dir, self.privacy_record()
+        algo = self.privacy.algorithm
+        priv = privacy_record(record, self._release_facts(record.sampler_mode))
         priv["userdp_notes"] = list(self.userdp_notes)
         # this script's evaluation is its own (disclosed above when it scores the training data)
         priv["data_accesses_covered"] = "training only (the sequence of noised aggregated updates)"
