@@ -81,3 +81,77 @@ def test_one_writer_and_a_shared_count_after_a_crash(tmp_path):
     res = run_all(resume=True)
     for r in range(world):  # 2 begun before the crash (unseeded: spent) + 4 now, on every rank
         assert res[r].record["steps_accounted"] == 6 and res[r].record["steps_lost_to_crashes"] == 2
+
+
+def test_ranks_that_number_the_same_people_differently_are_refused_before_any_step():
+    """Two processes whose data have the same sizes but number two users the other way round (ids
+    pseudonymised by Python's per-process salted hash() do this) would put one person into both
+    processes' shares of a step: its share of the sum would be up to 2C while the run certifies C.
+    The processes compare a fingerprint of which user is which, and refuse in one line."""
+    import threading
+
+    import numpy as np
+
+    from userdp.engine import TensorUserData
+    from userdp.errors import UserError
+
+    def data(swapped: bool):
+        d = user_data(SIZES, d=64, seed=2)
+        if not swapped:
+            return d
+        order = list(range(len(SIZES)))
+        order[0], order[8] = 8, 0  # two users with 3 records each: the sizes stay the same
+        rows = np.concatenate([np.arange(d.offsets[u], d.offsets[u + 1]) for u in order])
+        return TensorUserData({"x": d.tensors["x"][torch.from_numpy(rows)]}, d.offsets)
+
+    assert np.array_equal(data(True).sizes(), data(False).sizes())
+    assert data(True).fingerprint() != data(False).fingerprint()
+    assert data(False).fingerprint() == data(False).fingerprint()
+
+    def rank(r, comb):
+        try:
+            train(Mean(64), data(swapped=r == 1), sq_loss, _cfg(), RunOptions(combiner=comb))
+        except UserError as e:
+            comb.s["barrier"].abort()  # as a process that exits ends the job's collectives
+            return str(e)
+        return "trained"
+
+    results, _ = _run_ranks(2, rank, expected=(threading.BrokenBarrierError,))
+    assert results[1] is not None and "rank 1: this process's data differ from rank 0's" in results[1]
+    assert "hash()" in results[1] and "\n" not in results[1]
+    same, _ = _run_ranks(2, lambda r, comb: rank(0, comb))  # the same numbering on both: it trains
+    assert same == ["trained", "trained"]
+
+
+def test_the_data_fingerprint_sees_each_users_records_and_ids():
+    """The default fingerprint (gathered records) and the tensor data's own agree on what they see:
+    a changed record, a moved record or a renamed user changes it; the same data gives the same."""
+    import numpy as np
+
+    from userdp.engine import TensorUserData
+    from userdp.engine.data import DelegatingUserData, UserData
+
+    class Plain(UserData):  # only the contract: the default fingerprint gathers every record
+        def __init__(self, inner):
+            self.inner, self.num_users = inner, inner.num_users
+
+        def sizes(self):
+            return self.inner.sizes()
+
+        def gather(self, users, records):
+            return self.inner.gather(users, records)
+
+    base = user_data(SIZES, d=4, seed=3)
+    edited = user_data(SIZES, d=4, seed=3)
+    edited.tensors["x"][5, 2] += 1e-6
+    offsets = base.offsets.copy()
+    offsets[2] += 1  # user 2's first record becomes user 1's last
+    moved = TensorUserData(base.tensors, offsets)
+    for fp in (lambda d: d.fingerprint(), lambda d: Plain(d).fingerprint(),
+               lambda d: DelegatingUserData(d).fingerprint()):
+        assert fp(base) == fp(user_data(SIZES, d=4, seed=3))
+        assert fp(base) != fp(edited) and fp(base) != fp(moved)
+    a = TensorUserData.from_user_ids({"x": torch.arange(4.0)[:, None]}, ["ann", "bob", "ann", "cy"])
+    b = TensorUserData.from_user_ids({"x": torch.arange(4.0)[:, None]}, ["ann", "bob", "ann", "dee"])
+    a.user_ids, b.user_ids = np.array(["ann", "bob", "cy"]), np.array(["ann", "bob", "dee"])
+    assert a.fingerprint() != b.fingerprint()

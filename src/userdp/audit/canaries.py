@@ -14,6 +14,7 @@ nothing else. The training code never learns which users are canaries.
 
 from __future__ import annotations
 
+import hashlib
 import secrets as _secrets
 from dataclasses import dataclass
 
@@ -266,6 +267,9 @@ class WithCanaries(DelegatingUserData):
         r_c = ordered[np.arange(int(group_size))[None, :] < counts[:, None]]
         u_c = np.repeat(np.arange(self.canaries.num_users, dtype=np.int64), counts) + self.n_real
         return np.concatenate([u_r, u_c]), np.concatenate([r_r, r_c])
+
+    def fingerprint(self) -> bytes:
+        return hashlib.sha256(self.inner.fingerprint() + self.canaries.fingerprint()).digest()
 
     def num_tokens(self) -> int:
         inner = getattr(self.inner, "num_tokens", None)

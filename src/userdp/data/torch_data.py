@@ -10,6 +10,8 @@ The record selection strategies (ranked, random chunk) subclass it in :mod:`user
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
@@ -40,6 +42,17 @@ class TokenizedUserData(UserData):
 
     def sizes(self) -> np.ndarray:
         return self._sizes
+
+    def fingerprint(self) -> bytes:
+        """The tokenized store's arrays (tokens, offsets, store user numbers) and the layout."""
+        ts = self.ts
+        h = hashlib.sha256(f"{self.seq_len}|{self.pad_id}|{ts.mode}|".encode())
+        for a in (ts.users, ts.user_offsets, ts.seq_offsets):
+            h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        tokens = ts.tokens
+        for start in range(0, len(tokens), 1 << 24):  # a memory-mapped file: read in pieces
+            h.update(np.ascontiguousarray(tokens[start:start + (1 << 24)]).tobytes())
+        return h.digest()
 
     def num_tokens(self) -> int:
         """Real (unpadded) tokens over all records, each cut to ``seq_len``."""

@@ -8,6 +8,7 @@ come from (files, a tokenized store, synthetic draws) stays behind this contract
 
 from __future__ import annotations
 
+import hashlib
 from typing import Mapping
 
 import numpy as np
@@ -73,6 +74,24 @@ class UserData:
         users = np.repeat(np.arange(len(sizes), dtype=np.int64), counts)
         return users, records
 
+    def fingerprint(self) -> bytes:
+        """A digest of *which user is which*: every user's records, in the order the engine numbers
+        the users. The processes of one job compare it before the first step: two processes that
+        number the same people differently (ids pseudonymised by Python's per-process salted
+        ``hash()``, a file read in another order) would put one person into two processes' shares
+        of a cohort, and the step's sum would move by more than the clip norm.
+
+        The default gathers every record once; data that can hash its storage directly override it."""
+        h = hashlib.sha256()
+        sizes = np.asarray(self.sizes(), dtype=np.int64)
+        h.update(sizes.tobytes())
+        users = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        records = np.arange(len(users), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        for start in range(0, len(users), 4096):
+            batch = self.gather(users[start:start + 4096], records[start:start + 4096])
+            hash_tensors(h, batch)
+        return h.digest()
+
     def concat(self, batches: list[Batch]) -> Batch:
         """One batch from the batches of single units (the loop loads each sampled unit with its
         own generator, so that a unit's records do not depend on which process loads it).
@@ -124,10 +143,21 @@ class DelegatingUserData(UserData):
     def concat(self, batches):
         return self.inner.concat(batches)
 
+    def fingerprint(self) -> bytes:
+        return self.inner.fingerprint()
+
     def __getattr__(self, name):  # anything beyond the contract (num_tokens, selection, ...)
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+def hash_tensors(h, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Feed ``tensors`` (by sorted name: the name, dtype, shape and bytes of each) into the hash ``h``."""
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
 
 def _contract_methods() -> set[str]:
@@ -269,6 +299,15 @@ class TensorUserData(UserData):
 
     def sizes(self) -> np.ndarray:
         return self._sizes
+
+    def fingerprint(self) -> bytes:
+        """The offsets and every tensor's bytes (and the user ids, where the data keeps them)."""
+        h = hashlib.sha256(self.offsets.astype(np.int64).tobytes())
+        hash_tensors(h, self.tensors)
+        ids = getattr(self, "user_ids", None)
+        if ids is not None:
+            h.update("\x1f".join(str(u) for u in ids).encode())
+        return h.digest()
 
     def gather(self, users: np.ndarray, records: np.ndarray) -> Batch:
         users = np.asarray(users, dtype=np.int64)

@@ -225,7 +225,9 @@ class EngineRun:
         # (performance settings — chunk size, per-unit strategy, precision, checkpoint cadence — may change)
         context = {"engine_privacy_config_sha256": hashlib.sha256(privacy_repr(cfg).encode()).hexdigest(),
                    "delta": None if self.plan.delta is None else float(self.plan.delta),
-                   "accountant": cfg.accountant}
+                   "accountant": cfg.accountant,
+                   # N, which the statement prints and delta's default rule uses: a record naming another is refused
+                   "num_users": int(data.num_users)}
         context.update(options.journal_context or {})
         self.ledger = PrivacyLedger(self.plan.step_event, self.plan.delta, target_epsilon=cfg.target_epsilon,
                                     accountant=cfg.accountant, safe_steps=self.plan.safe_steps)
@@ -808,16 +810,22 @@ def _agree(run: EngineRun) -> None:
     otherwise train on a cohort that is not the one accounted).
 
     Raises:
-        UserError: this rank's engine config, unit count or data sizes differ from rank 0's.
+        UserError: this rank's engine config or unit count differ from rank 0's, or its data
+            (:meth:`~userdp.engine.data.UserData.fingerprint`: which user is which, and each
+            user's records) does.
     """
     comb = run.combiner
-    sizes = np.asarray(run.data.sizes(), dtype=np.int64)
-    digest = hashlib.sha256(repr(run.cfg).encode() + np.int64(run.n_units).tobytes() + sizes.tobytes()).digest()
-    mine = torch.tensor(np.frombuffer(digest, dtype=np.int64).copy())
-    main = comb.broadcast_from_main([mine.clone()])[0].cpu()
-    if not torch.equal(mine, main):
-        raise UserError(f"rank {comb.rank}: this process's training config or data differ from rank 0's "
-                        "(every process of a job must read the same config and the same corpus)")
+    config = hashlib.sha256(repr(run.cfg).encode() + np.int64(run.n_units).tobytes()).digest()
+    data = run.data.fingerprint()
+    mine = [torch.tensor(np.frombuffer(d, dtype=np.int64).copy()) for d in (config, data)]
+    main = [t.cpu() for t in comb.broadcast_from_main([t.clone() for t in mine])]
+    if not torch.equal(mine[0], main[0]):
+        raise UserError(f"rank {comb.rank}: this process's training config differs from rank 0's "
+                        "(every process of a job must read the same config)")
+    if not torch.equal(mine[1], main[1]):
+        raise UserError(f"rank {comb.rank}: this process's data differ from rank 0's: its users, their order or "
+                        "their records (every process must number the same people alike; ids pseudonymised "
+                        "with Python's hash() are salted per process: use a keyed hash such as hashlib.blake2b)")
     # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank (a sharded
     # run did so before sharding: its ranks now hold different shards)
     if not run.sharded:
