@@ -708,3 +708,27 @@ def test_the_kernel_gate_reports_a_check_that_raises_and_asks_once():
         assert kernel_gate.allowed("off", {}, torch.device("cpu"), broken, "the test kernel") is False
     assert asked == ["cpu"] and checked == {"cpu": "RuntimeError: no kernel image for this device"}
     assert len(caught) == 1 and "the test kernel is not used on cpu (RuntimeError: no kernel image" in str(caught[0].message)
+
+
+def test_the_gram_kernel_gate_holds_a_kernel_to_the_proofs_budget_not_twice_gamma_tb(monkeypatch):
+    """The gate that lets a fused Gram-pair kernel replace torch's passes allows each row the
+    rounding the norm bound's proof budgets, gamma_{Ta+Tb}; twice gamma_Tb (what the gate allowed
+    before) is looser when Ta < Tb. A kernel off by 1.5 gamma_{Ta+Tb} of a row's absolute terms —
+    inside the old slack, outside the proof's — is refused; one off by half of it passes."""
+    import types
+
+    def kernel_off_by(fraction):
+        def pair_rows(gx, gy, rbx, rby, sums):
+            m, ta, tb = gy.shape
+            want = contraction.torch_pair_rows(gx, gy, rbx, rby, sums)
+            scales = ((gx * gy).abs().sum(-1), want[1], want[2], want[3])
+            slack = fraction * contraction.gram_row_budget(ta, tb)
+            return tuple(None if w is None else w + slack * s for w, s in zip(want, scales))
+        return types.SimpleNamespace(pair_rows=pair_rows)
+
+    assert 1.5 * contraction.gram_row_budget(20, 300) < 2 * 300 * 2.0 ** -24  # the old slack let it through
+    monkeypatch.setattr(contraction, "gram_triton", kernel_off_by(1.5))
+    verdict = contraction.check_gram_kernel(torch.device("cpu"))
+    assert isinstance(verdict, str) and "differs from torch's" in verdict
+    monkeypatch.setattr(contraction, "gram_triton", kernel_off_by(0.5))
+    assert contraction.check_gram_kernel(torch.device("cpu")) is True

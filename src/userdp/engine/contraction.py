@@ -289,11 +289,20 @@ def _grams_kernel_allowed(device: torch.device) -> bool:
     return kernel_gate.allowed(FUSED_GRAMS, GRAMS_CHECKED, device, check_gram_kernel, "the fused Gram-pair kernel")
 
 
+def gram_row_budget(ta: int, tb: int) -> float:
+    """gamma_{Ta+Tb} = n u / (1 - n u) for n = Ta + Tb and float32's unit roundoff u = 2^-24: the
+    relative rounding the proven norm bound budgets for one row of a Gram pair's sums."""
+    n = (ta + tb) * 2.0 ** -24
+    return n / (1.0 - n)
+
+
 def check_gram_kernel(device: torch.device) -> bool | str:
     """True when the Triton kernel's row sums match :func:`torch_pair_rows`' on test Grams (entries
     of both signs, several row and column blocks, a cross pair of two token counts, with and without
-    the row sums), each within twice the rounding either may carry (gamma_Tb of the row's absolute
-    terms, float32); else why not."""
+    the row sums), each within the rounding budget the norm bound's proof allows a row,
+    gamma_{Ta+Tb} of the row's absolute terms in float32 (twice gamma_Tb, the rounding either
+    side may carry, is looser when Ta < Tb: the gate holds a kernel to the proof's budget, not to
+    what the difference of two roundings could reach); else why not."""
     if gram_triton is None:
         return NO_TRITON
     g = torch.Generator().manual_seed(0)
@@ -306,7 +315,7 @@ def check_gram_kernel(device: torch.device) -> bool | str:
         if got is None:
             return f"it refused Grams of shape {(m, ta, tb)}"
         want = torch_pair_rows(gx, gy, rbx, rby, sums)
-        slack = 2.0 * tb * 2.0 ** -24 / (1.0 - tb * 2.0 ** -24)
+        slack = gram_row_budget(ta, tb)
         scales = ((gx * gy).abs().sum(-1), want[1], want[2], want[3])
         for name, a, b, scale in zip(("dot", "|Gy| form", "|Gx| form", "|Gx| row sum"), got, want, scales):
             if (a is None) != (b is None):
