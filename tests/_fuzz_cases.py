@@ -335,12 +335,12 @@ def cli_cases() -> list[Case]:
         out.append(Case(f"train-{name}", "CLI numbers and paths",
                         lambda w, r, s=setting: ["train", str(_tiny_config(w)), "--set", s, "--no-progress",
                                                  "--output", str(w / "run-set")]))
-    for v in ("-1", "0", "nan", "x", "1e9"):  # --sample N (issue 28): a positive integer, or one line
+    for v in ("-1", "0", "nan", "x", "1e9", "300", "1"):  # --sample RATE: a rate in (0, 1), or one line
         out.append(Case(f"train--sample={v}", "CLI numbers and paths",
                         lambda w, r, v=v: ["train", str(_tiny_config(w)), "--sample", v, "--no-progress",
                                            "--output", str(w / "run-sample")]))
     out.append(Case("train-sample-and-set-max-users", "CLI numbers and paths",
-                    lambda w, r: ["train", str(_tiny_config(w)), "--sample", "3", "--set", "data.max_users=2",
+                    lambda w, r: ["train", str(_tiny_config(w)), "--sample", "0.5", "--set", "data.max_users=2",
                                   "--no-progress", "--output", str(w / "run-sample")]))
     out.append(Case("train-set-tensorboard-string", "CLI numbers and paths",
                     lambda w, r: ["train", str(_tiny_config(w)), "--set", "output.tensorboard=sometimes",

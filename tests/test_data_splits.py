@@ -65,11 +65,34 @@ def test_one_user_added_moves_no_other_users_membership():
     bigger = UserSubset.full(np.ones(5001, dtype=np.int64))
     s1, r1 = sample_users(sub, ids, 300, 7, "sample")
     s2, r2 = sample_users(bigger, ids + ["the-new-user"], 300, 7, "sample")
-    # the rate moves with N (300/5000 vs 300/5001), so a user near the threshold may flip: at most
-    # the users within that rate change of it, never a permutation's hundreds
+    # data.max_users: the rate K/N moves with N, so a user near the threshold may flip (the statement
+    # says so); data.sample_rate / --sample below moves no one
     moved = set(s1.users.tolist()) ^ (set(s2.users.tolist()) - {5000})
     assert len(moved) <= 2
     assert abs(s1.num_users - 300) < 4 * 300 ** 0.5
+
+
+def test_a_sample_at_a_fixed_rate_moves_no_other_users_membership_wherever_the_new_user_lands():
+    """The data-neighbour test for --sample / data.sample_rate (a rate K/N let one added user flip
+    another's membership in 39 of 400 pairs): 400 neighbouring pairs, the added user's id chosen by
+    an adversary to fall just below or above each kept user's threshold, and not one other user's
+    membership moves."""
+    from userdp.data.splits import keep_users, keyed_uniforms
+    from userdp.data.subset import UserSubset
+
+    rng = np.random.default_rng(3)
+    flips = 0
+    for trial in range(400):
+        n = int(rng.integers(50, 400))
+        ids = [f"t{trial}-{i}" for i in range(n)]
+        u = keyed_uniforms(ids, 11, "sample")
+        rate = 0.25
+        near = ids[int(np.argmin(np.abs(u - rate)))]  # the adversary's added user sits next to this one's draw
+        new = near + "-twin"
+        a = keep_users(UserSubset.full(np.ones(n, dtype=np.int64)), ids, rate, 11, "sample")
+        b = keep_users(UserSubset.full(np.ones(n + 1, dtype=np.int64)), ids + [new], rate, 11, "sample")
+        flips += len(set(a.users.tolist()) ^ (set(b.users.tolist()) - {n}))
+    assert flips == 0
 
 
 def test_cc_news_rule(store):

@@ -291,23 +291,28 @@ def test_sample_trains_on_a_counted_seeded_slice(tmp_path, monkeypatch, capsys):
     from userdp.lm.prepare import prepare_data
 
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
-    assert cli(["train", "--sample", "25", "--print-config"]) == 0
-    assert "max_users: 25" in capsys.readouterr().out
-    assert cli(["train", "--sample", "5", "--set", "data.max_users=3"]) == 2
-    assert "give one of --sample and --set data.max_users" in capsys.readouterr().err
-    assert cli(["train", "--resume", str(tmp_path), "--sample", "5"]) == 2
+    assert cli(["train", "--sample", "0.02", "--print-config"]) == 0
+    assert "sample_rate: 0.02" in capsys.readouterr().out
+    assert cli(["train", "--sample", "0.1", "--set", "data.max_users=3"]) == 2
+    assert "give one of --sample and --set" in capsys.readouterr().err
+    assert cli(["train", "--resume", str(tmp_path), "--sample", "0.1"]) == 2
     assert "a resumed run keeps the users it was started with" in capsys.readouterr().err
-    assert cli(["train", "--sample", "0"]) == 2
-    assert "--sample: must be an integer >= 1" in capsys.readouterr().err
-    # what the slice is: 25 of the training users, the rest counted in the log; the same 25 each time
+    for bad in ("0", "25", "1"):  # a count is refused with the reason and the rate to give instead
+        assert cli(["train", "--sample", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--sample: must be a rate in (0, 1)" in err and "K/N" in err
+    # what the slice is: about 2% of the training users, each in or out on its own, the rest counted
+    # in the log; the same users each time
     logs = []
     whole = prepare_data(C.load_config(None, []).data, log=lambda m: None)
-    first = prepare_data(C.load_config(None, ["data.max_users=25"]).data, log=logs.append)
-    again = prepare_data(C.load_config(None, ["data.max_users=25"]).data, log=lambda m: None)
-    n = first.train_subset.num_users  # a Poisson sample, each user in or out on its own (issue 34, H3)
-    assert abs(n - 25) <= 4 * 25 ** 0.5 and n < whole.train_subset.num_users
+    first = prepare_data(C.load_config(None, ["data.sample_rate=0.02"]).data, log=logs.append)
+    again = prepare_data(C.load_config(None, ["data.sample_rate=0.02"]).data, log=lambda m: None)
+    n, big = first.train_subset.num_users, whole.train_subset.num_users
+    assert abs(n - 0.02 * big) <= 4 * (0.02 * big) ** 0.5 and n < big
     assert list(first.train_subset.users) == list(again.train_subset.users)
     assert set(first.train_subset.users) <= set(whole.train_subset.users)
-    left = whole.train_subset.num_users - n
-    assert any(f"({left} left out of this run" in m for m in logs), logs
+    assert any(f"training on {n} of the {big} training users" in m for m in logs), logs
     assert list(first.eval_subset.users) == list(whole.eval_subset.users)  # the held-out users do not change
+    assert first.sample_note == ""  # a rate fixed in advance: nothing for the statement to qualify
+    capped = prepare_data(C.load_config(None, ["data.max_users=25"]).data, log=lambda m: None)
+    assert "depends on how many users there are" in capped.sample_note

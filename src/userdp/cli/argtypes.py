@@ -53,6 +53,18 @@ positive_int = _checked(_integer, lambda v: v >= 1, "an integer >= 1", "positive
 nonneg_int = _checked(_integer, lambda v: 0 <= v < 2**63, "an integer >= 0", "nonneg_int", "An integer >= 0 (a seed).")
 
 
+def sample_rate(text: str) -> float:
+    """A rate in (0, 1) for ``--sample`` (each training user kept with that probability). A count is
+    refused with the reason: a rate K/N would make one user's membership depend on the others'."""
+    value = _number(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a rate in (0, 1), got {text}: each training user is kept with that probability, whatever "
+            "the number of users (a count K would be a rate K/N, so one user could change whether others are "
+            "sampled); for about K of N users give K/N")
+    return value
+
+
 def int_range(lo: int, hi: int) -> Callable[[str], int]:
     """An integer in [lo, hi]."""
     return _checked(_integer, lambda v: lo <= v <= hi, f"an integer in [{lo}, {hi}]", f"integer in [{lo}, {hi}]",

@@ -31,9 +31,10 @@ def register(p) -> None:
     p.add_argument("config", nargs="?", help="YAML config layered over the embedded default")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (dotted, e.g. training.steps=100); repeatable")
-    p.add_argument("--sample", type=A.positive_int, default=None, metavar="N",
-                   help="a first try of the whole pipeline on a seeded sample of N training users "
-                        "(data.max_users=N; only their records are tokenized and trained on)")
+    p.add_argument("--sample", type=A.sample_rate, default=None, metavar="RATE",
+                   help="a first try of the whole pipeline on a sample of the training users, each kept with "
+                        "probability RATE by a keyed hash of its own id (data.sample_rate=RATE; only their "
+                        "records are tokenized and trained on)")
     p.add_argument("--output", metavar="DIR", help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (same ledger)")
     p.add_argument("--plan", metavar="PLAN.json", help="apply a plan saved by `userdp plan` (its data "
@@ -85,9 +86,10 @@ def main(args) -> int:
         if args.resume:
             raise UserError("--sample: a resumed run keeps the users it was started with (its ledger is bound to "
                             "them); give --sample when starting a run")
-        if any(C.parse_override(o)[0] == ["data", "max_users"] for o in args.overrides):
-            raise UserError("--sample N sets data.max_users: give one of --sample and --set data.max_users")
-        args.overrides = [*args.overrides, f"data.max_users={args.sample}"]
+        if any(C.parse_override(o)[0] in (["data", "max_users"], ["data", "sample_rate"]) for o in args.overrides):
+            raise UserError("--sample RATE sets data.sample_rate: give one of --sample and --set "
+                            "data.sample_rate / data.max_users")
+        args.overrides = [*args.overrides, f"data.sample_rate={args.sample!r}"]
     if args.resume:
         if args.config or args.output or args.plan:
             raise UserError("--resume RUN_DIR continues a run with its saved config: give no "

@@ -91,6 +91,14 @@ def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
                                      f"by a keyed hash of its id (seed {seed}){note}")
 
 
+def keep_users(subset: UserSubset, ids: list, rate: float, seed: int, purpose: str) -> UserSubset:
+    """A Poisson sample of ``subset``'s users at ``rate``: each user kept when the keyed hash of its
+    own id falls below the rate, so whether a user is kept depends on that user alone (not on how
+    many others there are)."""
+    keep = np.flatnonzero(keyed_uniforms([ids[int(u)] for u in subset.users], seed, purpose) < rate)
+    return UserSubset.from_lists(subset.users[keep], [subset.records_of(i) for i in keep])
+
+
 def sample_users(subset: UserSubset, ids: list, expected: int, seed: int, purpose: str) -> tuple[UserSubset, float]:
     """A Poisson sample of ``subset``'s users at rate ``expected / N`` by a keyed hash of each id
     (each user in or out on its own), and the rate. The whole subset when ``expected >= N``."""
@@ -98,8 +106,7 @@ def sample_users(subset: UserSubset, ids: list, expected: int, seed: int, purpos
     if expected >= n:
         return subset, 1.0
     rate = expected / n
-    keep = np.flatnonzero(keyed_uniforms([ids[int(u)] for u in subset.users], seed, purpose) < rate)
-    return UserSubset.from_lists(subset.users[keep], [subset.records_of(i) for i in keep]), rate
+    return keep_users(subset, ids, rate, seed, purpose), rate
 
 
 def cc_news_n_eval(n_u: np.ndarray) -> np.ndarray:

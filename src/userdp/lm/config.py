@@ -158,7 +158,10 @@ class DataConfig:
     user_field: Str = "user"              # jsonl/csv
     text_field: Str = "text"              # jsonl/csv
     public_path: Str | None = None     # jsonl/csv/txt of declared-public text (pretraining)
-    max_users: Count | None = None     # keep at most this many users (seeded choice), for quick runs
+    sample_rate: Fraction | None = None  # keep each training user with this probability (keyed hash of its id,
+    #                                      so one user's membership never depends on the others), for quick runs
+    max_users: Count | None = None     # about this many training users, at rate K/N (the statement says what
+    #                                      that rate's dependence on N leaves), for quick runs
     heldout_users: Fraction = 0.1         # fraction of users held out (whole) for evaluation
     max_eval_users: Count | None = 200  # cap on the held-out users evaluated (seeded choice)
     split_seed: Seed = 0                  # which users are held out (and max_users choice)
@@ -512,6 +515,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         raise UserError(f"{where}: {msg}")
 
     p, t, d, m, tok = cfg.privacy, cfg.training, cfg.data, cfg.model, cfg.tokenizer
+    if d.sample_rate is not None and d.max_users is not None:
+        bad("data.sample_rate and data.max_users both sample the training users: give one")
     algo = ALGORITHMS.lookup(t.algorithm)
     gradient = algo.update == "gradient"  # the ghost strategy and gradient canaries need a gradient update
     if algo.private and not p.epsilon > 0:

@@ -213,6 +213,8 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     with world.main_first("building the tokenizer and the model"):
         tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress,
                                                         device=ctx.device)
+    if prep.sample_note:  # what a sample whose rate depends on N leaves of the guarantee: the report states it
+        ctx.notes["sample"] = prep.sample_note
     model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, device=ctx.device)
     if cfg.training.sharding == "fsdp":
         model = float32_for_sharding(model, ctx.notes, log)

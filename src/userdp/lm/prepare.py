@@ -15,7 +15,7 @@ import torch
 from userdp.caches import fingerprint, private_cache_root
 from userdp.data.acquire import acquire
 from userdp.data.selection import LMUserData, perplexity_scores
-from userdp.data.splits import heldout_users, sample_users, user_ids_of
+from userdp.data.splits import heldout_users, keep_users, sample_users, user_ids_of
 from userdp.data.tokenize import TokenLayout, tokenize_store
 from userdp.errors import UserError
 from userdp.fileio import owned_dir
@@ -40,6 +40,8 @@ class Prepared:
     split_rule: str
     drops: dict
     data_fingerprint: str = ""
+    #: what a sample of the training users leaves of the guarantee (for the statement; "" when none)
+    sample_note: str = ""
 
 
 def prepare_data(d: C.DataConfig, log: Log = stderr_log) -> Prepared:
@@ -49,13 +51,26 @@ def prepare_data(d: C.DataConfig, log: Log = stderr_log) -> Prepared:
     split = heldout_users(store, d.heldout_users, d.split_seed)
     train, ev = split.train, split.eval
     rule = split.rule
+    ids = None
     if (d.max_users is not None and train.num_users > d.max_users) or \
             (d.max_eval_users is not None and ev.num_users > d.max_eval_users):
         ids = user_ids_of(store, store.num_users)
+    sample_note = ""
+    if d.sample_rate is not None:
+        ids = user_ids_of(store, store.num_users) if ids is None else ids
+        before = train.num_users
+        train = keep_users(train, ids, d.sample_rate, d.split_seed, "sample")
+        rule += f"; a Poisson sample of the training users at rate {d.sample_rate:.4g} by a keyed hash of each id"
+        log(f"data.sample_rate = {d.sample_rate:.4g}: training on {train.num_users} of the {before} training users "
+            "(each in or out by a keyed hash of its own id; drop --sample / data.sample_rate for the real run)")
     if d.max_users is not None and train.num_users > d.max_users:
         before = train.num_users
         train, rate = sample_users(train, ids, d.max_users, d.split_seed, "sample")
         rule += f"; a Poisson sample of the training users at rate {rate:.4g} by a keyed hash of each id"
+        sample_note = (f"data.max_users: the training users are a sample at rate {rate:.4g} = {d.max_users}/N, a rate "
+                       "that depends on how many users there are, so one user's presence can change whether "
+                       "others are sampled; the guarantee covers the sampled users taken as the data set "
+                       "(data.sample_rate, a rate fixed in advance, has no such dependence)")
         log(f"data.max_users = {d.max_users}: training on a Poisson sample of the {before} training users (rate "
             f"{rate:.4g}, each user in or out on its own): {train.num_users} users ({before - train.num_users} "
             "left out of this run; drop --sample / data.max_users for the real run)")
@@ -67,7 +82,7 @@ def prepare_data(d: C.DataConfig, log: Log = stderr_log) -> Prepared:
     # the store's content and the split: a run's journal is bound to it, so a changed data file or
     # split_seed cannot resume the run or evaluate trained users as held out
     data_fp = fingerprint(store.fingerprint, rule, split.train.fingerprint(), split.eval.fingerprint())
-    return Prepared(store, public, desc, train, ev, rule, drops, data_fp)
+    return Prepared(store, public, desc, train, ev, rule, drops, data_fp, sample_note)
 
 
 def _perplexity_scores(L: int, prep, tok, model, log):
