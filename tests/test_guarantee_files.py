@@ -78,3 +78,40 @@ def test_an_edited_config_naming_a_contract_is_refused_by_the_journal(finished, 
     finally:
         c.write_text(good)
         p.write_text(pgood)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda r: r.update(num_users=r["num_users"] * 100), "num_users"),
+    (lambda r: r.update(num_records=r["num_records"] * 100), "num_records"),
+    (lambda r: r.update(not_accounted=[]), "lacks a line"),
+    (lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if not n.startswith("monitoring")]),
+     "lacks a line"),
+    (lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if "pretrain" not in n]), "lacks a line"),
+    (lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if not n.startswith("hyperparameter")]),
+     "lacks a line"),
+])
+def test_the_statements_scope_is_the_one_the_journal_was_bound_to(finished, capsys, edit, needle):
+    """M2: `userdp report` re-derived epsilon but took the statement's scope from the file it checks:
+    an emptied not_accounted (the card's "Not covered" lost the un-noised monitoring, tuning and
+    public-pretraining lines) and num_users x 100 were printed. Both are bound to the ledger journal
+    before the first step: a record that prints other counts or drops a line is refused; one that
+    adds a line (more disclosure) is not."""
+    p = finished / "privacy.json"
+    good = p.read_text()
+    rec = json.loads(good)
+    edit(rec)
+    p.write_text(json.dumps(rec))
+    try:
+        capsys.readouterr()
+        assert cli(["report", str(finished)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0] and "privacy.json" in err[0]
+    finally:
+        p.write_text(good)
+    rec = json.loads(good)
+    rec["not_accounted"] = rec["not_accounted"] + ["an extra disclosure"]
+    p.write_text(json.dumps(rec))
+    try:
+        assert cli(["report", str(finished)]) == 0
+    finally:
+        p.write_text(good)

@@ -54,7 +54,7 @@ def test_the_threat_model_names_every_key_each_released_file_carries(run_dir):
     doc, got = _documented(), _keys(run_dir)
     assert set(doc) == {"metrics.jsonl", "privacy.json", "eval.json", "state.json"}
     # report.json is privacy.json plus the keys the document names beside it
-    extra = {"epsilon_run", "at_reference_delta", "evaluation", "run_dir", "status"}
+    extra = {"epsilon_run", "at_reference_delta", "evaluation", "status"}
     assert extra <= set(re.findall(r"`([a-z_]+)`", DOC.split("`report.json` is the same record plus")[1][:300]))
     expected = dict(doc, **{"report.json": doc["privacy.json"] | extra})
     # state.json's summary repeats privacy.json's figures: the document names those once, in privacy.json

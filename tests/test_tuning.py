@@ -153,7 +153,9 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
 
     seed = _seed_with_trials(2, TC.with_mean("tnb", 2.0, 1.0))
     monkeypatch.setattr(J.secrets, "randbits", lambda n: seed)
-    real = interrupt_after_checkpoint(monkeypatch, 2, where="trial-001")  # the second trial dies at its step 2
+    names = iter(["trial-" + "0" * 15 + c for c in "ab"])  # the folder names drawn at random, fixed here
+    monkeypatch.setattr(J, "trial_dir_name", lambda: next(names))
+    real = interrupt_after_checkpoint(monkeypatch, 2, where="0b")  # the second trial dies at its step 2
     out = tmp / "tune"
     argv = ["tune", str(cfg), "--search", str(space), "--epsilon", "8", "--mean-trials", "2",
             "--output", str(out), "--no-progress"]
@@ -233,6 +235,18 @@ def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, 
     pub_dir = tmp / "public_users"
     pub_dir.mkdir()
     data, public = write_tiny_corpus(pub_dir)
+    copy_cfg = tmp / "copy.yaml"  # the private file byte for byte under another name: refused
+    copy_cfg.write_text(tiny_config(data, public))
+    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--on", "public", "--public-config",
+                str(copy_cfg), "--output", str(tmp / "tune_copy"), "--no-progress"]) == 2
+    assert "same content as the private data" in capsys.readouterr().err
+    lines = data.read_text().splitlines()  # the same people, one record edited: refused by user overlap
+    data.write_text("\n".join([json.dumps({"user": "u0", "text": "an edited record"})] + lines[1:]) + "\n")
+    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--on", "public", "--public-config",
+                str(copy_cfg), "--output", str(tmp / "tune_copy"), "--no-progress"]) == 2
+    assert "are users of the private data" in capsys.readouterr().err
+    # other people (every author renamed, so neither the content nor the users are the private data's)
+    data.write_text(data.read_text().replace('"user": "u', '"user": "public-'))
     pub_cfg = tmp / "public.yaml"
     pub_cfg.write_text(tiny_config(data, public))
     out = tmp / "tune_pub"
@@ -243,7 +257,7 @@ def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, 
     plan = json.loads((out / "tune.json").read_text())
     # every trial trained on the public config's data; one run (final/) on the private data
     for t in plan["trials"]:
-        assert str(data) in (out / "trials" / f"trial-{t['index']:03d}" / "config.yaml").read_text()
+        assert str(data) in (out / "trials" / t["dir"] / "config.yaml").read_text()
     final = out / "final"
     assert s["best"]["run_dir"] == str(final) and (out / "best").resolve() == final.resolve()
     assert str(pub_dir) not in (final / "config.yaml").read_text()
@@ -271,7 +285,7 @@ def test_trials_share_one_private_cache_in_the_tuning_directory(tiny, monkeypatc
     assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "8", "--mean-trials", "2",
                 "--set", "output.cache=run", "--output", str(out), "--no-progress"]) == 0
     plan = json.loads((out / "tune.json").read_text())
-    trials = [out / "trials" / f"trial-{t['index']:03d}" for t in plan["trials"]]
+    trials = [out / "trials" / t["dir"] for t in plan["trials"]]
     assert len(trials) == 2 and all((d / "privacy.json").is_file() for d in trials)
     # one private cache for both trials, inside the tuning directory; none in the trial directories
     assert (out / "cache").is_dir() and any((out / "cache").iterdir())

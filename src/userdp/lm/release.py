@@ -26,8 +26,15 @@ def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: d
     """privacy.json's content: the engine's record and the job's facts (:mod:`userdp.lm.statement`).
     The published DpEvent is the ledger's own (every step counted, lost steps included), so that
     epsilon recomputed from it is the reported epsilon."""
+    return privacy_record(record, release_facts(job, num_records, notes))
+
+
+def release_facts(job: JobPlan, num_records: int, notes: dict) -> ReleaseFacts:
+    """The job's facts for its statement (known once the model and the data are built, before the
+    first step: the journal binds their scope, :func:`userdp.lm.statement.statement_scope`)."""
     t, p, plan = job.training, job.privacy, job.plan
-    touches = ([notes["data_touch"]] if notes.get("data_touch") else []) + list(p.disclosed_touches or []) \
+    touches = ([notes["data_touch"]] if notes.get("data_touch") else []) \
+        + ([notes["sample"]] if notes.get("sample") else []) + list(p.disclosed_touches or []) \
         + (plan_touches(plan) if plan else []) + _monitoring(job.output)
     facts = ReleaseFacts(
         algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=job.sampler_assumed,
@@ -40,7 +47,7 @@ def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: d
                  "processes": notes.get("processes", {"world_size": 1, "backend": None}),
                  "sharding": t.sharding,
                  **({"weights": notes["weights_widened"]} if notes.get("weights_widened") else {})})
-    return privacy_record(record, facts)
+    return facts
 
 
 def save_released_model(rd: RunDir, model, tokenizer, **save_kwargs) -> None:
@@ -55,9 +62,10 @@ def save_released_model(rd: RunDir, model, tokenizer, **save_kwargs) -> None:
 
 def _monitoring(output: C.OutputConfig) -> list[str]:
     """The run's monitoring files, which hold statistics of the private data without noise."""
-    where = "metrics.jsonl and tensorboard/" if output.tensorboard else "metrics.jsonl"
+    where = "diagnostics.jsonl, curves.png and tensorboard/" if output.tensorboard else \
+        "diagnostics.jsonl and curves.png"
     return [f"monitoring: the training loss, fraction clipped and non-finite count per step in {where} are "
-            "computed on the private data without noise (for the data holder; not part of the release)"]
+            "computed on the private data without noise (the data holder's private files; never released)"]
 
 
 def audit_disclosures(section: dict) -> list[str]:
@@ -120,9 +128,10 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
             models.save_model(model, tmp, None, adapter=True)
             write_manifest(tmp)
     if job.output.plot:
-        plot_curves(rd.read_metrics(), rd.curves)
+        by_step = {r["step"]: r for r in rd.read_diagnostics()}  # curves.png is private (it plots the loss)
+        plot_curves([{**by_step.get(r["step"], {}), **r} for r in rd.read_metrics()], rd.curves)
     summary = {
-        "run_dir": str(rd.root), "algorithm": job.training.algorithm,
+        "algorithm": job.training.algorithm,
         "perplexity_before": (ev_state.get("before") or {}).get("perplexity"),
         "perplexity_after": ev_state["after"]["perplexity"],
         "loss_before": (ev_state.get("before") or {}).get("loss"),
@@ -131,7 +140,6 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         "epsilon_total": priv.get("epsilon_total", priv["epsilon"]),
         "epsilon_plan": priv.get("epsilon_plan"), "seeded": priv.get("seeded", False),
         "sampler": job.privacy.sampler, "epsilon_assuming_poisson": priv.get("epsilon_assuming_poisson"),
-        "nonfinite_units": priv.get("nonfinite_units", 0),
         "group_size": job.training.group_size, "cohort_size": job.training.cohort_size,
         "plan": (plan or {}).get("applied"),
         "noise_multiplier": priv["noise_multiplier"], "sampling_rate": priv["sampling_rate"],
@@ -142,11 +150,12 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         a = priv["audit"]
         summary["audit"] = {k: a.get(k) for k in ("statement", "epsilon_lower_bound", "confidence",
                                                    "canaries", "canaries_included", "mechanism_caught")}
-    rd.write_state(status="done", summary=summary)
+    rd.write_state(status="done", summary=summary)  # public: no path, no count of private events
     write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
     if job.output.tensorboard:
         scalars = Scalars(rd.root, True)
         scalars.evaluation(ev_state, res.steps)
         scalars.text("privacy/statement", (rd.root / "report.md").read_text(), res.steps)
         scalars.close()
-    return summary
+    # what the terminal (the data holder's) is told beyond the public summary
+    return {**summary, "run_dir": str(rd.root), "nonfinite_units": res.record.nonfinite_units}

@@ -100,6 +100,15 @@ def verify_epsilon(rec: dict, path: Path) -> None:
         raise UserError(f"{path}: the DpEvent composes {steps} steps but steps_taken says {rec['steps_taken']}")
 
 
+#: how the "Not accounted" line on hyperparameter tuning begins (a verified private tuning guarantee replaces it)
+TUNING_LINE_PREFIX = "hyperparameter tuning"
+
+
+def _journal_context(rd: RunDir) -> dict:
+    header, _, _ = read_chain(rd.checkpoints / JOURNAL)
+    return header.get("context") or {}
+
+
 def _ledger_steps(rd: RunDir) -> int | None:
     p = rd.checkpoints / JOURNAL
     return steps_begun(p) if p.is_file() else None
@@ -167,6 +176,31 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
     if "accountant" in ctx and ctx["accountant"] != acc:
         raise UserError(f"{rd.privacy}: accountant {acc!r} is not the accountant {ctx['accountant']!r} the "
                         "ledger journal was bound to")
+
+
+def verify_scope(rec: dict, ctx: dict, path: Path, tuned: bool) -> None:
+    """The statement's scope is the one its ledger journal was bound to before the first step: the
+    number of users N (bound by the engine) and of training records it prints, and every "Not
+    accounted" line the job's facts gave (a file may add lines, never drop one; the tuning line
+    only for a run whose private tuning guarantee verified, ``tuned``).
+
+    Raises:
+        UserError: naming the file and the first figure or line that differs."""
+    if "num_users" in ctx and rec.get("num_users") != ctx["num_users"]:
+        raise UserError(f"{path}: num_users {rec.get('num_users')} is not the {ctx['num_users']} users the ledger "
+                        "journal was bound to (the file was edited)")
+    scope = ctx.get("statement")
+    if not isinstance(scope, dict):  # a run written before the journal bound its statement's scope
+        return
+    if rec.get("num_records") != scope.get("num_records"):
+        raise UserError(f"{path}: num_records {rec.get('num_records')} is not the {scope.get('num_records')} "
+                        "training records the ledger journal was bound to (the file was edited)")
+    have = rec.get("not_accounted")
+    have = set(have) if isinstance(have, list) and all(isinstance(x, str) for x in have) else set()
+    for line in scope.get("not_accounted") or []:
+        if line not in have and not (tuned and line.startswith(TUNING_LINE_PREFIX)):
+            raise UserError(f"{path}: its not_accounted list lacks a line the ledger journal was bound to "
+                            f"({line[:60]!r}...): a disclosure was removed")
 
 
 def verify_tuning(rec: dict, path: Path, contract: str | None) -> float | None:
@@ -300,6 +334,7 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
         plan_eps = _plan_epsilon(rec, rd.privacy)
         contract = tuning_contract(rd)
         tuned = verify_tuning(rec, rd.privacy, contract)
+        verify_scope(rec, _journal_context(rd), rd.privacy, tuned is not None)
         if contract is not None and tuned is None:  # one trial of a private tuning run, not (yet) selected
             rec["not_accounted"] = list(rec.get("not_accounted") or []) + [
                 "this run is one trial of a private tuning run: its epsilon covers this run on its own; if it is "
@@ -324,7 +359,6 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
         rec["epsilon"] = rec["epsilon_total"]
     state = rd.read_state()
     ev = read_json(rd.eval) if rd.eval.is_file() else {}
-    rec["run_dir"] = str(rd.root)
     rec["status"] = state.get("status", "unknown")
     rec["evaluation"] = ev
     return rec
@@ -378,7 +412,8 @@ def _render_audit(L: list, a: dict) -> None:
 def render_markdown(rep: dict) -> str:
     L = []
     private = rep.get("private", True)
-    L.append(f"# Privacy statement — {rep.get('run_dir', '')}")
+    # no folder name, path or trial number: a tuned run's folder would tell how many trials ran
+    L.append(f"# Privacy statement: {'user-level differential privacy' if private else 'no privacy guarantee'}")
     L.append("")
     if not private:
         L.append("**No differential-privacy guarantee.** This run trained without noise "
@@ -549,7 +584,9 @@ def model_card(rep: dict) -> str:
                        "epsilon_at_delta_1e-6": (rep.get("at_reference_delta") or {}).get("epsilon")
                        if private else None}}
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", ""]
-    lines.append(f"# {Path(str(rep.get('run_dir', 'model'))).name}: fine-tuned by userdp")
+    # the title names nothing of the run's folder (a tuned run's would tell which trial won)
+    lines.append("# Fine-tuned with user-level differential privacy by userdp" if private else
+                 "# Fine-tuned without differential privacy by userdp (a non-private baseline)")
     lines.append("")
     if private:
         lines.append(f"**Guarantee.** This model (and every checkpoint of its training run) satisfies user-level "

@@ -3,8 +3,11 @@
 ```
 <run>/
   config.yaml          the resolved configuration (defaults + file + --set)
-  metrics.jsonl        one JSON object per step: step, loss, epsilon, fraction_clipped, clip_norm, ...
-  tensorboard/         (output.tensorboard) the same rows as TensorBoard scalars
+  metrics.jsonl        one JSON object per step: step, epsilon, clip_norm, journal (public: nothing in it is
+                       a function of the step's cohort)
+  diagnostics.jsonl    PRIVATE, never released: per step the training loss, the fraction of units clipped
+                       and the non-finite units, each computed on the cohort without noise
+  tensorboard/         PRIVATE (output.tensorboard): the rows of both files as TensorBoard scalars
   eval.json            held-out-user loss and perplexity before and after
   checkpoints/         engine checkpoints (safetensors + the privacy ledger: ledger_journal.jsonl, a hash
                        chain, and ledger_head.json, its head, rewritten after every line)
@@ -14,7 +17,7 @@
   adapter/             the LoRA adapter (only with model.lora.save_adapter)
   privacy.json         the privacy statement's data (Ponomareva et al. 2023, §5.3.3)
   report.md, report.json   the privacy statement (written by `userdp train`, and again by `userdp report`)
-  curves.png           loss and epsilon against step
+  curves.png           PRIVATE: the training loss and epsilon against step
   state.json           job state: split, counts, status (running/interrupted/done)
 ```
 """
@@ -45,6 +48,11 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def diagnostics(self) -> Path:
+        """The un-noised per-step diagnostics (loss, fraction clipped, non-finite units): private."""
+        return self.root / "diagnostics.jsonl"
 
     @property
     def eval(self) -> Path:
@@ -132,17 +140,25 @@ class RunDir:
         return state
 
     def read_metrics(self) -> list[dict]:
-        if not self.metrics.is_file():
-            return []
-        rows = []
-        for line in self.metrics.read_text().splitlines():
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:  # a torn last line after a crash
-                    continue
-        return rows
+        return _read_rows(self.metrics)
+
+    def read_diagnostics(self) -> list[dict]:
+        return _read_rows(self.diagnostics)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` ([] when absent; a torn last line after a crash is skipped)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a torn last line after a crash
+                continue
+    return rows
 
 
 def check_metrics_cite_journal(rd: RunDir) -> int:

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from userdp.engine.algorithms import ALGORITHMS
+from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.record import PrivacyRecord
+from userdp.engine.sampling import SAMPLERS
+from userdp.errors import UserError
 from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.report import REFERENCE_DELTA, epsilon_tier, median_composed
 
@@ -37,6 +40,10 @@ def library_versions() -> dict[str, str]:
             out[name] = "not installed"
     return out
 
+
+#: the engine record's fields a released statement leaves out: un-noised counts of private events
+#: (the data holder reads them in the run's private diagnostics.jsonl)
+PRIVATE_RECORD_KEYS = frozenset({"nonfinite_units", "nonfinite_units_note"})
 
 SAMPLER_TEXT = {
     "poisson_users": "Poisson sampling of users: each user joins each step independently with "
@@ -86,6 +93,55 @@ class ReleaseFacts:
     compute: Optional[dict] = None
 
 
+#: the line every statement carries until a verified tuning guarantee replaces it
+TUNING_NOT_ACCOUNTED = ("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
+                        "them are not accounted; tune on public data or account it with `userdp tune` "
+                        "(Papernot & Steinke 2022)")
+
+
+def _origin(registry, name: str) -> str:
+    """Where a registered implementation's code lives (its module), for the statement."""
+    try:
+        obj = registry.lookup(name)
+    except UserError:
+        return "no longer registered"
+    mod = getattr(obj, "__module__", None) or type(obj).__module__
+    return f"module {mod}"
+
+
+def _built_in(registry, name: str) -> bool:
+    """Whether ``name`` is userdp's own implementation (not a plugin's)."""
+    try:
+        obj = registry.lookup(name)
+    except UserError:
+        return False
+    mod = getattr(obj, "__module__", None) or type(obj).__module__
+    return mod.startswith("userdp.")
+
+
+def not_accounted(facts: ReleaseFacts) -> list[str]:
+    """The statement's "Not accounted" lines that the job's facts give (known before the first step:
+    the ledger journal is bound to them, :func:`statement_scope`)."""
+    out = [*facts.not_accounted, TUNING_NOT_ACCOUNTED]
+    if facts.tokenizer_note:
+        out.append(facts.tokenizer_note)
+    if facts.pretraining_note:
+        out.append(facts.pretraining_note)
+    if facts.selection in ("highest_ppl", "lowest_ppl"):
+        out.append("perplexity-based record selection used the pretrained model on the private "
+                   "records (a non-private data touch)")
+    return out
+
+
+def statement_scope(facts: ReleaseFacts) -> dict:
+    """What a run's ledger journal binds of its statement before the first step (its context's
+    ``statement``): the number of training records the statement prints, and the "Not accounted"
+    lines it must carry. ``userdp report`` refuses a privacy.json that prints another count or
+    lacks one of the lines (a statement's scope is never read from the file it checks); the
+    number of users is bound by the engine itself (``num_users``)."""
+    return {"num_records": int(facts.num_records), "not_accounted": not_accounted(facts)}
+
+
 def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
     """The data behind the privacy statement; saved as ``privacy.json``.
 
@@ -102,10 +158,21 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
     assumptions = []
     if private:
         assumptions.append(f"sampling: {SAMPLER_TEXT.get(facts.sampler_assumed, facts.sampler_assumed)}")
-        assumptions.append("noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
-                           "updates, drawn once per step in float32 from " + engine.noise_generator
-                           + " (not a cryptographically secure generator; floating-point attacks on "
-                           "the Gaussian sampler are not accounted)")
+        sampler = (engine.sampler or {}).get("name")
+        if sampler and not _built_in(SAMPLERS, sampler):
+            assumptions.append(f"sampling ran by the plugin sampler {sampler!r} ({_origin(SAMPLERS, sampler)}), "
+                               f"which declares that its draws follow {engine.sampler.get('accounted_as')!r} "
+                               "sampling: the accounting rests on that declaration, not on userdp's code")
+        if _built_in(NOISE_MECHANISMS, engine.noise_mechanism):
+            assumptions.append("noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
+                               "updates, drawn once per step in float32 from " + engine.noise_generator
+                               + " (not a cryptographically secure generator; floating-point attacks on "
+                               "the Gaussian sampler are not accounted)")
+        else:
+            assumptions.append(f"noise: added by the plugin mechanism {engine.noise_mechanism!r} "
+                               f"({_origin(NOISE_MECHANISMS, engine.noise_mechanism)}); the accounting takes its "
+                               "declaration that it adds Gaussian noise of standard deviation sigma*C to the sum "
+                               "once per step: that is the plugin's claim, which userdp does not verify")
         prec = engine.precision
         assumptions.append(f"precision: model {', '.join(prec['model'])}; norms, clipped sums, "
                            f"the denominator and the noise in {', '.join(prec['norms_sums_noise'])}; "
@@ -125,26 +192,16 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
             assumptions.append(f"treated as public (computed on the private data, not noised): {c}")
         assumptions.append(f"treated as public: the number of training records, {facts.num_records} (published "
                            "in this report)")
-        if engine.nonfinite_units:
-            assumptions.append(f"{engine.nonfinite_units} sampled units had a non-finite update and "
-                               "contributed zero (sensitivity unchanged); this count is computed on the "
-                               "private data and is NOT privatized")
+        assumptions.append("a sampled unit whose update is not finite contributes zero (sensitivity unchanged); "
+                           "how many there were is an un-noised count of private events (a user with a NaN "
+                           "record would count its own participations), kept in the run's private "
+                           "diagnostics.jsonl and never released")
         assumptions.append("the unit is the author: people *mentioned* in other users' text are not "
                            "protected by a user-level guarantee")
     if facts.plugins:
         assumptions.append(f"plugin code ran inside training ({', '.join(facts.plugins)}): the guarantee assumes "
                            "it is correct, as it assumes of userdp's own code")
-    not_acc = list(facts.not_accounted)
-    not_acc.append("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
-                   "them are not accounted; tune on public data or account it with `userdp tune` "
-                   "(Papernot & Steinke 2022)")
-    if facts.tokenizer_note:
-        not_acc.append(facts.tokenizer_note)
-    if facts.pretraining_note:
-        not_acc.append(facts.pretraining_note)
-    if facts.selection in ("highest_ppl", "lowest_ppl"):
-        not_acc.append("perplexity-based record selection used the pretrained model on the private "
-                       "records (a non-private data touch)")
+    not_acc = not_accounted(facts)
     plan = facts.plan
     plan_eps = plan_median_epsilon(plan, "the plan") if plan else 0.0
     if plan_eps and plan.get("seeded"):
@@ -205,15 +262,13 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
         "transparency": transparency(engine),
         "plugins": list(facts.plugins),
         # the engine's own record, and the figures the report shows from it
-        "engine_record": engine.to_dict(),
+        "engine_record": {k: v for k, v in engine.to_dict().items() if k not in PRIVATE_RECORD_KEYS},
         "steps_lost_to_crashes": engine.steps_lost_to_crashes,
         "steps_applied": engine.steps_applied,
         "randomness": engine.randomness,
         "seeded": engine.seeded,
         "epsilon_assuming_poisson": engine.epsilon_assuming_poisson,
         "sampling_warning": engine.sampling_warning,
-        "nonfinite_units": engine.nonfinite_units,
-        "nonfinite_units_note": engine.nonfinite_units_note,
         "precision": engine.precision,
         # where and how the run computed (no privacy role; for reproducing the cost)
         "compute": dict(facts.compute or {}, per_unit=engine.per_unit),

@@ -20,9 +20,10 @@ from userdp.lm.job_context import JobContext, JobData
 from userdp.lm.job_plan import JobPlan
 from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.prepare import Log, Prepared
-from userdp.lm.release import privacy_json
+from userdp.lm.release import privacy_json, release_facts
 from userdp.lm.report import write_report
 from userdp.lm.run_dir import RunDir
+from userdp.lm.statement import statement_scope
 from userdp.lm.tensorboard_log import Scalars
 from userdp.progress import LOOP_LINES
 from userdp.progress import bar as progress_bar
@@ -81,12 +82,14 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     if engine_resume:
         start_step = ckpt.step_of(str(rd.checkpoints))
         if main:
-            rows = [r for r in rd.read_metrics() if r["step"] <= start_step]
-            write_atomic(rd.metrics, "".join(strict_dumps(r) + "\n" for r in rows))
+            for path, rows in ((rd.metrics, rd.read_metrics()), (rd.diagnostics, rd.read_diagnostics())):
+                kept = [r for r in rows if r["step"] <= start_step]
+                write_atomic(path, "".join(strict_dumps(r) + "\n" for r in kept))
         log(f"resuming at step {start_step} of {steps}")
     bar = (progress_bar(steps, f"train {job.training.algorithm}", "step", initial=start_step, lines=LOOP_LINES)
            if progress else None)
     mfile = open(rd.metrics, "a") if main else None  # noqa: SIM115 - closed below, whatever happens
+    dfile = open(rd.diagnostics, "a") if main else None  # noqa: SIM115 - likewise
     scalars = Scalars(rd.root, job.output.tensorboard and main, start_step)  # closed below too
     last_tok = [0, time.time()]
 
@@ -97,17 +100,22 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
         toks = counter.tokens - last_tok[0]
         dt = max(1e-9, m.get("step_time") or (now - last_tok[1]))
         last_tok[0], last_tok[1] = counter.tokens, now
-        # no per-step cohort size, token count, throughput or step time: each is an exact count of the
-        # step's private cohort, and a user with many tokens would stand out in every step it was
-        # sampled (issue 34, H5); the terminal's progress bar (the data holder's own) shows the speed
-        row = {"step": m["step"], "loss": m["loss"], "epsilon": m.get("epsilon_spent"),
-               "fraction_clipped": m.get("fraction_clipped") if private else None,
-               "clip_norm": m.get("clip_norm") if private else None,  # the baseline clips nothing (issue 39)
-               "nonfinite_units": m.get("nonfinite_units", 0),  # a non-private diagnostic
+        # metrics.jsonl is public: nothing in it may be a function of the step's cohort. The cohort
+        # size, token count, throughput and step time are exact counts of it; the loss, the fraction
+        # clipped (its reduced denominator divides the cohort size) and the non-finite units (an
+        # adversary's NaN record counts its own participations) are un-noised statistics of it. Those
+        # go to diagnostics.jsonl, the data holder's private file (docs/threat_model.md)
+        row = {"step": m["step"], "epsilon": m.get("epsilon_spent"),
+               "clip_norm": m.get("clip_norm") if private else None,  # C, or the adaptive C (a DP release)
                "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
+        diag = {"step": m["step"], "loss": m["loss"],
+                "fraction_clipped": m.get("fraction_clipped") if private else None,
+                "nonfinite_units": m.get("nonfinite_units", 0)}
         mfile.write(strict_dumps(row) + "\n")  # strict JSON (a non-private run's epsilon is "inf")
         mfile.flush()
-        scalars.step(row)
+        dfile.write(strict_dumps(diag) + "\n")
+        dfile.flush()
+        scalars.step({**row, **diag})  # TensorBoard's folder is private too
         if bar is not None:
             eps = row["epsilon"]
             bar.update(1)
@@ -125,6 +133,8 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     if main:
         rd.write_state(status="running")
     context = journal_context(rd, prep)
+    # the statement's scope, fixed before the first step: `userdp report` checks privacy.json against it
+    context["statement"] = statement_scope(release_facts(job, prep.train_subset.num_records, ctx.notes))
     if job.plan:  # the plan's DP median is part of the statement: bound before the first step (issue 34, H4)
         context["plan_dp_median_epsilon"] = plan_median_epsilon(job.plan, str(rd.root / "plan.json"))
     if audit is not None:
@@ -148,8 +158,9 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
                 f"continue with: {'torchrun ... -m ' if world.distributed else ''}userdp train --resume {rd.root}")
         raise
     finally:
-        if mfile is not None:
-            mfile.close()
+        for f in (mfile, dfile):
+            if f is not None:
+                f.close()
         scalars.close()
         if bar is not None:
             bar.close()

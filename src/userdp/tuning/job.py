@@ -6,7 +6,9 @@ The tuning directory holds:
   the trial-count distribution, the drawn count K, every trial's hyperparameters (drawn up front
   from 128 bits of OS entropy), sigma per mechanism, the guarantee. A resume reads it and never
   draws again.
-* ``trials/trial-NNN/`` — one ``userdp train`` run directory per trial (resumable).
+* ``trials/<random name>/`` — one ``userdp train`` run directory per trial (resumable), named by 64
+  random bits drawn when the plan is made: the winner's folder name, which its released files never
+  print, still tells nothing of its position or of how many trials ran.
 * ``results.csv``, ``results.json``, ``scores.png`` — every trial's held-out score. NOT covered by
   the tuning guarantee (which covers the best trial only): publishing them is the composition of
   all K runs, stated in ``tuning.json``.
@@ -20,6 +22,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -31,6 +34,7 @@ from userdp.accounting import compose, event_to_dict
 from userdp.accounting import private_selection as TG
 from userdp.accounting.selection import TrialCount
 from userdp.caches import shared_run_cache
+from userdp.data.splits import user_ids_of
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C
@@ -44,6 +48,13 @@ from userdp.tuning.space import Space, mechanism_key, validate_space
 
 Log = Callable[[str], None]
 STATE = "tune.json"
+
+
+def trial_dir_name() -> str:
+    """A trial's folder name: 64 random bits, nothing of the trial's index (a folder named by its
+    index would tell whoever sees the winner's path that at least that many trials ran, and the
+    private-selection bound needs their number kept secret)."""
+    return "trial-" + secrets.token_hex(8)
 
 
 def _overrides(params: dict) -> list[str]:
@@ -85,6 +96,24 @@ def _check_public_is_not_private(cfg: C.RunConfig, public_cfg: C.RunConfig | Non
                         f"({p1 or 'the same data section'}); --on public needs data declared public")
 
 
+def _check_public_content(private, public) -> None:
+    """``--on public``: the public config's data must not be the private data under another name —
+    not the same content (the stores' content fingerprints), and not mostly the same people (a copy
+    with a few records changed): half or more of either side's users in both is refused.
+
+    Raises:
+        UserError: naming --public-config."""
+    if public.store.fingerprint == private.store.fingerprint:
+        raise UserError("--public-config: its data has the same content as the private data of the tuned config "
+                        "(a copy under another name); --on public needs data declared public")
+    mine, theirs = set(map(str, user_ids_of(private.store, private.store.num_users))), \
+        set(map(str, user_ids_of(public.store, public.store.num_users)))
+    both = len(mine & theirs)
+    if both and both >= 0.5 * min(len(mine), len(theirs)):
+        raise UserError(f"--public-config: {both} of its {len(theirs)} users are users of the private data "
+                        f"({len(mine)} users); --on public needs data declared public, not a copy of the private data")
+
+
 def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCount, out: Path,
                on: str = "private", public_cfg: C.RunConfig | None = None, seed: int | None = None,
                log: Log) -> dict:
@@ -105,6 +134,8 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
         validate_space(space, lambda params: _trial_config(trial_raw, params, []), "--search (on --public-config)")
     mechs = space.mechanisms()
     prep = prepare_data(cfg.data, log)
+    if on == "public":
+        _check_public_content(prep, prepare_data(public_cfg.data, log))
     delta = cfg.privacy.delta or float(prep.train_subset.num_users) ** -1.1
     delta_extra = [f"privacy.delta={delta!r}"]
     keys = {mechanism_key(m): m for m in mechs}
@@ -133,7 +164,8 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
              "on": on, "epsilon": epsilon, "delta": delta, "count": count.to_dict(), "trials_planned": k,
              "seeded": seed is not None, "space": [dataclasses.asdict(d) for d in space.dims],
              "base_config": base, "trial_config": trial_raw, "sigma": sigma, "trials": [
-                 {"index": i, "params": p, "mechanism": mechanism_key(p)} for i, p in enumerate(trials)],
+                 {"index": i, "params": p, "mechanism": mechanism_key(p), "dir": trial_dir_name()}
+                 for i, p in enumerate(trials)],
              **guarantee, "status": "running"}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / STATE, state)
@@ -165,6 +197,8 @@ def check_state(state, path: Path) -> dict:
         if not isinstance(t, dict) or t.get("index") != i or not isinstance(t.get("params"), dict) \
                 or not isinstance(t.get("mechanism"), str):
             raise bad(f"trial {i + 1} is malformed")
+        if "dir" in t and not (isinstance(t["dir"], str) and re.fullmatch(r"trial-[0-9a-f]{16}", t["dir"])):
+            raise bad(f"trial {i + 1}'s folder name is not one userdp draws")
     if state["on"] == "private":
         events = state.get("run_events")
         if not isinstance(events, dict) or not isinstance(state.get("epsilon_one_trial_by_mechanism"), dict):
@@ -225,7 +259,7 @@ def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
     for t in state["trials"]:
         if t.get("score") is not None:
             continue
-        d = trials_dir / f"trial-{t['index']:03d}"
+        d = trials_dir / t.get("dir", f"trial-{t['index']:03d}")  # (tune.json of 0.x: by index)
         extra = [f"privacy.delta={state['delta']!r}"]
         if state["on"] == "private":
             sig = state["sigma"][t["mechanism"]]
@@ -321,9 +355,10 @@ def _annotate_best(summary: dict, best: dict) -> None:
         rec["not_accounted"].append("the held-out users' records scored each trial (selection used them; "
                                     "they are outside the guarantee)")
     else:
+        # the tuning line stays: a public tuning section is not bound to the journal, so it cannot
+        # take a disclosure away (userdp report would refuse the record)
         rec["tuning_guarantee"] = ("hyperparameters tuned on data declared public; the private data was "
                                    "touched once, by this run (its epsilon is the whole guarantee)")
-        rec["not_accounted"] = [n for n in rec.get("not_accounted", []) if not n.startswith("hyperparameter tuning")]
     rec["tuning"] = summary
     write_json(p, rec)
     write_report(best["run_dir"])
