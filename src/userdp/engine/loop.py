@@ -35,6 +35,8 @@ from userdp.engine.model_lint import buffer_versions, check_release, mixing_modu
 from userdp.engine.noise import ENTROPY_BITS, os_entropy, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
+from userdp.engine.plugin_outputs import call as plugin_call
+from userdp.engine.plugin_outputs import check_finite_release, check_finite_scalar, checked_cohort
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
@@ -417,7 +419,11 @@ class EngineRun:
             self.noise.begin_step(self._sum_numel, self._sum_dtypes)
         versions = buffer_versions(self.model)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
-        ids = self.sampler.sample(self.n_units, self.rate, self.step, self._cohort_rng(self.step), self.sampler_state)
+        # what a sampler returns is checked where it enters (distinct integer ids in range; a plugin's
+        # exception is one line naming it): a unit named twice would count twice in the sum
+        ids = checked_cohort(plugin_call("sampler", self.sampler, self.sampler.sample, self.n_units, self.rate,
+                                         self.step, self._cohort_rng(self.step), self.sampler_state),
+                             self.n_units, self.sampler)
         mine = ids[comb.rank :: comb.world_size]
         # sharded: every rank runs as many chunks as the rank with the most units (FSDP's gathers pair up)
         n_chunks = chunks_per_rank(len(ids), comb.world_size, cfg.chunk_size) if self.sharded else None
@@ -437,7 +443,8 @@ class EngineRun:
         stats = stats[:6]
         # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
         if main and plan.count_stddev:
-            stats[1] += self.noise.scalar(plan.count_stddev)
+            stats[1] += check_finite_scalar(plugin_call("noise mechanism", self.noise, self.noise.scalar,
+                                                        plan.count_stddev), self.noise)
         stats = torch.cat([stats, torch.tensor([float(stop_requested)], dtype=torch.float64)])
         stats = comb.all_reduce_sum([stats])[0].double().cpu()
         n_units, noisy_centered, loss_sum, n_clipped, weight, n_bad, stops = stats.tolist()
@@ -452,7 +459,9 @@ class EngineRun:
                 self._add_shard_noise(sums, est_std * den)
         else:  # every rank gets the whole noised sum
             if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
-                self.noise.add_noise(sums, est_std * den)  # in place (drawn meanwhile on a CPU, else streamed)
+                # in place (drawn meanwhile on a CPU, else streamed); a plugin's release must be finite
+                plugin_call("noise mechanism", self.noise, self.noise.add_noise, sums, est_std * den)
+                check_finite_release(sums, self.noise)
             sums = comb.all_reduce_sum(sums)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
