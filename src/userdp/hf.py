@@ -33,6 +33,7 @@ without noise: it is listed among the run's non-private touches of the data.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -50,6 +51,14 @@ from userdp.engine.private_loop import PrivateTraining
 from userdp.engine.run_options import RunOptions
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
+from userdp.hf_boundary import (
+    check_algorithm,
+    check_dataset_kind,
+    check_output_dir,
+    check_push_to_hub,
+    check_resume,
+    check_rows,
+)
 from userdp.lm.models import IGNORE_INDEX, causal_lm_loss
 from userdp.lm.release import save_released_model
 from userdp.lm.report import write_report
@@ -140,12 +149,9 @@ class UserRecords(TensorUserData):
                                    if need == user_field else "give a tokenized dataset"))
         users = list(dataset[user_field])
         ids = list(dataset["input_ids"])
-        labels = list(dataset["labels"]) if "labels" in columns else ids
-        for i, row in enumerate(ids):
-            if row is None or len(row) == 0:
-                raise UserError(f"train_dataset row {i}: input_ids is empty (drop empty records before training)")
-            if users[i] is None:
-                raise UserError(f"train_dataset row {i}: {user_field} is empty (every record needs its author)")
+        labels = list(dataset["labels"]) if "labels" in columns else None
+        check_rows(users, ids, labels, user_field)  # the HF boundary: one record a row, integer ids, an author
+        labels = ids if labels is None else labels
         self.seq_len = max(len(r) for r in ids)
         self.max_token_id = int(max(max(r) for r in ids))
         padded_ids = torch.full((len(ids), self.seq_len), int(pad_token_id), dtype=torch.long)
@@ -158,6 +164,7 @@ class UserRecords(TensorUserData):
         super().__init__(grouped.tensors, grouped.offsets)
         self.user_ids = np.unique(authors)
         self.user_field = user_field
+        self.pad_token_id = int(pad_token_id)
         self.num_records = len(ids)
 
 
@@ -175,6 +182,17 @@ def _check_fits(data: UserRecords, config) -> None:
     if vocab and top >= vocab:
         raise UserError(f"train_dataset: token id {top} is outside the model's vocabulary of {vocab} "
                         "(tokenized with another tokenizer?)")
+    if vocab and data.pad_token_id >= vocab:
+        raise UserError(f"processing_class: its pad token id {data.pad_token_id} is outside the model's vocabulary of "
+                        f"{vocab} (a pad token added to the tokenizer without model.resize_token_embeddings(len(tokenizer)))")
+
+
+def _given(init: Callable, args: tuple, kwargs: dict) -> dict:
+    """The arguments a Trainer's ``__init__`` was given, by name (its own signature: TRL's differs)."""
+    try:
+        return dict(inspect.signature(init).bind_partial(*args, **kwargs).arguments)
+    except TypeError:  # the Trainer itself reports a wrong call
+        return dict(kwargs)
 
 
 class _Steps(torch.utils.data.Dataset):
@@ -218,10 +236,17 @@ class PrivateTrainer(Trainer):
 
     def __init__(self, *args, privacy: TrainConfig, user_field: str = "user",
                  loss_fn: Callable = causal_lm_loss, **kwargs):
-        super().__init__(*args, **kwargs)  # a subclass's own data preparation (TRL's) runs here
+        # the HF boundary (userdp.hf_boundary), before the Trainer builds anything from its inputs
         check_instance(privacy, "privacy", (TrainConfig,), "a userdp.engine.TrainConfig")
-        if self.train_dataset is None:
-            raise UserError("PrivateTrainer: give train_dataset (the tokenized records, with the user column)")
+        check_algorithm(privacy)
+        given = _given(super().__init__, args, kwargs)
+        if given.get("args") is not None:
+            check_arguments(given["args"])
+            check_output_dir(getattr(given["args"], "output_dir", None))
+            check_push_to_hub(given["args"])
+        check_dataset_kind(given.get("train_dataset"))
+        super().__init__(*args, **kwargs)  # a subclass's own data preparation (TRL's) runs here
+        check_dataset_kind(self.train_dataset)  # as the subclass prepared it
         self.userdp_notes = check_arguments(self.args)
         self.args = copy.copy(self.args)  # the caller's object stays as given (a copy: not re-initialised)
         self.args.max_grad_norm, self.args.max_steps = 0.0, privacy.steps
@@ -258,6 +283,7 @@ class PrivateTrainer(Trainer):
         and the steps begun after it are counted as lost (their noise never reused)."""
         if trial is not None:
             raise UserError(f"PrivateTrainer.train(trial=...): {SELECTION_REFUSAL}")
+        check_resume(resume_from_checkpoint, self.args.output_dir)
         self._resuming = bool(resume_from_checkpoint)
         out = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         self._finish()

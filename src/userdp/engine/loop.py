@@ -773,12 +773,20 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
             and (ckpt.exists(checkpoint_dir) or os.path.exists(journal))):
         raise UserError(f"{checkpoint_dir} already holds a checkpoint: pass resume=True to continue it, "
                         "or use an empty directory")
+    created = bool(checkpoint_dir) and comb.rank == 0 and not os.path.exists(checkpoint_dir)
     if checkpoint_dir and comb.rank == 0:
         try:
             os.makedirs(checkpoint_dir, exist_ok=True)
         except OSError as e:
             raise UserError(f"checkpoint_dir {checkpoint_dir}: cannot create it ({e.strerror or e})") from None
     run = EngineRun(model, data, loss_fn, config, options, optimizer=optimizer)
+    if not resume:
+        try:
+            _check_one_step_fits(run)
+        except UserError:
+            if created and not os.listdir(checkpoint_dir):  # nothing half-made is left behind
+                os.rmdir(checkpoint_dir)
+            raise
     if comb.world_size > 1:
         _agree(run)
     if resume and ckpt.exists(checkpoint_dir):
@@ -796,6 +804,21 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     if resume and run.seeded and run.ledger.spent > run.restored_spent:
         run.rekey(run.ledger.spent)  # on every rank alike: the steps begun after the checkpoint are not replayed
     return run
+
+
+def _check_one_step_fits(run: EngineRun) -> None:
+    """A fresh run whose target epsilon does not admit one step (a fixed sigma too small for it)
+    would take no step and still release its starting model and a statement: refused up front.
+
+    Raises:
+        UserError: naming the noise multiplier, the target and what one step spends."""
+    ledger = run.ledger
+    if not ledger.private or ledger.target_epsilon is None or ledger.allows(1):
+        return
+    one = ledger.epsilon(steps=ledger.spent + 1)
+    raise UserError(f"target_epsilon {ledger.target_epsilon:g}: not one step fits at noise multiplier "
+                    f"{run.noise_multiplier:.4g} (one step spends epsilon = {one:.4g} at delta = {ledger.delta:.3g}); "
+                    "raise the noise multiplier, or give none to calibrate it to the target")
 
 
 def _check_run_arguments(model, data, loss_fn, config) -> None:
