@@ -91,3 +91,56 @@ def test_a_hub_layout_folder_fine_tunes_with_lora_and_releases_its_tokenizer(tmp
     assert released.chat_template == TEMPLATE and released.eos_token == "<|endoftext|>"
     for f in ("tokenizer.json", "tokenizer_config.json"):  # byte for byte, as the base has them
         assert (run / "model" / f).read_bytes() == (base / f).read_bytes()
+
+
+def _mismatched(folder: Path, kind: str) -> Path:
+    """A gpt2 hub folder made not to fit its tokenizer in one of the ways users meet."""
+    import shutil
+
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    base = _hub_folder(folder, "gpt2")
+    tok = AutoTokenizer.from_pretrained(base, local_files_only=True)
+    if kind == "a vocabulary smaller than the tokenizer's":
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(tok) - 20, n_embd=32, n_layer=1, n_head=4,
+                                   n_positions=64)).save_pretrained(base)
+    elif kind == "an added special token past the vocabulary":
+        tok.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+        tok.save_pretrained(base)  # the model was not resized
+    elif kind == "positions below tokenizer.seq_len":
+        GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=4,
+                                   n_positions=8)).save_pretrained(base)
+    elif kind == "no tokenizer.json":
+        (base / "tokenizer.json").unlink()
+    else:
+        shutil.rmtree(base)
+    return base
+
+
+@pytest.mark.parametrize("kind, needle", [
+    ("a vocabulary smaller than the tokenizer's", "embedding rows"),
+    ("an added special token past the vocabulary", "embedding rows"),
+    ("positions below tokenizer.seq_len", "tokenizer.seq_len 16 is longer than the 8 positions"),
+    ("no tokenizer.json", "holds no tokenizer.json"),
+])
+def test_a_model_folder_that_does_not_fit_its_tokenizer_is_one_line_before_the_data_is_read(tmp_path, capsys,
+                                                                                          kind, needle):
+    """The model against its tokenizer and the sequence length, from config.json and tokenizer.json
+    when the job starts: one line naming the folder and the two numbers, not torch's IndexError
+    after the data was read and tokenized."""
+    import userdp.lm.finetune as F
+
+    base = _mismatched(tmp_path / "m", kind)
+    cfg = _tiny_config(tmp_path, f"model:\n  path: {base}\ntokenizer:\n  declared_public: true\n")
+    read = []
+    real = F.prepare_data
+    F.prepare_data = lambda *a, **k: read.append(1) or real(*a, **k)
+    try:
+        rc = main(["train", str(cfg), "--output", str(tmp_path / "run"), "--set", "model.preset=null",
+                   "--no-progress"])
+    finally:
+        F.prepare_data = real
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and needle in err[-1] and "Traceback" not in "\n".join(err), err[-3:]
+    assert str(base) in err[-1] or "tokenizer.seq_len" in err[-1]
+    assert read == []  # refused before any data was read

@@ -33,6 +33,7 @@ from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.job_context import JobContext, JobData, Launch
 from userdp.lm.job_plan import check_budget, check_cohort, num_units, resolve, resolve_chunk_size
+from userdp.lm.model_fit import check_model_fits
 from userdp.lm.plan_auto import planned_config
 from userdp.lm.prepare import Log, build_datasets, prepare_data, stderr_log
 from userdp.lm.release import evaluate_before, release
@@ -203,6 +204,7 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     log(f"run directory: {rd.root}")
     if world.distributed:
         log(f"processes: {world.world_size} ({world.backend}); rank 0 writes the run directory")
+    check_model_fits(cfg.model, cfg.tokenizer)  # a model folder that cannot read its tokenizer's ids: before the data
     # 1. the data (refused early when the cohort or a fixed sigma's budget cannot work)
     with world.main_first("preparing the data"):
         prep = prepare_data(cfg.data, log)
