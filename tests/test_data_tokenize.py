@@ -103,3 +103,34 @@ def test_token_lengths_drive_longest_selection(store, tok, tmp_path):
     assert lens[store.offsets[u]:store.offsets[u + 1]].tolist() == ref
     sub = bound_contributions(store, 1, "longest", scores=lens)
     assert lens[store.offsets[u] + sub.records_of(0)[0]] == max(ref)
+
+
+@pytest.mark.parametrize("damage", ["tokens truncated", "tokens flipped", "offsets truncated", "a file removed",
+                                    "meta.json torn"])
+def test_a_damaged_cache_entry_is_rebuilt_not_read(store, tok, tmp_path, damage):
+    """A tokenized cache entry is verified (each file's size and sha256, recorded in meta.json when
+    it was written) before it is read: a crash's truncated leftover gave `ValueError: mmap length is
+    greater than file size`, and a flipped byte would have trained on other tokens silently. A
+    damaged entry is made again, and the result equals a fresh tokenization."""
+    layout = TokenLayout(16, "truncate")
+    fresh = tokenize_store(store, tok, layout, cache_dir=tmp_path / "c")
+    want = np.asarray(fresh.tokens).copy()
+    folder = fresh.path
+    meta = json.loads((folder / "meta.json").read_text())
+    assert set(meta["files"]) == {"tokens.bin", "seq_offsets.npy", "user_offsets.npy", "users.npy"}
+    if damage == "tokens truncated":
+        raw = (folder / "tokens.bin").read_bytes()
+        (folder / "tokens.bin").write_bytes(raw[: len(raw) // 2])
+    elif damage == "tokens flipped":
+        raw = bytearray((folder / "tokens.bin").read_bytes())
+        raw[5] ^= 1
+        (folder / "tokens.bin").write_bytes(bytes(raw))
+    elif damage == "offsets truncated":
+        (folder / "seq_offsets.npy").write_bytes((folder / "seq_offsets.npy").read_bytes()[:40])
+    elif damage == "a file removed":
+        (folder / "users.npy").unlink()
+    else:
+        (folder / "meta.json").write_text((folder / "meta.json").read_text()[:20])
+    again = tokenize_store(store, tok, layout, cache_dir=tmp_path / "c")
+    assert not again.from_cache and np.array_equal(np.asarray(again.tokens), want)
+    assert tokenize_store(store, tok, layout, cache_dir=tmp_path / "c").from_cache  # whole again

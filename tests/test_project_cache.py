@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from userdp.cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,3 +67,19 @@ def test_a_cache_folder_that_is_not_userdps_is_refused(tmp_path, capsys):
         assert "output.cache" in err and says in err and len(err.strip().splitlines()) == 1
         assert cfg.name in err  # the config file is named (not the folder in its place)
     assert [p.name for p in mine.iterdir()] == ["chapter1.tex"] and afile.read_text() == "x"
+
+
+@pytest.mark.parametrize("slip, keyword", [("Run", "run"), ("RUN", "run"), ("runs", "run"), ("Shared", "shared"),
+                                          ("shard", "shared")])
+def test_a_slip_for_a_cache_keyword_is_refused_not_made_into_a_folder(tmp_path, monkeypatch, slip, keyword):
+    """`output.cache: Run` (a slip for `run`) silently put the private store in a new ./Run folder.
+    A bare name close to a keyword is refused with the keyword; written as a path it is a folder."""
+    from userdp.errors import UserError
+    from userdp.lm import config as C
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=f"did you mean {keyword}.*\\./{slip}"):
+        C.load_config(None, [f"output.cache={slip}"])
+    assert not (tmp_path / slip).exists()
+    assert C.load_config(None, [f"output.cache=./{slip}"]).output.cache == f"./{slip}"
+    assert C.load_config(None, ["output.cache=project-cache"]).output.cache == "project-cache"

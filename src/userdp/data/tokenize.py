@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -33,7 +34,7 @@ from userdp import progress
 from userdp.data.store import PrivateTexts, UserStore
 from userdp.data.subset import UserSubset
 from userdp.errors import UserError
-from userdp.fileio import atomic_dir
+from userdp.fileio import atomic_dir, sha256_file
 
 MODES = ("truncate", "pack", "full")
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
@@ -196,6 +197,28 @@ def _key(store: UserStore, subset: UserSubset, tok, seq_len: int, mode: str, add
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 
+#: the files of a tokenized cache entry beside its meta.json
+ENTRY_FILES = ("tokens.bin", "seq_offsets.npy", "user_offsets.npy", "users.npy")
+
+
+def _intact(folder: Path) -> bool:
+    """Whether a cache entry is whole: meta.json readable, every file there with the size and
+    sha256 meta.json recorded (an entry written before checksums: tokens.bin's size only)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        files = meta.get("files")
+        if not isinstance(files, dict):  # an entry of an older userdp
+            return (folder / "tokens.bin").stat().st_size == 4 * int(meta["num_tokens"]) and all(
+                (folder / n).is_file() for n in ENTRY_FILES)
+        for name in ENTRY_FILES:
+            want, p = files[name], folder / name
+            if p.stat().st_size != int(want["bytes"]) or sha256_file(p) != want["sha256"]:
+                return False
+        return True
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def _load(folder: Path) -> TokenizedStore:
     meta = json.loads((folder / "meta.json").read_text())
     n_tok = meta["num_tokens"]
@@ -247,9 +270,11 @@ def tokenize_store(store: UserStore, tokenizer, layout: TokenLayout | int, *, su
     cache_root = Path(cache_dir) if cache_dir is not None else store.path / "tokenized"
     folder = cache_root / f"tok-{key}"
     if (folder / "meta.json").is_file():
-        ts = _load(folder)
-        ts.seconds = time.perf_counter() - t0
-        return ts
+        if _intact(folder):
+            ts = _load(folder)
+            ts.seconds = time.perf_counter() - t0
+            return ts
+        shutil.rmtree(folder)  # a damaged entry (a crash's leftover, a disk error, an edit): made again below
     eos_id = special_id(tokenizer, EOS_CANDIDATES)
     if add_eos and eos_id is None:
         raise UserError("the tokenizer has no end-of-text token (<|endoftext|>, </s>, <eos>); use "
@@ -325,5 +350,7 @@ def _write_tokens(tmp: Path, tok, store, subset, meta: dict) -> None:
     np.save(tmp / "seq_offsets.npy", seq_offsets)
     np.save(tmp / "user_offsets.npy", user_offsets)
     np.save(tmp / "users.npy", subset.users.astype(np.int64))
-    meta = dict(meta, num_tokens=n_tok)
+    # each file's size and sha256: an entry is verified before it is read (_intact)
+    files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in ENTRY_FILES}
+    meta = dict(meta, num_tokens=n_tok, files=files)
     (tmp / "meta.json").write_text(json.dumps(meta))  # written last: a folder with meta.json is whole

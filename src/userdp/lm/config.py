@@ -7,6 +7,7 @@ a user's file is layered over it, then the ``--set`` overrides.
 """
 
 import dataclasses
+import difflib
 import functools
 import hashlib
 import json
@@ -558,6 +559,11 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     if cache not in ("shared", "run"):
         if not cache.strip():
             bad("output.cache must be shared, run or a folder for the project's private cache, got ''")
+        near = difflib.get_close_matches(cache.lower(), ("shared", "run"), n=1, cutoff=0.6)
+        if near and "/" not in cache and not cache.startswith((".", "~")) and not Path(cache).exists():
+            # a slip for a keyword would put the private store in a new folder of that name, silently
+            bad(f"output.cache: {cache!r} is not a keyword (shared, run): did you mean {near[0]}? To keep the "
+                f"private cache in a folder of that name, write it as a path (./{cache})")
         why = unclaimable(Path(cache).expanduser())
         if why:
             bad(f"output.cache: {cache} {why}; give shared, run, or a new or empty folder for the project's "
