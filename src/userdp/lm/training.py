@@ -119,7 +119,7 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
         if bar is not None:
             eps = row["epsilon"]
             bar.update(1)
-            bar.set_postfix_str(f"loss {row['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} "
+            bar.set_postfix_str(f"loss {diag['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} "
                                 f"tok/s {toks / dt:.0f}")
 
     def checkpoint_files(run) -> dict:
