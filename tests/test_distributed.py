@@ -345,7 +345,7 @@ def test_a_rank_whose_config_differs_from_rank_0s_is_refused():
         t.start()
     for t in threads:
         t.join(60)
-    assert isinstance(errors[1], UserError) and "differ from rank 0's" in str(errors[1])
+    assert isinstance(errors[1], UserError) and "differs from rank 0's" in str(errors[1])
     assert isinstance(errors[0], threading.BrokenBarrierError)  # rank 0 stops too (a process would see PeerLost)
 
 
