@@ -26,7 +26,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from userdp.accounting import pld as _pld_mod
 from userdp.accounting import rdp as _rdp_mod
-from userdp.accounting.events import check_delta, compose, compose_after
+from userdp.accounting.events import check_delta, check_event, compose, compose_after
 from userdp.accounting.pld import PLD_INTERVAL, pld_infeasible
 from userdp.accounting.rdp import rdp_curve
 from userdp.errors import UserError
@@ -284,6 +284,7 @@ def epsilon_and_accountant(event: dpe.DpEvent, delta: float, accountant: str = "
         UserError: bad delta or accountant name, or an event the accountant cannot take.
     """
     check_delta(delta)
+    check_event(event)
     return get_accountant(accountant).epsilon(event, delta, interval=value_discretization_interval, orders=orders)
 
 
@@ -309,6 +310,7 @@ def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,
         UserError: epsilon is not a positive number, or the accountant name is unknown.
     """
     eps = check_positive(epsilon, "epsilon")
+    check_event(event)
     return get_accountant(accountant).delta(event, eps, interval=value_discretization_interval, orders=orders)
 
 
@@ -338,6 +340,7 @@ def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, how: StepSe
             finish within its time budget (the message gives RDP's looser answer).
     """
     how = StepSearch(how) if isinstance(how, str) else how
+    check_event(step_event, "step_event")
     accountant, value_discretization_interval = how.accountant, how.interval
     eps_target = check_positive(epsilon, "epsilon")
     check_delta(delta)

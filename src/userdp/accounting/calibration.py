@@ -16,7 +16,7 @@ from userdp.accounting.accountants import get_accountant
 from userdp.accounting.events import check_delta, compose_after
 from userdp.accounting.pld import PLD_INTERVAL
 from userdp.errors import UserError
-from userdp.validation import check_int
+from userdp.validation import check_callable, check_int
 
 #: Largest noise multiplier calibration will consider.
 SIGMA_MAX = 1e4
@@ -133,6 +133,7 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
                         f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
     dlt = check_delta(delta)
     t = check_int(steps, "steps")
+    check_callable(make_step_event, "make_step_event")
     acc = get_accountant(how.accountant)
     prior, spent = tuple(prior), 0.0
     if prior:  # what the prior events alone spend: nothing left for training is refused in one line

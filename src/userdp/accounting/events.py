@@ -100,10 +100,24 @@ def no_amplification_step_event(noise_multiplier: float, group_size: int = 1) ->
     return dpe.GaussianDpEvent(sigma / g)
 
 
+def check_event(event: Any, name: str = "event") -> dpe.DpEvent:
+    """``event`` if it is a dp_accounting ``DpEvent``.
+
+    Raises:
+        UserError: naming ``name`` and what was given instead."""
+    if not isinstance(event, dpe.DpEvent):
+        raise UserError(f"{name} must be a dp_accounting DpEvent (e.g. userdp.accounting.uls_step_event(...)), "
+                        f"got {type(event).__name__}")
+    return event
+
+
 def compose(step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:
-    """T-fold self-composition of one step's event."""
+    """T-fold self-composition of one step's event.
+
+    Raises:
+        UserError: ``step_event`` is not a DpEvent, or ``steps`` is not an integer >= 0."""
     t = check_int(steps, "steps")
-    return dpe.SelfComposedDpEvent(step_event, t)
+    return dpe.SelfComposedDpEvent(check_event(step_event, "step_event"), t)
 
 
 def compose_after(prior: Sequence[dpe.DpEvent], step_event: dpe.DpEvent, steps: int) -> dpe.DpEvent:

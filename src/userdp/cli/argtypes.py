@@ -117,7 +117,9 @@ def plot_file(text: str) -> str:
 
 
 def output_dir(text: str) -> str:
-    """A folder to create or fill: not an existing file, and its parent must be creatable."""
+    """A folder to create or fill: not empty text, not an existing file."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a folder (or leave the option out for the default)")
     p = Path(text)
     if p.exists() and not p.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a folder")

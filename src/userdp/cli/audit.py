@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from userdp.audit.session import AuditSession, combine_runs
+from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.errors import UserError
 from userdp.lm import config as C
@@ -26,7 +27,7 @@ def register(p) -> None:
                    help="canary users (default: audit.canaries of the config, else 400)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key (dotted); repeatable")
-    p.add_argument("--output", metavar="DIR", help="run directory (default runs/<timestamp>)")
+    p.add_argument("--output", metavar="DIR", type=A.output_dir, help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted audited run")
     p.add_argument("--combine", nargs="+", metavar="RUN_DIR",
                    help="train nothing: pool the canaries of several audited runs into one bound")

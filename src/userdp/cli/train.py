@@ -35,7 +35,7 @@ def register(p) -> None:
                    help="a first try of the whole pipeline on a sample of the training users, each kept with "
                         "probability RATE by a keyed hash of its own id (data.sample_rate=RATE; only their "
                         "records are tokenized and trained on)")
-    p.add_argument("--output", metavar="DIR", help="run directory (default runs/<timestamp>)")
+    p.add_argument("--output", metavar="DIR", type=A.output_dir, help="run directory (default runs/<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run (same ledger)")
     p.add_argument("--plan", metavar="PLAN.json", help="apply a plan saved by `userdp plan` (its data "
                    "touches and its DP median's epsilon go into the report)")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from userdp.accounting.selection import TrialCount
+from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.errors import UserError
@@ -42,7 +43,7 @@ def register(p) -> None:
     p.add_argument("--mean-trials", type=float, default=8.0, metavar="M", help="expected number of trials (8)")
     p.add_argument("--eta", type=float, default=1.0,
                    help="TNB shape (1: geometric, the default; 0: logarithmic)")
-    p.add_argument("--output", metavar="DIR", help="tuning directory (default tune/<timestamp>)")
+    p.add_argument("--output", metavar="DIR", type=A.output_dir, help="tuning directory (default tune/<timestamp>)")
     p.add_argument("--resume", metavar="DIR", help="continue an interrupted tuning run (never re-draws)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

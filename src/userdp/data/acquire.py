@@ -64,6 +64,25 @@ def stackexchange_source(path: str, sites: Optional[tuple], public: bool):
     return src
 
 
+def _public_text(p: Path, path: str) -> str:
+    """A public JSONL file's text (gzipped or not), UTF-8; a bad byte is named by its line.
+
+    Raises:
+        UserError: unreadable, not gzip, or not UTF-8 (naming the line)."""
+    if not p.name.endswith(".gz"):
+        return read_input(p, f"public text {path}")
+    try:
+        with gzip.open(p, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as exc:
+        raise UserError(f"public text {path}: not a readable gzip file ({exc})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 (byte {raw[exc.start]:#04x}); save the file as UTF-8") from None
+
+
 def read_public_file(path: str, text_field: str) -> list[str]:
     """The documents of a public text file (.txt: separated by blank lines; .jsonl: ``text_field``)."""
     p = Path(path)
@@ -74,19 +93,17 @@ def read_public_file(path: str, text_field: str) -> list[str]:
     if not p.is_file():
         raise UserError(f"public text {path}: not a regular file (a pipe, socket or device); save it to a file")
     if p.suffix in (".jsonl", ".json") or p.name.endswith(".jsonl.gz"):
-        opener = gzip.open if p.name.endswith(".gz") else open
         out = []
-        with opener(p, "rt", encoding="utf-8") as f:
-            for i, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise UserError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-                t = obj.get(text_field) if isinstance(obj, dict) else None
-                if isinstance(t, str) and t.strip():
-                    out.append(t)
+        for i, line in enumerate(_public_text(p, path).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
+            t = obj.get(text_field) if isinstance(obj, dict) else None
+            if isinstance(t, str) and t.strip():
+                out.append(t)
         return out
     return [t for t in read_input(p, f"public text {path}").split("\n\n") if t.strip()]
 

@@ -283,6 +283,11 @@ class TensorUserData(UserData):
     @classmethod
     def from_user_ids(cls, tensors: Mapping[str, torch.Tensor], user_ids) -> "TensorUserData":
         """Build from per-row user ids (any hashable values); rows are regrouped by user."""
+        raw = list(user_ids) if not isinstance(user_ids, np.ndarray) else user_ids.tolist()
+        for i, u in enumerate(raw):  # a missing author would merge with the others into one "user"
+            if u is None or (isinstance(u, float) and u != u):
+                raise UserError(f"TensorUserData.from_user_ids: row {i} has no user id ({u!r}); every record needs "
+                                "its author")
         ids = np.asarray(user_ids)
         if ids.ndim != 1:
             raise UserError(f"TensorUserData.from_user_ids: user_ids must be one id per row (got shape {ids.shape})")

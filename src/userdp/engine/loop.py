@@ -36,7 +36,7 @@ from userdp.engine.noise import ENTROPY_BITS, os_entropy, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.plugin_outputs import call as plugin_call
-from userdp.engine.plugin_outputs import check_finite_release, check_finite_scalar, checked_cohort
+from userdp.engine.plugin_outputs import check_finite_release, check_finite_scalar, checked_cohort, checked_loss_fn
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
@@ -761,6 +761,7 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     Raises:
         UserError: see :func:`train`."""
     _check_run_arguments(model, data, loss_fn, config)
+    loss_fn = checked_loss_fn(loss_fn)  # what the caller's loss returns is checked where it is used
     checkpoint_dir, resume = options.checkpoint_dir, options.resume
     comb = options.combiner or LocalCombiner()
     cfg = config.config if isinstance(config, RunPlan) else config
@@ -831,6 +832,9 @@ def _check_run_arguments(model, data, loss_fn, config) -> None:
     check_instance(model, "model", nn.Module, "a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError("model has no parameter with requires_grad=True: there is nothing to train")
+    if any(p.is_meta for p in model.parameters()):
+        raise UserError("model: its parameters are on the meta device (shapes without values): load its weights "
+                        "first (e.g. from_pretrained without device_map='meta', or to_empty() and load_state_dict)")
     check_instance(data, "data", UserData, "a userdp.engine.UserData (e.g. TensorUserData)")
     check_callable(loss_fn, "loss_fn")
     check_instance(config, "config", (TrainConfig, RunPlan), "a TrainConfig (or a RunPlan made from one)")

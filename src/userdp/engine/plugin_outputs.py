@@ -10,10 +10,14 @@ reported the same way (its module and the exception), never as a traceback from 
 
 userdp's own parts are checked the same way where the check is cheap (a cohort's ids), and trusted
 where it is not (a finite release from the built-in Gaussian needs no pass over the sums).
+
+The caller's ``loss_fn`` is user code too: :func:`checked_loss_fn` checks what it returns (a
+floating-point tensor, computed from the model's parameters) where the engine first uses it.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,3 +107,40 @@ def check_finite_scalar(value: Any, noise: Any) -> float:
     if not np.isfinite(x):
         raise UserError(f"{describe('noise mechanism', noise)} returned {x} as the count query's noise")
     return x
+
+
+def _wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a torch.func transform's tensor (vmap, grad): its autograd state is the
+    transform's, not checked here."""
+    try:
+        return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+    except AttributeError:  # a torch without the query: nothing is skipped
+        return False
+
+
+def checked_loss_fn(loss_fn: Callable) -> Callable:
+    """``loss_fn`` with its output checked at every call: a ``torch.Tensor`` of floating point, and —
+    under autograd — one that depends on the model's parameters (a float, an integer tensor, or a
+    detached loss otherwise failed deep inside the per-unit strategy, or trained on nothing).
+
+    Raises (from the returned function):
+        UserError: naming ``loss_fn`` and what it returned."""
+    if getattr(loss_fn, "_userdp_checked", False):
+        return loss_fn
+
+    @functools.wraps(loss_fn)
+    def checked(model, batch):
+        out = loss_fn(model, batch)
+        if not isinstance(out, torch.Tensor):
+            raise UserError(f"loss_fn returned {type(out).__name__}: it must return a torch.Tensor holding one loss "
+                            "per record (shape [n])")
+        if not out.is_floating_point():
+            raise UserError(f"loss_fn returned a {out.dtype} tensor: the losses must be floating point")
+        if (torch.is_grad_enabled() and not out.requires_grad and not _wrapped(out)
+                and any(p.requires_grad for p in model.parameters())):
+            raise UserError("loss_fn returned a tensor that does not depend on the model's parameters (detached, or "
+                            "computed under torch.no_grad()): compute the loss from model(batch)")
+        return out
+
+    checked._userdp_checked = True  # type: ignore[attr-defined]
+    return checked

@@ -38,6 +38,7 @@ from userdp.engine.loop import EngineRun, RunPlan, TrainConfig, start_run
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
 from userdp.errors import UserError
+from userdp.validation import check_instance
 
 
 class PrivateStep:
@@ -188,6 +189,8 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserD
             parameters, float16/bfloat16 parameters, or a checkpoint_dir that holds another run.
     """
     options = run_options(options)
+    check_instance(optimizer, "optimizer", torch.optim.Optimizer,
+                   "a torch.optim.Optimizer over the model's trainable parameters (your loop steps it)")
     if options.hooks:
         raise UserError(f"make_private: options.{options.hooks[0]} is train()'s hook; in a loop of your own, call "
                         "your own code between the steps")
