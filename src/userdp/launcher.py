@@ -27,7 +27,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
+import psutil
 import torch
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -59,6 +61,29 @@ def precheck(cfg, nproc: int, plan: str | None) -> None:
             and nproc > torch.cuda.device_count():
         raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s); start at "
                         "most that many processes (or set model.device: cpu)")
+    check_cpu_processes(nproc)
+
+
+#: the most CPU processes per core a job may start (each holds torch and its share of the model)
+PROCESSES_PER_CORE = 4
+#: the host memory a CPU process needs at least (torch, the model, its chunk), for the up-front check
+PROCESS_MEMORY_GB = 0.5
+
+
+def check_cpu_processes(nproc: int) -> None:
+    """A CPU job of more processes than the machine can hold hung (``--nproc 100000`` on 2 cores):
+    at most :data:`PROCESSES_PER_CORE` a core, and :data:`PROCESS_MEMORY_GB` of free memory each.
+
+    Raises:
+        UserError: naming --nproc and the machine's cores or memory."""
+    cores = os.cpu_count() or 1
+    if nproc > PROCESSES_PER_CORE * cores:
+        raise UserError(f"--nproc {nproc}: this machine has {cores} CPU core(s); start at most "
+                        f"{PROCESSES_PER_CORE * cores} processes")
+    free_gb = psutil.virtual_memory().available / 2**30
+    if nproc * PROCESS_MEMORY_GB > free_gb:
+        raise UserError(f"--nproc {nproc}: {free_gb:.1f} GB of memory is free, less than the {PROCESS_MEMORY_GB:g} GB "
+                        f"each process needs at least; start at most {max(1, int(free_gb / PROCESS_MEMORY_GB))}")
 
 
 def launch(worker_argv: list[str], *, nproc: int, nnodes: str = "1", node_rank: int = 0,
@@ -91,7 +116,13 @@ def launch(worker_argv: list[str], *, nproc: int, nnodes: str = "1", node_rank: 
         elastic_launch(config, sys.executable)("-m", "userdp", *worker_argv)
         return 0
     except ChildFailedError as exc:
-        return _one_line(errors, exc.failures)
+        return _one_line(errors, exc.failures, worker_argv)
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C or a signal to the launcher: the workers stop too
+        how = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) or getattr(exc, "sigval", None) == 2 \
+            else f"stopped by a signal ({getattr(exc, 'sigval', exc)})"
+        print(f"userdp: {how}: the job's processes were stopped; the last checkpoint and the ledger journal are kept "
+              f"(every step begun is counted): {_resume_hint(worker_argv)}", file=sys.stderr)
+        return 130
     except Exception as exc:  # noqa: BLE001 - the rendezvous or the agent itself failed
         print(f"userdp: error: the job could not start ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
               file=sys.stderr)
@@ -103,7 +134,21 @@ def launch(worker_argv: list[str], *, nproc: int, nnodes: str = "1", node_rank: 
         errors.rmdir()
 
 
-def _one_line(errors: Path, failures: dict) -> int:
+def _resume_hint(worker_argv: list[str], nproc_word: str = "--nproc N") -> str:
+    """How to continue the job: its run directory's resume command (the folder given with --output
+    or --resume; otherwise the one the job printed when it started)."""
+    run = None
+    for i, a in enumerate(worker_argv):
+        for opt in ("--output", "--resume"):
+            if a == opt and i + 1 < len(worker_argv):
+                run = worker_argv[i + 1]
+            elif a.startswith(opt + "="):
+                run = a.split("=", 1)[1]
+    where = run or "RUN_DIR (the run directory the job printed)"
+    return f"continue with: userdp train --resume {where} {nproc_word}"
+
+
+def _one_line(errors: Path, failures: dict, worker_argv: list[str] = ()) -> int:
     """Print the failed job's one line — a bad input's (status 2) before another rank's report
     that it lost its peers, the lowest rank first — and return that rank's exit status; where no
     rank wrote a line (a crash), name the lowest failed rank."""
@@ -116,8 +161,10 @@ def _one_line(errors: Path, failures: dict) -> int:
         status, line = written[rank]
         print(line, file=sys.stderr)
         return status
+    # no rank wrote a line: a rank was lost (killed, out of memory, a crash); the job ends as a
+    # stopped job does, with how to continue it (every step begun is counted on resume)
     rank = min(failures) if failures else 0
     code = failures[rank].exitcode if failures else 1
-    print(f"userdp: error: the process of rank {rank} failed (exit status {code}); its output above says why",
-          file=sys.stderr)
-    return code if isinstance(code, int) and code > 0 else 1
+    print(f"userdp: error: the process of rank {rank} was lost (exit status {code}; its output above says why); "
+          f"the last checkpoint and the ledger journal are kept: {_resume_hint(list(worker_argv))}", file=sys.stderr)
+    return 2
