@@ -129,3 +129,32 @@ def test_the_trl_example_runs_as_docs_hf_md_shows(tmp_path, capsys, monkeypatch)
     rec = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert rec["steps_taken"] == 3 and any("bf16" in n for n in rec["userdp_notes"])
     assert build_report(tmp_path / "out")["epsilon_run"] == pytest.approx(eps, abs=5e-4)
+
+
+def test_a_conversational_dataset_needs_a_chat_template_and_says_so_in_one_line(tmp_path):
+    conv = Dataset.from_dict({"messages": [[{"role": "user", "content": "what color is the sky"},
+                                            {"role": "assistant", "content": "it is blue"}]] * 24,
+                              "user": [f"u{i % 8}" for i in range(24)]})
+    privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.4), steps=2, clipping=FlatClip(0.5),
+                          noise_multiplier=1.0, delta=1e-4)
+    with pytest.raises(UserError, match="conversational.*no chat template") as exc:
+        PrivateSFTTrainer(model=_model(), args=_config(tmp_path), train_dataset=conv, processing_class=_tokenizer(),
+                          privacy=privacy, user_field="user")
+    assert "\n" not in str(exc.value)
+
+
+def test_prompts_longer_than_max_length_are_counted_or_refused_never_trained_on_silently(tmp_path):
+    """TRL drops examples left with nothing to learn (a prompt longer than max_length truncates the
+    completion away): the drop is counted in userdp_notes; when every example goes, one line."""
+    privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.4), steps=2, clipping=FlatClip(0.5),
+                          noise_multiplier=1.0, delta=1e-4)
+    ds = _chats()
+    long = ds.map(lambda r, i: {"prompt": r["prompt"] + (" the sky is blue" * 5 if i % 3 == 0 else "")},
+                  with_indices=True)
+    trainer = PrivateSFTTrainer(model=_model(), args=_config(tmp_path / "some", max_length=10), train_dataset=long,
+                                processing_class=_tokenizer(), privacy=privacy, user_field="user")
+    assert any("TRL dropped 24 of 72 examples" in n for n in trainer.userdp_notes), trainer.userdp_notes
+    every = ds.map(lambda r: {"prompt": r["prompt"] + " the sky is blue" * 5})
+    with pytest.raises(UserError, match="train_dataset: it holds no rows"):
+        PrivateSFTTrainer(model=_model(), args=_config(tmp_path / "all", max_length=8), train_dataset=every,
+                          processing_class=_tokenizer(), privacy=privacy, user_field="user")

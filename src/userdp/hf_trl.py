@@ -47,6 +47,22 @@ SFT_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+def _check_chat_template(dataset: Any, tokenizer: Any) -> None:
+    """A conversational dataset (a ``messages`` column, or prompts as lists of messages) needs a
+    tokenizer with a chat template: TRL's message for its absence is a paragraph from transformers.
+
+    Raises:
+        UserError: naming processing_class."""
+    columns = list(getattr(dataset, "column_names", None) or [])
+    if not columns or tokenizer is None or getattr(tokenizer, "chat_template", None):
+        return
+    first = dataset[0] if len(dataset) else {}
+    conversational = "messages" in columns or isinstance(first.get("prompt"), list)
+    if conversational:
+        raise UserError("processing_class: the dataset is conversational (lists of messages) but the tokenizer has no "
+                        "chat template: set tokenizer.chat_template (or give prompt/completion text)")
+
+
 class PrivateSFTTrainer(PrivateTrainer, SFTTrainer):
     """TRL's ``SFTTrainer`` whose training steps are userdp's (see the module docstring).
 
@@ -77,5 +93,18 @@ class PrivateSFTTrainer(PrivateTrainer, SFTTrainer):
                 set_aside.append("SFTConfig.bf16=True set aside: mixed precision is the engine's "
                                  f"(TrainConfig(precision=...), here {privacy.precision!r}); norms, sums and noise "
                                  "stay float32")
-        super().__init__(model, args, *rest, privacy=privacy, user_field=user_field, loss_fn=loss_fn, **kwargs)
+        dataset = kwargs.get("train_dataset", rest[1] if len(rest) > 1 else None)
+        _check_chat_template(dataset, kwargs.get("processing_class", rest[3] if len(rest) > 3 else None))
+        before = len(dataset) if hasattr(dataset, "__len__") else None
+        try:
+            super().__init__(model, args, *rest, privacy=privacy, user_field=user_field, loss_fn=loss_fn, **kwargs)
+        except UserError:
+            raise
+        except (ValueError, TypeError, KeyError) as exc:  # TRL's own preparation of the data refused it
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
+            raise UserError(f"train_dataset: TRL's SFTTrainer could not prepare it ({type(exc).__name__}: {first})") from None
+        after = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
+        if before is not None and after is not None and after < before:  # dropped rows are counted and said
+            set_aside.append(f"TRL dropped {before - after} of {before} examples with nothing to learn (every label "
+                             "masked, e.g. a prompt longer than max_length leaves no completion)")
         self.userdp_notes = set_aside + list(self.userdp_notes)
