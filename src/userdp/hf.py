@@ -81,7 +81,7 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
      "not supported"),
     ("deepspeed", lambda v: v is not None, "DeepSpeed shards and reduces the gradient itself; userdp's noised "
      "sum must be the gradient"),
-    ("fsdp", lambda v: bool(v), "sharded training is not supported by userdp.hf yet (issue 37)"),
+    ("fsdp", lambda v: bool(v), "sharded training is not supported by userdp.hf yet"),
     ("neftune_noise_alpha", lambda v: v is not None, "NEFTune changes the forward pass of every unit; not "
      "supported"),
     ("label_smoothing_factor", lambda v: v != 0.0, "the per-record loss is userdp's (loss_fn=); the Trainer's "

@@ -1,6 +1,6 @@
 """``userdp train --nproc N``: userdp's own launcher of a several-process job, on the API of
 ``torch.distributed.run`` (``torch.distributed.launcher.api.elastic_launch``), so that a bad input
-under several processes ends as it does under one: one line, exit status 2 (issue 41).
+under several processes ends as it does under one: one line, exit status 2.
 
 What it adds to plain ``torchrun ... -m userdp train``:
 

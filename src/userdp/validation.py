@@ -171,7 +171,7 @@ def check_fields(obj, **checks) -> None:
     field to ``(check, name)`` or to ``(check, name, extra...)`` with the check's further
     arguments; a field whose value is None is skipped when its check is wrapped in
     :func:`optional`. The converted value (a float for ``1``, an int for ``3.0``) replaces the
-    field's, so that what the object holds is what was checked (the one boundary: issue 40)."""
+    field's, so that what the object holds is what was checked (the one boundary)."""
     for field, (check, name, *extra) in checks.items():
         object.__setattr__(obj, field, check(getattr(obj, field), name, *extra))
 

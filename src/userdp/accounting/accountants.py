@@ -202,7 +202,7 @@ def _real(value) -> bool:
 
 
 def checked_epsilon(value, who: str) -> float:
-    """The one check of an epsilon from any accountant (issue 40): a real number, not nan, >= 0
+    """The one check of an epsilon from any accountant: a real number, not nan, >= 0
     (``inf`` is an honest "no bound").
 
     Raises:

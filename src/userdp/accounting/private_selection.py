@@ -13,7 +13,7 @@ the released model, and :func:`derive` computes both from the mechanisms' DpEven
   same figure is the cost of publishing *every* trial (the results table, every model).
 
 The released model's guarantee is the private-selection bound, with K kept secret: a statement that
-took the smaller of the two would itself reveal K (issue 34, C3). The composition is what
+took the smaller of the two would itself reveal K. The composition is what
 publishing K or any other trial costs, and stays in the tuning directory.
 """
 

@@ -138,7 +138,7 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-#: what `userdp plan` says of the runs that follow it without --plan (issue 39, sibling runs)
+#: what `userdp plan` says of the runs that follow it without --plan
 SIBLING_NOTE = "\n".join((
     "  note: this plan read the private training data (the DP median of records per user, if any, is a DP",
     "  release; the L(G) and sigma passes are not private). A run trained WITHOUT --plan after looking at",

@@ -37,7 +37,7 @@ def _sizes(store_or_sizes) -> np.ndarray:
 def keyed_uniforms(ids, seed: int, purpose: str) -> np.ndarray:
     """One number in [0, 1) per user id: the first 64 bits of sha256(purpose, seed, id). A user's
     number depends on that user's id alone, so adding or removing a user moves no one else (the
-    unit of the mechanism D -> model stays one user; issue 34, H3)."""
+    unit of the mechanism D -> model stays one user)."""
     out = np.empty(len(ids), dtype=np.float64)
     prefix = f"userdp:{purpose}:{int(seed)}:".encode()
     for i, uid in enumerate(ids):

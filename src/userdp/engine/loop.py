@@ -167,7 +167,7 @@ class EngineRun:
                 shard_model(model, self.combiner)
         per_unit = "ghost" if self.sharded and cfg.per_unit == "auto" else cfg.per_unit
         self.per_unit = make_per_unit(per_unit, model, loss_fn, self.algo, precision)
-        self._mixing = mixing_modules(model)  # checked again at every release (issue 34, H2)
+        self._mixing = mixing_modules(model)  # checked again at every release
         self.params = self.per_unit.params
         self.device = self.params[0].device
         precision.check_device(self.device)
@@ -628,7 +628,7 @@ class EngineRun:
         before = int(st["ledger"]["spent"])
         # steps begun after the checkpoint are counted as spent, never replayed under the same noise
         # (a replay is not the same release: the caller's loop state, the data or the device's
-        # accumulation order may differ, and two releases under one noise draw cancel it; issue 34, H1)
+        # accumulation order may differ, and two releases under one noise draw cancel it)
         self.ledger.load_state_dict(st["ledger"], replayable=False)
         self.restored_spent = before  # start_run keys a seeded run anew if steps were begun after it
 
@@ -824,7 +824,7 @@ def _check_one_step_fits(run: EngineRun) -> None:
 
 def _check_run_arguments(model, data, loss_fn, config) -> None:
     """The engine's boundary for :func:`train` and ``make_private``: each argument of the right
-    kind, named in one line, before anything is built from it (issue 40; the options are checked
+    kind, named in one line, before anything is built from it (the options are checked
     by :class:`~userdp.engine.run_options.RunOptions` itself).
 
     Raises:

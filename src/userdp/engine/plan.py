@@ -336,7 +336,7 @@ def _noise_split(config: TrainConfig, z: float, expected_units: float) -> tuple[
 
 def check_delta_for_users(delta: float, num_users: int, *, private: bool = True) -> None:
     """Refuse a delta of at least 1/N: a mechanism that publishes one random user's data outright
-    is (0, 1/N)-DP, so such a delta promises nothing about any one user (issue 41).
+    is (0, 1/N)-DP, so such a delta promises nothing about any one user.
 
     Raises:
         UserError: naming delta, N and 1/N."""

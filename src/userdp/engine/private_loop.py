@@ -204,5 +204,5 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserD
     return PrivateTraining(run)
 
 
-#: the ledger of the make_private call that made a model private (issue 34, L1)
+#: the ledger of the make_private call that made a model private
 _MARK = "_userdp_made_private"

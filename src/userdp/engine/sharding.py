@@ -1,4 +1,4 @@
-"""Fully sharded training (FSDP2, ``torch.distributed.fsdp.fully_shard``; docs/scaling.md, issue 37).
+"""Fully sharded training (FSDP2, ``torch.distributed.fsdp.fully_shard``; docs/scaling.md).
 
 Under ``TrainConfig(sharding="fsdp")`` each of the W ranks of a ``torch.distributed`` job holds
 1/W of every parameter, of its gradient and of the optimizer's state: FSDP2 gathers a block's

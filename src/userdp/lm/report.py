@@ -349,10 +349,10 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
         rec["at_delta"] = _at_delta(rec, delta, rd.privacy)
     stated = rec.get("delta_stated", rec.get("delta"))
     if rec.get("private", True) and isinstance(stated, float) and stated > REFERENCE_DELTA and delta != REFERENCE_DELTA:
-        # epsilon at a small delta that does not move with N, beside the run's own (issue 39): how a
+        # epsilon at a small delta that does not move with N, beside the run's own: how a
         # reviewer compares runs of different sizes
         rec["at_reference_delta"] = _at_delta(rec, REFERENCE_DELTA, rd.privacy)
-    # one key, one meaning, in every file and --json (issue 34, L2): "epsilon" is the released model's
+    # one key, one meaning, in every file and --json: "epsilon" is the released model's
     # guarantee; the training run's own figure is "epsilon_run"
     rec["epsilon_run"] = rec.get("epsilon")
     if rec.get("private", True) and rec.get("epsilon_total") is not None:
@@ -572,7 +572,7 @@ def model_card(rep: dict) -> str:
     eps = rep.get("epsilon_total") if private else None
     delta = rep.get("delta_stated", rep.get("delta")) if private else None
     tier = (rep.get("tier") or {})
-    # a hub search for differential privacy must not find the non-private baseline (issue 39)
+    # a hub search for differential privacy must not find the non-private baseline
     tags = ["differential-privacy", "user-level-differential-privacy", "userdp"] if private else \
         ["userdp", "non-private-baseline"]
     meta = {"library_name": "transformers",

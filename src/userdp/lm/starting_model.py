@@ -79,7 +79,7 @@ def _pretrain(cdir: Path, tok, spec: PretrainSpec, prep: Prepared, device: torch
     shutil.rmtree(partial, ignore_errors=True)
     log(f"pretrained in {info['seconds']} s (final public loss {info['final_loss']:.3f})")
     # the tokenizer as saved (transformers adds a no-op post-processor): the one every later run loads
-    # from this folder, so their tokenized data share one cache key (issue 39)
+    # from this folder, so their tokenized data share one cache key
     return models.load_local(cdir), load_tokenizer(cdir)
 
 

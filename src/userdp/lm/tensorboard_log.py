@@ -26,7 +26,7 @@ FOLDER = "tensorboard"
 
 #: metrics.jsonl field -> TensorBoard tag
 #: (no per-step cohort size, token count, throughput or step time: each is an exact count of the
-#: step's private cohort, released every step without noise; issue 34, H5)
+#: step's private cohort, released every step without noise)
 TAGS = {"epsilon": "privacy/epsilon_spent", "loss": "train/loss", "fraction_clipped": "train/fraction_clipped",
         "nonfinite_units": "train/nonfinite_units", "clip_norm": "train/clip_norm"}
 

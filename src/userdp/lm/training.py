@@ -135,7 +135,7 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     context = journal_context(rd, prep)
     # the statement's scope, fixed before the first step: `userdp report` checks privacy.json against it
     context["statement"] = statement_scope(release_facts(job, prep.train_subset.num_records, ctx.notes))
-    if job.plan:  # the plan's DP median is part of the statement: bound before the first step (issue 34, H4)
+    if job.plan:  # the plan's DP median is part of the statement: bound before the first step
         context["plan_dp_median_epsilon"] = plan_median_epsilon(job.plan, str(rd.root / "plan.json"))
     if audit is not None:
         context.update(audit.journal_context())

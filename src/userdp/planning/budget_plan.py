@@ -204,7 +204,7 @@ def format_plan(plan: BudgetPlan) -> str:
 
 
 def explain(plan: BudgetPlan) -> list[str]:
-    """What the recommended choice does to the data, in words (issue 28): who is seen how often."""
+    """What the recommended choice does to the data, in words: who is seen how often."""
     i, t = plan.inputs, int(plan.inputs["steps"])
     if plan.recommended == "uls":
         u = plan.uls

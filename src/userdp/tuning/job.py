@@ -77,7 +77,7 @@ def _plan_for(cfg: C.RunConfig, prep, tau: float | None):
 
 def _check_public_is_not_private(cfg: C.RunConfig, public_cfg: C.RunConfig | None) -> None:
     """``--on public`` trains every trial on the public config's data: refuse one whose data is the
-    private data (issue 34, M1: the run would say the private data was touched once).
+    private data (the run would say the private data was touched once).
 
     Raises:
         UserError: naming --public-config."""
@@ -153,7 +153,7 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
                      "run_events": {k: event_to_dict(compose(p.step_event, p.config.steps))
                                     for k, p in cal.plans.items()}}
         # what the released statement rests on, fixed now: each trial's config carries its digest,
-        # so the released run's journal is bound to it before its first step (issue 34, C2)
+        # so the released run's journal is bound to it before its first step
         guarantee["contract_sha256"] = TG.contract_digest(on, count.to_dict(), delta, guarantee["run_events"])
     else:
         sigma, guarantee = {}, {}
@@ -303,7 +303,7 @@ def release(state: dict, out: Path, log: Log) -> dict:
 
 def _guarantee(state: dict, best: dict) -> dict:
     """The released statement (``tuning.json`` and the winner's privacy.json): nothing in it depends
-    on the number of trials K (issue 34, C3). What K and the other trials would cost if published
+    on the number of trials K. What K and the other trials would cost if published
     goes into tune.json, the tuning directory's own record, which is not released."""
     s = {"on": state["on"], "delta": state["delta"], "trial_count": state["count"], "seeded": state["seeded"],
          "best": {"params": best["params"], "mechanism": best.get("mechanism"),
