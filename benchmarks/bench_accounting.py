@@ -56,16 +56,22 @@ def ledger_curve(steps: int = 100) -> None:
 
     base = P.gaussian_pld(1.043, 0.0234, 1e-3)
     out = {}
-    for name, compose in (("dp_accounting", lambda t: base.self_compose(t)),
-                          ("userdp", lambda t: P.self_compose(base, t))):
+    for name, compose in (
+        ("dp_accounting", lambda t: base.self_compose(t)),
+        ("userdp", lambda t: P.self_compose(base, t)),
+    ):
         t0 = time.perf_counter()
-        eps = [PLD.identity(value_discretization_interval=1e-3).compose(compose(t)).get_epsilon_for_delta(3.6e-4)
-               for t in range(1, steps + 1)]
+        eps = [
+            PLD.identity(value_discretization_interval=1e-3).compose(compose(t)).get_epsilon_for_delta(3.6e-4)
+            for t in range(1, steps + 1)
+        ]
         out[name] = (time.perf_counter() - t0, eps)
     (t_ref, e_ref), (t_us, e_us) = out["dp_accounting"], out["userdp"]
     assert e_ref == e_us, "the two compositions must give the same epsilons"
-    print(f"ledger per-step epsilon, {steps} steps: userdp {1e3 * t_us / steps:.1f} ms a step, dp_accounting "
-          f"{1e3 * t_ref / steps:.1f} ms ({t_ref / t_us:.1f}x); identical epsilons (last {e_us[-1]:.4f})")
+    print(
+        f"ledger per-step epsilon, {steps} steps: userdp {1e3 * t_us / steps:.1f} ms a step, dp_accounting "
+        f"{1e3 * t_ref / steps:.1f} ms ({t_ref / t_us:.1f}x); identical epsilons (last {e_us[-1]:.4f})"
+    )
 
 
 def main() -> None:
@@ -86,16 +92,22 @@ def main() -> None:
     A.calibrate_noise_multiplier(lambda s: A.els_step_event(s, Q, G), T, EPS, DELTA)
     t_warm = time.perf_counter() - t0
     print(f"ELS G={G} q={Q} T={T} eps={EPS} delta={DELTA}   (load average {os.getloadavg()[0]:.1f})")
-    print(f"userdp calibrate_noise_multiplier (cold cache): sigma = {ours:.4f}   "
-          f"min {t_ours:.2f} s, median {statistics.median(times):.2f} s over {len(times)} runs")
+    print(
+        f"userdp calibrate_noise_multiplier (cold cache): sigma = {ours:.4f}   "
+        f"min {t_ours:.2f} s, median {statistics.median(times):.2f} s over {len(times)} runs"
+    )
     print(f"userdp calibrate_noise_multiplier (warm cache): {t_warm:.3f} s")
 
     # The fine reference: the sigma at which a 1e-4 PLD reaches eps, to 1e-4 relative.
     t0 = time.perf_counter()
     fine = dp_accounting.calibrate_dp_mechanism(
         lambda: pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4),
-        reference_event, EPS, DELTA,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(0.97 * ours, ours), tol=1e-4 * ours)
+        reference_event,
+        EPS,
+        DELTA,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(0.97 * ours, ours),
+        tol=1e-4 * ours,
+    )
     t_fine = time.perf_counter() - t0
     eps_at_ours = fine_epsilon(ours)
     print(f"fine PLD (1e-4) sigma = {fine:.4f}  (bracketed search, {t_fine:.1f} s)")
@@ -106,8 +118,7 @@ def main() -> None:
 
     if not args.quick:
         t0 = time.perf_counter()
-        base = dp_accounting.calibrate_dp_mechanism(pld_privacy_accountant.PLDAccountant,
-                                                    reference_event, EPS, DELTA)
+        base = dp_accounting.calibrate_dp_mechanism(pld_privacy_accountant.PLDAccountant, reference_event, EPS, DELTA)
         t_base = time.perf_counter() - t0
         print(f"dp_accounting.calibrate_dp_mechanism (default PLD): sigma = {base:.4f}   {t_base:.1f} s")
         print(f"speed-up: {t_base / t_ours:.0f}x   sigma ours / dp_accounting = {ours / base:.5f}")

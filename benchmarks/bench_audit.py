@@ -34,8 +34,7 @@ SCENARIOS = [
     ("eps=1, clipping off", ["privacy.epsilon=1"], "clipping_off", 1),
     ("eps=1, a user counted 16 times", ["privacy.epsilon=1"], "user_counted_g_times", 16),
     ("eps=1, G=16", ["privacy.epsilon=1", "training.group_size=16"], None, 1),
-    ("eps=1, G=16, user counted 16 times", ["privacy.epsilon=1", "training.group_size=16"],
-     "user_counted_g_times", 16),
+    ("eps=1, G=16, user counted 16 times", ["privacy.epsilon=1", "training.group_size=16"], "user_counted_g_times", 16),
 ]
 QUICK = {"nonprivate", "eps=1", "eps=1, noise off"}
 
@@ -74,31 +73,49 @@ def main(argv=None) -> int:
             priv = json.loads((Path(s["run_dir"]) / "privacy.json").read_text())
             a = priv["audit"]
             sec = json.loads(Path(a["secrets_file"]).read_text())
-            others = {k: round(one_run_bound(v, sec["included"], delta=a["delta"]).epsilon_lower_bound, 2)
-                      for k, v in sec["scores"].items()}
-            row = {"scenario": name, "fault": fault, "epsilon": s["epsilon"], "delta": a["delta"],
-                   "score": a["score"].split(":")[0],
-                   "epsilon_lower_bound": round(a["epsilon_lower_bound"], 3), "caught": a["mechanism_caught"],
-                   "correct": a["correct"], "guesses": a["guesses"], "canary_auc": round(a["canary_auc"], 3),
-                   "bound_had_each_score_been_chosen": others,
-                   "auc_other_scores": {k: round(v, 3) for k, v in a["canary_auc_other_scores"].items()},
-                   "user_inference_auc": round((a.get("user_inference") or {}).get("auc", float("nan")), 3),
-                   "canaries": a["canaries"], "seconds": round(secs, 1), "audit_seconds": a["seconds"]}
+            others = {
+                k: round(one_run_bound(v, sec["included"], delta=a["delta"]).epsilon_lower_bound, 2)
+                for k, v in sec["scores"].items()
+            }
+            row = {
+                "scenario": name,
+                "fault": fault,
+                "epsilon": s["epsilon"],
+                "delta": a["delta"],
+                "score": a["score"].split(":")[0],
+                "epsilon_lower_bound": round(a["epsilon_lower_bound"], 3),
+                "caught": a["mechanism_caught"],
+                "correct": a["correct"],
+                "guesses": a["guesses"],
+                "canary_auc": round(a["canary_auc"], 3),
+                "bound_had_each_score_been_chosen": others,
+                "auc_other_scores": {k: round(v, 3) for k, v in a["canary_auc_other_scores"].items()},
+                "user_inference_auc": round((a.get("user_inference") or {}).get("auc", float("nan")), 3),
+                "canaries": a["canaries"],
+                "seconds": round(secs, 1),
+                "audit_seconds": a["seconds"],
+            }
             rows.append(row)
             eps = "none" if s["epsilon"] is None else f"{s['epsilon']:.3f}"
-            print(f"{name:36s} accounted eps {eps:>6s}  audited eps >= {row['epsilon_lower_bound']:.2f} "
-                  f"({row['correct']}/{row['guesses']} correct, AUC {row['canary_auc']:.3f})  "
-                  f"{'CAUGHT' if row['caught'] else '      '}  each score: {others}  "
-                  f"user-inference AUC {row['user_inference_auc']:.3f}  {secs:.0f} s (scoring {a['seconds']:.1f} s)", flush=True)
+            print(
+                f"{name:36s} accounted eps {eps:>6s}  audited eps >= {row['epsilon_lower_bound']:.2f} "
+                f"({row['correct']}/{row['guesses']} correct, AUC {row['canary_auc']:.3f})  "
+                f"{'CAUGHT' if row['caught'] else '      '}  each score: {others}  "
+                f"user-inference AUC {row['user_inference_auc']:.3f}  {secs:.0f} s (scoring {a['seconds']:.1f} s)",
+                flush=True,
+            )
         _, base2 = _run([], Path(tmp) / "baseline2", None, 1)
         base_s = min(base_s, base2)
         for r in rows:
             r["time_ratio"] = round(r["seconds"] / base_s, 2)
             r["audit_overhead"] = round(r["audit_seconds"] / base_s, 3)
-        print(f"baseline (no audit, eps=3, the faster of two): {base_s:.1f} s; audited runs "
-              f"{min(r['time_ratio'] for r in rows):.2f}-{max(r['time_ratio'] for r in rows):.2f}x; "
-              f"scoring {min(r['audit_overhead'] for r in rows):.1%}-{max(r['audit_overhead'] for r in rows):.1%} "
-              "of the baseline", flush=True)
+        print(
+            f"baseline (no audit, eps=3, the faster of two): {base_s:.1f} s; audited runs "
+            f"{min(r['time_ratio'] for r in rows):.2f}-{max(r['time_ratio'] for r in rows):.2f}x; "
+            f"scoring {min(r['audit_overhead'] for r in rows):.1%}-{max(r['audit_overhead'] for r in rows):.1%} "
+            "of the baseline",
+            flush=True,
+        )
     if args.json:
         print(json.dumps(rows))
     return 0

@@ -29,8 +29,11 @@ from pathlib import Path
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
-                    help="the userdp checkout to measure (its src/ and benchmarks/; default: this one)")
+    ap.add_argument(
+        "--root",
+        default=str(Path(__file__).resolve().parents[1]),
+        help="the userdp checkout to measure (its src/ and benchmarks/; default: this one)",
+    )
     ap.add_argument("--model", default="gpt2-small", help="a preset of userdp.lm.presets")
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--users", type=int, default=2)
@@ -73,9 +76,20 @@ def main(argv=None) -> int:
         n_units = data.num_users if alg == "uls" else int(data.sizes().clip(max=g).sum())
         algo = ULS(g, m / n_units) if alg == "uls" else ELS(g, m * g / n_units)
         sampling, acc = ("fixed_size", "rdp") if alg == "uls" else ("shuffle", "pld")
-        cfg = TrainConfig(algorithm=algo, steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-4),
-                          noise_multiplier=1.0, delta=1e-5, seed=0, sampling=sampling, accountant=acc,
-                          chunk_size=m if alg == "uls" else m * g, track_epsilon=False, per_unit="auto")
+        cfg = TrainConfig(
+            algorithm=algo,
+            steps=10**6,
+            clipping=FlatClip(1.0),
+            optimizer=SGD(1e-4),
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=0,
+            sampling=sampling,
+            accountant=acc,
+            chunk_size=m if alg == "uls" else m * g,
+            track_epsilon=False,
+            per_unit="auto",
+        )
         run = run_class(model, data, causal_lm_loss, cfg, None, None)
         if a.no_noise:
             run.noise.add_noise = lambda *args, **kw: None
@@ -91,13 +105,23 @@ def main(argv=None) -> int:
             f()
             wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
-    out = {"root": root, "model": a.model, "noise": not a.no_noise, "reps": a.reps, "threads": a.threads,
-           "nonprivate_s": round(statistics.median(wall["nonprivate"]), 3)}
+    out = {
+        "root": root,
+        "model": a.model,
+        "noise": not a.no_noise,
+        "reps": a.reps,
+        "threads": a.threads,
+        "nonprivate_s": round(statistics.median(wall["nonprivate"]), 3),
+    }
     for k in ("uls", "els"):
         rw = [x / y for x, y in zip(wall[k], wall["nonprivate"])]
         rc = [x / y for x, y in zip(cpu[k], cpu["nonprivate"])]
-        out[k] = {"time": round(statistics.median(rw), 3), "time_range": [round(min(rw), 3), round(max(rw), 3)],
-                  "cpu": round(statistics.median(rc), 3), "cpu_range": [round(min(rc), 3), round(max(rc), 3)]}
+        out[k] = {
+            "time": round(statistics.median(rw), 3),
+            "time_range": [round(min(rw), 3), round(max(rw), 3)],
+            "cpu": round(statistics.median(rc), 3),
+            "cpu_range": [round(min(rc), 3), round(max(rc), 3)],
+        }
     print(json.dumps(out))
     return 0
 

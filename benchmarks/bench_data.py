@@ -98,9 +98,20 @@ def child_pipeline(tmp: Path, limit: int | None, tag: str) -> dict:
     ts = tokenize_store(store, tok, TokenLayout(1024, "full", add_eos=False), cache_dir=tmp / "tokcache")
     t_tok = time.perf_counter() - t1
     c2 = cpu_s()
-    return dict(records=store.num_records, users=store.num_users, tokens=ts.num_tokens, build_s=t_build,
-                tokenize_s=t_tok, total_s=time.perf_counter() - t0, from_cache=ts.from_cache, peak_rss_mb=peak_rss_mb(),
-                cpu_s=c2 - c0, build_cpu_s=c1 - c0, tokenize_cpu_s=c2 - c1, load=(load0 + os.getloadavg()[0]) / 2)
+    return dict(
+        records=store.num_records,
+        users=store.num_users,
+        tokens=ts.num_tokens,
+        build_s=t_build,
+        tokenize_s=t_tok,
+        total_s=time.perf_counter() - t0,
+        from_cache=ts.from_cache,
+        peak_rss_mb=peak_rss_mb(),
+        cpu_s=c2 - c0,
+        build_cpu_s=c1 - c0,
+        tokenize_cpu_s=c2 - c1,
+        load=(load0 + os.getloadavg()[0]) / 2,
+    )
 
 
 def child_floor(tmp: Path, limit: int | None) -> dict:
@@ -123,12 +134,18 @@ def child_floor(tmp: Path, limit: int | None) -> dict:
     load0 = os.getloadavg()[0]
     n = 0
     for a in range(0, len(texts), ENCODE_BLOCK):
-        encs = tok.encode_batch(texts[a:a + ENCODE_BLOCK], add_special_tokens=False)
+        encs = tok.encode_batch(texts[a : a + ENCODE_BLOCK], add_special_tokens=False)
         ids = [e.ids for e in encs]
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32)
         n += len(flat)
-    return dict(records=len(texts), tokens=n, total_s=time.perf_counter() - t0, peak_rss_mb=peak_rss_mb(),
-                cpu_s=cpu_s() - c0, load=(load0 + os.getloadavg()[0]) / 2)
+    return dict(
+        records=len(texts),
+        tokens=n,
+        total_s=time.perf_counter() - t0,
+        peak_rss_mb=peak_rss_mb(),
+        cpu_s=cpu_s() - c0,
+        load=(load0 + os.getloadavg()[0]) / 2,
+    )
 
 
 class SyntheticSource:
@@ -157,9 +174,11 @@ class SyntheticSource:
         rng = np.random.default_rng(self.seed + 1)
         owners = np.repeat(np.arange(len(self.sizes), dtype=np.int32), self.sizes)
         rng.shuffle(owners)
-        words = np.array("the of and to a in is it you that he was for on are with as I his they be at one have this".split())
+        words = np.array(
+            "the of and to a in is it you that he was for on are with as I his they be at one have this".split()
+        )
         for a in range(0, self.n_records, batch_size):
-            o = owners[a:a + batch_size]
+            o = owners[a : a + batch_size]
             k = rng.integers(0, len(words), (len(o), 6))
             w = words[k]
             texts = [f"{a + i} " + " ".join(row) for i, row in enumerate(w.tolist())]
@@ -186,10 +205,20 @@ def child_synthetic(tmp: Path, n_records: int, n_users: int) -> dict:
     texts = st.gather_texts(us, recs)
     t_read = time.perf_counter() - t1
     disk = sum(p.stat().st_size for p in (tmp / "synth-store").iterdir() if p.is_file())
-    return dict(records=st.num_records, users=st.num_users, build_s=dt, records_per_s=st.num_records / dt,
-                shards=st.meta["num_shards"], median=float(np.median(sizes)), max=int(sizes.max()),
-                cohort_read_ms=1000 * t_read, cohort_records=len(texts), store_mb=disk / 2**20,
-                peak_rss_mb=peak_rss_mb(), build_cpu_s=build_cpu)
+    return dict(
+        records=st.num_records,
+        users=st.num_users,
+        build_s=dt,
+        records_per_s=st.num_records / dt,
+        shards=st.meta["num_shards"],
+        median=float(np.median(sizes)),
+        max=int(sizes.max()),
+        cohort_read_ms=1000 * t_read,
+        cohort_records=len(texts),
+        store_mb=disk / 2**20,
+        peak_rss_mb=peak_rss_mb(),
+        build_cpu_s=build_cpu,
+    )
 
 
 def run_child(args: list[str]) -> dict:
@@ -231,28 +260,42 @@ def main() -> None:
             pipe = run_child(["pipeline", str(work), limit, "cold"])
             cached = run_child(["pipeline", str(work), limit, "cached"])
             print(f"blogs: {pipe['records']:,} records, {pipe['users']:,} users, {pipe['tokens']:,} tokens")
-            print(f"  floor (encode_batch, texts in memory): {floor['total_s']:.1f} s, "
-                  f"{floor['records'] / floor['total_s']:,.0f} records/s, peak RSS {floor['peak_rss_mb']:,.0f} MB")
-            print(f"  pipeline (read + build + tokenize):    {pipe['total_s']:.1f} s "
-                  f"(build {pipe['build_s']:.1f} s, tokenize {pipe['tokenize_s']:.1f} s), "
-                  f"{pipe['records'] / pipe['total_s']:,.0f} records/s, peak RSS {pipe['peak_rss_mb']:,.0f} MB")
-            print(f"  ratio pipeline / floor: {pipe['total_s'] / floor['total_s']:.2f}x (target <= 1.5x); "
-                  f"tokenize step alone {pipe['tokenize_s'] / floor['total_s']:.2f}x")
-            print(f"  CPU seconds (robust to other load): floor {floor['cpu_s']:.1f}, pipeline {pipe['cpu_s']:.1f} "
-                  f"(build {pipe['build_cpu_s']:.1f}, tokenize {pipe['tokenize_cpu_s']:.1f}): ratio "
-                  f"{pipe['cpu_s'] / floor['cpu_s']:.2f}x; mean load average during floor {floor['load']:.1f}, "
-                  f"pipeline {pipe['load']:.1f}")
-            print(f"  second run (cached tokenization): {cached['tokenize_s']:.2f} s, from_cache={cached['from_cache']}")
+            print(
+                f"  floor (encode_batch, texts in memory): {floor['total_s']:.1f} s, "
+                f"{floor['records'] / floor['total_s']:,.0f} records/s, peak RSS {floor['peak_rss_mb']:,.0f} MB"
+            )
+            print(
+                f"  pipeline (read + build + tokenize):    {pipe['total_s']:.1f} s "
+                f"(build {pipe['build_s']:.1f} s, tokenize {pipe['tokenize_s']:.1f} s), "
+                f"{pipe['records'] / pipe['total_s']:,.0f} records/s, peak RSS {pipe['peak_rss_mb']:,.0f} MB"
+            )
+            print(
+                f"  ratio pipeline / floor: {pipe['total_s'] / floor['total_s']:.2f}x (target <= 1.5x); "
+                f"tokenize step alone {pipe['tokenize_s'] / floor['total_s']:.2f}x"
+            )
+            print(
+                f"  CPU seconds (robust to other load): floor {floor['cpu_s']:.1f}, pipeline {pipe['cpu_s']:.1f} "
+                f"(build {pipe['build_cpu_s']:.1f}, tokenize {pipe['tokenize_cpu_s']:.1f}): ratio "
+                f"{pipe['cpu_s'] / floor['cpu_s']:.2f}x; mean load average during floor {floor['load']:.1f}, "
+                f"pipeline {pipe['load']:.1f}"
+            )
+            print(
+                f"  second run (cached tokenization): {cached['tokenize_s']:.2f} s, from_cache={cached['from_cache']}"
+            )
             assert floor["tokens"] == pipe["tokens"], (floor["tokens"], pipe["tokens"])
     if a.only in (None, "synthetic"):
         n = 1_000_000 if a.quick else 10_000_000
         u = 30_000 if a.quick else 300_000
         r = run_child(["synthetic", str(work), str(n), str(u)])
-        print(f"synthetic: {r['records']:,} records, {r['users']:,} users (median {r['median']:g}, max {r['max']:,}), "
-              f"{r['shards']} shards, store {r['store_mb']:,.0f} MB")
-        print(f"  build {r['build_s']:.1f} s ({r['records_per_s']:,.0f} records/s), peak RSS {r['peak_rss_mb']:,.0f} MB "
-              f"(limit 4096 MB); cohort of 512 users x <=8 records read in {r['cohort_read_ms']:.1f} ms; "
-              f"build CPU {r.get('build_cpu_s', float('nan')):.1f} s")
+        print(
+            f"synthetic: {r['records']:,} records, {r['users']:,} users (median {r['median']:g}, max {r['max']:,}), "
+            f"{r['shards']} shards, store {r['store_mb']:,.0f} MB"
+        )
+        print(
+            f"  build {r['build_s']:.1f} s ({r['records_per_s']:,.0f} records/s), peak RSS {r['peak_rss_mb']:,.0f} MB "
+            f"(limit 4096 MB); cohort of 512 users x <=8 records read in {r['cohort_read_ms']:.1f} ms; "
+            f"build CPU {r.get('build_cpu_s', float('nan')):.1f} s"
+        )
 
 
 if __name__ == "__main__":

@@ -63,20 +63,35 @@ def _worker(a) -> None:
         backend = "nccl" if a.device == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(0)
-        dist.init_process_group(backend, rank=0, world_size=1,
-                                **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {}))
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device(
-        "cuda" if a.device == "cuda" else "cpu")
+        dist.init_process_group(
+            backend, rank=0, world_size=1, **({"device_id": torch.device("cuda", 0)} if backend == "nccl" else {})
+        )
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl"
+        else torch.device("cuda" if a.device == "cuda" else "cpu")
+    )
     torch.manual_seed(0)
     model = models.build_preset(a.model, vocab_size=a.vocab, n_positions=max(a.seq_len, 128)).to(device).train()
     rng = np.random.default_rng(0)
     n = a.users * a.records
     ids = torch.from_numpy(rng.integers(0, a.vocab, (n, a.seq_len)))
     data = TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.arange(0, n + 1, a.records))
-    cfg = TrainConfig(algorithm=ULS(a.group_size, a.cohort / a.users), steps=a.warmup + a.steps,
-                      clipping=FlatClip(1.0), optimizer=SGD(1e-3), noise_multiplier=1.0, delta=1e-6, seed=1,
-                      chunk_size=a.chunk, track_epsilon=False, accountant="rdp", per_unit=a.per_unit,
-                      precision=a.dtype, sharding=a.sharding)
+    cfg = TrainConfig(
+        algorithm=ULS(a.group_size, a.cohort / a.users),
+        steps=a.warmup + a.steps,
+        clipping=FlatClip(1.0),
+        optimizer=SGD(1e-3),
+        noise_multiplier=1.0,
+        delta=1e-6,
+        seed=1,
+        chunk_size=a.chunk,
+        track_epsilon=False,
+        accountant="rdp",
+        per_unit=a.per_unit,
+        precision=a.dtype,
+        sharding=a.sharding,
+    )
     if a.optimizer == "adam":
         cfg = TrainConfig(**{**cfg.__dict__, "optimizer": Adam(1e-3)})
     start = _reset_peak(device)  # the peak the run adds above the built model: its transient buffers too
@@ -96,8 +111,13 @@ def _worker(a) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize()
-    train(model, data, models.causal_lm_loss, cfg,
-        RunOptions(callbacks=[on_step], combiner=combiner_for(backend is not None)))
+    train(
+        model,
+        data,
+        models.causal_lm_loss,
+        cfg,
+        RunOptions(callbacks=[on_step], combiner=combiner_for(backend is not None)),
+    )
 
     peak = _peak(device) - start
 
@@ -106,8 +126,12 @@ def _worker(a) -> None:
         return t.numel() * t.element_size()
 
     held = sum(local_bytes(p) + (local_bytes(p.grad) if p.grad is not None else 0) for p in model.parameters())
-    held += sum(local_bytes(v) for st in runs[-1].optimizer.state.values() for v in st.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0)
+    held += sum(
+        local_bytes(v)
+        for st in runs[-1].optimizer.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
     if a.sharding == "fsdp":
         from torch.distributed.tensor import DTensor
 
@@ -128,16 +152,30 @@ def _worker(a) -> None:
         torch.cuda.synchronize()
     noise_s = time.perf_counter() - t0
     if world.is_main:
-        timed = times[a.warmup:]
+        timed = times[a.warmup :]
         step_s = float(np.mean(timed))
         n_params = sum(p.numel() for p in params)
-        row = {"world_size": world.world_size, "backend": backend or "none", "device": str(device),
-               "model": a.model, "dtype": a.dtype, "params": n_params, "group_size": a.group_size, "cohort": a.cohort,
-               "seq_len": a.seq_len, "steps_timed": len(timed), "step_s": round(step_s, 4),
-               "tokens_per_s": round(float(np.mean(units[a.warmup:])) * a.group_size * a.seq_len / step_s, 1),
-               "allreduce_bytes_per_step": 4 * n_params + 8 * 7, "noise_draw_s": round(noise_s, 4),
-               "threads_per_process": torch.get_num_threads(), "sharding": a.sharding, "optimizer": a.optimizer,
-               "state_bytes_per_rank": held, "peak_bytes_per_rank": peak}
+        row = {
+            "world_size": world.world_size,
+            "backend": backend or "none",
+            "device": str(device),
+            "model": a.model,
+            "dtype": a.dtype,
+            "params": n_params,
+            "group_size": a.group_size,
+            "cohort": a.cohort,
+            "seq_len": a.seq_len,
+            "steps_timed": len(timed),
+            "step_s": round(step_s, 4),
+            "tokens_per_s": round(float(np.mean(units[a.warmup :])) * a.group_size * a.seq_len / step_s, 1),
+            "allreduce_bytes_per_step": 4 * n_params + 8 * 7,
+            "noise_draw_s": round(noise_s, 4),
+            "threads_per_process": torch.get_num_threads(),
+            "sharding": a.sharding,
+            "optimizer": a.optimizer,
+            "state_bytes_per_rank": held,
+            "peak_bytes_per_rank": peak,
+        }
         with open(a.out, "w") as f:
             json.dump(row, f)
     world.close()
@@ -174,11 +212,47 @@ def _run(w: int, a, out: str) -> dict:
     threads = max(1, (os.cpu_count() or 1) // w) if a.device == "cpu" else 1
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     # torch's own launcher, by module: a bare box may hold torch without torchrun on PATH
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={w}", __file__, "--worker", "--out", out,
-           "--device", a.device, "--model", a.model, "--users", str(a.users), "--records", str(a.records),
-           "--group-size", str(a.group_size), "--cohort", str(a.cohort), "--seq-len", str(a.seq_len),
-           "--vocab", str(a.vocab), "--steps", str(a.steps), "--warmup", str(a.warmup), "--chunk", str(a.chunk),
-           "--per-unit", a.per_unit, "--dtype", a.dtype, "--sharding", a.sharding, "--optimizer", a.optimizer]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={w}",
+        __file__,
+        "--worker",
+        "--out",
+        out,
+        "--device",
+        a.device,
+        "--model",
+        a.model,
+        "--users",
+        str(a.users),
+        "--records",
+        str(a.records),
+        "--group-size",
+        str(a.group_size),
+        "--cohort",
+        str(a.cohort),
+        "--seq-len",
+        str(a.seq_len),
+        "--vocab",
+        str(a.vocab),
+        "--steps",
+        str(a.steps),
+        "--warmup",
+        str(a.warmup),
+        "--chunk",
+        str(a.chunk),
+        "--per-unit",
+        a.per_unit,
+        "--dtype",
+        a.dtype,
+        "--sharding",
+        a.sharding,
+        "--optimizer",
+        a.optimizer,
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"bench_distributed: W = {w} failed:\n{res.stderr[-3000:]}")
@@ -203,8 +277,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--chunk", type=int, default=8)
     p.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="the forward's autocast precision (training.precision)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the forward's autocast precision (training.precision)",
+    )
     p.add_argument("--sharding", default="none", help="none, fsdp or both (comma-separated): FSDP2 rows")
     p.add_argument("--optimizer", default="sgd", choices=["sgd", "adam"])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -232,18 +310,21 @@ def main(argv=None) -> int:
             r["state_ratio_vs_replicated"] = round(r["state_bytes_per_rank"] / rep["state_bytes_per_rank"], 3)
             r["peak_ratio_vs_replicated"] = round(r["peak_bytes_per_rank"] / max(1, rep["peak_bytes_per_rank"]), 3)
         r["hardware"] = f"{platform.machine()}, {os.cpu_count()} cores" + (
-            "" if a.device == "cpu" else f", {_gpu_name()}")
+            "" if a.device == "cpu" else f", {_gpu_name()}"
+        )
     if a.json:
         print(json.dumps(rows))
     else:
         for r in rows:
-            print(f"W={r['world_size']} ({r['backend']}, {r['device']}, sharding {r['sharding']}): "
-                  f"{r['step_s'] * 1000:.0f} ms/step, "
-                  f"{r['tokens_per_s']:.0f} tokens/s, speed-up {r['speedup_vs_1']:.2f}x; all-reduce "
-                  f"{r['allreduce_bytes_per_step'] / 2**20:.1f} MiB/step; noise draw {r['noise_draw_s'] * 1000:.0f} ms; "
-                  f"rank 0 holds {r['state_bytes_per_rank'] / 2**20:.1f} MiB of parameters, gradients and optimizer "
-                  f"state ({r.get('state_ratio_vs_replicated', 1.0):.2f}x the replicated run); its peak above the "
-                  f"built model {r['peak_bytes_per_rank'] / 2**20:.1f} MiB ({r.get('peak_ratio_vs_replicated', 1.0):.2f}x)")
+            print(
+                f"W={r['world_size']} ({r['backend']}, {r['device']}, sharding {r['sharding']}): "
+                f"{r['step_s'] * 1000:.0f} ms/step, "
+                f"{r['tokens_per_s']:.0f} tokens/s, speed-up {r['speedup_vs_1']:.2f}x; all-reduce "
+                f"{r['allreduce_bytes_per_step'] / 2**20:.1f} MiB/step; noise draw {r['noise_draw_s'] * 1000:.0f} ms; "
+                f"rank 0 holds {r['state_bytes_per_rank'] / 2**20:.1f} MiB of parameters, gradients and optimizer "
+                f"state ({r.get('state_ratio_vs_replicated', 1.0):.2f}x the replicated run); its peak above the "
+                f"built model {r['peak_bytes_per_rank'] / 2**20:.1f} MiB ({r.get('peak_ratio_vs_replicated', 1.0):.2f}x)"
+            )
     return 0
 
 

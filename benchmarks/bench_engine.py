@@ -34,8 +34,16 @@ warnings.filterwarnings("ignore")
 def gpt2_setup(num_users, recs_per_user, seq_len, vocab=4096):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=vocab, n_positions=seq_len,
-                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=128,
+        n_head=4,
+        vocab_size=vocab,
+        n_positions=seq_len,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     model = GPT2LMHeadModel(cfg)
     model.config._attn_implementation = "eager"
@@ -54,8 +62,9 @@ def gpt2_setup(num_users, recs_per_user, seq_len, vocab=4096):
         pos = torch.arange(ids.shape[-1], device=ids.device).expand(ids.shape)
         logits = m(input_ids=ids, position_ids=pos).logits[:, :-1]
         lab = batch["labels"][:, 1:]
-        tok = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1).clamp(min=0),
-                                          reduction="none").view(lab.shape)
+        tok = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), lab.reshape(-1).clamp(min=0), reduction="none"
+        ).view(lab.shape)
         mask = (lab != -100).to(tok.dtype)
         return (tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)
 
@@ -111,9 +120,19 @@ def engine_step(model, data, loss_fn, algo, chunk):
     # a constant number of units per step, so step times compare (Poisson varies the cohort;
     # the per-unit cost is the same). ELS with G > 1 has no fixed-size accountant: "shuffle".
     sampling, acc = ("shuffle", "pld") if isinstance(algo, ELS) else ("fixed_size", "rdp")
-    cfg = TrainConfig(algorithm=algo, steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-3),
-                      noise_multiplier=1.0, delta=1e-5, seed=0, sampling=sampling, accountant=acc,
-                      chunk_size=chunk, track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=algo,
+        steps=10**6,
+        clipping=FlatClip(1.0),
+        optimizer=SGD(1e-3),
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        sampling=sampling,
+        accountant=acc,
+        chunk_size=chunk,
+        track_epsilon=False,
+    )
     run = EngineRun(model, data, loss_fn, cfg)
     return run.run_step
 
@@ -123,8 +142,9 @@ def opacus_step(model, data, loss_fn, B, rng):
     from opacus.optimizers import DPOptimizer
 
     gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-    opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0,
-                      expected_batch_size=B)
+    opt = DPOptimizer(
+        torch.optim.SGD(gsm.parameters(), lr=1e-3), noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=B
+    )
     sizes = data.sizes()
 
     def step():
@@ -169,23 +189,29 @@ def bench(name, setup, M, G, chunk, warmup, reps, with_opacus):
             times[k].append(time.perf_counter() - t0)
     rows = {k: statistics.median(v) for k, v in times.items()}
     base = rows["non-private (batched backward)"]
-    print(f"\n{name}: {nparams/1e6:.2f}M parameters, {B} records per step, chunk {chunk}, "
-          f"median of {reps} round-robin steps")
+    print(
+        f"\n{name}: {nparams / 1e6:.2f}M parameters, {B} records per step, chunk {chunk}, "
+        f"median of {reps} round-robin steps"
+    )
     print(f"  {'step':40s} {'s/step':>8s} {'x non-private':>14s}")
     for k, v in rows.items():
-        print(f"  {k:40s} {v:8.4f} {v/base:14.2f}")
+        print(f"  {k:40s} {v:8.4f} {v / base:14.2f}")
     if "Opacus DP-SGD (per-sample grads)" in rows:
         o = rows["Opacus DP-SGD (per-sample grads)"]
         els = [v for k, v in rows.items() if k.startswith("ELS")][0]
-        print(f"  ELS / Opacus = {els/o:.2f}")
+        print(f"  ELS / Opacus = {els / o:.2f}")
     return rows
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: steadier figures on a shared machine)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: steadier figures on a shared machine)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.quick:

@@ -46,14 +46,35 @@ def _worker(mode: str, a) -> dict:
     torch.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
     n = a.users * a.records
-    ds = Dataset.from_dict({"input_ids": [[int(t) for t in rng.integers(1, 500, a.seq_len)] for _ in range(n)],
-                            "user": [f"u{i % a.users}" for i in range(n)]})
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[int(t) for t in rng.integers(1, 500, a.seq_len)] for _ in range(n)],
+            "user": [f"u{i % a.users}" for i in range(n)],
+        }
+    )
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=a.seq_len, n_embd=a.width, n_layer=a.layers,
-                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=512,
+            n_positions=a.seq_len,
+            n_embd=a.width,
+            n_layer=a.layers,
+            n_head=4,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+    )
     rate = a.cohort / a.users
-    privacy = TrainConfig(algorithm=ULS(group_size=a.records, sampling_rate=rate), steps=a.steps,
-                          clipping=FlatClip(1.0), noise_multiplier=1.0, delta=1e-5, seed=0, track_epsilon=False)
+    privacy = TrainConfig(
+        algorithm=ULS(group_size=a.records, sampling_rate=rate),
+        steps=a.steps,
+        clipping=FlatClip(1.0),
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        track_epsilon=False,
+    )
     times: list[float] = []
 
     class Clock(TrainerCallback):
@@ -66,21 +87,39 @@ def _worker(mode: str, a) -> dict:
             times.append(time.perf_counter() - self.t0)
 
     out = tempfile.mkdtemp(prefix="bench-hf-")
-    args = TrainingArguments(output_dir=out, report_to=[], save_strategy="no", use_cpu=True, optim="sgd",
-                             learning_rate=0.01, lr_scheduler_type="constant", disable_tqdm=True, logging_steps=10**6,
-                             max_grad_norm=0.0, max_steps=a.steps, per_device_train_batch_size=a.cohort * a.records,
-                             dataloader_drop_last=True)
+    args = TrainingArguments(
+        output_dir=out,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        optim="sgd",
+        learning_rate=0.01,
+        lr_scheduler_type="constant",
+        disable_tqdm=True,
+        logging_steps=10**6,
+        max_grad_norm=0.0,
+        max_steps=a.steps,
+        per_device_train_batch_size=a.cohort * a.records,
+        dataloader_drop_last=True,
+    )
     if mode == "nonprivate_trainer":  # the same records a step: cohort x G rows
+
         def collate(rows):
             ids = torch.tensor([r["input_ids"] for r in rows])
             return {"input_ids": ids, "labels": ids.clone()}
 
-        t = Trainer(model=model, args=args, train_dataset=ds.remove_columns(["user"]), data_collator=collate,
-                    callbacks=[Clock()])
+        t = Trainer(
+            model=model,
+            args=args,
+            train_dataset=ds.remove_columns(["user"]),
+            data_collator=collate,
+            callbacks=[Clock()],
+        )
         t.train()
     elif mode == "private_trainer":
-        t = PrivateTrainer(model=model, args=args, train_dataset=ds, privacy=privacy, user_field="user",
-                           callbacks=[Clock()])
+        t = PrivateTrainer(
+            model=model, args=args, train_dataset=ds, privacy=privacy, user_field="user", callbacks=[Clock()]
+        )
         t.train()
     elif mode == "engine_train":  # the loop `userdp train` hands its RunPlan to: engine.train
         last = [time.perf_counter()]
@@ -92,8 +131,13 @@ def _worker(mode: str, a) -> dict:
                 _reset_peak_rss()
             last[0] = now
 
-        train(model, UserRecords(ds, "user"), causal_lm_loss, dataclasses.replace(privacy, optimizer=SGD(0.01)),
-              RunOptions(callbacks=[tick]))
+        train(
+            model,
+            UserRecords(ds, "user"),
+            causal_lm_loss,
+            dataclasses.replace(privacy, optimizer=SGD(0.01)),
+            RunOptions(callbacks=[tick]),
+        )
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
@@ -130,12 +174,15 @@ def main(argv=None) -> int:
         print(json.dumps(_worker(a.worker, a)))
         return 0
     runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    worker_argv = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
-                   ("users", "records", "cohort", "seq_len", "width", "layers", "steps", "threads")]
+    worker_argv = [
+        f"--{k.replace('_', '-')}={getattr(a, k)}"
+        for k in ("users", "records", "cohort", "seq_len", "width", "layers", "steps", "threads")
+    ]
     for _ in range(max(1, a.repeat)):  # interleaved: every mode once a round
         for mode in MODES:
-            res = subprocess.run([sys.executable, __file__, "--worker", mode, *worker_argv], capture_output=True,
-                                 text=True)
+            res = subprocess.run(
+                [sys.executable, __file__, "--worker", mode, *worker_argv], capture_output=True, text=True
+            )
             try:
                 runs[mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
             except (IndexError, json.JSONDecodeError):
@@ -146,9 +193,14 @@ def main(argv=None) -> int:
         if not ok:
             rows[mode] = rs[-1]
             continue
-        rows[mode] = {"mode": mode, "s_per_step": statistics.median(r["s_per_step"] for r in ok),
-                      "s_per_step_min": min(r["s_per_step"] for r in ok), "s_per_step_max": max(r["s_per_step"] for r in ok),
-                      "peak_bytes": statistics.median(r["peak_bytes"] for r in ok), "repeats": len(ok)}
+        rows[mode] = {
+            "mode": mode,
+            "s_per_step": statistics.median(r["s_per_step"] for r in ok),
+            "s_per_step_min": min(r["s_per_step"] for r in ok),
+            "s_per_step_max": max(r["s_per_step"] for r in ok),
+            "peak_bytes": statistics.median(r["peak_bytes"] for r in ok),
+            "repeats": len(ok),
+        }
     own, hf, plain, eng = rows["own_loop"], rows["private_trainer"], rows["nonprivate_trainer"], rows["engine_train"]
     if all("s_per_step" in r for r in rows.values()):
         hf["time_vs_engine_train"] = hf["s_per_step"] / eng["s_per_step"]
@@ -164,18 +216,26 @@ def main(argv=None) -> int:
         if "error" in r:
             print(f"{r['mode']:20s} error: {r['error']}")
         else:
-            print(f"{r['mode']:20s} {r['s_per_step']:.3f} s/step [{r['s_per_step_min']:.3f}-{r['s_per_step_max']:.3f}]  "
-                  f"peak {r['peak_bytes'] / 2**20:.0f} MiB")
+            print(
+                f"{r['mode']:20s} {r['s_per_step']:.3f} s/step [{r['s_per_step_min']:.3f}-{r['s_per_step_max']:.3f}]  "
+                f"peak {r['peak_bytes'] / 2**20:.0f} MiB"
+            )
     if "time_vs_engine_train" in hf:
-        print(f"PrivateTrainer vs engine.train (the loop `userdp train` runs): {hf['time_vs_engine_train']:.2f}x time, "
-              f"{hf['memory_vs_engine_train']:.2f}x peak memory")
+        print(
+            f"PrivateTrainer vs engine.train (the loop `userdp train` runs): {hf['time_vs_engine_train']:.2f}x time, "
+            f"{hf['memory_vs_engine_train']:.2f}x peak memory"
+        )
     if "time_vs_own_loop" in hf:
-        print(f"PrivateTrainer vs make_private's own loop: {hf['time_vs_own_loop']:.2f}x time, "
-              f"{hf['memory_vs_own_loop']:.2f}x peak memory; vs a non-private Trainer step over the same records: "
-              f"{hf['time_vs_nonprivate_trainer']:.2f}x time, {hf['memory_vs_nonprivate_trainer']:.2f}x memory")
-    print(f"{a.users} users x {a.records} records of {a.seq_len} tokens, ~{a.cohort} users a step (ULS G = "
-          f"{a.records}), GPT-2 {a.layers} layers x {a.width}; {a.threads} torch thread(s); median of {a.repeat} "
-          "interleaved repetitions [min-max]")
+        print(
+            f"PrivateTrainer vs make_private's own loop: {hf['time_vs_own_loop']:.2f}x time, "
+            f"{hf['memory_vs_own_loop']:.2f}x peak memory; vs a non-private Trainer step over the same records: "
+            f"{hf['time_vs_nonprivate_trainer']:.2f}x time, {hf['memory_vs_nonprivate_trainer']:.2f}x memory"
+        )
+    print(
+        f"{a.users} users x {a.records} records of {a.seq_len} tokens, ~{a.cohort} users a step (ULS G = "
+        f"{a.records}), GPT-2 {a.layers} layers x {a.width}; {a.threads} torch thread(s); median of {a.repeat} "
+        "interleaved repetitions [min-max]"
+    )
     return 0
 
 

@@ -53,12 +53,22 @@ def main(argv=None) -> int:
     g = args.group_size or (2 if q else 4)
     lr = args.lr or 1e-3
     base = [
-        "data.source=stackexchange", f"data.path={DATA}", "data.heldout_users=0.1",
-        f"data.max_eval_users={60 if q else 300}", "tokenizer.vocab_size=2048", "tokenizer.seq_len=64",
-        "model.preset=tiny", f"model.pretraining.steps={100 if q else 600}",
-        f"training.steps={steps}", f"training.group_size={g}", f"training.lr={lr}",
-        "training.optimizer=adam", "training.clip_norm=1.0", "training.seed=0",
-        f"training.checkpoint_every={steps}", "output.plot=false",
+        "data.source=stackexchange",
+        f"data.path={DATA}",
+        "data.heldout_users=0.1",
+        f"data.max_eval_users={60 if q else 300}",
+        "tokenizer.vocab_size=2048",
+        "tokenizer.seq_len=64",
+        "model.preset=tiny",
+        f"model.pretraining.steps={100 if q else 600}",
+        f"training.steps={steps}",
+        f"training.group_size={g}",
+        f"training.lr={lr}",
+        "training.optimizer=adam",
+        "training.clip_norm=1.0",
+        "training.seed=0",
+        f"training.checkpoint_every={steps}",
+        "output.plot=false",
     ]
     if q:
         base.append("data.max_users=400")
@@ -78,20 +88,30 @@ def main(argv=None) -> int:
         s["wall"] = time.time() - t0
         s["name"] = name
         rows.append(s)
-        print(f"{name:16s} ppl {s['perplexity_after']:8.2f}  eps {s['epsilon'] if s['epsilon'] is None else round(s['epsilon'], 3)}"
-              f"  {s['wall']:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"{name:16s} ppl {s['perplexity_after']:8.2f}  eps {s['epsilon'] if s['epsilon'] is None else round(s['epsilon'], 3)}"
+            f"  {s['wall']:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     pre = rows[0]["perplexity_before"]
     base_wall = rows[0]["wall"]
-    print(f"\nStack Exchange (pretrain: meta sites; fine-tune: main sites), tiny GPT, {steps} steps, "
-          f"M = {cohort} users x G = {g} records per step (ELS: {cohort * g} records), "
-          f"{rows[0]['train_users']} training users, {rows[0]['eval_users']} held-out users")
-    print(f"{'run':16s} {'held-out ppl':>12s} {'vs pretrained':>13s} {'epsilon':>8s} {'sigma':>7s} {'wall vs non-private':>20s}")
+    print(
+        f"\nStack Exchange (pretrain: meta sites; fine-tune: main sites), tiny GPT, {steps} steps, "
+        f"M = {cohort} users x G = {g} records per step (ELS: {cohort * g} records), "
+        f"{rows[0]['train_users']} training users, {rows[0]['eval_users']} held-out users"
+    )
+    print(
+        f"{'run':16s} {'held-out ppl':>12s} {'vs pretrained':>13s} {'epsilon':>8s} {'sigma':>7s} {'wall vs non-private':>20s}"
+    )
     print(f"{'pretrained':16s} {pre:12.2f} {1.0:13.3f} {'-':>8s} {'-':>7s} {'-':>20s}")
     for s in rows:
         e = "inf" if s["epsilon"] is None else f"{s['epsilon']:.3f}"
         z = "-" if not s.get("noise_multiplier") else f"{s['noise_multiplier']:.3f}"
-        print(f"{s['name']:16s} {s['perplexity_after']:12.2f} {s['perplexity_after'] / pre:13.3f} {e:>8s} {z:>7s} "
-              f"{s['wall'] / base_wall:20.2f}")
+        print(
+            f"{s['name']:16s} {s['perplexity_after']:12.2f} {s['perplexity_after'] / pre:13.3f} {e:>8s} {z:>7s} "
+            f"{s['wall'] / base_wall:20.2f}"
+        )
     if args.json:
         print(json.dumps({"pretrained_perplexity": pre, "runs": rows}, default=str))
     return 0

@@ -49,9 +49,11 @@ from userdp.engine.ghost import GhostPerUnit  # noqa: E402
 from userdp.engine.precision import Precision  # noqa: E402
 from userdp.lm.models import causal_lm_loss  # noqa: E402
 
-GiB = 2 ** 30
-SHAPES = {"gpt2-small": dict(n_embd=768, n_layer=12, n_head=12),
-          "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16)}
+GiB = 2**30
+SHAPES = {
+    "gpt2-small": dict(n_embd=768, n_layer=12, n_head=12),
+    "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16),
+}
 #: the frames whose ops count as the norm phase
 NORM_PHASE = ("_norm2", "norm2")
 
@@ -99,9 +101,11 @@ def device_path():
     ``mm``/``bmm`` with a float32 ``out_dtype``, whose fake kernels need no data), aligned rows, and
     the bad units' rows zeroed as on a device (which never reads whether any unit is bad): always,
     or never where the step zeroes lazily (``StepClipping.lazy_zeroing``, as the loop runs it)."""
-    with mock.patch.object(contraction, "TC_DEVICES", (*contraction.TC_DEVICES, "cpu")), \
-            mock.patch.object(contraction, "must_zero", lambda bad, lazy=False: not lazy), \
-            mock.patch.dict(ghost_mod._COEFFICIENTS, clear=True):  # its tensors belong to one fake mode
+    with (
+        mock.patch.object(contraction, "TC_DEVICES", (*contraction.TC_DEVICES, "cpu")),
+        mock.patch.object(contraction, "must_zero", lambda bad, lazy=False: not lazy),
+        mock.patch.dict(ghost_mod._COEFFICIENTS, clear=True),
+    ):  # its tensors belong to one fake mode
         yield
 
 
@@ -150,8 +154,12 @@ def sides(model: torch.nn.Module, algorithm: str, users: int, group: int, seq: i
 
     def ghost():
         ids = torch.zeros(m, g, seq, dtype=torch.long)
-        return st.clipped_sum({"input_ids": ids, "labels": ids}, torch.ones(m, g), torch.ones(m),
-                              StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32, lazy_zeroing=lazy))
+        return st.clipped_sum(
+            {"input_ids": ids, "labels": ids},
+            torch.ones(m, g),
+            torch.ones(m),
+            StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32, lazy_zeroing=lazy),
+        )
 
     return st, nonprivate, ghost
 
@@ -169,11 +177,19 @@ def peaks(mode: FakeTensorMode, model: torch.nn.Module, algorithm: str, users: i
             del result
             seen[side] = live
     a, b = seen["nonprivate"], seen["ghost"]
-    return {"algorithm": algorithm, "users": users, "group_size": group, "seq_len": seq,
-            "nonprivate_peak_gib": a.peak / GiB, "ghost_peak_gib": b.peak / GiB,
-            "ghost_over_nonprivate": b.peak / a.peak, "ghost_peak_at": b.at,
-            "ghost_norm_phase_peak_gib": b.norm_peak / GiB, "ghost_norm_phase_peak_at": b.norm_at,
-            "narrow": all(all(v) for v in st.last_narrow.values())}
+    return {
+        "algorithm": algorithm,
+        "users": users,
+        "group_size": group,
+        "seq_len": seq,
+        "nonprivate_peak_gib": a.peak / GiB,
+        "ghost_peak_gib": b.peak / GiB,
+        "ghost_over_nonprivate": b.peak / a.peak,
+        "ghost_peak_at": b.at,
+        "ghost_norm_phase_peak_gib": b.norm_peak / GiB,
+        "ghost_norm_phase_peak_at": b.norm_at,
+        "narrow": all(all(v) for v in st.last_narrow.values()),
+    }
 
 
 def main(argv=None) -> int:
@@ -195,16 +211,22 @@ def main(argv=None) -> int:
             model = fake_gpt2(mode, **SHAPES[name])
         for algorithm in args.algorithms:
             t0 = time.perf_counter()
-            row = {"model": name, "lora_rank": args.lora or None,
-                   **peaks(mode, model, algorithm, args.users, args.group_size, args.seq_len)}
+            row = {
+                "model": name,
+                "lora_rank": args.lora or None,
+                **peaks(mode, model, algorithm, args.users, args.group_size, args.seq_len),
+            }
             row["seconds"] = round(time.perf_counter() - t0, 1)
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
-                print(f"{name} {algorithm.upper()}: non-private {row['nonprivate_peak_gib']:.2f} GiB, ghost "
-                      f"{row['ghost_peak_gib']:.2f} GiB ({row['ghost_over_nonprivate']:.3f}x) at "
-                      f"{row['ghost_peak_at']}; norm phase {row['ghost_norm_phase_peak_gib']:.2f} GiB at "
-                      f"{row['ghost_norm_phase_peak_at']}", flush=True)
+                print(
+                    f"{name} {algorithm.upper()}: non-private {row['nonprivate_peak_gib']:.2f} GiB, ghost "
+                    f"{row['ghost_peak_gib']:.2f} GiB ({row['ghost_over_nonprivate']:.3f}x) at "
+                    f"{row['ghost_peak_at']}; norm phase {row['ghost_norm_phase_peak_gib']:.2f} GiB at "
+                    f"{row['ghost_norm_phase_peak_at']}",
+                    flush=True,
+                )
     return 0
 
 

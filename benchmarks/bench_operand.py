@@ -46,7 +46,7 @@ def _units_from_store(model_dir: Path, store: Path, users: int, group: int, seq:
     offsets = np.load(store / "offsets.npy")
     units = []
     for u in range(len(offsets) - 1):
-        ids = tok.encode(" ".join(texts[offsets[u]:offsets[u + 1]])).ids
+        ids = tok.encode(" ".join(texts[offsets[u] : offsets[u + 1]])).ids
         if len(ids) >= group * seq:
             units.append(torch.tensor(ids[: group * seq]).view(group, seq))
         if len(units) == users:
@@ -71,8 +71,11 @@ def bound_over_estimate(model: torch.nn.Module, ids: torch.Tensor, operand: str)
     contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms = "on", operand, spy
     try:
         ghost_mod.GhostPerUnit(model, models.causal_lm_loss, ULS(g, 0.5), Precision("bfloat16")).clipped_sum(
-            {"input_ids": ids, "labels": ids.clone()}, torch.ones(m, g), torch.ones(m),
-            StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+            {"input_ids": ids, "labels": ids.clone()},
+            torch.ones(m, g),
+            torch.ones(m),
+            StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32),
+        )
     finally:
         contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms = saved
     return (seen["up"] ** 2).sum(1).sqrt() / (seen["est"] ** 2).sum(1).sqrt()
@@ -108,8 +111,10 @@ def main(argv=None) -> int:
     else:
         for operand in ("split", "rounded"):
             q = row[operand]
-            print(f"{what}, ULS G = {a.group_size} x {a.seq_len} tokens, {operand} operand: flat bound / estimate "
-                  f"{q['median']:.4f} [{q['min']:.4f}-{q['max']:.4f}]")
+            print(
+                f"{what}, ULS G = {a.group_size} x {a.seq_len} tokens, {operand} operand: flat bound / estimate "
+                f"{q['median']:.4f} [{q['min']:.4f}-{q['max']:.4f}]"
+            )
     return 0
 
 

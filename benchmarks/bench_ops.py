@@ -29,13 +29,34 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from userdp.engine.clipping import StepClipping
 
 #: aten ops that only make a new view of storage: no kernel launches
-VIEW_OPS = frozenset({
-    "view.default", "_unsafe_view.default", "reshape.default", "transpose.int", "permute.default", "t.default",
-    "expand.default", "unsqueeze.default", "squeeze.dim", "squeeze.dims", "squeeze.default", "select.int",
-    "slice.Tensor", "as_strided.default", "detach.default", "alias.default", "split.Tensor", "unbind.int",
-    "split_with_sizes.default", "diagonal.default", "unflatten.int", "view_as.default", "narrow.default",
-    "view.dtype",
-})
+VIEW_OPS = frozenset(
+    {
+        "view.default",
+        "_unsafe_view.default",
+        "reshape.default",
+        "transpose.int",
+        "permute.default",
+        "t.default",
+        "expand.default",
+        "unsqueeze.default",
+        "squeeze.dim",
+        "squeeze.dims",
+        "squeeze.default",
+        "select.int",
+        "slice.Tensor",
+        "as_strided.default",
+        "detach.default",
+        "alias.default",
+        "split.Tensor",
+        "unbind.int",
+        "split_with_sizes.default",
+        "diagonal.default",
+        "unflatten.int",
+        "view_as.default",
+        "narrow.default",
+        "view.dtype",
+    }
+)
 
 
 class OpCounter(TorchDispatchMode):
@@ -76,18 +97,24 @@ def chunk_ops(preset: str, *, users: int = 8, records: int = 4, tokens: int = 16
     for _ in range(2):  # the first chunk carries the strategy's one-time check of its hooks
         dp = OpCounter()
         with dp:
-            per_unit.clipped_sum(batch, mask, torch.ones(users, device="meta"),
-                                 StepClipping(clip, clip.initial_state(), torch.float32))
+            per_unit.clipped_sum(
+                batch, mask, torch.ones(users, device="meta"), StepClipping(clip, clip.initial_state(), torch.float32)
+            )
     flat = {n: v.reshape(users * records, *v.shape[2:]) for n, v in batch.items()}
     plain = OpCounter()
     with plain:
         models.causal_lm_loss(model, flat).mean().backward()
     excess = collections.Counter({n: dp.count[n] - plain.count.get(n, 0) for n in dp.count if n not in VIEW_OPS})
-    return {"model": preset, "trainable_tensors": sum(p.requires_grad for p in model.parameters()),
-            "dp_chunk_ops": sum(dp.count.values()), "nonprivate_ops": sum(plain.count.values()),
-            "dp_chunk_kernels": dp.kernels(), "nonprivate_kernels": plain.kernels(),
-            "kernel_ratio": dp.kernels() / plain.kernels(),
-            "excess": dict(excess.most_common(8))}
+    return {
+        "model": preset,
+        "trainable_tensors": sum(p.requires_grad for p in model.parameters()),
+        "dp_chunk_ops": sum(dp.count.values()),
+        "nonprivate_ops": sum(plain.count.values()),
+        "dp_chunk_kernels": dp.kernels(),
+        "nonprivate_kernels": plain.kernels(),
+        "kernel_ratio": dp.kernels() / plain.kernels(),
+        "excess": dict(excess.most_common(8)),
+    }
 
 
 def main(argv=None) -> int:
@@ -98,15 +125,19 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=16, help="tokens a record (default 16)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    rows = [chunk_ops(p, users=args.users, records=args.records, tokens=args.tokens)
-            for p in (("tiny",) if args.quick else ("tiny", "gpt2-small"))]
+    rows = [
+        chunk_ops(p, users=args.users, records=args.records, tokens=args.tokens)
+        for p in (("tiny",) if args.quick else ("tiny", "gpt2-small"))
+    ]
     if args.json:
         print(json.dumps(rows))
         return 0
     for r in rows:
-        print(f"{r['model']:>10}: {r['trainable_tensors']} tensors; ghost chunk {r['dp_chunk_kernels']} kernels "
-              f"({r['dp_chunk_ops']} ops with views) vs non-private forward+backward {r['nonprivate_kernels']} "
-              f"({r['nonprivate_ops']}): {r['kernel_ratio']:.2f}x")
+        print(
+            f"{r['model']:>10}: {r['trainable_tensors']} tensors; ghost chunk {r['dp_chunk_kernels']} kernels "
+            f"({r['dp_chunk_ops']} ops with views) vs non-private forward+backward {r['nonprivate_kernels']} "
+            f"({r['nonprivate_ops']}): {r['kernel_ratio']:.2f}x"
+        )
         print(f"{'':>12}excess by op: {r['excess']}")
     return 0
 

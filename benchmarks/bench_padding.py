@@ -60,9 +60,19 @@ def setup_with_sizes(sizes, seq_len):
 
 
 def uls_step(model, data, loss_fn, G, M, chunk, compact: bool):
-    cfg = TrainConfig(algorithm=ULS(G, M / data.num_users), steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-3),
-                      noise_multiplier=1.0, delta=1e-5, seed=0, sampling="fixed_size", accountant="rdp",
-                      chunk_size=chunk, track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=ULS(G, M / data.num_users),
+        steps=10**6,
+        clipping=FlatClip(1.0),
+        optimizer=SGD(1e-3),
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        sampling="fixed_size",
+        accountant="rdp",
+        chunk_size=chunk,
+        track_epsilon=False,
+    )
     run = EngineRun(model, data, loss_fn, cfg)
     run._compact = compact  # False: the padded chunks of before
     return run.run_step
@@ -90,8 +100,10 @@ def bench(G, M, chunk, seq_len, n_users, warmup, reps, rng):
             times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     base, padded = med["non-private, same real records"], med["ULS padded to G (before)"]
-    print(f"\nG = {G}, {M} users a step, {seq_len} tokens, chunk {chunk}; user sizes: {source}; "
-          f"real records per user slot: {real / G:.2f}; median of {reps} round-robin steps")
+    print(
+        f"\nG = {G}, {M} users a step, {seq_len} tokens, chunk {chunk}; user sizes: {source}; "
+        f"real records per user slot: {real / G:.2f}; median of {reps} round-robin steps"
+    )
     print(f"  {'step':34s} {'s/step':>8s} {'x non-private':>14s} {'x padded':>9s}")
     for k, v in med.items():
         print(f"  {k:34s} {v:8.4f} {v / base:14.2f} {v / padded:9.2f}")
@@ -101,7 +113,9 @@ def bench(G, M, chunk, seq_len, n_users, warmup, reps, rng):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1: steadier on a shared box)")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1: steadier on a shared box)"
+    )
     ap.add_argument("--json", action="store_true", help="also print the rows as one JSON list")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)

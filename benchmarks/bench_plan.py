@@ -39,9 +39,15 @@ def main(argv=None) -> int:
     ap.add_argument("--sample-users", type=int, default=128)
     ap.add_argument("--max-users", type=int, default=None, help="data.max_users for the run")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--pretrain-steps", type=int, default=None,
-                    help="model.pretraining.steps (default: the config's 600; --quick: 100)")
-    ap.add_argument("--out", default="bench_plan_out", help="folder for plan_heatmap.png and plan.json (default ./bench_plan_out)")
+    ap.add_argument(
+        "--pretrain-steps",
+        type=int,
+        default=None,
+        help="model.pretraining.steps (default: the config's 600; --quick: 100)",
+    )
+    ap.add_argument(
+        "--out", default="bench_plan_out", help="folder for plan_heatmap.png and plan.json (default ./bench_plan_out)"
+    )
     args = ap.parse_args(argv)
     logging.getLogger("absl").setLevel(logging.ERROR)
 
@@ -66,15 +72,19 @@ def main(argv=None) -> int:
     r = resolve_training(None, overrides, log)
     data, model0, loss_fn, eval_data = r.train_data, r.model, r.loss_fn, r.eval_data
     n = data.num_users
-    delta = n ** -1.1
+    delta = n**-1.1
     base = evaluate_lm(model0, eval_data)["loss"]
-    print(f"# bench_plan: N={n} training users, {eval_data.num_users} held-out users, T={steps}, "
-          f"eps={args.epsilon}, delta={delta:.3g}, Adam lr={args.lr}, clip={args.clip}; "
-          f"pretrained held-out loss {base:.4f}", flush=True)
+    print(
+        f"# bench_plan: N={n} training users, {eval_data.num_users} held-out users, T={steps}, "
+        f"eps={args.epsilon}, delta={delta:.3g}, Adam lr={args.lr}, clip={args.clip}; "
+        f"pretrained held-out loss {base:.4f}",
+        flush=True,
+    )
 
     sigma_of_m = planning.uls_sigma_of_m(n, steps, args.epsilon, delta)
-    est = planning.GradientNormEstimator(model0, data, loss_fn, planning.NormSample(args.sample_users),
-                                         rng=np.random.default_rng(args.seed))
+    est = planning.GradientNormEstimator(
+        model0, data, loss_fn, planning.NormSample(args.sample_users), rng=np.random.default_rng(args.seed)
+    )
     results = {}
     t_train_total, runs = 0.0, 0
     for b in budgets:
@@ -93,10 +103,22 @@ def main(argv=None) -> int:
             model = copy.deepcopy(model0)
             model.train()
             t1 = time.time()
-            train(model, data, loss_fn, TrainConfig(
-                algorithm=ULS(group_size=g, sampling_rate=m / n), steps=steps, clipping=FlatClip(args.clip),
-                optimizer=Adam(lr=args.lr), noise_multiplier=sigma_of_m(m), delta=delta,
-                seed=args.seed, track_epsilon=False, chunk_size=16))
+            train(
+                model,
+                data,
+                loss_fn,
+                TrainConfig(
+                    algorithm=ULS(group_size=g, sampling_rate=m / n),
+                    steps=steps,
+                    clipping=FlatClip(args.clip),
+                    optimizer=Adam(lr=args.lr),
+                    noise_multiplier=sigma_of_m(m),
+                    delta=delta,
+                    seed=args.seed,
+                    track_epsilon=False,
+                    chunk_size=16,
+                ),
+            )
             t_train_total += time.time() - t1
             runs += 1
             losses[(m, g)] = evaluate_lm(model, eval_data)["loss"]
@@ -110,22 +132,33 @@ def main(argv=None) -> int:
             "max_group_size": subopt[min(grid)],
             "random (expected)": float(np.mean(list(subopt.values()))),
         }
-        results[b] = {"grid": {f"{m}x{g}": losses[(m, g)] for m, g in grid}, "best": best,
-                      "estimate_and_double": choice, "suboptimality": strategies,
-                      "plan_seconds": t_plan}
-        print(f"\nB = {b}: E&D chose M={choice[0]}, G={choice[1]} in {t_plan:.1f} s; best on the "
-              f"anti-diagonal {min(losses, key=losses.get)} loss {best:.4f}")
+        results[b] = {
+            "grid": {f"{m}x{g}": losses[(m, g)] for m, g in grid},
+            "best": best,
+            "estimate_and_double": choice,
+            "suboptimality": strategies,
+            "plan_seconds": t_plan,
+        }
+        print(
+            f"\nB = {b}: E&D chose M={choice[0]}, G={choice[1]} in {t_plan:.1f} s; best on the "
+            f"anti-diagonal {min(losses, key=losses.get)} loss {best:.4f}"
+        )
         for k, v in strategies.items():
             print(f"  {k:>20} sub-optimality {v:.4f}")
     mean_train = t_train_total / max(1, runs)
     total_plan = sum(r["plan_seconds"] for r in results.values())
-    print(f"\nplanning cost (all budgets, L(G) + sigma(M) cached across them) {total_plan:.1f} s = "
-          f"{total_plan / mean_train:.2f} x one training run ({mean_train:.1f} s)")
+    print(
+        f"\nplanning cost (all budgets, L(G) + sigma(M) cached across them) {total_plan:.1f} s = "
+        f"{total_plan / mean_train:.2f} x one training run ({mean_train:.1f} s)"
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps({str(k): {**v, "estimate_and_double": list(v["estimate_and_double"])}
-                                              for k, v in results.items()}, indent=1))
+    (out / "plan.json").write_text(
+        json.dumps(
+            {str(k): {**v, "estimate_and_double": list(v["estimate_and_double"])} for k, v in results.items()}, indent=1
+        )
+    )
     _heatmap(results, out / "plan_heatmap.png")
     print(f"wrote {out / 'plan_heatmap.png'} and {out / 'plan.json'}")
     return 0

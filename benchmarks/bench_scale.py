@@ -51,8 +51,12 @@ def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device, u
     if model_name in LLAMA_SHAPES:  # a Llama-shaped model from a config (RMSNorm, rotary, untied head)
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=vocab, max_position_embeddings=max(seq_len, 128), tie_word_embeddings=False,
-                          **LLAMA_SHAPES[model_name])
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            max_position_embeddings=max(seq_len, 128),
+            tie_word_embeddings=False,
+            **LLAMA_SHAPES[model_name],
+        )
         torch.manual_seed(0)
         with torch.device(device):  # built where it runs: a 1B model initialises in seconds on a GPU
             model = models._prepare(LlamaForCausalLM(cfg))
@@ -78,10 +82,20 @@ def _setup(model_name, mode, lora_rank, vocab, seq_len, n_users, recs, device, u
 #: Llama-shaped models built from a config: ~1.1B parameters at a 32,000-token vocabulary (TinyLlama's
 #: shape), and a tiny one that keeps the same path alive on a CPU
 LLAMA_SHAPES = {
-    "llama-1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-                 "num_attention_heads": 32, "num_key_value_heads": 4},
-    "llama-tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                   "num_attention_heads": 4, "num_key_value_heads": 2},
+    "llama-1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+    },
+    "llama-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
 }
 
 
@@ -170,18 +184,28 @@ def _worker(a) -> dict:
             from opacus import GradSampleModule
 
             gsm = GradSampleModule(model, batch_first=True, loss_reduction="mean")
-            opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=1e-4), noise_multiplier=1.0, max_grad_norm=1.0,
-                              expected_batch_size=B)
+            opt = DPOptimizer(
+                torch.optim.SGD(gsm.parameters(), lr=1e-4),
+                noise_multiplier=1.0,
+                max_grad_norm=1.0,
+                expected_batch_size=B,
+            )
         else:
             from opacus.grad_sample import GradSampleModuleFastGradientClipping
             from opacus.utils.fast_gradient_clipping_utils import (
                 DPLossFastGradientClipping,
             )
 
-            gsm = GradSampleModuleFastGradientClipping(model, batch_first=True, loss_reduction="mean",
-                                                       max_grad_norm=1.0, use_ghost_clipping=True)
-            opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=1e-4), noise_multiplier=1.0,
-                                                  max_grad_norm=1.0, expected_batch_size=B, loss_reduction="mean")
+            gsm = GradSampleModuleFastGradientClipping(
+                model, batch_first=True, loss_reduction="mean", max_grad_norm=1.0, use_ghost_clipping=True
+            )
+            opt = DPOptimizerFastGradientClipping(
+                torch.optim.SGD(gsm.parameters(), lr=1e-4),
+                noise_multiplier=1.0,
+                max_grad_norm=1.0,
+                expected_batch_size=B,
+                loss_reduction="mean",
+            )
             crit = DPLossFastGradientClipping(gsm, opt, ce, loss_reduction="mean")
 
         def step():
@@ -193,8 +217,9 @@ def _worker(a) -> dict:
                 logits = gsm(input_ids=ids, position_ids=pos).logits[:, :-1]
             tgt = lab[:, 1:]
             if a.algorithm == "opacus":
-                tok = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                        tgt.reshape(-1).clamp(min=0), reduction="none").view(tgt.shape)
+                tok = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), tgt.reshape(-1).clamp(min=0), reduction="none"
+                ).view(tgt.shape)
                 mask = (tgt != -100).float()
                 ((tok * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean().backward()
             else:
@@ -202,13 +227,27 @@ def _worker(a) -> dict:
             opt.step()
     else:
         n_units = data.num_users if a.algorithm != "els" else int(data.sizes().clip(max=G).sum())
-        algo = {"uls": lambda: ULS(G, M / n_units), "els": lambda: ELS(G, B / n_units),
-                "fedavg": lambda: FedAvg(G, M / n_units, local_epochs=1, local_lr=0.1)}[a.algorithm]()
+        algo = {
+            "uls": lambda: ULS(G, M / n_units),
+            "els": lambda: ELS(G, B / n_units),
+            "fedavg": lambda: FedAvg(G, M / n_units, local_epochs=1, local_lr=0.1),
+        }[a.algorithm]()
         sampling, acc = ("shuffle", "pld") if a.algorithm == "els" else ("fixed_size", "rdp")
-        cfg = TrainConfig(algorithm=algo, steps=10**6, clipping=FlatClip(1.0), optimizer=SGD(1e-4),
-                          noise_multiplier=1.0, delta=1e-5, seed=0, sampling=sampling, accountant=acc,
-                          chunk_size=chunk if a.algorithm != "els" else chunk * G, track_epsilon=False,
-                          per_unit=a.per_unit, precision=a.dtype)
+        cfg = TrainConfig(
+            algorithm=algo,
+            steps=10**6,
+            clipping=FlatClip(1.0),
+            optimizer=SGD(1e-4),
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=0,
+            sampling=sampling,
+            accountant=acc,
+            chunk_size=chunk if a.algorithm != "els" else chunk * G,
+            track_epsilon=False,
+            per_unit=a.per_unit,
+            precision=a.dtype,
+        )
         run = EngineRun(model, data, causal_lm_loss, cfg)
         step = run.run_step
         extra["per_unit"] = run.per_unit.name
@@ -259,8 +298,15 @@ def _worker(a) -> dict:
     extra["peak_above_start_bytes"] = mem - base_bytes
     if "estimated_bytes" in extra:
         extra["estimate_over_measured"] = extra["estimated_bytes"] / max(extra["peak_above_start_bytes"], 1)
-    return {"params": params, "trainable": trainable, "s_per_step": s, "peak_bytes": mem,
-            "tokens_per_s": B * a.seq_len / s, "records_per_step": B, **extra}
+    return {
+        "params": params,
+        "trainable": trainable,
+        "s_per_step": s,
+        "peak_bytes": mem,
+        "tokens_per_s": B * a.seq_len / s,
+        "records_per_step": B,
+        **extra,
+    }
 
 
 def _profile(step, device) -> dict:
@@ -281,16 +327,26 @@ def _profile(step, device) -> dict:
     # aten::mm and again in every backward node and wrapper above it
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     avgs = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
-    return {"profile": {
-        "top_ops": [{"name": e.key, "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)} for e in avgs[:30]],
-        # the same by input shapes, aten ops only: which tensors the elementwise time goes to
-        "top_shapes": [{"name": f"{e.key} {e.input_shapes}", "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)}
-                       for e in sorted((e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")),
-                                       key=lambda e: getattr(e, key, 0.0), reverse=True)[:30]],
-        "stream_synchronize": sum("Synchronize" in n for n in names),
-        "memcpy": sum("Memcpy" in n for n in names),
-        "scalar_reads": sum(n == "aten::_local_scalar_dense" for n in names),
-        "ops": sum(n.startswith("aten::") for n in names)}}
+    return {
+        "profile": {
+            "top_ops": [
+                {"name": e.key, "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)} for e in avgs[:30]
+            ],
+            # the same by input shapes, aten ops only: which tensors the elementwise time goes to
+            "top_shapes": [
+                {"name": f"{e.key} {e.input_shapes}", "count": e.count, "ms": round(getattr(e, key, 0.0) / 1000, 3)}
+                for e in sorted(
+                    (e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")),
+                    key=lambda e: getattr(e, key, 0.0),
+                    reverse=True,
+                )[:30]
+            ],
+            "stream_synchronize": sum("Synchronize" in n for n in names),
+            "memcpy": sum("Memcpy" in n for n in names),
+            "scalar_reads": sum(n == "aten::_local_scalar_dense" for n in names),
+            "ops": sum(n.startswith("aten::") for n in names),
+        }
+    }
 
 
 def _memory_at_peak(step, device, top: int = 15) -> dict:
@@ -338,8 +394,10 @@ def peak_composition(trace: list, top: int = 15) -> dict:
         g[0] += int(ev["size"])
         g[1] += 1
     ranked = sorted(groups.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
-    return {"peak_traced_bytes": best,
-            "peak_live": [f"{size / 2**20:.1f} MiB x{n} {site}" for site, (size, n) in ranked]}
+    return {
+        "peak_traced_bytes": best,
+        "peak_live": [f"{size / 2**20:.1f} MiB x{n} {site}" for site, (size, n) in ranked],
+    }
 
 
 FIT_MODELS = ("gpt2-small", "gpt2-medium", "gpt2-large")
@@ -365,16 +423,31 @@ def _fit_rows(caps_gib, dtype: str, seq_len: int, vocab: int) -> list[dict]:
             params = sum(p.numel() for p in model.parameters())
             for alg, g in (("uls", 16), ("els", 1)):
                 for cap in caps_gib:
-                    row = {"fit": True, "memory_cap_gib": cap, "model": name, "params": params, "mode": mode,
-                           "algorithm": alg, "records_per_unit": g, "seq_len": seq_len, "dtype": dtype,
-                           "optimizer": "adam"}
+                    row = {
+                        "fit": True,
+                        "memory_cap_gib": cap,
+                        "model": name,
+                        "params": params,
+                        "mode": mode,
+                        "algorithm": alg,
+                        "records_per_unit": g,
+                        "seq_len": seq_len,
+                        "dtype": dtype,
+                        "optimizer": "adam",
+                    }
                     try:
-                        shape = RunShape(g, seq_len, strategy="ghost", low_precision=dtype != "float32",
-                                         optimizer_states=2)
-                        chunk, info = auto_chunk_size(model, shape, device=torch.device("cpu"),
-                                                      memory_cap_bytes=int(cap * 2**30))
-                        row.update(chunk=chunk, fixed_bytes=info["fixed_bytes"], unit_bytes=info["unit_bytes"],
-                                   estimated_bytes=info["fixed_bytes"] + chunk * info["unit_bytes"])
+                        shape = RunShape(
+                            g, seq_len, strategy="ghost", low_precision=dtype != "float32", optimizer_states=2
+                        )
+                        chunk, info = auto_chunk_size(
+                            model, shape, device=torch.device("cpu"), memory_cap_bytes=int(cap * 2**30)
+                        )
+                        row.update(
+                            chunk=chunk,
+                            fixed_bytes=info["fixed_bytes"],
+                            unit_bytes=info["unit_bytes"],
+                            estimated_bytes=info["fixed_bytes"] + chunk * info["unit_bytes"],
+                        )
                     except UserError:
                         row.update(chunk=0, note="one unit does not fit")
                     rows.append(row)
@@ -393,12 +466,20 @@ def _run_worker(worker_args: list[str], *, fork: bool = False) -> dict:
     in a fresh interpreter, and the row says so."""
     if fork and hasattr(os, "fork") and not _cuda_initialised():
         res = _forked_worker(worker_args)
-        if "error" not in res or "--device" not in worker_args or \
-                not worker_args[worker_args.index("--device") + 1].startswith("cuda"):
+        if (
+            "error" not in res
+            or "--device" not in worker_args
+            or not worker_args[worker_args.index("--device") + 1].startswith("cuda")
+        ):
             return res
         return dict(_run_worker(worker_args), fork_fallback=res["error"])
-    out = subprocess.run([sys.executable, __file__, "--worker", *worker_args], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONWARNINGS="ignore"), check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", *worker_args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        check=False,
+    )
     try:
         return json.loads(out.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -460,7 +541,9 @@ def _configs(quick: bool, device: str, untied: bool = True, lora: bool = False):
             algs += [("uls", 16), ("fedavg", 4), ("opacus", 4)]
         for alg, g in algs:
             yield model, mode, r, alg, g
-        if mode == "full" and untied and model == "gpt2-small":  # Opacus's ghost clipping refuses GPT-2's tied wte/lm_head: untie both sides
+        if (
+            mode == "full" and untied and model == "gpt2-small"
+        ):  # Opacus's ghost clipping refuses GPT-2's tied wte/lm_head: untie both sides
             for alg in ("nonprivate", "els", "opacus_ghost"):
                 yield model + "-untied", mode, r, alg, 4
 
@@ -479,14 +562,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--per-unit", default="auto", choices=["auto", "ghost", "vmap"])
     ap.add_argument("--no-untied", action="store_true", help="skip the untied-GPT-2 rows (Opacus ghost comparison)")
     ap.add_argument("--lora", action="store_true", help="with --quick: add the LoRA r = 8 and r = 32 rows")
-    ap.add_argument("--repeat", type=int, default=1, metavar="N",
-                    help="N interleaved repetitions (non-private, ULS, ELS, non-private, ...): median and spread")
-    ap.add_argument("--fit", default=None, metavar="GIB,...",
-                    help="instead: the largest chunk of gpt2-small/medium/large (full, LoRA r = 8; ULS G = 16, ELS; "
-                         "Adam) that the memory model fits in each cap, in GiB")
-    ap.add_argument("--fit-check", action="store_true",
-                    help="with --fit CAP: run one ULS step (G = 4) of gpt2-medium at the chunk the model fits in "
-                         "CAP (SGD, --seq-len) and measure its peak above the process's start against the cap")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N interleaved repetitions (non-private, ULS, ELS, non-private, ...): median and spread",
+    )
+    ap.add_argument(
+        "--fit",
+        default=None,
+        metavar="GIB,...",
+        help="instead: the largest chunk of gpt2-small/medium/large (full, LoRA r = 8; ULS G = 16, ELS; "
+        "Adam) that the memory model fits in each cap, in GiB",
+    )
+    ap.add_argument(
+        "--fit-check",
+        action="store_true",
+        help="with --fit CAP: run one ULS step (G = 4) of gpt2-medium at the chunk the model fits in "
+        "CAP (SGD, --seq-len) and measure its peak above the process's start against the cap",
+    )
     # worker mode (one configuration, in its own process)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="gpt2-small", help=argparse.SUPPRESS)
@@ -527,20 +622,30 @@ def main(argv=None) -> int:
     for row in rows:
         if not a.json:
             tr, mr = row["time_ratio"], row["memory_ratio"]
-            spread = (f" [{row['time_ratio_min']:.2f}-{row['time_ratio_max']:.2f}]"
-                      if row.get("time_ratio_min") is not None and a.repeat > 1 else "")
-            print(f"{row['model']:12s} {row['mode']:8s} {row['algorithm']:13s} G={row['group_size']:<3d} "
-                  f"{row['s_per_step'] or float('nan'):8.3f} s {row['tokens_per_s'] or float('nan'):9.0f} tok/s  "
-                  f"time x{tr if tr else float('nan'):.2f}{spread}  mem x{mr if mr else float('nan'):.2f}  "
-                  f"{row['per_unit'] or ''} {row['error'] or ''}", flush=True)
+            spread = (
+                f" [{row['time_ratio_min']:.2f}-{row['time_ratio_max']:.2f}]"
+                if row.get("time_ratio_min") is not None and a.repeat > 1
+                else ""
+            )
+            print(
+                f"{row['model']:12s} {row['mode']:8s} {row['algorithm']:13s} G={row['group_size']:<3d} "
+                f"{row['s_per_step'] or float('nan'):8.3f} s {row['tokens_per_s'] or float('nan'):9.0f} tok/s  "
+                f"time x{tr if tr else float('nan'):.2f}{spread}  mem x{mr if mr else float('nan'):.2f}  "
+                f"{row['per_unit'] or ''} {row['error'] or ''}",
+                flush=True,
+            )
     if a.json:
         print(json.dumps(rows))
     else:
-        print(f"device {a.device} ({hw}), dtype {a.dtype}, {a.users} users x G records of {a.seq_len} tokens; "
-              f"{a.repeat} interleaved repetition(s) (median, [min-max] of the ratios)")
-        print(f"machine: {machine['cpu']}; flags {', '.join(machine['flags']) or 'none of avx2/avx512f/amx'}; "
-              f"{machine['threads']} torch thread(s) of {machine['cores']} cores; load average "
-              f"{machine['load_average_start']} at the start, {machine['load_average_end']} at the end")
+        print(
+            f"device {a.device} ({hw}), dtype {a.dtype}, {a.users} users x G records of {a.seq_len} tokens; "
+            f"{a.repeat} interleaved repetition(s) (median, [min-max] of the ratios)"
+        )
+        print(
+            f"machine: {machine['cpu']}; flags {', '.join(machine['flags']) or 'none of avx2/avx512f/amx'}; "
+            f"{machine['threads']} torch thread(s) of {machine['cores']} cores; load average "
+            f"{machine['load_average_start']} at the start, {machine['load_average_end']} at the end"
+        )
     return 0
 
 
@@ -556,9 +661,13 @@ def _machine(threads: int) -> dict:
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"cpu": cpu, "flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags],
-            "cores": os.cpu_count(), "threads": threads,
-            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu": cpu,
+        "flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags],
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "load_average_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def _one_round(a, gpu: bool) -> list[dict]:
@@ -567,23 +676,63 @@ def _one_round(a, gpu: bool) -> list[dict]:
     rows, base = [], {}
     for model, mode, r, alg, g in _configs(a.quick, a.device, untied=not a.no_untied, lora=a.lora):
         untied = model.endswith("-untied")
-        res = _run_worker(["--model", model.removesuffix("-untied"), "--mode", mode, "--lora-rank", str(r),
-                           "--algorithm", alg, "--group-size", str(g), "--device", a.device, "--dtype", a.dtype,
-                           "--users", str(a.users), "--seq-len", str(a.seq_len), "--vocab", str(a.vocab),
-                           "--threads", str(a.threads), "--per-unit", a.per_unit,
-                           "--reps", "3" if a.quick and not gpu else "10", "--warmup", "1" if not gpu else "3"]
-                          + (["--untied"] if untied else []), fork=True)
+        res = _run_worker(
+            [
+                "--model",
+                model.removesuffix("-untied"),
+                "--mode",
+                mode,
+                "--lora-rank",
+                str(r),
+                "--algorithm",
+                alg,
+                "--group-size",
+                str(g),
+                "--device",
+                a.device,
+                "--dtype",
+                a.dtype,
+                "--users",
+                str(a.users),
+                "--seq-len",
+                str(a.seq_len),
+                "--vocab",
+                str(a.vocab),
+                "--threads",
+                str(a.threads),
+                "--per-unit",
+                a.per_unit,
+                "--reps",
+                "3" if a.quick and not gpu else "10",
+                "--warmup",
+                "1" if not gpu else "3",
+            ]
+            + (["--untied"] if untied else []),
+            fork=True,
+        )
         if alg == "nonprivate":
             base[(model, mode, r)] = res
         b = base.get((model, mode, r), {})
         # non-private batches of the same records: B = M*G; the G=16 rows compare with a G=16 batch
-        row = {"model": model, "params": res.get("params"), "mode": mode if not r else f"lora-r{r}",
-               "algorithm": alg, "group_size": g, "device": a.device, "dtype": a.dtype,
-               "records_per_step": a.users * g, "seq_len": a.seq_len, "per_unit": res.get("per_unit"),
-               "s_per_step": res.get("s_per_step"), "tokens_per_s": res.get("tokens_per_s"),
-               "peak_bytes": res.get("peak_bytes"), "noise_s": res.get("noise_s"),
-               "estimated_bytes": res.get("estimated_bytes"), "estimate_over_measured": res.get("estimate_over_measured"),
-               "error": res.get("error")}
+        row = {
+            "model": model,
+            "params": res.get("params"),
+            "mode": mode if not r else f"lora-r{r}",
+            "algorithm": alg,
+            "group_size": g,
+            "device": a.device,
+            "dtype": a.dtype,
+            "records_per_step": a.users * g,
+            "seq_len": a.seq_len,
+            "per_unit": res.get("per_unit"),
+            "s_per_step": res.get("s_per_step"),
+            "tokens_per_s": res.get("tokens_per_s"),
+            "peak_bytes": res.get("peak_bytes"),
+            "noise_s": res.get("noise_s"),
+            "estimated_bytes": res.get("estimated_bytes"),
+            "estimate_over_measured": res.get("estimate_over_measured"),
+            "error": res.get("error"),
+        }
         if "s_per_step" in res and "s_per_step" in b and g == 4:
             row["time_ratio"] = res["s_per_step"] / b["s_per_step"]
             row["memory_ratio"] = res["peak_bytes"] / b["peak_bytes"]
@@ -605,8 +754,16 @@ def _aggregate(rounds: list[list[dict]], machine: dict) -> list[dict]:
     for i, first in enumerate(rounds[0]):
         runs = [r[i] for r in rounds]
         row = dict(first, repeats=len(runs), machine=machine)
-        for key in ("s_per_step", "tokens_per_s", "peak_bytes", "noise_s", "time_ratio", "memory_ratio",
-                    "time_ratio_excluding_host_noise", "time_ratio_per_token"):
+        for key in (
+            "s_per_step",
+            "tokens_per_s",
+            "peak_bytes",
+            "noise_s",
+            "time_ratio",
+            "memory_ratio",
+            "time_ratio_excluding_host_noise",
+            "time_ratio_per_token",
+        ):
             vals = [x.get(key) for x in runs if x.get(key) is not None]
             row[key] = statistics.median(vals) if vals else None
         ratios = [x["time_ratio"] for x in runs if x.get("time_ratio") is not None]
@@ -632,30 +789,74 @@ def _fit_main(a) -> int:
         cap = int(caps[0] * 2**30)
         shape = RunShape(4, a.seq_len, strategy="ghost", low_precision=a.dtype != "float32", optimizer_states=0)
         chunk, _ = auto_chunk_size(model, shape, device=torch.device("cpu"), memory_cap_bytes=cap)
-        res = _run_worker(["--model", "gpt2-medium", "--mode", "full", "--algorithm", "uls", "--group-size", "4",
-                           "--device", a.device, "--dtype", a.dtype, "--users", str(chunk), "--seq-len", str(a.seq_len),
-                           "--vocab", str(a.vocab), "--threads", str(a.threads), "--reps", "1", "--warmup", "1"])
+        res = _run_worker(
+            [
+                "--model",
+                "gpt2-medium",
+                "--mode",
+                "full",
+                "--algorithm",
+                "uls",
+                "--group-size",
+                "4",
+                "--device",
+                a.device,
+                "--dtype",
+                a.dtype,
+                "--users",
+                str(chunk),
+                "--seq-len",
+                str(a.seq_len),
+                "--vocab",
+                str(a.vocab),
+                "--threads",
+                str(a.threads),
+                "--reps",
+                "1",
+                "--warmup",
+                "1",
+            ]
+        )
         measured = res.get("peak_above_start_bytes")
-        rows.append({"fit_check": True, "memory_cap_gib": caps[0], "model": "gpt2-medium", "mode": "full",
-                     "algorithm": "uls", "records_per_unit": 4, "seq_len": a.seq_len, "dtype": a.dtype,
-                     "optimizer": "sgd", "chunk": chunk, "estimated_bytes": res.get("estimated_bytes"),
-                     "measured_bytes": measured, "within_cap": measured is not None and measured <= cap,
-                     "s_per_step": res.get("s_per_step"), "device": a.device, "error": res.get("error")})
+        rows.append(
+            {
+                "fit_check": True,
+                "memory_cap_gib": caps[0],
+                "model": "gpt2-medium",
+                "mode": "full",
+                "algorithm": "uls",
+                "records_per_unit": 4,
+                "seq_len": a.seq_len,
+                "dtype": a.dtype,
+                "optimizer": "sgd",
+                "chunk": chunk,
+                "estimated_bytes": res.get("estimated_bytes"),
+                "measured_bytes": measured,
+                "within_cap": measured is not None and measured <= cap,
+                "s_per_step": res.get("s_per_step"),
+                "device": a.device,
+                "error": res.get("error"),
+            }
+        )
     if a.json:
         print(json.dumps(rows))
         return 0
     for r in rows:
         if r.get("fit_check"):
             m = r["measured_bytes"]
-            print(f"check: gpt2-medium full ULS G=4 x {r['seq_len']} tokens, cap {r['memory_cap_gib']} GiB -> chunk "
-                  f"{r['chunk']}: estimated {r['estimated_bytes'] / 2**30:.2f} GiB, measured "
-                  f"{(m or float('nan')) / 2**30:.2f} GiB above the start ({'within' if r['within_cap'] else 'OVER'} the cap)"
-                  f" {r['error'] or ''}")
+            print(
+                f"check: gpt2-medium full ULS G=4 x {r['seq_len']} tokens, cap {r['memory_cap_gib']} GiB -> chunk "
+                f"{r['chunk']}: estimated {r['estimated_bytes'] / 2**30:.2f} GiB, measured "
+                f"{(m or float('nan')) / 2**30:.2f} GiB above the start ({'within' if r['within_cap'] else 'OVER'} the cap)"
+                f" {r['error'] or ''}"
+            )
         else:
             est = r.get("estimated_bytes")
-            print(f"{r['memory_cap_gib']:5g} GiB  {r['model']:11s} {r['mode']:7s} {r['algorithm']} G={r['records_per_unit']:<2d} "
-                  f"x {r['seq_len']} tokens {r['dtype']}: chunk {r['chunk']:3d} units"
-                  + (f" ({est / 2**30:.1f} GiB estimated)" if est else f" ({r.get('note', '')})"))
+            print(
+                f"{r['memory_cap_gib']:5g} GiB  {r['model']:11s} {r['mode']:7s} {r['algorithm']} G={r['records_per_unit']:<2d} "
+                f"x {r['seq_len']} tokens {r['dtype']}: chunk {r['chunk']:3d} units"
+                + (f" ({est / 2**30:.1f} GiB estimated)" if est else f" ({r.get('note', '')})")
+            )
     return 0
 
 

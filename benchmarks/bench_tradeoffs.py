@@ -53,8 +53,16 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("USERDP_SHARED_DATA", REPO.parent / "shared" / "data"))
 SE = DATA / "stackexchange"
 BLOGS = DATA / "blogs" / "blogs.jsonl.gz"
-META = ("ai.meta", "alcohol.meta", "bicycles.meta", "conlang.meta", "cstheory.meta", "datascience.meta",
-        "french.meta", "history.meta")
+META = (
+    "ai.meta",
+    "alcohol.meta",
+    "bicycles.meta",
+    "conlang.meta",
+    "cstheory.meta",
+    "datascience.meta",
+    "french.meta",
+    "history.meta",
+)
 
 
 def _log(msg: str) -> None:
@@ -81,12 +89,28 @@ class Corpus:
 
 
 def _sets(name: str, a, public_file: Path) -> list[str]:
-    common = [f"tokenizer.vocab_size={a.vocab}", f"tokenizer.seq_len={a.seq_len}", f"model.preset={a.model}",
-              f"model.pretraining.steps={a.pretrain_steps}", "model.pretraining.batch_size=32",
-              "data.heldout_users=0.1", f"data.max_eval_users={a.eval_users}", "output.plot=false"]
+    common = [
+        f"tokenizer.vocab_size={a.vocab}",
+        f"tokenizer.seq_len={a.seq_len}",
+        f"model.preset={a.model}",
+        f"model.pretraining.steps={a.pretrain_steps}",
+        "model.pretraining.batch_size=32",
+        "data.heldout_users=0.1",
+        f"data.max_eval_users={a.eval_users}",
+        "output.plot=false",
+    ]
     if name == "blogs":
-        return common + ["data.source=jsonl", f"data.path={BLOGS}", "data.user_field=user", "data.text_field=text",
-                         f"data.public_path={public_file}"] + ([f"data.max_users={a.max_users}"] if a.max_users else [])
+        return (
+            common
+            + [
+                "data.source=jsonl",
+                f"data.path={BLOGS}",
+                "data.user_field=user",
+                "data.text_field=text",
+                f"data.public_path={public_file}",
+            ]
+            + ([f"data.max_users={a.max_users}"] if a.max_users else [])
+        )
     sites = "[" + ",".join(META) + "]"
     if name == "proxy":  # the meta sites' users: declared public, used to tune lr and clip
         return common + ["data.source=stackexchange", f"data.path={SE}", f"data.sites={sites}"]
@@ -134,16 +158,35 @@ def prepare(name: str, a, public_file: Path) -> Corpus:
 
     cfg = C.load_config(None, _sets(name, a, public_file))
     prep = F.prepare_data(cfg.data, _log)
-    tok, model, _notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, _log, progress=False,
-                                                 device=resolve_device(cfg.model.device))
+    tok, model, _notes = get_tokenizer_and_model(
+        cfg.tokenizer, cfg.model, prep, _log, progress=False, device=resolve_device(cfg.model.device)
+    )
     model.train()
-    train, heldout = F.build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection,
-                                      log=_log)
+    train, heldout = F.build_datasets(
+        prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection, log=_log
+    )
     torch.manual_seed(0)
-    est = GradientNormEstimator(model, train, models.causal_lm_loss, NormSample(a.lg_users, chunk_size=8),
-                                rng=np.random.default_rng(0), log=_log)
-    c = Corpus(name, cfg, prep, tok, model, copy.deepcopy(model.state_dict()), train, heldout,
-               _eval_pairs(heldout, a.eval_records), est, accountant=a.accountant)
+    est = GradientNormEstimator(
+        model,
+        train,
+        models.causal_lm_loss,
+        NormSample(a.lg_users, chunk_size=8),
+        rng=np.random.default_rng(0),
+        log=_log,
+    )
+    c = Corpus(
+        name,
+        cfg,
+        prep,
+        tok,
+        model,
+        copy.deepcopy(model.state_dict()),
+        train,
+        heldout,
+        _eval_pairs(heldout, a.eval_records),
+        est,
+        accountant=a.accountant,
+    )
     c.data_by_selection["random"] = train
     return c
 
@@ -161,8 +204,9 @@ def plan(c: Corpus, eps: float, budget: int, steps: int):
 
     key = (eps, budget, steps)
     if key not in c.plans:
-        c.plans[key] = plan_for_budget(c.train.sizes(), PlanBudget(budget, eps, steps, accountant=c.accountant),
-                                       c.estimator)
+        c.plans[key] = plan_for_budget(
+            c.train.sizes(), PlanBudget(budget, eps, steps, accountant=c.accountant), c.estimator
+        )
     return c.plans[key]
 
 
@@ -175,13 +219,27 @@ def selection_data(c: Corpus, selection: str):
     if selection not in c.data_by_selection:
         cfg = dataclasses.replace(c.cfg, training=dataclasses.replace(c.cfg.training, selection=selection))
         c.model.load_state_dict(c.start)
-        c.data_by_selection[selection] = F.build_datasets(c.prep, c.tok, seq_len=cfg.tokenizer.seq_len,
-                                                          selection=selection, log=_log, model=c.model)[0]
+        c.data_by_selection[selection] = F.build_datasets(
+            c.prep, c.tok, seq_len=cfg.tokenizer.seq_len, selection=selection, log=_log, model=c.model
+        )[0]
     return c.data_by_selection[selection]
 
 
-def train_eval(c: Corpus, algo: str, *, eps, steps, lr, clip, seed, group_size=None, cohort=None,
-               budget=None, data=None, local_lr=0.1) -> dict:
+def train_eval(
+    c: Corpus,
+    algo: str,
+    *,
+    eps,
+    steps,
+    lr,
+    clip,
+    seed,
+    group_size=None,
+    cohort=None,
+    budget=None,
+    data=None,
+    local_lr=0.1,
+) -> dict:
     """Fine-tune the pretrained model once; returns what was run and the held-out loss."""
     import torch
 
@@ -194,34 +252,67 @@ def train_eval(c: Corpus, algo: str, *, eps, steps, lr, clip, seed, group_size=N
     n_users = int(data.num_users)
     sizes = data.sizes()
     t0 = time.time()
-    common = dict(steps=steps, optimizer=E.Adam(lr=lr), delta=None, accountant=c.accountant, seed=None,
-                  chunk_size=16, track_epsilon=False)
+    common = dict(
+        steps=steps,
+        optimizer=E.Adam(lr=lr),
+        delta=None,
+        accountant=c.accountant,
+        seed=None,
+        chunk_size=16,
+        track_epsilon=False,
+    )
     torch.manual_seed(seed)
     if algo == "nonprivate":  # records sampled from all of the data, no clipping, no noise, its own lr
         common["optimizer"] = E.Adam(lr=lr)
         records = int(np.sum(sizes))
-        cfg = E.TrainConfig(algorithm=E.ELS(int(sizes.max()), min(1.0, budget / records)), clipping=E.FlatClip(1e12),
-                            noise_multiplier=0.0, **common)
+        cfg = E.TrainConfig(
+            algorithm=E.ELS(int(sizes.max()), min(1.0, budget / records)),
+            clipping=E.FlatClip(1e12),
+            noise_multiplier=0.0,
+            **common,
+        )
         group_size, cohort = None, float(budget)
     elif algo == "els":
         dprime = int(np.minimum(sizes, group_size).sum())
-        cfg = E.TrainConfig(algorithm=E.ELS(group_size, min(1.0, cohort / dprime)), clipping=E.FlatClip(clip),
-                            target_epsilon=eps, **common)
+        cfg = E.TrainConfig(
+            algorithm=E.ELS(group_size, min(1.0, cohort / dprime)),
+            clipping=E.FlatClip(clip),
+            target_epsilon=eps,
+            **common,
+        )
     elif algo == "uls":
-        cfg = E.TrainConfig(algorithm=E.ULS(group_size, min(1.0, cohort / n_users)), clipping=E.FlatClip(clip),
-                            target_epsilon=eps, **common)
+        cfg = E.TrainConfig(
+            algorithm=E.ULS(group_size, min(1.0, cohort / n_users)),
+            clipping=E.FlatClip(clip),
+            target_epsilon=eps,
+            **common,
+        )
     elif algo == "fedavg":  # two local epochs of SGD on the user's G records; the clip scales with the delta
-        cfg = E.TrainConfig(algorithm=E.FedAvg(group_size, min(1.0, cohort / n_users), local_epochs=2,
-                                               local_lr=local_lr, local_batch_size=max(1, group_size // 2)),
-                            clipping=E.FlatClip(clip * local_lr * 2 * math.ceil(group_size / max(1, group_size // 2))),
-                            target_epsilon=eps, **common)
+        cfg = E.TrainConfig(
+            algorithm=E.FedAvg(
+                group_size,
+                min(1.0, cohort / n_users),
+                local_epochs=2,
+                local_lr=local_lr,
+                local_batch_size=max(1, group_size // 2),
+            ),
+            clipping=E.FlatClip(clip * local_lr * 2 * math.ceil(group_size / max(1, group_size // 2))),
+            target_epsilon=eps,
+            **common,
+        )
     else:
         raise ValueError(algo)
     res = E.train(c.model, data, models.causal_lm_loss, cfg)
     loss = heldout_loss(c)
-    return {"loss": loss, "noise_multiplier": res.noise_multiplier, "epsilon_spent": res.epsilon,
-            "accountant": c.accountant if algo != "nonprivate" else None,
-            "group_size": group_size, "cohort": cohort, "seconds": time.time() - t0}
+    return {
+        "loss": loss,
+        "noise_multiplier": res.noise_multiplier,
+        "epsilon_spent": res.epsilon,
+        "accountant": c.accountant if algo != "nonprivate" else None,
+        "group_size": group_size,
+        "cohort": cohort,
+        "seconds": time.time() - t0,
+    }
 
 
 def _row(c: Corpus, a, kind, algo, eps, budget, runs, **extra) -> dict:
@@ -229,18 +320,31 @@ def _row(c: Corpus, a, kind, algo, eps, budget, runs, **extra) -> dict:
 
     losses = [r["loss"] for r in runs]
     first = runs[0]
-    row = {"dataset": c.name, "kind": kind, "algorithm": algo, "epsilon": eps, "compute_budget": budget,
-           "loss": float(np.mean(losses)), "loss_seeds": losses, "seeds": len(runs),
-           "group_size": first.get("group_size"), "cohort": first.get("cohort"),
-           "noise_multiplier": first.get("noise_multiplier"), "accountant": first.get("accountant"),
-           "steps": a.steps, "model": a.model,
-           "epsilon_spent": max((r.get("epsilon_spent") or 0.0) for r in runs) if eps is not None else None,
-           "params": sum(p.numel() for p in c.model.parameters()),
-           "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
-           "seconds": round(sum(r.get("seconds", 0.0) for r in runs), 1)}
+    row = {
+        "dataset": c.name,
+        "kind": kind,
+        "algorithm": algo,
+        "epsilon": eps,
+        "compute_budget": budget,
+        "loss": float(np.mean(losses)),
+        "loss_seeds": losses,
+        "seeds": len(runs),
+        "group_size": first.get("group_size"),
+        "cohort": first.get("cohort"),
+        "noise_multiplier": first.get("noise_multiplier"),
+        "accountant": first.get("accountant"),
+        "steps": a.steps,
+        "model": a.model,
+        "epsilon_spent": max((r.get("epsilon_spent") or 0.0) for r in runs) if eps is not None else None,
+        "params": sum(p.numel() for p in c.model.parameters()),
+        "device": "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0),
+        "seconds": round(sum(r.get("seconds", 0.0) for r in runs), 1),
+    }
     row.update(extra)
-    _log(f"{c.name:6s} {kind:15s} {algo:10s} eps={eps!s:5s} B={budget!s:4s} G={row['group_size']!s:4s} "
-         f"M={row['cohort']!s:6s} loss {row['loss']:.4f}")
+    _log(
+        f"{c.name:6s} {kind:15s} {algo:10s} eps={eps!s:5s} B={budget!s:4s} G={row['group_size']!s:4s} "
+        f"M={row['cohort']!s:6s} loss {row['loss']:.4f}"
+    )
     return row
 
 
@@ -263,8 +367,17 @@ def tune(a, public_file: Path) -> tuple[float, float, float, list]:
     rows, best = [], None
     for lr in a.tune_lrs:
         for clip in a.tune_clips:
-            r = train_eval(proxy, "uls", eps=3.0, steps=a.steps, lr=lr, clip=clip, seed=0,
-                           group_size=p.uls["group_size"], cohort=p.uls["cohort_size"])
+            r = train_eval(
+                proxy,
+                "uls",
+                eps=3.0,
+                steps=a.steps,
+                lr=lr,
+                clip=clip,
+                seed=0,
+                group_size=p.uls["group_size"],
+                cohort=p.uls["cohort_size"],
+            )
             rows.append(_row(proxy, a, "tuning", "uls", 3.0, b, [r], lr=lr, clip=clip))
             if best is None or r["loss"] < best[0]:
                 best = (r["loss"], lr, clip)
@@ -274,8 +387,10 @@ def tune(a, public_file: Path) -> tuple[float, float, float, list]:
         rows.append(_row(proxy, a, "tuning", "nonprivate", None, b, [r], lr=lr))
         if best_np is None or r["loss"] < best_np[0]:
             best_np = (r["loss"], lr)
-    _log(f"tuned on the proxy (Stack Exchange meta users, declared public): lr {best[1]}, clip {best[2]}; "
-         f"non-private lr {best_np[1]}")
+    _log(
+        f"tuned on the proxy (Stack Exchange meta users, declared public): lr {best[1]}, clip {best[2]}; "
+        f"non-private lr {best_np[1]}"
+    )
     return best[1], best[2], best_np[1], rows
 
 
@@ -288,10 +403,32 @@ def tune_fedavg(a, public_file: Path) -> tuple[float, list]:
     proxy = proxy_corpus(a, public_file)
     b = min(set(a.fedavg_budgets) & set(a.budgets))
     p = plan(proxy, 3.0, b, a.steps)
-    rows = [_row(proxy, a, "tuning", "fedavg", 3.0, b,
-                 [train_eval(proxy, "fedavg", eps=3.0, steps=a.steps, lr=a.lr, clip=a.clip, seed=0,
-                             group_size=p.uls["group_size"], cohort=p.uls["cohort_size"], local_lr=llr)],
-                 local_lr=llr) for llr in a.tune_local_lrs]
+    rows = [
+        _row(
+            proxy,
+            a,
+            "tuning",
+            "fedavg",
+            3.0,
+            b,
+            [
+                train_eval(
+                    proxy,
+                    "fedavg",
+                    eps=3.0,
+                    steps=a.steps,
+                    lr=a.lr,
+                    clip=a.clip,
+                    seed=0,
+                    group_size=p.uls["group_size"],
+                    cohort=p.uls["cohort_size"],
+                    local_lr=llr,
+                )
+            ],
+            local_lr=llr,
+        )
+        for llr in a.tune_local_lrs
+    ]
     best = min(rows, key=lambda r: r["loss"])["local_lr"]  # the first of equal losses, as before
     _log(f"tuned on the proxy: FedAvg local lr {best}")
     return best, rows
@@ -301,9 +438,23 @@ def grid(c: Corpus, a) -> list[dict]:
     rows = [_row(c, a, "grid", "pretrained", None, None, [{"loss": heldout_loss(c)}])]
     seeds = range(a.seeds)
     for b in a.budgets:
-        rows.append(_row(c, a, "grid", "nonprivate", None, b,
-                         [train_eval(c, "nonprivate", eps=None, steps=a.steps, lr=a.lr_nonprivate, clip=None, seed=s,
-                                     budget=b) for s in seeds], lr=a.lr_nonprivate))
+        rows.append(
+            _row(
+                c,
+                a,
+                "grid",
+                "nonprivate",
+                None,
+                b,
+                [
+                    train_eval(
+                        c, "nonprivate", eps=None, steps=a.steps, lr=a.lr_nonprivate, clip=None, seed=s, budget=b
+                    )
+                    for s in seeds
+                ],
+                lr=a.lr_nonprivate,
+            )
+        )
         for eps in a.eps:
             p = plan(c, eps, b, a.steps)
             els = dict(group_size=p.els["group_size"], cohort=p.els["expected_batch_size"])
@@ -312,9 +463,21 @@ def grid(c: Corpus, a) -> list[dict]:
                 if algo not in a.algorithms or (algo == "fedavg" and b not in a.fedavg_budgets):
                     continue
                 extra = {"local_lr": a.fedavg_lr} if algo == "fedavg" else {}
-                rows.append(_row(c, a, "grid", algo, eps, b,
-                                 [train_eval(c, algo, eps=eps, steps=a.steps, lr=a.lr, clip=a.clip, seed=s, **kw,
-                                             **extra) for s in seeds], **extra))
+                rows.append(
+                    _row(
+                        c,
+                        a,
+                        "grid",
+                        algo,
+                        eps,
+                        b,
+                        [
+                            train_eval(c, algo, eps=eps, steps=a.steps, lr=a.lr, clip=a.clip, seed=s, **kw, **extra)
+                            for s in seeds
+                        ],
+                        **extra,
+                    )
+                )
     return rows
 
 
@@ -337,8 +500,18 @@ def uls_heatmap(c: Corpus, a) -> list[dict]:
             if m * g > top or m > c.train.num_users:
                 continue
             r = train_eval(c, "uls", eps=eps, steps=a.steps, lr=a.lr, clip=a.clip, seed=0, group_size=g, cohort=m)
-            rows.append(_row(c, a, "uls_heatmap", "uls", eps, m * g, [r],
-                             estimate_and_double={"cohort": choice["cohort_size"], "group_size": choice["group_size"]}))
+            rows.append(
+                _row(
+                    c,
+                    a,
+                    "uls_heatmap",
+                    "uls",
+                    eps,
+                    m * g,
+                    [r],
+                    estimate_and_double={"cohort": choice["cohort_size"], "group_size": choice["group_size"]},
+                )
+            )
     return rows
 
 
@@ -354,8 +527,10 @@ def selections(c: Corpus, a) -> list[dict]:
         except UserError as exc:
             _log(f"selection {sel}: {exc}")
             continue
-        for algo, kw in (("els", dict(group_size=p.els["group_size"], cohort=p.els["expected_batch_size"])),
-                         ("uls", dict(group_size=p.uls["group_size"], cohort=p.uls["cohort_size"]))):
+        for algo, kw in (
+            ("els", dict(group_size=p.els["group_size"], cohort=p.els["expected_batch_size"])),
+            ("uls", dict(group_size=p.uls["group_size"], cohort=p.uls["cohort_size"])),
+        ):
             if sel == "random_chunk" and algo == "els":
                 continue  # a chunk drawn afresh each step: user-wise training only (Chua et al.)
             r = train_eval(c, algo, eps=eps, steps=a.steps, lr=a.lr, clip=a.clip, seed=0, data=data, **kw)
@@ -369,8 +544,22 @@ def merge_repeats(rows: list[dict]) -> list[dict]:
     Rows with other hyperparameters (lr, clip, FedAvg's local lr) are other cells, not repeats."""
     out: dict = {}
     for r in rows:
-        key = tuple(r.get(k) for k in ("dataset", "kind", "algorithm", "epsilon", "compute_budget", "group_size",
-                                       "cohort", "selection", "lr", "clip_norm", "local_lr"))
+        key = tuple(
+            r.get(k)
+            for k in (
+                "dataset",
+                "kind",
+                "algorithm",
+                "epsilon",
+                "compute_budget",
+                "group_size",
+                "cohort",
+                "selection",
+                "lr",
+                "clip_norm",
+                "local_lr",
+            )
+        )
         if key not in out:
             out[key] = dict(r, loss_seeds=list(r["loss_seeds"]))
             continue
@@ -405,15 +594,19 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
 
     def meta(sub: list[dict]) -> str:
         r0 = sub[0]
-        return (f"{r0['model']} GPT ({r0['params'] / 1e6:.2f}M params), T = {r0['steps']} steps, "
-                f"seq {a.seq_len}, {r0['device']}, {max(r['seeds'] for r in sub)} seed(s), "
-                f"{sum(r['seconds'] for r in sub) / 60:.0f} min of training")
+        return (
+            f"{r0['model']} GPT ({r0['params'] / 1e6:.2f}M params), T = {r0['steps']} steps, "
+            f"seq {a.seq_len}, {r0['device']}, {max(r['seeds'] for r in sub)} seed(s), "
+            f"{sum(r['seconds'] for r in sub) / 60:.0f} min of training"
+        )
 
     for ds in sorted({r["dataset"] for r in rows if r["kind"] == "grid"}):
         g = [r for r in rows if r["dataset"] == ds and r["kind"] == "grid"]
         pre = next(r["loss"] for r in g if r["algorithm"] == "pretrained")
-        for fig_name, outer, inner, xlab in (("loss_vs_epsilon", "compute_budget", "epsilon", "epsilon"),
-                                             ("loss_vs_compute", "epsilon", "compute_budget", "records per step B")):
+        for fig_name, outer, inner, xlab in (
+            ("loss_vs_epsilon", "compute_budget", "epsilon", "epsilon"),
+            ("loss_vs_compute", "epsilon", "compute_budget", "records per step B"),
+        ):
             keys = sorted({r[outer] for r in g if r[outer] is not None})
             fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
             for ax, k in zip(axes[0], keys):
@@ -422,8 +615,12 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
                     if pts:
                         ax.plot(*zip(*pts), "o-", color=colors[algo], label=algo.upper())
                 ax.axhline(pre, color="gray", ls=":", label="pretrained")
-                nps = [r for r in g if r["algorithm"] == "nonprivate"
-                       and (r["compute_budget"] == k if outer == "compute_budget" else True)]
+                nps = [
+                    r
+                    for r in g
+                    if r["algorithm"] == "nonprivate"
+                    and (r["compute_budget"] == k if outer == "compute_budget" else True)
+                ]
                 if outer == "compute_budget" and nps:
                     ax.axhline(nps[0]["loss"], color="black", ls="--", label="non-private")
                 elif nps:
@@ -436,8 +633,11 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
             fig.suptitle(f"{ds}: {meta(g)}", fontsize=9)
             out.append(save(fig, f"{ds}_{fig_name}.png"))
     for ds in sorted({r["dataset"] for r in rows if r["kind"] == "els_group_sweep"}):
-        s = sorted((r["group_size"], r["loss"], r["median_group_size"]) for r in rows
-                   if r["dataset"] == ds and r["kind"] == "els_group_sweep")
+        s = sorted(
+            (r["group_size"], r["loss"], r["median_group_size"])
+            for r in rows
+            if r["dataset"] == ds and r["kind"] == "els_group_sweep"
+        )
         fig, ax = plt.subplots(figsize=(4.5, 3.4))
         ax.plot([x[0] for x in s], [x[1] for x in s], "o-", color=colors["els"])
         ax.axvline(s[0][2], color="gray", ls=":", label=f"median heuristic G = {s[0][2]}")
@@ -446,8 +646,9 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
         ax.set_ylabel("held-out loss / token")
         ax.legend(fontsize=7)
         sub = [r for r in rows if r["dataset"] == ds and r["kind"] == "els_group_sweep"]
-        ax.set_title(f"{ds}: ELS group size (eps {sub[0]['epsilon']:g}, B {sub[0]['compute_budget']})\n{meta(sub)}",
-                     fontsize=7)
+        ax.set_title(
+            f"{ds}: ELS group size (eps {sub[0]['epsilon']:g}, B {sub[0]['compute_budget']})\n{meta(sub)}", fontsize=7
+        )
         out.append(save(fig, f"{ds}_els_group_size.png"))
     for ds in sorted({r["dataset"] for r in rows if r["kind"] == "uls_heatmap"}):
         h = [r for r in rows if r["dataset"] == ds and r["kind"] == "uls_heatmap"]
@@ -468,14 +669,20 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
             ax.plot(gs.index(ed["group_size"]), ms.index(ed["cohort"]), "s", mfc="none", mec="red", ms=18, mew=2)
         ax.set_xlabel("G (records per user per step)")
         ax.set_ylabel("cohort M (users per step)")
-        ax.set_title(f"{ds}: ULS loss, eps {h[0]['epsilon']:g} (red: Estimate-and-Double at B = "
-                     f"{max(r['compute_budget'] for r in h)})\n{meta(h)}", fontsize=7)
+        ax.set_title(
+            f"{ds}: ULS loss, eps {h[0]['epsilon']:g} (red: Estimate-and-Double at B = "
+            f"{max(r['compute_budget'] for r in h)})\n{meta(h)}",
+            fontsize=7,
+        )
         fig.colorbar(im, ax=ax)
         out.append(save(fig, f"{ds}_uls_heatmap.png"))
     grid_rows = [r for r in rows if r["kind"] == "grid"]
     if grid_rows:  # the grid as a table: loss, and the share of the non-private gain recovered
-        lines = ["| corpus | B | epsilon | ELS | ULS | FedAvg | non-private | pretrained | share of the non-private "
-                 "gain: ELS / ULS / FedAvg |", "|---|---|---|---|---|---|---|---|---|"]
+        lines = [
+            "| corpus | B | epsilon | ELS | ULS | FedAvg | non-private | pretrained | share of the non-private "
+            "gain: ELS / ULS / FedAvg |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for ds in sorted({r["dataset"] for r in grid_rows}):
             g = [r for r in grid_rows if r["dataset"] == ds]
             pre = next(r["loss"] for r in g if r["algorithm"] == "pretrained")
@@ -484,10 +691,17 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
                 for eps in sorted({r["epsilon"] for r in g if r["epsilon"] is not None}):
                     cell = {r["algorithm"]: r["loss"] for r in g if r["compute_budget"] == b and r["epsilon"] == eps}
                     losses = [f"{cell[k]:.4f}" if k in cell else "—" for k in ("els", "uls", "fedavg")]
-                    shares = [f"{(pre - cell[k]) / (pre - npv):.0%}" if k in cell and npv is not None and pre > npv
-                              else "—" for k in ("els", "uls", "fedavg")]
-                    lines.append(f"| {ds} | {b} | {eps:g} | " + " | ".join(losses) +
-                                 f" | {npv:.4f} | {pre:.4f} | " + " / ".join(shares) + " |")
+                    shares = [
+                        f"{(pre - cell[k]) / (pre - npv):.0%}" if k in cell and npv is not None and pre > npv else "—"
+                        for k in ("els", "uls", "fedavg")
+                    ]
+                    lines.append(
+                        f"| {ds} | {b} | {eps:g} | "
+                        + " | ".join(losses)
+                        + f" | {npv:.4f} | {pre:.4f} | "
+                        + " / ".join(shares)
+                        + " |"
+                    )
         p = folder / "grid_table.md"
         p.write_text("\n".join(lines) + "\n")
         out.append(p)
@@ -498,8 +712,11 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
             for s in a.selections:
                 cell = {r["algorithm"]: r["loss"] for r in sel if r["dataset"] == ds and r["selection"] == s}
                 if cell:
-                    lines.append(f"| {ds} | {s} | " + " | ".join(f"{cell[k]:.4f}" if k in cell else "n/a"
-                                                                 for k in ("els", "uls")) + " |")
+                    lines.append(
+                        f"| {ds} | {s} | "
+                        + " | ".join(f"{cell[k]:.4f}" if k in cell else "n/a" for k in ("els", "uls"))
+                        + " |"
+                    )
         p = folder / "selection_table.md"
         p.write_text("\n".join(lines) + "\n")
         out.append(p)
@@ -515,22 +732,34 @@ def main(argv=None) -> int:
     ap.add_argument("--figures", help="folder for the PNGs and the selection table (default: a temporary one)")
     ap.add_argument("--save", help="also write the rows to this JSON file")
     ap.add_argument("--seeds", type=int, help="seeds per grid cell (default 2; --quick 1)")
-    ap.add_argument("--eval", metavar="USERS,RECORDS", help="held-out users evaluated and records per user "
-                    "(default 150,16; --quick 40,4)")
+    ap.add_argument(
+        "--eval",
+        metavar="USERS,RECORDS",
+        help="held-out users evaluated and records per user (default 150,16; --quick 40,4)",
+    )
     ap.add_argument("--budgets", help="records per step B, comma-separated (default 16,32,64; --quick 8,16)")
     ap.add_argument("--steps", type=int, help="steps per run (default 80; --quick 6)")
-    ap.add_argument("--epsilons", help="target epsilons of the grid, comma-separated (default 0.5,1,3,8; "
-                    "--quick 1,8)")
+    ap.add_argument("--epsilons", help="target epsilons of the grid, comma-separated (default 0.5,1,3,8; --quick 1,8)")
     ap.add_argument("--from-json", nargs="+", metavar="FILE", help="draw the figures from saved rows only")
-    ap.add_argument("--fedavg-budgets", help="the budgets at which FedAvg runs (default: all; its local SGD "
-                    "through per-user vmap is ~5x an ELS/ULS step on a CPU)")
+    ap.add_argument(
+        "--fedavg-budgets",
+        help="the budgets at which FedAvg runs (default: all; its local SGD "
+        "through per-user vmap is ~5x an ELS/ULS step on a CPU)",
+    )
     ap.add_argument("--algorithms", default="els,uls,fedavg", help="the private algorithms of the grid")
-    ap.add_argument("--accountant", default="pld", choices=["pld", "rdp"],
-                    help="planning's and training's accountant (default pld; rdp: looser, and seconds instead "
-                         "of a minute of calibrations for a CI-size run)")
+    ap.add_argument(
+        "--accountant",
+        default="pld",
+        choices=["pld", "rdp"],
+        help="planning's and training's accountant (default pld; rdp: looser, and seconds instead "
+        "of a minute of calibrations for a CI-size run)",
+    )
     ap.add_argument("--fedavg-lr", type=float, help="FedAvg's local lr: skip its tuning on the proxy")
-    ap.add_argument("--tuned", metavar="LR,CLIP,LR_NONPRIVATE", help="skip the proxy tuning: use these (e.g. the "
-                    "values an earlier run's log printed)")
+    ap.add_argument(
+        "--tuned",
+        metavar="LR,CLIP,LR_NONPRIVATE",
+        help="skip the proxy tuning: use these (e.g. the values an earlier run's log printed)",
+    )
     a = ap.parse_args(argv)
     if not a.from_json and (not SE.is_dir() or (("blogs" in a.datasets) and not BLOGS.is_file())):
         print(f"skip: the shared data ({DATA}) is absent", file=sys.stderr)
@@ -540,13 +769,11 @@ def main(argv=None) -> int:
     q = a.quick
     a.model, a.vocab, a.seq_len = "tiny", 2048, 64
     a.pretrain_steps = 20 if q else 600
-    a.eval_users, a.eval_records = (tuple(int(x) for x in a.eval.split(",")) if a.eval
-                                    else (40, 4) if q else (150, 16))
+    a.eval_users, a.eval_records = tuple(int(x) for x in a.eval.split(",")) if a.eval else (40, 4) if q else (150, 16)
     a.max_users = 600 if q else None
     a.lg_users = 16 if q else 128
     a.steps = a.steps or (6 if q else 80)
-    a.eps = ([float(x) for x in a.epsilons.split(",")] if a.epsilons
-             else [1.0, 8.0] if q else [0.5, 1.0, 3.0, 8.0])
+    a.eps = [float(x) for x in a.epsilons.split(",")] if a.epsilons else [1.0, 8.0] if q else [0.5, 1.0, 3.0, 8.0]
     a.budgets = [int(x) for x in a.budgets.split(",")] if a.budgets else ([8, 16] if q else [16, 32, 64])
     a.fedavg_budgets = [int(x) for x in a.fedavg_budgets.split(",")] if a.fedavg_budgets else a.budgets
     a.seeds = a.seeds or (1 if q else 2)
@@ -560,8 +787,9 @@ def main(argv=None) -> int:
     a.els_gs = [1, 2, 4] if q else [1, 2, 4, 8, 16, 32]
     a.heat_ms = [2, 4] if q else [4, 8, 16, 32, 64]
     a.heat_gs = [1, 2, 4] if q else [1, 2, 4, 8, 16]
-    a.selections = ["random", "longest"] if q else ["random", "longest", "shortest", "highest_ppl", "lowest_ppl",
-                                                     "random_chunk"]
+    a.selections = (
+        ["random", "longest"] if q else ["random", "longest", "shortest", "highest_ppl", "lowest_ppl", "random_chunk"]
+    )
     parts = set(a.parts.split(","))
     if a.from_json:
         rows = merge_repeats([r for f in a.from_json for r in json.loads(Path(f).read_text())])
@@ -584,8 +812,12 @@ def main(argv=None) -> int:
         rows += more
     for ds in [d for d in a.datasets.split(",") if d]:
         c = prepare(ds, a, public)
-        for part, fn in (("grid", grid), ("els_group_sweep", els_sweep), ("uls_heatmap", uls_heatmap),
-                         ("selection", selections)):
+        for part, fn in (
+            ("grid", grid),
+            ("els_group_sweep", els_sweep),
+            ("uls_heatmap", uls_heatmap),
+            ("selection", selections),
+        ):
             if part in parts and (part != "selection" or ds == "blogs" or not q):
                 rows += fn(c, a)
                 if a.save:  # after every part: a long run stopped later keeps what it measured
@@ -601,8 +833,10 @@ def main(argv=None) -> int:
         print(json.dumps(rows))
     else:
         for r in rows:
-            print(f"{r['dataset']:13s} {r['kind']:15s} {r['algorithm']:10s} eps {r['epsilon']!s:5s} "
-                  f"B {r['compute_budget']!s:4s} loss {r['loss']:.4f}")
+            print(
+                f"{r['dataset']:13s} {r['kind']:15s} {r['algorithm']:10s} eps {r['epsilon']!s:5s} "
+                f"B {r['compute_budget']!s:4s} loss {r['loss']:.4f}"
+            )
     return 0
 
 

@@ -53,8 +53,15 @@ import userdp.engine.layer_norm_grads as layer_norm_grads  # noqa: E402
 #: H100 SXM peaks: HBM3 bytes/s, bf16 tensor-core and float32 SIMT FLOP/s (dense)
 H100 = {"bandwidth": 3.35e12, "bf16": 989e12, "fp32": 67e12}
 #: ops that allocate without writing
-NO_WRITE = frozenset({"empty.memory_format", "empty_strided.default", "empty_like.default", "new_empty.default",
-                      "new_empty_strided.default"})
+NO_WRITE = frozenset(
+    {
+        "empty.memory_format",
+        "empty_strided.default",
+        "empty_like.default",
+        "new_empty.default",
+        "new_empty_strided.default",
+    }
+)
 GEMMS = frozenset({"mm", "bmm", "addmm", "baddbmm", "addbmm"})
 #: ops that read only the elements their index picks from their first argument
 GATHERS = frozenset({"gather", "index_select", "embedding", "index"})
@@ -167,8 +174,12 @@ def _triton_operand(traffic: Traffic):
     def fused(y, c, bad, wp, split=True):
         lead, (m, t, _) = y.shape[:-3], y.shape[-3:]
         buf = torch.empty(*lead, m * t, (2 if split else 1) * wp, dtype=torch.bfloat16, device=y.device)
-        traffic.charge(("triton_operand", (tuple(y.shape),), "fused_operand"),
-                       y.numel() * y.element_size() + buf.numel() * 2, 0.0, True)
+        traffic.charge(
+            ("triton_operand", (tuple(y.shape),), "fused_operand"),
+            y.numel() * y.element_size() + buf.numel() * 2,
+            0.0,
+            True,
+        )
         return buf
 
     return fused
@@ -186,6 +197,7 @@ class _LayerNormKernel:
         def launch(x2, g2, mean, rstd, w, b, *args, **kwargs):
             nbytes = sum(t.numel() * t.element_size() for t in (x2, g2, mean, rstd, w, b))
             self.traffic.charge(("triton_layer_norm", (tuple(x2.shape),), "unit_grads"), nbytes, 0.0, True)
+
         return launch
 
 
@@ -201,6 +213,7 @@ class _GramKernel:
             outs = (v, qy, qx, sx) if ROW_SUMS else (v, qy, qx)
             nbytes = sum(t.numel() * t.element_size() for t in (gx, gy, rbx, rby, *outs))
             self.traffic.charge(("triton_gram_pair", (tuple(gx.shape),), "pair_rows"), nbytes, 0.0, True)
+
         return launch
 
 
@@ -219,13 +232,23 @@ def _on_cuda(traffic: Traffic, without: tuple = ()):
         stack.enter_context(mock.patch.object(contraction.gram_triton, "_pair_kernel", _GramKernel(traffic)))
     if layer_norm_grads.layer_norm_triton is not None and "layer_norm" not in without:
         stack.enter_context(mock.patch.object(layer_norm_grads, "_fused_allowed", lambda device: True))
-        stack.enter_context(mock.patch.object(layer_norm_grads.layer_norm_triton, "_grads_kernel",
-                                              _LayerNormKernel(traffic)))
+        stack.enter_context(
+            mock.patch.object(layer_norm_grads.layer_norm_triton, "_grads_kernel", _LayerNormKernel(traffic))
+        )
     return stack
 
 
-def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int, seq: int, rates: dict,
-            lazy: bool = True, without: tuple = ()) -> dict:
+def profile(
+    mode: FakeTensorMode,
+    model,
+    algorithm: str,
+    users: int,
+    group: int,
+    seq: int,
+    rates: dict,
+    lazy: bool = True,
+    without: tuple = (),
+) -> dict:
     """Traffic and roofline time of a non-private forward and backward and of one ghost chunk (its bad
     units' rows zeroed lazily, as the loop runs it on a device, or always: ``lazy`` False)."""
     _, nonprivate, ghost = bench_memory.sides(model, algorithm, users, group, seq, lazy)
@@ -243,6 +266,7 @@ def profile(mode: FakeTensorMode, model, algorithm: str, users: int, group: int,
 def excess(a: Traffic, b: Traffic) -> list:
     """(key, calls, bytes, flops, seconds) of the ghost chunk's rows minus the same op on as many
     elements of the non-private side (any caller), largest time first."""
+
     def same(op: str, shapes: tuple) -> tuple:  # [n, L, d] and [n·L, d] are the same op on the same data
         return op, tuple((math.prod(s), s[-1] if s else 1) for s in shapes)
 
@@ -277,45 +301,87 @@ def main(argv=None) -> int:
     p.add_argument("--fp32", type=float, default=0.7, help="fraction of the float32 SIMT peak reached")
     p.add_argument("--launch", type=float, default=3e-6, help="seconds an op adds whatever its size")
     p.add_argument("--operand", choices=["split", "rounded"], default=contraction.SUM_OPERAND)
-    p.add_argument("--zero-always", action="store_true",
-                   help="zero the bad units' rows in every chunk (a sharded step; the code before lazy zeroing)")
-    p.add_argument("--without", default="", help="kernels left to the torch passes, comma-separated: gram, layer_norm "
-                   "(the code before them)")
+    p.add_argument(
+        "--zero-always",
+        action="store_true",
+        help="zero the bad units' rows in every chunk (a sharded step; the code before lazy zeroing)",
+    )
+    p.add_argument(
+        "--without",
+        default="",
+        help="kernels left to the torch passes, comma-separated: gram, layer_norm (the code before them)",
+    )
     p.add_argument("--top", type=int, default=12, help="the DP-only rows to list")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    rates = {"bandwidth": H100["bandwidth"] * args.bandwidth, "bf16": H100["bf16"] * args.bf16,
-             "fp32": H100["fp32"] * args.fp32, "launch": args.launch}
+    rates = {
+        "bandwidth": H100["bandwidth"] * args.bandwidth,
+        "bf16": H100["bf16"] * args.bf16,
+        "fp32": H100["fp32"] * args.fp32,
+        "launch": args.launch,
+    }
     for name in args.models:
         mode = FakeTensorMode()
         model = bench_memory.fake_gpt2(mode, **bench_memory.SHAPES[name])
         for algorithm in args.algorithms:
             t0 = time.perf_counter()
             with mock.patch.object(contraction, "SUM_OPERAND", args.operand):
-                res = profile(mode, model, algorithm, args.users, args.group_size, args.seq_len, rates,
-                              lazy=not args.zero_always, without=tuple(filter(None, args.without.split(","))))
+                res = profile(
+                    mode,
+                    model,
+                    algorithm,
+                    args.users,
+                    args.group_size,
+                    args.seq_len,
+                    rates,
+                    lazy=not args.zero_always,
+                    without=tuple(filter(None, args.without.split(","))),
+                )
             a, b = res["nonprivate"], res["ghost"]
             rows = excess(a, b)
-            row = {"model": name, "algorithm": algorithm, "operand": args.operand, "users": args.users,
-                   "group_size": args.group_size, "seq_len": args.seq_len,
-                   "nonprivate_s": a.total(), "ghost_s": b.total(), "ratio": b.total() / a.total(),
-                   "nonprivate_gb": sum(r[1] for r in a.rows.values()) / 1e9,
-                   "ghost_gb": sum(r[1] for r in b.rows.values()) / 1e9,
-                   "nonprivate_ops": sum(r[0] for r in a.rows.values()),
-                   "ghost_ops": sum(r[0] for r in b.rows.values()),
-                   "top": [{"op": k[0], "shapes": k[1], "in": k[2], "calls": n, "gb": by / 1e9,
-                            "gflop": fl / 1e9, "ms": s * 1e3} for k, n, by, fl, s in rows[: args.top]],
-                   "seconds": round(time.perf_counter() - t0, 1)}
+            row = {
+                "model": name,
+                "algorithm": algorithm,
+                "operand": args.operand,
+                "users": args.users,
+                "group_size": args.group_size,
+                "seq_len": args.seq_len,
+                "nonprivate_s": a.total(),
+                "ghost_s": b.total(),
+                "ratio": b.total() / a.total(),
+                "nonprivate_gb": sum(r[1] for r in a.rows.values()) / 1e9,
+                "ghost_gb": sum(r[1] for r in b.rows.values()) / 1e9,
+                "nonprivate_ops": sum(r[0] for r in a.rows.values()),
+                "ghost_ops": sum(r[0] for r in b.rows.values()),
+                "top": [
+                    {
+                        "op": k[0],
+                        "shapes": k[1],
+                        "in": k[2],
+                        "calls": n,
+                        "gb": by / 1e9,
+                        "gflop": fl / 1e9,
+                        "ms": s * 1e3,
+                    }
+                    for k, n, by, fl, s in rows[: args.top]
+                ],
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
             if args.json:
                 print(json.dumps(row), flush=True)
                 continue
-            print(f"{name} {algorithm.upper()} ({args.operand} operand): non-private {row['nonprivate_s'] * 1e3:.1f} ms "
-                  f"({row['nonprivate_gb']:.1f} GB, {row['nonprivate_ops']} ops), ghost chunk "
-                  f"{row['ghost_s'] * 1e3:.1f} ms ({row['ghost_gb']:.1f} GB, {row['ghost_ops']} ops): "
-                  f"{row['ratio']:.3f}x", flush=True)
+            print(
+                f"{name} {algorithm.upper()} ({args.operand} operand): non-private {row['nonprivate_s'] * 1e3:.1f} ms "
+                f"({row['nonprivate_gb']:.1f} GB, {row['nonprivate_ops']} ops), ghost chunk "
+                f"{row['ghost_s'] * 1e3:.1f} ms ({row['ghost_gb']:.1f} GB, {row['ghost_ops']} ops): "
+                f"{row['ratio']:.3f}x",
+                flush=True,
+            )
             for t in row["top"]:
-                print(f"  {t['ms']:7.2f} ms {t['gb']:7.2f} GB {t['gflop']:9.1f} GFLOP  x{t['calls']:<4d} {t['op']} "
-                      f"{t['shapes']} in {t['in']}")
+                print(
+                    f"  {t['ms']:7.2f} ms {t['gb']:7.2f} GB {t['gflop']:9.1f} GFLOP  x{t['calls']:<4d} {t['op']} "
+                    f"{t['shapes']} in {t['in']}"
+                )
     return 0
 
 

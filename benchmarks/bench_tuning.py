@@ -32,15 +32,22 @@ def main(argv=None) -> int:
     n, steps, cohort = 1175, 100, 64
 
     def plan_at(tau):
-        cfg = E.TrainConfig(algorithm=E.ULS(group_size=2, sampling_rate=cohort / n), steps=steps,
-                            clipping=E.FlatClip(1.0), optimizer=E.Adam(lr=1e-3), target_epsilon=tau)
+        cfg = E.TrainConfig(
+            algorithm=E.ULS(group_size=2, sampling_rate=cohort / n),
+            steps=steps,
+            clipping=E.FlatClip(1.0),
+            optimizer=E.Adam(lr=1e-3),
+            target_epsilon=tau,
+        )
         return make_plan(cfg, num_users=n, num_units=n)
 
     budgets = [3.0] if args.quick else [1.0, 3.0, 8.0]
     counts = [("tnb eta=1", TrialCount.with_mean("tnb", args.mean_trials, 1.0))]
     if not args.quick:
-        counts += [("tnb eta=0", TrialCount.with_mean("tnb", args.mean_trials, 0.0)),
-                   ("poisson", TrialCount.with_mean("poisson", args.mean_trials))]
+        counts += [
+            ("tnb eta=0", TrialCount.with_mean("tnb", args.mean_trials, 0.0)),
+            ("poisson", TrialCount.with_mean("poisson", args.mean_trials)),
+        ]
     rows = []
     for eps in budgets:
         one = plan_at(eps)
@@ -50,17 +57,26 @@ def main(argv=None) -> int:
             secs = time.perf_counter() - t0
             sigma = cal.plans["uls"].noise_multiplier
             all_trials = TA.epsilon_from_rdp(TA.ORDERS, args.mean_trials * TA.run_rdp(cal.plans["uls"]), one.delta)
-            row = {"epsilon_budget": eps, "trial_count": name, "mean_trials": args.mean_trials,
-                   "sigma_one_run": round(one.noise_multiplier, 4), "sigma_per_trial": round(sigma, 4),
-                   "sigma_ratio": round(sigma / one.noise_multiplier, 3),
-                   "epsilon_final_model": round(cal.epsilon_trial["uls"], 3),
-                   "epsilon_total": round(cal.epsilon_total, 3),
-                   "epsilon_publish_mean_trials": round(all_trials, 2), "calibration_s": round(secs, 1)}
+            row = {
+                "epsilon_budget": eps,
+                "trial_count": name,
+                "mean_trials": args.mean_trials,
+                "sigma_one_run": round(one.noise_multiplier, 4),
+                "sigma_per_trial": round(sigma, 4),
+                "sigma_ratio": round(sigma / one.noise_multiplier, 3),
+                "epsilon_final_model": round(cal.epsilon_trial["uls"], 3),
+                "epsilon_total": round(cal.epsilon_total, 3),
+                "epsilon_publish_mean_trials": round(all_trials, 2),
+                "calibration_s": round(secs, 1),
+            }
             rows.append(row)
-            print(f"E = {eps:g}, {name:10s}: sigma per trial {sigma:.4f} = {row['sigma_ratio']:.2f}x one run's "
-                  f"{one.noise_multiplier:.4f}; final model alone eps {row['epsilon_final_model']:.3f}, "
-                  f"tuning + final {row['epsilon_total']:.3f}; publishing {args.mean_trials:g} trials would be "
-                  f"{row['epsilon_publish_mean_trials']:.2f}; calibrated in {secs:.1f} s", flush=True)
+            print(
+                f"E = {eps:g}, {name:10s}: sigma per trial {sigma:.4f} = {row['sigma_ratio']:.2f}x one run's "
+                f"{one.noise_multiplier:.4f}; final model alone eps {row['epsilon_final_model']:.3f}, "
+                f"tuning + final {row['epsilon_total']:.3f}; publishing {args.mean_trials:g} trials would be "
+                f"{row['epsilon_publish_mean_trials']:.2f}; calibrated in {secs:.1f} s",
+                flush=True,
+            )
     if args.json:
         print(json.dumps(rows))
     return 0

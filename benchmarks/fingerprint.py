@@ -90,8 +90,10 @@ def run_lm(algorithm):
     from userdp.lm import config as C
     from userdp.lm.finetune import run as lm_run
 
-    words = ("the king is dead long live the queen my lord I pray you speak of love and war "
-             "to be or not to be that is the question").split()
+    words = (
+        "the king is dead long live the queen my lord I pray you speak of love and war "
+        "to be or not to be that is the question"
+    ).split()
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as d:
         d = pathlib.Path(d)
@@ -101,7 +103,7 @@ def run_lm(algorithm):
                     f.write(json.dumps({"user": f"u{u}", "text": " ".join(rng.choice(words) for _ in range(9))}) + "\n")
         (d / "public.txt").write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(20)) for _ in range(60)))
         (d / "c.yaml").write_text(f"""
-data: {{source: jsonl, path: {d / 'users.jsonl'}, public_path: {d / 'public.txt'}, heldout_users: 0.2}}
+data: {{source: jsonl, path: {d / "users.jsonl"}, public_path: {d / "public.txt"}, heldout_users: 0.2}}
 tokenizer: {{vocab_size: 300, seq_len: 16}}
 model: {{preset: tiny, pretraining: {{steps: 6, batch_size: 8}}}}
 privacy: {{epsilon: 8.0}}

@@ -28,8 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 
-PRESETS = {"gpt2-small": dict(d=768, layers=12, ff=3072, vocab=50257),
-           "gpt2-medium": dict(d=1024, layers=24, ff=4096, vocab=50257)}
+PRESETS = {
+    "gpt2-small": dict(d=768, layers=12, ff=3072, vocab=50257),
+    "gpt2-medium": dict(d=1024, layers=24, ff=4096, vocab=50257),
+}
 
 
 def model_flops(name: str, users: int, group: int, seq: int, bf16_tflops: float, fp32_tflops: float) -> dict:
@@ -51,12 +53,25 @@ def model_flops(name: str, users: int, group: int, seq: int, bf16_tflops: float,
     before = fwd_bwd_inputs / r_bf16 + (grams + clipped_sum) / r_fp32
     after = fwd_bwd_inputs / r_bf16 + (grams + 2 * clipped_sum) / r_bf16
     rounded = fwd_bwd_inputs / r_bf16 + (grams + clipped_sum) / r_bf16  # contraction.SUM_OPERAND = "rounded"
-    return {"model": name, "users": users, "group_size": group, "seq_len": seq, "tokens": n,
-            "matmul_params": p_mm, "nonprivate_tflop": nonpriv / 1e12, "ghost_fwd_bwd_tflop": fwd_bwd_inputs / 1e12,
-            "grams_tflop": grams / 1e12, "clipped_sum_tflop": clipped_sum / 1e12,
-            "nonprivate_s": t_np, "ghost_float32_simt_s": before, "ghost_tensor_cores_s": after,
-            "ratio_before": before / t_np, "ratio_after": after / t_np,
-            "ghost_rounded_operand_s": rounded, "ratio_rounded_operand": rounded / t_np}
+    return {
+        "model": name,
+        "users": users,
+        "group_size": group,
+        "seq_len": seq,
+        "tokens": n,
+        "matmul_params": p_mm,
+        "nonprivate_tflop": nonpriv / 1e12,
+        "ghost_fwd_bwd_tflop": fwd_bwd_inputs / 1e12,
+        "grams_tflop": grams / 1e12,
+        "clipped_sum_tflop": clipped_sum / 1e12,
+        "nonprivate_s": t_np,
+        "ghost_float32_simt_s": before,
+        "ghost_tensor_cores_s": after,
+        "ratio_before": before / t_np,
+        "ratio_after": after / t_np,
+        "ghost_rounded_operand_s": rounded,
+        "ratio_rounded_operand": rounded / t_np,
+    }
 
 
 def main(argv=None) -> int:
@@ -67,23 +82,32 @@ def main(argv=None) -> int:
     p.add_argument("--efficiency", type=float, default=0.55, help="fraction of peak both rates reach")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    rows = [model_flops(m, a.users, a.group_size, a.seq_len, 989 * a.efficiency, 67 * a.efficiency)
-            for m in PRESETS]
+    rows = [model_flops(m, a.users, a.group_size, a.seq_len, 989 * a.efficiency, 67 * a.efficiency) for m in PRESETS]
     if a.json:
         print(json.dumps(rows))
         return 0
     for r in rows:
-        print(f"{r['model']}: {r['users']} users x G = {r['group_size']} x {r['seq_len']} tokens = {r['tokens']:,} "
-              f"tokens; matmul parameters {r['matmul_params'] / 1e6:.0f}M")
+        print(
+            f"{r['model']}: {r['users']} users x G = {r['group_size']} x {r['seq_len']} tokens = {r['tokens']:,} "
+            f"tokens; matmul parameters {r['matmul_params'] / 1e6:.0f}M"
+        )
         print(f"  non-private 6PN + attention = {r['nonprivate_tflop']:.1f} TFLOP -> {r['nonprivate_s'] * 1e3:.0f} ms")
-        print(f"  ghost: forward + backward to outputs {r['ghost_fwd_bwd_tflop']:.1f} TFLOP (bf16), Grams "
-              f"{r['grams_tflop']:.2f} TFLOP, clipped sum {r['clipped_sum_tflop']:.1f} TFLOP")
-        print(f"  before (Grams and sum in float32 SIMT): {r['ghost_float32_simt_s'] * 1e3:.0f} ms = "
-              f"{r['ratio_before']:.2f}x non-private")
-        print(f"  after (bf16 Grams, sum as hi + lo bf16 GEMM): {r['ghost_tensor_cores_s'] * 1e3:.0f} ms = "
-              f"{r['ratio_after']:.2f}x non-private")
-        print(f"  with the rounded operand (one bf16 GEMM on c*y rounded, its rounding in the bound): "
-              f"{r['ghost_rounded_operand_s'] * 1e3:.0f} ms = {r['ratio_rounded_operand']:.2f}x non-private")
+        print(
+            f"  ghost: forward + backward to outputs {r['ghost_fwd_bwd_tflop']:.1f} TFLOP (bf16), Grams "
+            f"{r['grams_tflop']:.2f} TFLOP, clipped sum {r['clipped_sum_tflop']:.1f} TFLOP"
+        )
+        print(
+            f"  before (Grams and sum in float32 SIMT): {r['ghost_float32_simt_s'] * 1e3:.0f} ms = "
+            f"{r['ratio_before']:.2f}x non-private"
+        )
+        print(
+            f"  after (bf16 Grams, sum as hi + lo bf16 GEMM): {r['ghost_tensor_cores_s'] * 1e3:.0f} ms = "
+            f"{r['ratio_after']:.2f}x non-private"
+        )
+        print(
+            f"  with the rounded operand (one bf16 GEMM on c*y rounded, its rounding in the bound): "
+            f"{r['ghost_rounded_operand_s'] * 1e3:.0f} ms = {r['ratio_rounded_operand']:.2f}x non-private"
+        )
     return 0
 
 

@@ -29,8 +29,7 @@ def main():
     sizes = rng.integers(1, 21, num_users)  # records per user
     user_means = rng.normal(1.0, 0.5, (num_users, dim))
     x = np.concatenate([rng.normal(m, 1.0, (n, dim)) for m, n in zip(user_means, sizes)])
-    data = TensorUserData({"x": torch.tensor(x, dtype=torch.float32)},
-                          offsets=np.concatenate([[0], np.cumsum(sizes)]))
+    data = TensorUserData({"x": torch.tensor(x, dtype=torch.float32)}, offsets=np.concatenate([[0], np.cumsum(sizes)]))
 
     config = TrainConfig(
         algorithm=ULS(group_size=8, sampling_rate=0.1),  # users Poisson-sampled at q = 0.1
@@ -41,13 +40,28 @@ def main():
         delta=1e-5,
     )
     model = Mean(dim)
-    result = train(model, data, loss_fn, config,
-                   RunOptions(callbacks=[lambda m: m["step"] % 25 == 0 and print(
-                       f"step {m['step']:3d}  loss {m['loss']:.3f}  eps<= {m['epsilon_spent']:.2f}  "
-                       f"units {m['units']}  clipped {m['fraction_clipped']:.2f}")]))
+    result = train(
+        model,
+        data,
+        loss_fn,
+        config,
+        RunOptions(
+            callbacks=[
+                lambda m: (
+                    m["step"] % 25 == 0
+                    and print(
+                        f"step {m['step']:3d}  loss {m['loss']:.3f}  eps<= {m['epsilon_spent']:.2f}  "
+                        f"units {m['units']}  clipped {m['fraction_clipped']:.2f}"
+                    )
+                )
+            ]
+        ),
+    )
     target = torch.tensor(user_means.mean(0), dtype=torch.float32)
-    print(f"noise multiplier {result.noise_multiplier:.3f}; spent epsilon = {result.epsilon:.3f} "
-          f"at delta = {result.delta:g} over {result.steps} steps ({result.record['sampler_mode']})")
+    print(
+        f"noise multiplier {result.noise_multiplier:.3f}; spent epsilon = {result.epsilon:.3f} "
+        f"at delta = {result.delta:g} over {result.steps} steps ({result.record['sampler_mode']})"
+    )
     print(f"error vs the mean of user means: {float((model.theta.detach() - target).norm()):.3f}")
 
 

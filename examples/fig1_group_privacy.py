@@ -41,28 +41,46 @@ def main() -> None:
     rows = []
     for g in groups:
         t0 = time.perf_counter()
-        tight = A.epsilon(A.compose(A.els_step_event(args.noise_multiplier, args.sampling_rate, g), args.steps),
-                          args.delta, value_discretization_interval=args.interval if g > 1 else 1e-4)
-        generic = {f: GP.group_privacy_epsilon(example, g, args.delta, form=f, min_example_delta=1e-100)
-                   for f in ("a", "c")}
-        rows.append({"G": g, "tight_mog": tight,
-                     "generic_a": generic["a"].epsilon if generic["a"].feasible else None,
-                     "generic_c": generic["c"].epsilon if generic["c"].feasible else None,
-                     "seconds": round(time.perf_counter() - t0, 1)})
+        tight = A.epsilon(
+            A.compose(A.els_step_event(args.noise_multiplier, args.sampling_rate, g), args.steps),
+            args.delta,
+            value_discretization_interval=args.interval if g > 1 else 1e-4,
+        )
+        generic = {
+            f: GP.group_privacy_epsilon(example, g, args.delta, form=f, min_example_delta=1e-100) for f in ("a", "c")
+        }
+        rows.append(
+            {
+                "G": g,
+                "tight_mog": tight,
+                "generic_a": generic["a"].epsilon if generic["a"].feasible else None,
+                "generic_c": generic["c"].epsilon if generic["c"].feasible else None,
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
     gs = [r["G"] for r in rows]
     ax.plot(gs, [r["tight_mog"] for r in rows], "o-", label="tight (mixture of Gaussians, PLD)")
-    for key, label, style in (("generic_a", "group privacy, form (a)", "s--"),
-                              ("generic_c", "group privacy, form (c)", "^:")):
+    for key, label, style in (
+        ("generic_a", "group privacy, form (a)", "s--"),
+        ("generic_c", "group privacy, form (c)", "^:"),
+    ):
         pts = [(r["G"], r[key]) for r in rows if r[key] is not None]
         if pts:
             ax.plot(*zip(*pts), style, label=label)
     for r in rows:
         if r["generic_a"] is None:
-            ax.annotate("group privacy:\ninfeasible", (r["G"], r["tight_mog"]), xytext=(-6, -28),
-                        textcoords="offset points", fontsize=7, ha="right", color="C1")
+            ax.annotate(
+                "group privacy:\ninfeasible",
+                (r["G"], r["tight_mog"]),
+                xytext=(-6, -28),
+                textcoords="offset points",
+                fontsize=7,
+                ha="right",
+                color="C1",
+            )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("group size G (records per user)")

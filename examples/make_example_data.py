@@ -13,13 +13,37 @@ import random
 from pathlib import Path
 
 VERBS = ["fix", "add", "remove", "refactor", "update", "rename", "document", "test", "speed up", "simplify"]
-THINGS = ["the parser", "login flow", "cache eviction", "the CLI help", "error messages", "retry logic",
-          "config loading", "the build script", "unit tests", "logging", "the scheduler", "date handling"]
-WHY = ["so that it no longer crashes on empty input", "to match the new API", "after review comments",
-       "because the old path leaked memory", "for the release", "to make the tests deterministic",
-       "as discussed in the design doc", "to cut start-up time", "so errors name the bad field"]
-STYLE = [lambda v, t, w: f"{v} {t} {w}", lambda v, t, w: f"{v.capitalize()} {t}: {w}.",
-         lambda v, t, w: f"[{t}] {v} ({w})", lambda v, t, w: f"{v} {t}\n\n{w.capitalize()}."]
+THINGS = [
+    "the parser",
+    "login flow",
+    "cache eviction",
+    "the CLI help",
+    "error messages",
+    "retry logic",
+    "config loading",
+    "the build script",
+    "unit tests",
+    "logging",
+    "the scheduler",
+    "date handling",
+]
+WHY = [
+    "so that it no longer crashes on empty input",
+    "to match the new API",
+    "after review comments",
+    "because the old path leaked memory",
+    "for the release",
+    "to make the tests deterministic",
+    "as discussed in the design doc",
+    "to cut start-up time",
+    "so errors name the bad field",
+]
+STYLE = [
+    lambda v, t, w: f"{v} {t} {w}",
+    lambda v, t, w: f"{v.capitalize()} {t}: {w}.",
+    lambda v, t, w: f"[{t}] {v} ({w})",
+    lambda v, t, w: f"{v} {t}\n\n{w.capitalize()}.",
+]
 
 
 def main(out: Path = Path(__file__).parent / "data") -> None:

@@ -26,16 +26,20 @@ def main():
     w = rng.normal(size=(16, 4))
     x = rng.normal(size=(n, 16)).astype(np.float32)
     y = (x @ w + rng.gumbel(size=(n, 4))).argmax(1)
-    data = TensorUserData({"x": torch.tensor(x), "y": torch.tensor(y)},
-                          offsets=np.concatenate([[0], np.cumsum(sizes)]))
+    data = TensorUserData({"x": torch.tensor(x), "y": torch.tensor(y)}, offsets=np.concatenate([[0], np.cumsum(sizes)]))
     hx = rng.normal(size=(2000, 16)).astype(np.float32)  # held-out people's records, never trained on
     held_x, held_y = torch.tensor(hx), torch.tensor((hx @ w + rng.gumbel(size=(2000, 4))).argmax(1))
 
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.5)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=60)
-    config = TrainConfig(algorithm=ULS(group_size=8, sampling_rate=0.25), steps=60, clipping=FlatClip(1.0),
-                         target_epsilon=3.0, delta=1e-5)
+    config = TrainConfig(
+        algorithm=ULS(group_size=8, sampling_rate=0.25),
+        steps=60,
+        clipping=FlatClip(1.0),
+        target_epsilon=3.0,
+        delta=1e-5,
+    )
 
     with make_private(model, optimizer, data, loss_fn, config) as private:
         for step in private:
@@ -44,13 +48,17 @@ def main():
             optimizer.step()
             scheduler.step()
             if step.index % 20 == 0:
-                print(f"step {step.index:3d}  loss {metrics['loss']:.3f} (private, not for release)  "
-                      f"eps <= {metrics['epsilon_spent']:.2f}  lr {scheduler.get_last_lr()[0]:.3f}")
+                print(
+                    f"step {step.index:3d}  loss {metrics['loss']:.3f} (private, not for release)  "
+                    f"eps <= {metrics['epsilon_spent']:.2f}  lr {scheduler.get_last_lr()[0]:.3f}"
+                )
         record = private.record()
     with torch.no_grad():
         acc = (model(held_x).argmax(1) == held_y).float().mean()
-    print(f"sigma {private.noise_multiplier:.3f}, q {private.sampling_rate:.2f}: epsilon = {private.epsilon():.3f} "
-          f"at delta = {private.delta:g} ({record['stopped']}); at delta = 1e-7: {private.epsilon(1e-7):.3f}")
+    print(
+        f"sigma {private.noise_multiplier:.3f}, q {private.sampling_rate:.2f}: epsilon = {private.epsilon():.3f} "
+        f"at delta = {private.delta:g} ({record['stopped']}); at delta = 1e-7: {private.epsilon(1e-7):.3f}"
+    )
     print(f"accuracy {float(acc):.3f}")
 
 

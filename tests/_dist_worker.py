@@ -21,11 +21,22 @@ SIZES = [3, 1, 5, 2, 8, 4, 6, 7] * 3  # G = 2 < most sizes: each step draws reco
 
 
 def configs():
-    common = dict(steps=4, clipping=FlatClip(0.5), optimizer=SGD(0.5), noise_multiplier=1.3, delta=1e-5, seed=17,
-                  chunk_size=3, track_epsilon=False, accountant="rdp")
-    return {"uls": TrainConfig(algorithm=ULS(2, 0.5), **common),
-            "els": TrainConfig(algorithm=ELS(2, 0.3), **common),
-            "fedavg": TrainConfig(algorithm=FedAvg(2, 0.5, local_epochs=2, local_lr=0.3), **common)}
+    common = dict(
+        steps=4,
+        clipping=FlatClip(0.5),
+        optimizer=SGD(0.5),
+        noise_multiplier=1.3,
+        delta=1e-5,
+        seed=17,
+        chunk_size=3,
+        track_epsilon=False,
+        accountant="rdp",
+    )
+    return {
+        "uls": TrainConfig(algorithm=ULS(2, 0.5), **common),
+        "els": TrainConfig(algorithm=ELS(2, 0.3), **common),
+        "fedavg": TrainConfig(algorithm=FedAvg(2, 0.5, local_epochs=2, local_lr=0.3), **common),
+    }
 
 
 class Recorded(DelegatingUserData):
@@ -68,8 +79,9 @@ def main(out_dir: str) -> None:
         params = run_all(combiner_for(world.distributed))
     finally:
         dist.all_reduce = real
-    torch.save({"params": params, "all_reduce": issued, "world_size": world.world_size},
-               f"{out_dir}/rank{world.rank}.pt")
+    torch.save(
+        {"params": params, "all_reduce": issued, "world_size": world.world_size}, f"{out_dir}/rank{world.rank}.pt"
+    )
     world.close()
 
 

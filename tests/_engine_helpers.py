@@ -162,9 +162,11 @@ class Crash(Exception):
 def crash_at(step: int):
     """A training callback that raises :class:`Crash` once step ``step`` is done (before its
     checkpoint: the step is begun, and lost unless a checkpoint follows)."""
+
     def cb(m):
         if m["step"] == step:
             raise Crash()
+
     return cb
 
 
@@ -197,6 +199,10 @@ def bf16_lm_chunk(model, ids: torch.Tensor, clip=None, weights: torch.Tensor | N
     clip = clip or FlatClip(1.0)
     st = GhostPerUnit(model, causal_lm_loss, ULS(group_size=g, sampling_rate=0.5), Precision("bfloat16"))
     w = torch.ones(m, device=ids.device) if weights is None else weights
-    out = st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(m, g, device=ids.device), w,
-                         StepClipping(clip, clip.initial_state(), torch.float32))
+    out = st.clipped_sum(
+        {"input_ids": ids, "labels": ids.clone()},
+        torch.ones(m, g, device=ids.device),
+        w,
+        StepClipping(clip, clip.initial_state(), torch.float32),
+    )
     return st, out

@@ -8,8 +8,10 @@ import random
 import shutil
 from pathlib import Path
 
-WORDS = ("the king is dead long live the queen my lord I pray you speak of love and war "
-         "to be or not to be that is the question whether tis nobler in the mind").split()
+WORDS = (
+    "the king is dead long live the queen my lord I pray you speak of love and war "
+    "to be or not to be that is the question whether tis nobler in the mind"
+).split()
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -126,8 +128,9 @@ def _pretrain_tiny(build: Path, done: Path) -> None:
     try:
         cfg = C.load_config(str(cfg_path), [])
         prep = F.prepare_data(cfg.data, lambda m: None)
-        get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, lambda m: None, progress=False,
-                                device=torch.device("cpu"))
+        get_tokenizer_and_model(
+            cfg.tokenizer, cfg.model, prep, lambda m: None, progress=False, device=torch.device("cpu")
+        )
     finally:
         if before is None:
             os.environ.pop("USERDP_CACHE")

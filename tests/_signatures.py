@@ -39,5 +39,6 @@ def functions_called():
 
 def wide(called, limit: int = 6) -> list[str]:
     """``file:function (n)`` for each function in ``called`` that takes more than ``limit`` parameters."""
-    return sorted(f"{os.path.relpath(c.co_filename, SRC)}:{c.co_qualname} ({n})" for c in called
-                  if (n := parameters(c)) > limit)
+    return sorted(
+        f"{os.path.relpath(c.co_filename, SRC)}:{c.co_qualname} ({n})" for c in called if (n := parameters(c)) > limit
+    )

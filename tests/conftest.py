@@ -50,12 +50,16 @@ def isolated_registries():
     from userdp.accounting import accountants
     from userdp.engine import algorithms, noise, per_unit, sampling
 
-    registries = (algorithms.ALGORITHMS, accountants.ACCOUNTANTS, per_unit.PER_UNIT_STRATEGIES,
-                  noise.NOISE_MECHANISMS, sampling.SAMPLERS)
+    registries = (
+        algorithms.ALGORITHMS,
+        accountants.ACCOUNTANTS,
+        per_unit.PER_UNIT_STRATEGIES,
+        noise.NOISE_MECHANISMS,
+        sampling.SAMPLERS,
+    )
     saved = [dict(r._items) for r in registries], dict(plugins._LOADED)
     yield
     for r, items in zip(registries, saved[0]):
         r._items = items
     plugins._LOADED.clear()
     plugins._LOADED.update(saved[1])
-

@@ -16,8 +16,13 @@ def test_uls_calibration_matches_dp_accounting_and_is_pessimistic():
     make = lambda z: A.uls_step_event(z, q)  # noqa: E731
     ours = A.calibrate_noise_multiplier(make, T, eps, delta)
     ref = dp_accounting.calibrate_dp_mechanism(
-        pld_privacy_accountant.PLDAccountant, lambda z: A.compose(make(z), T), eps, delta,
-        bracket_interval=dp_accounting.ExplicitBracketInterval(0.97 * ours, ours), tol=1e-4 * ours)
+        pld_privacy_accountant.PLDAccountant,
+        lambda z: A.compose(make(z), T),
+        eps,
+        delta,
+        bracket_interval=dp_accounting.ExplicitBracketInterval(0.97 * ours, ours),
+        tol=1e-4 * ours,
+    )
     assert ref <= ours <= 1.01 * ref
     assert A.epsilon(A.compose(make(ours), T), delta) <= eps  # at dp_accounting's default PLD
 
@@ -63,9 +68,17 @@ def test_unreachable_epsilon_is_a_user_error():
         A.calibrate_noise_multiplier(lambda z: A.uls_step_event(z, 1.0), 10, 1e-9, 1e-6)
 
 
-@pytest.mark.parametrize("kwargs", [dict(epsilon=0.0, delta=1e-6, steps=10), dict(epsilon=-1, delta=1e-6, steps=10),
-                                    dict(epsilon=1.0, delta=0.0, steps=10), dict(epsilon=1.0, delta=1.0, steps=10),
-                                    dict(epsilon=1.0, delta=1e-6, steps=0), dict(epsilon=math.inf, delta=1e-6, steps=1)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(epsilon=0.0, delta=1e-6, steps=10),
+        dict(epsilon=-1, delta=1e-6, steps=10),
+        dict(epsilon=1.0, delta=0.0, steps=10),
+        dict(epsilon=1.0, delta=1.0, steps=10),
+        dict(epsilon=1.0, delta=1e-6, steps=0),
+        dict(epsilon=math.inf, delta=1e-6, steps=1),
+    ],
+)
 def test_calibration_bad_input(kwargs):
     with pytest.raises(UserError):
         A.calibrate_noise_multiplier(lambda z: A.uls_step_event(z, 0.1), **kwargs)
@@ -76,6 +89,7 @@ def test_calibration_cache_makes_repeat_cheap():
     a = A.calibrate_noise_multiplier(make, 300, 1.5, 1e-6)
     calls = []
     from userdp.accounting import pld as P  # the PLD backend's module
+
     orig = P.pld_distribution
     try:
         P.pld_distribution = lambda ev, iv: calls.append(1) or orig(ev, iv)

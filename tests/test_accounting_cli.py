@@ -19,8 +19,25 @@ def run(argv, capsys):
 
 
 def test_account_json_matches_library(capsys):
-    rc, out, _ = run(["account", "--mechanism", "els", "--noise-multiplier", "200", "--sampling-rate",
-                      "0.02", "--steps", "100", "--group-size", "8", "--delta", "1e-6", "--json"], capsys)
+    rc, out, _ = run(
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "200",
+            "--sampling-rate",
+            "0.02",
+            "--steps",
+            "100",
+            "--group-size",
+            "8",
+            "--delta",
+            "1e-6",
+            "--json",
+        ],
+        capsys,
+    )
     assert rc == 0
     d = json.loads(out)
     for key in ("epsilon", "delta", "noise_multiplier", "mechanism", "accountant"):
@@ -32,8 +49,23 @@ def test_account_json_matches_library(capsys):
 
 
 def test_account_defaults_group_size_1_and_pld_and_delta_rule(capsys):
-    rc, out, _ = run(["account", "--mechanism", "uls", "--noise-multiplier", "1", "--users", "1000000",
-                      "--cohort-size", "5000", "--steps", "200", "--json"], capsys)
+    rc, out, _ = run(
+        [
+            "account",
+            "--mechanism",
+            "uls",
+            "--noise-multiplier",
+            "1",
+            "--users",
+            "1000000",
+            "--cohort-size",
+            "5000",
+            "--steps",
+            "200",
+            "--json",
+        ],
+        capsys,
+    )
     d = json.loads(out)
     assert rc == 0 and d["group_size"] == 1 and d["accountant"] == "pld"
     assert d["sampling_rate"] == 0.005
@@ -42,23 +74,72 @@ def test_account_defaults_group_size_1_and_pld_and_delta_rule(capsys):
 
 
 def test_account_text_says_what_gave_delta(capsys):
-    rc, out, _ = run(["account", "--mechanism", "uls", "--noise-multiplier", "1", "--users", "1000000",
-                      "--cohort-size", "5000", "--steps", "200", "--accountant", "rdp"], capsys)
+    rc, out, _ = run(
+        [
+            "account",
+            "--mechanism",
+            "uls",
+            "--noise-multiplier",
+            "1",
+            "--users",
+            "1000000",
+            "--cohort-size",
+            "5000",
+            "--steps",
+            "200",
+            "--accountant",
+            "rdp",
+        ],
+        capsys,
+    )
     assert rc == 0 and "N^-1.1" in out and "RDP" in out and "User-level" in out
     assert len(out.strip().splitlines()) <= 3
 
 
 def test_account_fixed_cohort_reproduces_a4(capsys):
-    rc, out, _ = run(["account", "--mechanism", "uls", "--noise-multiplier", "5", "--users", "1000000",
-                      "--cohort-size", "100", "--steps", "200", "--fixed-cohort", "--json"], capsys)
+    rc, out, _ = run(
+        [
+            "account",
+            "--mechanism",
+            "uls",
+            "--noise-multiplier",
+            "5",
+            "--users",
+            "1000000",
+            "--cohort-size",
+            "100",
+            "--steps",
+            "200",
+            "--fixed-cohort",
+            "--json",
+        ],
+        capsys,
+    )
     d = json.loads(out)
     assert rc == 0 and d["accountant"] == "rdp" and d["adjacency"] == "replace_one_user"
     assert d["epsilon"] == pytest.approx(0.0340, abs=5e-5)
 
 
 def test_account_count_noise_stddev(capsys):
-    rc, out, _ = run(["account", "--mechanism", "uls", "--noise-multiplier", "1", "--sampling-rate", "0.01",
-                      "--steps", "100", "--delta", "1e-5", "--count-noise-stddev", "5", "--json"], capsys)
+    rc, out, _ = run(
+        [
+            "account",
+            "--mechanism",
+            "uls",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "0.01",
+            "--steps",
+            "100",
+            "--delta",
+            "1e-5",
+            "--count-noise-stddev",
+            "5",
+            "--json",
+        ],
+        capsys,
+    )
     d = json.loads(out)
     assert rc == 0 and d["noise_multiplier"] == 1.0
     assert d["update_noise_multiplier"] == pytest.approx(1.00504, abs=5e-6)
@@ -67,8 +148,25 @@ def test_account_count_noise_stddev(capsys):
 
 @pytest.mark.slow
 def test_calibrate_json_and_pessimism(capsys):
-    rc, out, _ = run(["calibrate", "--mechanism", "uls", "--epsilon", "1", "--sampling-rate", "0.01",
-                      "--steps", "300", "--delta", "1e-6", "--count-noise-stddev", "10", "--json"], capsys)
+    rc, out, _ = run(
+        [
+            "calibrate",
+            "--mechanism",
+            "uls",
+            "--epsilon",
+            "1",
+            "--sampling-rate",
+            "0.01",
+            "--steps",
+            "300",
+            "--delta",
+            "1e-6",
+            "--count-noise-stddev",
+            "10",
+            "--json",
+        ],
+        capsys,
+    )
     d = json.loads(out)
     assert rc == 0 and d["epsilon"] == 1.0 and d["mechanism"] == "uls"
     z = d["noise_multiplier"]
@@ -78,44 +176,261 @@ def test_calibrate_json_and_pessimism(capsys):
 
 
 def test_calibrate_text(capsys):
-    rc, out, _ = run(["calibrate", "--mechanism", "els", "--epsilon", "0.3", "--users", "10000",
-                      "--cohort-size", "100", "--steps", "100", "--group-size", "4"], capsys)
+    rc, out, _ = run(
+        [
+            "calibrate",
+            "--mechanism",
+            "els",
+            "--epsilon",
+            "0.3",
+            "--users",
+            "10000",
+            "--cohort-size",
+            "100",
+            "--steps",
+            "100",
+            "--group-size",
+            "4",
+        ],
+        capsys,
+    )
     assert rc == 0 and "Calibrated" in out and "ELS" in out and "N^-1.1" in out
 
 
 BAD = [
-    (["account", "--mechanism", "els", "--noise-multiplier", "0", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1e-6"], "--noise-multiplier"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "-2", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1e-6"], "--noise-multiplier"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0", "--steps", "10",
-      "--delta", "1e-6"], "--sampling-rate"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "1.01", "--steps", "10",
-      "--delta", "1e-6"], "--sampling-rate"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1e-6", "--group-size", "0"], "--group-size"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "0",
-      "--delta", "1e-6"], "--steps"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1"], "--delta"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "0"], "--delta"),
-    (["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "10"],
-     "--delta"),
-    (["account", "--mechanism", "uls", "--noise-multiplier", "1", "--users", "100", "--cohort-size", "200",
-      "--steps", "10"], "--cohort-size"),
-    (["account", "--mechanism", "uls", "--noise-multiplier", "1", "--users", "100", "--steps", "10"],
-     "--cohort-size"),
-    (["account", "--mechanism", "uls", "--noise-multiplier", "3", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1e-6", "--count-noise-stddev", "1"], "--count-noise-stddev"),
-    (["account", "--mechanism", "mog", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1e-6"], "--mechanism"),
-    (["calibrate", "--mechanism", "uls", "--epsilon", "0", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1e-6"], "--epsilon"),
-    (["calibrate", "--mechanism", "uls", "--epsilon", "1e-9", "--sampling-rate", "1", "--steps", "10",
-      "--delta", "1e-6"], "--epsilon"),
-    (["calibrate", "--mechanism", "els", "--epsilon", "abc", "--sampling-rate", "0.1", "--steps", "10",
-      "--delta", "1e-6"], "--epsilon"),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "0",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--noise-multiplier",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "-2",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--noise-multiplier",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "0",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--sampling-rate",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "1.01",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--sampling-rate",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+            "--group-size",
+            "0",
+        ],
+        "--group-size",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "0",
+            "--delta",
+            "1e-6",
+        ],
+        "--steps",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1",
+        ],
+        "--delta",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "els",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "0",
+        ],
+        "--delta",
+    ),
+    (
+        ["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0.1", "--steps", "10"],
+        "--delta",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "uls",
+            "--noise-multiplier",
+            "1",
+            "--users",
+            "100",
+            "--cohort-size",
+            "200",
+            "--steps",
+            "10",
+        ],
+        "--cohort-size",
+    ),
+    (["account", "--mechanism", "uls", "--noise-multiplier", "1", "--users", "100", "--steps", "10"], "--cohort-size"),
+    (
+        [
+            "account",
+            "--mechanism",
+            "uls",
+            "--noise-multiplier",
+            "3",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+            "--count-noise-stddev",
+            "1",
+        ],
+        "--count-noise-stddev",
+    ),
+    (
+        [
+            "account",
+            "--mechanism",
+            "mog",
+            "--noise-multiplier",
+            "1",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--mechanism",
+    ),
+    (
+        [
+            "calibrate",
+            "--mechanism",
+            "uls",
+            "--epsilon",
+            "0",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--epsilon",
+    ),
+    (
+        [
+            "calibrate",
+            "--mechanism",
+            "uls",
+            "--epsilon",
+            "1e-9",
+            "--sampling-rate",
+            "1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--epsilon",
+    ),
+    (
+        [
+            "calibrate",
+            "--mechanism",
+            "els",
+            "--epsilon",
+            "abc",
+            "--sampling-rate",
+            "0.1",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+        ],
+        "--epsilon",
+    ),
 ]
 
 

@@ -53,8 +53,7 @@ def test_els_event_equals_reference_event(G, q, sigma, T):
     np.testing.assert_allclose(ours.event.sampling_probs, ref.event.sampling_probs, rtol=1e-12, atol=1e-300)
 
 
-PLD_GRID = [(1, 0.01, 1.0, 300), (1, 0.2, 3.0, 10), (2, 0.05, 10.0, 300), (4, 0.1, 20.0, 10),
-            (16, 0.02, 100.0, 1000)]
+PLD_GRID = [(1, 0.01, 1.0, 300), (1, 0.2, 3.0, 10), (2, 0.05, 10.0, 300), (4, 0.1, 20.0, 10), (16, 0.02, 100.0, 1000)]
 
 
 def _reference_with_tails_dropped(event, delta, iv=None):
@@ -89,7 +88,8 @@ def test_pld_agrees_with_dp_accounting(G, q, sigma, T):
         assert A.epsilon(ours, delta, value_discretization_interval=iv) == pytest.approx(eps_full, rel=1e-6)
     for eps in (0.1, 1.0, 4.0):
         assert A.delta(ours, eps, value_discretization_interval=iv) == pytest.approx(
-            acc.get_delta(eps), rel=1e-6, abs=1e-13)  # δ ~ 1e-15 is at the PLD's own resolution
+            acc.get_delta(eps), rel=1e-6, abs=1e-13
+        )  # δ ~ 1e-15 is at the PLD's own resolution
 
 
 def test_pld_default_discretization_agrees_with_dp_accounting():
@@ -112,8 +112,9 @@ def test_mog_k1_equals_poisson_c1():
     mog_event = dpe.SelfComposedDpEvent(dpe.MixtureOfGaussiansDpEvent(2.0, [0, 1], [0.99, 0.01]), 1000)
     mog = A.epsilon(mog_event, 1e-6, value_discretization_interval=1e-3)
     assert 0.72094 - 5e-5 <= mog <= 0.72094 * 1.005
-    poisson_coarse = A.epsilon(A.compose(A.els_step_event(2.0, 0.01, 1), 1000), 1e-6,
-                               value_discretization_interval=1e-3)
+    poisson_coarse = A.epsilon(
+        A.compose(A.els_step_event(2.0, 0.01, 1), 1000), 1e-6, value_discretization_interval=1e-3
+    )
     assert mog == pytest.approx(poisson_coarse, rel=1e-4)
 
 
@@ -144,6 +145,7 @@ def _exact_mog_renyi_int(sigma, sens, probs, alpha):
     """D_alpha(P||Q) for integer alpha by the multinomial expansion of E_Q[(P/Q)^alpha]."""
     from itertools import combinations_with_replacement
     from math import factorial
+
     total = 0.0
     for combo in combinations_with_replacement(range(len(sens)), alpha):
         counts = np.bincount(combo, minlength=len(sens))
@@ -212,20 +214,23 @@ def test_default_delta():
     assert A.default_delta(135_818_730)[0] == pytest.approx(1.13e-9, rel=5e-3)  # SPEC C5
 
 
-@pytest.mark.parametrize("call", [
-    lambda: A.els_step_event(0.0, 0.1, 2),
-    lambda: A.els_step_event(-1.0, 0.1, 2),
-    lambda: A.els_step_event(1.0, 0.0, 2),
-    lambda: A.els_step_event(1.0, 1.5, 2),
-    lambda: A.els_step_event(1.0, 0.1, 0),
-    lambda: A.uls_step_event(1.0, -0.1),
-    lambda: A.compose(A.uls_step_event(1.0, 0.1), 0),
-    lambda: A.epsilon(A.uls_step_event(1.0, 0.1), 0.0),
-    lambda: A.epsilon(A.uls_step_event(1.0, 0.1), 1.0),
-    lambda: A.delta(A.uls_step_event(1.0, 0.1), 0.0),
-    lambda: A.epsilon(A.uls_step_event(1.0, 0.1), 1e-6, accountant="moments"),
-    lambda: A.fixed_cohort_step_event(1.0, 10, 11),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: A.els_step_event(0.0, 0.1, 2),
+        lambda: A.els_step_event(-1.0, 0.1, 2),
+        lambda: A.els_step_event(1.0, 0.0, 2),
+        lambda: A.els_step_event(1.0, 1.5, 2),
+        lambda: A.els_step_event(1.0, 0.1, 0),
+        lambda: A.uls_step_event(1.0, -0.1),
+        lambda: A.compose(A.uls_step_event(1.0, 0.1), 0),
+        lambda: A.epsilon(A.uls_step_event(1.0, 0.1), 0.0),
+        lambda: A.epsilon(A.uls_step_event(1.0, 0.1), 1.0),
+        lambda: A.delta(A.uls_step_event(1.0, 0.1), 0.0),
+        lambda: A.epsilon(A.uls_step_event(1.0, 0.1), 1e-6, accountant="moments"),
+        lambda: A.fixed_cohort_step_event(1.0, 10, 11),
+    ],
+)
 def test_bad_input_raises_user_error(call):
     with pytest.raises(UserError):
         call()
@@ -258,14 +263,18 @@ def test_step_rdp_matches_dp_accounting_rdp_accountant():
     acc.compose(dpe.PoissonSampledDpEvent(q, dpe.GaussianDpEvent(sigma)), T - 1)
     assert eps_t == pytest.approx(acc.get_epsilon(delta), rel=1e-9)
     # custom orders; an ELS mixture uses the quadrature RDP
-    np.testing.assert_allclose(A.step_rdp(step, [2.0, 8.0]), ours[[A.rdp_orders().index(2.0),
-                                                                   A.rdp_orders().index(8.0)]])
+    np.testing.assert_allclose(
+        A.step_rdp(step, [2.0, 8.0]), ours[[A.rdp_orders().index(2.0), A.rdp_orders().index(8.0)]]
+    )
     els = A.els_step_event(2.0, 0.01, 4)
-    np.testing.assert_allclose(A.step_rdp(els, [2.0, 8.0]), A.mog_rdp(2.0, *A.binomial_sensitivity(4, 0.01), [2.0, 8.0]))
+    np.testing.assert_allclose(
+        A.step_rdp(els, [2.0, 8.0]), A.mog_rdp(2.0, *A.binomial_sensitivity(4, 0.01), [2.0, 8.0])
+    )
 
 
-@pytest.mark.parametrize("event", [A.uls_step_event(1.1, 0.05), A.els_step_event(1.1, 0.05, 3)],
-                         ids=["dp_accounting's", "mixture"])
+@pytest.mark.parametrize(
+    "event", [A.uls_step_event(1.1, 0.05), A.els_step_event(1.1, 0.05, 3)], ids=["dp_accounting's", "mixture"]
+)
 def test_a_cached_rdp_vector_cannot_be_changed_through_what_step_rdp_returns(event):
     """step_rdp keeps each event's vector (a calibration asks for the same sigma again and again):
     changing the returned array in place must not change what the next call, or epsilon, reads."""

@@ -37,8 +37,7 @@ def test_baseline_forms_rank_and_tight_accountant_wins():
     ex = A.compose(A.uls_step_event(4.0, 0.01), 100)
     res = {f: GP.group_privacy_epsilon(ex, 4, 1e-6, form=f) for f in "abc"}
     assert res["a"].epsilon <= res["b"].epsilon <= res["c"].epsilon
-    tight = A.epsilon(A.compose(A.els_step_event(4.0, 0.01, 4), 100), 1e-6,
-                      value_discretization_interval=1e-3)
+    tight = A.epsilon(A.compose(A.els_step_event(4.0, 0.01, 4), 100), 1e-6, value_discretization_interval=1e-3)
     assert tight < res["a"].epsilon
 
 

@@ -94,11 +94,14 @@ def test_m1_modern_rdp_is_lower():
 K_SO = 763_430
 
 
-@pytest.mark.parametrize("sigma,S,C,eps,eps_1e8", [
-    (0.003, 15, 5000, 4.634, 1.152),
-    (0.006, 10, 1667, 2.314, 0.990),
-    (0.012, 15, 1250, 2.038, 0.987),
-])
+@pytest.mark.parametrize(
+    "sigma,S,C,eps,eps_1e8",
+    [
+        (0.003, 15, 5000, 4.634, 1.152),
+        (0.006, 10, 1667, 2.314, 0.990),
+        (0.012, 15, 1250, 2.038, 0.987),
+    ],
+)
 def test_m2_table2(sigma, S, C, eps, eps_1e8):
     z = sigma * C / S
     assert A.moments_accountant_epsilon(C / K_SO, z, 5000, 1e-9) == pytest.approx(eps, abs=0.0015)

@@ -27,17 +27,19 @@ def test_vectorized_mixture_pld_equals_dp_accounting():
     assert ours.get_epsilon_for_delta(1e-5) == ref.get_epsilon_for_delta(1e-5)
 
 
-@pytest.mark.parametrize("sigma,q,interval", [
-    (1.0, 0.05, 1e-4),   # the default job's shape
-    (0.6, 0.01, 1e-4),   # small sigma: a wide loss grid
-    (1.2, 1.0, 1e-4),    # no subsampling: one symmetric PLD
-    (0.3, 0.001, 1e-3),  # tiny q
-    (20.0, 0.9, 1e-4),   # large sigma, q near 1
-    (0.8, 0.2, 1e-2),    # coarse grid (calibration's)
-])
+@pytest.mark.parametrize(
+    "sigma,q,interval",
+    [
+        (1.0, 0.05, 1e-4),  # the default job's shape
+        (0.6, 0.01, 1e-4),  # small sigma: a wide loss grid
+        (1.2, 1.0, 1e-4),  # no subsampling: one symmetric PLD
+        (0.3, 0.001, 1e-3),  # tiny q
+        (20.0, 0.9, 1e-4),  # large sigma, q near 1
+        (0.8, 0.2, 1e-2),  # coarse grid (calibration's)
+    ],
+)
 def test_vectorized_gaussian_pld_equals_dp_accounting(sigma, q, interval):
-    ref = PLD.from_gaussian_mechanism(standard_deviation=sigma, value_discretization_interval=interval,
-                                      sampling_prob=q)
+    ref = PLD.from_gaussian_mechanism(standard_deviation=sigma, value_discretization_interval=interval, sampling_prob=q)
     ours = A.gaussian_pld(sigma, q, interval)
     for a, b in [(ref._pmf_remove, ours._pmf_remove), (ref._pmf_add, ours._pmf_add)]:
         la, pa, ia = _dense(a)
@@ -53,8 +55,12 @@ def test_the_vectorized_gaussian_inverse_matches_dp_accounting_pointwise():
     from userdp.accounting.pld import _VectorizedGaussianPrivacyLoss
 
     q = 0.3
-    eps = np.concatenate([np.linspace(-3, 3, 601), [0.0, -np.log(1 - q), np.log(1 - q),
-                                                    -np.log(1 - q) * (1 - 1e-12), np.log(1 - q) * (1 + 1e-12)]])
+    eps = np.concatenate(
+        [
+            np.linspace(-3, 3, 601),
+            [0.0, -np.log(1 - q), np.log(1 - q), -np.log(1 - q) * (1 - 1e-12), np.log(1 - q) * (1 + 1e-12)],
+        ]
+    )
     for adj in (PLM.AdjacencyType.ADD, PLM.AdjacencyType.REMOVE):
         kw = dict(sensitivity=1, sampling_prob=q, adjacency_type=adj)
         ref = PLM.GaussianPrivacyLoss(0.9, **kw).get_delta_for_epsilon(eps)
@@ -92,8 +98,11 @@ def test_the_fast_self_composition_equals_dp_accounting(steps):
     from userdp.accounting import pld as P
 
     sens, probs = A.binomial_sensitivity(4, 0.05)
-    for base in (A.gaussian_pld(1.043, 0.0234, 1e-3), A.gaussian_pld(0.7, 0.3, 1e-4),
-                 A.mixture_gaussian_pld(1.65, sens, probs, 1e-3)):
+    for base in (
+        A.gaussian_pld(1.043, 0.0234, 1e-3),
+        A.gaussian_pld(0.7, 0.3, 1e-4),
+        A.mixture_gaussian_pld(1.65, sens, probs, 1e-3),
+    ):
         ref, ours = base.self_compose(steps), P.self_compose(base, steps)
         for a, b in [(ref._pmf_remove, ours._pmf_remove), (ref._pmf_add, ours._pmf_add)]:
             la, pa, ia = _dense(a)

@@ -40,8 +40,7 @@ def test_nothing_dropped_passes_the_event_through():
 def test_the_budget_is_shared_over_every_mixture_step_of_a_composition():
     a = A.els_step_event(1.0, 0.1, 6)
     b = A.els_step_event(2.0, 0.1, 6)
-    ev = dpe.ComposedDpEvent([dpe.SelfComposedDpEvent(a, 30), dpe.GaussianDpEvent(3.0),
-                              dpe.SelfComposedDpEvent(b, 10)])
+    ev = dpe.ComposedDpEvent([dpe.SelfComposedDpEvent(a, 30), dpe.GaussianDpEvent(3.0), dpe.SelfComposedDpEvent(b, 10)])
     budget = 40 * 2e-3  # 40 mixture steps, 2e-3 each
     cut, S, _ = P.truncate_mixture_tails(ev, budget)
     assert cut.events[1] == dpe.GaussianDpEvent(3.0)
@@ -87,7 +86,7 @@ def test_els_calibration_goes_below_the_old_guard():
     """Blogs ELS at B = 8, ε = 8 (G = 11, p = 8 / 43,578, T = 80) sat on σ = 0.05·G = 0.55, below
     which RDP answered and overshot. With K ≥ 5 dropped (mass ~1e-17) the PLD answers down to
     σ ≈ 0.34 and the calibrated run spends its ε."""
-    q, delta, T = 8 / 43578, 5000 ** -1.1, 80
+    q, delta, T = 8 / 43578, 5000**-1.1, 80
     sigma = A.calibrate_noise_multiplier(lambda z: A.els_step_event(z, q, 11), T, 8.0, delta)
     assert sigma < 0.45
     eps, backend = A.epsilon_and_accountant(A.compose(A.els_step_event(sigma, q, 11), T), delta)

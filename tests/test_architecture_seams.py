@@ -42,18 +42,33 @@ def _plugin(name):
 
 
 # ------------------------------------------------------------------------------ the run plan
-@pytest.mark.parametrize("algo,sampling,kind", [
-    (ELS(3, 0.2), "poisson", "els"), (ULS(2, 0.25), "poisson", "uls"), (FedAvg(2, 0.25), "poisson", "uls"),
-    (ULS(2, 0.25), "fixed_size", "fixed_cohort"), (ELS(3, 0.2), "shuffle", "no_amplification"),
-    (ULS(2, 0.25), "shuffle", "no_amplification")])
+@pytest.mark.parametrize(
+    "algo,sampling,kind",
+    [
+        (ELS(3, 0.2), "poisson", "els"),
+        (ULS(2, 0.25), "poisson", "uls"),
+        (FedAvg(2, 0.25), "poisson", "uls"),
+        (ULS(2, 0.25), "fixed_size", "fixed_cohort"),
+        (ELS(3, 0.2), "shuffle", "no_amplification"),
+        (ULS(2, 0.25), "shuffle", "no_amplification"),
+    ],
+)
 def test_plan_builds_the_step_event_at_its_own_noise_multiplier(algo, sampling, kind):
-    cfg = TrainConfig(algorithm=algo, steps=5, noise_multiplier=1.7, sampling=sampling,
-                      accountant="rdp" if sampling == "fixed_size" else "pld")
+    cfg = TrainConfig(
+        algorithm=algo,
+        steps=5,
+        noise_multiplier=1.7,
+        sampling=sampling,
+        accountant="rdp" if sampling == "fixed_size" else "pld",
+    )
     plan = make_plan(cfg, num_users=40, num_units=80)
     assert plan.mechanism.kind == kind and plan.mechanism.noise_multiplier == 1.7
     ev = plan.step_event
-    z = (ev.event.noise_multiplier if hasattr(ev, "event") else
-         getattr(ev, "standard_deviation", None) or ev.noise_multiplier)
+    z = (
+        ev.event.noise_multiplier
+        if hasattr(ev, "event")
+        else getattr(ev, "standard_deviation", None) or ev.noise_multiplier
+    )
     owned = algo.group_size if (kind == "no_amplification" and algo.unit == "record") else 1
     assert z == pytest.approx(1.7 / owned)
 
@@ -65,7 +80,9 @@ def test_calibrated_plan_is_a_new_plan_that_meets_the_target():
     assert plan.mechanism.noise_multiplier == plan.noise_multiplier  # the event is at the plan's sigma
     assert accounting.epsilon(plan.mechanism.event(), 1e-5) <= 2.0
     tighter = plan.calibrated(1.0)
-    assert tighter.noise_multiplier > plan.noise_multiplier and plan.mechanism.noise_multiplier < tighter.noise_multiplier
+    assert (
+        tighter.noise_multiplier > plan.noise_multiplier and plan.mechanism.noise_multiplier < tighter.noise_multiplier
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.noise_multiplier = 3.0
 
@@ -75,15 +92,21 @@ def test_adaptive_plan_splits_the_noise_by_theorem_one():
     plan = make_plan(cfg, num_users=100, num_units=100)
     sb = 50 / 20
     assert plan.count_stddev == sb
-    assert (plan.update_noise_multiplier ** -2 + (2 * sb) ** -2) ** -0.5 == pytest.approx(1.0)
+    assert (plan.update_noise_multiplier**-2 + (2 * sb) ** -2) ** -0.5 == pytest.approx(1.0)
 
 
 @pytest.mark.slow
 def test_the_record_step_event_is_the_mechanisms():
     data = user_data([3] * 20, d=3)
     for algo, sampling in [(ELS(2, 0.3), "poisson"), (ULS(2, 0.3), "fixed_size"), (ELS(2, 0.3), "shuffle")]:
-        cfg = TrainConfig(algorithm=algo, steps=2, noise_multiplier=1.3, seed=0, sampling=sampling,
-                          accountant="rdp" if sampling == "fixed_size" else "pld")
+        cfg = TrainConfig(
+            algorithm=algo,
+            steps=2,
+            noise_multiplier=1.3,
+            seed=0,
+            sampling=sampling,
+            accountant="rdp" if sampling == "fixed_size" else "pld",
+        )
         rec = train(Mean(3), data, sq_loss, cfg).record
         n_units = 40 if algo.unit == "record" else 20
         mech = accounting.Mechanism.for_training(algo, sampling, 1.3, 2, n_units)  # cohorts of round(0.3 * n)
@@ -118,12 +141,18 @@ def test_a_registered_accountant_is_used_everywhere_by_name():
         want = ref.get_epsilon(1e-6)
         assert accounting.epsilon(accounting.compose(step, 100), 1e-6, "rdp_integer") == pytest.approx(want, rel=1e-12)
         # calibration and training take it by name; the ledger reports with it
-        z = accounting.calibrate_noise_multiplier(lambda s: accounting.uls_step_event(s, 0.05), 100, want, 1e-6,
-                                                  "rdp_integer")
+        z = accounting.calibrate_noise_multiplier(
+            lambda s: accounting.uls_step_event(s, 0.05), 100, want, 1e-6, "rdp_integer"
+        )
         assert z == pytest.approx(1.1, rel=0.01) and z >= 1.1 * (1 - 1e-9)
-        res = train(Mean(3), user_data([2] * 40, d=3), sq_loss,
-                    TrainConfig(algorithm=ULS(2, 0.05), steps=3, noise_multiplier=1.1, delta=1e-6, seed=0,
-                                accountant="rdp_integer"))
+        res = train(
+            Mean(3),
+            user_data([2] * 40, d=3),
+            sq_loss,
+            TrainConfig(
+                algorithm=ULS(2, 0.05), steps=3, noise_multiplier=1.1, delta=1e-6, seed=0, accountant="rdp_integer"
+            ),
+        )
         ref3 = rdp_lib.RdpAccountant(orders=list(ORDERS))
         ref3.compose(step, 3)
         assert res.epsilon == pytest.approx(ref3.get_epsilon(1e-6), rel=1e-12)
@@ -203,8 +232,12 @@ def test_a_registered_per_unit_strategy_is_chosen_by_configuration():
         for name in ("vmap", "counting"):
             torch.manual_seed(0)
             model = MLP()
-            train(model, data, ce_loss, TrainConfig(algorithm=ULS(3, 0.4), steps=3, noise_multiplier=1.0,
-                                                    seed=5, per_unit=name, chunk_size=4))
+            train(
+                model,
+                data,
+                ce_loss,
+                TrainConfig(algorithm=ULS(3, 0.4), steps=3, noise_multiplier=1.0, seed=5, per_unit=name, chunk_size=4),
+            )
             out[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert calls and torch.equal(out["vmap"], out["counting"])
     finally:
@@ -213,8 +246,16 @@ def test_a_registered_per_unit_strategy_is_chosen_by_configuration():
         TrainConfig(algorithm=ULS(3, 0.4), steps=3, noise_multiplier=1.0, per_unit="ghost-not-yet")
 
 
-@pytest.mark.parametrize("clip", [FlatClip(0.7), PerLayerClip(0.7), FlatClip(0.7, normalized=True),
-                                  AdaptiveClip(0.3), PerLayerClip(1.0, layer_norms=(0.1, 2.0, 0.5))])
+@pytest.mark.parametrize(
+    "clip",
+    [
+        FlatClip(0.7),
+        PerLayerClip(0.7),
+        FlatClip(0.7, normalized=True),
+        AdaptiveClip(0.3),
+        PerLayerClip(1.0, layer_norms=(0.1, 2.0, 0.5)),
+    ],
+)
 def test_clipping_consumes_norms_alone(clip):
     rng = torch.Generator().manual_seed(0)
     ups = [torch.randn(6, 4, generator=rng), torch.randn(6, 2, 3, generator=rng), torch.randn(6, 1, generator=rng)]
@@ -222,8 +263,9 @@ def test_clipping_consumes_norms_alone(clip):
     f1, n1 = clip.factors(ups, st)
     f2, n2 = clip.factors_from_norms(per_tensor_norms(ups), st)
     assert torch.equal(f1, f2) and torch.equal(n1, n2)
-    clipped = torch.sqrt(sum(((f2[:, j].view(-1, *[1] * (u.dim() - 1)) * u) ** 2).flatten(1).sum(1)
-                             for j, u in enumerate(ups)))
+    clipped = torch.sqrt(
+        sum(((f2[:, j].view(-1, *[1] * (u.dim() - 1)) * u) ** 2).flatten(1).sum(1) for j, u in enumerate(ups))
+    )
     assert bool((clipped <= clip.sensitivity(st, len(ups)) * (1 + 1e-6)).all())
     assert len(clip.reproject_bounds(st, len(ups))) in (1, len(ups))
     assert clip.update(st, 0.9)["clip_norm"] != st["clip_norm"] if clip.adaptive else clip.update(st, 0.9) == st
@@ -242,8 +284,15 @@ def test_a_registered_noise_mechanism_gets_the_std_on_the_sum(tmp_path):
 
     noise_mod.NOISE_MECHANISMS["recording"] = Recording
     try:
-        cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=2.0, clipping=FlatClip(0.5), seed=3,
-                          noise="recording", delta=1e-5)
+        cfg = TrainConfig(
+            algorithm=ULS(2, 0.5),
+            steps=2,
+            noise_multiplier=2.0,
+            clipping=FlatClip(0.5),
+            seed=3,
+            noise="recording",
+            delta=1e-5,
+        )
         data = user_data([2] * 20, d=3)
         res = train(Mean(3), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path)))
         # the noise goes on the clipped SUM (on rank 0, before the all-reduce): std z * C; the noised
@@ -264,10 +313,11 @@ def test_a_new_algorithm_in_one_file_trains_under_uls_accounting():
     batch, mask = algo.load(data, algo.units(data, np.random.default_rng(0)), np.arange(4), None)
     x = data.tensors["x"]
     # user 0: records 3, 4; user 1: record 0 (one real); user 3: records 5, 6 of its 7
-    assert torch.equal(batch["x"][0], x[3:5]) and torch.equal(batch["x"][3], x[9 + 5:9 + 7])
+    assert torch.equal(batch["x"][0], x[3:5]) and torch.equal(batch["x"][3], x[9 + 5 : 9 + 7])
     assert mask.tolist() == [[1, 1], [1, 0], [1, 1], [1, 1]]
-    res = train(Mean(2), data, linear_loss, TrainConfig(algorithm=algo, steps=2, noise_multiplier=1.0, seed=0,
-                                                        delta=1e-3))
+    res = train(
+        Mean(2), data, linear_loss, TrainConfig(algorithm=algo, steps=2, noise_multiplier=1.0, seed=0, delta=1e-3)
+    )
     assert res.record["step_event"] == accounting.event_to_dict(accounting.uls_step_event(1.0, 1.0))
 
 
@@ -291,8 +341,16 @@ def test_the_plan_holds_its_parts_and_the_run_uses_them():
     sampler = _plugin("geometric_poisson").GeometricPoisson
     _plugin("float64_noise")
     data = user_data([2] * 40, d=2)
-    cfg = TrainConfig(algorithm=ULS(2, 0.25), steps=2, noise_multiplier=1.0, delta=1e-5, seed=0,
-                      sampling="poisson_geometric", noise="iid_gaussian_float64", chunk_size=8)
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.25),
+        steps=2,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        sampling="poisson_geometric",
+        noise="iid_gaussian_float64",
+        chunk_size=8,
+    )
     plan = make_plan(cfg, num_users=40, num_units=40)
     assert isinstance(plan.sampler, sampler) and plan.accounted_sampling == "poisson"
     assert plan.noise_mechanism is noise_mod.NOISE_MECHANISMS.lookup("iid_gaussian_float64")

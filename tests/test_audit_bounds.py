@@ -20,8 +20,10 @@ def _alpha_brute(r, v, q):
     return best
 
 
-@pytest.mark.parametrize("m,r,v,eps,delta", [(100, 50, 40, 1.0, 0.0), (100, 50, 40, 1.0, 1e-3),
-                                              (400, 200, 195, 2.5, 3.5e-4), (10, 10, 3, 0.2, 0.01)])
+@pytest.mark.parametrize(
+    "m,r,v,eps,delta",
+    [(100, 50, 40, 1.0, 0.0), (100, 50, 40, 1.0, 1e-3), (400, 200, 195, 2.5, 3.5e-4), (10, 10, 3, 0.2, 0.01)],
+)
 @pytest.mark.slow
 def test_p_value_is_the_theorem_computed_directly(m, r, v, eps, delta):
     q = math.exp(eps) / (1 + math.exp(eps))
@@ -78,16 +80,19 @@ def test_the_bound_is_valid_for_an_eps_dp_mechanism():
     most 5% of audits: 300 audits, and 5% + 4 standard errors of slack (fixed seed)."""
     rng = np.random.default_rng(20261123)
     eps, n = 1.0, 300
-    over = sum(B.one_run_bound(*_randomized_response_scores(rng, 200, eps), delta=0.0).epsilon_lower_bound > eps
-               for _ in range(n))
+    over = sum(
+        B.one_run_bound(*_randomized_response_scores(rng, 200, eps), delta=0.0).epsilon_lower_bound > eps
+        for _ in range(n)
+    )
     assert over <= n * 0.05 + 4 * math.sqrt(n * 0.05 * 0.95)
 
 
 def test_the_bound_has_power_against_a_leaky_mechanism():
     """At eps = 4 (RR accuracy 98%) with 400 canaries the bound finds well above 1 in most audits."""
     rng = np.random.default_rng(7)
-    found = [B.one_run_bound(*_randomized_response_scores(rng, 400, 4.0), delta=0.0).epsilon_lower_bound
-             for _ in range(20)]
+    found = [
+        B.one_run_bound(*_randomized_response_scores(rng, 400, 4.0), delta=0.0).epsilon_lower_bound for _ in range(20)
+    ]
     assert np.median(found) > 2.0
     assert max(found) < 4.0 + 0.5  # and never far beyond the truth
 

@@ -33,8 +33,10 @@ def test_inclusion_is_a_fair_coin_per_canary():
     # and independent of the secret (a canary's first token says nothing about its inclusion)
     c = Canaries.generate(99, 20000, 2, 1, VOCAB)
     low = c.secrets[:, 0] < np.median(VOCAB)
-    table = [[int((low & c.included).sum()), int((low & ~c.included).sum())],
-             [int((~low & c.included).sum()), int((~low & ~c.included).sum())]]
+    table = [
+        [int((low & c.included).sum()), int((low & ~c.included).sum())],
+        [int((~low & c.included).sum()), int((~low & ~c.included).sum())],
+    ]
     assert stats.chi2_contingency(table).pvalue > 1e-4
 
 
@@ -128,14 +130,25 @@ def test_gradient_canaries_go_through_clipping_like_any_unit():
     inc = np.flatnonzero(c.included)
     real = TensorUserData({"x": torch.zeros(3, d)}, np.arange(4))  # three users whose gradient is 0
 
-    canary_rows = {"x": torch.zeros(len(inc), d), "audit_coord": torch.from_numpy(c.coords[inc]),
-                   "audit_on": torch.ones(len(inc))}
+    canary_rows = {
+        "x": torch.zeros(len(inc), d),
+        "audit_coord": torch.from_numpy(c.coords[inc]),
+        "audit_on": torch.ones(len(inc)),
+    }
     data = WithCanaries(real, TensorUserData(canary_rows, np.arange(len(inc) + 1)))
     loss = gradient_canary_loss(linear_loss, "theta", c.scale)
 
     def step(fault):
-        cfg = E.TrainConfig(algorithm=E.ULS(group_size=1, sampling_rate=1.0), steps=1, clipping=E.FlatClip(1.0),
-                            optimizer=E.SGD(lr=1.0), noise_multiplier=1.0, seed=0, delta=1e-5, per_unit="vmap")
+        cfg = E.TrainConfig(
+            algorithm=E.ULS(group_size=1, sampling_rate=1.0),
+            steps=1,
+            clipping=E.FlatClip(1.0),
+            optimizer=E.SGD(lr=1.0),
+            noise_multiplier=1.0,
+            seed=0,
+            delta=1e-5,
+            per_unit="vmap",
+        )
         model = Mean(d)
         with broken_build(fault) if fault else contextlib.nullcontext():
             E.train(model, data, loss, cfg)
@@ -161,8 +174,9 @@ def test_the_gradient_alignment_score_is_each_canarys_own_gradient_against_the_m
     from userdp.lm import models
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=16,
-                                       attn_implementation="eager"))
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=2, n_positions=16, attn_implementation="eager")
+    )
     secrets = np.random.default_rng(0).integers(0, 97, (23, 10))
 
     class Secrets:

@@ -15,8 +15,9 @@ from _lm_corpus import interrupt_after_checkpoint, write_tiny_run
 @pytest.fixture(scope="module")
 def tiny_files(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("audit_e2e")
-    cfg, _ = write_tiny_run(tmp_path, "  checkpoint_every: 1\n  seed: 3\n",
-                            tail="audit:\n  inference_users: 5\n  inference_records: 2\n")
+    cfg, _ = write_tiny_run(
+        tmp_path, "  checkpoint_every: 1\n  seed: 3\n", tail="audit:\n  inference_users: 5\n  inference_records: 2\n"
+    )
     return tmp_path, cfg
 
 
@@ -36,8 +37,23 @@ def test_audit_json_secrets_and_report(tiny, capsys):
     tmp, cfg = tiny
     out = tmp / "run"
     # a fixed canary seed (7 of 12 included): unseeded, 1 run in 4,096 draws none and is refused
-    assert cli(["audit", str(cfg), "--canaries", "12", "--set", "audit.seed=1", "--output", str(out), "--json",
-                "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "audit",
+                str(cfg),
+                "--canaries",
+                "12",
+                "--set",
+                "audit.seed=1",
+                "--output",
+                str(out),
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     s = _last_json(capsys)
     for key in ("epsilon", "epsilon_lower_bound", "confidence", "canaries", "statement", "run_dir"):
         assert key in s, key
@@ -141,8 +157,22 @@ def test_a_leftover_secrets_file_is_refused_and_a_failed_start_leaves_none(tiny,
         raise UserError("training.chunk_size: boom")
 
     monkeypatch.setattr(F, "resolve_chunk_size", fail)
-    assert cli(["audit", str(cfg), "--canaries", "8", "--set", "audit.seed=1", "--output", str(tmp / "run3"),
-                "--no-progress"]) == 2  # seeded: some canary is drawn, so the failure comes from the step
+    assert (
+        cli(
+            [
+                "audit",
+                str(cfg),
+                "--canaries",
+                "8",
+                "--set",
+                "audit.seed=1",
+                "--output",
+                str(tmp / "run3"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )  # seeded: some canary is drawn, so the failure comes from the step
     assert seen == [True]
     assert not (tmp / "run3.audit-secrets.json").exists() and not (tmp / "run3").exists()
 
@@ -153,8 +183,22 @@ def test_combine_pools_the_canaries_of_separate_runs(tiny, capsys):
     runs = [tmp / "r1", tmp / "r2"]
     # seeded canaries: unseeded, a run of 6 drew none into training about once in 64 (a refused audit)
     for r, seed in zip(runs, (101, 202)):
-        assert cli(["audit", str(cfg), "--canaries", "6", "--output", str(r), "--no-progress",
-                    "--set", f"audit.seed={seed}"]) == 0
+        assert (
+            cli(
+                [
+                    "audit",
+                    str(cfg),
+                    "--canaries",
+                    "6",
+                    "--output",
+                    str(r),
+                    "--no-progress",
+                    "--set",
+                    f"audit.seed={seed}",
+                ]
+            )
+            == 0
+        )
     capsys.readouterr()
     assert cli(["audit", "--combine", str(runs[0]), str(runs[1]), "--json"]) == 0
     c = _last_json(capsys)
@@ -167,8 +211,12 @@ def test_combine_pools_the_canaries_of_separate_runs(tiny, capsys):
     # the pooled bound is the one-run bound of the pooled scores
     from userdp.audit.bounds import one_run_bound
 
-    want = one_run_bound(secs[0]["score"] + secs[1]["score"], secs[0]["included"] + secs[1]["included"],
-                         delta=c["delta"], confidence=0.95)
+    want = one_run_bound(
+        secs[0]["score"] + secs[1]["score"],
+        secs[0]["included"] + secs[1]["included"],
+        delta=c["delta"],
+        confidence=0.95,
+    )
     assert c["epsilon_lower_bound"] == pytest.approx(want.epsilon_lower_bound)
     # the same run twice is not two runs' worth of evidence
     assert cli(["audit", "--combine", str(runs[0]), str(runs[0])]) == 2

@@ -13,8 +13,15 @@ from _engine_helpers import Mean, linear_loss, user_data
 
 def _step(fault=None, times=3):
     data = user_data([1] * 6, d=4, seed=1, scale=10.0)  # six users, one record each, norms ~20 >> C
-    cfg = E.TrainConfig(algorithm=E.ULS(group_size=1, sampling_rate=1.0), steps=1, clipping=E.FlatClip(1.0),
-                        optimizer=E.SGD(lr=1.0), noise_multiplier=2.0, seed=5, delta=1e-5)
+    cfg = E.TrainConfig(
+        algorithm=E.ULS(group_size=1, sampling_rate=1.0),
+        steps=1,
+        clipping=E.FlatClip(1.0),
+        optimizer=E.SGD(lr=1.0),
+        noise_multiplier=2.0,
+        seed=5,
+        delta=1e-5,
+    )
     model = Mean(4)
     if fault:
         with broken_build(fault, times):

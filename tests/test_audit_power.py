@@ -33,9 +33,18 @@ from userdp.lm import config as C
 from userdp.lm.finetune import run
 from userdp.lm.job_context import Launch
 
-AUDIT = ["audit.canaries=400", "audit.seed=2026", "training.seed=11", "audit.inference_users=0",
-         "eval.before=false", "data.max_eval_users=16",  # the held-out perplexity is not what these test
-         "data.max_users=200", "privacy.delta=3.5563e-4", "model.pretraining.steps=100", "tokenizer.seq_len=32"]  # module docstring
+AUDIT = [
+    "audit.canaries=400",
+    "audit.seed=2026",
+    "training.seed=11",
+    "audit.inference_users=0",
+    "eval.before=false",
+    "data.max_eval_users=16",  # the held-out perplexity is not what these test
+    "data.max_users=200",
+    "privacy.delta=3.5563e-4",
+    "model.pretraining.steps=100",
+    "tokenizer.seq_len=32",
+]  # module docstring
 LOSS = ["audit.score=loss"]
 COHORT = ["training.cohort_size=11.5"]  # the private runs: q = 11.5 / ~396 users
 NONPRIVATE = ["training.algorithm=nonprivate", "training.cohort_size=17"]  # ~ q = 64 / 1366 of the full corpus
@@ -45,9 +54,13 @@ def _audit(tmp_path, overrides, fault=None, times=16):
     cfg = C.load_config(None, AUDIT + overrides)
     if fault:
         with broken_build(fault, times):
-            s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession))
+            s = run(
+                cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession)
+            )
     else:
-        s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession))
+        s = run(
+            cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession)
+        )
     return s, json.loads((tmp_path / "run" / "privacy.json").read_text())
 
 

@@ -29,7 +29,7 @@ def _one_error(capsys) -> str:
 
 
 # ------------------------------------------------------------------------------ a full disk
-_FULL_DISK = textwrap.dedent('''
+_FULL_DISK = textwrap.dedent("""
     import json, resource, signal, sys
     import numpy as np, torch
     from torch import nn
@@ -54,7 +54,7 @@ _FULL_DISK = textwrap.dedent('''
     res = train(nn.Linear(64, 64), data, loss, cfg, RunOptions(checkpoint_dir=sys.argv[1], resume=True))
     print(json.dumps({"first": first, "steps": res.steps_accounted if hasattr(res, "steps_accounted") else None,
                       "epsilon": res.epsilon}))
-''')
+""")
 
 
 def test_a_full_disk_is_one_line_and_the_run_resumes_once_space_is_freed(tmp_path):
@@ -143,8 +143,7 @@ def test_init_reads_a_jsonl_with_a_byte_order_mark_as_training_does(tmp_path, ca
 @pytest.mark.parametrize("cmd", ["init", "stats"])
 def test_a_latin1_byte_is_named_by_its_line(tmp_path, capsys, cmd):
     csv = tmp_path / "d.csv"
-    csv.write_bytes(b"user,text\n" + b"".join(f"u{i % 3},row {i}\n".encode() for i in range(6))
-                    + b"u1,caf\xe9 time\n")
+    csv.write_bytes(b"user,text\n" + b"".join(f"u{i % 3},row {i}\n".encode() for i in range(6)) + b"u1,caf\xe9 time\n")
     argv = ["init", str(csv), "--output", str(tmp_path / "c.yaml")] if cmd == "init" else ["data", "stats", str(csv)]
     assert main(argv) == 2
     assert "d.csv:line 8" in _one_error(capsys)
@@ -154,29 +153,67 @@ def test_a_latin1_byte_is_named_by_its_line(tmp_path, capsys, cmd):
 @pytest.mark.parametrize("delta, users", [(0.5, 10), (0.1, 10), (1e-3, 1000), (2e-3, 600)])
 def test_a_delta_of_at_least_one_over_n_is_refused(delta, users):
     with pytest.raises(UserError, match=r"privacy.delta = .* is at least 1/N"):
-        make_plan(TrainConfig(ULS(2, 0.1), steps=3, noise_multiplier=1.0, delta=delta),
-                  num_users=users, num_units=users)
+        make_plan(
+            TrainConfig(ULS(2, 0.1), steps=3, noise_multiplier=1.0, delta=delta), num_users=users, num_units=users
+        )
 
 
 def test_a_delta_above_the_default_rule_is_stated_as_weaker():
     # 100 users: N^-1.1 = 6.3e-3; 9e-3 is below 1/N = 1e-2 (accepted) but above the default
-    plan = make_plan(TrainConfig(ULS(2, 0.1), steps=3, noise_multiplier=1.0, delta=9e-3),
-                     num_users=100, num_units=100)
+    plan = make_plan(TrainConfig(ULS(2, 0.1), steps=3, noise_multiplier=1.0, delta=9e-3), num_users=100, num_units=100)
     assert "weaker guarantee" in plan.delta_rule and "N^-1.1" in plan.delta_rule
     ok = make_plan(TrainConfig(ULS(2, 0.1), steps=3, noise_multiplier=1.0, delta=1e-4), num_users=100, num_units=100)
     assert ok.delta_rule == "given"
 
 
 def test_account_and_train_refuse_a_delta_that_gives_no_guarantee(tmp_path, data, capsys):
-    assert main(["account", "--mechanism", "uls", "--users", "100", "--cohort-size", "10", "--steps", "5",
-                 "--noise-multiplier", "1", "--delta", "0.5"]) == 2
+    assert (
+        main(
+            [
+                "account",
+                "--mechanism",
+                "uls",
+                "--users",
+                "100",
+                "--cohort-size",
+                "10",
+                "--steps",
+                "5",
+                "--noise-multiplier",
+                "1",
+                "--delta",
+                "0.5",
+            ]
+        )
+        == 2
+    )
     assert "--delta" in _one_error(capsys)
     pub = tmp_path / "pub.txt"
     pub.write_text("\n\n".join("some public words here " * 3 for _ in range(20)))
-    rc = main(["train", "--set", "data.source=jsonl", "--set", f"data.path={data}", "--set", f"data.public_path={pub}",
-               "--set", "model.preset=tiny", "--set", "model.pretrain=false", "--set", "privacy.delta=0.5",
-               "--set", "training.steps=2", "--set", "training.cohort_size=2", "--no-progress",
-               "--output", str(tmp_path / "run")])
+    rc = main(
+        [
+            "train",
+            "--set",
+            "data.source=jsonl",
+            "--set",
+            f"data.path={data}",
+            "--set",
+            f"data.public_path={pub}",
+            "--set",
+            "model.preset=tiny",
+            "--set",
+            "model.pretrain=false",
+            "--set",
+            "privacy.delta=0.5",
+            "--set",
+            "training.steps=2",
+            "--set",
+            "training.cohort_size=2",
+            "--no-progress",
+            "--output",
+            str(tmp_path / "run"),
+        ]
+    )
     assert rc == 2
     assert "privacy.delta = 0.5" in _one_error(capsys)
     assert not (tmp_path / "run" / "model").exists() and not os.path.exists(tmp_path / "run" / "privacy.json")

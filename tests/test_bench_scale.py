@@ -13,11 +13,23 @@ finally:
 
 def test_repetitions_give_the_median_and_the_spread_of_each_ratio():
     def row(alg, s, ratio):
-        return {"model": "m", "mode": "full", "algorithm": alg, "group_size": 4, "s_per_step": s,
-                "time_ratio": ratio, "memory_ratio": 1.0, "peak_bytes": 10, "error": None}
-    rounds = [[row("nonprivate", 1.0, 1.0), row("uls", 1.3, 1.3)],
-              [row("nonprivate", 1.1, 1.0), row("uls", 1.7, 1.55)],
-              [row("nonprivate", 0.9, 1.0), row("uls", 1.2, 1.33)]]
+        return {
+            "model": "m",
+            "mode": "full",
+            "algorithm": alg,
+            "group_size": 4,
+            "s_per_step": s,
+            "time_ratio": ratio,
+            "memory_ratio": 1.0,
+            "peak_bytes": 10,
+            "error": None,
+        }
+
+    rounds = [
+        [row("nonprivate", 1.0, 1.0), row("uls", 1.3, 1.3)],
+        [row("nonprivate", 1.1, 1.0), row("uls", 1.7, 1.55)],
+        [row("nonprivate", 0.9, 1.0), row("uls", 1.2, 1.33)],
+    ]
     rows = B._aggregate(rounds, {"cpu": "x"})
     uls = rows[1]
     assert uls["repeats"] == 3 and uls["time_ratio"] == 1.33
@@ -60,17 +72,30 @@ def test_the_in_process_comparison_runs_a_checkout_and_leaves_the_noise_out(caps
 def test_the_peak_is_read_from_an_allocator_trace_by_allocation_site():
     """The GPU check's memory snapshot (one ULS step with CUDA's allocator history): replayed on the
     CPU, the live blocks at the peak are grouped by their first userdp frame, largest first."""
+
     def alloc(addr, size, filename, line, name="f"):
-        return {"action": "alloc", "addr": addr, "size": size,
-                "frames": [{"filename": "/torch/x.py", "line": 1, "name": "t"},
-                           {"filename": f"/src/userdp/engine/{filename}", "line": line, "name": name}]}
+        return {
+            "action": "alloc",
+            "addr": addr,
+            "size": size,
+            "frames": [
+                {"filename": "/torch/x.py", "line": 1, "name": "t"},
+                {"filename": f"/src/userdp/engine/{filename}", "line": line, "name": name},
+            ],
+        }
 
     mib = 2**20
-    trace = [alloc(1, 100 * mib, "ghost.py", 10, "split"), alloc(2, 50 * mib, "loop.py", 5),
-             {"action": "free_completed", "addr": 1}, alloc(3, 30 * mib, "ghost.py", 10, "split"),
-             alloc(4, 40 * mib, "ghost.py", 10, "split"), alloc(5, 60 * mib, "noise.py", 7),
-             {"action": "free_completed", "addr": 5}, {"action": "free_requested", "addr": 4},
-             alloc(6, 1 * mib, "loop.py", 9)]
+    trace = [
+        alloc(1, 100 * mib, "ghost.py", 10, "split"),
+        alloc(2, 50 * mib, "loop.py", 5),
+        {"action": "free_completed", "addr": 1},
+        alloc(3, 30 * mib, "ghost.py", 10, "split"),
+        alloc(4, 40 * mib, "ghost.py", 10, "split"),
+        alloc(5, 60 * mib, "noise.py", 7),
+        {"action": "free_completed", "addr": 5},
+        {"action": "free_requested", "addr": 4},
+        alloc(6, 1 * mib, "loop.py", 9),
+    ]
     out = B.peak_composition(trace)
     assert out["peak_traced_bytes"] == 180 * mib  # 50 + 30 + 40 + 60, not the 100 freed before
     assert out["peak_live"] == ["70.0 MiB x2 ghost.py:10 split", "60.0 MiB x1 noise.py:7 f", "50.0 MiB x1 loop.py:5 f"]

@@ -19,10 +19,28 @@ SE = Path(os.environ.get("USERDP_SHARED_DATA", REPO.parent / "shared" / "data"))
 def test_quick_rows_epsilons_and_figures(tmp_path):
     figs = tmp_path / "figs"
     env = dict(os.environ, USERDP_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_tradeoffs.py"), "--quick", "--json",
-                          "--datasets", "stackexchange", "--parts", "grid,els_group_sweep", "--steps", "2",
-                          "--accountant", "rdp",  # the rows, not PLD's tightness: ~60 s of PLD calibrations less
-                          "--figures", str(figs)], env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "bench_tradeoffs.py"),
+            "--quick",
+            "--json",
+            "--datasets",
+            "stackexchange",
+            "--parts",
+            "grid,els_group_sweep",
+            "--steps",
+            "2",
+            "--accountant",
+            "rdp",  # the rows, not PLD's tightness: ~60 s of PLD calibrations less
+            "--figures",
+            str(figs),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads(out.stdout.splitlines()[-1])
     grid = [r for r in rows if r["kind"] == "grid"]
@@ -42,8 +60,11 @@ def test_quick_rows_epsilons_and_figures(tmp_path):
     sweep = [r for r in rows if r["kind"] == "els_group_sweep"]
     assert sorted(r["group_size"] for r in sweep) == [1, 2, 4]
     names = {p.name for p in figs.iterdir()}
-    assert {"stackexchange_loss_vs_epsilon.png", "stackexchange_loss_vs_compute.png",
-            "stackexchange_els_group_size.png"} <= names
+    assert {
+        "stackexchange_loss_vs_epsilon.png",
+        "stackexchange_loss_vs_compute.png",
+        "stackexchange_els_group_size.png",
+    } <= names
     assert all((figs / n).stat().st_size > 5000 for n in names if n.endswith(".png"))
 
 
@@ -59,11 +80,22 @@ def _bench_module():
 
 def test_repeats_merge_only_when_the_hyperparameters_match():
     merge = _bench_module().merge_repeats
-    cell = dict(dataset="blogs", kind="grid", algorithm="fedavg", epsilon=8.0, compute_budget=8, group_size=1,
-                cohort=8.0, lr=1e-3, clip_norm=0.3)
-    rows = [dict(cell, loss=5.7, loss_seeds=[5.7], seeds=1, local_lr=0.1),
-            dict(cell, loss=5.5, loss_seeds=[5.5], seeds=1, local_lr=0.01),
-            dict(cell, loss=5.3, loss_seeds=[5.3], seeds=1, local_lr=0.01, epsilon_spent=7.9)]
+    cell = dict(
+        dataset="blogs",
+        kind="grid",
+        algorithm="fedavg",
+        epsilon=8.0,
+        compute_budget=8,
+        group_size=1,
+        cohort=8.0,
+        lr=1e-3,
+        clip_norm=0.3,
+    )
+    rows = [
+        dict(cell, loss=5.7, loss_seeds=[5.7], seeds=1, local_lr=0.1),
+        dict(cell, loss=5.5, loss_seeds=[5.5], seeds=1, local_lr=0.01),
+        dict(cell, loss=5.3, loss_seeds=[5.3], seeds=1, local_lr=0.01, epsilon_spent=7.9),
+    ]
     out = sorted(merge(rows), key=lambda r: r["local_lr"])
     assert [r["local_lr"] for r in out] == [0.01, 0.1]  # another local lr is another cell, not a repeat
     assert out[0]["loss_seeds"] == [5.5, 5.3] and out[0]["seeds"] == 2 and abs(out[0]["loss"] - 5.4) < 1e-12

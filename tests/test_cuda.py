@@ -31,13 +31,14 @@ def test_the_triton_kernel_draws_the_cpu_keystream_and_normals():
     from userdp.engine import chacha as CH
     from userdp.engine import chacha_triton as T
 
-    fixed = torch.tensor([*CH._CONSTANTS, *[0xFFFFFFFF - i for i in range(8)], 0, 0xFFFFFFFF, 0x80000000, 2],
-                         dtype=torch.int64)
+    fixed = torch.tensor(
+        [*CH._CONSTANTS, *[0xFFFFFFFF - i for i in range(8)], 0, 0xFFFFFFFF, 0x80000000, 2], dtype=torch.int64
+    )
     for lo in (0, 2**32 - 100_000):
         ctr = torch.arange(lo, lo + 100_000, dtype=torch.int64)
         assert torch.equal(T.blocks(ctr.to(CUDA), fixed.to(CUDA)).cpu(), CH._words(ctr, fixed))
         got = T.slab(ctr.to(CUDA), fixed.to(CUDA)).cpu()
-        assert float(CH.normals_error(got, CH._slab_eager(ctr, fixed))) <= CH.NORMALS_ULPS * 2.0 ** -52
+        assert float(CH.normals_error(got, CH._slab_eager(ctr, fixed))) <= CH.NORMALS_ULPS * 2.0**-52
 
 
 def test_tensor_core_grams_and_sums_match_the_cpu_emulation():
@@ -48,7 +49,7 @@ def test_tensor_core_grams_and_sums_match_the_cpu_emulation():
     b = torch.randn(4, 64, 96, generator=g).to(torch.bfloat16)
     got = mm32(a.to(CUDA), b.to(CUDA)).cpu()
     exact = a.double() @ b.double()
-    bound = 64 * 2.0 ** -24 * (a.double().abs() @ b.double().abs())
+    bound = 64 * 2.0**-24 * (a.double().abs() @ b.double().abs())
     assert got.dtype == torch.float32 and bool(((got.double() - exact).abs() <= bound).all())
     c = round_down_bf16(torch.rand(4, generator=g)).to(CUDA)
     p = b.to(CUDA).float() * c.float().view(-1, 1, 1)
@@ -73,7 +74,8 @@ def test_a_bf16_ghost_step_on_cuda_stays_within_the_bound_and_matches_float32():
         w = torch.zeros(4, device=CUDA)
         w[u] = 1.0
         sums, norms, *_ = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
-            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
+            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32)
+        )
         total = torch.sqrt(sum((s.double() ** 2).sum() for s in sums))
         assert float(norms[u]) > 0.05 and float(total) <= 0.05
 
@@ -87,8 +89,16 @@ def test_a_training_step_on_cuda_uses_fused_optimizers_and_records_its_kernels()
     model = models.build_preset("tiny", vocab_size=50, n_positions=32).to(CUDA)
     ids = torch.from_numpy(np.random.default_rng(0).integers(0, 50, (60, 12)))
     data = TensorUserData({"input_ids": ids, "labels": ids.clone()}, np.arange(0, 61, 3))
-    cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, track_epsilon=False,
-                      optimizer=Adam(1e-3), precision="bfloat16", chunk_size=4)
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.3),
+        steps=2,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        track_epsilon=False,
+        optimizer=Adam(1e-3),
+        precision="bfloat16",
+        chunk_size=4,
+    )
     rec = train(model, data, models.causal_lm_loss, cfg).record
     assert rec["per_unit"]["strategy"] == "ghost"
     assert rec["noise_kernel"] == "triton"
@@ -118,7 +128,9 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
         got = scale_split(y, c, bad, wp)
         assert got is not None and torch.equal(got.view(torch.int16), C.split_operand(y, c, bad, wp).view(torch.int16))
         got = scale_split(y, c, bad, wp, False)  # the rounded operand
-        assert got is not None and torch.equal(got.view(torch.int16), C.rounded_operand(y, c, bad, wp).view(torch.int16))
+        assert got is not None and torch.equal(
+            got.view(torch.int16), C.rounded_operand(y, c, bad, wp).view(torch.int16)
+        )
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=1001, n_positions=32).to(CUDA).train()
     ids = torch.randint(0, 1001, (3, 2, 16), device=CUDA)

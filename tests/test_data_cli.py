@@ -9,7 +9,9 @@ from userdp.cli import main
 
 @pytest.fixture
 def jsonl(tmp_path):
-    rows = [{"user": f"u{i % 4}", "text": f"post {i} " * (1 + i % 3)} for i in range(21)] + [{"user": "u9", "text": "  "}]
+    rows = [{"user": f"u{i % 4}", "text": f"post {i} " * (1 + i % 3)} for i in range(21)] + [
+        {"user": "u9", "text": "  "}
+    ]
     p = tmp_path / "a.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return p
@@ -21,7 +23,10 @@ def test_stats_json_and_plot(jsonl, tmp_path, capsys):
     tok = train_bpe(PublicText(["post one two"] * 10, description="t"), vocab_size=270, min_frequency=1)
     tok.save(str(tmp_path / "tok.json"))
     png = tmp_path / "h.png"
-    assert main(["data", "stats", str(jsonl), "--json", "--plot", str(png), "--tokenizer", str(tmp_path / "tok.json")]) == 0
+    assert (
+        main(["data", "stats", str(jsonl), "--json", "--plot", str(png), "--tokenizer", str(tmp_path / "tok.json")])
+        == 0
+    )
     s = json.loads(capsys.readouterr().out)
     assert s["users"] == 4 and s["records"] == 21
     r = s["records_per_user"]

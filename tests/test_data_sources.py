@@ -92,7 +92,9 @@ def test_empty_and_whitespace_records_dropped_and_counted_with_users_left_empty(
         {"user": "d", "text": "also keep"},
     ]
     p = tmp_path / "a.jsonl"
-    p.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]) + "\n" + "".join(json.dumps(r) + "\n" for r in rows[3:]))
+    p.write_text(
+        "".join(json.dumps(r) + "\n" for r in rows[:3]) + "\n" + "".join(json.dumps(r) + "\n" for r in rows[3:])
+    )
     res = build(tmp_path, open_source(str(p)))
     assert res.store.num_records == 2 and sorted(res.store.user_ids) == ["a", "d"]
     assert res.drops.get(EMPTY_TEXT) == 4
@@ -120,14 +122,18 @@ def write_csv(path, header, rows):
 
 
 def test_csv_with_multiline_fields(tmp_path):
-    p = write_csv(tmp_path / "a.csv", ["id", "user", "text"], [[1, "a", "line one\nline two"], [2, "b", "x"], [3, "a", "y"]])
+    p = write_csv(
+        tmp_path / "a.csv", ["id", "user", "text"], [[1, "a", "line one\nline two"], [2, "b", "x"], [3, "a", "y"]]
+    )
     st = build(tmp_path, open_source(str(p))).store
     assert st.texts(st.user_index()["a"]) == ["line one\nline two", "y"]
 
 
 def test_csv_header_lacking_field(tmp_path):
     p = write_csv(tmp_path / "a.csv", ["author", "text"], [["a", "x"]])
-    with pytest.raises(UserError, match=r"a\.csv:line 1: the CSV header lacks the user field 'user' \(header: author, text"):
+    with pytest.raises(
+        UserError, match=r"a\.csv:line 1: the CSV header lacks the user field 'user' \(header: author, text"
+    ):
         build(tmp_path, open_source(str(p)))
 
 
@@ -160,8 +166,12 @@ def test_parquet_integer_users(tmp_path):
 def test_hf_saved_dataset(tmp_path):
     import datasets
 
-    ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"user": ["a", "b", "a"], "text": ["1", "2", "3"]}),
-                               "test": datasets.Dataset.from_dict({"user": ["z"], "text": ["9"]})})
+    ds = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"user": ["a", "b", "a"], "text": ["1", "2", "3"]}),
+            "test": datasets.Dataset.from_dict({"user": ["z"], "text": ["9"]}),
+        }
+    )
     ds.save_to_disk(str(tmp_path / "ds"))
     assert detect_format(str(tmp_path / "ds")) == "hf"
     st = build(tmp_path, open_source(str(tmp_path / "ds"))).store

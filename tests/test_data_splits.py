@@ -69,7 +69,7 @@ def test_one_user_added_moves_no_other_users_membership():
     # says so); data.sample_rate / --sample below moves no one
     moved = set(s1.users.tolist()) ^ (set(s2.users.tolist()) - {5000})
     assert len(moved) <= 2
-    assert abs(s1.num_users - 300) < 4 * 300 ** 0.5
+    assert abs(s1.num_users - 300) < 4 * 300**0.5
 
 
 def test_a_sample_at_a_fixed_rate_moves_no_other_users_membership_wherever_the_new_user_lands():
@@ -128,7 +128,12 @@ def test_time_split_errors(tmp_path):
     st = build_store(open_source(str(p)), tmp_path / "s").store
     with pytest.raises(UserError, match="needs dates"):
         time_split(st, "2018-01-01")
-    p.write_text(json.dumps({"user": "a", "text": "x", "d": "14,May,2004"}) + "\n" + json.dumps({"user": "a", "text": "y", "d": "someday"}) + "\n")
+    p.write_text(
+        json.dumps({"user": "a", "text": "x", "d": "14,May,2004"})
+        + "\n"
+        + json.dumps({"user": "a", "text": "y", "d": "someday"})
+        + "\n"
+    )
     st = build_store(open_source(str(p), fields=Fields(date="d")), tmp_path / "s2").store
     with pytest.raises(UserError, match=r"user 'a' record 1: unrecognised date 'someday'"):
         time_split(st, "2005-01-01")

@@ -19,11 +19,17 @@ def row(**attrs):
 
 def write_site(folder, posts, comments=None, users=None):
     folder.mkdir(parents=True)
-    (folder / "Posts.xml").write_text('\ufeff<?xml version="1.0" encoding="utf-8"?>\n<posts>\n' + "".join(posts) + "</posts>\n", encoding="utf-8")
+    (folder / "Posts.xml").write_text(
+        '\ufeff<?xml version="1.0" encoding="utf-8"?>\n<posts>\n' + "".join(posts) + "</posts>\n", encoding="utf-8"
+    )
     if comments is not None:
-        (folder / "Comments.xml").write_text('<?xml version="1.0" encoding="utf-8"?>\n<comments>\n' + "".join(comments) + "</comments>\n")
+        (folder / "Comments.xml").write_text(
+            '<?xml version="1.0" encoding="utf-8"?>\n<comments>\n' + "".join(comments) + "</comments>\n"
+        )
     if users is not None:
-        (folder / "Users.xml").write_text('<?xml version="1.0" encoding="utf-8"?>\n<users>\n' + "".join(users) + "</users>\n")
+        (folder / "Users.xml").write_text(
+            '<?xml version="1.0" encoding="utf-8"?>\n<users>\n' + "".join(users) + "</users>\n"
+        )
 
 
 @pytest.fixture
@@ -32,8 +38,21 @@ def dump(tmp_path):
     write_site(
         root / "alpha",
         [
-            row(Id=1, PostTypeId=1, OwnerUserId=10, Title="Why <b>bold</b>?", Body="<p>First &amp; para.</p><p>Second<br/>line</p>", CreationDate="2016-01-01T00:00:00.000"),
-            row(Id=2, PostTypeId=2, OwnerUserId=11, Body="<p>An <code>answer</code></p>", CreationDate="2016-01-02T00:00:00.000"),
+            row(
+                Id=1,
+                PostTypeId=1,
+                OwnerUserId=10,
+                Title="Why <b>bold</b>?",
+                Body="<p>First &amp; para.</p><p>Second<br/>line</p>",
+                CreationDate="2016-01-01T00:00:00.000",
+            ),
+            row(
+                Id=2,
+                PostTypeId=2,
+                OwnerUserId=11,
+                Body="<p>An <code>answer</code></p>",
+                CreationDate="2016-01-02T00:00:00.000",
+            ),
             row(Id=3, PostTypeId=4, OwnerUserId=10, Body="<p>tag excerpt</p>"),
             row(Id=4, PostTypeId=5, OwnerUserId=10, Body="<p>tag wiki</p>"),
             row(Id=5, PostTypeId=2, OwnerUserId=-1, Body="<p>community</p>"),
@@ -41,14 +60,25 @@ def dump(tmp_path):
             row(Id=7, PostTypeId="x", OwnerUserId=10, Body="<p>bad type</p>"),
             row(Id=8, PostTypeId=2, OwnerUserId=12, Body="<p> </p><img src='a.png'/>"),
         ],
-        comments=[row(Id=1, PostId=1, UserId=11, Text="a comment", CreationDate="2017-01-01T00:00:00.000"),
-                  row(Id=2, PostId=1, UserId=-1, Text="bot")],
+        comments=[
+            row(Id=1, PostId=1, UserId=11, Text="a comment", CreationDate="2017-01-01T00:00:00.000"),
+            row(Id=2, PostId=1, UserId=-1, Text="bot"),
+        ],
         users=[row(Id=-1, AccountId=-1), row(Id=10, AccountId=1000), row(Id=11, AccountId=1001)],
     )
     write_site(
         root / "beta",
-        [row(Id=1, PostTypeId=1, OwnerUserId=77, Title="Beta q", Body="<p>beta body</p>", CreationDate="2018-05-01T00:00:00.000"),
-         row(Id=2, PostTypeId=2, OwnerUserId=78, Body="<p>no account</p>", CreationDate="2018-05-02T00:00:00.000")],
+        [
+            row(
+                Id=1,
+                PostTypeId=1,
+                OwnerUserId=77,
+                Title="Beta q",
+                Body="<p>beta body</p>",
+                CreationDate="2018-05-01T00:00:00.000",
+            ),
+            row(Id=2, PostTypeId=2, OwnerUserId=78, Body="<p>no account</p>", CreationDate="2018-05-02T00:00:00.000"),
+        ],
         users=[row(Id=77, AccountId=1000)],  # same person as alpha:10
     )
     return root
@@ -83,7 +113,9 @@ def test_single_site_folder(tmp_path, dump):
 def test_malformed_xml_fails_with_file_and_line(tmp_path):
     site = tmp_path / "bad"
     site.mkdir()
-    (site / "Posts.xml").write_text('<?xml version="1.0"?>\n<posts>\n  <row Id="1" PostTypeId="1" OwnerUserId="3" Body="x" />\n  <row Id="2" Body="unclosed />\n</posts>\n')
+    (site / "Posts.xml").write_text(
+        '<?xml version="1.0"?>\n<posts>\n  <row Id="1" PostTypeId="1" OwnerUserId="3" Body="x" />\n  <row Id="2" Body="unclosed />\n</posts>\n'
+    )
     with pytest.raises(UserError, match=r"Posts\.xml:line \d+, column \d+: malformed XML"):
         build_store(open_source(str(site)), tmp_path / "s")
 

@@ -25,7 +25,7 @@ class ListSource:
 
     def batches(self, batch_size):
         for a in range(0, len(self.users), 37):
-            yield RecordBatch(self.users[a:a + 37], self.texts[a:a + 37], None, list(range(a, a + 37)), "list")
+            yield RecordBatch(self.users[a : a + 37], self.texts[a : a + 37], None, list(range(a, a + 37)), "list")
 
 
 def heavy_tail(n_users=200, seed=0):

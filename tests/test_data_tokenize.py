@@ -31,7 +31,9 @@ def tok():
 def store(tmp_path):
     rng = np.random.default_rng(0)
     words = "fox dog quick lazy brown public sentence jumps over".split()
-    rows = [{"user": f"u{rng.integers(0, 9)}", "text": " ".join(rng.choice(words, rng.integers(1, 40)))} for _ in range(120)]
+    rows = [
+        {"user": f"u{rng.integers(0, 9)}", "text": " ".join(rng.choice(words, rng.integers(1, 40)))} for _ in range(120)
+    ]
     p = tmp_path / "a.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return build_store(open_source(str(p)), tmp_path / "s").store
@@ -76,7 +78,7 @@ def test_modes_and_cache(store, tok, tmp_path, monkeypatch):
     pk = tokenize_store(store, tok, TokenLayout(L, "pack"), cache_dir=tmp_path / "c")
     for u in range(store.num_users):
         assert np.array_equal(pk.user_stream(u), full.user_stream(u))  # windows tile the stream
-        lens = np.diff(pk.seq_offsets[pk.user_offsets[u]:pk.user_offsets[u + 1] + 1])
+        lens = np.diff(pk.seq_offsets[pk.user_offsets[u] : pk.user_offsets[u + 1] + 1])
         assert np.all(lens[:-1] == L) and 1 <= lens[-1] <= L
     # second run: from the cache, no encoding
     monkeypatch.setattr(tokmod, "_key", tokmod._key)
@@ -86,7 +88,12 @@ def test_modes_and_cache(store, tok, tmp_path, monkeypatch):
     again = tokenize_store(store, tok, TokenLayout(L, "pack"), cache_dir=tmp_path / "c")
     assert again.from_cache and not called and np.array_equal(np.asarray(again.tokens), np.asarray(pk.tokens))
     # a different seq_len, mode, tokenizer or subset is a different key
-    keys = {full.key, tr.key, pk.key, tokenize_store(store, tok, TokenLayout(L + 1, "pack"), cache_dir=tmp_path / "c").key}
+    keys = {
+        full.key,
+        tr.key,
+        pk.key,
+        tokenize_store(store, tok, TokenLayout(L + 1, "pack"), cache_dir=tmp_path / "c").key,
+    }
     sub = bound_contributions(store, 2, "shortest")
     keys.add(tokenize_store(store, tok, TokenLayout(L, "pack"), subset=sub, cache_dir=tmp_path / "c").key)
     assert len(keys) == 5
@@ -100,13 +107,14 @@ def test_token_lengths_drive_longest_selection(store, tok, tmp_path):
     u = 0
     texts = store.texts(u)
     ref = [len(tok.encode(t, add_special_tokens=False).ids) for t in texts]
-    assert lens[store.offsets[u]:store.offsets[u + 1]].tolist() == ref
+    assert lens[store.offsets[u] : store.offsets[u + 1]].tolist() == ref
     sub = bound_contributions(store, 1, "longest", scores=lens)
     assert lens[store.offsets[u] + sub.records_of(0)[0]] == max(ref)
 
 
-@pytest.mark.parametrize("damage", ["tokens truncated", "tokens flipped", "offsets truncated", "a file removed",
-                                    "meta.json torn"])
+@pytest.mark.parametrize(
+    "damage", ["tokens truncated", "tokens flipped", "offsets truncated", "a file removed", "meta.json torn"]
+)
 def test_a_damaged_cache_entry_is_rebuilt_not_read(store, tok, tmp_path, damage):
     """A tokenized cache entry is verified (each file's size and sha256, recorded in meta.json when
     it was written) before it is read: a crash's truncated leftover gave `ValueError: mmap length is

@@ -93,7 +93,7 @@ def test_lm_user_data_selections(store, tok):
 
     ts = tokenize_store(store, tok, TokenLayout(64, "truncate"))
     mid = store.user_index()["mid"]
-    lens = ts.seq_lengths()[ts.user_offsets[mid]:ts.user_offsets[mid + 1]]
+    lens = ts.seq_lengths()[ts.user_offsets[mid] : ts.user_offsets[mid + 1]]
     for sel, pick in (("longest", np.argmax), ("shortest", np.argmin)):
         ud = LMUserData(ts, sel)
         assert isinstance(ud, RankedUserData)
@@ -101,21 +101,23 @@ def test_lm_user_data_selections(store, tok):
         b2, _ = ud.draw_records(np.array([mid]), 2, np.random.default_rng(1))
         assert torch.equal(b1["input_ids"], b2["input_ids"]) and m1.tolist() == [[1.0, 1.0]]
         top = ts.sequence(ts.user_offsets[mid] + int(pick(lens)))
-        assert b1["input_ids"][0, 0, :len(top)].tolist() == top.tolist()
+        assert b1["input_ids"][0, 0, : len(top)].tolist() == top.tolist()
         assert torch.equal(ud.gather(np.array([mid]), np.array([0]))["input_ids"], b1["input_ids"][:, 0])
     # perplexity: the records with the lowest scores come first
     scores = np.arange(ts.user_offsets[-1], dtype=float)[::-1].copy()
     ud = LMUserData(ts, "lowest_ppl", scores=scores)
     b, m = ud.draw_records(np.array([mid]), 7, np.random.default_rng(0))
     last = ts.sequence(ts.user_offsets[mid + 1] - 1)
-    assert b["input_ids"][0, 0, :len(last)].tolist() == last.tolist()
+    assert b["input_ids"][0, 0, : len(last)].tolist() == last.tolist()
     assert m.tolist() == [[1.0] * 5 + [0.0] * 2]
     with pytest.raises(UserError, match="perplexities"):
         LMUserData(ts, "highest_ppl")
     with pytest.raises(UserError, match="full"):
         LMUserData(ts, "random_chunk")
     assert type(LMUserData(ts, "random")) is TokenizedUserData
-    assert isinstance(LMUserData(tokenize_store(store, tok, TokenLayout(64, "full")), "random_chunk"), RandomChunkUserData)
+    assert isinstance(
+        LMUserData(tokenize_store(store, tok, TokenLayout(64, "full")), "random_chunk"), RandomChunkUserData
+    )
 
 
 def test_els_contribution_bound_honours_the_selection(store, tok):
@@ -130,9 +132,9 @@ def test_els_contribution_bound_honours_the_selection(store, tok):
     sizes = ud.sizes()
     assert np.bincount(table.users, minlength=ud.num_users).tolist() == np.minimum(sizes, 2).tolist()
     mid = store.user_index()["mid"]
-    lens = ts.seq_lengths()[ts.user_offsets[mid]:ts.user_offsets[mid + 1]]
+    lens = ts.seq_lengths()[ts.user_offsets[mid] : ts.user_offsets[mid + 1]]
     els_batch = ud.gather(table.users[table.users == mid], table.records[table.users == mid])
     uls_batch, _ = ud.draw_records(np.array([mid]), 2, np.random.default_rng(5))
     assert torch.equal(els_batch["input_ids"], uls_batch["input_ids"][0])
     longest = ts.sequence(ts.user_offsets[mid] + int(np.argmax(lens)))
-    assert els_batch["input_ids"][0, :len(longest)].tolist() == longest.tolist()
+    assert els_batch["input_ids"][0, : len(longest)].tolist() == longest.tolist()

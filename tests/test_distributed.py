@@ -30,9 +30,10 @@ from _lm_corpus import write_tiny_run
 
 HERE = Path(__file__).parent
 TORCHRUN = shutil.which("torchrun")
-needs_torchrun = pytest.mark.skipif(TORCHRUN is None or not torch.distributed.is_available()
-                                    or not sys.platform.startswith("linux"),
-                                    reason="needs torchrun and torch.distributed (gloo) on Linux")
+needs_torchrun = pytest.mark.skipif(
+    TORCHRUN is None or not torch.distributed.is_available() or not sys.platform.startswith("linux"),
+    reason="needs torchrun and torch.distributed (gloo) on Linux",
+)
 
 
 def _env(tmp_path):
@@ -109,12 +110,33 @@ def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path, monkeypatc
     float32 rounding; the adapters start alike in every process and run: models.LORA_INIT_SEED)."""
     cfg = _tiny(tmp_path, "  seed: 5\n")
     lora = ["--set", "model.lora.enabled=true", "--set", "model.lora.rank=4"]
-    rc, one, err = _in_process(["train", str(cfg), "--output", "one", "--no-progress", "--json", *lora], tmp_path,
-                               monkeypatch, capsys)
+    rc, one, err = _in_process(
+        ["train", str(cfg), "--output", "one", "--no-progress", "--json", *lora], tmp_path, monkeypatch, capsys
+    )
     assert rc == 0, err[-3000:]
-    shard = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "shard",
-                            "--no-progress", "--json", "--set", "training.sharding=fsdp", *lora], cwd=tmp_path,
-                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    shard = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "userdp",
+            "train",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--output",
+            "shard",
+            "--no-progress",
+            "--json",
+            "--set",
+            "training.sharding=fsdp",
+            *lora,
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shard.returncode == 0, shard.stderr[-3000:]
     s1, s2 = json.loads(one.splitlines()[-1]), json.loads(shard.stdout.splitlines()[-1])
     assert s2["steps"] == s1["steps"] == 4 and s2["epsilon"] == s1["epsilon"]
@@ -130,18 +152,55 @@ def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path, monkeypatc
 @needs_torchrun
 def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path, monkeypatch, capsys):
     cfg = _tiny(tmp_path, "  seed: 5\n  checkpoint_every: 1\n")
-    rc, one, err = _in_process(["train", str(cfg), "--output", "one", "--no-progress", "--json"], tmp_path,
-                               monkeypatch, capsys)
+    rc, one, err = _in_process(
+        ["train", str(cfg), "--output", "one", "--no-progress", "--json"], tmp_path, monkeypatch, capsys
+    )
     assert rc == 0, err[-3000:]
     # userdp's own launcher (issue 41): the same job as `torchrun --nproc_per_node=2 -m userdp train`
-    two = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "two",
-                          "--no-progress", "--json"], cwd=tmp_path, env=_env(tmp_path), capture_output=True,
-                         text=True, timeout=300)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "userdp",
+            "train",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--output",
+            "two",
+            "--no-progress",
+            "--json",
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     # the same job with the model sharded over the two processes (FSDP2, issue 37)
-    shard = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", "--output", "shard",
-                            "--no-progress", "--json", "--set", "training.sharding=fsdp"], cwd=tmp_path,
-                           env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    shard = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "userdp",
+            "train",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--output",
+            "shard",
+            "--no-progress",
+            "--json",
+            "--set",
+            "training.sharding=fsdp",
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shard.returncode == 0, shard.stderr[-3000:]
     s3 = json.loads(shard.stdout.splitlines()[-1])
     assert s3["steps"] == 4 and s3["epsilon"] == json.loads(one.splitlines()[-1])["epsilon"]
@@ -162,14 +221,17 @@ def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path, mo
     assert priv["compute"]["processes"] == {"world_size": 2, "backend": "gloo"}
 
 
-@pytest.mark.parametrize("override, words", [
-    ("training.nope=1", "unknown key 'training.nope'"),
-    ("data.path=/no/such/file.jsonl", "data.path /no/such/file.jsonl"),
-    ("audit.canaries=10", "audit.canaries"),
-    ("model.device=cuda:0", "names one GPU"),
-    ("training.sharding=fsdp training.algorithm=fedavg", "training.sharding: fsdp a local-SGD update"),
-    ("training.sharding=fsdp training.per_unit=vmap", "training.sharding: fsdp clips per unit with the ghost"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("training.nope=1", "unknown key 'training.nope'"),
+        ("data.path=/no/such/file.jsonl", "data.path /no/such/file.jsonl"),
+        ("audit.canaries=10", "audit.canaries"),
+        ("model.device=cuda:0", "names one GPU"),
+        ("training.sharding=fsdp training.algorithm=fedavg", "training.sharding: fsdp a local-SGD update"),
+        ("training.sharding=fsdp training.per_unit=vmap", "training.sharding: fsdp clips per unit with the ghost"),
+    ],
+)
 def test_train_nproc_refuses_a_bad_input_before_any_process_starts(tmp_path, monkeypatch, capsys, override, words):
     from userdp import launcher
     from userdp.cli import main
@@ -191,11 +253,30 @@ def test_a_bad_input_found_by_the_workers_ends_the_job_in_one_line_exit_2(tmp_pa
     cfg = _tiny(tmp_path, "")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(Path(tmp_path / "users.jsonl").read_text() + '{"user": "x", "text": broken\n')
-    for extra, words in ((["--set", "training.cohort_size=100000"], "more than the"),
-                         (["--set", f"data.path={bad}"], "bad.jsonl:line 121: not valid JSON")):
-        out = subprocess.run([sys.executable, "-m", "userdp", "train", str(cfg), "--nproc", "2", *extra, "--output",
-                              "o", "--no-progress"], cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True,
-                             timeout=300)
+    for extra, words in (
+        (["--set", "training.cohort_size=100000"], "more than the"),
+        (["--set", f"data.path={bad}"], "bad.jsonl:line 121: not valid JSON"),
+    ):
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "userdp",
+                "train",
+                str(cfg),
+                "--nproc",
+                "2",
+                *extra,
+                "--output",
+                "o",
+                "--no-progress",
+            ],
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 2, out.stderr[-3000:]
         errors = [ln for ln in out.stderr.splitlines() if "error" in ln.lower()]
         assert len(errors) == 1 and words in errors[0], out.stderr[-3000:]  # one line, from the job
@@ -207,8 +288,22 @@ def test_a_bad_input_found_by_the_workers_ends_the_job_in_one_line_exit_2(tmp_pa
 def test_the_workers_get_the_users_arguments_less_the_launchers():
     from userdp.cli.train import _worker_argv
 
-    argv = ["--plugin", "p.py", "train", "c.yaml", "--nproc", "2", "--nnodes=1", "--set", "a.b=1",
-            "--rdzv-endpoint", "h:1", "--node-rank", "0", "--no-progress"]
+    argv = [
+        "--plugin",
+        "p.py",
+        "train",
+        "c.yaml",
+        "--nproc",
+        "2",
+        "--nnodes=1",
+        "--set",
+        "a.b=1",
+        "--rdzv-endpoint",
+        "h:1",
+        "--node-rank",
+        "0",
+        "--no-progress",
+    ]
     assert _worker_argv(argv) == ["--plugin", "p.py", "train", "c.yaml", "--set", "a.b=1", "--no-progress"]
 
 
@@ -227,8 +322,9 @@ def _rank_of(pid):
 def _kill_one_rank(cmd, tmp_path, run, victim, after_step):
     """Start ``cmd`` (torchrun, 2 processes), kill -9 rank ``victim`` once metrics.jsonl shows step
     ``after_step``; returns torchrun's stderr once every process has ended (no hang)."""
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -274,8 +370,13 @@ def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path
     begun1, ckpt1 = _begun_and_committed(run)
     assert begun1 >= ckpt1 >= 2
     # the resume shards the model (a performance setting may change on resume): rank 0 of a sharded job killed
-    _kill_one_rank(launch + ["--resume", str(run), "--no-progress", "--set", "training.sharding=fsdp"], tmp_path, run,
-                   0, begun1 + 2)
+    _kill_one_rank(
+        launch + ["--resume", str(run), "--no-progress", "--set", "training.sharding=fsdp"],
+        tmp_path,
+        run,
+        0,
+        begun1 + 2,
+    )
     begun2, ckpt2 = _begun_and_committed(run)
     assert begun2 - begun1 >= ckpt2 - ckpt1 >= 1
     one = ["train", "--resume", str(run), "--no-progress", "--json"]
@@ -292,7 +393,8 @@ def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path
     assert priv["steps_lost_to_crashes"] == lost
     assert priv["steps_applied"] == applied and accounted == applied + lost
     assert [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()] == list(
-        range(1, applied + 1))
+        range(1, applied + 1)
+    )
 
 
 # ----------------------------------------------------------------------------- refusals, in process
@@ -332,8 +434,17 @@ def test_a_rank_whose_config_differs_from_rank_0s_is_refused():
     errors = [None, None]
 
     def rank(r):
-        cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=3 + r, clipping=FlatClip(0.5), optimizer=SGD(0.5),
-                          noise_multiplier=1.0, delta=1e-5, seed=1, track_epsilon=False, accountant="rdp")
+        cfg = TrainConfig(
+            algorithm=ULS(2, 0.5),
+            steps=3 + r,
+            clipping=FlatClip(0.5),
+            optimizer=SGD(0.5),
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=1,
+            track_epsilon=False,
+            accountant="rdp",
+        )
         try:
             train(Mean(4), user_data([3] * 8, d=4), sq_loss, cfg, RunOptions(combiner=_ThreadCombiner(r, 2, shared)))
         except Exception as e:  # noqa: BLE001 - recorded for the assertion
@@ -352,9 +463,21 @@ def test_a_rank_whose_config_differs_from_rank_0s_is_refused():
 def test_units_draw_the_same_records_whatever_the_chunking():
     """The record draw of a unit is keyed by (run, step, unit): a chunk size that splits the cohort
     differently (as W ranks do) trains the same model."""
-    cfgs = [TrainConfig(algorithm=ULS(2, 0.6), steps=3, clipping=FlatClip(0.5), optimizer=SGD(0.5),
-                        noise_multiplier=1.0, delta=1e-5, seed=9, chunk_size=c, track_epsilon=False, accountant="rdp")
-            for c in (1, 5)]
+    cfgs = [
+        TrainConfig(
+            algorithm=ULS(2, 0.6),
+            steps=3,
+            clipping=FlatClip(0.5),
+            optimizer=SGD(0.5),
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=9,
+            chunk_size=c,
+            track_epsilon=False,
+            accountant="rdp",
+        )
+        for c in (1, 5)
+    ]
     models = [Mean(4), Mean(4)]
     for m, c in zip(models, cfgs):
         train(m, user_data(np.arange(1, 13), d=4, seed=3), sq_loss, c)

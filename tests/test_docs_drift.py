@@ -19,8 +19,11 @@ SEAMS = {
     "mechanism": ["userdp.accounting.mechanism:Mechanism"],
     "accountant": ["userdp.accounting.accountants:PLDAccountant", "userdp.accounting.accountants:RDPAccountant"],
     "per-unit strategy": ["userdp.engine.per_unit:VmapPerUnit", "userdp.engine.ghost:GhostPerUnit"],
-    "clipping": ["userdp.engine.clipping:FlatClip", "userdp.engine.clipping:PerLayerClip",
-                 "userdp.engine.clipping:AdaptiveClip"],
+    "clipping": [
+        "userdp.engine.clipping:FlatClip",
+        "userdp.engine.clipping:PerLayerClip",
+        "userdp.engine.clipping:AdaptiveClip",
+    ],
     "noise mechanism": ["userdp.engine.noise:IIDGaussian"],
     "ledger": ["userdp.engine.ledger:PrivacyLedger"],
     "algorithm": ["userdp.engine.algorithms:ELS", "userdp.engine.algorithms:ULS", "userdp.engine.algorithms:FedAvg"],
@@ -74,7 +77,7 @@ def _return_mismatch(doc: str | None, annotation) -> str | None:
         items = re.sub(r"\s*\[[^\]]*\]", "", doc[1:-1])  # shapes such as [m, L]
         if not ann.startswith("tuple["):
             return f"the doc returns a tuple {doc}, the code {ann}"
-        if _top_level_args(ann[len("tuple["):-1]) != len([x for x in items.split(",") if x.strip()]):
+        if _top_level_args(ann[len("tuple[") : -1]) != len([x for x in items.split(",") if x.strip()]):
             return f"the doc returns {doc}, the code {ann}"
         return None
     base = re.split(r"[\[|]", ann, maxsplit=1)[0].strip()
@@ -100,11 +103,15 @@ def test_the_contract_names_the_codes_members_and_parameters(seam):
             real = [p for p in sig.parameters if p not in ("self", "cls")]
             elided = "…" in params or "..." in params
             given = [p for p in params if p not in ("…", "...")]
-            assert real[:len(given)] == given, f"{seam}: {owner.__name__}.{name}{sig} vs the doc's ({', '.join(given)})"
+            assert real[: len(given)] == given, (
+                f"{seam}: {owner.__name__}.{name}{sig} vs the doc's ({', '.join(given)})"
+            )
             if not elided:  # what the doc leaves out must be optional
-                rest = [sig.parameters[p] for p in real[len(given):]]
-                assert all(p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                           for p in rest), f"{seam}: {owner.__name__}.{name}{sig}: the doc omits a required parameter"
+                rest = [sig.parameters[p] for p in real[len(given) :]]
+                assert all(
+                    p.default is not inspect.Parameter.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                    for p in rest
+                ), f"{seam}: {owner.__name__}.{name}{sig}: the doc omits a required parameter"
             why = _return_mismatch(returns, sig.return_annotation)
             assert why is None, f"{seam}: {owner.__name__}.{name}: {why}"
             checked += 1
@@ -137,10 +144,13 @@ def test_the_layouts_list_what_src_userdp_holds(doc, heading):
             continue
         assert (src / p).exists(), f"the layout lists {p}, which src/userdp does not hold"
     tops = {p.split("/")[0].removesuffix(".py") for p in listed}
-    actual = {q.stem if q.is_file() else q.name for q in src.iterdir()
-              if (q.suffix == ".py" and q.stem not in ("__init__", "__main__")) or (q.is_dir() and (q / "__init__.py").exists())}
+    actual = {
+        q.stem if q.is_file() else q.name
+        for q in src.iterdir()
+        if (q.suffix == ".py" and q.stem not in ("__init__", "__main__"))
+        or (q.is_dir() and (q / "__init__.py").exists())
+    }
     assert actual <= tops, f"missing from the layout: {sorted(actual - tops)}"
-
 
 
 def test_the_architecture_layout_names_every_module_of_each_package():
@@ -151,9 +161,11 @@ def test_the_architecture_layout_names_every_module_of_each_package():
     for pkg in [q for q in src.iterdir() if q.is_dir() and (q / "__init__.py").exists() and q.name != "cli"]:
         text = next((e for e in entries if e.startswith(f"{pkg.name}/")), "")
         assert text, f"docs/ARCHITECTURE.md's layout has no line for {pkg.name}/"
-        missing = sorted(m.stem for m in pkg.glob("*.py")
-                         if m.stem != "__init__" and not re.search(rf"\b{m.stem}\b", text))
+        missing = sorted(
+            m.stem for m in pkg.glob("*.py") if m.stem != "__init__" and not re.search(rf"\b{m.stem}\b", text)
+        )
         assert not missing, f"docs/ARCHITECTURE.md's layout of {pkg.name}/ does not name {missing}"
+
 
 # ------------------------------------------------------------------------------ every command shown
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -247,5 +259,7 @@ def test_the_return_check_catches_a_wrong_name_and_a_wrong_tuple():
     assert _return_mismatch("(a, b)", "tuple[torch.Tensor, torch.Tensor, int]")
     assert _return_mismatch("(a, b)", "list[int]")
     assert _return_mismatch("(factors [m, L], flat norms [m])", "tuple[torch.Tensor, torch.Tensor]") is None
-    assert _return_mismatch("RunPlan", "'RunPlan'") is None and _return_mismatch("UnitTable", "userdp.UnitTable") is None
+    assert (
+        _return_mismatch("RunPlan", "'RunPlan'") is None and _return_mismatch("UnitTable", "userdp.UnitTable") is None
+    )
     assert _return_mismatch("list", inspect.Signature.empty) is None  # unannotated: nothing to compare

@@ -25,8 +25,17 @@ def _train(per_unit, clip=UNCLIPPED):
     model = MLP().double()
     data = mlp_data(SIZES)
     data = TensorUserData({"x": data.tensors["x"].double(), "y": data.tensors["y"]}, data.offsets)
-    cfg = TrainConfig(algorithm=NonPrivate(4, 0.5), steps=4, noise_multiplier=0.0, optimizer=Adam(1e-2), seed=5,
-                      chunk_size=3, per_unit=per_unit, track_epsilon=False, clipping=FlatClip(clip))
+    cfg = TrainConfig(
+        algorithm=NonPrivate(4, 0.5),
+        steps=4,
+        noise_multiplier=0.0,
+        optimizer=Adam(1e-2),
+        seed=5,
+        chunk_size=3,
+        per_unit=per_unit,
+        track_epsilon=False,
+        clipping=FlatClip(clip),
+    )
     res = train(model, data, ce_loss, cfg)
     return [p.detach().clone() for p in model.parameters()], res
 
@@ -109,7 +118,9 @@ def test_a_finite_loss_with_an_infinite_gradient_is_redone_per_unit():
     batch["x"][1, 0] = 0.0  # unit 1's first record: h_0 = 0
     s = make_per_unit("batch", model, ce_loss, NonPrivate(3, 0.5))
     assert isinstance(s, BatchPerUnit)
-    sums, _, losses, bad = s.clipped_sum(batch, mask, w, StepClipping(FlatClip(UNCLIPPED), {"clip_norm": UNCLIPPED}, torch.float64))
+    sums, _, losses, bad = s.clipped_sum(
+        batch, mask, w, StepClipping(FlatClip(UNCLIPPED), {"clip_norm": UNCLIPPED}, torch.float64)
+    )
     assert torch.isfinite(losses).all() and bad.tolist() == [False, True, False, False, False]
     ref, _, _, ref_bad = _sums("vmap", model, batch, mask, w)
     assert ref_bad.tolist() == bad.tolist()  # the unit at fault is zeroed, as vmap does
@@ -121,7 +132,14 @@ def test_a_finite_loss_with_an_infinite_gradient_is_redone_per_unit():
 def test_a_private_algorithm_is_refused_with_batch():
     with pytest.raises(UserError, match="nonprivate only"):
         make_per_unit("batch", MLP(), ce_loss, ULS(4, 0.5))
-    cfg = TrainConfig(algorithm=ULS(4, 0.5), steps=1, noise_multiplier=1.0, clipping=FlatClip(1.0),
-                      optimizer=Adam(1e-2), per_unit="batch", delta=1e-5)
+    cfg = TrainConfig(
+        algorithm=ULS(4, 0.5),
+        steps=1,
+        noise_multiplier=1.0,
+        clipping=FlatClip(1.0),
+        optimizer=Adam(1e-2),
+        per_unit="batch",
+        delta=1e-5,
+    )
     with pytest.raises(UserError, match="per_unit: batch"):
         train(MLP(), mlp_data(SIZES), ce_loss, cfg)

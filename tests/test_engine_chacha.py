@@ -19,8 +19,24 @@ from _engine_helpers import Mean, sq_loss, user_data
 
 RFC_KEY = [int.from_bytes(bytes(range(4 * i, 4 * i + 4)), "little") for i in range(8)]
 RFC_NONCE = [0x09000000, 0x4A000000, 0x00000000]
-RFC_BLOCK_1 = [0xE4E7F110, 0x15593BD1, 0x1FDD0F50, 0xC47120A3, 0xC7F4D1C7, 0x0368C033, 0x9AAA2204, 0x4E6CD4C3,
-               0x466482D2, 0x09AA9F07, 0x05D7C214, 0xA2028BD9, 0xD19C12B5, 0xB94E16DE, 0xE883D0CB, 0x4E3C50A2]
+RFC_BLOCK_1 = [
+    0xE4E7F110,
+    0x15593BD1,
+    0x1FDD0F50,
+    0xC47120A3,
+    0xC7F4D1C7,
+    0x0368C033,
+    0x9AAA2204,
+    0x4E6CD4C3,
+    0x466482D2,
+    0x09AA9F07,
+    0x05D7C214,
+    0xA2028BD9,
+    0xD19C12B5,
+    0xB94E16DE,
+    0xE883D0CB,
+    0x4E3C50A2,
+]
 
 
 def test_the_block_function_reproduces_rfc_8439_2_3_2():
@@ -97,8 +113,17 @@ def test_the_engine_draws_from_chacha_where_the_device_says_so(monkeypatch):
     """CUDA parameters get the ChaCha source; forced on the CPU here, a seeded run is reproducible,
     its record names the generator, and the noise it adds has the accounted scale."""
     monkeypatch.setattr(noise_mod, "DEVICE_SOURCES", {"cuda": ChaChaNoise, "cpu": ChaChaNoise})
-    cfg = TrainConfig(algorithm=ULS(1, 1.0), steps=1, clipping=FlatClip(1e-9), optimizer=SGD(1.0),
-                      noise_multiplier=2.0, delta=1e-5, seed=4, track_epsilon=False, accountant="rdp")
+    cfg = TrainConfig(
+        algorithm=ULS(1, 1.0),
+        steps=1,
+        clipping=FlatClip(1e-9),
+        optimizer=SGD(1.0),
+        noise_multiplier=2.0,
+        delta=1e-5,
+        seed=4,
+        track_epsilon=False,
+        accountant="rdp",
+    )
     models = [Mean(20_000), Mean(20_000)]
     for m in models:  # every update clipped to ~0: the step is the noise alone, std z*C/(qN) = 2e-9/10
         res = train(m, user_data([1] * 10, d=20_000), sq_loss, cfg)
@@ -123,7 +148,7 @@ def test_the_noise_kernel_is_built_with_the_run_and_a_fallback_says_why(monkeypa
     kernel, status = CH.compile_kernel(torch.device("cpu"), force=True)
     assert kernel is CH._slab_eager and "torch.compile failed: RuntimeError: no compiler here" in status
 
-    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: (lambda ctr, fixed: fn(ctr, fixed) + 1.0))
+    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: lambda ctr, fixed: fn(ctr, fixed) + 1.0)
     kernel, status = CH.compile_kernel(torch.device("cpu"), force=True)
     assert kernel is CH._slab_eager and "differ from the eager ones" in status
 
@@ -135,9 +160,11 @@ def test_the_noise_kernel_is_built_with_the_run_and_a_fallback_says_why(monkeypa
 def _libm_like(fn):
     """A compiled kernel whose transcendental functions are off by a few ulps (Inductor's CPU code
     differs from eager in 5,351 of 524,288 normals by at most 4e-16 relative)."""
+
     def kernel(ctr, fixed):
         out = fn(ctr, fixed)
         return torch.where(torch.arange(out.numel()) % 97 == 0, torch.nextafter(out, out * 2), out)
+
     return kernel
 
 
@@ -150,6 +177,7 @@ def _one_flipped_bit(fn):
         words = CH._words(ctr, fixed)
         words[5, 3] ^= 1
         return CH._normals_from_blocks(words)
+
     return kernel
 
 
@@ -173,6 +201,7 @@ def test_the_compiled_kernel_is_held_to_an_ulp_bound_on_the_normals_and_exact_wo
     def slow(fn, **kw):
         release.wait(10)
         return fn
+
     monkeypatch.setattr(CH.torch, "compile", slow)
     t0 = time.perf_counter()
     kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, timeout=0.3)
@@ -234,8 +263,11 @@ def test_the_triton_kernel_draws_the_eager_keystream_and_normals_and_is_taken_fi
     import subprocess
     import sys
 
-    probe = (_TRITON_PROBE.replace("KEY", repr(RFC_KEY)).replace("NONCE", repr(RFC_NONCE))
-             .replace("BLOCK_1", repr(RFC_BLOCK_1)))
+    probe = (
+        _TRITON_PROBE.replace("KEY", repr(RFC_KEY))
+        .replace("NONCE", repr(RFC_NONCE))
+        .replace("BLOCK_1", repr(RFC_BLOCK_1))
+    )
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -251,7 +283,7 @@ def test_a_triton_kernel_that_is_missing_or_wrong_falls_back_and_says_why(monkey
 
     from userdp.engine import chacha as CH
 
-    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: (lambda ctr, fixed: fn(ctr, fixed)))  # gets it right
+    monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: lambda ctr, fixed: fn(ctr, fixed))  # gets it right
     monkeypatch.setattr(CH, "chacha_triton", None)  # no triton (the CPU wheel of torch)
     monkeypatch.setattr(CH, "_NO_TRITON", "no triton: ModuleNotFoundError: No module named 'triton'")
     kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)

@@ -30,7 +30,10 @@ def test_projection_bound_identity_and_zero():
 
 def test_flat_clip_bounds_each_unit_and_keeps_small_ones():
     g = torch.Generator().manual_seed(1)
-    ups = [torch.randn(40, 5, 3, generator=g) * torch.logspace(-2, 2, 40).view(40, 1, 1), torch.randn(40, 4, generator=g)]
+    ups = [
+        torch.randn(40, 5, 3, generator=g) * torch.logspace(-2, 2, 40).view(40, 1, 1),
+        torch.randn(40, 4, generator=g),
+    ]
     ups[0][0] = 0.0
     ups[1][0] = 0.0
     clip = FlatClip(2.0)

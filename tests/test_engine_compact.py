@@ -54,9 +54,18 @@ def _run(per_unit, monkeypatch, trim, algorithm=None):
         return out
 
     monkeypatch.setattr(loop_mod.EngineRun, "_load", spy)
-    cfg = TrainConfig(algorithm=algorithm or ULS(8, 0.5), steps=3, noise_multiplier=1.0, clipping=FlatClip(0.5),
-                      optimizer=Adam(1e-2), seed=11, delta=1e-5, chunk_size=4, per_unit=per_unit,
-                      track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=algorithm or ULS(8, 0.5),
+        steps=3,
+        noise_multiplier=1.0,
+        clipping=FlatClip(0.5),
+        optimizer=Adam(1e-2),
+        seed=11,
+        delta=1e-5,
+        chunk_size=4,
+        per_unit=per_unit,
+        track_epsilon=False,
+    )
     data = mlp_data(SIZES)
     train(model, TensorUserData({"x": data.tensors["x"].double(), "y": data.tensors["y"]}, data.offsets), ce_loss, cfg)
     monkeypatch.undo()

@@ -10,8 +10,9 @@ from userdp.errors import UserError
 
 def _data():
     x = torch.arange(20.0).unsqueeze(1)
-    return TensorUserData({"x": x, "u": torch.tensor([0] * 3 + [1] * 10 + [2] * 2 + [3] * 5)},
-                          np.array([0, 3, 13, 15, 20]))
+    return TensorUserData(
+        {"x": x, "u": torch.tensor([0] * 3 + [1] * 10 + [2] * 2 + [3] * 5)}, np.array([0, 3, 13, 15, 20])
+    )
 
 
 def test_gather_and_sizes():

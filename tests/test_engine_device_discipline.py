@@ -22,8 +22,7 @@ from userdp.engine.chacha import ChaChaNoise
 from userdp.engine.clipping import FlatClip, PerLayerClip
 from userdp.engine.data import TensorUserData
 
-_SYNCS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default,
-          torch.ops.aten.equal.default)
+_SYNCS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
 
 
 class DeviceDiscipline(TorchDispatchMode):
@@ -78,8 +77,9 @@ class TinyLM(nn.Module):
 def lm_loss(model, batch):
     ids = batch["input_ids"]
     logits = model(ids)
-    nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1),
-                          reduction="none")
+    nll = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1), reduction="none"
+    )
     return nll.view(ids.shape[0], -1).mean(1)
 
 
@@ -101,15 +101,25 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,algo,per_unit,clip,precision", CASES, ids=[c[0] for c in CASES])
-def test_a_step_syncs_once_and_never_copies_to_the_device_blockingly(monkeypatch, name, algo, per_unit, clip,
-                                                                     precision):
+def test_a_step_syncs_once_and_never_copies_to_the_device_blockingly(
+    monkeypatch, name, algo, per_unit, clip, precision
+):
     monkeypatch.setitem(N.DEVICE_SOURCES, "meta", ChaChaNoise)  # noise drawn on the device, as on CUDA
     torch.manual_seed(0)
     model = TinyLM().to("meta")
     if precision == "bf16-model":  # autocast has no meta backend: a bf16 model gives bf16 factors
         model, precision = model.to(torch.bfloat16), "float32"  # (the tensor-core contractions run)
-    cfg = TrainConfig(algorithm=algo, steps=3, noise_multiplier=1.0, delta=1e-5, track_epsilon=False,
-                      chunk_size=4, per_unit=per_unit, clipping=clip, precision=precision)
+    cfg = TrainConfig(
+        algorithm=algo,
+        steps=3,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        track_epsilon=False,
+        chunk_size=4,
+        per_unit=per_unit,
+        clipping=clip,
+        precision=precision,
+    )
     mode = DeviceDiscipline()
     per_step = []
     last = collections.Counter()

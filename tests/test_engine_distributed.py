@@ -21,16 +21,27 @@ SIZES = [3, 1, 5, 2, 8, 4, 6, 7] * 3
 
 def _cfg():
     # G >= every user's size: each unit's records are all of the user's, so the split is exact
-    return TrainConfig(algorithm=ULS(8, 0.5), steps=4, clipping=FlatClip(0.5), optimizer=SGD(0.5),
-                       noise_multiplier=1.3, delta=1e-5, seed=17, chunk_size=4, track_epsilon=False,
-                       accountant="rdp")
+    return TrainConfig(
+        algorithm=ULS(8, 0.5),
+        steps=4,
+        clipping=FlatClip(0.5),
+        optimizer=SGD(0.5),
+        noise_multiplier=1.3,
+        delta=1e-5,
+        seed=17,
+        chunk_size=4,
+        track_epsilon=False,
+        accountant="rdp",
+    )
 
 
 def test_two_ranks_equal_one():
     world = 2
     models = [Mean(64) for _ in range(world)]
-    results, shared = _run_ranks(world, lambda r, comb: train(models[r], user_data(SIZES, d=64, seed=2), sq_loss,
-                                                              _cfg(), RunOptions(combiner=comb)))
+    results, shared = _run_ranks(
+        world,
+        lambda r, comb: train(models[r], user_data(SIZES, d=64, seed=2), sq_loss, _cfg(), RunOptions(combiner=comb)),
+    )
     single = Mean(64)
     ref = train(single, user_data(SIZES, d=64, seed=2), sq_loss, _cfg())
     assert shared["calls"] == [8, 8]  # two all-reduces per step: the statistics, then the noised clipped sum
@@ -62,18 +73,34 @@ def test_one_writer_and_a_shared_count_after_a_crash(tmp_path):
     the first checkpoint every rank resumes with the main rank's count of steps begun."""
     world = 2
     dirs = [tmp_path / "r0", tmp_path / "r1"]  # each rank is given its own folder: rank 1's must stay empty
-    unseeded = TrainConfig(algorithm=ULS(8, 0.5), steps=4, clipping=FlatClip(0.5), optimizer=SGD(0.5),
-                           noise_multiplier=1.3, delta=1e-5, chunk_size=4, track_epsilon=False, accountant="rdp")
+    unseeded = TrainConfig(
+        algorithm=ULS(8, 0.5),
+        steps=4,
+        clipping=FlatClip(0.5),
+        optimizer=SGD(0.5),
+        noise_multiplier=1.3,
+        delta=1e-5,
+        chunk_size=4,
+        track_epsilon=False,
+        accountant="rdp",
+    )
 
     def run_all(resume, crash_at=None):
         def crash(m):
             if crash_at is not None and m["step"] == crash_at:
                 raise KeyError("crash")
 
-        return _run_ranks(world, lambda r, comb: train(Mean(64), user_data(SIZES, d=64, seed=2), sq_loss, unseeded,
-                                                       RunOptions(combiner=comb, checkpoint_dir=str(dirs[r]),
-                                                                  resume=resume,
-                                                                  callbacks=[crash])), expected=(KeyError,))[0]
+        return _run_ranks(
+            world,
+            lambda r, comb: train(
+                Mean(64),
+                user_data(SIZES, d=64, seed=2),
+                sq_loss,
+                unseeded,
+                RunOptions(combiner=comb, checkpoint_dir=str(dirs[r]), resume=resume, callbacks=[crash]),
+            ),
+            expected=(KeyError,),
+        )[0]
 
     run_all(resume=False, crash_at=2)
     assert (dirs[0] / "ledger_journal.jsonl").is_file()
@@ -147,8 +174,11 @@ def test_the_data_fingerprint_sees_each_users_records_and_ids():
     offsets = base.offsets.copy()
     offsets[2] += 1  # user 2's first record becomes user 1's last
     moved = TensorUserData(base.tensors, offsets)
-    for fp in (lambda d: d.fingerprint(), lambda d: Plain(d).fingerprint(),
-               lambda d: DelegatingUserData(d).fingerprint()):
+    for fp in (
+        lambda d: d.fingerprint(),
+        lambda d: Plain(d).fingerprint(),
+        lambda d: DelegatingUserData(d).fingerprint(),
+    ):
         assert fp(base) == fp(user_data(SIZES, d=4, seed=3))
         assert fp(base) != fp(edited) and fp(base) != fp(moved)
     a = TensorUserData.from_user_ids({"x": torch.arange(4.0)[:, None]}, ["ann", "bob", "ann", "cy"])

@@ -55,14 +55,24 @@ def _rank(rank: int) -> dict:
         for u in range(4 if name == "sharded" else 0):  # each unit alone: its clipped contribution
             w = torch.zeros(4)
             w[u] = 1.0
-            sums, norms, _, bad = st.clipped_sum(batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
+            sums, norms, _, bad = st.clipped_sum(
+                batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32)
+            )
             per_unit.append(float(torch.sqrt(sum((s.double() ** 2).sum() for s in sums))))
-        sums, norms, _, bad = st.clipped_sum(batch, mask, torch.ones(4), StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
+        sums, norms, _, bad = st.clipped_sum(
+            batch, mask, torch.ones(4), StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32)
+        )
         out[name] = ([s.clone() for s in sums], norms.clone(), per_unit, bool(bad.any()))
     (plain_sums, plain_norms, _, _), (sums, norms, per_unit, bad) = out["plain"], out["sharded"]
-    return {"kinds": kinds, "same_sums": all(torch.equal(a, b) for a, b in zip(plain_sums, sums)),
-            "same_norms": torch.equal(plain_norms, norms), "norms": norms.tolist(), "per_unit": per_unit,
-            "bad": bad, "shapes": [tuple(s.shape) for s in sums][:2]}
+    return {
+        "kinds": kinds,
+        "same_sums": all(torch.equal(a, b) for a, b in zip(plain_sums, sums)),
+        "same_norms": torch.equal(plain_norms, norms),
+        "norms": norms.tolist(),
+        "per_unit": per_unit,
+        "bad": bad,
+        "shapes": [tuple(s.shape) for s in sums][:2],
+    }
 
 
 def test_ghost_norms_and_clipped_sums_of_a_fully_sharded_model_are_the_unsharded_models():
@@ -90,7 +100,8 @@ def _sink_rank(rank: int) -> dict:
     ids = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(10 + rank))
     batch, mask, w = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2), torch.ones(4)
     ref, _, _, _ = GhostPerUnit(plain, causal_lm_loss, ULS(2, 0.5), Precision("float32")).clipped_sum(
-        batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
+        batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32)
+    )
     for x in ref:
         dist.all_reduce(x)  # the replicated run's total, whole
     st = GhostPerUnit(sharded, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
@@ -111,23 +122,41 @@ def _sink_rank(rank: int) -> dict:
         sizes.append(tuple(x.shape) == tuple(params[j].shape))
         shards[j] = reduce_scatter(x, params[j])
 
-    sums, norms, _, _ = st.clipped_sum(batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32), sink=sink)
+    sums, norms, _, _ = st.clipped_sum(
+        batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32), sink=sink
+    )
     verified.append(st._verified)
     for chunk in range(1, 4):  # more chunks: the coverage check goes on, a share at a time
         more = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(100 * rank + chunk))
-        st.clipped_sum({"input_ids": more, "labels": more.clone()}, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32))
+        st.clipped_sum(
+            {"input_ids": more, "labels": more.clone()},
+            mask,
+            w,
+            StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32),
+        )
         verified.append(st._verified)
     gap = 0.0
     for j, r in enumerate(ref):  # this rank's rows of the whole total
         local = shards[j].to_local()
         rows = -(-r.shape[0] // 2)
-        gap = max(gap, float((local - r[rank * rows: rank * rows + local.shape[0]]).abs().max()) if local.numel() else 0.0)
-    return {"groups": groups, "verified": verified, "group_sizes": [sum(params[j].numel() for j in g) for g in groups],
-            "budget": st._check_budget, "largest": max(p.numel() for p in params),
-            "returned": sums, "order": order, "n": len(params), "one_param_each": all(sizes), "gap": gap,
-            "scale": max(float(r.abs().max()) for r in ref),
-            "local_numel": sum(shards[j].to_local().numel() for j in shards),
-            "whole_numel": sum(p.numel() for p in params)}
+        gap = max(
+            gap, float((local - r[rank * rows : rank * rows + local.shape[0]]).abs().max()) if local.numel() else 0.0
+        )
+    return {
+        "groups": groups,
+        "verified": verified,
+        "group_sizes": [sum(params[j].numel() for j in g) for g in groups],
+        "budget": st._check_budget,
+        "largest": max(p.numel() for p in params),
+        "returned": sums,
+        "order": order,
+        "n": len(params),
+        "one_param_each": all(sizes),
+        "gap": gap,
+        "scale": max(float(r.abs().max()) for r in ref),
+        "local_numel": sum(shards[j].to_local().numel() for j in shards),
+        "whole_numel": sum(p.numel() for p in params),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -156,4 +185,4 @@ def test_a_sharded_rank_checks_coverage_a_share_of_the_model_at_a_time(sink_rank
         assert len(r["groups"]) >= 2 and r["verified"][0] is False  # not all on the first chunk
         flat = [j for g in r["groups"] for j in g]
         assert sorted(flat) == list(range(r["n"]))  # each parameter compared exactly once ...
-        assert r["verified"][len(r["groups"]) - 1:] == [True] * (5 - len(r["groups"]))  # ... then no more checks
+        assert r["verified"][len(r["groups"]) - 1 :] == [True] * (5 - len(r["groups"]))  # ... then no more checks

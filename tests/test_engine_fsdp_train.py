@@ -31,9 +31,19 @@ def _model(kind: str):
     torch.manual_seed(0)
     if kind == "gpt2":
         return models.build_preset("tiny", vocab_size=64, n_positions=32).train()
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        tie_word_embeddings=False, attn_implementation="eager")).train()
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+    ).train()
 
 
 def _data(sizes=SIZES, seed=3, adversary=False):
@@ -47,17 +57,30 @@ def _data(sizes=SIZES, seed=3, adversary=False):
 
 def _config(algo: str, sharding: str, **kw):
     algorithm = ULS(2, 0.5) if algo == "uls" else ELS(2, 0.4)
-    return TrainConfig(algorithm=algorithm, steps=3, clipping=FlatClip(0.5), optimizer=Adam(lr=1e-2),
-                       noise_multiplier=1.0, delta=1e-5, seed=11, chunk_size=2, track_epsilon=False,
-                       accountant="rdp", sharding=sharding, **kw)
+    return TrainConfig(
+        algorithm=algorithm,
+        steps=3,
+        clipping=FlatClip(0.5),
+        optimizer=Adam(lr=1e-2),
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=11,
+        chunk_size=2,
+        track_epsilon=False,
+        accountant="rdp",
+        sharding=sharding,
+        **kw,
+    )
 
 
 def _full(model) -> dict:
     from torch.distributed.tensor import DTensor
 
     # numpy, not tensors: a tensor put on the queue lives in the sender's shared memory, gone when it exits
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().numpy().copy()
+        for n, p in model.named_parameters()
+    }
 
 
 def _sharded_runs(rank: int) -> dict:
@@ -80,25 +103,47 @@ def _sharded_runs(rank: int) -> dict:
     for kind in ("gpt2", "llama"):
         for algo in ("uls", "els"):
             replicated = _model(kind)
-            train(replicated, _data(), causal_lm_loss, _config(algo, "none"),
-                RunOptions(combiner=TorchDistributedCombiner()))
+            train(
+                replicated,
+                _data(),
+                causal_lm_loss,
+                _config(algo, "none"),
+                RunOptions(combiner=TorchDistributedCombiner()),
+            )
             model = _model(kind)
             whole = sum(p.numel() for p in model.parameters())
-            res = train(model, _data(), causal_lm_loss, _config(algo, "fsdp"),
-                RunOptions(combiner=TorchDistributedCombiner()))
+            res = train(
+                model, _data(), causal_lm_loss, _config(algo, "fsdp"), RunOptions(combiner=TorchDistributedCombiner())
+            )
             local = sum(p.to_local().numel() for p in model.parameters())
-            adam = sum(v.to_local().numel() for s in runs[-1].optimizer.state.values() for k, v in s.items()
-                       if isinstance(v, DTensor) and k != "step")
+            adam = sum(
+                v.to_local().numel()
+                for s in runs[-1].optimizer.state.values()
+                for k, v in s.items()
+                if isinstance(v, DTensor) and k != "step"
+            )
             try:  # the sharded model again, as if whole: its shards would be all-reduced as whole sums
-                train(model, _data(), causal_lm_loss, _config(algo, "none"),
-                    RunOptions(combiner=TorchDistributedCombiner()))
+                train(
+                    model,
+                    _data(),
+                    causal_lm_loss,
+                    _config(algo, "none"),
+                    RunOptions(combiner=TorchDistributedCombiner()),
+                )
                 refused = None
             except UserError as exc:
                 refused = str(exc)
-            out[(kind, algo)] = {"params": _full(model), "replicated": _full(replicated), "refused": refused,
-                                 "epsilon": res.epsilon, "local": local, "whole": whole,
-                                 "adam_local": adam, "steps": res.steps,
-                                 "kinds": sorted({type(p).__name__ for p in model.parameters()})}
+            out[(kind, algo)] = {
+                "params": _full(model),
+                "replicated": _full(replicated),
+                "refused": refused,
+                "epsilon": res.epsilon,
+                "local": local,
+                "whole": whole,
+                "adam_local": adam,
+                "steps": res.steps,
+                "kinds": sorted({type(p).__name__ for p in model.parameters()}),
+            }
             if algo == "uls":  # made whole after training (meta-built): it computes what the replicated model does
                 plain = gathered_model(model).eval()
                 ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(5))
@@ -106,8 +151,12 @@ def _sharded_runs(rank: int) -> dict:
                     gap = float((plain(input_ids=ids).logits - replicated.eval()(input_ids=ids).logits).abs().max())
                 tensors = list(plain.parameters()) + list(plain.buffers())
                 out[(kind, algo)]["made_whole"] = {
-                    "gap": gap, "meta": sum(t.is_meta for t in tensors), "type": type(plain).__name__,
-                    "tied": plain.lm_head.weight is plain.get_input_embeddings().weight, "training": plain.training}
+                    "gap": gap,
+                    "meta": sum(t.is_meta for t in tensors),
+                    "type": type(plain).__name__,
+                    "tied": plain.lm_head.weight is plain.get_input_embeddings().weight,
+                    "training": plain.training,
+                }
     # a noise mechanism that cannot read its draw a parameter at a time (no pieces()) cannot be scattered
     from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
 
@@ -117,10 +166,13 @@ def _sharded_runs(rank: int) -> dict:
 
     NOISE_MECHANISMS.register(Whole)
     try:
-        train(_model("gpt2"), _data(), causal_lm_loss,
-              TrainConfig(**{**_config("uls", "fsdp").__dict__, "noise":
-                                                                    "whole_only"}),
-              RunOptions(combiner=TorchDistributedCombiner()))
+        train(
+            _model("gpt2"),
+            _data(),
+            causal_lm_loss,
+            TrainConfig(**{**_config("uls", "fsdp").__dict__, "noise": "whole_only"}),
+            RunOptions(combiner=TorchDistributedCombiner()),
+        )
         out["no_pieces"] = None
     except UserError as exc:
         out["no_pieces"] = str(exc)
@@ -161,12 +213,15 @@ def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
                     assert whole["gap"] < 1e-5 and whole["training"] is False and whole["tied"] == (kind == "gpt2")
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(algorithm="fedavg"), "a local-SGD update (FedAvg's)"),
-    (dict(per_unit="vmap"), "ghost strategy only"),
-    (dict(dtype=torch.bfloat16), "trains float32 parameters"),
-    (dict(), "needs torch.distributed"),  # every setting shardable, but no process group
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(algorithm="fedavg"), "a local-SGD update (FedAvg's)"),
+        (dict(per_unit="vmap"), "ghost strategy only"),
+        (dict(dtype=torch.bfloat16), "trains float32 parameters"),
+        (dict(), "needs torch.distributed"),  # every setting shardable, but no process group
+    ],
+)
 def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, change, words):
     from userdp.engine import FedAvg
     from userdp.lm.models import causal_lm_loss
@@ -175,8 +230,15 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
     kw = {"per_unit": change["per_unit"]} if "per_unit" in change else {}
     cfg = _config("uls", "fsdp", **kw)
     if change.get("algorithm") == "fedavg":
-        cfg = TrainConfig(algorithm=FedAvg(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, seed=1,
-                          sharding="fsdp", accountant="rdp")
+        cfg = TrainConfig(
+            algorithm=FedAvg(2, 0.5),
+            steps=1,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=1,
+            sharding="fsdp",
+            accountant="rdp",
+        )
     ckpt = str(tmp_path / "ckpt")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(UserError) as err:
@@ -185,9 +247,6 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
     assert words in msg and "\n" not in msg and "sharding" in msg
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # refused before any work
     assert not (tmp_path / "ckpt").exists()
-
-
-
 
 
 def _crash_and_resume(folder: str, rank: int) -> dict:
@@ -203,8 +262,13 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
     ckpt = f"{folder}/ckpt"
     try:
-        train(_model("gpt2"), _data(), causal_lm_loss, cfg,
-              RunOptions(checkpoint_dir=ckpt, callbacks=[crash_at(3)], combiner=TorchDistributedCombiner()))
+        train(
+            _model("gpt2"),
+            _data(),
+            causal_lm_loss,
+            cfg,
+            RunOptions(checkpoint_dir=ckpt, callbacks=[crash_at(3)], combiner=TorchDistributedCombiner()),
+        )
     except Crash:
         pass
     saved = checkpoint.load(ckpt) if rank == 0 else None
@@ -212,14 +276,28 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
         shutil.copytree(ckpt, f"{folder}/copy")
     dist.barrier()
     model = _model("gpt2")
-    res = train(model, _data(), causal_lm_loss, cfg,
-                RunOptions(checkpoint_dir=ckpt, resume=True, combiner=TorchDistributedCombiner()))
-    return {"params": _full(model), "steps": res.steps, "lost": res.record["steps_lost_to_crashes"],
-            "epsilon": res.epsilon, "saved": None if saved is None else {
-                "params": saved["params"], "shards": saved["shards"],
-                "adam": sorted({v["exp_avg"] for v in saved["optimizer"]["state"].values()}),
-                "files": sorted(checkpoint.read_manifest(f"{folder}/copy")["files"]),
-                "folders": sorted(os.listdir(f"{folder}/copy"))}}
+    res = train(
+        model,
+        _data(),
+        causal_lm_loss,
+        cfg,
+        RunOptions(checkpoint_dir=ckpt, resume=True, combiner=TorchDistributedCombiner()),
+    )
+    return {
+        "params": _full(model),
+        "steps": res.steps,
+        "lost": res.record["steps_lost_to_crashes"],
+        "epsilon": res.epsilon,
+        "saved": None
+        if saved is None
+        else {
+            "params": saved["params"],
+            "shards": saved["shards"],
+            "adam": sorted({v["exp_avg"] for v in saved["optimizer"]["state"].values()}),
+            "files": sorted(checkpoint.read_manifest(f"{folder}/copy")["files"]),
+            "folders": sorted(os.listdir(f"{folder}/copy")),
+        },
+    }
 
 
 @pytest.mark.slow
@@ -241,16 +319,22 @@ def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
     saved = results[0]["saved"]
     assert saved["params"] is None and saved["adam"] == [checkpoint.IN_SHARDS]  # nothing gathered to rank 0
     assert saved["shards"] == "shards-00000002" and "shards-00000002" in saved["folders"]
-    assert {"shards-00000002/__0_0.distcp", "shards-00000002/__1_0.distcp",
-            "shards-00000002/.metadata"} <= set(saved["files"])  # each rank's own file, checksummed
+    assert {"shards-00000002/__0_0.distcp", "shards-00000002/__1_0.distcp", "shards-00000002/.metadata"} <= set(
+        saved["files"]
+    )  # each rank's own file, checksummed
     assert not [f for f in saved["folders"] if f.startswith(".")]  # no pending folder left
     shard = tmp_path / "damaged" / "shards-00000002" / "__1_0.distcp"
     raw = bytearray(shard.read_bytes())
     raw[len(raw) // 2] ^= 1
     shard.write_bytes(bytes(raw))
     with pytest.raises(UserError, match=r"__1_0\.distcp: checksum mismatch"):
-        train(_model("gpt2"), _data(), causal_lm_loss, cfg,
-            RunOptions(checkpoint_dir=str(tmp_path / "damaged"), resume=True))
+        train(
+            _model("gpt2"),
+            _data(),
+            causal_lm_loss,
+            cfg,
+            RunOptions(checkpoint_dir=str(tmp_path / "damaged"), resume=True),
+        )
     for rank in (0, 1):
         got = results[rank]
         assert got["steps"] == 5 and got["lost"] == 1 and got["epsilon"] == one.epsilon
@@ -268,16 +352,27 @@ def _own_loop(rank: int) -> dict:
     from userdp.engine.distributed import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
-    cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=3, clipping=FlatClip(0.5), optimizer=Adam(lr=1e-2),
-                      noise_multiplier=1.0, delta=1e-5, seed=11, chunk_size=2, track_epsilon=False,
-                      accountant="rdp", sharding="fsdp")
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.5),
+        steps=3,
+        clipping=FlatClip(0.5),
+        optimizer=Adam(lr=1e-2),
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=11,
+        chunk_size=2,
+        track_epsilon=False,
+        accountant="rdp",
+        sharding="fsdp",
+    )
     mine = _model("gpt2")
     for block in mine.transformer.h:
         fully_shard(block)
     fully_shard(mine)
     opt = torch.optim.SGD(mine.parameters(), lr=0.05)
-    with make_private(mine, opt, _data(), causal_lm_loss, cfg,
-        RunOptions(combiner=TorchDistributedCombiner())) as private:
+    with make_private(
+        mine, opt, _data(), causal_lm_loss, cfg, RunOptions(combiner=TorchDistributedCombiner())
+    ) as private:
         for step in private:
             step.backward()
             opt.step()
@@ -329,7 +424,8 @@ def test_a_quantized_base_is_refused_for_sharding_in_one_line():
 
     cfg = C.load_config(None, ["training.sharding=fsdp", "model.lora.enabled=true"])
     C.check_sharding(cfg, distributed=True)  # LoRA on a sharded base: built
-    q = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora,
-                                                                                             quantize="nf4")))
+    q = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, quantize="nf4"))
+    )
     with pytest.raises(UserError, match="training.sharding: fsdp cannot shard a quantized base"):
         C.check_sharding(q, distributed=True)

@@ -57,8 +57,13 @@ def _mlp_chunk(G=4, double=True):
     return batch, mask.to(F64 if double else torch.float32)
 
 
-CLIPS = [FlatClip(0.3), PerLayerClip(0.3), FlatClip(0.3, normalized=True), AdaptiveClip(initial_norm=0.2),
-         FlatClip(1e9)]
+CLIPS = [
+    FlatClip(0.3),
+    PerLayerClip(0.3),
+    FlatClip(0.3, normalized=True),
+    AdaptiveClip(initial_norm=0.2),
+    FlatClip(1e9),
+]
 
 
 @pytest.mark.parametrize("clip", CLIPS, ids=lambda c: type(c).__name__ + ("N" if c.normalized else ""))
@@ -127,33 +132,66 @@ def test_ghost_equals_vmap_on_gpt2_els():
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        attn_implementation="eager"))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            attn_implementation="eager",
+        )
+    )
 
 
 def _neox():  # Pythia: fused query_key_value, partial rotary, parallel residual, untied embed_in/embed_out
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, rotary_pct=0.25, max_position_embeddings=32,
-                                            use_parallel_residual=True, tie_word_embeddings=False,
-                                            attn_implementation="eager"))
+    return GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            rotary_pct=0.25,
+            max_position_embeddings=32,
+            use_parallel_residual=True,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+    )
 
 
 def _qwen2():  # Llama's layout with biases on q/k/v, tied embeddings
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                        tie_word_embeddings=True, attn_implementation="eager"))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+            tie_word_embeddings=True,
+            attn_implementation="eager",
+        )
+    )
 
 
-@pytest.mark.parametrize("build, seed, fallback", [
-    (_llama, 4, ["LlamaRMSNorm"]),  # grouped-query attention, RoPE: no handler needed; RMSNorm via the vjp
-    (_neox, 6, []),  # every parameter sits in a layer with a ghost handler
-    (_qwen2, 7, ["Qwen2RMSNorm"]),
-], ids=["llama", "pythia_gpt_neox", "qwen2"])
+@pytest.mark.parametrize(
+    "build, seed, fallback",
+    [
+        (_llama, 4, ["LlamaRMSNorm"]),  # grouped-query attention, RoPE: no handler needed; RMSNorm via the vjp
+        (_neox, 6, []),  # every parameter sits in a layer with a ghost handler
+        (_qwen2, 7, ["Qwen2RMSNorm"]),
+    ],
+    ids=["llama", "pythia_gpt_neox", "qwen2"],
+)
 def test_ghost_equals_vmap_on_other_causal_lm_families(build, seed, fallback):
     torch.manual_seed(0)
     model = build().double()
@@ -173,9 +211,17 @@ def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_pat
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2,
-                                 max_position_embeddings=32)).save_pretrained(tmp_path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32,
+        )
+    ).save_pretrained(tmp_path)
     base = models.load_local(tmp_path, quantize="nf4", device="cpu")
     assert models.is_quantized(base)
     model = models.apply_lora(base, models.LoraSpec(4, 8.0, ("q_proj", "v_proj")))
@@ -186,7 +232,9 @@ def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_pat
     mask = mask.float()
     clip = FlatClip(0.05)
     g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), None)
-    sums, norms, losses, bad = g.clipped_sum(batch, mask, torch.ones(3), StepClipping(clip, clip.initial_state(), torch.float32))
+    sums, norms, losses, bad = g.clipped_sum(
+        batch, mask, torch.ones(3), StepClipping(clip, clip.initial_state(), torch.float32)
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     want = [torch.zeros_like(p) for p in params]
     want_norms = []
@@ -210,8 +258,9 @@ def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_pat
 def test_ghost_in_float32_matches_at_float_tolerance():
     model = _gpt2()
     batch, mask = _lm_chunk(seed=5)
-    a, b, _ = _both(model, causal_lm_loss, ULS(2, 0.5), batch, mask.float(), torch.ones(3), FlatClip(0.5),
-                    acc=torch.float32)
+    a, b, _ = _both(
+        model, causal_lm_loss, ULS(2, 0.5), batch, mask.float(), torch.ones(3), FlatClip(0.5), acc=torch.float32
+    )
     _assert_same(a, b, 2e-4)
 
 
@@ -266,14 +315,18 @@ def test_a_unit_with_a_nonfinite_gradient_contributes_zero(monkeypatch, build, c
     batch["x"][2, 0, 0] = float("nan")
     w = torch.ones(5, dtype=F64)
     st = clip.initial_state()
-    sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, st, F64))
+    sums, norms, _, bad = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(
+        batch, mask, w, StepClipping(clip, st, F64)
+    )
     assert (3 in seen) == (build is _Deep)  # the three hidden weights were one stack
     assert bad.tolist() == [False, False, True, False, False] and float(norms[2]) == 0.0
     w_ok, mask_ok = w.clone(), mask.clone()
     w_ok[2] = mask_ok[2] = 0.0
     batch_ok = {k: v.clone() for k, v in batch.items()}
     batch_ok["x"][2] = 0.0
-    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch_ok, mask_ok, w_ok, StepClipping(clip, st, F64))
+    ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(
+        batch_ok, mask_ok, w_ok, StepClipping(clip, st, F64)
+    )
     for s, r in zip(sums, ref):
         assert torch.isfinite(s).all() and torch.allclose(s, r, atol=1e-12)
 
@@ -287,7 +340,8 @@ def test_each_units_clipped_contribution_is_within_the_bound():
         w = torch.zeros(4)
         w[u] = 1.0
         sums, norms, *_ = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
-            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
+            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32)
+        )
         total = torch.sqrt(sum((s.double() ** 2).sum() for s in sums))
         assert float(norms[u]) > 0.05  # clipping is active
         assert float(total) <= 0.05 * (1 + 1e-5)
@@ -361,7 +415,9 @@ def test_an_input_broadcast_over_the_batch_is_refused():
     model = _Broadcast().double()
     batch, mask = _mlp_chunk()
     with pytest.raises(UserError, match="broadcast.*vmap"):
-        GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(batch, mask, torch.ones(5, dtype=F64), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, F64))
+        GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(
+            batch, mask, torch.ones(5, dtype=F64), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, F64)
+        )
 
 
 def test_auto_picks_ghost_for_gradients_and_vmap_for_fedavg():
@@ -382,8 +438,16 @@ def test_training_with_ghost_matches_training_with_vmap():
     for name in ("vmap", "ghost"):
         torch.manual_seed(0)
         model = MLP().double()
-        cfg = TrainConfig(algorithm=ULS(4, 0.5), steps=6, clipping=FlatClip(0.5), optimizer=SGD(0.5),
-                          noise_multiplier=1.0, seed=11, chunk_size=3, per_unit=name)
+        cfg = TrainConfig(
+            algorithm=ULS(4, 0.5),
+            steps=6,
+            clipping=FlatClip(0.5),
+            optimizer=SGD(0.5),
+            noise_multiplier=1.0,
+            seed=11,
+            chunk_size=3,
+            per_unit=name,
+        )
         res = train(model, _double(data), ce_loss, cfg)
         out[name] = (torch.cat([p.detach().flatten() for p in model.parameters()]), res.epsilon)
     assert torch.allclose(out["vmap"][0], out["ghost"][0], atol=1e-10)
@@ -393,8 +457,9 @@ def test_training_with_ghost_matches_training_with_vmap():
 def _double(data):
     from userdp.engine import TensorUserData
 
-    return TensorUserData({k: (v.double() if v.is_floating_point() else v) for k, v in data.tensors.items()},
-                          data.offsets)
+    return TensorUserData(
+        {k: (v.double() if v.is_floating_point() else v) for k, v in data.tensors.items()}, data.offsets
+    )
 
 
 # ------------------------------------------------------------------------ precision
@@ -406,16 +471,19 @@ def test_bf16_autocast_keeps_norms_sums_and_losses_in_float32_and_agrees_with_fl
     mask = mask.float()
     clip = FlatClip(0.5)
     w = torch.ones(3)
-    ref = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
+    ref = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
+        batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32)
+    )
     for strategy in (GhostPerUnit, VmapPerUnit):
         sums, norms, losses, bad = strategy(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
-            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
+            batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32)
+        )
         assert all(s.dtype == torch.float32 for s in sums)
         assert norms.dtype == torch.float32 and losses.dtype == torch.float32 and not bool(bad.any())
         # bf16 has 8 bits of mantissa: ~1% relative agreement on norms, sums a few %
         assert torch.allclose(norms, ref[1], rtol=3e-2)
         num = torch.sqrt(sum(((s - r) ** 2).sum() for s, r in zip(sums, ref[0])))
-        den = torch.sqrt(sum((r ** 2).sum() for r in ref[0]))
+        den = torch.sqrt(sum((r**2).sum() for r in ref[0]))
         assert float(num / den) < 5e-2
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights untouched
 
@@ -514,10 +582,14 @@ def test_auto_falls_back_to_vmap_for_a_parameter_no_layer_owns_in_its_forward():
     batch, mask = data.draw_records(np.arange(3), 3, np.random.default_rng(0))
     batch["x"][0, 0, 0] = float("inf")
     with pytest.raises(UserError, match="theta.*vmap"):
-        GhostPerUnit(Mean(4), sq_loss, ULS(3, 0.5)).clipped_sum(batch, mask, torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+        GhostPerUnit(Mean(4), sq_loss, ULS(3, 0.5)).clipped_sum(
+            batch, mask, torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+        )
     auto = make_per_unit("auto", Mean(4), sq_loss, ULS(3, 0.5))
     assert auto.name == "ghost"
-    sums, norms, _, bad = auto.clipped_sum(batch, mask, torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+    sums, norms, _, bad = auto.clipped_sum(
+        batch, mask, torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32)
+    )
     assert auto.name == "vmap" and "theta" in auto.fallback_reason
     assert bad.tolist() == [True, False, False] and float(norms[1]) > 0
     assert all(bool(torch.isfinite(x).all()) for x in sums)  # the inf unit contributes zero
@@ -538,10 +610,13 @@ def test_ghost_norms_and_sums_are_the_same_under_sdpa_as_under_eager_attention()
     for impl in ("sdpa", "eager"):
         set_attention(model, impl)
         out[impl] = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
-            batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
+            batch, mask, w, StepClipping(clip, clip.initial_state(), F64)
+        )
     _assert_same(out["sdpa"], out["eager"], 1e-12)
     set_attention(model, "sdpa")
-    vm = VmapPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
+    vm = VmapPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
+        batch, mask, w, StepClipping(clip, clip.initial_state(), F64)
+    )
     assert model.config._attn_implementation == "sdpa"  # restored after the vmap strategy ran eager
     _assert_same(vm, out["sdpa"], 1e-12)
 
@@ -560,6 +635,7 @@ def _grouped_and_alone(monkeypatch, model, loss, algo, batch, mask, w, clip, acc
             out = real(*a)
             sizes[name] = [len(g) for g in out]
             return out
+
         return f
 
     monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")  # the CPU keeps one layer at a time by default
@@ -569,7 +645,9 @@ def _grouped_and_alone(monkeypatch, model, loss, algo, batch, mask, w, clip, acc
     for elements in (GROUP_ELEMENTS, 0):
         monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", elements)
         sizes.clear()
-        out = GhostPerUnit(model, loss, algo, precision).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), acc))
+        out = GhostPerUnit(model, loss, algo, precision).clipped_sum(
+            batch, mask, w, StepClipping(clip, clip.initial_state(), acc)
+        )
         runs.append((out, dict(sizes)))
     return runs
 
@@ -583,8 +661,9 @@ def test_stacked_groups_give_what_one_parameter_at_a_time_gives(monkeypatch, cli
     model = _gpt2(lora=lora).double()
     batch, mask = _lm_chunk(m=3, seed=11)
     w = torch.tensor([1.0, 0.5, 2.0], dtype=F64)
-    (grouped, gs), (alone, ga) = _grouped_and_alone(monkeypatch, model, causal_lm_loss, ULS(2, 0.5), batch, mask, w,
-                                                    clip, F64)
+    (grouped, gs), (alone, ga) = _grouped_and_alone(
+        monkeypatch, model, causal_lm_loss, ULS(2, 0.5), batch, mask, w, clip, F64
+    )
     assert max(gs["vector"]) >= 2 and (lora or max(gs["factor"]) >= 2), gs  # groups really formed
     assert ga == {"vector": [], "factor": []}
     _assert_same(alone, grouped, 1e-12)
@@ -603,8 +682,18 @@ def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(
     batch, mask = _lm_chunk(m=4, seed=12)
     mask = mask.float()
     for clip in (FlatClip(0.05), PerLayerClip(0.02)):
-        (grouped, gs), (alone, _) = _grouped_and_alone(monkeypatch, model, causal_lm_loss, ULS(2, 0.5), batch, mask,
-                                                       torch.ones(4), clip, torch.float32, Precision("bfloat16"))
+        (grouped, gs), (alone, _) = _grouped_and_alone(
+            monkeypatch,
+            model,
+            causal_lm_loss,
+            ULS(2, 0.5),
+            batch,
+            mask,
+            torch.ones(4),
+            clip,
+            torch.float32,
+            Precision("bfloat16"),
+        )
         assert max(gs["factor"]) >= 2
         assert torch.allclose(grouped[1], alone[1], rtol=1e-5)
         for a, b in zip(grouped[0], alone[0]):
@@ -635,7 +724,11 @@ def test_stacked_groups_are_split_to_bound_their_temporaries(monkeypatch):
     outs = []
     for cap in (GROUP_ELEMENTS, 2 * 3 * 128, 1):  # unbounded here; two 128-vectors a group; none
         monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", cap)
-        outs.append(GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64)))
+        outs.append(
+            GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
+                batch, mask, w, StepClipping(clip, clip.initial_state(), F64)
+            )
+        )
     big, two, none = sizes
     assert max(big) > 2 and max(two) == 2 and len(two) > len(big) and none == []
     _assert_same(outs[0], outs[1], 1e-12)

@@ -55,9 +55,16 @@ def test_the_norms_of_a_tied_weight_take_no_float32_copy_of_the_heads_factor():
     device, which takes the tensor-core path as CUDA does)."""
     m, t, vocab, d = 3, 16, 1001, 8
     ids = torch.zeros(m, t, dtype=torch.long, device="meta")
-    emb = Factored(ids, torch.empty(m, t, d, dtype=BF16, device="meta"), vocab, index=True, dtype=torch.float32, tc=True)
-    head = Factored(torch.empty(m, t, vocab, dtype=BF16, device="meta"), torch.empty(m, t, d, dtype=BF16, device="meta"),
-                    vocab, dtype=torch.float32, tc=True)
+    emb = Factored(
+        ids, torch.empty(m, t, d, dtype=BF16, device="meta"), vocab, index=True, dtype=torch.float32, tc=True
+    )
+    head = Factored(
+        torch.empty(m, t, vocab, dtype=BF16, device="meta"),
+        torch.empty(m, t, d, dtype=BF16, device="meta"),
+        vocab,
+        dtype=torch.float32,
+        tc=True,
+    )
     assert emb.narrow and head.narrow
 
     with WidestOutput((torch.float32, torch.float64)) as widest:
@@ -72,11 +79,14 @@ def test_the_norms_of_a_tied_weight_do_not_depend_on_the_order_of_its_terms():
     g = torch.Generator().manual_seed(3)
     m, t, vocab, d = 4, 6, 37, 5
     ids = torch.randint(0, vocab, (m, t), generator=g)
-    ye, xh, yh = torch.randn(m, t, d, generator=g), torch.randn(m, t, vocab, generator=g), torch.randn(m, t, d, generator=g)
+    ye, xh, yh = (
+        torch.randn(m, t, d, generator=g),
+        torch.randn(m, t, vocab, generator=g),
+        torch.randn(m, t, d, generator=g),
+    )
 
     def uses():
-        return [Factored(ids, ye, vocab, index=True, dtype=torch.float64),
-                Factored(xh, yh, vocab, dtype=torch.float64)]
+        return [Factored(ids, ye, vocab, index=True, dtype=torch.float64), Factored(xh, yh, vocab, dtype=torch.float64)]
 
     value, err, _, _ = GhostPerUnit._norm2(None, uses())
     emb, head = uses()
@@ -107,8 +117,9 @@ def test_a_layer_whose_output_needs_no_gradient_adds_nothing():
     model = Model()
     st = GhostPerUnit(model, lambda mdl, b: mdl(b["x"]).squeeze(-1), ULS(group_size=1, sampling_rate=0.5))
     x = torch.randn(3, 1, 4)
-    sums, norms, _, bad = st.clipped_sum({"x": x}, torch.ones(3, 1), torch.ones(3),
-                                         StepClipping(FlatClip(1e6), {"clip_norm": 1e6}, torch.float32))
+    sums, norms, _, bad = st.clipped_sum(
+        {"x": x}, torch.ones(3, 1), torch.ones(3), StepClipping(FlatClip(1e6), {"clip_norm": 1e6}, torch.float32)
+    )
     assert not bad.any()
     names = dict(zip(st.names, sums))
     assert torch.equal(names["lin.weight"], torch.zeros_like(lin.weight))

@@ -32,8 +32,15 @@ def _as_on_a_device(monkeypatch) -> list:
 
 
 def _config(seed=11):
-    return TrainConfig(algorithm=ULS(group_size=4, sampling_rate=1.0), steps=1, noise_multiplier=1.0,
-                       clipping=FlatClip(1.0), seed=seed, per_unit="ghost", checkpoint_every=0)
+    return TrainConfig(
+        algorithm=ULS(group_size=4, sampling_rate=1.0),
+        steps=1,
+        noise_multiplier=1.0,
+        clipping=FlatClip(1.0),
+        seed=seed,
+        per_unit="ghost",
+        checkpoint_every=0,
+    )
 
 
 def test_a_bad_unit_sends_the_step_back_to_be_computed_again_zeroing(monkeypatch):

@@ -33,12 +33,19 @@ def test_the_chunk_is_the_largest_power_of_two_that_fits(gpt2, monkeypatch):
     fixed = fixed_bytes(gpt2)
     for want in (1, 4, 32):
         cap = int((fixed + want * per + per // 2) / MODEL_MARGIN)  # the usable share: want units and a half
-        chunk, info = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap)
+        chunk, info = auto_chunk_size(
+            gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap
+        )
         assert chunk == want and info["unit_bytes"] == per and info["cap_source"] == "training.memory_gb"
         assert fixed + chunk * per <= MODEL_MARGIN * cap < fixed + 2 * chunk * per
     # the estimate may fill only MODEL_MARGIN of a cap: a chunk that would fill all of it is halved
     cap = fixed + 4 * per
-    assert auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap)[0] == 2
+    assert (
+        auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap)[
+            0
+        ]
+        == 2
+    )
 
 
 def test_the_estimate_grows_with_tokens_and_shrinks_with_low_precision_and_ghost(gpt2):
@@ -60,15 +67,17 @@ def test_vmap_counts_a_gradient_copy_and_ghost_the_output_gradients_of_trainable
     n_block = sum(p.numel() for p in block.parameters())
 
     def drop(strategy):
-        return (unit_bytes(gpt2, 4, 64, strategy=strategy, low_precision=False)
-                - unit_bytes(frozen, 4, 64, strategy=strategy, low_precision=False))
+        return unit_bytes(gpt2, 4, 64, strategy=strategy, low_precision=False) - unit_bytes(
+            frozen, 4, 64, strategy=strategy, low_precision=False
+        )
 
     assert drop("vmap") == 4 * n_block
     # ln_1, c_attn (3d), attn.c_proj, ln_2, mlp.c_fc (4d), mlp.c_proj: 11 d per token
     assert drop("ghost") == t * 4 * 11 * d
     # under bf16 those gradients are held in bf16 (the factors are upcast one layer at a time)
-    low = (unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=True)
-           - unit_bytes(frozen, 4, 64, strategy="ghost", low_precision=True))
+    low = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=True) - unit_bytes(
+        frozen, 4, 64, strategy="ghost", low_precision=True
+    )
     assert low == t * 2 * 11 * d
 
 
@@ -80,19 +89,30 @@ def test_the_noise_drawn_ahead_on_a_cpu_is_counted(gpt2, monkeypatch):
     fixed = {}
     for mode in ("on", "off"):
         monkeypatch.setattr(noise, "PREFETCH", mode)
-        fixed[mode] = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=1 << 36)[1]["fixed_bytes"]
+        fixed[mode] = auto_chunk_size(
+            gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=1 << 36
+        )[1]["fixed_bytes"]
     assert fixed["on"] - fixed["off"] == 4 * n
     # CUDA's source (ChaCha on the device) adds its noise as it draws it: nothing is drawn ahead
-    assert auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=torch.device("cuda"), memory_cap_bytes=1 << 36)[1]["fixed_bytes"] == fixed_bytes(gpt2)
+    assert auto_chunk_size(
+        gpt2,
+        RunShape(4, 64, strategy="ghost", low_precision=False),
+        device=torch.device("cuda"),
+        memory_cap_bytes=1 << 36,
+    )[1]["fixed_bytes"] == fixed_bytes(gpt2)
 
 
 def test_a_cap_that_cannot_hold_one_unit_is_refused_with_both_figures(gpt2):
     with pytest.raises(UserError, match=r"training.chunk_size: auto .* needs about .* GiB .* cap"):
-        auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=fixed_bytes(gpt2))
+        auto_chunk_size(
+            gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=fixed_bytes(gpt2)
+        )
 
 
 def test_a_model_without_a_transformer_config_gets_the_default_chunk():
-    chunk, info = auto_chunk_size(torch.nn.Linear(3, 3), RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU)
+    chunk, info = auto_chunk_size(
+        torch.nn.Linear(3, 3), RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU
+    )
     assert chunk == 8 and "default" in info["rule"]
 
 
@@ -139,26 +159,37 @@ def test_a_sharded_rank_counts_its_share_of_weights_gradient_and_states_and_two_
     n = sum(p.numel() for p in gpt2.parameters())
     largest = max(p.numel() for p in gpt2.parameters())
     block = sum(p.numel() for p in gpt2.transformer.h[0].parameters()) * 4
-    one_more_state = {w: fixed_bytes(gpt2, optimizer_states=3, shards=w) - fixed_bytes(gpt2, optimizer_states=2,
-                                                                                        shards=w) for w in (1, 2, 8)}
+    one_more_state = {
+        w: fixed_bytes(gpt2, optimizer_states=3, shards=w) - fixed_bytes(gpt2, optimizer_states=2, shards=w)
+        for w in (1, 2, 8)
+    }
     assert one_more_state == {1: 4 * n, 2: 4 * n / 2, 8: 4 * n / 8}  # a state is sharded like the parameters
     repl, w8 = fixed_bytes(gpt2, shards=1), fixed_bytes(gpt2, shards=8)
     # replicated: weights 4n, sums 8n, Adam 8n, check 4n, stacks; sharded: 4n/8 + two blocks,
     # (4n + 8n)/8 + two largest parameters, the check's 4n/8 (at least the largest parameter)
     check = 4 * max(math.ceil(n / 8), largest)
-    assert repl - w8 == pytest.approx(4 * n * (1 + 2 + 2 + 1 - 1 / 8 - 3 / 8) - 2 * block - 8 * largest - check
-                                      + STACK_TRANSIENT_BYTES, abs=8)
+    assert repl - w8 == pytest.approx(
+        4 * n * (1 + 2 + 2 + 1 - 1 / 8 - 3 / 8) - 2 * block - 8 * largest - check + STACK_TRANSIENT_BYTES, abs=8
+    )
     plain = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))  # no blocks: the root gathers all
     m = sum(p.numel() for p in plain.parameters())
     # its half of the weights on top of the whole gathered model; half the sums and its largest weight
     # twice for the replicated run's two whole sums and stacks; half the check
-    assert (fixed_bytes(plain, optimizer_states=0, shards=2) - fixed_bytes(plain, optimizer_states=0)
-            == 4 * m / 2 + 4 * (m / 2 + 2 * 64 * 64 - 2 * m) - 4 * m / 2 - STACK_TRANSIENT_BYTES)
+    assert (
+        fixed_bytes(plain, optimizer_states=0, shards=2) - fixed_bytes(plain, optimizer_states=0)
+        == 4 * m / 2 + 4 * (m / 2 + 2 * 64 * 64 - 2 * m) - 4 * m / 2 - STACK_TRANSIENT_BYTES
+    )
     per = unit_bytes(gpt2, 4, 64, strategy="ghost", low_precision=False)
-    _, info = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=1 << 40)
+    _, info = auto_chunk_size(
+        gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=1 << 40
+    )
     cap = (info["fixed_bytes"] + 7.5 * per) / MODEL_MARGIN  # room for 7.5 units on a replicated rank
-    chunk1, _ = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap)
-    chunk8, info = auto_chunk_size(gpt2, RunShape(4, 64, strategy="ghost", low_precision=False, shards=8), device=CPU, memory_cap_bytes=cap)
+    chunk1, _ = auto_chunk_size(
+        gpt2, RunShape(4, 64, strategy="ghost", low_precision=False), device=CPU, memory_cap_bytes=cap
+    )
+    chunk8, info = auto_chunk_size(
+        gpt2, RunShape(4, 64, strategy="ghost", low_precision=False, shards=8), device=CPU, memory_cap_bytes=cap
+    )
     assert chunk1 == 4
     assert chunk8 > chunk1 and info["shards"] == 8  # the room a rank saves goes to the chunk
 
@@ -174,9 +205,9 @@ def test_the_estimate_covers_a_ghost_chunks_live_bytes_counted_op_by_op(shape, u
     its cap."""
     mode = FakeTensorMode()
     model = fake_gpt2(mode, **SHAPES[shape])
-    counted = peaks(mode, model, "uls", users, group, seq)["ghost_peak_gib"] * 2 ** 30
+    counted = peaks(mode, model, "uls", users, group, seq)["ghost_peak_gib"] * 2**30
     casts = fixed_bytes(model, low_precision=True) - fixed_bytes(model)
     assert casts == 2 * sum(p.numel() for p in model.parameters() if p.dim() >= 2)
     estimate = users * unit_bytes(model, group, seq, strategy="ghost", low_precision=True) + casts
-    assert estimate >= MODEL_MARGIN * counted, (estimate / counted)
+    assert estimate >= MODEL_MARGIN * counted, estimate / counted
     assert estimate <= 1.3 * counted  # and not so far above that it wastes the device

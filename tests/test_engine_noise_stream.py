@@ -163,8 +163,16 @@ def test_a_seeded_run_is_the_same_with_its_noise_drawn_ahead(monkeypatch, own_lo
     from _engine_helpers import MLP, ce_loss, mlp_data
 
     data = mlp_data(np.random.default_rng(3).integers(1, 9, 60))
-    cfg = TrainConfig(algorithm=ULS(group_size=3, sampling_rate=0.3), steps=4, clipping=FlatClip(0.5),
-                      optimizer=SGD(lr=0.2), noise_multiplier=1.3, delta=1e-4, seed=11, chunk_size=4)
+    cfg = TrainConfig(
+        algorithm=ULS(group_size=3, sampling_rate=0.3),
+        steps=4,
+        clipping=FlatClip(0.5),
+        optimizer=SGD(lr=0.2),
+        noise_multiplier=1.3,
+        delta=1e-4,
+        seed=11,
+        chunk_size=4,
+    )
     fills = []
     real_fill = noise_mod._fill
     monkeypatch.setattr(noise_mod, "_fill", lambda *a: fills.append(1) or real_fill(*a))

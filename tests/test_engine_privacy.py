@@ -40,8 +40,17 @@ def _with_adversary(data: TensorUserData, n_records: int, direction: torch.Tenso
 
 
 def _pre_noise_sum(model, data, loss, algo, clip, seed=0):
-    cfg = TrainConfig(algorithm=algo, steps=1, clipping=clip, noise_multiplier=1.0, delta=1e-5, seed=seed,
-                      chunk_size=16, track_epsilon=False, accountant="rdp")
+    cfg = TrainConfig(
+        algorithm=algo,
+        steps=1,
+        clipping=clip,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=seed,
+        chunk_size=16,
+        track_epsilon=False,
+        accountant="rdp",
+    )
     run = EngineRun(model, data, loss, cfg)
     sums, stats_ = run.clipped_sum(np.arange(run.n_units))  # every unit in the cohort: worst case
     return torch.cat([s.reshape(-1) for s in sums]), run
@@ -51,10 +60,13 @@ def _pre_noise_sum(model, data, loss, algo, clip, seed=0):
 @pytest.mark.parametrize("loss_name", ["linear", "square"])
 def test_one_adversarial_user_moves_the_sum_by_at_most_c_or_gc(algo_name, loss_name):
     G, C = 4, 0.7
-    algo = {"uls": ULS(G, 0.5), "els": ELS(G, 0.5),
-            "fedavg": FedAvg(G, 0.5, local_epochs=2, local_lr=0.3, local_batch_size=2),
-            "fedavg_reproject": FedAvg(G, 0.5, local_epochs=2, local_lr=0.3, local_batch_size=2, reproject=True),
-            "fedavg_weighted": FedAvg(G, 0.5, local_epochs=1, local_lr=0.5, weight_cap=2.0)}[algo_name]
+    algo = {
+        "uls": ULS(G, 0.5),
+        "els": ELS(G, 0.5),
+        "fedavg": FedAvg(G, 0.5, local_epochs=2, local_lr=0.3, local_batch_size=2),
+        "fedavg_reproject": FedAvg(G, 0.5, local_epochs=2, local_lr=0.3, local_batch_size=2, reproject=True),
+        "fedavg_weighted": FedAvg(G, 0.5, local_epochs=1, local_lr=0.5, weight_cap=2.0),
+    }[algo_name]
     loss = linear_loss if loss_name == "linear" else sq_loss
     d = 5
     base = user_data([3, 1, 6, 2, 9, 4], d=d, seed=1)
@@ -104,9 +116,17 @@ def test_noise_std_per_coordinate_is_sigma_c_over_denominator(normalized):
     data = user_data([2] * N, d=1, seed=0)
     zero_loss = lambda model, batch: (model.theta * 0.0).sum() * batch["x"][:, 0]  # gradient 0 everywhere
     m = Mean(d)
-    cfg = TrainConfig(algorithm=ULS(2, q), steps=1, clipping=FlatClip(C, normalized=normalized),
-                      optimizer=SGD(lr=1.0), noise_multiplier=sigma, delta=1e-5, seed=123, track_epsilon=False,
-                      accountant="rdp")
+    cfg = TrainConfig(
+        algorithm=ULS(2, q),
+        steps=1,
+        clipping=FlatClip(C, normalized=normalized),
+        optimizer=SGD(lr=1.0),
+        noise_multiplier=sigma,
+        delta=1e-5,
+        seed=123,
+        track_epsilon=False,
+        accountant="rdp",
+    )
     res = train(m, data, zero_loss, cfg)
     noise = -m.theta.detach().double()
     expected = sigma * (1.0 if normalized else C) / (q * N)
@@ -121,9 +141,18 @@ def test_clipped_denominator_noise_scale():
     data = user_data([1] * N, d=1)
     zero_loss = lambda model, batch: (model.theta * 0.0).sum() * batch["x"][:, 0]
     m = Mean(d)
-    cfg = TrainConfig(algorithm=ULS(1, q), steps=1, clipping=FlatClip(C), optimizer=SGD(lr=1.0),
-                      noise_multiplier=sigma, delta=1e-5, seed=5, denominator=ClippedDenominator(0.5),
-                      track_epsilon=False, accountant="rdp")
+    cfg = TrainConfig(
+        algorithm=ULS(1, q),
+        steps=1,
+        clipping=FlatClip(C),
+        optimizer=SGD(lr=1.0),
+        noise_multiplier=sigma,
+        delta=1e-5,
+        seed=5,
+        denominator=ClippedDenominator(0.5),
+        track_epsilon=False,
+        accountant="rdp",
+    )
     train(m, data, zero_loss, cfg)
     assert m.theta.detach().std().item() == pytest.approx(2 * sigma * C / (q * N * 0.5), rel=0.03)
 
@@ -148,9 +177,21 @@ def test_poisson_cohort_sizes_follow_binomial():
 def test_engine_cohorts_are_poisson_and_buckets_pad():
     N, q = 120, 0.1
     data = user_data([2] * N, d=2)
-    res = train(Mean(2), data, sq_loss, TrainConfig(algorithm=ULS(2, q), steps=300, noise_multiplier=1.0,
-                                                    delta=1e-5, seed=3, chunk_size=8, track_epsilon=False,
-                                                    accountant="rdp"))
+    res = train(
+        Mean(2),
+        data,
+        sq_loss,
+        TrainConfig(
+            algorithm=ULS(2, q),
+            steps=300,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=3,
+            chunk_size=8,
+            track_epsilon=False,
+            accountant="rdp",
+        ),
+    )
     units = np.array([h["units"] for h in res.history])
     assert units.var() > 0  # variable cohorts, not a fixed batch
     assert units.mean() == pytest.approx(N * q, abs=4 * math.sqrt(N * q * (1 - q) / 300))
@@ -174,9 +215,21 @@ def test_ledger_refuses_a_step_past_the_budget():
 @pytest.mark.slow
 def test_train_stops_before_the_budget():
     data = user_data([3] * 50, d=2)
-    res = train(Mean(2), data, sq_loss,
-                TrainConfig(algorithm=ULS(3, 0.1), steps=10000, noise_multiplier=1.5, target_epsilon=2.0,
-                            delta=1e-5, seed=0, accountant="rdp", track_epsilon=False))
+    res = train(
+        Mean(2),
+        data,
+        sq_loss,
+        TrainConfig(
+            algorithm=ULS(3, 0.1),
+            steps=10000,
+            noise_multiplier=1.5,
+            target_epsilon=2.0,
+            delta=1e-5,
+            seed=0,
+            accountant="rdp",
+            track_epsilon=False,
+        ),
+    )
     assert res.stopped == "budget" and 0 < res.steps < 10000
     assert res.epsilon <= 2.0
     ev = accounting.uls_step_event(1.5, 0.1)
@@ -187,27 +240,62 @@ def test_calibrated_sigma_meets_target_and_adaptive_split():
     data = user_data([2] * 400, d=2)
     from userdp.accounting.split import effective_noise_multiplier
     from userdp.engine import AdaptiveClip
-    res = train(Mean(2), data, sq_loss,
-                TrainConfig(algorithm=ULS(2, 0.1), steps=20, target_epsilon=3.0, delta=1e-5, seed=0,
-                            clipping=AdaptiveClip(), accountant="rdp", track_epsilon=False))
+
+    res = train(
+        Mean(2),
+        data,
+        sq_loss,
+        TrainConfig(
+            algorithm=ULS(2, 0.1),
+            steps=20,
+            target_epsilon=3.0,
+            delta=1e-5,
+            seed=0,
+            clipping=AdaptiveClip(),
+            accountant="rdp",
+            track_epsilon=False,
+        ),
+    )
     assert res.epsilon <= 3.0 and res.epsilon > 2.8
     assert res.record["count_noise_stddev"] == pytest.approx(40 / 20)  # sigma_b = m/20
     assert effective_noise_multiplier(res.update_noise_multiplier, 2.0) == pytest.approx(res.noise_multiplier)
     assert res.update_noise_multiplier > res.noise_multiplier
     # a cohort too small for the split (2*sigma_b <= z) is refused with a clear error
     with pytest.raises(UserError, match="count noise"):
-        train(Mean(2), user_data([2] * 100, d=2), sq_loss,
-              TrainConfig(algorithm=ULS(2, 0.1), steps=20, noise_multiplier=1.2, delta=1e-5,
-                          clipping=AdaptiveClip(), accountant="rdp"))
+        train(
+            Mean(2),
+            user_data([2] * 100, d=2),
+            sq_loss,
+            TrainConfig(
+                algorithm=ULS(2, 0.1),
+                steps=20,
+                noise_multiplier=1.2,
+                delta=1e-5,
+                clipping=AdaptiveClip(),
+                accountant="rdp",
+            ),
+        )
 
 
 @pytest.mark.slow
 def test_shuffle_and_fixed_size_records_say_so():
     data = user_data([2] * 40, d=2)
     for sampling, acc in [("shuffle", "pld"), ("fixed_size", "rdp")]:
-        res = train(Mean(2), data, sq_loss,
-                    TrainConfig(algorithm=ULS(2, 0.25), steps=5, noise_multiplier=2.0, delta=1e-5, seed=0,
-                                sampling=sampling, accountant=acc, track_epsilon=False))
+        res = train(
+            Mean(2),
+            data,
+            sq_loss,
+            TrainConfig(
+                algorithm=ULS(2, 0.25),
+                steps=5,
+                noise_multiplier=2.0,
+                delta=1e-5,
+                seed=0,
+                sampling=sampling,
+                accountant=acc,
+                track_epsilon=False,
+            ),
+        )
         r = res.record
         assert r["sampler_mode"] in ("shuffle_fixed_batches", "fixed_size_wor")
         if sampling == "shuffle":  # the headline is the guarantee that holds without amplification
@@ -226,14 +314,16 @@ def test_shuffle_and_fixed_size_records_say_so():
 
 def test_seed_is_recorded_and_unseeded_runs_differ():
     data = user_data([2] * 30, d=3)
-    cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp",
-                      track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.3), steps=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp", track_epsilon=False
+    )
     a, b = Mean(3), Mean(3)
     ra = train(a, data, sq_loss, cfg)
     train(b, data, sq_loss, cfg)
     assert not ra.record["seeded"] and "entropy" in ra.record["randomness"]
     assert not torch.equal(a.theta, b.theta)
     import dataclasses
+
     rs = train(Mean(3), data, sq_loss, dataclasses.replace(cfg, seed=4))
     assert rs.record["seeded"] and "seed" in rs.record["randomness"]
 
@@ -242,8 +332,9 @@ def test_batchnorm_in_training_mode_is_refused():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
     data = user_data([2] * 10, d=3)
     loss = lambda m, b: m(b["x"]).sum(-1)
-    cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, track_epsilon=False,
-                      accountant="rdp")
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, track_epsilon=False, accountant="rdp"
+    )
     with pytest.raises(UserError, match="BatchNorm1d"):
         train(model, data, loss, cfg)
     model[1].eval()  # frozen statistics: allowed
@@ -253,8 +344,12 @@ def test_batchnorm_in_training_mode_is_refused():
 def test_the_privacy_record_is_one_frozen_type_that_reads_like_its_json():
     """train() returns a PrivacyRecord: frozen, every key of its JSON readable by index, the fields
     that do not apply absent (here Poisson: no sampling warning), a change is a new record."""
-    res = train(Mean(2), user_data([2] * 40, d=2), sq_loss,
-                TrainConfig(algorithm=ULS(2, 0.25), steps=3, noise_multiplier=2.0, delta=1e-5, seed=0))
+    res = train(
+        Mean(2),
+        user_data([2] * 40, d=2),
+        sq_loss,
+        TrainConfig(algorithm=ULS(2, 0.25), steps=3, noise_multiplier=2.0, delta=1e-5, seed=0),
+    )
     rec = res.record
     assert isinstance(rec, PrivacyRecord)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -18,8 +18,16 @@ SIZES = np.random.default_rng(3).integers(1, 9, 60)
 
 
 def _cfg(algorithm, optimizer, **kw):
-    base = dict(algorithm=algorithm, steps=6, clipping=FlatClip(0.5), optimizer=optimizer, noise_multiplier=1.3,
-                delta=1e-4, seed=11, chunk_size=4)
+    base = dict(
+        algorithm=algorithm,
+        steps=6,
+        clipping=FlatClip(0.5),
+        optimizer=optimizer,
+        noise_multiplier=1.3,
+        delta=1e-4,
+        seed=11,
+        chunk_size=4,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -34,14 +42,28 @@ def _own_loop(model, optimizer, data, cfg, **kw):
         return private, metrics
 
 
-@pytest.mark.parametrize("algorithm,opt,torch_opt", [
-    (ULS(group_size=3, sampling_rate=0.3), SGD(lr=0.2, momentum=0.9),
-     lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9)),
-    pytest.param(ELS(group_size=2, sampling_rate=0.2), Adam(lr=0.01), lambda ps: torch.optim.Adam(ps, lr=0.01),
-                 marks=pytest.mark.slow),
-    pytest.param(FedAvg(group_size=3, sampling_rate=0.3, local_lr=0.1), SGD(lr=1.0),
-                 lambda ps: torch.optim.SGD(ps, lr=1.0), marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "algorithm,opt,torch_opt",
+    [
+        (
+            ULS(group_size=3, sampling_rate=0.3),
+            SGD(lr=0.2, momentum=0.9),
+            lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9),
+        ),
+        pytest.param(
+            ELS(group_size=2, sampling_rate=0.2),
+            Adam(lr=0.01),
+            lambda ps: torch.optim.Adam(ps, lr=0.01),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            FedAvg(group_size=3, sampling_rate=0.3, local_lr=0.1),
+            SGD(lr=1.0),
+            lambda ps: torch.optim.SGD(ps, lr=1.0),
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
 def test_same_seed_same_model_as_train(algorithm, opt, torch_opt):
     data = mlp_data(SIZES)
     cfg = _cfg(algorithm, opt)
@@ -78,8 +100,14 @@ def test_grad_is_replaced_not_accumulated_and_stray_grads_never_leak():
     """A gradient the caller's code left in p.grad (e.g. from a backward on private data) is
     replaced by the release, never added to it."""
     data = user_data([3] * 40, d=4)
-    cfg = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.5), steps=2, clipping=FlatClip(1.0),
-                      noise_multiplier=1.0, delta=1e-4, seed=5)
+    cfg = TrainConfig(
+        algorithm=ULS(group_size=2, sampling_rate=0.5),
+        steps=2,
+        clipping=FlatClip(1.0),
+        noise_multiplier=1.0,
+        delta=1e-4,
+        seed=5,
+    )
     model = Mean(4)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     grads = []
@@ -102,8 +130,7 @@ def test_grad_is_replaced_not_accumulated_and_stray_grads_never_leak():
 @pytest.mark.slow
 def test_budget_stops_the_loop_before_the_step_that_would_pass_it():
     data = mlp_data(SIZES)
-    cfg = _cfg(ULS(group_size=3, sampling_rate=0.5), SGD(lr=0.1), steps=400, noise_multiplier=2.0,
-               target_epsilon=4.0)
+    cfg = _cfg(ULS(group_size=3, sampling_rate=0.5), SGD(lr=0.1), steps=400, noise_multiplier=2.0, target_epsilon=4.0)
     torch.manual_seed(0)
     model = MLP()
     private, metrics = _own_loop(model, torch.optim.SGD(model.parameters(), lr=0.1), data, cfg)
@@ -163,8 +190,7 @@ def test_the_optimizer_must_hold_exactly_the_trainable_parameters():
     with pytest.raises(UserError, match="exactly the model's 6 trainable"):
         make_private(model, torch.optim.SGD(params[:-1], lr=0.1), data, ce_loss, cfg)
     with pytest.raises(UserError, match="exactly"):
-        make_private(model, torch.optim.SGD(params + [torch.nn.Parameter(torch.zeros(2))], lr=0.1), data,
-                     ce_loss, cfg)
+        make_private(model, torch.optim.SGD(params + [torch.nn.Parameter(torch.zeros(2))], lr=0.1), data, ce_loss, cfg)
     with pytest.raises(UserError, match="torch.optim.Optimizer"):
         make_private(model, SGD(lr=0.1), data, ce_loss, cfg)
     half = MLP().to(torch.bfloat16)
@@ -256,6 +282,7 @@ def test_the_examples_run_as_documented(capsys, monkeypatch):
     process: the imports are already paid)."""
     import runpy
     import sys
+
     root = os.path.join(os.path.dirname(__file__), "..")
     for name, expect in (("own_loop.py", "(completed)"), ("engine_quickstart.py", "spent epsilon")):
         path = os.path.join(root, "examples", name)
@@ -275,8 +302,9 @@ def test_two_ranks_of_the_own_loop_give_one_process_model():
 
     def loop(model, combiner=None):
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        with make_private(model, opt, user_data(DSIZES, d=64, seed=2), sq_loss, dcfg(),
-            RunOptions(combiner=combiner)) as p:
+        with make_private(
+            model, opt, user_data(DSIZES, d=64, seed=2), sq_loss, dcfg(), RunOptions(combiner=combiner)
+        ) as p:
             for step in p:
                 opt.zero_grad()
                 step.backward()
@@ -312,6 +340,7 @@ def test_make_private_twice_on_one_model_is_refused_once_a_step_was_released():
 def test_a_loop_that_puts_batchnorm_back_in_training_mode_is_refused_at_the_release():
     """Issue 34 (H2): the linter ran once, at build; a model put in eval() before make_private and
     train() in the loop (the PyTorch idiom) updated running statistics from the un-noised cohort."""
+
     class BNNet(torch.nn.Module):
         def __init__(self):
             super().__init__()

@@ -27,8 +27,8 @@ def test_round_down_never_rounds_up_and_keeps_exact_values():
 
 def test_gamma_is_the_classical_bound_and_refuses_what_it_cannot_bound():
     u = unit_roundoff(torch.float32, False)
-    assert u == 2.0 ** -24 and unit_roundoff(torch.float32, True) == 2.0 ** -23
-    assert unit_roundoff(torch.float64, False) == 2.0 ** -53
+    assert u == 2.0**-24 and unit_roundoff(torch.float32, True) == 2.0**-23
+    assert unit_roundoff(torch.float64, False) == 2.0**-53
     assert gamma(1000, u) == pytest.approx(1000 * u / (1 - 1000 * u))
     # a float32 sum of n random terms stays inside gamma_n times the sum of magnitudes
     rng = np.random.default_rng(1)
@@ -59,10 +59,15 @@ def test_the_bound_costs_an_honest_gpt2_user_under_one_percent_of_its_clip():
 
     ghost_mod._bounded_norms = spy
     try:
-        st.clipped_sum({"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 4), torch.ones(4), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
+        st.clipped_sum(
+            {"input_ids": ids, "labels": ids.clone()},
+            torch.ones(4, 4),
+            torch.ones(4),
+            StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32),
+        )
     finally:
         ghost_mod._bounded_norms = real
     est, up = seen["est"], seen["up"]
-    ratio = (up ** 2).sum(1).sqrt() / (est ** 2).sum(1).sqrt()
+    ratio = (up**2).sum(1).sqrt() / (est**2).sum(1).sqrt()
     assert (ratio >= 1.0).all()
     assert (ratio < 1.01).all(), ratio

@@ -51,13 +51,17 @@ def test_bf16_products_and_grams_are_exact_in_float32():
     exact = a.double() @ b.double()
     # float32 accumulation of K = 24 exact products: the standard bound K u sum |a_i b_i|, u = 2^-24
     absdot = a.double().abs() @ b.double().abs()
-    assert bool(((got.double() - exact).abs() <= 24 * 2.0 ** -24 * absdot).all())
+    assert bool(((got.double() - exact).abs() <= 24 * 2.0**-24 * absdot).all())
     assert torch.equal(got, a.float() @ b.float())  # the CPU emulation is the float32 Gram
 
 
 def test_the_clip_factor_is_rounded_down_to_the_largest_bf16_below_it():
-    c = torch.cat([torch.rand(10_000, generator=torch.Generator().manual_seed(3)),
-                   torch.tensor([1.0, 0.5, 2.0 ** -20, 0.0, 1.0 - 2.0 ** -24])])
+    c = torch.cat(
+        [
+            torch.rand(10_000, generator=torch.Generator().manual_seed(3)),
+            torch.tensor([1.0, 0.5, 2.0**-20, 0.0, 1.0 - 2.0**-24]),
+        ]
+    )
     r = round_down_bf16(c)
     assert r.dtype == BF16
     assert bool((r.float() <= c).all())
@@ -94,12 +98,14 @@ def _run(monkeypatch, mode, clip, w, model=None):
     model = model or _tiny_gpt2()
     batch, mask = _chunk()
     return GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16")).clipped_sum(
-        batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
+        batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32)
+    )
 
 
 @pytest.mark.parametrize("operand", ["split", "rounded"])
-@pytest.mark.parametrize("clip", [FlatClip(0.5), PerLayerClip(0.05), FlatClip(1e9)],
-                         ids=["flat", "per_layer", "unclipped"])
+@pytest.mark.parametrize(
+    "clip", [FlatClip(0.5), PerLayerClip(0.05), FlatClip(1e9)], ids=["flat", "per_layer", "unclipped"]
+)
 def test_tensor_core_sums_match_the_float32_path(monkeypatch, clip, operand):
     """Same norms bit for bit (Grams of bf16 factors are exact, summed in float32); sums within the
     bf16 rounding down of the clip factor (under 2^-7 relative a unit) of the float32 reference with
@@ -113,7 +119,7 @@ def test_tensor_core_sums_match_the_float32_path(monkeypatch, clip, operand):
     num = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(tc[0], ref[0])))
     den = torch.sqrt(sum((b.double() ** 2).sum() for b in ref[0]))
     clipped = clip.norm < 1e9
-    tol = 2.0 ** -7 if operand == "split" else 2.0 ** -7 + 2.0 ** -8 + (0.015 if clipped else 0.0)
+    tol = 2.0**-7 if operand == "split" else 2.0**-7 + 2.0**-8 + (0.015 if clipped else 0.0)
     assert float(num / den) < tol
     assert all(a.dtype == torch.float32 for a in tc[0])
 
@@ -253,7 +259,7 @@ def test_the_fused_split_gives_the_old_split_sum(monkeypatch, wy):
     old = mm32(xt, torch.cat([hi, lo], dim=-1).reshape(m * t, 2 * wy))
     old = old[:, :wy] + old[:, wy:]
     assert got.shape == (wx, wy) and got.dtype == torch.float32
-    bound = (2 * m * t + 2) * 2.0 ** -24 * absdot
+    bound = (2 * m * t + 2) * 2.0**-24 * absdot
     assert bool(((got.double() - exact).abs() <= bound).all())
     assert bool(((got.double() - old.double()).abs() <= 2 * bound).all())
 
@@ -268,10 +274,10 @@ def test_the_rounded_operand_is_c_y_rounded_once_and_its_sum_within_its_bound(mo
     want = mm32(x.reshape(m * t, wx).t(), once.reshape(m * t, wy))
     assert got.shape == (wx, wy) and torch.equal(got, want)
     k = m * t
-    g = k * 2.0 ** -23 / (1 - k * 2.0 ** -23)
+    g = k * 2.0**-23 / (1 - k * 2.0**-23)
     err = (got.double() - exact).abs()
-    assert bool((err <= (2.0 ** -8 + g * (1 + 2.0 ** -8)) * absdot).all())
-    assert float(err.max()) > 2.0 ** -20 * float(absdot.max())  # the rounding is there: not the split's sum
+    assert bool((err <= (2.0**-8 + g * (1 + 2.0**-8)) * absdot).all())
+    assert float(err.max()) > 2.0**-20 * float(absdot.max())  # the rounding is there: not the split's sum
 
 
 def _adversarial_contribution(monkeypatch, fold: bool) -> float:
@@ -326,16 +332,16 @@ def test_the_spread_bounds_what_any_bounded_operand_error_can_add(monkeypatch):
 def _spread_by_hand(f) -> torch.Tensor:
     """Factored.spread's formula for one use, written out (the reference for the batched form)."""
     mag, smag = f.magnitude()
-    b = mag.double() * (smag * (1.0 + 2.0 ** -40))
+    b = mag.double() * (smag * (1.0 + 2.0**-40))
     if f._gx_rows is None:
         return b
     rx, ry, sx, sy = f.row_norms()
     t = int(rx.shape[1])
     rxd = rx.double() * sx
     gxn = ghost_mod.gamma(int(f.x.shape[-1]), f.u)
-    rows = f._gx_rows.double() * (1.0 + ghost_mod.gamma(t + 2, 2.0 ** -23)) + gxn * rxd * rxd.sum(1, keepdim=True)
+    rows = f._gx_rows.double() * (1.0 + ghost_mod.gamma(t + 2, 2.0**-23)) + gxn * rxd * rxd.sum(1, keepdim=True)
     yf = (ry.double() * sy).pow(2).sum(1)
-    return torch.minimum(b, (rows.amax(1) * yf).sqrt() * (1.0 + 2.0 ** -40))
+    return torch.minimum(b, (rows.amax(1) * yf).sqrt() * (1.0 + 2.0**-40))
 
 
 def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
@@ -347,17 +353,22 @@ def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
     monkeypatch.setattr(contraction, "SUM_OPERAND", "rounded")
     m = 3
     uses = []
-    for i, (t, wx, wy, own_gram) in enumerate([(8, 64, 16, True), (8, 32, 48, True), (5, 64, 8, True),
-                                               (8, 16, 16, False)]):
-        f = ghost_mod.Factored(_bf16(m, t, wx, seed=40 + i), _bf16(m, t, wy, seed=50 + i), wx,
-                               dtype=torch.float32, tc=True)
+    for i, (t, wx, wy, own_gram) in enumerate(
+        [(8, 64, 16, True), (8, 32, 48, True), (5, 64, 8, True), (8, 16, 16, False)]
+    ):
+        f = ghost_mod.Factored(
+            _bf16(m, t, wx, seed=40 + i), _bf16(m, t, wy, seed=50 + i), wx, dtype=torch.float32, tc=True
+        )
         if own_gram:
             ghost_mod._inner(f, f)  # keeps the Gram's row sums
         uses.append(f)
     per_param = [[uses[0].spread_term(), uses[3].spread_term()], [], [uses[1].spread_term(), uses[2].spread_term()]]
     got = ghost_mod._spreads(per_param, m)
-    want = [_spread_by_hand(uses[0]) + _spread_by_hand(uses[3]), torch.zeros(m, dtype=torch.float64),
-            _spread_by_hand(uses[1]) + _spread_by_hand(uses[2])]
+    want = [
+        _spread_by_hand(uses[0]) + _spread_by_hand(uses[3]),
+        torch.zeros(m, dtype=torch.float64),
+        _spread_by_hand(uses[1]) + _spread_by_hand(uses[2]),
+    ]
     for g, w in zip(got, want):
         assert torch.allclose(g, w, rtol=1e-15, atol=0)
     assert bool((_spread_by_hand(uses[1]) < ghost_mod.Factored.magnitude(uses[1])[0].double()).all())  # not B alone
@@ -450,8 +461,9 @@ def _interpreted(probe: str, timeout: int) -> list[str]:
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))  # the probes import _engine_helpers
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    )
     res = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, res.stderr[-2000:]
     return res.stdout.split()
@@ -707,7 +719,9 @@ def test_the_kernel_gate_reports_a_check_that_raises_and_asks_once():
         assert kernel_gate.allowed("auto", {}, torch.device("cpu"), broken, "the test kernel") is False
         assert kernel_gate.allowed("off", {}, torch.device("cpu"), broken, "the test kernel") is False
     assert asked == ["cpu"] and checked == {"cpu": "RuntimeError: no kernel image for this device"}
-    assert len(caught) == 1 and "the test kernel is not used on cpu (RuntimeError: no kernel image" in str(caught[0].message)
+    assert len(caught) == 1 and "the test kernel is not used on cpu (RuntimeError: no kernel image" in str(
+        caught[0].message
+    )
 
 
 def test_the_gram_kernel_gate_holds_a_kernel_to_the_proofs_budget_not_twice_gamma_tb(monkeypatch):
@@ -724,9 +738,10 @@ def test_the_gram_kernel_gate_holds_a_kernel_to_the_proofs_budget_not_twice_gamm
             scales = ((gx * gy).abs().sum(-1), want[1], want[2], want[3])
             slack = fraction * contraction.gram_row_budget(ta, tb)
             return tuple(None if w is None else w + slack * s for w, s in zip(want, scales))
+
         return types.SimpleNamespace(pair_rows=pair_rows)
 
-    assert 1.5 * contraction.gram_row_budget(20, 300) < 2 * 300 * 2.0 ** -24  # the old slack let it through
+    assert 1.5 * contraction.gram_row_budget(20, 300) < 2 * 300 * 2.0**-24  # the old slack let it through
     monkeypatch.setattr(contraction, "gram_triton", kernel_off_by(1.5))
     verdict = contraction.check_gram_kernel(torch.device("cpu"))
     assert isinstance(verdict, str) and "differs from torch's" in verdict

@@ -50,9 +50,16 @@ def test_sigma0_no_clipping_uls_is_gradient_descent_on_user_averaged_loss():
     a = MLP()
     b = MLP()
     b.load_state_dict(a.state_dict())
-    cfg = TrainConfig(algorithm=ULS(group_size=max(sizes), sampling_rate=1.0), steps=5,
-                      clipping=FlatClip(1e9), optimizer=SGD(lr=0.3), noise_multiplier=0.0, seed=0,
-                      chunk_size=4, track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=ULS(group_size=max(sizes), sampling_rate=1.0),
+        steps=5,
+        clipping=FlatClip(1e9),
+        optimizer=SGD(lr=0.3),
+        noise_multiplier=0.0,
+        seed=0,
+        chunk_size=4,
+        track_epsilon=False,
+    )
     res = train(a, data, ce_loss, cfg)
     _manual_user_avg_gd(b, data, 5, 0.3)
     for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
@@ -94,6 +101,7 @@ def test_fedavg_update_equals_local_sgd_loop():
     algo = FedAvg(G, 0.5, local_epochs=E, local_lr=lr, local_batch_size=B)
     pu = PerUnit(model, ce_loss, algo)
     from userdp.engine.per_unit import fedavg_epoch_batches
+
     batch, mask = data.draw_records(np.arange(3), G, np.random.default_rng(0))
     eb, em = fedavg_epoch_batches(batch, mask, E, np.random.default_rng(1))
     assert (em[:, :, :2] == 1).all()  # real records first in every epoch
@@ -122,11 +130,13 @@ def test_fedavg_reprojection_keeps_every_local_iterate_within_c():
     model = MLP()
     batch, mask = data.draw_records(np.arange(3), 6, np.random.default_rng(0))
     from userdp.engine.per_unit import fedavg_epoch_batches
+
     eb, em = fedavg_epoch_batches(batch, mask, 3, np.random.default_rng(1))
     C = 0.05
     free, _ = PerUnit(model, ce_loss, FedAvg(6, 0.5, local_epochs=3, local_lr=0.5, local_batch_size=2))(eb, em)
-    proj, _ = PerUnit(model, ce_loss, FedAvg(6, 0.5, local_epochs=3, local_lr=0.5, local_batch_size=2,
-                                             reproject=True))(eb, em, reproject=[C])
+    proj, _ = PerUnit(model, ce_loss, FedAvg(6, 0.5, local_epochs=3, local_lr=0.5, local_batch_size=2, reproject=True))(
+        eb, em, reproject=[C]
+    )
     n_free = torch.sqrt(sum((u.reshape(3, -1) ** 2).sum(1) for u in free))
     n_proj = torch.sqrt(sum((u.reshape(3, -1) ** 2).sum(1) for u in proj))
     assert (n_free > C).all() and (n_proj <= C * (1 + 1e-5)).all()
@@ -139,8 +149,9 @@ def test_fedsgd_with_lr_eta_equals_uls_step():
     data = user_data([3, 2, 4, 1], d=3, seed=3)
     init = torch.tensor([0.5, -1.0, 2.0])
     a, b = Mean(3, init), Mean(3, init)
-    common = dict(steps=3, clipping=FlatClip(0.5), noise_multiplier=0.7, delta=1e-5, seed=9,
-                  track_epsilon=False, accountant="rdp")
+    common = dict(
+        steps=3, clipping=FlatClip(0.5), noise_multiplier=0.7, delta=1e-5, seed=9, track_epsilon=False, accountant="rdp"
+    )
     train(a, data, sq_loss, TrainConfig(algorithm=ULS(4, 0.6), optimizer=SGD(0.4), **common))
     train(b, data, sq_loss, TrainConfig(algorithm=FedSGD(4, 0.6), optimizer=SGD(0.4), **common))
     assert torch.allclose(a.theta, b.theta, atol=1e-6)
@@ -157,11 +168,23 @@ def test_adaptive_clipping_tracks_the_quantile_of_lognormal_norms():
     data = TensorUserData({"x": x}, np.arange(N + 1))
     for gamma in (0.5, 0.8):
         q_true = float(np.exp(0.5 * __import__("scipy").stats.norm.ppf(gamma)))
-        res = train(Mean(d), data, linear_loss,
-                    TrainConfig(algorithm=ULS(1, 0.05), steps=160, optimizer=SGD(1e-9),
-                                clipping=AdaptiveClip(initial_norm=0.1, target_quantile=gamma),
-                                noise_multiplier=1.0, delta=1e-6, seed=1, chunk_size=128,
-                                track_epsilon=False, accountant="rdp"))
+        res = train(
+            Mean(d),
+            data,
+            linear_loss,
+            TrainConfig(
+                algorithm=ULS(1, 0.05),
+                steps=160,
+                optimizer=SGD(1e-9),
+                clipping=AdaptiveClip(initial_norm=0.1, target_quantile=gamma),
+                noise_multiplier=1.0,
+                delta=1e-6,
+                seed=1,
+                chunk_size=128,
+                track_epsilon=False,
+                accountant="rdp",
+            ),
+        )
         tail = np.array([h["clip_norm"] for h in res.history[-60:]])
         assert np.median(tail) == pytest.approx(q_true, rel=0.12)
         frac = np.mean([1 - h["fraction_clipped"] for h in res.history[-60:]])
@@ -172,19 +195,40 @@ def test_adaptive_clipping_tracks_the_quantile_of_lognormal_norms():
 def test_optimizers_consume_the_private_gradient_and_learn(opt):
     data = user_data([4] * 100, d=3, shift=2.0, scale=0.5, seed=5)
     m = Mean(3, torch.ones(3))  # Adafactor's step is relative to the parameters' RMS
-    res = train(m, data, sq_loss, TrainConfig(algorithm=ULS(4, 0.2), steps=80, optimizer=opt,
-                                              clipping=FlatClip(5.0), noise_multiplier=0.5, delta=1e-5, seed=0,
-                                              track_epsilon=False, accountant="rdp"))
+    res = train(
+        m,
+        data,
+        sq_loss,
+        TrainConfig(
+            algorithm=ULS(4, 0.2),
+            steps=80,
+            optimizer=opt,
+            clipping=FlatClip(5.0),
+            noise_multiplier=0.5,
+            delta=1e-5,
+            seed=0,
+            track_epsilon=False,
+            accountant="rdp",
+        ),
+    )
     assert float((m.theta.detach() - 2.0).abs().max()) < 0.4
     assert res.history[-1]["loss"] < res.history[0]["loss"]
 
 
 def _resume_cfg(seed, algo):
-    return TrainConfig(algorithm=algo, steps=10, optimizer=Adam(0.05),
-                       clipping=AdaptiveClip(initial_norm=0.5), noise_multiplier=0.6, delta=1e-5, seed=seed,
-                       checkpoint_every=3, track_epsilon=True, accountant="rdp", chunk_size=8)
-
-
+    return TrainConfig(
+        algorithm=algo,
+        steps=10,
+        optimizer=Adam(0.05),
+        clipping=AdaptiveClip(initial_norm=0.5),
+        noise_multiplier=0.6,
+        delta=1e-5,
+        seed=seed,
+        checkpoint_every=3,
+        track_epsilon=True,
+        accountant="rdp",
+        chunk_size=8,
+    )
 
 
 @pytest.mark.slow
@@ -204,8 +248,13 @@ def test_interrupted_and_resumed_run_counts_its_lost_steps_and_is_reproducible(t
         m = MLP()
         m.load_state_dict(init)
         with pytest.raises(Crash):  # crash after step 5: last checkpoint at step 3, steps 4-5 begun
-            train(m, data, ce_loss, _resume_cfg(42, algo),
-                RunOptions(checkpoint_dir=str(tmp_path / d), callbacks=[crash_at(5)]))
+            train(
+                m,
+                data,
+                ce_loss,
+                _resume_cfg(42, algo),
+                RunOptions(checkpoint_dir=str(tmp_path / d), callbacks=[crash_at(5)]),
+            )
         m2 = MLP()
         m2.load_state_dict(init)
         with pytest.raises(UserError, match="resume=True"):
@@ -230,6 +279,7 @@ def test_unseeded_crash_counts_the_lost_steps(tmp_path):
     # steps 4 and 5 ran with secret randomness that is gone: they may have been seen, so they count
     assert r.steps == 10 and r.record["steps_accounted"] == 12 and r.record["steps_lost_to_crashes"] == 2
     from userdp.engine import checkpoint
+
     assert "noise_rng" not in checkpoint.load(str(tmp_path))  # secret random state never written
 
 
@@ -246,28 +296,41 @@ def test_crash_before_the_first_checkpoint_still_counts(tmp_path):
 
 def test_resume_refuses_a_different_config(tmp_path):
     data = user_data([2] * 20, d=2)
-    cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, seed=0,
-                      accountant="rdp", track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, seed=0, accountant="rdp", track_epsilon=False
+    )
     train(Mean(2), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path)))
     with pytest.raises(UserError, match="different config"):
-        train(Mean(2), data, sq_loss, dataclasses.replace(cfg, noise_multiplier=2.0),
-              RunOptions(checkpoint_dir=str(tmp_path), resume=True))
+        train(
+            Mean(2),
+            data,
+            sq_loss,
+            dataclasses.replace(cfg, noise_multiplier=2.0),
+            RunOptions(checkpoint_dir=str(tmp_path), resume=True),
+        )
 
 
 def test_callbacks_get_metrics_and_loss_fn_shape_is_checked():
     data = user_data([2] * 30, d=2)
     seen = []
-    train(Mean(2), data, sq_loss,
-          TrainConfig(algorithm=ELS(2, 0.2), steps=4, noise_multiplier=1.0, delta=1e-5,
-                                              seed=0, accountant="rdp"),
-          RunOptions(callbacks=[seen.append]))
+    train(
+        Mean(2),
+        data,
+        sq_loss,
+        TrainConfig(algorithm=ELS(2, 0.2), steps=4, noise_multiplier=1.0, delta=1e-5, seed=0, accountant="rdp"),
+        RunOptions(callbacks=[seen.append]),
+    )
     assert [m["step"] for m in seen] == [1, 2, 3, 4]
     for k in ["loss", "epsilon_spent", "fraction_clipped", "units", "units_per_s", "clip_norm"]:
         assert k in seen[0]
     assert all(b["epsilon_spent"] >= a["epsilon_spent"] for a, b in zip(seen, seen[1:]))
     with pytest.raises(UserError, match="one loss per record"):
-        train(Mean(2), data, lambda m, b: sq_loss(m, b).sum(),
-              TrainConfig(algorithm=ULS(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, accountant="rdp"))
+        train(
+            Mean(2),
+            data,
+            lambda m, b: sq_loss(m, b).sum(),
+            TrainConfig(algorithm=ULS(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, accountant="rdp"),
+        )
 
 
 def test_ctrl_c_finishes_the_step_saves_it_and_resume_loses_nothing(tmp_path):

@@ -12,12 +12,14 @@ from userdp.experiments import variance as va
 
 # ------------------------------------------------------------------ variance (SPEC §7.1)
 
+
 def test_variance_rows_match_the_direct_variances(monkeypatch):
     # inject sigma functions so the test checks the bookkeeping and eq. (7), not the accountant
     monkeypatch.setattr(va, "els_noise_multiplier", lambda p, g, t, e, d, a: 10.0 / e)
-    monkeypatch.setattr(va, "uls_sigma_of_m", lambda n, t, e, d, a: (lambda m: (1.0 + m / 100) / e))
-    cfg = va.VarianceConfig(num_users=1000, max_group_size=32, els_group_size=8, compute_budget=256,
-                            steps=10, epsilons=(1.0, 4.0))
+    monkeypatch.setattr(va, "uls_sigma_of_m", lambda n, t, e, d, a: lambda m: (1.0 + m / 100) / e)
+    cfg = va.VarianceConfig(
+        num_users=1000, max_group_size=32, els_group_size=8, compute_budget=256, steps=10, epsilons=(1.0, 4.0)
+    )
     rows = va.run(cfg)
     assert sorted({r.cohort_size for r in rows}) == [8, 16, 32, 64, 128, 256]
     d, L, B = 50, 1.0, 256
@@ -39,9 +41,17 @@ def test_variance_with_the_accountant_shows_the_papers_pattern():
     # one real (PLD) comparison at G_ULS = 1 vs large G: with identical within-user gradients
     # ELS is better at large G_ULS; at G_ULS = 1 (q = B/N) ULS ~ ELS (sigma_ELS almost G-free
     # under PLD, SPEC §5.1)
-    cfg = va.VarianceConfig(num_users=2000, max_group_size=16, els_group_size=4, compute_budget=64,
-                            steps=200, delta=1e-5, epsilons=(2.0,), cohort_sizes=(4, 64),
-                            accountant="rdp")  # RDP keeps this test cheap
+    cfg = va.VarianceConfig(
+        num_users=2000,
+        max_group_size=16,
+        els_group_size=4,
+        compute_budget=64,
+        steps=200,
+        delta=1e-5,
+        epsilons=(2.0,),
+        cohort_sizes=(4, 64),
+        accountant="rdp",
+    )  # RDP keeps this test cheap
     rows = {r.cohort_size: r for r in va.run(cfg)}
     assert rows[4].ratio_identical > 1.5
     # (RDP overstates the MoG sigma a little, so at G_ULS = 1 ULS is no worse than ELS)
@@ -61,6 +71,7 @@ def test_variance_config_errors_name_the_option():
 
 # ------------------------------------------------------------------ mean estimation (SPEC §7.2)
 
+
 def test_generator_shapes_and_heavy_tail():
     cfg = me.MeanEstimationConfig(dimension=5, num_users=300, records_per_user=8, heavy_tailed=True)
     data = me.generate(cfg, np.random.default_rng(0))
@@ -69,8 +80,7 @@ def test_generator_shapes_and_heavy_tail():
     assert np.median(data.sizes) == pytest.approx(8, abs=2)
     assert data.sizes.max() > 4 * np.median(data.sizes)  # heavy tail
     # within-user variance is what was asked for
-    cfg2 = me.MeanEstimationConfig(dimension=3, num_users=50, records_per_user=400,
-                                   within_user_variance=4.0)
+    cfg2 = me.MeanEstimationConfig(dimension=3, num_users=50, records_per_user=400, within_user_variance=4.0)
     d2 = me.generate(cfg2, np.random.default_rng(1))
     owner = np.repeat(np.arange(50), d2.sizes)
     resid = d2.records - d2.user_means[owner]
@@ -80,13 +90,15 @@ def test_generator_shapes_and_heavy_tail():
 def test_noiseless_uls_converges_to_the_average_user_mean():
     # sigma = 0, clip far above every gradient, lr = 1, G >= every user's size, q = 1: each step
     # is a full gradient step to the average of the users' sample means
-    cfg = me.MeanEstimationConfig(dimension=4, num_users=20, records_per_user=5, steps=3,
-                                  compute_budget=100, uls_group_sizes=(5,))
+    cfg = me.MeanEstimationConfig(
+        dimension=4, num_users=20, records_per_user=5, steps=3, compute_budget=100, uls_group_sizes=(5,)
+    )
     data = me.generate(cfg, np.random.default_rng(2))
     from userdp.engine import ULS
 
-    loss, eps = me.train_once(data, ULS(group_size=5, sampling_rate=1.0), cfg, noise_multiplier=0.0,
-                              learning_rate=1.0, clip_norm=1e6, seed=0)
+    loss, eps = me.train_once(
+        data, ULS(group_size=5, sampling_rate=1.0), cfg, noise_multiplier=0.0, learning_rate=1.0, clip_norm=1e6, seed=0
+    )
     target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:])], 0)
     assert loss == pytest.approx(float(np.sum((target - data.mu) ** 2)), rel=1e-4, abs=1e-8)
     assert eps == math.inf
@@ -99,17 +111,24 @@ def test_tail_averaging_reports_the_mean_of_the_last_iterates():
 
     from userdp.engine import ULS
 
-    cfg = me.MeanEstimationConfig(dimension=4, num_users=20, records_per_user=5, steps=4,
-                                  compute_budget=100, uls_group_sizes=(5,), average_fraction=0.5)
+    cfg = me.MeanEstimationConfig(
+        dimension=4,
+        num_users=20,
+        records_per_user=5,
+        steps=4,
+        compute_budget=100,
+        uls_group_sizes=(5,),
+        average_fraction=0.5,
+    )
     data = me.generate(cfg, np.random.default_rng(3))
     target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:])], 0)
     kw = dict(noise_multiplier=0.0, learning_rate=0.5, clip_norm=1e6, seed=0)
     alg = ULS(group_size=5, sampling_rate=1.0)
     avg, _ = me.train_once(data, alg, cfg, **kw)
-    theta = target * (1 - (0.5 ** 3 + 0.5 ** 4) / 2)
+    theta = target * (1 - (0.5**3 + 0.5**4) / 2)
     assert avg == pytest.approx(float(np.sum((theta - data.mu) ** 2)), rel=1e-4)
     final, _ = me.train_once(data, alg, replace(cfg, average_fraction=0.0), **kw)
-    assert final == pytest.approx(float(np.sum((target * (1 - 0.5 ** 4) - data.mu) ** 2)), rel=1e-4)
+    assert final == pytest.approx(float(np.sum((target * (1 - 0.5**4) - data.mu) ** 2)), rel=1e-4)
     with pytest.raises(UserError):
         replace(cfg, average_fraction=1.5).validate()
 
@@ -120,12 +139,20 @@ def test_sigma_is_calibrated_once_per_setting_and_reused(monkeypatch):
 
     calls = []
     real = accounting.calibrate_noise_multiplier
-    monkeypatch.setattr(accounting, "calibrate_noise_multiplier",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
-    cfg = me.MeanEstimationConfig(dimension=3, num_users=100, records_per_user=4, steps=5,
-                                  compute_budget=16, uls_group_sizes=(2,), els_group_size=1,
-                                  learning_rates=(1.0,), clip_norms=(1.0, 2.0), trials=1,
-                                  accountant="rdp")
+    monkeypatch.setattr(accounting, "calibrate_noise_multiplier", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = me.MeanEstimationConfig(
+        dimension=3,
+        num_users=100,
+        records_per_user=4,
+        steps=5,
+        compute_budget=16,
+        uls_group_sizes=(2,),
+        els_group_size=1,
+        learning_rates=(1.0,),
+        clip_norms=(1.0, 2.0),
+        trials=1,
+        accountant="rdp",
+    )
     rows = me.run_study(cfg, {"within_user_variance": (1.0,)})
     assert len(rows) == 4  # base (variance 10) + the swept variance, ELS and ULS each
     # ULS G=2 calibrated once, although it ran 2 clips x 2 variances times
@@ -136,10 +163,19 @@ def test_sigma_is_calibrated_once_per_setting_and_reused(monkeypatch):
 
 
 def test_noiseless_study_gets_close_to_the_population_mean():
-    cfg = me.MeanEstimationConfig(dimension=4, num_users=200, records_per_user=8, steps=15,
-                                  compute_budget=64, uls_group_sizes=(1, 8), learning_rates=(0.5,),
-                                  clip_norms=(100.0,), trials=1, between_user_std=0.1,
-                                  within_user_variance=1.0)
+    cfg = me.MeanEstimationConfig(
+        dimension=4,
+        num_users=200,
+        records_per_user=8,
+        steps=15,
+        compute_budget=64,
+        uls_group_sizes=(1, 8),
+        learning_rates=(0.5,),
+        clip_norms=(100.0,),
+        trials=1,
+        between_user_std=0.1,
+        within_user_variance=1.0,
+    )
     rows = me.run_study(cfg, {}, noise_multiplier=0.0)
     assert [r["algorithm"] for r in rows] == ["ELS", "ULS", "ULS"]
     assert rows[0]["group_size"] == 8  # the median records per user
@@ -151,10 +187,20 @@ def test_noiseless_study_gets_close_to_the_population_mean():
 
 
 def test_private_run_is_calibrated_and_noise_hurts():
-    cfg = me.MeanEstimationConfig(dimension=4, num_users=200, records_per_user=4, steps=10,
-                                  compute_budget=32, uls_group_sizes=(4,), els_group_size=1,
-                                  learning_rates=(0.5,), clip_norms=(2.0,), trials=1, epsilon=0.5,
-                                  accountant="rdp")
+    cfg = me.MeanEstimationConfig(
+        dimension=4,
+        num_users=200,
+        records_per_user=4,
+        steps=10,
+        compute_budget=32,
+        uls_group_sizes=(4,),
+        els_group_size=1,
+        learning_rates=(0.5,),
+        clip_norms=(2.0,),
+        trials=1,
+        epsilon=0.5,
+        accountant="rdp",
+    )
     private = me.run_setting(cfg)
     clean = me.run_setting(cfg, noise_multiplier=0.0)
     for p, c in zip(private, clean):
@@ -166,11 +212,34 @@ def test_private_run_is_calibrated_and_noise_hurts():
 def test_cli_mean_estimation_json_rows(capsys):
     from userdp.cli import main
 
-    rc = main(["experiment", "mean-estimation", "--users", "40", "--records-per-user", "4",
-               "--dimension", "3", "--steps", "3", "--compute-budget", "8", "--uls-group-sizes", "1,2",
-               "--learning-rates", "0.5", "--clip-norms", "10", "--trials", "1",
-               "--no-sweeps",
-               "--noise-multiplier", "0", "--json"])
+    rc = main(
+        [
+            "experiment",
+            "mean-estimation",
+            "--users",
+            "40",
+            "--records-per-user",
+            "4",
+            "--dimension",
+            "3",
+            "--steps",
+            "3",
+            "--compute-budget",
+            "8",
+            "--uls-group-sizes",
+            "1,2",
+            "--learning-rates",
+            "0.5",
+            "--clip-norms",
+            "10",
+            "--trials",
+            "1",
+            "--no-sweeps",
+            "--noise-multiplier",
+            "0",
+            "--json",
+        ]
+    )
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["algorithm"], r["group_size"]) for r in rows] == [("ELS", 4), ("ULS", 1), ("ULS", 2)]
@@ -191,7 +260,9 @@ def test_quick_settings_are_reduced_and_valid():
     base = me.MeanEstimationConfig()
     q, sweeps = me.quick_settings(base, {"epsilon": (0.25, 4.0)})
     q.validate()
-    runs = lambda c, n: (1 + len(c.uls_group_sizes)) * len(c.learning_rates) * len(c.clip_norms) * c.trials * c.steps * n
+    runs = lambda c, n: (
+        (1 + len(c.uls_group_sizes)) * len(c.learning_rates) * len(c.clip_norms) * c.trials * c.steps * n
+    )
     # at most a fifth of the default run's engine steps (the default sweeps 7 settings)
     assert runs(q, 1 + sum(len(v) for v in sweeps.values())) <= runs(base, 7) / 5
     assert list(sweeps) == ["within_user_variance"] and q.num_users <= 1000

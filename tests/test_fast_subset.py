@@ -20,13 +20,18 @@ def _fast_imports() -> tuple[set[str], int]:
     found, fast = set(), 0
     for f in sorted(TESTS.glob("*.py")):
         tree = ast.parse(f.read_text())
-        module_slow = any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
-                          and "slow" in ast.unparse(n.value) for n in tree.body)
+        module_slow = any(
+            isinstance(n, ast.Assign)
+            and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+            and "slow" in ast.unparse(n.value)
+            for n in tree.body
+        )
         funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
         kept = [fn for fn in funcs if not module_slow and not _is_slow(fn.decorator_list)]
         fast += len(kept)
-        scopes = ([n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))] if kept or
-                  not funcs else []) + [n for fn in kept for n in ast.walk(fn)]
+        scopes = (
+            [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))] if kept or not funcs else []
+        ) + [n for fn in kept for n in ast.walk(fn)]
         for node in scopes:
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -55,7 +60,6 @@ def test_the_fast_subset_reaches_every_module():
             if d not in reached:
                 reached.add(d)
                 todo.append(d)
-    modules = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
-               for p in SRC.rglob("*.py")}
+    modules = {".".join(p.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__") for p in SRC.rglob("*.py")}
     missed = sorted(modules - reached - {"userdp.__main__"})
     assert missed == [], f"no fast test reaches {missed}: keep one of their tests out of the slow mark"

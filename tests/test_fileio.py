@@ -25,8 +25,15 @@ def test_write_atomic_replaces_whole_and_makes_parents(tmp_path):
     assert p.read_text() == "by callable"
 
 
-@pytest.mark.parametrize("code, words", [(errno.ENOSPC, "the disk is full"), (errno.EROFS, "a read-only file system"),
-                                         (errno.EACCES, "permission denied"), (errno.EDQUOT, "quota")])
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (errno.ENOSPC, "the disk is full"),
+        (errno.EROFS, "a read-only file system"),
+        (errno.EACCES, "permission denied"),
+        (errno.EDQUOT, "quota"),
+    ],
+)
 def test_a_failed_write_keeps_the_old_file_leaves_no_temporary_and_is_one_line(tmp_path, monkeypatch, code, words):
     p = tmp_path / "state.json"
     p.write_text("old")
@@ -121,12 +128,16 @@ def test_plan_save_refuses_to_overwrite_the_data_it_read(tmp_path, capsys, monke
     cfg = tmp_path / "c.yaml"
     public = tmp_path / "public.txt"
     public.write_text("\n\n".join("some public words here " * 3 for _ in range(20)))
-    cfg.write_text(f"data:\n  source: jsonl\n  path: {data}\n  public_path: {public}\n"
-                   "tokenizer:\n  vocab_size: 300\n  seq_len: 16\nmodel:\n  pretrain: false\n")
+    cfg.write_text(
+        f"data:\n  source: jsonl\n  path: {data}\n  public_path: {public}\n"
+        "tokenizer:\n  vocab_size: 300\n  seq_len: 16\nmodel:\n  pretrain: false\n"
+    )
     rc = main(["plan", str(cfg), "--compute-budget", "8", "--save", str(data)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err[-1] == f"userdp: error: {data}: is an input of this command; refusing to overwrite it " \
-                                  "(write elsewhere)"
+    assert (
+        rc == 2
+        and err[-1] == f"userdp: error: {data}: is an input of this command; refusing to overwrite it (write elsewhere)"
+    )
     assert data.read_bytes() == before
 
 
@@ -154,9 +165,24 @@ def test_a_cache_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, caps
         monkeypatch.setenv("HOME", str(tmp_path / "f"))
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"user": "u{i}", "text": "hello there number {i}"}}\n' for i in range(8)))
-    rc = main(["data", "tokenize", str(data), "--help"]) if False else main(
-        ["train", "--set", "data.source=jsonl", "--set", f"data.path={data}", "--set", "model.pretrain=false",
-         "--no-progress", "--output", str(tmp_path / "run")])
+    rc = (
+        main(["data", "tokenize", str(data), "--help"])
+        if False
+        else main(
+            [
+                "train",
+                "--set",
+                "data.source=jsonl",
+                "--set",
+                f"data.path={data}",
+                "--set",
+                "model.pretrain=false",
+                "--no-progress",
+                "--output",
+                str(tmp_path / "run"),
+            ]
+        )
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2, err
     assert err[-1].startswith("userdp: error: ") and "Traceback" not in "\n".join(err)

@@ -58,7 +58,16 @@ def _cfg(**over):
     return TrainConfig(**kw)
 
 
-_OPTIONS = ("options", "checkpoint_dir", "resume", "callbacks", "combiner", "journal_context", "checkpoint_extra", "on_start")
+_OPTIONS = (
+    "options",
+    "checkpoint_dir",
+    "resume",
+    "callbacks",
+    "combiner",
+    "journal_context",
+    "checkpoint_extra",
+    "on_start",
+)
 
 
 def _train(**over):
@@ -139,24 +148,40 @@ CASES = [
     ApiCase("train-callback-number", lambda t: _train(callbacks=[1]), ("callbacks[0]",)),
     ApiCase("train-callbacks-string", lambda t: _train(callbacks="print"), ("callbacks",)),
     ApiCase("train-checkpoint-dir-file", lambda t: _train(checkpoint_dir=str(_file(t))), ("checkpoint_dir",)),
-    ApiCase("train-checkpoint-dir-under-file", lambda t: _train(checkpoint_dir=str(_file(t) / "sub")),
-            ("checkpoint_dir",)),
+    ApiCase(
+        "train-checkpoint-dir-under-file", lambda t: _train(checkpoint_dir=str(_file(t) / "sub")), ("checkpoint_dir",)
+    ),
     ApiCase("train-checkpoint-dir-number", lambda t: _train(checkpoint_dir=3), ("checkpoint_dir",)),
     ApiCase("train-resume-string", lambda t: _train(checkpoint_dir=str(t / "c"), resume="yes"), ("resume",)),
     ApiCase("train-resume-without-a-folder", lambda t: _train(resume=True), ("resume", "checkpoint_dir")),
     ApiCase("train-options-a-dict", lambda t: _train(options={"checkpoint_dir": str(t)}), ("options", "RunOptions")),
-    ApiCase("private-with-train-hooks",
-            lambda t: make_private(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), _data(), _loss, _cfg(),
-                                   RunOptions(callbacks=[print])), ("callbacks", "make_private")),
-    ApiCase("private-optimizer-other-params",
-            lambda t: make_private(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), _data(), _loss, _cfg()),
-            ("optimizer",)),
+    ApiCase(
+        "private-with-train-hooks",
+        lambda t: make_private(
+            _model(),
+            torch.optim.SGD(_model().parameters(), lr=0.1),
+            _data(),
+            _loss,
+            _cfg(),
+            RunOptions(callbacks=[print]),
+        ),
+        ("callbacks", "make_private"),
+    ),
+    ApiCase(
+        "private-optimizer-other-params",
+        lambda t: make_private(_model(), torch.optim.SGD(_model().parameters(), lr=0.1), _data(), _loss, _cfg()),
+        ("optimizer",),
+    ),
     ApiCase("private-model-none", lambda t: make_private(None, None, _data(), _loss, _cfg()), ("model",)),
     # data
-    ApiCase("data-float-offsets", lambda t: TensorUserData({"x": torch.zeros(6, 2)}, np.array([0, 2.7, 6.0])),
-            ("offsets",)),
-    ApiCase("data-short-user-ids", lambda t: TensorUserData.from_user_ids({"x": torch.zeros(6, 2)}, ["a", "b", "c"]),
-            ("user ids",)),
+    ApiCase(
+        "data-float-offsets", lambda t: TensorUserData({"x": torch.zeros(6, 2)}, np.array([0, 2.7, 6.0])), ("offsets",)
+    ),
+    ApiCase(
+        "data-short-user-ids",
+        lambda t: TensorUserData.from_user_ids({"x": torch.zeros(6, 2)}, ["a", "b", "c"]),
+        ("user ids",),
+    ),
     ApiCase("data-not-a-tensor", lambda t: TensorUserData({"x": [1, 2, 3]}, [0, 3]), ("tensors",)),
     # accounting
     ApiCase("acct-group-privacy-nan", lambda t: group_privacy(NAN, 1e-6, 4), ("epsilon",)),
@@ -166,14 +191,28 @@ CASES = [
     ApiCase("acct-delta-epsilon-none", lambda t: A.delta(A.uls_step_event(1.0, 0.1), None), ("epsilon",)),
     ApiCase("acct-event-sigma-none", lambda t: A.uls_step_event(None, 0.1), ("noise_multiplier",)),
     ApiCase("acct-max-steps-epsilon-nan", lambda t: A.max_steps(A.uls_step_event(1.0, 0.1), NAN, 1e-6), ("epsilon",)),
-    ApiCase("acct-saved-event-negative-sigma",
-            lambda t: A.event_from_dict({"class_name": "PoissonSampledDpEvent", "sampling_probability": 0.1,
-                                         "event": {"class_name": "GaussianDpEvent", "noise_multiplier": -1.0}}),
-            ("noise_multiplier",)),
-    ApiCase("acct-saved-event-nan-rate",
-            lambda t: A.event_from_dict({"class_name": "PoissonSampledDpEvent", "sampling_probability": NAN,
-                                         "event": {"class_name": "GaussianDpEvent", "noise_multiplier": 1.0}}),
-            ("sampling_probability",)),
+    ApiCase(
+        "acct-saved-event-negative-sigma",
+        lambda t: A.event_from_dict(
+            {
+                "class_name": "PoissonSampledDpEvent",
+                "sampling_probability": 0.1,
+                "event": {"class_name": "GaussianDpEvent", "noise_multiplier": -1.0},
+            }
+        ),
+        ("noise_multiplier",),
+    ),
+    ApiCase(
+        "acct-saved-event-nan-rate",
+        lambda t: A.event_from_dict(
+            {
+                "class_name": "PoissonSampledDpEvent",
+                "sampling_probability": NAN,
+                "event": {"class_name": "GaussianDpEvent", "noise_multiplier": 1.0},
+            }
+        ),
+        ("sampling_probability",),
+    ),
 ]
 
 
@@ -368,16 +407,22 @@ def _cfg(**kw):
     return TrainConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("loss, needle", [
-    (lambda m, b: 3.0, "loss_fn returned float"),
-    (lambda m, b: _ok_loss(m, b).detach(), "does not depend on the model's parameters"),
-    (lambda m, b: (_ok_loss(m, b) * 0).long(), "torch.int64 tensor"),
-], ids=["a float", "a detached tensor", "an integer tensor"])
+@pytest.mark.parametrize(
+    "loss, needle",
+    [
+        (lambda m, b: 3.0, "loss_fn returned float"),
+        (lambda m, b: _ok_loss(m, b).detach(), "does not depend on the model's parameters"),
+        (lambda m, b: (_ok_loss(m, b) * 0).long(), "torch.int64 tensor"),
+    ],
+    ids=["a float", "a detached tensor", "an integer tensor"],
+)
 @pytest.mark.parametrize("per_unit", ["ghost", "vmap"])
 def test_a_loss_fn_that_returns_no_usable_loss_is_one_line(loss, needle, per_unit):
     if per_unit == "vmap" and "depend" in needle:
-        pytest.skip("not caught yet: under vmap the loss is torch.func's tensor, and a detached one gives a zero "
-                    "gradient (the run trains on noise alone), not an error")
+        pytest.skip(
+            "not caught yet: under vmap the loss is torch.func's tensor, and a detached one gives a zero "
+            "gradient (the run trains on noise alone), not an error"
+        )
     with pytest.raises(UserError, match=needle):
         train(_Lin(), _small_data(), loss, _cfg(per_unit=per_unit))
 
@@ -400,14 +445,17 @@ def test_a_missing_user_id_is_refused_not_merged(ids):
         TensorUserData.from_user_ids({"x": torch.zeros(4, 2)}, ids)
 
 
-@pytest.mark.parametrize("call, needle", [
-    (lambda: A.epsilon(None, 1e-5), "event must be a dp_accounting DpEvent"),
-    (lambda: A.epsilon({"noise_multiplier": 1.0}, 1e-5), "event must be a dp_accounting DpEvent"),
-    (lambda: A.delta("gaussian", 1.0), "event must be a dp_accounting DpEvent"),
-    (lambda: A.compose(3, 10), "step_event must be a dp_accounting DpEvent"),
-    (lambda: A.max_steps(None, 1.0, 1e-5), "step_event must be a dp_accounting DpEvent"),
-    (lambda: A.calibrate_noise_multiplier(2.0, 100, 3.0, 1e-6), "make_step_event must be callable"),
-])
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda: A.epsilon(None, 1e-5), "event must be a dp_accounting DpEvent"),
+        (lambda: A.epsilon({"noise_multiplier": 1.0}, 1e-5), "event must be a dp_accounting DpEvent"),
+        (lambda: A.delta("gaussian", 1.0), "event must be a dp_accounting DpEvent"),
+        (lambda: A.compose(3, 10), "step_event must be a dp_accounting DpEvent"),
+        (lambda: A.max_steps(None, 1.0, 1e-5), "step_event must be a dp_accounting DpEvent"),
+        (lambda: A.calibrate_noise_multiplier(2.0, 100, 3.0, 1e-6), "make_step_event must be callable"),
+    ],
+)
 def test_accounting_given_something_that_is_not_an_event_is_one_line(call, needle):
     with pytest.raises(UserError, match=needle):
         call()

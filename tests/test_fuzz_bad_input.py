@@ -24,8 +24,14 @@ CASES = all_cases()
 def test_the_catalogue_is_large_and_covers_every_category():
     assert len(CASES) >= 150
     cats = {c.category for c in CASES}
-    assert {"accounting extremes", "damaged data files", "CLI numbers and paths", "run directories",
-            "plan files", "tuning"} <= cats
+    assert {
+        "accounting extremes",
+        "damaged data files",
+        "CLI numbers and paths",
+        "run directories",
+        "plan files",
+        "tuning",
+    } <= cats
     assert len({c.id for c in CASES}) == len(CASES)
 
 

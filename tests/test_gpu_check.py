@@ -16,8 +16,14 @@ CHECK = REPO / "benchmarks" / "gpu" / "check.py"
 
 def _run(args, tmp_path, env_extra=None, timeout=600):
     env = dict(os.environ, **(env_extra or {}))
-    return subprocess.run([sys.executable, str(CHECK), *args, "--out", str(tmp_path / "out")], capture_output=True,
-                          text=True, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(CHECK), *args, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def _rows(tmp_path):
@@ -30,10 +36,14 @@ def test_a_missing_package_is_one_line_naming_the_wheel_within_seconds(tmp_path)
     block = tmp_path / "block"
     block.mkdir()
     (block / "dp_accounting.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'dp_accounting'\", name='dp_accounting')\n")
+        "raise ModuleNotFoundError(\"No module named 'dp_accounting'\", name='dp_accounting')\n"
+    )
     t0 = time.time()
-    res = _run(["--device", "cpu", "--quick"], tmp_path,
-               {"PYTHONPATH": str(block) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    res = _run(
+        ["--device", "cpu", "--quick"],
+        tmp_path,
+        {"PYTHONPATH": str(block) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+    )
     assert res.returncode == 3
     lines = [x for x in res.stderr.strip().splitlines() if x.strip()]
     assert len(lines) == 1 and "dp_accounting" in lines[0] and "dp-accounting==0.6.0" in lines[0], res.stderr
@@ -46,8 +56,11 @@ def test_a_failing_and_a_hanging_part_leave_the_other_rows_and_no_process(tmp_pa
     """env forced to fail, chacha forced to hang (with a child of its own): both recorded, the
     tests part still runs and writes its row, and the hung part's child is gone (process group)."""
     # 10 s a part: the hang's cost; the tests part needs ~3 s here (pytest skipping test_cuda.py)
-    res = _run(["--device", "cpu", "--quick", "--parts", "env,chacha,tests", "--part-budget", "10"], tmp_path,
-               {"USERDP_GPU_CHECK_FAULT": "env:fail,chacha:hang"})
+    res = _run(
+        ["--device", "cpu", "--quick", "--parts", "env,chacha,tests", "--part-budget", "10"],
+        tmp_path,
+        {"USERDP_GPU_CHECK_FAULT": "env:fail,chacha:hang"},
+    )
     assert res.returncode == 1, res.stdout + res.stderr
     rows = _rows(tmp_path)
     status = {r["part"]: r["status"] for r in rows if "status" in r}
@@ -71,8 +84,19 @@ def test_the_preparation_in_docs_names_the_command_and_the_wheels_the_box_lacks(
         sys.path.pop(0)
     doc = (REPO / "docs" / "gpus.md").read_text()
     assert "bash benchmarks/gpu/run.sh" in doc and 'carry=[".whl"]' in doc
-    on_the_box = {"torch", "numpy", "scipy", "transformers", "peft", "safetensors", "tokenizers", "yaml", "absl",
-                  "attr", "mpmath"}  # the device image's package list (KINDS.md)
+    on_the_box = {
+        "torch",
+        "numpy",
+        "scipy",
+        "transformers",
+        "peft",
+        "safetensors",
+        "tokenizers",
+        "yaml",
+        "absl",
+        "attr",
+        "mpmath",
+    }  # the device image's package list (KINDS.md)
     for mod, wheel in gc.REQUIRED.items():
         if mod not in on_the_box:
             assert wheel and f"-d .whl {wheel}" in doc, mod

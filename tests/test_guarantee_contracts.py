@@ -45,8 +45,11 @@ def test_released_guarantee_is_private_selection_and_never_depends_on_k():
 
 
 def test_trial_count_read_back_is_validated():
-    for bad in ({"kind": "tnb", "eta": float("nan"), "gamma": 0.1, "mu": 1.0}, {"kind": "tnb"},
-                {"kind": "zipf", "eta": 1, "gamma": 0.1, "mu": 1}):
+    for bad in (
+        {"kind": "tnb", "eta": float("nan"), "gamma": 0.1, "mu": 1.0},
+        {"kind": "tnb"},
+        {"kind": "zipf", "eta": 1, "gamma": 0.1, "mu": 1},
+    ):
         with pytest.raises(UserError):
             PS.trial_count_from_dict(bad, "tune.json")
 
@@ -96,16 +99,19 @@ class _GaussianOnly:
 def test_an_accountant_that_cannot_account_the_event_is_refused_when_the_plan_is_made():
     A.register_accountant(_GaussianOnly())
     try:
-        els = TrainConfig(algorithm=ELS(4, 0.1), steps=5, noise_multiplier=1.0, delta=1e-5,
-                          accountant="gaussian_only_test")
+        els = TrainConfig(
+            algorithm=ELS(4, 0.1), steps=5, noise_multiplier=1.0, delta=1e-5, accountant="gaussian_only_test"
+        )
         with pytest.raises(UserError, match="gaussian_only_test: it cannot account .*MixtureOfGaussiansDpEvent"):
             make_plan(els, num_users=100, num_units=300)
-        calibrated = TrainConfig(algorithm=ELS(4, 0.1), steps=5, target_epsilon=3.0, delta=1e-5,
-                                 accountant="gaussian_only_test")
+        calibrated = TrainConfig(
+            algorithm=ELS(4, 0.1), steps=5, target_epsilon=3.0, delta=1e-5, accountant="gaussian_only_test"
+        )
         with pytest.raises(UserError, match="cannot account"):  # before calibration asks it
             make_plan(calibrated, num_users=100, num_units=300)
-        uls = TrainConfig(algorithm=ULS(4, 0.1), steps=5, noise_multiplier=1.0, delta=1e-5,
-                          accountant="gaussian_only_test")
+        uls = TrainConfig(
+            algorithm=ULS(4, 0.1), steps=5, noise_multiplier=1.0, delta=1e-5, accountant="gaussian_only_test"
+        )
         assert make_plan(uls, num_users=100, num_units=100).private
     finally:
         A.ACCOUNTANTS.pop("gaussian_only_test", None)
@@ -117,12 +123,12 @@ def test_chacha_radius_is_bounded_where_the_tail_constant_says():
     2^-86), the mass beyond it is 2^-85 a pair, and no word pattern gives a non-finite normal."""
     zero = torch.zeros(1, 16, dtype=torch.int64)
     r_max = float(_normals_from_blocks(zero).reshape(-1, 2).norm(dim=1).max())
-    assert r_max == pytest.approx(math.sqrt(-2 * math.log(2.0 ** -86)), rel=1e-12)
-    assert math.exp(-math.sqrt(-2 * math.log(2.0 ** -85)) ** 2 / 2) == pytest.approx(TAIL_MASS_PER_PAIR, rel=1e-12)
+    assert r_max == pytest.approx(math.sqrt(-2 * math.log(2.0**-86)), rel=1e-12)
+    assert math.exp(-(math.sqrt(-2 * math.log(2.0**-85)) ** 2) / 2) == pytest.approx(TAIL_MASS_PER_PAIR, rel=1e-12)
     ones = torch.full((1, 16), 2**32 - 1, dtype=torch.int64)
     assert torch.isfinite(_normals_from_blocks(ones)).all()
     # what the old 53-bit radius would have added at GPT-2 size, eps = 8, 1,000 steps, against now
-    old = tail_delta(124_000_000, 1000, 8.0, 2.0 ** -53)
+    old = tail_delta(124_000_000, 1000, 8.0, 2.0**-53)
     assert old > 1e-5 > 1e-11 > tail_delta(124_000_000, 1000, 8.0)
     assert tail_delta(10, 0, 3.0) == 0.0
 
@@ -137,7 +143,7 @@ def test_a_chacha_run_adds_its_tail_to_the_stated_delta(monkeypatch):
     rec = train(Mean(4), user_data([3] * 10, d=4), sq_loss, cfg).record
     nt = rec["noise_tail"]
     assert nt["coordinates"] == 4 and nt["steps"] == 3
-    assert nt["delta"] == pytest.approx(3 * 2 * 2.0 ** -85 * (1 + math.exp(rec["epsilon"])), rel=1e-12)
+    assert nt["delta"] == pytest.approx(3 * 2 * 2.0**-85 * (1 + math.exp(rec["epsilon"])), rel=1e-12)
     monkeypatch.setitem(N.DEVICE_SOURCES, "cpu", N.GaussianNoise)
     assert "noise_tail" not in train(Mean(4), user_data([3] * 10, d=4), sq_loss, cfg).record
 
@@ -147,6 +153,7 @@ def test_a_seeded_run_resumed_after_a_crash_never_reuses_its_noise(tmp_path):
     """Issue 34 (H1): a seeded run crashed after its checkpoint; its resume counts the steps begun
     after it and draws new noise for every later step (the noise of the crashed steps is never
     drawn again), on the CPU as elsewhere."""
+
     class Crash(Exception):
         pass
 
@@ -155,8 +162,15 @@ def test_a_seeded_run_resumed_after_a_crash_never_reuses_its_noise(tmp_path):
             raise Crash
 
     data = user_data([3] * 30, d=4)
-    cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=6, noise_multiplier=2.0, delta=1e-5, checkpoint_every=2,
-                      track_epsilon=False, seed=7)
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.3),
+        steps=6,
+        noise_multiplier=2.0,
+        delta=1e-5,
+        checkpoint_every=2,
+        track_epsilon=False,
+        seed=7,
+    )
     whole = train(Mean(4), data, sq_loss, cfg)
     with pytest.raises(Crash):
         train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash]))

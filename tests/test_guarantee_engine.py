@@ -62,10 +62,13 @@ def test_noise_is_standard_normal_in_float32():
 
 def test_unseeded_checkpoint_holds_no_generator_state(tmp_path):
     data = user_data([3] * 10, d=4)
-    train(Mean(4), data, sq_loss,
-          TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=3.0, delta=1e-5,
-                                              track_epsilon=False),
-          RunOptions(checkpoint_dir=str(tmp_path)))
+    train(
+        Mean(4),
+        data,
+        sq_loss,
+        TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=3.0, delta=1e-5, track_epsilon=False),
+        RunOptions(checkpoint_dir=str(tmp_path)),
+    )
     st = ckpt.load(str(tmp_path))
     assert not st["seeded"] and "noise_rng" not in st and "numpy_rng" not in st
 
@@ -75,23 +78,40 @@ def _poisoned(d=4):
     base = user_data([3, 2, 4, 3, 5], d=d, seed=2)
     bad = torch.full((3, d), float("inf"))
     bad[1, 0] = float("nan")
-    return TensorUserData({"x": torch.cat([base.tensors["x"], bad])}, np.concatenate([base.offsets, [base.offsets[-1] + 3]]))
+    return TensorUserData(
+        {"x": torch.cat([base.tensors["x"], bad])}, np.concatenate([base.offsets, [base.offsets[-1] + 3]])
+    )
 
 
-@pytest.mark.parametrize("algo", [ULS(3, 1.0), ELS(3, 1.0), FedAvg(3, 1.0, local_epochs=2, local_lr=0.2)],
-                         ids=["uls", "els", "fedavg"])
+@pytest.mark.parametrize(
+    "algo", [ULS(3, 1.0), ELS(3, 1.0), FedAvg(3, 1.0, local_epochs=2, local_lr=0.2)], ids=["uls", "els", "fedavg"]
+)
 def test_a_non_finite_user_contributes_zero_and_is_counted(algo):
     data = _poisoned()
     model = Mean(4)
-    res = train(model, data, sq_loss, TrainConfig(algorithm=algo, steps=3, noise_multiplier=1.0, delta=1e-5, seed=0,
-                                                  clipping=FlatClip(1.0), optimizer=SGD(0.5), accountant="rdp"))
+    res = train(
+        model,
+        data,
+        sq_loss,
+        TrainConfig(
+            algorithm=algo,
+            steps=3,
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=0,
+            clipping=FlatClip(1.0),
+            optimizer=SGD(0.5),
+            accountant="rdp",
+        ),
+    )
     assert torch.isfinite(model.theta).all()
     assert res.record["nonfinite_units"] >= 3  # sampled every step (rate 1)
     assert "NOT privatized" in res.record["nonfinite_units_note"]
     assert all("nonfinite_units" in h for h in res.history)
     # and it contributed exactly zero: the clipped sum equals the sum without that user
-    cfg = TrainConfig(algorithm=algo, steps=1, noise_multiplier=1.0, delta=1e-5, seed=0, clipping=FlatClip(1.0),
-                      accountant="rdp")
+    cfg = TrainConfig(
+        algorithm=algo, steps=1, noise_multiplier=1.0, delta=1e-5, seed=0, clipping=FlatClip(1.0), accountant="rdp"
+    )
     with_bad = EngineRun(Mean(4), data, sq_loss, cfg)
     clean = EngineRun(Mean(4), user_data([3, 2, 4, 3, 5], d=4, seed=2), sq_loss, cfg)
     s1, st1 = with_bad.clipped_sum(np.arange(with_bad.n_units))
@@ -105,8 +125,17 @@ def test_a_non_finite_user_contributes_zero_and_is_counted(algo):
 # ------------------------------------------------------------------------------ item 3: precision
 def _bf16_run(data, sigma, seed=3, init=100.0, d=4096):
     model = Mean(d, torch.full((d,), init)).to(torch.bfloat16)
-    cfg = TrainConfig(algorithm=ULS(1, 1.0), steps=1, noise_multiplier=sigma, delta=1e-5, seed=seed,
-                      clipping=FlatClip(1.0), optimizer=SGD(1.0), accountant="rdp", track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=ULS(1, 1.0),
+        steps=1,
+        noise_multiplier=sigma,
+        delta=1e-5,
+        seed=seed,
+        clipping=FlatClip(1.0),
+        optimizer=SGD(1.0),
+        accountant="rdp",
+        track_epsilon=False,
+    )
     run = EngineRun(model, data, sq_loss, cfg)
     before = run.master[0].detach().clone()
     run.run_step()
@@ -146,8 +175,9 @@ def test_bf16_model_one_adversarial_user_moves_the_release_by_at_most_c_over_den
 
 def test_published_event_composes_exactly_the_counted_steps_after_a_crash(tmp_path):
     data = user_data([3] * 30, d=4)
-    cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4,
-                      track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4, track_epsilon=False
+    )
     with pytest.raises(Crash):
         train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash_at(6)]))
     res = train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
@@ -190,8 +220,9 @@ def test_mixture_rdp_does_not_underflow_at_extremes(G, p, sigma):
 
 # ------------------------------------------------------------------------------ items 11-13: integrity
 def _cfg(**kw):
-    base = dict(algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4,
-                track_epsilon=False)
+    base = dict(
+        algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4, track_epsilon=False
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -225,7 +256,7 @@ def test_journal_cut_back_to_a_valid_prefix_after_the_checkpoint_refuses_resume(
     data = _crashed_run(tmp_path)
     lines = (tmp_path / JOURNAL).read_text().splitlines(keepends=True)
     assert len(lines) == 1 + 6
-    (tmp_path / JOURNAL).write_text("".join(lines[:1 + 4]))
+    (tmp_path / JOURNAL).write_text("".join(lines[: 1 + 4]))
     with pytest.raises(UserError, match="truncated or replaced by an older copy"):
         train(Mean(4), data, sq_loss, _cfg(), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
 
@@ -289,8 +320,13 @@ def test_journal_of_another_config_refuses_resume(tmp_path):
     with pytest.raises(UserError):
         train(Mean(4), data, sq_loss, _cfg(noise_multiplier=2.5), RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     with pytest.raises(UserError, match="different"):
-        train(Mean(4), data, sq_loss, _cfg(),
-              RunOptions(checkpoint_dir=str(tmp_path), resume=True, journal_context={"data_fingerprint": "other"}))
+        train(
+            Mean(4),
+            data,
+            sq_loss,
+            _cfg(),
+            RunOptions(checkpoint_dir=str(tmp_path), resume=True, journal_context={"data_fingerprint": "other"}),
+        )
 
 
 def test_flipped_checkpoint_byte_refuses_resume(tmp_path):
@@ -363,8 +399,10 @@ def _shard_files(directory, step: int, payload: bytes) -> tuple:
     for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
         with open(os.path.join(pend, name), "wb") as f:
             f.write(payload + name.encode())
-    return folder, {n: {"sha256": sha256_file(os.path.join(pend, n)), "bytes": os.path.getsize(os.path.join(pend, n))}
-                    for n in os.listdir(pend)}
+    return folder, {
+        n: {"sha256": sha256_file(os.path.join(pend, n)), "bytes": os.path.getsize(os.path.join(pend, n))}
+        for n in os.listdir(pend)
+    }
 
 
 def test_a_sharded_checkpoints_folder_commits_with_it_and_replaces_the_last(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ def finished(tmp_path_factory):
     cfg, _ = write_tiny_run(tmp, "")
     out = tmp / "run"
     import os
+
     os.environ["USERDP_CACHE"] = str(tmp / "cache")
     try:
         assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 0
@@ -32,11 +33,19 @@ def finished(tmp_path_factory):
 def _fake_tuning(priv: dict, trials: list) -> dict:
     count = TrialCount.with_mean("tnb", 8.0, 1.0).to_dict()
     events = {"m": priv["dp_event"]}
-    return {"on": "private", "delta": priv["delta"], "trial_count": count, "run_events": events,
-            "trial_mechanisms": trials, "trials_run": 8, "best": {"mechanism": "m"},
-            "contract_sha256": PS.contract_digest("private", count, priv["delta"], events),
-            "epsilon_total": PS.derive(events, None, PS.trial_count_from_dict(count, "t"), priv["delta"])[
-                "epsilon_released_model"]}
+    return {
+        "on": "private",
+        "delta": priv["delta"],
+        "trial_count": count,
+        "run_events": events,
+        "trial_mechanisms": trials,
+        "trials_run": 8,
+        "best": {"mechanism": "m"},
+        "contract_sha256": PS.contract_digest("private", count, priv["delta"], events),
+        "epsilon_total": PS.derive(events, None, PS.trial_count_from_dict(count, "t"), priv["delta"])[
+            "epsilon_released_model"
+        ],
+    }
 
 
 @pytest.mark.parametrize("trials", [[], ["m"]])
@@ -80,16 +89,23 @@ def test_an_edited_config_naming_a_contract_is_refused_by_the_journal(finished, 
         p.write_text(pgood)
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda r: r.update(num_users=r["num_users"] * 100), "num_users"),
-    (lambda r: r.update(num_records=r["num_records"] * 100), "num_records"),
-    (lambda r: r.update(not_accounted=[]), "lacks a line"),
-    (lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if not n.startswith("monitoring")]),
-     "lacks a line"),
-    (lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if "pretrain" not in n]), "lacks a line"),
-    (lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if not n.startswith("hyperparameter")]),
-     "lacks a line"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda r: r.update(num_users=r["num_users"] * 100), "num_users"),
+        (lambda r: r.update(num_records=r["num_records"] * 100), "num_records"),
+        (lambda r: r.update(not_accounted=[]), "lacks a line"),
+        (
+            lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if not n.startswith("monitoring")]),
+            "lacks a line",
+        ),
+        (lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if "pretrain" not in n]), "lacks a line"),
+        (
+            lambda r: r.update(not_accounted=[n for n in r["not_accounted"] if not n.startswith("hyperparameter")]),
+            "lacks a line",
+        ),
+    ],
+)
 def test_the_statements_scope_is_the_one_the_journal_was_bound_to(finished, capsys, edit, needle):
     """M2: `userdp report` re-derived epsilon but took the statement's scope from the file it checks:
     an emptied not_accounted (the card's "Not covered" lost the un-noised monitoring, tuning and

@@ -27,7 +27,6 @@ from _lm_corpus import write_tiny_run
 pytestmark = pytest.mark.slow
 
 
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guarantee_lm")
@@ -139,8 +138,22 @@ def test_disk_full_during_a_checkpoint_is_one_line_and_leaves_the_previous_unit(
 def test_plan_command_line_carries_the_plan_and_its_dp_median_epsilon(tiny, capsys):
     tmp, cfg, _ = tiny
     plan_file = tmp / "plan.json"
-    rc = cli(["plan", str(cfg), "--compute-budget", "8", "--dp-median-epsilon", "0.5", "--sample-users", "8",
-              "--seed", "1", "--save", str(plan_file)])
+    rc = cli(
+        [
+            "plan",
+            str(cfg),
+            "--compute-budget",
+            "8",
+            "--dp-median-epsilon",
+            "0.5",
+            "--sample-users",
+            "8",
+            "--seed",
+            "1",
+            "--save",
+            str(plan_file),
+        ]
+    )
     stdout = capsys.readouterr().out
     assert rc == 0 and plan_file.is_file()
     assert f"--plan {plan_file}" in stdout and "SEEDED DP median" in stdout
@@ -207,8 +220,9 @@ def test_wrappers_delegate_ranked_selection():
     from userdp.lm.training import _TokenCounter
 
     sizes = np.array([5, 1, 7, 3])
-    data = _Ranked({"x": torch.arange(16.0), "labels": torch.zeros(16, dtype=torch.long)},
-                   np.concatenate([[0], np.cumsum(sizes)]))
+    data = _Ranked(
+        {"x": torch.arange(16.0), "labels": torch.zeros(16, dtype=torch.long)}, np.concatenate([[0], np.cumsum(sizes)])
+    )
     want = data.bounded_records(2, np.random.default_rng(0))
     for wrapped in (DelegatingUserData(data), _TokenCounter(data).wrap()):
         got = wrapped.bounded_records(2, np.random.default_rng(0))

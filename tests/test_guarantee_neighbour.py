@@ -5,7 +5,6 @@ The adversaries: records whose per-token gradients cancel (the Gram-form norm lo
 norm to rounding: before the bound, one user reached 3x C in float32), huge values, one record
 repeated, a user with many records, non-finite values."""
 
-
 import numpy as np
 import pytest
 import torch
@@ -40,6 +39,7 @@ def builder(layers=1, dtype=torch.float32):
     def build():
         torch.manual_seed(3)
         return Reg(layers).to(dtype)
+
     return build
 
 
@@ -65,10 +65,20 @@ def cancelling(big: float, dtype=torch.float32, records=2):
 
 
 def config(algorithm="uls", g=2, per_unit="ghost", clip=None, seed=11, rate=1.0, **kw):
-    algo = {"uls": ULS(group_size=g, sampling_rate=rate), "els": ELS(group_size=g, sampling_rate=rate),
-            "fedavg": FedAvg(group_size=g, sampling_rate=rate)}[algorithm]
-    return TrainConfig(algorithm=algo, steps=1, noise_multiplier=1.0, clipping=clip or FlatClip(1.0), seed=seed,
-                       per_unit=per_unit, **kw)
+    algo = {
+        "uls": ULS(group_size=g, sampling_rate=rate),
+        "els": ELS(group_size=g, sampling_rate=rate),
+        "fedavg": FedAvg(group_size=g, sampling_rate=rate),
+    }[algorithm]
+    return TrainConfig(
+        algorithm=algo,
+        steps=1,
+        noise_multiplier=1.0,
+        clipping=clip or FlatClip(1.0),
+        seed=seed,
+        per_unit=per_unit,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("big", [1e2, 3e3, 1e4, 3e4])
@@ -87,8 +97,9 @@ def test_without_the_bound_the_cancelling_user_reaches_3x_c(monkeypatch):
 def test_cancelling_records_in_float64_and_in_a_stack_of_layers(monkeypatch):
     monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
     data64 = honest(dtype=torch.float64)
-    gap = neighbour_gap(builder(dtype=torch.float64), data64, cancelling(1e9, torch.float64), reg_loss,
-                        config(per_unit="ghost"))
+    gap = neighbour_gap(
+        builder(dtype=torch.float64), data64, cancelling(1e9, torch.float64), reg_loss, config(per_unit="ghost")
+    )
     assert gap.within(), gap
     lay = Reg  # three same-shaped layers: stacked on the GPU stand-in
     gap = neighbour_gap(builder(layers=3), honest(), cancelling(3e4), reg_loss, config(per_unit="ghost"))
@@ -100,30 +111,50 @@ def test_cancelling_records_in_float64_and_in_a_stack_of_layers(monkeypatch):
 def test_cancelling_records_on_tensor_cores_emulated(monkeypatch, operand):
     monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     monkeypatch.setattr(contraction, "SUM_OPERAND", operand)
-    gap = neighbour_gap(builder(layers=2), honest(), cancelling(3e4), reg_loss,
-                        config(per_unit="ghost", precision="bfloat16"))
+    gap = neighbour_gap(
+        builder(layers=2), honest(), cancelling(3e4), reg_loss, config(per_unit="ghost", precision="bfloat16")
+    )
     assert gap.within(), gap
 
 
 ADVERSARIES = {
     "cancelling": lambda: cancelling(3e4),
     "cancelling_many": lambda: cancelling(1e4, records=8),
-    "huge": lambda: TensorUserData({"x": torch.full((2, D_IN), 1e15), "t": torch.full((2, D_OUT), -1e15)},
-                                   np.array([0, 2])),
-    "repeated": lambda: TensorUserData({"x": torch.full((8, D_IN), 3.0), "t": torch.full((8, D_OUT), -5.0)},
-                                       np.array([0, 8])),
-    "many_records": lambda: TensorUserData({"x": torch.randn(10_000, D_IN, generator=torch.Generator().manual_seed(1)) * 50,
-                                            "t": torch.zeros(10_000, D_OUT)}, np.array([0, 10_000])),
-    "nonfinite": lambda: TensorUserData({"x": torch.tensor([[float("inf")] * D_IN, [1.0] * D_IN]),
-                                         "t": torch.tensor([[float("nan")] * D_OUT, [1.0] * D_OUT])}, np.array([0, 2])),
+    "huge": lambda: TensorUserData(
+        {"x": torch.full((2, D_IN), 1e15), "t": torch.full((2, D_OUT), -1e15)}, np.array([0, 2])
+    ),
+    "repeated": lambda: TensorUserData(
+        {"x": torch.full((8, D_IN), 3.0), "t": torch.full((8, D_OUT), -5.0)}, np.array([0, 8])
+    ),
+    "many_records": lambda: TensorUserData(
+        {
+            "x": torch.randn(10_000, D_IN, generator=torch.Generator().manual_seed(1)) * 50,
+            "t": torch.zeros(10_000, D_OUT),
+        },
+        np.array([0, 10_000]),
+    ),
+    "nonfinite": lambda: TensorUserData(
+        {
+            "x": torch.tensor([[float("inf")] * D_IN, [1.0] * D_IN]),
+            "t": torch.tensor([[float("nan")] * D_OUT, [1.0] * D_OUT]),
+        },
+        np.array([0, 2]),
+    ),
 }
 
 
 @pytest.mark.parametrize("adversary", sorted(ADVERSARIES))
-@pytest.mark.parametrize("algorithm,per_unit,clip", [
-    ("uls", "ghost", "flat"), ("uls", "vmap", "flat"), ("uls", "auto", "per_layer"),
-    ("els", "ghost", "flat"), ("els", "vmap", "per_layer"), ("fedavg", "vmap", "flat"),
-])
+@pytest.mark.parametrize(
+    "algorithm,per_unit,clip",
+    [
+        ("uls", "ghost", "flat"),
+        ("uls", "vmap", "flat"),
+        ("uls", "auto", "per_layer"),
+        ("els", "ghost", "flat"),
+        ("els", "vmap", "per_layer"),
+        ("fedavg", "vmap", "flat"),
+    ],
+)
 def test_no_adversarial_user_moves_the_released_sum_by_more_than_its_bound(adversary, algorithm, per_unit, clip):
     clipping = FlatClip(1.0) if clip == "flat" else PerLayerClip(1.0)
     cfg = config(algorithm, g=4, per_unit=per_unit, clip=clipping)
@@ -179,10 +210,16 @@ def test_a_loop_written_around_make_private_releases_no_more_than_the_bound(adve
     assert abs(same.gap - gap.gap) <= 1e-6 * max(1.0, gap.gap)  # the same release as train's
 
 
-TWO_RANK_CASES = [("uls", "auto", "cancelling", "none"), ("uls", "ghost", "huge", "none"),
-                  ("els", "ghost", "cancelling", "none"), ("fedavg", "vmap", "nonfinite", "none"),
-                  ("uls", "auto", "cancelling", "fsdp"), ("uls", "ghost", "nonfinite", "fsdp"),
-                  ("els", "ghost", "cancelling", "fsdp"), ("els", "ghost", "many_records", "fsdp")]
+TWO_RANK_CASES = [
+    ("uls", "auto", "cancelling", "none"),
+    ("uls", "ghost", "huge", "none"),
+    ("els", "ghost", "cancelling", "none"),
+    ("fedavg", "vmap", "nonfinite", "none"),
+    ("uls", "auto", "cancelling", "fsdp"),
+    ("uls", "ghost", "nonfinite", "fsdp"),
+    ("els", "ghost", "cancelling", "fsdp"),
+    ("els", "ghost", "many_records", "fsdp"),
+]
 
 
 def _gloo_rank(rank: int) -> list:
@@ -191,9 +228,14 @@ def _gloo_rank(rank: int) -> list:
 
     out = []
     for algorithm, per_unit, adversary, sharding in TWO_RANK_CASES:
-        gap = neighbour_gap(builder(layers=2), honest(g=4), ADVERSARIES[adversary](), reg_loss,
-                            config(algorithm, g=4, per_unit=per_unit, sharding=sharding),
-                            combiner=TorchDistributedCombiner())
+        gap = neighbour_gap(
+            builder(layers=2),
+            honest(g=4),
+            ADVERSARIES[adversary](),
+            reg_loss,
+            config(algorithm, g=4, per_unit=per_unit, sharding=sharding),
+            combiner=TorchDistributedCombiner(),
+        )
         out.append((gap.gap, gap.within()))
     return out
 
@@ -222,6 +264,7 @@ def lora_builder(layers=2):
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.5)
         return model
+
     return build
 
 

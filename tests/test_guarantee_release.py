@@ -169,9 +169,26 @@ def test_no_public_file_is_a_function_of_the_cohort(tiny, isolated_registries):
     cfg = corpus("cohorts")
     runs = [tmp / "cohorts" / "run", tmp / "cohorts" / "run2"]
     for out in runs:
-        assert cli(["train", str(cfg), "--plugin", str(plugin), "--set", "privacy.noise=zero_sum_for_test",
-                    "--set", "training.steps=3", "--set", "training.cohort_size=12", "--output", str(out),
-                    "--no-progress"]) == 0
+        assert (
+            cli(
+                [
+                    "train",
+                    str(cfg),
+                    "--plugin",
+                    str(plugin),
+                    "--set",
+                    "privacy.noise=zero_sum_for_test",
+                    "--set",
+                    "training.steps=3",
+                    "--set",
+                    "training.cohort_size=12",
+                    "--output",
+                    str(out),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     diag = [[json.loads(x) for x in (r / "diagnostics.jsonl").read_text().splitlines()] for r in runs]
     assert [d["loss"] for d in diag[0]] != [d["loss"] for d in diag[1]]  # the cohorts did differ
     a, b = (_released(r) for r in runs)
@@ -190,13 +207,15 @@ def test_every_file_a_run_writes_is_classified_public_or_private(tiny):
     nobody classified fails here."""
     tmp, corpus = tiny
     board = importlib.util.find_spec("tensorboard") is not None  # the extra: its folder too, where installed
-    cfg = corpus("classified",
-                            tail=f"output:\n  tensorboard: {str(board).lower()}\n  cache: run\n")
+    cfg = corpus("classified", tail=f"output:\n  tensorboard: {str(board).lower()}\n  cache: run\n")
     out = tmp / "classified" / "run"
     assert cli(["train", str(cfg), "--set", "training.steps=2", "--output", str(out), "--no-progress"]) == 0
     classes = _classes()
-    unclassified = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()
-                    and _class_of(p.relative_to(out).as_posix(), classes) is None]
+    unclassified = [
+        p.relative_to(out).as_posix()
+        for p in out.rglob("*")
+        if p.is_file() and _class_of(p.relative_to(out).as_posix(), classes) is None
+    ]
     assert unclassified == []
     for must in ("diagnostics.jsonl", "tensorboard/x", "curves.png", "cache/x"):
         assert _class_of(must, classes) == "private", must
@@ -207,6 +226,7 @@ def test_every_file_a_run_writes_is_classified_public_or_private(tiny):
 
 
 # ---------------------------------------------------------------------- normalisation as accounted
+
 
 class _OnesSum(IIDGaussian):
     """The released sum is 1 in every coordinate, whatever the cohort (on the rank that adds noise)."""
@@ -228,8 +248,9 @@ def _zero_grad_loss(model, batch):
 SIZES = [3, 1, 5, 2, 8, 4, 6, 7] * 5
 
 
-@pytest.mark.parametrize("algorithm", [ULS(4, 0.3), ELS(2, 0.2), FedAvg(2, 0.3, local_epochs=1, local_lr=0.1)],
-                         ids=["uls", "els", "fedavg"])
+@pytest.mark.parametrize(
+    "algorithm", [ULS(4, 0.3), ELS(2, 0.2), FedAvg(2, 0.3, local_epochs=1, local_lr=0.1)], ids=["uls", "els", "fedavg"]
+)
 @pytest.mark.parametrize("path", ["train", "make_private", "two_processes"])
 def test_the_sum_is_divided_by_a_public_constant_whatever_the_cohorts_size(isolated_registries, algorithm, path):
     """Two seeds draw cohorts of different sizes; the released sum is forced to 1 in both. A
@@ -238,9 +259,18 @@ def test_the_sum_is_divided_by_a_public_constant_whatever_the_cohorts_size(isola
     NOISE_MECHANISMS.register(_OnesSum, name=_OnesSum.name, replace=True)
 
     def run(seed):
-        cfg = TrainConfig(algorithm=algorithm, steps=3, clipping=FlatClip(0.5), optimizer=SGD(1.0),
-                          noise_multiplier=1.0, delta=1e-5, seed=seed, noise=_OnesSum.name, track_epsilon=False,
-                          accountant="rdp")
+        cfg = TrainConfig(
+            algorithm=algorithm,
+            steps=3,
+            clipping=FlatClip(0.5),
+            optimizer=SGD(1.0),
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=seed,
+            noise=_OnesSum.name,
+            track_epsilon=False,
+            accountant="rdp",
+        )
         if path == "train":
             model = Mean(4)
             res = train(model, user_data(SIZES, d=4, seed=1), _zero_grad_loss, cfg)
@@ -255,8 +285,12 @@ def test_the_sum_is_divided_by_a_public_constant_whatever_the_cohorts_size(isola
                     opt.step()
             return model.theta.detach().clone(), [h["units"] for h in private.history]
         models = [Mean(4), Mean(4)]
-        results, _ = run_ranks(2, lambda r, comb: train(models[r], user_data(SIZES, d=4, seed=1), _zero_grad_loss,
-                                                        cfg, RunOptions(combiner=comb)))
+        results, _ = run_ranks(
+            2,
+            lambda r, comb: train(
+                models[r], user_data(SIZES, d=4, seed=1), _zero_grad_loss, cfg, RunOptions(combiner=comb)
+            ),
+        )
         assert torch.equal(models[0].theta, models[1].theta)
         return models[0].theta.detach().clone(), [h["units"] for h in results[0].history]
 
@@ -281,13 +315,27 @@ def test_the_hf_trainer_divides_by_a_public_constant_whatever_the_cohorts_size(t
 
     out = []
     for seed in (1, 2):
-        privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=2, clipping=FlatClip(0.5),
-                              noise_multiplier=1.0, delta=1e-4, seed=seed, noise=_OnesSum.name)
-        trainer = PrivateTrainer(model=_model(), args=_args(tmp_path / str(seed)), train_dataset=_dataset(),
-                                 privacy=privacy, user_field="user", loss_fn=loss)
+        privacy = TrainConfig(
+            algorithm=ULS(group_size=2, sampling_rate=0.3),
+            steps=2,
+            clipping=FlatClip(0.5),
+            noise_multiplier=1.0,
+            delta=1e-4,
+            seed=seed,
+            noise=_OnesSum.name,
+        )
+        trainer = PrivateTrainer(
+            model=_model(),
+            args=_args(tmp_path / str(seed)),
+            train_dataset=_dataset(),
+            privacy=privacy,
+            user_field="user",
+            loss_fn=loss,
+        )
         trainer.train()
-        out.append(([h["units"] for h in trainer._private.history],
-                    [p.detach().clone() for p in trainer.model.parameters()]))
+        out.append(
+            ([h["units"] for h in trainer._private.history], [p.detach().clone() for p in trainer.model.parameters()])
+        )
     assert out[0][0] != out[1][0]
     for a, b in zip(out[0][1], out[1][1]):
         assert torch.equal(a, b)

@@ -20,8 +20,13 @@ warnings.filterwarnings("ignore", module="transformers")
 
 
 def _privacy(**kw):
-    base = dict(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=2, clipping=FlatClip(0.5),
-                noise_multiplier=1.0, delta=1e-4)
+    base = dict(
+        algorithm=ULS(group_size=2, sampling_rate=0.3),
+        steps=2,
+        clipping=FlatClip(0.5),
+        noise_multiplier=1.0,
+        delta=1e-4,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -38,14 +43,25 @@ def _gen():
 CASES = {
     # the dataset's kind
     "no train_dataset": (dict(train_dataset=None), "give train_dataset"),
-    "an empty train_dataset": (dict(train_dataset=lambda: Dataset.from_dict({"input_ids": [], "user": []})), "holds no rows"),
+    "an empty train_dataset": (
+        dict(train_dataset=lambda: Dataset.from_dict({"input_ids": [], "user": []})),
+        "holds no rows",
+    ),
     "an iterable dataset": (dict(train_dataset=lambda: IterableDataset.from_generator(_gen)), "iterable or streaming"),
     # each row
-    "input_ids nested one level too deep": (dict(train_dataset=lambda: _rows(input_ids=[[[1, 2], [3]]] * 4)),
-                                            "input_ids holds a list"),
-    "input_ids stored as floats": (dict(train_dataset=lambda: _rows(input_ids=[[1.0, 2.7, 3.0]] * 4)), "input_ids holds float"),
+    "input_ids nested one level too deep": (
+        dict(train_dataset=lambda: _rows(input_ids=[[[1, 2], [3]]] * 4)),
+        "input_ids holds a list",
+    ),
+    "input_ids stored as floats": (
+        dict(train_dataset=lambda: _rows(input_ids=[[1.0, 2.7, 3.0]] * 4)),
+        "input_ids holds float",
+    ),
     "a negative token id": (dict(train_dataset=lambda: _rows(input_ids=[[1, -4, 3]] * 4)), "negative token id -4"),
-    "labels longer than input_ids": (dict(train_dataset=lambda: _rows(labels=[[1, 2, 3, 4]] * 4)), "labels has 4 entries"),
+    "labels longer than input_ids": (
+        dict(train_dataset=lambda: _rows(labels=[[1, 2, 3, 4]] * 4)),
+        "labels has 4 entries",
+    ),
     "a label below -100": (dict(train_dataset=lambda: _rows(labels=[[1, -7, 3]] * 4)), "labels holds -7"),
     "every label -100": (dict(train_dataset=lambda: _rows(labels=[[-100, -100, -100]] * 4)), "every label is -100"),
     "a NaN author": (dict(train_dataset=lambda: _rows(user=[1.0, math.nan, 2.0, 3.0])), "user is nan"),
@@ -54,8 +70,10 @@ CASES = {
     "fsdp on one process": (dict(args=dict(fsdp="full_shard")), "TrainingArguments.fsdp="),
     "push_to_hub offline": (dict(args=dict(push_to_hub=True, hub_model_id="me/model")), "push_to_hub=True"),
     "FedAvg as the algorithm": (dict(privacy=_privacy(algorithm=FedAvg(2, 0.3))), "FedAvg"),
-    "a fixed sigma whose first step passes the target": (dict(privacy=_privacy(noise_multiplier=0.3, target_epsilon=1.0)),
-                                                         "not one step fits"),
+    "a fixed sigma whose first step passes the target": (
+        dict(privacy=_privacy(noise_multiplier=0.3, target_epsilon=1.0)),
+        "not one step fits",
+    ),
 }
 
 
@@ -82,25 +100,39 @@ def test_a_pad_token_added_without_resizing_the_model_is_refused(tmp_path):
         pad_token_id = 64
 
     with pytest.raises(UserError, match=r"pad token id 64 is outside the model's vocabulary of 64.*resize_token"):
-        PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), processing_class=Tok(),
-                       privacy=_privacy(), user_field="user")
+        PrivateTrainer(
+            model=_model(),
+            args=_args(tmp_path),
+            train_dataset=_dataset(),
+            processing_class=Tok(),
+            privacy=_privacy(),
+            user_field="user",
+        )
 
 
 def test_an_output_dir_that_is_a_file_is_refused(tmp_path):
     f = tmp_path / "out"
     f.write_text("a file")
     with pytest.raises(UserError, match="output_dir=.* is a file"):
-        PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), privacy=_privacy(),
-                       user_field="user")
+        PrivateTrainer(
+            model=_model(), args=_args(tmp_path), train_dataset=_dataset(), privacy=_privacy(), user_field="user"
+        )
     assert f.read_text() == "a file"
 
 
-@pytest.mark.parametrize("resume, needle", [
-    ("missing", "no such folder"), ("file", "is a file"), (True, "no checkpoint-N folder"), (3.5, "give a checkpoint-N"),
-])
+@pytest.mark.parametrize(
+    "resume, needle",
+    [
+        ("missing", "no such folder"),
+        ("file", "is a file"),
+        (True, "no checkpoint-N folder"),
+        (3.5, "give a checkpoint-N"),
+    ],
+)
 def test_a_resume_that_names_nothing_is_refused_before_any_step(tmp_path, resume, needle):
-    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), privacy=_privacy(),
-                             user_field="user")
+    trainer = PrivateTrainer(
+        model=_model(), args=_args(tmp_path), train_dataset=_dataset(), privacy=_privacy(), user_field="user"
+    )
     if resume == "missing":
         resume = str(tmp_path / "checkpoint-9")
     elif resume == "file":
@@ -116,10 +148,15 @@ def test_good_rows_still_train(tmp_path):
     author ids and numpy ints all train."""
     import numpy as np
 
-    ds = Dataset.from_dict({"input_ids": [[1, 2, 3], [4], [5, 6]] * 4,
-                            "labels": [[-100, 2, 3], [4], [-100, 6]] * 4,
-                            "user": [int(x) for x in np.arange(12) % 5]})
-    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=_privacy(),
-                             user_field="user")
+    ds = Dataset.from_dict(
+        {
+            "input_ids": [[1, 2, 3], [4], [5, 6]] * 4,
+            "labels": [[-100, 2, 3], [4], [-100, 6]] * 4,
+            "user": [int(x) for x in np.arange(12) % 5],
+        }
+    )
+    trainer = PrivateTrainer(
+        model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=_privacy(), user_field="user"
+    )
     trainer.train()
     assert trainer.state.global_step == 2 and torch.isfinite(next(trainer.model.parameters())).all()

@@ -32,29 +32,49 @@ def _dataset(n=90, users=30, seed=0, labels=False):
 
 def _model():
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
 def _args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path / "out") if tmp_path is not None else None, report_to=[], logging_steps=1, save_strategy="no", use_cpu=True,
-                optim="sgd", learning_rate=0.2, lr_scheduler_type="constant", disable_tqdm=True)
+    base = dict(
+        output_dir=str(tmp_path / "out") if tmp_path is not None else None,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        optim="sgd",
+        learning_rate=0.2,
+        lr_scheduler_type="constant",
+        disable_tqdm=True,
+    )
     base.update(kw)
     return TrainingArguments(**base)
 
 
-@pytest.mark.parametrize("algorithm", [ULS(group_size=2, sampling_rate=0.3), ELS(group_size=2, sampling_rate=0.15)],
-                         ids=["uls", "els"])
+@pytest.mark.parametrize(
+    "algorithm", [ULS(group_size=2, sampling_rate=0.3), ELS(group_size=2, sampling_rate=0.15)], ids=["uls", "els"]
+)
 def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
     """Same seed: the Trainer-driven run and make_private in a plain loop with the same optimizer
     draw the same cohorts and end with the same parameters and epsilon; the Trainer's log carries
     epsilon, and the output folder holds the ledger journal and the record."""
     ds = _dataset()
-    privacy = TrainConfig(algorithm=algorithm, steps=4, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4,
-                          seed=11)
-    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy,
-                             user_field="user")
+    privacy = TrainConfig(
+        algorithm=algorithm, steps=4, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4, seed=11
+    )
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="user")
     trainer.train()
 
     model = _model()
@@ -80,25 +100,62 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
     assert (tmp_path / "out" / "checkpoints" / "ledger_journal.jsonl").is_file()
 
 
-@pytest.mark.parametrize("name, value", [
-    ("gradient_accumulation_steps", 2), ("fp16", True), ("bf16", True), ("torch_compile", True),
-    ("deepspeed", "ds.json"), ("fsdp", "full_shard"), ("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
-    ("mixed_precision", "bf16"), ("n_gpu", 2), ("load_best_model_at_end", True), ("save_strategy", "best")])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("gradient_accumulation_steps", 2),
+        ("fp16", True),
+        ("bf16", True),
+        ("torch_compile", True),
+        ("deepspeed", "ds.json"),
+        ("fsdp", "full_shard"),
+        ("neftune_noise_alpha", 5.0),
+        ("label_smoothing_factor", 0.1),
+        ("mixed_precision", "bf16"),
+        ("n_gpu", 2),
+        ("load_best_model_at_end", True),
+        ("save_strategy", "best"),
+    ],
+)
 def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name, value):
-    args = types.SimpleNamespace(gradient_accumulation_steps=1, fp16=False, bf16=False, mixed_precision="no",
-                                 torch_compile=False, load_best_model_at_end=False, save_strategy="steps",
-                                 deepspeed=None, fsdp=None, neftune_noise_alpha=None, label_smoothing_factor=0.0,
-                                 n_gpu=1, world_size=1, max_grad_norm=0.0, max_steps=-1,
-                                 per_device_train_batch_size=8, num_train_epochs=3.0)
+    args = types.SimpleNamespace(
+        gradient_accumulation_steps=1,
+        fp16=False,
+        bf16=False,
+        mixed_precision="no",
+        torch_compile=False,
+        load_best_model_at_end=False,
+        save_strategy="steps",
+        deepspeed=None,
+        fsdp=None,
+        neftune_noise_alpha=None,
+        label_smoothing_factor=0.0,
+        n_gpu=1,
+        world_size=1,
+        max_grad_norm=0.0,
+        max_steps=-1,
+        per_device_train_batch_size=8,
+        num_train_epochs=3.0,
+    )
     check_arguments(args)  # the defaults pass
     setattr(args, name, value)
     with pytest.raises(UserError) as exc:
         check_arguments(args)
     msg = str(exc.value)
     assert "\n" not in msg and (f"TrainingArguments.{name}=" in msg or f"{value} " in msg), msg
-    assert {n for n, _, _ in REFUSED} <= {"gradient_accumulation_steps", "fp16", "bf16", "mixed_precision",
-                                           "torch_compile", "deepspeed", "fsdp", "neftune_noise_alpha",
-                                           "label_smoothing_factor", "load_best_model_at_end", "save_strategy"}
+    assert {n for n, _, _ in REFUSED} <= {
+        "gradient_accumulation_steps",
+        "fp16",
+        "bf16",
+        "mixed_precision",
+        "torch_compile",
+        "deepspeed",
+        "fsdp",
+        "neftune_noise_alpha",
+        "label_smoothing_factor",
+        "load_best_model_at_end",
+        "save_strategy",
+    }
 
 
 def test_a_checkpoint_or_trial_chosen_by_an_unnoised_score_is_refused_before_any_step(tmp_path):
@@ -106,17 +163,35 @@ def test_a_checkpoint_or_trial_chosen_by_an_unnoised_score_is_refused_before_any
     (hyperparameter_search, train(trial=...)) by an eval score computed without noise is not
     post-processing: each is refused in one line, and nothing is written or counted."""
     ds = _dataset()
-    privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=2, clipping=FlatClip(0.5),
-                          noise_multiplier=1.0, delta=1e-4)
-    for kw in (dict(load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps", eval_steps=1,
-                    save_steps=1, metric_for_best_model="loss"),
-               dict(save_strategy="best", eval_strategy="steps", eval_steps=1, metric_for_best_model="loss")):
+    privacy = TrainConfig(
+        algorithm=ULS(group_size=2, sampling_rate=0.3),
+        steps=2,
+        clipping=FlatClip(0.5),
+        noise_multiplier=1.0,
+        delta=1e-4,
+    )
+    for kw in (
+        dict(
+            load_best_model_at_end=True,
+            eval_strategy="steps",
+            save_strategy="steps",
+            eval_steps=1,
+            save_steps=1,
+            metric_for_best_model="loss",
+        ),
+        dict(save_strategy="best", eval_strategy="steps", eval_steps=1, metric_for_best_model="loss"),
+    ):
         with pytest.raises(UserError, match=f"TrainingArguments.{next(iter(kw))}=") as exc:
-            PrivateTrainer(model=_model(), args=_args(tmp_path, **kw), train_dataset=ds, eval_dataset=ds,
-                           privacy=privacy, user_field="user")
+            PrivateTrainer(
+                model=_model(),
+                args=_args(tmp_path, **kw),
+                train_dataset=ds,
+                eval_dataset=ds,
+                privacy=privacy,
+                user_field="user",
+            )
         assert "\n" not in str(exc.value) and "un-noised" in str(exc.value)
-    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy,
-                             user_field="user")
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="user")
     with pytest.raises(UserError, match="hyperparameter_search: .*userdp tune"):
         trainer.hyperparameter_search(n_trials=2)
     with pytest.raises(UserError, match=r"train\(trial=...\): .*userdp tune"):
@@ -159,15 +234,43 @@ def test_a_trainer_script_under_torchrun_is_the_one_process_run(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(_TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent)))
     env = dict(os.environ, OMP_NUM_THREADS="1", USERDP_CACHE=str(tmp_path / "cache"))
-    privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=4, clipping=FlatClip(0.5),
-                          noise_multiplier=1.0, delta=1e-4, seed=11)  # the script's, in this one process
-    one = PrivateTrainer(model=_model(), args=_args(None, output_dir=str(tmp_path / "one")), train_dataset=_dataset(),
-                         privacy=privacy, user_field="user")
+    privacy = TrainConfig(
+        algorithm=ULS(group_size=2, sampling_rate=0.3),
+        steps=4,
+        clipping=FlatClip(0.5),
+        noise_multiplier=1.0,
+        delta=1e-4,
+        seed=11,
+    )  # the script's, in this one process
+    one = PrivateTrainer(
+        model=_model(),
+        args=_args(None, output_dir=str(tmp_path / "one")),
+        train_dataset=_dataset(),
+        privacy=privacy,
+        user_field="user",
+    )
     one.train()
-    ref = {"params": [p.detach() for p in one.model.parameters()], "epsilon": one.epsilon(),
-           "units": [h["units"] for h in one._private.history], "world": one.args.world_size}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script), str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=300)
+    ref = {
+        "params": [p.detach() for p in one.model.parameters()],
+        "epsilon": one.epsilon(),
+        "units": [h["units"] for h in one._private.history],
+        "world": one.args.world_size,
+    }
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(script),
+            str(tmp_path / "two"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     assert ref["world"] == 1
     for rank in (0, 1):
@@ -178,8 +281,13 @@ def test_a_trainer_script_under_torchrun_is_the_one_process_run(tmp_path):
     rec = json.loads((tmp_path / "two" / "privacy.json").read_text())
     assert rec["compute"]["processes"] == {"world_size": 2, "backend": "gloo"}
     assert any(n.startswith("2 processes (torchrun)") for n in rec["userdp_notes"])
-    report = subprocess.run([sys.executable, "-m", "userdp", "report", str(tmp_path / "two")], env=env,
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "userdp", "report", str(tmp_path / "two")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr[-2000:]
 
 
@@ -187,8 +295,9 @@ def test_a_real_trainer_refuses_accumulation_and_records_it_cannot_read(tmp_path
     ds = _dataset()
     privacy = TrainConfig(algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-4)
     with pytest.raises(UserError, match="gradient_accumulation_steps=2"):
-        PrivateTrainer(model=_model(), args=_args(tmp_path, gradient_accumulation_steps=2), train_dataset=ds,
-                       privacy=privacy)
+        PrivateTrainer(
+            model=_model(), args=_args(tmp_path, gradient_accumulation_steps=2), train_dataset=ds, privacy=privacy
+        )
     with pytest.raises(UserError, match="no column 'author'"):
         PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="author")
     empty = Dataset.from_dict({"input_ids": [[1, 2], []], "user": ["a", "b"]})
@@ -259,12 +368,15 @@ def test_a_crash_then_resume_from_checkpoint_counts_every_begun_step_once(tmp_pa
     with pytest.raises(RuntimeError, match="killed after step 5"):
         first.train()
     out = tmp_path / "out"
-    assert (out / "checkpoint-4").is_dir() and len((out / "checkpoints" / "ledger_journal.jsonl").read_text().splitlines()) - 1 == 5
+    assert (out / "checkpoint-4").is_dir() and len(
+        (out / "checkpoints" / "ledger_journal.jsonl").read_text().splitlines()
+    ) - 1 == 5
     with pytest.raises(UserError, match="already holds a checkpoint"):  # a fresh run would start a second ledger
         PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy).train()
     with pytest.raises(UserError, match="at step 2, userdp's .* at step 4"):
         PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy).train(
-            resume_from_checkpoint=str(out / "checkpoint-2"))
+            resume_from_checkpoint=str(out / "checkpoint-2")
+        )
     again = PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy)
     again.train(resume_from_checkpoint=True)
     rec = again.privacy_record()
@@ -316,8 +428,9 @@ def test_userdp_report_verifies_the_trainers_output_folder_and_refuses_edits(tmp
         (d / "privacy.json").write_text(json.dumps(rec))
 
     def other_sigma(d):
-        (d / "config.yaml").write_text((d / "config.yaml").read_text().replace("noise_multiplier=1.0",
-                                                                               "noise_multiplier=4.0", 1))
+        (d / "config.yaml").write_text(
+            (d / "config.yaml").read_text().replace("noise_multiplier=1.0", "noise_multiplier=4.0", 1)
+        )
 
     def touch_model(d):
         f = next(p for p in (d / "model").iterdir() if p.suffix == ".safetensors")
@@ -328,10 +441,9 @@ def test_userdp_report_verifies_the_trainers_output_folder_and_refuses_edits(tmp
     assert "model" in refused(touch_model, "model")
 
 
-@pytest.mark.parametrize("algorithm", [
-    ULS(group_size=2, sampling_rate=0.5),
-    ELS(group_size=2, sampling_rate=0.3)],
-    ids=["uls", "els"])
+@pytest.mark.parametrize(
+    "algorithm", [ULS(group_size=2, sampling_rate=0.5), ELS(group_size=2, sampling_rate=0.3)], ids=["uls", "els"]
+)
 @pytest.mark.parametrize("adversary", ["one_token_many_times", "long_rows"])
 def test_an_adversarial_author_moves_the_trainers_released_sum_by_at_most_its_bound(tmp_path, algorithm, adversary):
     """The Trainer path is a release path of its own: the same seeded step with and without one
@@ -341,13 +453,17 @@ def test_an_adversarial_author_moves_the_trainers_released_sum_by_at_most_its_bo
 
     from userdp.engine.neighbour import Gap
 
-    rows = {"one_token_many_times": [[7] * 15 for _ in range(20)],
-            "long_rows": [[int(t) for t in np.random.default_rng(3).integers(1, 64, 16)] for _ in range(3)]}[adversary]
+    rows = {
+        "one_token_many_times": [[7] * 15 for _ in range(20)],
+        "long_rows": [[int(t) for t in np.random.default_rng(3).integers(1, 64, 16)] for _ in range(3)],
+    }[adversary]
     honest = _dataset(n=60, users=20)
-    bigger = Dataset.from_dict({"input_ids": list(honest["input_ids"]) + rows,
-                                "user": list(honest["user"]) + ["zz-adversary"] * len(rows)})
-    privacy = TrainConfig(algorithm=algorithm, steps=1, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4,
-                          seed=7)  # seed 7: the adversary is in the cohort
+    bigger = Dataset.from_dict(
+        {"input_ids": list(honest["input_ids"]) + rows, "user": list(honest["user"]) + ["zz-adversary"] * len(rows)}
+    )
+    privacy = TrainConfig(
+        algorithm=algorithm, steps=1, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4, seed=7
+    )  # seed 7: the adversary is in the cohort
 
     def released(ds, name):
         grabbed = []
@@ -356,8 +472,9 @@ def test_an_adversarial_author_moves_the_trainers_released_sum_by_at_most_its_bo
             def on_pre_optimizer_step(self, args, state, control, **kw):
                 grabbed.extend(p.grad.detach().double().clone() for p in trainer.model.parameters() if p.requires_grad)
 
-        trainer = PrivateTrainer(model=_model(), args=_args(tmp_path / name), train_dataset=ds, privacy=privacy,
-                                 callbacks=[Grab()])
+        trainer = PrivateTrainer(
+            model=_model(), args=_args(tmp_path / name), train_dataset=ds, privacy=privacy, callbacks=[Grab()]
+        )
         trainer.train()
         run = trainer._private._run
         den = float(run.last_denominator)
@@ -374,10 +491,17 @@ def test_the_trainers_cohorts_are_poisson_at_the_sampling_rate(tmp_path):
     batch (a constant 8 rows): over 100 seeded steps the cohort sizes have Binomial(30, 0.3)'s mean and
     variance, within 4 standard errors of each."""
     ds = _dataset(n=90, users=30)
-    privacy = TrainConfig(algorithm=ULS(group_size=2, sampling_rate=0.3), steps=100, clipping=FlatClip(0.5),
-                          noise_multiplier=1.0, delta=1e-4, seed=7)
-    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path, logging_steps=1000), train_dataset=ds,
-                             privacy=privacy, user_field="user")
+    privacy = TrainConfig(
+        algorithm=ULS(group_size=2, sampling_rate=0.3),
+        steps=100,
+        clipping=FlatClip(0.5),
+        noise_multiplier=1.0,
+        delta=1e-4,
+        seed=7,
+    )
+    trainer = PrivateTrainer(
+        model=_model(), args=_args(tmp_path, logging_steps=1000), train_dataset=ds, privacy=privacy, user_field="user"
+    )
     trainer.train()
     sizes = np.array([h["units"] for h in trainer._private.history], dtype=float)
     n, q, t = 30, 0.3, len(sizes)

@@ -10,18 +10,29 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 #: lower may not import higher; a module's layer is its most specific entry
 LAYERS = {
-    "userdp": 0, "userdp.errors": 0, "userdp.fileio": 0, "userdp.validation": 0,
+    "userdp": 0,
+    "userdp.errors": 0,
+    "userdp.fileio": 0,
+    "userdp.validation": 0,
     "userdp.accounting": 1,
     "userdp.data": 2,
     "userdp.engine": 3,
     # the engine's data contract, implemented over a user store; devices pick an engine precision
-    "userdp.data.torch_data": 4, "userdp.data.selection": 4, "userdp.devices": 4, "userdp.launch": 4, "userdp.planning": 4,
+    "userdp.data.torch_data": 4,
+    "userdp.data.selection": 4,
+    "userdp.devices": 4,
+    "userdp.launch": 4,
+    "userdp.planning": 4,
     "userdp.lm": 5,
-    "userdp.audit": 6, "userdp.tuning": 6, "userdp.experiments": 6,
+    "userdp.audit": 6,
+    "userdp.tuning": 6,
+    "userdp.experiments": 6,
     "userdp.hf": 6,  # the Trainer integration: on the engine and the LM models
     "userdp.hf_trl": 7,  # TRL's SFTTrainer on userdp.hf
     # --nproc: the CLI's process starter (its workers run the CLI again); it reads devices via launch
-    "userdp.cli": 7, "userdp.launcher": 7, "userdp.__main__": 8,
+    "userdp.cli": 7,
+    "userdp.launcher": 7,
+    "userdp.__main__": 8,
 }
 
 
@@ -32,8 +43,10 @@ def _module(path: Path) -> str:
 
 def _resolve(name: str) -> str:
     """The module a dotted import names (``from a.b import c`` may import the module a.b.c)."""
-    while name and not ((SRC / name.replace(".", "/")).with_suffix(".py").is_file()
-                        or (SRC / name.replace(".", "/") / "__init__.py").is_file()):
+    while name and not (
+        (SRC / name.replace(".", "/")).with_suffix(".py").is_file()
+        or (SRC / name.replace(".", "/") / "__init__.py").is_file()
+    ):
         name = name.rpartition(".")[0]
     return name
 
@@ -62,8 +75,7 @@ def _layer(mod: str) -> int:
 def test_no_import_runs_back_up_a_layer():
     graph = _imports()
     assert len(graph) > 80 and "userdp.lm.finetune" in graph
-    up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
-                if b != "userdp" and _layer(b) > _layer(a))
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if b != "userdp" and _layer(b) > _layer(a))
     assert up == []
 
 

@@ -40,6 +40,7 @@ def test_a_signal_to_the_launcher_ends_with_130_and_the_resume_command(monkeypat
             if signal_kind == "ctrl-c":
                 raise KeyboardInterrupt
             raise SignalException("got SIGTERM", sigval=15)
+
         return run
 
     monkeypatch.setattr(launcher, "elastic_launch", stopped)

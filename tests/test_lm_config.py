@@ -49,8 +49,9 @@ def test_invalid_yaml_names_the_line(tmp_path):
 def test_set_overrides_dotted_keys_parse_yaml_values(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("training:\n  steps: 10\n")
-    cfg = C.load_config(f, ["training.steps=25", "model.lora.enabled=true",
-                            "model.lora.target_modules=[c_attn]", "privacy.delta=1e-6"])
+    cfg = C.load_config(
+        f, ["training.steps=25", "model.lora.enabled=true", "model.lora.target_modules=[c_attn]", "privacy.delta=1e-6"]
+    )
     assert cfg.training.steps == 25
     assert cfg.model.lora.enabled is True
     assert cfg.model.lora.target_modules == ("c_attn",)
@@ -85,14 +86,16 @@ def test_engine_config_maps_each_algorithm():
 
     CPU = torch.device("cpu")  # where the job resolved model.device
 
-    e = engine_config(C.load_config(None, ["training.algorithm=els", "training.cohort_size=50",
-                                           "training.group_size=3"]), 1000, CPU)
+    e = engine_config(
+        C.load_config(None, ["training.algorithm=els", "training.cohort_size=50", "training.group_size=3"]), 1000, CPU
+    )
     assert type(e.algorithm).__name__ == "ELS" and e.algorithm.sampling_rate == 0.05
     assert e.algorithm.group_size == 3 and e.target_epsilon == 3.0 and e.noise_multiplier is None
     u = engine_config(C.load_config(None, ["training.cohort_size=10"]), 100, CPU)
     assert type(u.algorithm).__name__ == "ULS" and u.algorithm.sampling_rate == 0.1
-    f = engine_config(C.load_config(None, ["training.algorithm=fedavg", "training.local_epochs=2",
-                                           "training.local_lr=0.3"]), 100, CPU)
+    f = engine_config(
+        C.load_config(None, ["training.algorithm=fedavg", "training.local_epochs=2", "training.local_lr=0.3"]), 100, CPU
+    )
     assert type(f.algorithm).__name__ == "FedAvg" and f.algorithm.local_epochs == 2
     n = engine_config(C.load_config(None, ["training.algorithm=nonprivate"]), 100, CPU)
     assert n.noise_multiplier == 0.0 and n.target_epsilon is None
@@ -163,8 +166,9 @@ def test_deeply_nested_values_are_one_line_not_a_recursion_error(tmp_path):
 
 
 def test_integral_floats_and_auto_are_accepted_as_before():
-    cfg = C.load_config(None, ["training.steps=5.0", "training.chunk_size=auto", "privacy.delta=1e-6",
-                               "data.sites=stackoverflow"])
+    cfg = C.load_config(
+        None, ["training.steps=5.0", "training.chunk_size=auto", "privacy.delta=1e-6", "data.sites=stackoverflow"]
+    )
     assert cfg.training.steps == 5 and isinstance(cfg.training.steps, int)
     assert cfg.training.chunk_size is None and cfg.privacy.delta == 1e-6
     assert cfg.data.sites == ("stackoverflow",)

@@ -60,10 +60,15 @@ def test_tokenized_userdata_pads_with_ignored_labels():
 
     from userdp.data.torch_data import TokenizedUserData
 
-    t = SimpleNamespace(mode="truncate", seq_len=5, pad_id=0,
-                        tokens=np.array([5, 6, 7, 8, 9, 10, 11], dtype=np.int32),
-                        seq_offsets=np.array([0, 3, 7]), user_offsets=np.array([0, 1, 2]),
-                        sizes=lambda: np.array([1, 1]))
+    t = SimpleNamespace(
+        mode="truncate",
+        seq_len=5,
+        pad_id=0,
+        tokens=np.array([5, 6, 7, 8, 9, 10, 11], dtype=np.int32),
+        seq_offsets=np.array([0, 3, 7]),
+        user_offsets=np.array([0, 1, 2]),
+        sizes=lambda: np.array([1, 1]),
+    )
     d = TokenizedUserData(t)
     b = d.gather(np.array([0, 1]), np.array([0, 0]))
     assert b["input_ids"].tolist() == [[5, 6, 7, 0, 0], [8, 9, 10, 11, 0]]

@@ -64,10 +64,10 @@ def test_vmapped_per_record_gradients_match_loop():
     for i in (0, 3):
         m.zero_grad()
         models.causal_lm_loss(m, {k: v[i : i + 1] for k, v in b.items()})[0].backward()
-        torch.testing.assert_close(g[key][i], m.transformer.h[0].mlp.c_fc.weight.grad,
-                                   rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(g["m.transformer.wte.weight"][i], m.transformer.wte.weight.grad,
-                                   rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(g[key][i], m.transformer.h[0].mlp.c_fc.weight.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(
+            g["m.transformer.wte.weight"][i], m.transformer.wte.weight.grad, rtol=1e-4, atol=1e-6
+        )
 
 
 def test_lora_trains_only_adapters_and_merges(tmp_path):
@@ -95,6 +95,7 @@ def test_lora_adapters_start_the_same_whatever_the_process_drew_before():
     """The adapters' initialisation comes from a fixed public seed: a run that built its pretrained
     model (drawing from the global generator) and one that read it from the cache, or rank 0 and
     rank 1 of a job, start from the same adapters; the global generator is left where it was."""
+
     def adapters(draws: int):
         torch.manual_seed(123)
         torch.rand(draws)  # what the process drew before (e.g. pretraining the base)
@@ -159,8 +160,9 @@ def test_a_hub_id_resolves_through_the_local_hugging_face_cache_and_never_downlo
     loaded = models.load_local("acme/tiny-gpt")
     for (n, a), (_, b) in zip(m.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), n
-    with pytest.raises(UserError, match="model.path acme/absent: not a local directory, and not in the local "
-                                        "Hugging Face cache"):
+    with pytest.raises(
+        UserError, match="model.path acme/absent: not a local directory, and not in the local Hugging Face cache"
+    ):
         models.resolve_model_path("acme/absent")
     with pytest.raises(UserError, match="not a directory"):
         models.resolve_model_path(str(tmp_path / "no" / "such" / "dir"))

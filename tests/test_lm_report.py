@@ -1,6 +1,5 @@
 """The privacy statement (SPEC §8.3): every checklist field non-empty; tiers; mismatch flagged."""
 
-
 import pytest
 
 from userdp import accounting as A
@@ -12,19 +11,40 @@ from userdp.lm.run_dir import RunDir
 
 from _records import engine_record
 
-ENGINE = {"sampler_used": "sampler_mode", "epsilon_spent": "epsilon", "noise_multiplier": "noise_multiplier",
-          "dp_event": "dp_event", "epsilon_no_amplification": "epsilon_no_amplification"}
+ENGINE = {
+    "sampler_used": "sampler_mode",
+    "epsilon_spent": "epsilon",
+    "noise_multiplier": "noise_multiplier",
+    "dp_event": "dp_event",
+    "epsilon_no_amplification": "epsilon_no_amplification",
+}
 
 
 def _record(**kw):
     """privacy.json's content for a ULS run (20 steps, sigma 1.1, q 0.05); ``kw`` names the engine's
     figures as the statement does (ENGINE) or the job's facts."""
-    engine = dict(dp_event=A.compose(A.uls_step_event(1.1, 0.05), 20), noise_multiplier=1.1, sampling_rate=0.05,
-                  steps=20, num_users=4000, expected_units=200.0, delta=1e-4,
-                  delta_rule="delta = N^-1.1 with N = 4000 users")
-    facts = dict(algorithm="uls", accountant="pld", sampler_assumed="poisson_users", epsilon_target=3.0,
-                 steps_planned=20, group_size=4, num_records=9000, clipping="flat", seq_len=64,
-                 tokenizer_note="tokenizer trained on declared-public text (4 plays)")
+    engine = dict(
+        dp_event=A.compose(A.uls_step_event(1.1, 0.05), 20),
+        noise_multiplier=1.1,
+        sampling_rate=0.05,
+        steps=20,
+        num_users=4000,
+        expected_units=200.0,
+        delta=1e-4,
+        delta_rule="delta = N^-1.1 with N = 4000 users",
+    )
+    facts = dict(
+        algorithm="uls",
+        accountant="pld",
+        sampler_assumed="poisson_users",
+        epsilon_target=3.0,
+        steps_planned=20,
+        group_size=4,
+        num_records=9000,
+        clipping="flat",
+        seq_len=64,
+        tokenizer_note="tokenizer trained on declared-public text (4 plays)",
+    )
     for k, v in kw.items():
         if k in ENGINE:
             engine[ENGINE[k]] = v

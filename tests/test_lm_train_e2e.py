@@ -36,9 +36,20 @@ def test_train_run_directory_reload_report_evaluate(tiny, capsys):
     for key in ("run_dir", "perplexity_before", "perplexity_after", "epsilon", "delta", "algorithm"):
         assert summary[key] is not None, key
     assert summary["algorithm"] == "uls"
-    for name in ("config.yaml", "metrics.jsonl", "diagnostics.jsonl", "privacy.json", "curves.png", "eval.json",
-                 "checkpoints/checkpoint.pt", "checkpoints/model.safetensors",
-                 "checkpoints/ledger_journal.jsonl", "checkpoints/ledger.json", "model/config.json", "model/tokenizer.json"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "diagnostics.jsonl",
+        "privacy.json",
+        "curves.png",
+        "eval.json",
+        "checkpoints/checkpoint.pt",
+        "checkpoints/model.safetensors",
+        "checkpoints/ledger_journal.jsonl",
+        "checkpoints/ledger.json",
+        "model/config.json",
+        "model/tokenizer.json",
+    ):
         assert (out / name).is_file(), name
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -124,8 +135,24 @@ def test_a_resume_may_change_performance_settings_but_not_privacy_ones(tiny, mon
         err = capsys.readouterr().err
         assert "a resumed run may change only performance settings" in err and err.count("\n") == 1
     assert (out / "config.yaml").read_text() == saved
-    assert cli(["train", "--resume", str(out), "--set", "training.chunk_size=3", "--set", "training.per_unit=vmap",
-                "--set", "training.checkpoint_every=2", "--json", "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "train",
+                "--resume",
+                str(out),
+                "--set",
+                "training.chunk_size=3",
+                "--set",
+                "training.per_unit=vmap",
+                "--set",
+                "training.checkpoint_every=2",
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # the step begun before the interrupt is counted, never replayed (issue 34, H1): the budget ends
     # the run after 3 applied steps, 4 accounted
@@ -171,15 +198,30 @@ def test_a_fixed_sigma_run_makes_one_run_plan_and_resolves_its_device_once(tiny,
     # chunk_size auto with a fixed sigma was a traceback: the early budget check built a TrainConfig
     # with chunk_size None; performance settings no longer reach the plan's mechanism
     with functions_called() as called:
-        assert cli(["train", str(cfg), "--output", str(tmp / "run"), "--no-progress", "--set",
-                    "training.chunk_size=auto", "--set", "privacy.noise_multiplier=1.5", "--set", "privacy.epsilon=50"]) == 0
+        assert (
+            cli(
+                [
+                    "train",
+                    str(cfg),
+                    "--output",
+                    str(tmp / "run"),
+                    "--no-progress",
+                    "--set",
+                    "training.chunk_size=auto",
+                    "--set",
+                    "privacy.noise_multiplier=1.5",
+                    "--set",
+                    "privacy.epsilon=50",
+                ]
+            )
+            == 0
+        )
     assert len(calls) == 1
     assert resolved == ["auto"]
     # and no function of userdp's that the run called takes more than 6 parameters (issue 36): what
     # travels together is one value (RunOptions, StepClipping, TokenLayout, Calibration, RunShape, ...)
     assert len(called) > 300  # the whole run was seen: CLI, phases, engine, accounting
     assert not wide(called), wide(called)
-
 
 
 def test_unknown_key_and_bad_type_are_one_line_errors(tiny, capsys):
@@ -217,8 +259,23 @@ def test_refuses_undeclared_tokenizer(tiny, capsys):
 
 def test_refuses_steps_beyond_the_budget(tiny, capsys):
     tmp, cfg = tiny
-    rc = cli(["train", str(cfg), "--set", "privacy.noise_multiplier=0.3", "--set", "training.steps=400",
-              "--set", "privacy.epsilon=1", "--set", "privacy.accountant=rdp", "--output", str(tmp / "r2"), "--no-progress"])
+    rc = cli(
+        [
+            "train",
+            str(cfg),
+            "--set",
+            "privacy.noise_multiplier=0.3",
+            "--set",
+            "training.steps=400",
+            "--set",
+            "privacy.epsilon=1",
+            "--set",
+            "privacy.accountant=rdp",
+            "--output",
+            str(tmp / "r2"),
+            "--no-progress",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "spend epsilon" in err and "> the target 1" in err
@@ -243,9 +300,28 @@ def test_pretrain_cli_writes_a_folder_train_accepts(tiny, capsys):
     # undeclared public text is refused
     assert cli(["pretrain", "--public-text", str(public), "--output", str(out)]) == 2
     assert "--declare-public" in capsys.readouterr().err
-    assert cli(["pretrain", "--public-text", str(public), "--declare-public", "--output", str(out),
-                "--steps", "3", "--batch-size", "4", "--vocab-size", "300", "--seq-len", "16",
-                "--json"]) == 0
+    assert (
+        cli(
+            [
+                "pretrain",
+                "--public-text",
+                str(public),
+                "--declare-public",
+                "--output",
+                str(out),
+                "--steps",
+                "3",
+                "--batch-size",
+                "4",
+                "--vocab-size",
+                "300",
+                "--seq-len",
+                "16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     info = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert info["steps"] == 3 and "public.txt" in info["public_text"]
     from userdp.lm import config as C
@@ -254,24 +330,42 @@ def test_pretrain_cli_writes_a_folder_train_accepts(tiny, capsys):
 
     c = C.load_config(cfg, [f"model.path={out}"])
     prep = prepare_data(c.data, log=lambda m: None)
-    tok, model, notes = get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False,
-                                                device=torch.device("cpu"))
+    tok, model, notes = get_tokenizer_and_model(
+        c.tokenizer, c.model, prep, log=lambda m: None, progress=False, device=torch.device("cpu")
+    )
     assert "userdp" in notes["pretraining"] and tok.get_vocab_size() <= 300
     # another folder (not made by userdp pretrain) needs the tokenizer declared public
     (out / "userdp_pretrain.json").unlink()
     from userdp.errors import UserError
 
     with pytest.raises(UserError, match="declared_public"):
-        get_tokenizer_and_model(c.tokenizer, c.model, prep, log=lambda m: None, progress=False,
-                                                device=torch.device("cpu"))
+        get_tokenizer_and_model(
+            c.tokenizer, c.model, prep, log=lambda m: None, progress=False, device=torch.device("cpu")
+        )
 
 
 @pytest.mark.slow
 def test_perplexity_selection_is_disclosed_in_the_report(tiny, capsys):
     tmp, cfg = tiny
     out = tmp / "ppl"
-    assert cli(["train", str(cfg), "--set", "training.selection=highest_ppl", "--set", "training.steps=2",
-                "--set", "eval.before=false", "--output", str(out), "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "train",
+                str(cfg),
+                "--set",
+                "training.selection=highest_ppl",
+                "--set",
+                "training.steps=2",
+                "--set",
+                "eval.before=false",
+                "--output",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     priv = json.loads((out / "privacy.json").read_text())
     assert priv["selection"] == "highest_ppl"
     assert any("scored" in s and "private records" in s for s in priv["not_accounted"])
@@ -286,20 +380,66 @@ def test_train_fine_tunes_a_local_pythia_style_gpt_neox_folder_with_ghost_norms(
 
     tmp, cfg = tiny
     folder = tmp / "neox"
-    assert cli(["pretrain", "--public-text", str(cfg.parent / "public.txt"), "--declare-public", "--output",
-                str(folder), "--steps", "1", "--batch-size", "4", "--vocab-size", "300", "--seq-len", "16"]) == 0
+    assert (
+        cli(
+            [
+                "pretrain",
+                "--public-text",
+                str(cfg.parent / "public.txt"),
+                "--declare-public",
+                "--output",
+                str(folder),
+                "--steps",
+                "1",
+                "--batch-size",
+                "4",
+                "--vocab-size",
+                "300",
+                "--seq-len",
+                "16",
+            ]
+        )
+        == 0
+    )
     vocab = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).config.vocab_size
-    neox = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=2, num_attention_heads=4, rotary_pct=0.25,
-                                            max_position_embeddings=64, tie_word_embeddings=False))
+    neox = GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=vocab,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            rotary_pct=0.25,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
     for f in folder.glob("*.safetensors"):
         f.unlink()
     neox.save_pretrained(folder)
     out = tmp / "run-neox"
     capsys.readouterr()
-    assert cli(["train", str(cfg), "--set", f"model.path={folder}", "--set", "training.per_unit=ghost",
-                "--set", "training.steps=2", "--set", "eval.before=false", "--output", str(out), "--json",
-                "--no-progress"]) == 0, capsys.readouterr().err
+    assert (
+        cli(
+            [
+                "train",
+                str(cfg),
+                "--set",
+                f"model.path={folder}",
+                "--set",
+                "training.per_unit=ghost",
+                "--set",
+                "training.steps=2",
+                "--set",
+                "eval.before=false",
+                "--output",
+                str(out),
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0 < summary["epsilon"] <= 8.0
     priv = json.loads((out / "privacy.json").read_text())
@@ -321,14 +461,42 @@ def _llama_folder(tmp, cfg, name):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     folder = tmp / name
-    assert cli(["pretrain", "--public-text", str(cfg.parent / "public.txt"), "--declare-public", "--output",
-                str(folder), "--steps", "1", "--batch-size", "4", "--vocab-size", "300", "--seq-len", "16"]) == 0
+    assert (
+        cli(
+            [
+                "pretrain",
+                "--public-text",
+                str(cfg.parent / "public.txt"),
+                "--declare-public",
+                "--output",
+                str(folder),
+                "--steps",
+                "1",
+                "--batch-size",
+                "4",
+                "--vocab-size",
+                "300",
+                "--seq-len",
+                "16",
+            ]
+        )
+        == 0
+    )
     vocab = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).config.vocab_size
     import torch
 
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     for f in folder.glob("*.safetensors"):
         f.unlink()
     llama.save_pretrained(folder)
@@ -347,9 +515,29 @@ def test_qlora_trains_lora_on_a_4bit_base_and_saves_a_model_that_reloads_the_sam
     folder = _llama_folder(tmp, cfg, "llama")
     out = tmp / "run-qlora"
     capsys.readouterr()
-    assert cli(["train", str(cfg), "--set", f"model.path={folder}", "--set", "model.lora.enabled=true",
-                "--set", "model.lora.quantize=nf4", "--set", "training.steps=2", "--set", "eval.before=false",
-                "--output", str(out), "--json", "--no-progress"]) == 0, capsys.readouterr().err
+    assert (
+        cli(
+            [
+                "train",
+                str(cfg),
+                "--set",
+                f"model.path={folder}",
+                "--set",
+                "model.lora.enabled=true",
+                "--set",
+                "model.lora.quantize=nf4",
+                "--set",
+                "training.steps=2",
+                "--set",
+                "eval.before=false",
+                "--output",
+                str(out),
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    ), capsys.readouterr().err
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     priv = json.loads((out / "privacy.json").read_text())
     assert priv["compute"]["per_unit"]["strategy"] == "ghost" and "nf4" in priv["compute"]["quantization"]
@@ -367,12 +555,15 @@ def test_qlora_trains_lora_on_a_4bit_base_and_saves_a_model_that_reloads_the_sam
     assert all(p.dtype == torch.float32 for p in trained.values())
 
 
-@pytest.mark.parametrize("sets, match", [
-    (["model.lora.quantize=nf4"], "lora.enabled"),
-    (["model.lora.enabled=true", "model.lora.quantize=nf4"], "model.path"),
-    (["model.lora.enabled=true", "model.lora.quantize=nf4", "model.path=x", "training.algorithm=fedavg"], "vmap"),
-    (["model.lora.enabled=true", "model.lora.quantize=int3"], "quantize"),
-])
+@pytest.mark.parametrize(
+    "sets, match",
+    [
+        (["model.lora.quantize=nf4"], "lora.enabled"),
+        (["model.lora.enabled=true", "model.lora.quantize=nf4"], "model.path"),
+        (["model.lora.enabled=true", "model.lora.quantize=nf4", "model.path=x", "training.algorithm=fedavg"], "vmap"),
+        (["model.lora.enabled=true", "model.lora.quantize=int3"], "quantize"),
+    ],
+)
 def test_qlora_misconfigurations_are_refused_in_one_line(tiny, capsys, sets, match):
     tmp, cfg = tiny
     args = ["train", str(cfg), "--output", str(tmp / "never")]
@@ -384,8 +575,15 @@ def test_qlora_misconfigurations_are_refused_in_one_line(tiny, capsys, sets, mat
     assert not (tmp / "never").exists()
 
 
-@pytest.mark.parametrize("cmd", [["evaluate", "no-such-run"], ["plan", "--compute-budget", "8"],
-                                 ["train", "--output", "{tmp}/never"], ["pretrain", "--output", "{tmp}/never"]])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ["evaluate", "no-such-run"],
+        ["plan", "--compute-budget", "8"],
+        ["train", "--output", "{tmp}/never"],
+        ["pretrain", "--output", "{tmp}/never"],
+    ],
+)
 def test_every_job_takes_a_device_and_refuses_a_missing_one(cmd, capsys, tmp_path):
     import torch
 
@@ -434,8 +632,10 @@ def test_tensorboard_scalars_follow_metrics_jsonl_through_a_resume(tiny, monkeyp
     assert [v for _, v in tb["train/loss"]] == pytest.approx([r["loss"] for r in diag], rel=1e-6)
     assert [v for _, v in tb["privacy/epsilon_spent"]] == pytest.approx([r["epsilon"] for r in rows], rel=1e-6)
     ev = json.loads((out / "eval.json").read_text())
-    assert tb["eval/heldout_perplexity"] == [(0, pytest.approx(ev["before"]["perplexity"], rel=1e-6)),
-                                             (3, pytest.approx(ev["after"]["perplexity"], rel=1e-6))]
+    assert tb["eval/heldout_perplexity"] == [
+        (0, pytest.approx(ev["before"]["perplexity"], rel=1e-6)),
+        (3, pytest.approx(ev["after"]["perplexity"], rel=1e-6)),
+    ]
     priv = json.loads((out / "privacy.json").read_text())
     assert any("tensorboard/" in n and "without noise" in n for n in priv["not_accounted"])
 

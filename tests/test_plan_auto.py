@@ -42,16 +42,25 @@ def test_plan_auto_without_compute_budget_names_the_key(tmp_path):
         C.load_config(f)
 
 
-@pytest.mark.parametrize("text, match", [
-    ("plan: manual\n", "plan must be one of auto"),
-    ("planning:\n  budget: 8\n", "unknown key 'planning.budget'"),
-    ("plan: auto\nplanning:\n  compute_budget: 0\n", "planning.compute_budget must be >= 1"),
-    ("plan: auto\nplanning:\n  compute_budget: 8\n  sample_users: 0\n", "planning.sample_users must be >= 1"),
-    ("planning:\n  dp_median_epsilon: -1\n", "planning.dp_median_epsilon must be > 0"),
-    ("planning:\n  algorithm: fedavg\n", "planning.algorithm must be one of"),
-    ("plan: auto\nplanning:\n  compute_budget: 8\ntraining:\n  algorithm: nonprivate\n", "chooses between uls and els"),
-    ("plan: auto\nplanning:\n  compute_budget: 8\nprivacy:\n  noise_multiplier: 1.0\n", "drop privacy.noise_multiplier"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("plan: manual\n", "plan must be one of auto"),
+        ("planning:\n  budget: 8\n", "unknown key 'planning.budget'"),
+        ("plan: auto\nplanning:\n  compute_budget: 0\n", "planning.compute_budget must be >= 1"),
+        ("plan: auto\nplanning:\n  compute_budget: 8\n  sample_users: 0\n", "planning.sample_users must be >= 1"),
+        ("planning:\n  dp_median_epsilon: -1\n", "planning.dp_median_epsilon must be > 0"),
+        ("planning:\n  algorithm: fedavg\n", "planning.algorithm must be one of"),
+        (
+            "plan: auto\nplanning:\n  compute_budget: 8\ntraining:\n  algorithm: nonprivate\n",
+            "chooses between uls and els",
+        ),
+        (
+            "plan: auto\nplanning:\n  compute_budget: 8\nprivacy:\n  noise_multiplier: 1.0\n",
+            "drop privacy.noise_multiplier",
+        ),
+    ],
+)
 def test_bad_planning_keys_are_refused(tmp_path, text, match):
     f = tmp_path / "c.yaml"
     f.write_text(text)
@@ -74,10 +83,14 @@ def test_cli_error_is_one_line(tmp_path, capsys):
 def tiny_files(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("plan_auto")
     data, public = write_tiny_corpus(tmp_path)
-    base = tiny_config(data, public, "  checkpoint_every: 1\n  seed: 3\n",
-                       "  accountant: rdp  # calibrates faster than PLD at these settings\n",
-                       f"eval:\n  before: false\noutput:\n  plot: false\nplan: auto\nplanning:\n"
-                       f"  compute_budget: {BUDGET}\n  sample_users: 8\n  seed: 1\n")
+    base = tiny_config(
+        data,
+        public,
+        "  checkpoint_every: 1\n  seed: 3\n",
+        "  accountant: rdp  # calibrates faster than PLD at these settings\n",
+        f"eval:\n  before: false\noutput:\n  plot: false\nplan: auto\nplanning:\n"
+        f"  compute_budget: {BUDGET}\n  sample_users: 8\n  seed: 1\n",
+    )
     return tmp_path, base
 
 
@@ -103,8 +116,11 @@ def test_plan_auto_run_saves_planned_config_resumes_without_replanning_and_repor
 
     written = []  # config.yaml is written once, as planned (issue 36: it was written, then rewritten)
     for mod in (userdp.lm.finetune, userdp.lm.plan_auto):
-        monkeypatch.setattr(mod, "write_atomic",
-                            lambda path, *a, **k: written.append(Path(path).name) or userdp.fileio.write_atomic(path, *a, **k))
+        monkeypatch.setattr(
+            mod,
+            "write_atomic",
+            lambda path, *a, **k: written.append(Path(path).name) or userdp.fileio.write_atomic(path, *a, **k),
+        )
     with functions_called() as called:  # the plan: auto path takes at most 6 parameters a function too
         assert cli(["train", str(cfg), "--output", str(out), "--no-progress"]) == 130
     assert any(c.co_name == "plan_for_training" for c in called) and not wide(called), wide(called)
@@ -198,10 +214,15 @@ def test_plan_auto_dp_median_is_counted_in_the_total(tiny, capsys):
     # issue 34 (H4): the plan's spend is bound to the journal; deleting or editing the plan section
     # no longer drops it from the headline
     good = (out / "privacy.json").read_text()
-    for edit, why in ((lambda r: r.pop("plan"), "carries no plan section"),
-                      (lambda r: r["plan"].update(dp_median_epsilon_spent=0.0,
-                                                  els=dict(r["plan"]["els"], group_size_method="median")),
-                       "not the 0.5 the ledger journal")):
+    for edit, why in (
+        (lambda r: r.pop("plan"), "carries no plan section"),
+        (
+            lambda r: r["plan"].update(
+                dp_median_epsilon_spent=0.0, els=dict(r["plan"]["els"], group_size_method="median")
+            ),
+            "not the 0.5 the ledger journal",
+        ),
+    ):
         rec = json.loads(good)
         edit(rec)
         (out / "privacy.json").write_text(json.dumps(rec))

@@ -17,6 +17,7 @@ from userdp.planning import (
 
 # ---------------------------------------------------------------- ELS median
 
+
 def test_els_median_is_over_users_not_records():
     # 9 users with 1 record and 1 user with 1000 records: the median record belongs to the
     # heavy user (a per-record median would be 1000); the per-user median is 1.
@@ -43,7 +44,7 @@ def test_dp_median_is_accurate_with_fixed_seed():
     draws = [dp_median(sizes, 1.0, rng=np.random.default_rng(s)) for s in range(200)]
     # the log grid has ratio 2**(1/4) ~ 1.19; with n = 2000 and eps = 1 the mechanism should
     # land within one grid step of the median essentially always
-    within = np.mean([abs(math.log(d / true)) <= math.log(2 ** 0.5) for d in draws])
+    within = np.mean([abs(math.log(d / true)) <= math.log(2**0.5) for d in draws])
     assert within >= 0.97
     choice = els_group_size(sizes, dp_median_epsilon=0.5, rng=np.random.default_rng(1))
     assert choice.method == "dp_median" and choice.epsilon_spent == 0.5
@@ -85,6 +86,7 @@ def test_dp_median_sampling_matches_its_distribution():
 
 
 # ---------------------------------------------------------------- Estimate-and-Double
+
 
 def step_sigma(m):  # monotone sigma(M): flat (full amplification) until 8, then linear
     return max(1.0, m / 8.0)

@@ -21,8 +21,9 @@ def test_l_of_g_follows_one_over_sqrt_g_for_nearly_orthogonal_gradients():
     # at theta = 0 the record gradient is -x with x ~ N(0, I_d): ||mean of G|| ~ sqrt(d/G)
     d = 256
     sizes = np.full(300, 32)
-    est = GradientNormEstimator(MeanModel(d), _gaussian_users(300, d, sizes), loss_fn, NormSample(128),
-                                rng=np.random.default_rng(1))
+    est = GradientNormEstimator(
+        MeanModel(d), _gaussian_users(300, d, sizes), loss_fn, NormSample(128), rng=np.random.default_rng(1)
+    )
     assert len(est.users) == 128 and len(set(est.users)) == 128
     for g in (1, 4, 16):
         assert est(g) * math.sqrt(g) / math.sqrt(d) == pytest.approx(1.0, abs=0.05)
@@ -44,8 +45,10 @@ def test_l_of_g_matches_a_direct_computation():
         model.theta.fill_(0.5)
     est = GradientNormEstimator(model, data, loss_fn, NormSample(4), rng=np.random.default_rng(0))
     # G >= every user's size: each user's mean gradient is theta - mean(x_u), no sampling
-    direct = [np.linalg.norm(0.5 - data.tensors["x"][a:b].numpy().mean(0))
-              for a, b in zip(data.offsets[:-1], data.offsets[1:])]
+    direct = [
+        np.linalg.norm(0.5 - data.tensors["x"][a:b].numpy().mean(0))
+        for a, b in zip(data.offsets[:-1], data.offsets[1:])
+    ]
     assert est(8) == pytest.approx(float(np.median(direct)), rel=1e-5)
 
 
@@ -61,8 +64,13 @@ def test_plan_for_budget_with_injected_parts():
         calls.append((p, g))
         return 3.0
 
-    plan = plan_for_budget(sizes, PlanBudget(128, 1.0, 100, delta=1e-5), lambda g: 4.0 / math.sqrt(g),
-                           sigmas=Sigmas(fake_sigma, els_sigma), sample_users=32)
+    plan = plan_for_budget(
+        sizes,
+        PlanBudget(128, 1.0, 100, delta=1e-5),
+        lambda g: 4.0 / math.sqrt(g),
+        sigmas=Sigmas(fake_sigma, els_sigma),
+        sample_users=32,
+    )
     e, u = plan.els, plan.uls
     assert e["group_size"] == 9
     dprime = 50 * 1 + 40 * 9 + 30 * 9
@@ -78,8 +86,11 @@ def test_plan_for_budget_with_injected_parts():
     d = plan.to_dict()
     assert set(d) >= {"els", "uls", "recommended", "data_touches"}
     assert "non-private" in d["data_touches"] and "32 users" in d["data_touches"]
-    assert plan.training_overrides("uls") == {"training.algorithm": "uls", "training.group_size": 8,
-                                              "training.cohort_size": 16.0}
+    assert plan.training_overrides("uls") == {
+        "training.algorithm": "uls",
+        "training.group_size": 8,
+        "training.cohort_size": 16.0,
+    }
     # the plan says what its choice means for the data (issue 28, 4)
     from userdp.planning import explain, format_plan
 
@@ -92,15 +103,23 @@ def test_plan_for_budget_with_injected_parts():
 
 
 def test_plan_for_budget_budget_not_a_power_of_two_and_few_users():
-    plan = plan_for_budget(np.full(10, 50), PlanBudget(100, 1.0, 10, delta=1e-5), lambda g: 1.0 / math.sqrt(g),
-                           sigmas=Sigmas(lambda m: 1.0, lambda p, g: 1.0))
+    plan = plan_for_budget(
+        np.full(10, 50),
+        PlanBudget(100, 1.0, 10, delta=1e-5),
+        lambda g: 1.0 / math.sqrt(g),
+        sigmas=Sigmas(lambda m: 1.0, lambda p, g: 1.0),
+    )
     u = plan.uls
     assert u["cohort_size"] <= 10
     assert u["cohort_size"] * u["group_size"] == pytest.approx(100) or u["cohort_size"] == 10
     assert any("power" in n for n in plan.notes)
     # ELS: budget above |D'| -> p = 1 and a note
-    plan2 = plan_for_budget(np.full(4, 2), PlanBudget(64, 1.0, 10, delta=1e-5), lambda g: 1.0,
-                            sigmas=Sigmas(lambda m: 1.0, lambda p, g: 1.0))
+    plan2 = plan_for_budget(
+        np.full(4, 2),
+        PlanBudget(64, 1.0, 10, delta=1e-5),
+        lambda g: 1.0,
+        sigmas=Sigmas(lambda m: 1.0, lambda p, g: 1.0),
+    )
     assert plan2.els["sampling_rate"] == 1.0 and plan2.els["expected_batch_size"] == 8
     assert plan2.uls["cohort_size"] <= 4
 
@@ -111,15 +130,20 @@ def test_plan_for_training_end_to_end_with_the_accountant():
     rng = np.random.default_rng(5)
     sizes = rng.integers(1, 4, size=400)  # small G_ELS keeps the MoG calibration cheap
     data = _gaussian_users(400, d, sizes, seed=5)
-    plan = plan_for_training(data, MeanModel(d), loss_fn, PlanBudget(16, 2.0, 100, accountant="rdp"),  # RDP: cheap
-                             NormSample(64, seed=0))
+    plan = plan_for_training(
+        data,
+        MeanModel(d),
+        loss_fn,
+        PlanBudget(16, 2.0, 100, accountant="rdp"),  # RDP: cheap
+        NormSample(64, seed=0),
+    )
     u, e = plan.uls, plan.els
     assert u["cohort_size"] * u["group_size"] == 16
     assert e["group_size"] == int(math.ceil(np.median(sizes)))
     assert u["noise_multiplier"] > 0 and e["noise_multiplier"] > 0
     # orthogonal-ish gradients and a sigma(M) that is flat for small M: E&D grows M first
     assert plan.uls["estimate_and_double"]["trace"][0]["doubled"] == "M"
-    assert plan.inputs["delta"] == pytest.approx(400 ** -1.1)
+    assert plan.inputs["delta"] == pytest.approx(400**-1.1)
 
 
 def test_cli_plan_rejects_bad_budget_in_one_line(capsys):

@@ -53,8 +53,17 @@ BAD_COHORTS = {
 
 
 def _config(**kw):
-    base = dict(algorithm=ULS(2, 0.5), steps=2, clipping=FlatClip(1.0), optimizer=SGD(0.1), noise_multiplier=1.0,
-                delta=1e-5, seed=3, track_epsilon=False, accountant="rdp")
+    base = dict(
+        algorithm=ULS(2, 0.5),
+        steps=2,
+        clipping=FlatClip(1.0),
+        optimizer=SGD(0.1),
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=3,
+        track_epsilon=False,
+        accountant="rdp",
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -88,11 +97,15 @@ class _Noise(IIDGaussian):
             type(self).write(t)
 
 
-@pytest.mark.parametrize("write, needle", [
-    (lambda t: t.fill_(float("nan")), "non-finite"),
-    (lambda t: t.view(-1)[0].fill_(float("inf")), "non-finite"),
-    (lambda t: (_ for _ in ()).throw(ValueError("oops")), "raised ValueError: oops"),
-], ids=["nan", "inf", "raises"])
+@pytest.mark.parametrize(
+    "write, needle",
+    [
+        (lambda t: t.fill_(float("nan")), "non-finite"),
+        (lambda t: t.view(-1)[0].fill_(float("inf")), "non-finite"),
+        (lambda t: (_ for _ in ()).throw(ValueError("oops")), "raised ValueError: oops"),
+    ],
+    ids=["nan", "inf", "raises"],
+)
 def test_a_plugin_noise_mechanisms_bad_release_is_refused_before_the_model_moves(write, needle):
     class Bad(_Noise):
         name = "bad_noise_for_test"
@@ -129,13 +142,20 @@ def test_the_neighbour_test_catches_a_duplicating_sampler_without_the_boundary(m
     """The sampler names the added user twice (it is last): its share of the released sum is 2C.
     The boundary refuses the cohort; with the boundary switched off the neighbour test measures the
     doubled share (so the check is what keeps the property, not an accident of the test)."""
-    SAMPLERS.register(_Sampler("dup_last_for_test", lambda n: np.concatenate([np.arange(n), [n - 1]])),
-                      name="dup_last_for_test")
+    SAMPLERS.register(
+        _Sampler("dup_last_for_test", lambda n: np.concatenate([np.arange(n), [n - 1]])), name="dup_last_for_test"
+    )
     init = torch.from_numpy(np.random.default_rng(0).normal(size=4)).float()
     data = user_data([2] * 6, d=4, seed=1)
     attacker = user_data([2], d=4, seed=2, scale=50.0)
-    cfg = TrainConfig(algorithm=ULS(2, 1.0), steps=1, clipping=FlatClip(1.0), noise_multiplier=1.0, seed=11,
-                      sampling="dup_last_for_test")
+    cfg = TrainConfig(
+        algorithm=ULS(2, 1.0),
+        steps=1,
+        clipping=FlatClip(1.0),
+        noise_multiplier=1.0,
+        seed=11,
+        sampling="dup_last_for_test",
+    )
 
     def build():
         return Mean(4, init=init)

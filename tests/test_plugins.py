@@ -34,8 +34,11 @@ def test_a_registry_registers_looks_up_and_refuses_with_a_did_you_mean():
     class Beta:
         name = "beta"
 
-    assert reg.names() == ("alpha", "beta") and reg.lookup("beta") is Beta and reg.choices("auto")() == (
-        "auto", "alpha", "beta")
+    assert (
+        reg.names() == ("alpha", "beta")
+        and reg.lookup("beta") is Beta
+        and reg.choices("auto")() == ("auto", "alpha", "beta")
+    )
     with pytest.raises(UserError, match=r"widget must be one of alpha, beta; did you mean beta\? \(got 'betaa'\)"):
         reg.lookup("betaa")
     with pytest.raises(UserError, match="a widget named 'beta' is already registered"):
@@ -79,7 +82,8 @@ def test_a_configs_plugins_key_loads_modules_before_its_choices_are_checked(tmp_
     (tmp_path / "my_userdp_accountant.py").write_text(
         "from userdp.accounting import accountants as A\n"
         "class Copy(A.RDPAccountant):\n    name = 'rdp_copy'\n"
-        "A.register_accountant(Copy())\n")
+        "A.register_accountant(Copy())\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     f = tmp_path / "c.yaml"
     f.write_text("plugins: [my_userdp_accountant]\nprivacy:\n  accountant: rdp_copy\n")
@@ -92,16 +96,35 @@ def test_an_installed_packages_entry_point_is_loaded_by_the_cli(tmp_path, monkey
     site = tmp_path / "site"
     (site / "fake_userdp_plugin-1.0.dist-info").mkdir(parents=True)
     (site / "fake_userdp_plugin-1.0.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: fake-userdp-plugin\nVersion: 1.0\n")
+        "Metadata-Version: 2.1\nName: fake-userdp-plugin\nVersion: 1.0\n"
+    )
     (site / "fake_userdp_plugin-1.0.dist-info" / "entry_points.txt").write_text(
-        "[userdp.plugins]\nfake = fake_userdp_plugin_mod\n")
+        "[userdp.plugins]\nfake = fake_userdp_plugin_mod\n"
+    )
     (site / "fake_userdp_plugin_mod.py").write_text(
         "from userdp.accounting import accountants as A\n"
         "class Ep(A.RDPAccountant):\n    name = 'rdp_from_entry_point'\n"
-        "A.register_accountant(Ep())\n")
+        "A.register_accountant(Ep())\n"
+    )
     monkeypatch.syspath_prepend(str(site))
-    rc = main(["account", "--mechanism", "uls", "--noise-multiplier", "1.0", "--sampling-rate", "0.01",
-               "--steps", "10", "--delta", "1e-6", "--accountant", "rdp_from_entry_point", "--json"])
+    rc = main(
+        [
+            "account",
+            "--mechanism",
+            "uls",
+            "--noise-multiplier",
+            "1.0",
+            "--sampling-rate",
+            "0.01",
+            "--steps",
+            "10",
+            "--delta",
+            "1e-6",
+            "--accountant",
+            "rdp_from_entry_point",
+            "--json",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     out = json.loads(capsys.readouterr().out)
     assert out["accountant"] == "rdp_from_entry_point"
@@ -140,8 +163,9 @@ def test_a_plugin_accountant_runs_through_userdp_train(tmp_path, tiny, monkeypat
 
 def test_a_plugin_uls_variant_runs_through_userdp_train(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
-    out, priv = _train(tmp_path, tiny[1], "--plugin", str(EXAMPLES / "recent_records.py"),
-                       "--set", "training.algorithm=uls_recent")
+    out, priv = _train(
+        tmp_path, tiny[1], "--plugin", str(EXAMPLES / "recent_records.py"), "--set", "training.algorithm=uls_recent"
+    )
     assert priv["algorithm"] == "uls_recent" and "most recent records" in priv["unit"]
     assert priv["sampler_assumed"] == "poisson_users"  # a user-level unit: ULS's accounting, unchanged
     assert priv["engine_record"]["algorithm"]["type"] == "ULSRecent"  # the plugin's class trained
@@ -151,8 +175,9 @@ def test_a_plugin_uls_variant_runs_through_userdp_train(tmp_path, tiny, monkeypa
 @pytest.mark.slow
 def test_a_plugin_per_unit_strategy_runs_through_userdp_train_and_matches_vmap(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
-    out_loop, priv = _train(tmp_path / "loop", tiny[1], "--plugin", str(EXAMPLES / "loop_per_unit.py"),
-                            "--set", "training.per_unit=loop")
+    out_loop, priv = _train(
+        tmp_path / "loop", tiny[1], "--plugin", str(EXAMPLES / "loop_per_unit.py"), "--set", "training.per_unit=loop"
+    )
     assert priv["engine_record"]["per_unit"]["strategy"] == "loop"
     out_vmap, _ = _train(tmp_path / "vmap", tiny[1], "--set", "training.per_unit=vmap")
     a, b = (load_file(str(o / "model" / "model.safetensors")) for o in (out_loop, out_vmap))
@@ -221,9 +246,18 @@ def test_the_float64_noise_mechanism_adds_gaussian_noise_of_the_asked_std(isolat
 @pytest.mark.slow
 def test_a_plugin_sampler_and_noise_mechanism_run_through_userdp_train(tmp_path, tiny, monkeypatch):
     monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
-    out, priv = _train(tmp_path, tiny[1], "--plugin", str(EXAMPLES / "geometric_poisson.py"),
-                       "--plugin", str(EXAMPLES / "float64_noise.py"), "--set", "privacy.sampler=poisson_geometric",
-                       "--set", "privacy.noise=iid_gaussian_float64")
+    out, priv = _train(
+        tmp_path,
+        tiny[1],
+        "--plugin",
+        str(EXAMPLES / "geometric_poisson.py"),
+        "--plugin",
+        str(EXAMPLES / "float64_noise.py"),
+        "--set",
+        "privacy.sampler=poisson_geometric",
+        "--set",
+        "privacy.noise=iid_gaussian_float64",
+    )
     rec = priv["engine_record"]
     assert rec["sampler"] == {"name": "poisson_geometric", "mode": "poisson_geometric_gaps", "accounted_as": "poisson"}
     assert rec["noise_mechanism"] == "iid_gaussian_float64"

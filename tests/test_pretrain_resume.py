@@ -31,15 +31,20 @@ def test_an_interrupted_pretraining_continues_from_its_checkpoint_bit_for_bit(tm
             raise _Stop
 
     try:
-        pretrain_model(TEXTS, tok, spec, report=Reporting(progress=False, state_path=state, say=said.append,
-                                                          log=stop_at_8, every=5))
+        pretrain_model(
+            TEXTS,
+            tok,
+            spec,
+            report=Reporting(progress=False, state_path=state, say=said.append, log=stop_at_8, every=5),
+        )
     except _Stop:
         pass
     assert state.is_file()  # the checkpoint of step 5 (every=5 below) survived the stop at step 8
     assert any("about" in s and "steps left" in s for s in said)  # how long, before it is done
     said.clear()
-    again, info = pretrain_model(TEXTS, tok, spec, report=Reporting(progress=False, state_path=state,
-                                                                     say=said.append, every=5))
+    again, info = pretrain_model(
+        TEXTS, tok, spec, report=Reporting(progress=False, state_path=state, say=said.append, every=5)
+    )
     assert any("continuing from step 5 of 12" in s for s in said), said
     assert not state.exists()  # removed once done
     for (n, a), (_, b) in zip(ref.state_dict().items(), again.state_dict().items()):
@@ -76,8 +81,16 @@ def test_two_runs_that_need_one_pretrained_model_pretrain_it_once(tmp_path):
     code = _PRETRAIN_ONE.format(tests=str(Path(__file__).parent))
     env = dict(os.environ, USERDP_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
     env.pop("USERDP_TEST_SESSION", None)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / f"run{i}")], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path / f"run{i}")],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     assert sum("pretrained in" in o for o in outs) == 1, outs  # one pretraining, not two

@@ -69,22 +69,31 @@ def test_train_counts_the_prior_first_and_against_the_target():
     assert res.epsilon == pytest.approx(A.epsilon(total, DELTA), rel=1e-9) and res.epsilon <= 3.0
     assert res.record["steps_accounted"] == 20
     # a fixed sigma calibrated without the median has no room for it: the budget stops the run early
-    alone = train(Mean(3), data, sq_loss, TrainConfig(algorithm=ULS(2, 0.1), steps=20, target_epsilon=3.0,
-                                                      delta=DELTA))
-    fixed = TrainConfig(algorithm=ULS(2, 0.1), steps=20, noise_multiplier=alone.noise_multiplier,
-                        target_epsilon=3.0, delta=DELTA, prior_events=(median,))
+    alone = train(Mean(3), data, sq_loss, TrainConfig(algorithm=ULS(2, 0.1), steps=20, target_epsilon=3.0, delta=DELTA))
+    fixed = TrainConfig(
+        algorithm=ULS(2, 0.1),
+        steps=20,
+        noise_multiplier=alone.noise_multiplier,
+        target_epsilon=3.0,
+        delta=DELTA,
+        prior_events=(median,),
+    )
     stopped = train(Mean(3), data, sq_loss, fixed)
     assert stopped.record["steps_accounted"] < 20 and stopped.epsilon <= 3.0
     # the journal and a resume are bound to the prior (a privacy setting)
-    assert privacy_repr(cfg) != privacy_repr(TrainConfig(algorithm=ULS(2, 0.1), steps=20, target_epsilon=3.0,
-                                                         delta=DELTA))
+    assert privacy_repr(cfg) != privacy_repr(
+        TrainConfig(algorithm=ULS(2, 0.1), steps=20, target_epsilon=3.0, delta=DELTA)
+    )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(prior_events=("median",), target_epsilon=3.0), r"prior_events\[0\] must be a dp_accounting DpEvent"),
-    (dict(prior_events=A.pure_dp_event(0.5), target_epsilon=3.0), "prior_events must be a tuple"),
-    (dict(prior_events=(A.pure_dp_event(0.5),), noise_multiplier=0.0), "non-private run"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prior_events=("median",), target_epsilon=3.0), r"prior_events\[0\] must be a dp_accounting DpEvent"),
+        (dict(prior_events=A.pure_dp_event(0.5), target_epsilon=3.0), "prior_events must be a tuple"),
+        (dict(prior_events=(A.pure_dp_event(0.5),), noise_multiplier=0.0), "non-private run"),
+    ],
+)
 def test_a_bad_prior_is_one_line_naming_it(kwargs, match):
     with pytest.raises(UserError, match=match):
         TrainConfig(algorithm=ULS(2, 0.1), steps=5, delta=DELTA, **kwargs)

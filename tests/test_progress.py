@@ -63,8 +63,9 @@ def test_reading_tokenizing_planning_and_evaluating_each_count_their_whole_work(
 
     from userdp.planning import GradientNormEstimator, NormSample
 
-    est = GradientNormEstimator(Mean(3), user_data([4] * 40), sq_loss, NormSample(30, chunk_size=8),
-                                rng=np.random.default_rng(0))
+    est = GradientNormEstimator(
+        Mean(3), user_data([4] * 40), sq_loss, NormSample(30, chunk_size=8), rng=np.random.default_rng(0)
+    )
     est(2)
     (planning,) = [b for b in bars if b.desc.startswith("planning: L(G = 2)")]
     assert planning.total == planning.n == 30

@@ -69,8 +69,9 @@ def test_a_cache_folder_that_is_not_userdps_is_refused(tmp_path, capsys):
     assert [p.name for p in mine.iterdir()] == ["chapter1.tex"] and afile.read_text() == "x"
 
 
-@pytest.mark.parametrize("slip, keyword", [("Run", "run"), ("RUN", "run"), ("runs", "run"), ("Shared", "shared"),
-                                          ("shard", "shared")])
+@pytest.mark.parametrize(
+    "slip, keyword", [("Run", "run"), ("RUN", "run"), ("runs", "run"), ("Shared", "shared"), ("shard", "shared")]
+)
 def test_a_slip_for_a_cache_keyword_is_refused_not_made_into_a_folder(tmp_path, monkeypatch, slip, keyword):
     """`output.cache: Run` (a slip for `run`) silently put the private store in a new ./Run folder.
     A bare name close to a keyword is refused with the keyword; written as a path it is a folder."""

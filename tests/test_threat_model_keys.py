@@ -43,11 +43,13 @@ def run_dir(tmp_path_factory):
 def _keys(run: Path) -> dict[str, set[str]]:
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     state = json.loads((run / "state.json").read_text())
-    return {"metrics.jsonl": set().union(*map(set, rows)),
-            "privacy.json": set(json.loads((run / "privacy.json").read_text())),
-            "report.json": set(json.loads((run / "report.json").read_text())),
-            "eval.json": set(json.loads((run / "eval.json").read_text())),
-            "state.json": set(state) | set(state["summary"])}
+    return {
+        "metrics.jsonl": set().union(*map(set, rows)),
+        "privacy.json": set(json.loads((run / "privacy.json").read_text())),
+        "report.json": set(json.loads((run / "report.json").read_text())),
+        "eval.json": set(json.loads((run / "eval.json").read_text())),
+        "state.json": set(state) | set(state["summary"]),
+    }
 
 
 def test_the_threat_model_names_every_key_each_released_file_carries(run_dir):

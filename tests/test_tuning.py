@@ -20,8 +20,15 @@ from _lm_corpus import interrupt_after_checkpoint, tiny_config, write_tiny_corpu
 ORDERS = TA.ORDERS
 
 
-@pytest.mark.parametrize("count", [TrialCount.with_mean("tnb", 6, 1.0), TrialCount.with_mean("tnb", 6, 0.5),
-                                   TrialCount.with_mean("tnb", 6, 0.0), TrialCount("poisson", mu=6.0)])
+@pytest.mark.parametrize(
+    "count",
+    [
+        TrialCount.with_mean("tnb", 6, 1.0),
+        TrialCount.with_mean("tnb", 6, 0.5),
+        TrialCount.with_mean("tnb", 6, 0.0),
+        TrialCount("poisson", mu=6.0),
+    ],
+)
 def test_trial_count_matches_its_distribution(count):
     """Chi-squared goodness of fit of 20,000 draws (fixed seed) against the pmf; the pmf sums to 1
     and its mean is the closed form."""
@@ -43,8 +50,12 @@ def _tnb_direct(rho, count):
     """Their Theorem 2, written out with loops and E[K] from the pmf."""
     ek = float((np.arange(1, 5000) * count.pmf(np.arange(1, 5000))).sum())
     inner = min((1 - 1 / lh) * rho[j] + math.log(1 / count.gamma) / lh for j, lh in enumerate(ORDERS) if lh >= 1)
-    return np.array([rho[i] + (1 + count.eta) * inner + math.log(ek) / (lam - 1) if lam > 1 else np.inf
-                     for i, lam in enumerate(ORDERS)])
+    return np.array(
+        [
+            rho[i] + (1 + count.eta) * inner + math.log(ek) / (lam - 1) if lam > 1 else np.inf
+            for i, lam in enumerate(ORDERS)
+        ]
+    )
 
 
 @pytest.mark.parametrize("eta", [0.0, 0.5, 1.0, 2.0])
@@ -67,7 +78,8 @@ def test_poisson_bound_uses_a_valid_delta_hat():
         eps_hat = math.log1p(1 / (lam - 1))
         # the exact delta of a Gaussian mechanism at eps_hat: the RDP-derived one used is never below it
         exact = stats.norm.cdf(-eps_hat * sigma + 1 / (2 * sigma)) - math.exp(eps_hat) * stats.norm.cdf(
-            -eps_hat * sigma - 1 / (2 * sigma))
+            -eps_hat * sigma - 1 / (2 * sigma)
+        )
         lower = rho[i] + mu * exact + math.log(mu) / (lam - 1)
         d_hat = float(rdp_lib.compute_delta(ORDERS, rho, eps_hat)[0])
         assert got[i] >= lower - 1e-12
@@ -99,20 +111,23 @@ def test_a_budget_below_the_selection_floor_is_refused():
 
 
 def test_space_parsing_and_refusals():
-    s = parse_space({"training.lr": {"log_uniform": [1e-4, 1e-2]}, "training.group_size": [2, 4],
-                     "training.cohort_size": [16, 32]})
+    s = parse_space(
+        {"training.lr": {"log_uniform": [1e-4, 1e-2]}, "training.group_size": [2, 4], "training.cohort_size": [16, 32]}
+    )
     assert len(s.mechanisms()) == 4
     rng = np.random.default_rng(0)
     lrs = [s.draw(rng)["training.lr"] for _ in range(2000)]
     assert 1e-4 <= min(lrs) and max(lrs) <= 1e-2
     # log-uniform: log10(lr) uniform on [-4, -2]
     assert stats.kstest((np.log10(lrs) + 4) / 2, "uniform").pvalue > 1e-3
-    for bad, msg in [({"privacy.epsilon": [1, 2]}, "cannot be tuned"),
-                     ({"data.path": ["x"]}, "cannot be tuned"),
-                     ({"training.steps": {"uniform": [10, 20]}}, "changes the privacy mechanism"),
-                     ({"training.lr": {"log_uniform": [0, 1]}}, "low > 0"),
-                     ({"training.lr": []}, "empty list"),
-                     ([1, 2], "expected a mapping")]:
+    for bad, msg in [
+        ({"privacy.epsilon": [1, 2]}, "cannot be tuned"),
+        ({"data.path": ["x"]}, "cannot be tuned"),
+        ({"training.steps": {"uniform": [10, 20]}}, "changes the privacy mechanism"),
+        ({"training.lr": {"log_uniform": [0, 1]}}, "low > 0"),
+        ({"training.lr": []}, "empty list"),
+        ([1, 2], "expected a mapping"),
+    ]:
         with pytest.raises(UserError, match=msg):
             parse_space(bad)
 
@@ -157,8 +172,19 @@ def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, 
     monkeypatch.setattr(J, "trial_dir_name", lambda: next(names))
     real = interrupt_after_checkpoint(monkeypatch, 2, where="0b")  # the second trial dies at its step 2
     out = tmp / "tune"
-    argv = ["tune", str(cfg), "--search", str(space), "--epsilon", "8", "--mean-trials", "2",
-            "--output", str(out), "--no-progress"]
+    argv = [
+        "tune",
+        str(cfg),
+        "--search",
+        str(space),
+        "--epsilon",
+        "8",
+        "--mean-trials",
+        "2",
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     assert cli(argv) == 130
     plan = json.loads((out / "tune.json").read_text())
     assert plan["trials_planned"] == 2 and plan["trials"][0]["score"] is not None
@@ -217,12 +243,14 @@ def test_bad_tune_input_is_one_line_and_exit_2(tiny, capsys):
     tmp, cfg, space = tiny
     bad_space = tmp / "bad.yaml"
     bad_space.write_text("training.lr: [\n")
-    cases = [(["tune", str(cfg), "--epsilon", "3"], "--search"),
-             (["tune", str(cfg), "--search", str(space)], "--epsilon"),
-             (["tune", str(cfg), "--search", str(bad_space), "--epsilon", "3"], "bad.yaml"),
-             (["tune", str(cfg), "--search", str(space), "--epsilon", "0.01"], "cannot cover"),
-             (["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--on", "public"], "--public-config"),
-             (["tune", "--resume", str(tmp / "nowhere")], "nowhere")]
+    cases = [
+        (["tune", str(cfg), "--epsilon", "3"], "--search"),
+        (["tune", str(cfg), "--search", str(space)], "--epsilon"),
+        (["tune", str(cfg), "--search", str(bad_space), "--epsilon", "3"], "bad.yaml"),
+        (["tune", str(cfg), "--search", str(space), "--epsilon", "0.01"], "cannot cover"),
+        (["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--on", "public"], "--public-config"),
+        (["tune", "--resume", str(tmp / "nowhere")], "nowhere"),
+    ]
     for argv, needle in cases:
         assert cli(argv + ["--no-progress"]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
@@ -237,22 +265,78 @@ def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, 
     data, public = write_tiny_corpus(pub_dir)
     copy_cfg = tmp / "copy.yaml"  # the private file byte for byte under another name: refused
     copy_cfg.write_text(tiny_config(data, public))
-    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--on", "public", "--public-config",
-                str(copy_cfg), "--output", str(tmp / "tune_copy"), "--no-progress"]) == 2
+    assert (
+        cli(
+            [
+                "tune",
+                str(cfg),
+                "--search",
+                str(space),
+                "--epsilon",
+                "3",
+                "--on",
+                "public",
+                "--public-config",
+                str(copy_cfg),
+                "--output",
+                str(tmp / "tune_copy"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "same content as the private data" in capsys.readouterr().err
     lines = data.read_text().splitlines()  # the same people, one record edited: refused by user overlap
     data.write_text("\n".join([json.dumps({"user": "u0", "text": "an edited record"})] + lines[1:]) + "\n")
-    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--on", "public", "--public-config",
-                str(copy_cfg), "--output", str(tmp / "tune_copy"), "--no-progress"]) == 2
+    assert (
+        cli(
+            [
+                "tune",
+                str(cfg),
+                "--search",
+                str(space),
+                "--epsilon",
+                "3",
+                "--on",
+                "public",
+                "--public-config",
+                str(copy_cfg),
+                "--output",
+                str(tmp / "tune_copy"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "are users of the private data" in capsys.readouterr().err
     # other people (every author renamed, so neither the content nor the users are the private data's)
     data.write_text(data.read_text().replace('"user": "u', '"user": "public-'))
     pub_cfg = tmp / "public.yaml"
     pub_cfg.write_text(tiny_config(data, public))
     out = tmp / "tune_pub"
-    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "3", "--mean-trials", "2",
-                "--on", "public", "--public-config", str(pub_cfg), "--output", str(out), "--json",
-                "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "tune",
+                str(cfg),
+                "--search",
+                str(space),
+                "--epsilon",
+                "3",
+                "--mean-trials",
+                "2",
+                "--on",
+                "public",
+                "--public-config",
+                str(pub_cfg),
+                "--output",
+                str(out),
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     plan = json.loads((out / "tune.json").read_text())
     # every trial trained on the public config's data; one run (final/) on the private data
@@ -282,8 +366,26 @@ def test_trials_share_one_private_cache_in_the_tuning_directory(tiny, monkeypatc
     with shared_run_cache(tmp / "shared"):
         assert run_cache(tmp / "r") == tmp / "shared"
     out = tmp / "tune_cache"
-    assert cli(["tune", str(cfg), "--search", str(space), "--epsilon", "8", "--mean-trials", "2",
-                "--set", "output.cache=run", "--output", str(out), "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "tune",
+                str(cfg),
+                "--search",
+                str(space),
+                "--epsilon",
+                "8",
+                "--mean-trials",
+                "2",
+                "--set",
+                "output.cache=run",
+                "--output",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     plan = json.loads((out / "tune.json").read_text())
     trials = [out / "trials" / t["dir"] for t in plan["trials"]]
     assert len(trials) == 2 and all((d / "privacy.json").is_file() for d in trials)

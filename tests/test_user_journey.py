@@ -93,7 +93,7 @@ def test_init_guesses_fields_writes_a_valid_config_and_never_overwrites(tmp_path
     # delta: the default's value for this N, with its reason (issue 39); the baseline is named
     delta_line = next(ln for ln in text.splitlines() if ln.strip().startswith("delta:"))
     n_train = int(7 * (1 - 0.2))  # 7 users, 20% held out
-    assert cfg.privacy.delta is None and f"{n_train ** -1.1:.2g} = {n_train ** -0.1:.2g}/N" in delta_line
+    assert cfg.privacy.delta is None and f"{n_train**-1.1:.2g} = {n_train**-0.1:.2g}/N" in delta_line
     assert "1/N" in text and "delta = 1e-6" in text and "nonprivate" in text
     before = out.read_text()
     assert cli(["init", str(data), "--output", str(out)]) == 2
@@ -123,8 +123,11 @@ def test_cache_info_marks_private_kinds_and_clear_removes_them(tmp_path, monkeyp
 def test_cache_clear_recognises_an_older_userdps_cache(tmp_path, monkeypatch, capsys):
     # caches written before the marker: every entry is a folder named and filled as userdp does
     monkeypatch.setenv("USERDP_CACHE", str(tmp_path))
-    for rel in ("stores/jsonl-79c92bb185d2d3d0/meta.json", "tokenized/tok-0e4cffb61064711a4d2f977c/meta.json",
-                "pretrained/tiny-5c6b9116db372ebb/userdp_pretrain.json"):
+    for rel in (
+        "stores/jsonl-79c92bb185d2d3d0/meta.json",
+        "tokenized/tok-0e4cffb61064711a4d2f977c/meta.json",
+        "pretrained/tiny-5c6b9116db372ebb/userdp_pretrain.json",
+    ):
         (tmp_path / rel).parent.mkdir(parents=True)
         (tmp_path / rel).write_text("{}")
     assert cli(["cache", "clear", "--private-only"]) == 0
@@ -172,11 +175,28 @@ def test_nonprivate_report_says_only_that_there_is_no_guarantee():
     from userdp.lm.report import render_markdown
     from userdp.lm.statement import ReleaseFacts, privacy_record
 
-    rec = privacy_record(engine_record(algorithm="nonprivate", noise_multiplier=0.0, sampling_rate=0.1, steps=5,
-                                       num_users=100, expected_units=10, delta_rule=""),
-                         ReleaseFacts(algorithm="nonprivate", accountant="pld", sampler_assumed="poisson_users",
-                                      epsilon_target=None, steps_planned=5, group_size=2, num_records=300,
-                                      clipping="flat", seq_len=16))
+    rec = privacy_record(
+        engine_record(
+            algorithm="nonprivate",
+            noise_multiplier=0.0,
+            sampling_rate=0.1,
+            steps=5,
+            num_users=100,
+            expected_units=10,
+            delta_rule="",
+        ),
+        ReleaseFacts(
+            algorithm="nonprivate",
+            accountant="pld",
+            sampler_assumed="poisson_users",
+            epsilon_target=None,
+            steps_planned=5,
+            group_size=2,
+            num_records=300,
+            clipping="flat",
+            seq_len=16,
+        ),
+    )
     rec["evaluation"] = {"after": {"loss": 3.0, "perplexity": 20.0, "user_loss": 3.1, "num_users": 10}}
     md = render_markdown(rec)
     assert "No differential-privacy guarantee" in md
@@ -189,29 +209,58 @@ def test_private_report_states_delta_against_1_over_n_and_unprotected_mentions()
     from userdp.lm.report import render_markdown
     from userdp.lm.statement import ReleaseFacts, privacy_record
 
-    rec = privacy_record(engine_record(dp_event=A.compose(A.uls_step_event(1.0, 0.1), 5), epsilon=2.0,
-                                       noise_multiplier=1.0, sampling_rate=0.1, steps=5, num_users=4000,
-                                       expected_units=400, delta_rule="delta = N^-1.1 with N = 4000 users"),
-                         ReleaseFacts(algorithm="uls", accountant="pld", sampler_assumed="poisson_users",
-                                      epsilon_target=3.0, steps_planned=5, group_size=2, num_records=9000,
-                                      clipping="flat", seq_len=16))
+    rec = privacy_record(
+        engine_record(
+            dp_event=A.compose(A.uls_step_event(1.0, 0.1), 5),
+            epsilon=2.0,
+            noise_multiplier=1.0,
+            sampling_rate=0.1,
+            steps=5,
+            num_users=4000,
+            expected_units=400,
+            delta_rule="delta = N^-1.1 with N = 4000 users",
+        ),
+        ReleaseFacts(
+            algorithm="uls",
+            accountant="pld",
+            sampler_assumed="poisson_users",
+            epsilon_target=3.0,
+            steps_planned=5,
+            group_size=2,
+            num_records=9000,
+            clipping="flat",
+            seq_len=16,
+        ),
+    )
     md = render_markdown(rec)
     assert "0.4/N" in rec["delta_rule"] and "1/N" in md
     assert "mentioned" in md
     assert "SPEC" not in md
 
 
-@pytest.mark.parametrize("argv, heavy", [(["--help"], []), (["--version"], []), (["account", "--help"], ["dp_accounting"]),
-                                         (["train", "--help"], ["torch", "dp_accounting"])])
+@pytest.mark.parametrize(
+    "argv, heavy",
+    [
+        (["--help"], []),
+        (["--version"], []),
+        (["account", "--help"], ["dp_accounting"]),
+        (["train", "--help"], ["torch", "dp_accounting"]),
+    ],
+)
 def test_the_cli_imports_only_the_command_it_runs(argv, heavy):
     # in a fresh interpreter: `userdp --help` and `--version` import neither torch nor dp_accounting;
     # a command imports its own module (and what that module imports at its top), no other command's
-    code = ("import sys\nfrom userdp.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
-            "print(*(m in sys.modules for m in ('torch', 'dp_accounting', 'userdp.cli.train', 'userdp.cli.account')))"
-            % argv)
+    code = (
+        "import sys\nfrom userdp.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+        "print(*(m in sys.modules for m in ('torch', 'dp_accounting', 'userdp.cli.train', 'userdp.cli.account')))"
+        % argv
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-4:]
-    loaded = {m for m, seen in zip(("torch", "dp_accounting", "userdp.cli.train", "userdp.cli.account"), out)
-              if seen == "True"}
+    loaded = {
+        m
+        for m, seen in zip(("torch", "dp_accounting", "userdp.cli.train", "userdp.cli.account"), out)
+        if seen == "True"
+    }
     commands = {f"userdp.cli.{argv[0]}"} if not argv[0].startswith("-") else set()
     assert loaded == set(heavy) | commands, (argv, out)
 
@@ -223,10 +272,13 @@ def test_train_announces_the_mechanism_before_the_first_step(tmp_path, capsys):
     from _engine_helpers import Mean, sq_loss, user_data
 
     seen = []
-    train(Mean(3), user_data([2] * 20), sq_loss,
-          TrainConfig(algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0,
-                                                             delta=1e-5, track_epsilon=False),
-          RunOptions(on_start=seen.append, callbacks=[lambda m: seen.append("step")]))
+    train(
+        Mean(3),
+        user_data([2] * 20),
+        sq_loss,
+        TrainConfig(algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0, delta=1e-5, track_epsilon=False),
+        RunOptions(on_start=seen.append, callbacks=[lambda m: seen.append("step")]),
+    )
     info = seen[0]
     assert isinstance(info, dict) and seen[1] == "step"
     assert info["sampling_rate"] == 0.2 and info["steps"] == 2 and info["noise_multiplier"] > 0
@@ -274,13 +326,15 @@ def test_the_cli_keeps_the_hub_libraries_offline():
     """Nothing is downloaded at run time: the command line sets HF_HUB_OFFLINE before any hub
     library is imported, so a library beneath userdp (bitsandbytes fetching a kernel, say)
     cannot reach the network either; without it the hub constant reads False here."""
-    code = ("import os, sys\n"
-            "os.environ.pop('HF_HUB_OFFLINE', None)\n"
-            "from userdp.cli import main\n"
-            "assert 'huggingface_hub' not in sys.modules\n"
-            "main(['train', '--print-config'])\n"
-            "import huggingface_hub.constants as c\n"
-            "print('offline', c.HF_HUB_OFFLINE)\n")
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('HF_HUB_OFFLINE', None)\n"
+        "from userdp.cli import main\n"
+        "assert 'huggingface_hub' not in sys.modules\n"
+        "main(['train', '--print-config'])\n"
+        "import huggingface_hub.constants as c\n"
+        "print('offline', c.HF_HUB_OFFLINE)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr[-500:]
     assert out.stdout.strip().splitlines()[-1] == "offline True"

@@ -39,15 +39,29 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 SRC = os.path.join(ROOT, "src")
 
 #: module -> the wheel to carry when it is missing on the box (pure-Python wheels, docs/gpus.md)
-REQUIRED = {"torch": None, "numpy": None, "scipy": None, "transformers": None, "peft": None,
-            "safetensors": None, "tokenizers": None, "yaml": "pyyaml", "dp_accounting": "dp-accounting==0.6.0",
-            "absl": "absl-py", "attr": "attrs", "mpmath": "mpmath"}
+REQUIRED = {
+    "torch": None,
+    "numpy": None,
+    "scipy": None,
+    "transformers": None,
+    "peft": None,
+    "safetensors": None,
+    "tokenizers": None,
+    "yaml": "pyyaml",
+    "dp_accounting": "dp-accounting==0.6.0",
+    "absl": "absl-py",
+    "attr": "attrs",
+    "mpmath": "mpmath",
+}
 
 #: name -> (budget in seconds, what it measures); run in this order
 PARTS = {
     "env": (30, "versions"),
     "chacha": (150, "the noise kernel: compile status, draws at 124M / 355M normals"),
-    "steps-small": (170, "gpt2-small: non-private, ULS G=4, ELS, ULS with the split operand (bf16, 64 users x 64 tokens)"),
+    "steps-small": (
+        170,
+        "gpt2-small: non-private, ULS G=4, ELS, ULS with the split operand (bf16, 64 users x 64 tokens)",
+    ),
     "tests": (90, "pytest tests/test_cuda.py"),
     "lora": (150, "LoRA r=8: gpt2-small and a 1.1B Llama shape, non-private and ULS"),
     "steps-medium": (180, "gpt2-medium: non-private, ULS G=4, ELS"),
@@ -56,18 +70,26 @@ PARTS = {
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=SRC + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH")
-                                              else ""), PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
-                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return dict(
+        os.environ,
+        PYTHONPATH=SRC + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+        PYTHONUNBUFFERED="1",
+        PYTHONWARNINGS="ignore",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
 
 
 def preflight(timeout: float = 60.0) -> str | None:
     """None when everything userdp needs imports here; else the one line to print."""
-    code = ("import importlib, sys\n"
-            f"for m in {list(REQUIRED)!r}:\n"
-            "    try:\n        importlib.import_module(m)\n"
-            "    except ImportError as e:\n        print('MISSING', m, e); sys.exit(3)\n"
-            "import userdp.engine, userdp.lm.models\n")
+    code = (
+        "import importlib, sys\n"
+        f"for m in {list(REQUIRED)!r}:\n"
+        "    try:\n        importlib.import_module(m)\n"
+        "    except ImportError as e:\n        print('MISSING', m, e); sys.exit(3)\n"
+        "import userdp.engine, userdp.lm.models\n"
+    )
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=_env())
     except subprocess.TimeoutExpired:
@@ -80,8 +102,10 @@ def preflight(timeout: float = 60.0) -> str | None:
         return f"gpu check: userdp does not import here: {err}"
     mod = line.split()[1]
     wheel = REQUIRED.get(mod) or mod
-    return (f"gpu check: the package {mod!r} is missing on this machine: carry its wheel "
-            f"(python3 -m pip download --no-deps --only-binary=:all: -d .whl {wheel}; docs/gpus.md, 'The GPU check')")
+    return (
+        f"gpu check: the package {mod!r} is missing on this machine: carry its wheel "
+        f"(python3 -m pip download --no-deps --only-binary=:all: -d .whl {wheel}; docs/gpus.md, 'The GPU check')"
+    )
 
 
 # ------------------------------------------------------------------------------------------ parts
@@ -107,8 +131,13 @@ def part_env(a) -> None:
 
     import torch
 
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "device": a.device, "cpu_count": os.cpu_count()}
+    out = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": a.device,
+        "cpu_count": os.cpu_count(),
+    }
     for d in ("triton", "transformers", "peft", "dp-accounting", "numpy", "scipy"):
         try:
             out[d] = md.version(d)
@@ -118,8 +147,12 @@ def part_env(a) -> None:
         p = torch.cuda.get_device_properties(0)
         out.update(gpu=p.name, memory_gib=round(p.total_memory / 2**30, 1), sm=f"{p.major}{p.minor}")
         try:
-            out["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=20).stdout.strip()
+            out["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             out["driver"] = None
     _row(part="env", **out)
@@ -135,7 +168,7 @@ def part_chacha(a) -> None:
     status = compile_kernel(dev)[1]
     _row(part="chacha", kernel=status, build_s=round(time.perf_counter() - t0, 1))
     src = ChaChaNoise(12345, seeded=True)
-    for n in ((100_000, 300_000) if a.quick else (124_000_000, 355_000_000)):
+    for n in (100_000, 300_000) if a.quick else (124_000_000, 355_000_000):
         z = [torch.zeros(n, device=dev)]
         src.add_(z, 1.0)  # once untimed
         if dev.type == "cuda":
@@ -162,9 +195,26 @@ def _worker(a, args: list[str]) -> dict:
 
 def _common(a) -> list[str]:
     users, seq, vocab, reps, warm = (2, 16, 512, 1, 1) if a.quick else (64, 64, 50257, 5, 2)
-    return ["--device", a.device, "--dtype", "bfloat16" if a.device == "cuda" else "float32", "--users", str(users),
-            "--seq-len", str(seq), "--vocab", str(vocab), "--reps", str(reps), "--warmup", str(warm),
-            "--threads", str(os.cpu_count() or 1), "--group-size", "4"]
+    return [
+        "--device",
+        a.device,
+        "--dtype",
+        "bfloat16" if a.device == "cuda" else "float32",
+        "--users",
+        str(users),
+        "--seq-len",
+        str(seq),
+        "--vocab",
+        str(vocab),
+        "--reps",
+        str(reps),
+        "--warmup",
+        str(warm),
+        "--threads",
+        str(os.cpu_count() or 1),
+        "--group-size",
+        "4",
+    ]
 
 
 def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> None:
@@ -179,7 +229,9 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
             args += ["--sum-operand", operand]
         if profile and not operand:
             args.append("--profile")
-        if profile and not operand and alg == "uls":  # what a DP step's peak holds, by allocation site (the memory model's check)
+        if (
+            profile and not operand and alg == "uls"
+        ):  # what a DP step's peak holds, by allocation site (the memory model's check)
             args.append("--memory-snapshot")
         r = _worker(a, args)
         if alg == "nonprivate":
@@ -188,15 +240,23 @@ def _series(a, part: str, model: str, mode: str, algorithms, profile: bool) -> N
             r["time_ratio"] = r["s_per_step"] / base["s_per_step"]
             r["memory_ratio"] = r["peak_bytes"] / base["peak_bytes"]
         prof = r.pop("profile", None) or {}
-        _row(part=part, model=model, mode=mode, algorithm=entry, **r,
-             syncs_per_step=prof.get("stream_synchronize"), memcpy_per_step=prof.get("memcpy"),
-             top_ops=[f'{o["ms"]} ms x{o["count"]} {o["name"][:90]}' for o in prof.get("top_ops", [])] or None,
-             top_shapes=[f'{o["ms"]} ms x{o["count"]} {o["name"][:160]}' for o in prof.get("top_shapes", [])] or None)
+        _row(
+            part=part,
+            model=model,
+            mode=mode,
+            algorithm=entry,
+            **r,
+            syncs_per_step=prof.get("stream_synchronize"),
+            memcpy_per_step=prof.get("memcpy"),
+            top_ops=[f"{o['ms']} ms x{o['count']} {o['name'][:90]}" for o in prof.get("top_ops", [])] or None,
+            top_shapes=[f"{o['ms']} ms x{o['count']} {o['name'][:160]}" for o in prof.get("top_shapes", [])] or None,
+        )
 
 
 def part_steps_small(a) -> None:
-    _series(a, "steps-small", "tiny" if a.quick else "gpt2-small", "full", ("nonprivate", "uls", "els", "uls:split"),
-            True)
+    _series(
+        a, "steps-small", "tiny" if a.quick else "gpt2-small", "full", ("nonprivate", "uls", "els", "uls:split"), True
+    )
 
 
 def part_steps_medium(a) -> None:
@@ -209,9 +269,23 @@ def part_lora(a) -> None:
 
 
 def part_tests(a) -> None:
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rsf", "--tb=line",
-                          os.path.join(ROOT, "tests", "test_cuda.py")], capture_output=True, text=True, env=_env(),
-                         cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rsf",
+            "--tb=line",
+            os.path.join(ROOT, "tests", "test_cuda.py"),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
     lines = out.stdout.strip().splitlines()
     tail = (lines or [out.stderr.strip()])[-1]
     # a failure names its test and its assertion (one line each): a summary alone cannot be acted on
@@ -222,23 +296,71 @@ def part_tests(a) -> None:
 def part_fsdp(a) -> None:
     """benchmarks/bench_distributed.py at W = 1 (a one-GPU box can hold no more: NCCL refuses two
     ranks on one device), sharded and not, Adam: the sharded path on NCCL, its overhead at W = 1."""
-    size = (["--model", "tiny", "--users", "32", "--cohort", "8", "--steps", "2", "--warmup", "1", "--vocab", "512"]
-            if a.quick else ["--model", "gpt2-small", "--users", "256", "--cohort", "64", "--steps", "5",
-                             "--vocab", "50257", "--dtype", "bfloat16"])
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_distributed.py"), "--json",
-                          "--nproc", "1", "--device", a.device, "--sharding", "none,fsdp", "--optimizer", "adam",
-                          "--chunk", "64" if not a.quick else "8", *size],
-                         capture_output=True, text=True, env=_env(), cwd=ROOT)
+    size = (
+        ["--model", "tiny", "--users", "32", "--cohort", "8", "--steps", "2", "--warmup", "1", "--vocab", "512"]
+        if a.quick
+        else [
+            "--model",
+            "gpt2-small",
+            "--users",
+            "256",
+            "--cohort",
+            "64",
+            "--steps",
+            "5",
+            "--vocab",
+            "50257",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_distributed.py"),
+            "--json",
+            "--nproc",
+            "1",
+            "--device",
+            a.device,
+            "--sharding",
+            "none,fsdp",
+            "--optimizer",
+            "adam",
+            "--chunk",
+            "64" if not a.quick else "8",
+            *size,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+    )
     if out.returncode != 0:
         raise SystemExit(f"bench_distributed failed: {(out.stderr.strip().splitlines() or ['no message'])[-1][:300]}")
     for r in json.loads(out.stdout.strip().splitlines()[-1]):
-        _row(part="fsdp", model=r["model"], sharding=r["sharding"], backend=r["backend"], world_size=r["world_size"],
-             s_per_step=r["step_s"], time_ratio=round(1 / r["speedup_vs_1"], 3),
-             state_bytes_per_rank=r["state_bytes_per_rank"], noise_draw_s=r["noise_draw_s"])
+        _row(
+            part="fsdp",
+            model=r["model"],
+            sharding=r["sharding"],
+            backend=r["backend"],
+            world_size=r["world_size"],
+            s_per_step=r["step_s"],
+            time_ratio=round(1 / r["speedup_vs_1"], 3),
+            state_bytes_per_rank=r["state_bytes_per_rank"],
+            noise_draw_s=r["noise_draw_s"],
+        )
 
 
-PART_FUNCS = {"env": part_env, "chacha": part_chacha, "steps-small": part_steps_small, "tests": part_tests,
-              "lora": part_lora, "steps-medium": part_steps_medium, "fsdp": part_fsdp}
+PART_FUNCS = {
+    "env": part_env,
+    "chacha": part_chacha,
+    "steps-small": part_steps_small,
+    "tests": part_tests,
+    "lora": part_lora,
+    "steps-medium": part_steps_medium,
+    "fsdp": part_fsdp,
+}
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -247,20 +369,42 @@ def _say(t0: float, msg: str) -> None:
 
 
 def _figure(row: dict) -> str:
-    keys = ("model", "mode", "algorithm", "sharding", "backend", "s_per_step", "time_ratio", "memory_ratio", "syncs_per_step", "noise_s",
-            "kernel", "normals", "draw_s", "build_s", "summary", "error", "gpu", "torch", "dp-accounting")
-    return ", ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}"
-                     for k in keys if row.get(k) is not None)
+    keys = (
+        "model",
+        "mode",
+        "algorithm",
+        "sharding",
+        "backend",
+        "s_per_step",
+        "time_ratio",
+        "memory_ratio",
+        "syncs_per_step",
+        "noise_s",
+        "kernel",
+        "normals",
+        "draw_s",
+        "build_s",
+        "summary",
+        "error",
+        "gpu",
+        "torch",
+        "dp-accounting",
+    )
+    return ", ".join(
+        f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keys if row.get(k) is not None
+    )
 
 
 def run_part(name: str, a, budget: float, rows_path: str, t0: float) -> dict:
     """Run one part in its own process group for at most ``budget`` seconds, streaming its rows
     into ``rows_path``; returns the part's status row (also written)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--part", name, "--device", a.device] + (["--quick"] if a.quick
-                                                                                               else [])
+    cmd = [sys.executable, os.path.abspath(__file__), "--part", name, "--device", a.device] + (
+        ["--quick"] if a.quick else []
+    )
     start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, start_new_session=True
+    )
     import selectors
     import threading
 

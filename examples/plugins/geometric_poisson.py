@@ -44,5 +44,3 @@ class GeometricPoisson:
 
 if GeometricPoisson.name not in SAMPLERS:  # importing this file twice registers it once
     register_sampler(GeometricPoisson())
-
-

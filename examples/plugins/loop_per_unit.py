@@ -35,8 +35,10 @@ class LoopPerUnit:
     def __init__(self, model: nn.Module, loss_fn, algorithm, precision: Precision | None = None):
         lint_model(model)
         if algorithm.update != "gradient":
-            raise UserError(f"training.per_unit: loop computes gradients; {algorithm.name}'s update is "
-                            f"{algorithm.update} (use vmap)")
+            raise UserError(
+                f"training.per_unit: loop computes gradients; {algorithm.name}'s update is "
+                f"{algorithm.update} (use vmap)"
+            )
         self.model, self.loss_fn = model, loss_fn
         self.precision = precision or Precision()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -50,8 +52,9 @@ class LoopPerUnit:
         with self.precision.autocast(self.params[0].device):
             losses = self.loss_fn(self.model, batch)
         if losses.shape != mask.shape:
-            raise UserError(f"loss_fn must return one loss per record (shape {tuple(mask.shape)}), "
-                            f"got {tuple(losses.shape)}")
+            raise UserError(
+                f"loss_fn must return one loss per record (shape {tuple(mask.shape)}), got {tuple(losses.shape)}"
+            )
         loss = (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
         scale = self.precision.loss_scale
         grads = torch.autograd.grad(loss * scale, self.params, allow_unused=True)
@@ -65,13 +68,16 @@ class LoopPerUnit:
         for i in range(m):
             grads, loss = self._gradient({k: v[i] for k, v in batch.items()}, mask[i])
             with exact_float32():  # norms and sums in IEEE float32, as the built-in strategies
-                factors, norm = clipping.factors_from_norms(per_tensor_norms([g.unsqueeze(0) for g in grads]),
-                                                            clip_state)
+                factors, norm = clipping.factors_from_norms(
+                    per_tensor_norms([g.unsqueeze(0) for g in grads]), clip_state
+                )
                 finite = torch.isfinite(norm[0])
                 factors = torch.where(finite, factors[0], torch.zeros_like(factors[0])).to(acc_dtype) * weights[i]
                 for j, g in enumerate(grads):
-                    sums[j].add_(torch.where(finite, g.to(acc_dtype), torch.zeros((), dtype=acc_dtype,
-                                                                                  device=g.device)) * factors[j])
+                    sums[j].add_(
+                        torch.where(finite, g.to(acc_dtype), torch.zeros((), dtype=acc_dtype, device=g.device))
+                        * factors[j]
+                    )
             norms.append(torch.where(finite, norm[0], torch.zeros_like(norm[0])))
             losses.append(loss)
             bad.append(~finite)

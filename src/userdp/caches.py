@@ -103,8 +103,10 @@ def private_cache_for(setting: str, run_root: Path | None) -> Path | None:
         path = Path(setting).expanduser()
         why = unclaimable(path)
         if why:
-            raise UserError(f"output.cache: {path} {why}; give shared, run, or a new or empty folder for the "
-                            "project's private cache")
+            raise UserError(
+                f"output.cache: {path} {why}; give shared, run, or a new or empty folder for the "
+                "project's private cache"
+            )
     path = owned_dir(path)
     remember_local_cache(path)
     return path
@@ -118,7 +120,6 @@ def cache_in(path: Path):
         yield
     finally:
         _CACHE_OVERRIDE.pop()
-
 
 
 def fingerprint(*parts) -> str:

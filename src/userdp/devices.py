@@ -30,8 +30,10 @@ def resolve_device(spec: str, *, name: str = "model.device"):
     if spec == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise UserError(f"{name}: {spec} was asked for but this machine has no CUDA device available to torch "
-                        f"(torch {torch.__version__}; a CPU-only build or no driver): use auto or cpu")
+        raise UserError(
+            f"{name}: {spec} was asked for but this machine has no CUDA device available to torch "
+            f"(torch {torch.__version__}; a CPU-only build or no driver): use auto or cpu"
+        )
     dev = torch.device(spec)
     index = torch.cuda.current_device() if dev.index is None else dev.index  # torchrun sets it per process
     if index >= torch.cuda.device_count():
@@ -47,8 +49,10 @@ def resolve_precision(spec: str, device) -> str:
     """
     spec = str(spec).strip().lower()
     if spec != "auto" and spec not in PRECISIONS:
-        raise UserError(f"training.precision must be auto, {', '.join(list(PRECISIONS)[:-1])} or "
-                        f"{list(PRECISIONS)[-1]} (got {spec!r})")
+        raise UserError(
+            f"training.precision must be auto, {', '.join(list(PRECISIONS)[:-1])} or "
+            f"{list(PRECISIONS)[-1]} (got {spec!r})"
+        )
     if spec == "auto":
         return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
     Precision(spec).check_device(device)

@@ -86,12 +86,16 @@ def verify_manifest(directory: str | os.PathLike, name: str = MANIFEST, *, accep
         raise UserError(f"{mp}: unreadable manifest (damaged or edited)") from None
     for rel, meta in files.items():
         p = os.path.join(root, rel)
-        candidates = [p] + ([os.path.join(os.path.dirname(p), f".{os.path.basename(p)}.pending")]
-                            if accept_pending else [])
+        candidates = [p] + (
+            [os.path.join(os.path.dirname(p), f".{os.path.basename(p)}.pending")] if accept_pending else []
+        )
         ok = False
         for c in candidates:
-            if os.path.isfile(c) and os.path.getsize(c) == meta.get("bytes", os.path.getsize(c)) \
-                    and sha256_file(c) == meta["sha256"]:
+            if (
+                os.path.isfile(c)
+                and os.path.getsize(c) == meta.get("bytes", os.path.getsize(c))
+                and sha256_file(c) == meta["sha256"]
+            ):
                 ok = True
                 break
         if not ok:
@@ -170,8 +174,15 @@ def free_space(path: str | os.PathLike) -> str:
 
 
 #: what torch's and other writers' RuntimeErrors say when a write failed (a full disk, a quota)
-_WRITE_FAILURE_TEXT = ("unexpected pos", "failed writing", "PytorchStreamWriter", "No space left", "quota",
-                       "File too large", "Input/output error")
+_WRITE_FAILURE_TEXT = (
+    "unexpected pos",
+    "failed writing",
+    "PytorchStreamWriter",
+    "No space left",
+    "quota",
+    "File too large",
+    "Input/output error",
+)
 
 
 def is_writer_failure(exc: BaseException, *, any_runtime_error: bool = False) -> bool:
@@ -231,7 +242,9 @@ def read_input(path: str | os.PathLike, what: str, *, binary: bool = False) -> s
         raise os_error(what, exc, "cannot read it") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UserError(f"{what}: not a regular file (a pipe, socket or device); save it to a file and give its path")
+            raise UserError(
+                f"{what}: not a regular file (a pipe, socket or device); save it to a file and give its path"
+            )
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
         with os.fdopen(fd, "rb") as f:
@@ -306,8 +319,10 @@ def remove_owned(path: str | os.PathLike, what: str) -> None:
     if not p.exists():
         return
     if not is_owned(p):
-        raise UserError(f"{what} {p}: not marked as written by userdp ({OWNED_MARK}); nothing was removed "
-                        "(remove it yourself if it is userdp's)")
+        raise UserError(
+            f"{what} {p}: not marked as written by userdp ({OWNED_MARK}); nothing was removed "
+            "(remove it yourself if it is userdp's)"
+        )
     for inp in _INPUTS:
         if path_within(inp, p):
             raise UserError(f"{what} {p}: it holds {inp}, an input of this command; nothing was removed")
@@ -353,8 +368,14 @@ def _unlink_quietly(p: Path) -> None:
         p.unlink()
 
 
-def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str], None], *,
-                 private: bool = False, replaces_input: bool = False, exclusive: bool = False) -> Path:
+def write_atomic(
+    path: str | os.PathLike,
+    content: str | bytes | Callable[[str], None],
+    *,
+    private: bool = False,
+    replaces_input: bool = False,
+    exclusive: bool = False,
+) -> Path:
     """Write ``content`` to ``path`` atomically (temporary in the same folder, fsync, rename,
     fsync of the folder); missing parent folders are made.
 
@@ -389,8 +410,9 @@ def write_atomic(path: str | os.PathLike, content: str | bytes | Callable[[str],
             try:
                 os.link(tmp, path)
             except FileExistsError:
-                raise UserError(f"{path}: exists (written by another command meanwhile?); nothing was "
-                                "overwritten") from None
+                raise UserError(
+                    f"{path}: exists (written by another command meanwhile?); nothing was overwritten"
+                ) from None
             _unlink_quietly(tmp)
         else:
             os.replace(tmp, path)

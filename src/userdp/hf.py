@@ -68,38 +68,71 @@ from userdp.validation import check_instance
 
 #: TrainingArguments settings refused, with why: (name, is_set(value), reason)
 REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("gradient_accumulation_steps", lambda v: v != 1,
-     "each optimizer step is one userdp step (one cohort, noised once); a larger cohort is "
-     "privacy.algorithm's sampling rate: set it to 1"),
-    ("fp16", bool, "float16 loss scaling is not proven safe with per-user clipping; use "
-     "TrainConfig(precision='bfloat16') (norms, sums and noise stay float32) or float32"),
-    ("bf16", bool, "mixed precision is the engine's: use TrainConfig(precision='bfloat16') (norms, sums and "
-     "noise stay float32) instead of the Trainer's autocast"),
-    ("mixed_precision", lambda v: v not in (None, "no"), "the Trainer's accelerator would run the model under its own "
-     "autocast (set here by bf16/fp16 or ACCELERATE_MIXED_PRECISION): use TrainConfig(precision='bfloat16')"),
-    ("torch_compile", bool, "the per-user step runs the model under torch.func and hooks; a compiled model is "
-     "not supported"),
-    ("deepspeed", lambda v: v is not None, "DeepSpeed shards and reduces the gradient itself; userdp's noised "
-     "sum must be the gradient"),
+    (
+        "gradient_accumulation_steps",
+        lambda v: v != 1,
+        "each optimizer step is one userdp step (one cohort, noised once); a larger cohort is "
+        "privacy.algorithm's sampling rate: set it to 1",
+    ),
+    (
+        "fp16",
+        bool,
+        "float16 loss scaling is not proven safe with per-user clipping; use "
+        "TrainConfig(precision='bfloat16') (norms, sums and noise stay float32) or float32",
+    ),
+    (
+        "bf16",
+        bool,
+        "mixed precision is the engine's: use TrainConfig(precision='bfloat16') (norms, sums and "
+        "noise stay float32) instead of the Trainer's autocast",
+    ),
+    (
+        "mixed_precision",
+        lambda v: v not in (None, "no"),
+        "the Trainer's accelerator would run the model under its own "
+        "autocast (set here by bf16/fp16 or ACCELERATE_MIXED_PRECISION): use TrainConfig(precision='bfloat16')",
+    ),
+    (
+        "torch_compile",
+        bool,
+        "the per-user step runs the model under torch.func and hooks; a compiled model is not supported",
+    ),
+    (
+        "deepspeed",
+        lambda v: v is not None,
+        "DeepSpeed shards and reduces the gradient itself; userdp's noised sum must be the gradient",
+    ),
     ("fsdp", lambda v: bool(v), "sharded training is not supported by userdp.hf yet"),
-    ("neftune_noise_alpha", lambda v: v is not None, "NEFTune changes the forward pass of every unit; not "
-     "supported"),
-    ("label_smoothing_factor", lambda v: v != 0.0, "the per-record loss is userdp's (loss_fn=); the Trainer's "
-     "label smoothing would be silently ignored"),
+    ("neftune_noise_alpha", lambda v: v is not None, "NEFTune changes the forward pass of every unit; not supported"),
+    (
+        "label_smoothing_factor",
+        lambda v: v != 0.0,
+        "the per-record loss is userdp's (loss_fn=); the Trainer's label smoothing would be silently ignored",
+    ),
     # choosing which checkpoint to release, or keep, by an eval score computed without noise is not
     # post-processing: the released model would be an un-noised function of the data scored
-    ("load_best_model_at_end", bool, "the released model would be the checkpoint with the best un-noised eval "
-     "metric, a selection the guarantee does not cover: release the final model (set it to False), or tune "
-     "with `userdp tune`, which accounts the selection"),
-    ("save_strategy", lambda v: str(getattr(v, "value", v)) == "best", "which checkpoints are kept would follow "
-     "an un-noised eval metric (each kept checkpoint is a release): use 'steps' or 'epoch'"),
+    (
+        "load_best_model_at_end",
+        bool,
+        "the released model would be the checkpoint with the best un-noised eval "
+        "metric, a selection the guarantee does not cover: release the final model (set it to False), or tune "
+        "with `userdp tune`, which accounts the selection",
+    ),
+    (
+        "save_strategy",
+        lambda v: str(getattr(v, "value", v)) == "best",
+        "which checkpoints are kept would follow "
+        "an un-noised eval metric (each kept checkpoint is a release): use 'steps' or 'epoch'",
+    ),
 )
 
 #: Trainer entry points a private run refuses: each would run several trainings and choose among them by an
 #: un-noised score (one certificate a trial, the selection outside every one of them)
-SELECTION_REFUSAL = ("hyperparameter search runs several private trainings and keeps the best by an un-noised "
-                     "score: the selection is outside each trial's guarantee; use `userdp tune` (it accounts the "
-                     "selection, docs/tuning.md)")
+SELECTION_REFUSAL = (
+    "hyperparameter search runs several private trainings and keeps the best by an un-noised "
+    "score: the selection is outside each trial's guarantee; use `userdp tune` (it accounts the "
+    "selection, docs/tuning.md)"
+)
 
 
 def check_arguments(args) -> list[str]:
@@ -112,21 +145,29 @@ def check_arguments(args) -> list[str]:
         if value is not None and is_set(value):
             raise UserError(f"TrainingArguments.{name}={value!r}: {why}")
     if getattr(args, "n_gpu", 1) > 1:
-        raise UserError(f"TrainingArguments: {args.n_gpu} GPUs in one process (DataParallel) is not supported: "
-                        "run on one GPU (CUDA_VISIBLE_DEVICES)")
+        raise UserError(
+            f"TrainingArguments: {args.n_gpu} GPUs in one process (DataParallel) is not supported: "
+            "run on one GPU (CUDA_VISIBLE_DEVICES)"
+        )
     notes = []
     if getattr(args, "world_size", 1) > 1:
-        notes.append(f"{args.world_size} processes (torchrun): every process draws the same cohort, computes "
-                     "its share of the units' clipped updates, and userdp all-reduces the sums (the noise is "
-                     "drawn once, on rank 0); the model is not wrapped in DistributedDataParallel")
+        notes.append(
+            f"{args.world_size} processes (torchrun): every process draws the same cohort, computes "
+            "its share of the units' clipped updates, and userdp all-reduces the sums (the noise is "
+            "drawn once, on rank 0); the model is not wrapped in DistributedDataParallel"
+        )
     if args.max_grad_norm:
-        notes.append(f"TrainingArguments.max_grad_norm={args.max_grad_norm} set aside: each user's update is "
-                     "clipped to the privacy config's clip norm, and the noised sum is not clipped again")
+        notes.append(
+            f"TrainingArguments.max_grad_norm={args.max_grad_norm} set aside: each user's update is "
+            "clipped to the privacy config's clip norm, and the noised sum is not clipped again"
+        )
     if args.max_steps > 0:
         notes.append(f"TrainingArguments.max_steps={args.max_steps} set aside: privacy.steps decides")
-    notes.append(f"TrainingArguments.per_device_train_batch_size={args.per_device_train_batch_size} and "
-                 f"num_train_epochs={args.num_train_epochs} set aside: each step is a Poisson cohort at the "
-                 "privacy config's sampling rate, for privacy.steps steps")
+    notes.append(
+        f"TrainingArguments.per_device_train_batch_size={args.per_device_train_batch_size} and "
+        f"num_train_epochs={args.num_train_epochs} set aside: each step is a Poisson cohort at the "
+        "privacy config's sampling rate, for privacy.steps steps"
+    )
     return notes
 
 
@@ -144,9 +185,14 @@ class UserRecords(TensorUserData):
         columns = list(getattr(dataset, "column_names", None) or [])
         for need in (user_field, "input_ids"):
             if need not in columns:
-                raise UserError(f"train_dataset: no column {need!r} (columns: {', '.join(columns) or 'none'}); "
-                                + ("give user_field= the column naming each record's author"
-                                   if need == user_field else "give a tokenized dataset"))
+                raise UserError(
+                    f"train_dataset: no column {need!r} (columns: {', '.join(columns) or 'none'}); "
+                    + (
+                        "give user_field= the column naming each record's author"
+                        if need == user_field
+                        else "give a tokenized dataset"
+                    )
+                )
         users = list(dataset[user_field])
         ids = list(dataset["input_ids"])
         labels = list(dataset["labels"]) if "labels" in columns else None
@@ -157,8 +203,8 @@ class UserRecords(TensorUserData):
         padded_ids = torch.full((len(ids), self.seq_len), int(pad_token_id), dtype=torch.long)
         padded_labels = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.long)
         for i, (row, lab) in enumerate(zip(ids, labels)):
-            padded_ids[i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
-            padded_labels[i, :len(lab)] = torch.as_tensor(lab, dtype=torch.long)
+            padded_ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            padded_labels[i, : len(lab)] = torch.as_tensor(lab, dtype=torch.long)
         authors = np.asarray([str(u) for u in users])
         grouped = TensorUserData.from_user_ids({"input_ids": padded_ids, "labels": padded_labels}, authors)
         super().__init__(grouped.tensors, grouped.offsets)
@@ -175,16 +221,22 @@ def _check_fits(data: UserRecords, config) -> None:
         UserError: a row longer than the model's positions, or a token id outside its vocabulary."""
     limit = getattr(config, "max_position_embeddings", None)
     if limit and data.seq_len > limit:
-        raise UserError(f"train_dataset: its longest row has {data.seq_len} tokens, more than the model's {limit} "
-                        f"positions: truncate when tokenizing (truncation=True, max_length={limit})")
+        raise UserError(
+            f"train_dataset: its longest row has {data.seq_len} tokens, more than the model's {limit} "
+            f"positions: truncate when tokenizing (truncation=True, max_length={limit})"
+        )
     vocab = getattr(config, "vocab_size", None)
     top = int(data.max_token_id)
     if vocab and top >= vocab:
-        raise UserError(f"train_dataset: token id {top} is outside the model's vocabulary of {vocab} "
-                        "(tokenized with another tokenizer?)")
+        raise UserError(
+            f"train_dataset: token id {top} is outside the model's vocabulary of {vocab} "
+            "(tokenized with another tokenizer?)"
+        )
     if vocab and data.pad_token_id >= vocab:
-        raise UserError(f"processing_class: its pad token id {data.pad_token_id} is outside the model's vocabulary of "
-                        f"{vocab} (a pad token added to the tokenizer without model.resize_token_embeddings(len(tokenizer)))")
+        raise UserError(
+            f"processing_class: its pad token id {data.pad_token_id} is outside the model's vocabulary of "
+            f"{vocab} (a pad token added to the tokenizer without model.resize_token_embeddings(len(tokenizer)))"
+        )
 
 
 def _given(init: Callable, args: tuple, kwargs: dict) -> dict:
@@ -234,8 +286,9 @@ class PrivateTrainer(Trainer):
             a Trainer checkpoint that is not at userdp's checkpoint's step.
     """
 
-    def __init__(self, *args, privacy: TrainConfig, user_field: str = "user",
-                 loss_fn: Callable = causal_lm_loss, **kwargs):
+    def __init__(
+        self, *args, privacy: TrainConfig, user_field: str = "user", loss_fn: Callable = causal_lm_loss, **kwargs
+    ):
         # the HF boundary (userdp.hf_boundary), before the Trainer builds anything from its inputs
         check_instance(privacy, "privacy", (TrainConfig,), "a userdp.engine.TrainConfig")
         check_algorithm(privacy)
@@ -310,30 +363,47 @@ class PrivateTrainer(Trainer):
         """config.yaml's content: the privacy config (what the ledger journal is bound to) and the
         Trainer's settings that shaped the run (for the reader; performance settings may change)."""
         a = self.args
-        return {"hf_trainer": {
-            "privacy": privacy_repr(self.privacy),
-            "user_field": self.user_data.user_field,
-            "model": type(self.model).__name__,
-            "training_arguments": {"learning_rate": a.learning_rate, "optim": str(a.optim),
-                                   "lr_scheduler_type": str(a.lr_scheduler_type), "warmup_steps": a.warmup_steps,
-                                   "weight_decay": a.weight_decay, "seed": a.seed},
-            "userdp_notes": list(self.userdp_notes)}}
+        return {
+            "hf_trainer": {
+                "privacy": privacy_repr(self.privacy),
+                "user_field": self.user_data.user_field,
+                "model": type(self.model).__name__,
+                "training_arguments": {
+                    "learning_rate": a.learning_rate,
+                    "optim": str(a.optim),
+                    "lr_scheduler_type": str(a.lr_scheduler_type),
+                    "warmup_steps": a.warmup_steps,
+                    "weight_decay": a.weight_decay,
+                    "seed": a.seed,
+                },
+                "userdp_notes": list(self.userdp_notes),
+            }
+        }
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         if self._steps is None:
             rd = self.run_dir
             if self.is_world_process_zero() and not self._resuming and not rd.config.is_file():
                 write_atomic(rd.config, yaml.safe_dump(self._config_yaml(), sort_keys=False))
-            self._private = make_private(self.model, getattr(self.optimizer, "optimizer", self.optimizer),
-                                         self.user_data, self.loss_fn, self.privacy,
-                                         RunOptions(checkpoint_dir=str(rd.checkpoints), resume=self._resuming,
-                                                    combiner=combiner_for(self.args.world_size > 1),
-                                                    journal_context={"statement": statement_scope(
-                                                        self._release_facts())}))
+            self._private = make_private(
+                self.model,
+                getattr(self.optimizer, "optimizer", self.optimizer),
+                self.user_data,
+                self.loss_fn,
+                self.privacy,
+                RunOptions(
+                    checkpoint_dir=str(rd.checkpoints),
+                    resume=self._resuming,
+                    combiner=combiner_for(self.args.world_size > 1),
+                    journal_context={"statement": statement_scope(self._release_facts())},
+                ),
+            )
             if self._private.step != self.state.global_step:
-                raise UserError(f"resume_from_checkpoint: the Trainer's checkpoint is at step {self.state.global_step}, "
-                                f"userdp's ({rd.checkpoints}) at step {self._private.step}: "
-                                f"resume from checkpoint-{self._private.step}")
+                raise UserError(
+                    f"resume_from_checkpoint: the Trainer's checkpoint is at step {self.state.global_step}, "
+                    f"userdp's ({rd.checkpoints}) at step {self._private.step}: "
+                    f"resume from checkpoint-{self._private.step}"
+                )
             self._steps = iter(self._private)
         step = next(self._steps, None)
         if step is None:  # the next step would pass the target epsilon: the run ends here
@@ -361,17 +431,26 @@ class PrivateTrainer(Trainer):
         cfg = self.privacy
         algo = cfg.algorithm
         return ReleaseFacts(
-            algorithm=algo.name, accountant=cfg.accountant,
+            algorithm=algo.name,
+            accountant=cfg.accountant,
             sampler_assumed=sampler_mode,  # one config here: the run's plan is what was assumed
-            epsilon_target=cfg.target_epsilon, steps_planned=cfg.steps,
-            group_size=getattr(algo, "group_size", None), num_records=self.user_data.num_records,
+            epsilon_target=cfg.target_epsilon,
+            steps_planned=cfg.steps,
+            group_size=getattr(algo, "group_size", None),
+            num_records=self.user_data.num_records,
             clipping=type(cfg.clipping).__name__,
             seq_len=self.user_data.seq_len,
             not_accounted=tuple(self.disclosures()),
-            compute={"driver": "transformers.Trainer (userdp.hf.PrivateTrainer)", "device": str(self.args.device),
-                     "chunk_size": cfg.chunk_size,
-                     "processes": {"world_size": self.args.world_size,
-                                   "backend": dist.get_backend() if self.args.world_size > 1 else None}})
+            compute={
+                "driver": "transformers.Trainer (userdp.hf.PrivateTrainer)",
+                "device": str(self.args.device),
+                "chunk_size": cfg.chunk_size,
+                "processes": {
+                    "world_size": self.args.world_size,
+                    "backend": dist.get_backend() if self.args.world_size > 1 else None,
+                },
+            },
+        )
 
     def _release(self) -> None:
         """privacy.json, the model with its manifest, state.json and the report with the model card,
@@ -384,9 +463,17 @@ class PrivateTrainer(Trainer):
         priv["data_accesses_covered"] = "training only (the sequence of noised aggregated updates)"
         write_json(rd.privacy, priv)
         save_released_model(rd, self.model, self.processing_class)
-        rd.write_state(status="done", summary={
-            "epsilon": priv["epsilon"], "delta": priv["delta"], "steps": record.steps_applied,
-            "stopped": record.get("stopped"), "algorithm": algo.name, "train_users": self.user_data.num_users})
+        rd.write_state(
+            status="done",
+            summary={
+                "epsilon": priv["epsilon"],
+                "delta": priv["delta"],
+                "steps": record.steps_applied,
+                "stopped": record.get("stopped"),
+                "algorithm": algo.name,
+                "train_users": self.user_data.num_users,
+            },
+        )
         write_report(rd.root)
 
     def epsilon(self, delta: Optional[float] = None) -> float:
@@ -403,10 +490,13 @@ class PrivateTrainer(Trainer):
 
     def disclosures(self) -> list[str]:
         """The run's non-private touches of the training data, one line each."""
-        out = ["monitoring: the training loss the Trainer logs (log_history, report_to) is computed on the "
-               "private records without noise"]
+        out = [
+            "monitoring: the training loss the Trainer logs (log_history, report_to) is computed on the "
+            "private records without noise"
+        ]
         if self.eval_dataset is not None:
-            out.append("evaluation: the Trainer's eval_dataset is scored without noise (outside the guarantee "
-                       "unless its users are not among the training users)")
+            out.append(
+                "evaluation: the Trainer's eval_dataset is scored without noise (outside the guarantee "
+                "unless its users are not among the training users)"
+            )
         return out
-

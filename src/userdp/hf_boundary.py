@@ -33,24 +33,30 @@ IGNORE = -100
 def check_output_dir(output_dir: Any) -> None:
     """Raises: UserError: ``TrainingArguments.output_dir`` is a file."""
     if output_dir is not None and Path(str(output_dir)).is_file():
-        raise UserError(f"TrainingArguments.output_dir={str(output_dir)!r} is a file: give a folder (the run's "
-                        "ledger, checkpoints and statement are written there)")
+        raise UserError(
+            f"TrainingArguments.output_dir={str(output_dir)!r} is a file: give a folder (the run's "
+            "ledger, checkpoints and statement are written there)"
+        )
 
 
 def check_push_to_hub(args: Any) -> None:
     """Raises: UserError: ``push_to_hub`` is set (the output folder holds private files)."""
     if getattr(args, "push_to_hub", False):
-        raise UserError("TrainingArguments.push_to_hub=True: the output folder holds private files (userdp's "
-                        "checkpoint state, the Trainer's un-noised loss log); userdp pushes nothing: publish the "
-                        "released model folder (output_dir/model, with its card) yourself")
+        raise UserError(
+            "TrainingArguments.push_to_hub=True: the output folder holds private files (userdp's "
+            "checkpoint state, the Trainer's un-noised loss log); userdp pushes nothing: publish the "
+            "released model folder (output_dir/model, with its card) yourself"
+        )
 
 
 def check_algorithm(privacy: Any) -> None:
     """Raises: UserError: an algorithm the Trainer path cannot run."""
     name = getattr(getattr(privacy, "algorithm", None), "name", None)
     if name == "fedavg":
-        raise UserError("privacy.algorithm: FedAvg (local SGD per user) is not supported by PrivateTrainer: use ULS "
-                        "or ELS here, or `userdp train` with training.algorithm: fedavg")
+        raise UserError(
+            "privacy.algorithm: FedAvg (local SGD per user) is not supported by PrivateTrainer: use ULS "
+            "or ELS here, or `userdp train` with training.algorithm: fedavg"
+        )
 
 
 def check_dataset_kind(dataset: Any) -> None:
@@ -58,9 +64,11 @@ def check_dataset_kind(dataset: Any) -> None:
     if dataset is None:
         raise UserError("PrivateTrainer: give train_dataset (the tokenized records, with the user column)")
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-        raise UserError(f"train_dataset: a {type(dataset).__name__} (iterable or streaming) cannot be sampled by user: "
-                        "give a map-style datasets.Dataset (e.g. Dataset.from_generator, or load without "
-                        "streaming=True)")
+        raise UserError(
+            f"train_dataset: a {type(dataset).__name__} (iterable or streaming) cannot be sampled by user: "
+            "give a map-style datasets.Dataset (e.g. Dataset.from_generator, or load without "
+            "streaming=True)"
+        )
     if len(dataset) == 0:
         raise UserError("train_dataset: it holds no rows: nothing to train on")
 
@@ -85,30 +93,38 @@ def check_rows(users: list, ids: list, labels: list | None, user_field: str) -> 
     learnable = False
     for i, row in enumerate(ids):
         if _bad_author(users[i]):
-            raise UserError(f"train_dataset row {i}: {user_field} is {users[i]!r} (every record needs its author; "
-                            "rows without one would merge into one user)")
+            raise UserError(
+                f"train_dataset row {i}: {user_field} is {users[i]!r} (every record needs its author; "
+                "rows without one would merge into one user)"
+            )
         if row is None or not hasattr(row, "__len__") or len(row) == 0:
             raise UserError(f"train_dataset row {i}: input_ids is empty (drop empty records before training)")
         for t in row:
             if not _is_id(t):
                 what = "a list" if isinstance(t, (list, tuple)) else f"{type(t).__name__} {t!r}"
-                raise UserError(f"train_dataset row {i}: input_ids holds {what}: a row must be a flat list of integer "
-                                "token ids (one record; floats would be truncated to other tokens)")
+                raise UserError(
+                    f"train_dataset row {i}: input_ids holds {what}: a row must be a flat list of integer "
+                    "token ids (one record; floats would be truncated to other tokens)"
+                )
             if t < 0:
                 raise UserError(f"train_dataset row {i}: input_ids holds the negative token id {t}")
         lab = row if labels is None else labels[i]
         if labels is not None:
             if lab is None or not hasattr(lab, "__len__") or len(lab) != len(row):
                 n = None if lab is None or not hasattr(lab, "__len__") else len(lab)
-                raise UserError(f"train_dataset row {i}: labels has {n} entries for {len(row)} input_ids (one "
-                                "label per token, -100 where nothing is learned)")
+                raise UserError(
+                    f"train_dataset row {i}: labels has {n} entries for {len(row)} input_ids (one "
+                    "label per token, -100 where nothing is learned)"
+                )
             for t in lab:
                 if not _is_id(t) or (t < 0 and t != IGNORE):
                     raise UserError(f"train_dataset row {i}: labels holds {t!r}: a token id >= 0, or -100")
         learnable = learnable or any(t != IGNORE for t in lab)
     if not learnable:
-        raise UserError("train_dataset: every label is -100 (e.g. every completion empty, or everything masked): "
-                        "there is nothing to learn, and a model would be released trained on nothing")
+        raise UserError(
+            "train_dataset: every label is -100 (e.g. every completion empty, or everything masked): "
+            "there is nothing to learn, and a model would be released trained on nothing"
+        )
 
 
 def check_resume(resume_from_checkpoint: Any, output_dir: Any) -> None:
@@ -123,8 +139,10 @@ def check_resume(resume_from_checkpoint: Any, output_dir: Any) -> None:
         out = Path(str(output_dir))
         found = sorted(p for p in out.glob("checkpoint-*") if p.is_dir()) if out.is_dir() else []
         if not found:
-            raise UserError(f"resume_from_checkpoint=True: no checkpoint-N folder in {out} to resume from "
-                            "(start without resume_from_checkpoint)")
+            raise UserError(
+                f"resume_from_checkpoint=True: no checkpoint-N folder in {out} to resume from "
+                "(start without resume_from_checkpoint)"
+            )
         return
     if not isinstance(resume_from_checkpoint, (str, Path)):
         raise UserError(f"resume_from_checkpoint={resume_from_checkpoint!r}: give a checkpoint-N folder or True")

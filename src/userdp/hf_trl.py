@@ -41,8 +41,12 @@ from userdp.lm.models import causal_lm_loss
 
 #: SFTConfig settings refused, with why: (name, is_set(value), reason)
 SFT_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("packing", bool, "packing joins records of different users into one training sequence (and drops the user "
-     "column), so one sequence would carry several people's text: train unpacked (packing=False)"),
+    (
+        "packing",
+        bool,
+        "packing joins records of different users into one training sequence (and drops the user "
+        "column), so one sequence would carry several people's text: train unpacked (packing=False)",
+    ),
     ("padding_free", bool, "padding-free batches flatten several records into one row: set padding_free=False"),
 )
 
@@ -59,8 +63,10 @@ def _check_chat_template(dataset: Any, tokenizer: Any) -> None:
     first = dataset[0] if len(dataset) else {}
     conversational = "messages" in columns or isinstance(first.get("prompt"), list)
     if conversational:
-        raise UserError("processing_class: the dataset is conversational (lists of messages) but the tokenizer has no "
-                        "chat template: set tokenizer.chat_template (or give prompt/completion text)")
+        raise UserError(
+            "processing_class: the dataset is conversational (lists of messages) but the tokenizer has no "
+            "chat template: set tokenizer.chat_template (or give prompt/completion text)"
+        )
 
 
 class PrivateSFTTrainer(PrivateTrainer, SFTTrainer):
@@ -74,11 +80,21 @@ class PrivateSFTTrainer(PrivateTrainer, SFTTrainer):
             not a local folder, or what :class:`~userdp.hf.PrivateTrainer` refuses.
     """
 
-    def __init__(self, model, args=None, *rest, privacy: TrainConfig, user_field: str = "user",
-                 loss_fn: Callable = causal_lm_loss, **kwargs):
+    def __init__(
+        self,
+        model,
+        args=None,
+        *rest,
+        privacy: TrainConfig,
+        user_field: str = "user",
+        loss_fn: Callable = causal_lm_loss,
+        **kwargs,
+    ):
         if isinstance(model, (str, Path)) and not Path(model).is_dir():
-            raise UserError(f"PrivateSFTTrainer: model {str(model)!r} is not a local folder (userdp downloads "
-                            "nothing: give a model object or a folder from save_pretrained)")
+            raise UserError(
+                f"PrivateSFTTrainer: model {str(model)!r} is not a local folder (userdp downloads "
+                "nothing: give a model object or a folder from save_pretrained)"
+            )
         set_aside = []
         if args is not None:
             for name, is_set, why in SFT_REFUSED:
@@ -90,9 +106,11 @@ class PrivateSFTTrainer(PrivateTrainer, SFTTrainer):
                 args.bf16 = False
                 if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "no":  # set from bf16 alone
                     args.mixed_precision = "no"
-                set_aside.append("SFTConfig.bf16=True set aside: mixed precision is the engine's "
-                                 f"(TrainConfig(precision=...), here {privacy.precision!r}); norms, sums and noise "
-                                 "stay float32")
+                set_aside.append(
+                    "SFTConfig.bf16=True set aside: mixed precision is the engine's "
+                    f"(TrainConfig(precision=...), here {privacy.precision!r}); norms, sums and noise "
+                    "stay float32"
+                )
         dataset = kwargs.get("train_dataset", rest[1] if len(rest) > 1 else None)
         _check_chat_template(dataset, kwargs.get("processing_class", rest[3] if len(rest) > 3 else None))
         before = len(dataset) if hasattr(dataset, "__len__") else None
@@ -102,9 +120,13 @@ class PrivateSFTTrainer(PrivateTrainer, SFTTrainer):
             raise
         except (ValueError, TypeError, KeyError) as exc:  # TRL's own preparation of the data refused it
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
-            raise UserError(f"train_dataset: TRL's SFTTrainer could not prepare it ({type(exc).__name__}: {first})") from None
+            raise UserError(
+                f"train_dataset: TRL's SFTTrainer could not prepare it ({type(exc).__name__}: {first})"
+            ) from None
         after = len(self.train_dataset) if hasattr(self.train_dataset, "__len__") else None
         if before is not None and after is not None and after < before:  # dropped rows are counted and said
-            set_aside.append(f"TRL dropped {before - after} of {before} examples with nothing to learn (every label "
-                             "masked, e.g. a prompt longer than max_length leaves no completion)")
+            set_aside.append(
+                f"TRL dropped {before - after} of {before} examples with nothing to learn (every label "
+                "masked, e.g. a prompt longer than max_length leaves no completion)"
+            )
         self.userdp_notes = set_aside + list(self.userdp_notes)

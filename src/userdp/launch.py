@@ -141,16 +141,20 @@ def init_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     try:
         rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     except (KeyError, ValueError):
-        raise UserError("WORLD_SIZE > 1 but RANK or LOCAL_RANK is missing or not an integer: launch with "
-                        "torchrun (e.g. torchrun --standalone --nproc_per_node=2 -m userdp train CONFIG)") from None
+        raise UserError(
+            "WORLD_SIZE > 1 but RANK or LOCAL_RANK is missing or not an integer: launch with "
+            "torchrun (e.g. torchrun --standalone --nproc_per_node=2 -m userdp train CONFIG)"
+        ) from None
     if not timeout_s > 0:
         raise UserError(f"--dist-timeout must be > 0 seconds (got {timeout_s})")
 
     cuda = shared_device(device, f"torchrun started {world} processes")
     if cuda:
         if local >= torch.cuda.device_count():
-            raise UserError(f"LOCAL_RANK {local}: this node has {torch.cuda.device_count()} CUDA device(s); start "
-                            "at most that many processes per node (--nproc_per_node)")
+            raise UserError(
+                f"LOCAL_RANK {local}: this node has {torch.cuda.device_count()} CUDA device(s); start "
+                "at most that many processes per node (--nproc_per_node)"
+            )
         torch.cuda.set_device(local)
     backend = "nccl" if cuda else "gloo"
     timeout = datetime.timedelta(seconds=float(timeout_s))
@@ -161,8 +165,15 @@ def init_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> Wo
     except (RuntimeError, ValueError) as exc:
         raise UserError(f"rank {rank}: could not join the job ({backend}): {str(exc).splitlines()[0][:200]}") from None
     _stop_on_sigterm()
-    return World(rank=rank, world_size=world, local_rank=local, backend=backend,
-                 device_spec=f"cuda:{local}" if cuda else "cpu", timeout_s=float(timeout_s), _objects=objects)
+    return World(
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        backend=backend,
+        device_spec=f"cuda:{local}" if cuda else "cpu",
+        timeout_s=float(timeout_s),
+        _objects=objects,
+    )
 
 
 def shared_device(device: str, started: str) -> bool:
@@ -176,8 +187,10 @@ def shared_device(device: str, started: str) -> bool:
 
     spec = str(device).strip().lower()
     if spec.startswith("cuda:"):
-        raise UserError(f"model.device {spec} names one GPU, but {started}: give cuda or auto (each process then "
-                        "uses cuda:LOCAL_RANK)")
+        raise UserError(
+            f"model.device {spec} names one GPU, but {started}: give cuda or auto (each process then "
+            "uses cuda:LOCAL_RANK)"
+        )
     cuda = spec in ("auto", "cuda") and torch.cuda.is_available()
     if spec == "cuda" and not cuda:
         raise UserError("model.device cuda was asked for but torch sees no CUDA device: use auto or cpu")

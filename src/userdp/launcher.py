@@ -46,21 +46,29 @@ def precheck(cfg, nproc: int, plan: str | None) -> None:
     Raises:
         UserError: the first of them that is wrong."""
     if cfg.audit.canaries:
-        raise UserError("audit.canaries: the empirical audit runs in one process only (its canaries and secrets "
-                        "file are not shared out yet); drop --nproc, or set audit.canaries: 0")
-    for key, value in (("data.path", getattr(cfg.data, "path", None)),
-                       ("data.public_path", getattr(cfg.data, "public_path", None)),
-                       ("model.path", getattr(cfg.model, "path", None))):
+        raise UserError(
+            "audit.canaries: the empirical audit runs in one process only (its canaries and secrets "
+            "file are not shared out yet); drop --nproc, or set audit.canaries: 0"
+        )
+    for key, value in (
+        ("data.path", getattr(cfg.data, "path", None)),
+        ("data.public_path", getattr(cfg.data, "public_path", None)),
+        ("model.path", getattr(cfg.model, "path", None)),
+    ):
         if value and not str(value).startswith("hf:") and value != "shakespeare" and not Path(value).exists():
             raise UserError(f"{key} {value}: does not exist")
     if plan:
         read_input(plan, f"--plan {plan}")
     check_sharding(cfg, distributed=True)
 
-    if shared_device(cfg.model.device, f"--nproc {nproc} starts {nproc} processes") \
-            and nproc > torch.cuda.device_count():
-        raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s); start at "
-                        "most that many processes (or set model.device: cpu)")
+    if (
+        shared_device(cfg.model.device, f"--nproc {nproc} starts {nproc} processes")
+        and nproc > torch.cuda.device_count()
+    ):
+        raise UserError(
+            f"--nproc {nproc}: this machine has {torch.cuda.device_count()} CUDA device(s); start at "
+            "most that many processes (or set model.device: cpu)"
+        )
     check_cpu_processes(nproc)
 
 
@@ -78,16 +86,27 @@ def check_cpu_processes(nproc: int) -> None:
         UserError: naming --nproc and the machine's cores or memory."""
     cores = os.cpu_count() or 1
     if nproc > PROCESSES_PER_CORE * cores:
-        raise UserError(f"--nproc {nproc}: this machine has {cores} CPU core(s); start at most "
-                        f"{PROCESSES_PER_CORE * cores} processes")
+        raise UserError(
+            f"--nproc {nproc}: this machine has {cores} CPU core(s); start at most "
+            f"{PROCESSES_PER_CORE * cores} processes"
+        )
     free_gb = psutil.virtual_memory().available / 2**30
     if nproc * PROCESS_MEMORY_GB > free_gb:
-        raise UserError(f"--nproc {nproc}: {free_gb:.1f} GB of memory is free, less than the {PROCESS_MEMORY_GB:g} GB "
-                        f"each process needs at least; start at most {max(1, int(free_gb / PROCESS_MEMORY_GB))}")
+        raise UserError(
+            f"--nproc {nproc}: {free_gb:.1f} GB of memory is free, less than the {PROCESS_MEMORY_GB:g} GB "
+            f"each process needs at least; start at most {max(1, int(free_gb / PROCESS_MEMORY_GB))}"
+        )
 
 
-def launch(worker_argv: list[str], *, nproc: int, nnodes: str = "1", node_rank: int = 0,
-           rdzv_endpoint: str | None = None, timeout_s: int = 900) -> int:
+def launch(
+    worker_argv: list[str],
+    *,
+    nproc: int,
+    nnodes: str = "1",
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    timeout_s: int = 900,
+) -> int:
     """Run ``python -m userdp <worker_argv>`` in ``nproc`` processes (per node) as one job;
     returns the job's exit status, having printed at most one line for a failed job.
 
@@ -107,25 +126,41 @@ def launch(worker_argv: list[str], *, nproc: int, nnodes: str = "1", node_rank: 
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the job's outcome is our one line
     errors = Path(tempfile.mkdtemp(prefix="userdp-launch-"))
     os.environ[ERROR_DIR_ENV] = str(errors)
-    config = LaunchConfig(min_nodes=min_nodes, max_nodes=max_nodes, nproc_per_node=nproc,
-                          run_id=f"userdp-{uuid.uuid4().hex[:12]}" if max_nodes == 1 else "userdp",
-                          rdzv_backend="c10d", rdzv_endpoint=rdzv_endpoint or "localhost:0",
-                          rdzv_configs={"rank": node_rank} if max_nodes > 1 else {},
-                          rdzv_timeout=timeout_s, max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        run_id=f"userdp-{uuid.uuid4().hex[:12]}" if max_nodes == 1 else "userdp",
+        rdzv_backend="c10d",
+        rdzv_endpoint=rdzv_endpoint or "localhost:0",
+        rdzv_configs={"rank": node_rank} if max_nodes > 1 else {},
+        rdzv_timeout=timeout_s,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
     try:
         elastic_launch(config, sys.executable)("-m", "userdp", *worker_argv)
         return 0
     except ChildFailedError as exc:
         return _one_line(errors, exc.failures, worker_argv)
     except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C or a signal to the launcher: the workers stop too
-        how = "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) or getattr(exc, "sigval", None) == 2 \
+        how = (
+            "interrupted (Ctrl-C)"
+            if isinstance(exc, KeyboardInterrupt) or getattr(exc, "sigval", None) == 2
             else f"stopped by a signal ({getattr(exc, 'sigval', exc)})"
-        print(f"userdp: {how}: the job's processes were stopped; the last checkpoint and the ledger journal are kept "
-              f"(every step begun is counted): {_resume_hint(worker_argv)}", file=sys.stderr)
+        )
+        print(
+            f"userdp: {how}: the job's processes were stopped; the last checkpoint and the ledger journal are kept "
+            f"(every step begun is counted): {_resume_hint(worker_argv)}",
+            file=sys.stderr,
+        )
         return 130
     except Exception as exc:  # noqa: BLE001 - the rendezvous or the agent itself failed
-        print(f"userdp: error: the job could not start ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
-              file=sys.stderr)
+        print(
+            f"userdp: error: the job could not start ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+            file=sys.stderr,
+        )
         return 2
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
@@ -165,6 +200,9 @@ def _one_line(errors: Path, failures: dict, worker_argv: list[str] = ()) -> int:
     # stopped job does, with how to continue it (every step begun is counted on resume)
     rank = min(failures) if failures else 0
     code = failures[rank].exitcode if failures else 1
-    print(f"userdp: error: the process of rank {rank} was lost (exit status {code}; its output above says why); "
-          f"the last checkpoint and the ledger journal are kept: {_resume_hint(list(worker_argv))}", file=sys.stderr)
+    print(
+        f"userdp: error: the process of rank {rank} was lost (exit status {code}; its output above says why); "
+        f"the last checkpoint and the ledger journal are kept: {_resume_hint(list(worker_argv))}",
+        file=sys.stderr,
+    )
     return 2

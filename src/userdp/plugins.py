@@ -50,8 +50,10 @@ def load(spec: str, *, source: str, allow_path: bool = True) -> ModuleType:
         return _LOADED[spec]
     is_path = spec.endswith(".py") or "/" in spec or "\\" in spec
     if is_path and not allow_path:
-        raise UserError(f"{source}: {spec!r}: a config names plugins as importable modules, not files "
-                        "(a run directory's config is read back; give a file with --plugin)")
+        raise UserError(
+            f"{source}: {spec!r}: a config names plugins as importable modules, not files "
+            "(a run directory's config is read back; give a file with --plugin)"
+        )
     if not is_path and not _MODULE_NAME.match(spec):
         raise UserError(f"{source}: {spec!r} is not a module name (e.g. mypackage.userdp_plugin) or a .py file")
     try:
@@ -60,7 +62,9 @@ def load(spec: str, *, source: str, allow_path: bool = True) -> ModuleType:
         raise UserError(f"{source}: plugin {spec!r}: {exc}") from None
     except ModuleNotFoundError as exc:
         if not is_path and exc.name and (spec == exc.name or spec.startswith(f"{exc.name}.")):
-            raise UserError(f"{source}: no module named {spec!r} (install it, or put its folder on PYTHONPATH)") from None
+            raise UserError(
+                f"{source}: no module named {spec!r} (install it, or put its folder on PYTHONPATH)"
+            ) from None
         raise UserError(f"{source}: plugin {spec!r} failed to load (ModuleNotFoundError: {exc})") from None
     except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
         # a plugin must not end the command (and so set its exit status) while it loads
@@ -109,11 +113,13 @@ def load_entry_points() -> list[str]:
         except UserError as exc:
             raise UserError(f"entry point {ENTRY_POINT_GROUP}:{ep.name}: {exc}") from None
         except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
-            raise UserError(f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} {_ended(exc)} while it "
-                            "loaded; nothing was run") from None
+            raise UserError(
+                f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} {_ended(exc)} while it loaded; nothing was run"
+            ) from None
         except Exception as exc:  # noqa: BLE001
-            raise UserError(f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} failed to load "
-                            f"({type(exc).__name__}: {exc})") from None
+            raise UserError(
+                f"entry point {ENTRY_POINT_GROUP}:{ep.name} = {ep.value} failed to load ({type(exc).__name__}: {exc})"
+            ) from None
         _LOADED[key] = obj if isinstance(obj, ModuleType) else sys.modules.get(ep.module, obj)
         names.append(key)
     return names

@@ -52,8 +52,17 @@ def bar(total: Optional[int] = None, desc: str = "", unit: str = "it", *, initia
     lines over the whole ``total`` (0: nothing), see the module docstring."""
     if _ENABLED.get() and not _terminal():
         return _Lines(total, desc, unit, initial, lines)
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, leave=False, dynamic_ncols=True, file=sys.stderr,
-                mininterval=0.5, disable=None if _ENABLED.get() else True)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=desc,
+        unit=unit,
+        leave=False,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        mininterval=0.5,
+        disable=None if _ENABLED.get() else True,
+    )
 
 
 class _Lines:

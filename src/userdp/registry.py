@@ -36,6 +36,7 @@ class Registry(MutableMapping[str, T], Generic[T]):
 
         Raises:
             UserError: the name is taken (and ``replace`` is False), or ``obj`` has no name."""
+
         def add(o: T) -> T:
             key = name if name is not None else getattr(o, "name", None)
             if not isinstance(key, str) or not key:

@@ -99,8 +99,10 @@ def check_rate(value, name: str) -> float:
     if not (0.0 < x <= 1.0):
         raise UserError(f"{name} must be in (0, 1] (got {value})")
     if x < MIN_SAMPLING_RATE:
-        raise UserError(f"{name} = {x:g} is below {MIN_SAMPLING_RATE:g}, where float64 accounting is "
-                        "not reliable; use a larger sampling rate")
+        raise UserError(
+            f"{name} = {x:g} is below {MIN_SAMPLING_RATE:g}, where float64 accounting is "
+            "not reliable; use a larger sampling rate"
+        )
     return x
 
 
@@ -178,8 +180,10 @@ def check_fields(obj, **checks) -> None:
 
 def optional(check):
     """``check`` that lets None through (an optional field)."""
+
     def checked(value, name, *extra):
         return None if value is None else check(value, name, *extra)
+
     return checked
 
 

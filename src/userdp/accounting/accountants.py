@@ -46,15 +46,27 @@ class Accountant(Protocol):
     name: str
     discretized: bool
 
-    def epsilon(self, event: dpe.DpEvent, delta: float, *, interval: Optional[float] = None,
-                orders: Optional[Sequence[float]] = None) -> tuple[float, str]:
+    def epsilon(
+        self,
+        event: dpe.DpEvent,
+        delta: float,
+        *,
+        interval: Optional[float] = None,
+        orders: Optional[Sequence[float]] = None,
+    ) -> tuple[float, str]:
         """(epsilon, which backend answered) of the composed event at delta: an upper bound.
 
         ``interval`` is a discretization grid (accountants without one ignore it)."""
         ...
 
-    def delta(self, event: dpe.DpEvent, epsilon: float, *, interval: Optional[float] = None,
-              orders: Optional[Sequence[float]] = None) -> float:
+    def delta(
+        self,
+        event: dpe.DpEvent,
+        epsilon: float,
+        *,
+        interval: Optional[float] = None,
+        orders: Optional[Sequence[float]] = None,
+    ) -> float:
         """delta of the composed event at epsilon: an upper bound."""
         ...
 
@@ -162,8 +174,10 @@ def check_supports(name: str, step_event: dpe.DpEvent, delta: float) -> None:
             why = f"{type(exc).__name__}: {exc}"
     if why:
         why = why if len(why) <= 240 else why[:240] + " ..."
-        raise UserError(f"privacy.accountant {name}: it cannot account this run's step event "
-                        f"({type(step_event).__name__}): {why}; choose another accountant")
+        raise UserError(
+            f"privacy.accountant {name}: it cannot account this run's step event "
+            f"({type(step_event).__name__}): {why}; choose another accountant"
+        )
 
 
 def register_accountant(accountant: Accountant) -> Accountant:
@@ -208,8 +222,10 @@ def checked_epsilon(value, who: str) -> float:
     Raises:
         UserError: naming the accountant and what it answered."""
     if not _real(value) or math.isnan(value) or value < 0:
-        raise UserError(f"privacy.accountant {who}: it answered epsilon = {value!r}, which is not an epsilon "
-                        "(a number >= 0); nothing is stated from it")
+        raise UserError(
+            f"privacy.accountant {who}: it answered epsilon = {value!r}, which is not an epsilon "
+            "(a number >= 0); nothing is stated from it"
+        )
     return float(value)
 
 
@@ -219,8 +235,10 @@ def checked_delta(value, who: str) -> float:
     Raises:
         UserError: naming the accountant and what it answered."""
     if not _real(value) or math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise UserError(f"privacy.accountant {who}: it answered delta = {value!r}, which is not a delta "
-                        "(a number in [0, 1]); nothing is stated from it")
+        raise UserError(
+            f"privacy.accountant {who}: it answered delta = {value!r}, which is not a delta "
+            "(a number in [0, 1]); nothing is stated from it"
+        )
     return float(value)
 
 
@@ -239,8 +257,9 @@ class CheckedAccountant:
     def epsilon(self, event, delta, *, interval=None, orders=None):
         answer = self._inner.epsilon(event, delta, interval=interval, orders=orders)
         if not (isinstance(answer, tuple) and len(answer) == 2):
-            raise UserError(f"privacy.accountant {self.name}: epsilon() answered {answer!r}, not "
-                            "(epsilon, backend name)")
+            raise UserError(
+                f"privacy.accountant {self.name}: epsilon() answered {answer!r}, not (epsilon, backend name)"
+            )
         return checked_epsilon(answer[0], self.name), str(answer[1])
 
     def delta(self, event, epsilon, *, interval=None, orders=None):
@@ -250,10 +269,14 @@ class CheckedAccountant:
         eps = checked_epsilon(self._inner.epsilon_of_steps(step_event, steps, delta), self.name)
         key = (repr(step_event), float(delta))
         prev = self._last_of_steps.get(key)
-        if prev is not None and ((steps > prev[0] and eps < prev[1] - 1e-9 * max(1.0, prev[1]))
-                                 or (steps < prev[0] and eps > prev[1] + 1e-9 * max(1.0, prev[1]))):
-            raise UserError(f"privacy.accountant {self.name}: epsilon after {steps} steps ({eps}) is not monotone "
-                            f"in the steps (after {prev[0]}: {prev[1]}); nothing is stated from it")
+        if prev is not None and (
+            (steps > prev[0] and eps < prev[1] - 1e-9 * max(1.0, prev[1]))
+            or (steps < prev[0] and eps > prev[1] + 1e-9 * max(1.0, prev[1]))
+        ):
+            raise UserError(
+                f"privacy.accountant {self.name}: epsilon after {steps} steps ({eps}) is not monotone "
+                f"in the steps (after {prev[0]}: {prev[1]}); nothing is stated from it"
+            )
         self._last_of_steps[key] = (steps, eps)
         return eps
 
@@ -269,9 +292,14 @@ def clear_caches() -> None:
     _RDP._step_rdp.clear()
 
 
-def epsilon_and_accountant(event: dpe.DpEvent, delta: float, accountant: str = "pld", *,
-                           value_discretization_interval: float = PLD_INTERVAL,
-                           orders: Sequence[float] | None = None) -> tuple[float, str]:
+def epsilon_and_accountant(
+    event: dpe.DpEvent,
+    delta: float,
+    accountant: str = "pld",
+    *,
+    value_discretization_interval: float = PLD_INTERVAL,
+    orders: Sequence[float] | None = None,
+) -> tuple[float, str]:
     """ε of the event at δ — an upper bound — and which accountant gave it.
 
     With ``accountant="pld"``, events outside the PLD's feasible range (see
@@ -288,22 +316,33 @@ def epsilon_and_accountant(event: dpe.DpEvent, delta: float, accountant: str = "
     return get_accountant(accountant).epsilon(event, delta, interval=value_discretization_interval, orders=orders)
 
 
-def epsilon(event: dpe.DpEvent, delta: float, accountant: str = "pld", *,
-            value_discretization_interval: float = PLD_INTERVAL,
-            orders: Sequence[float] | None = None) -> float:
+def epsilon(
+    event: dpe.DpEvent,
+    delta: float,
+    accountant: str = "pld",
+    *,
+    value_discretization_interval: float = PLD_INTERVAL,
+    orders: Sequence[float] | None = None,
+) -> float:
     """ε of the event at δ: an upper bound (see :func:`epsilon_and_accountant`, which also says
     whether the PLD or RDP answered).
 
     Raises:
         UserError: bad delta or accountant name, or an event the accountant cannot take.
     """
-    return epsilon_and_accountant(event, delta, accountant, value_discretization_interval=value_discretization_interval,
-                                  orders=orders)[0]
+    return epsilon_and_accountant(
+        event, delta, accountant, value_discretization_interval=value_discretization_interval, orders=orders
+    )[0]
 
 
-def delta(event: dpe.DpEvent, epsilon: float, accountant: str = "pld", *,
-          value_discretization_interval: float = PLD_INTERVAL,
-          orders: Sequence[float] | None = None) -> float:
+def delta(
+    event: dpe.DpEvent,
+    epsilon: float,
+    accountant: str = "pld",
+    *,
+    value_discretization_interval: float = PLD_INTERVAL,
+    orders: Sequence[float] | None = None,
+) -> float:
     """δ of the event at ε: an upper bound.
 
     Raises:
@@ -325,8 +364,14 @@ class StepSearch:
     time_budget_s: float = 60.0
 
 
-def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, how: StepSearch | str = "pld", *,
-              prior: Sequence[dpe.DpEvent] = ()) -> int:
+def max_steps(
+    step_event: dpe.DpEvent,
+    epsilon: float,
+    delta: float,
+    how: StepSearch | str = "pld",
+    *,
+    prior: Sequence[dpe.DpEvent] = (),
+) -> int:
     """Largest T with ε(T steps) ≤ epsilon (0 if even one step exceeds; ``how.limit`` if reached).
 
     ``how``: the accountant's name, or a :class:`StepSearch`. ``prior``: events spent before the
@@ -353,17 +398,22 @@ def max_steps(step_event: dpe.DpEvent, epsilon: float, delta: float, how: StepSe
     def ok(t: int) -> bool:
         if time.monotonic() > deadline:
             hint = f"; RDP's (looser) answer is {rdp_answer} steps" if rdp_answer is not None else ""
-            raise UserError(f"max_steps: the {accountant} search for the steps within epsilon = {eps_target:g} did "
-                            f"not finish within {budget:g} s{hint}; use accountant 'rdp', a smaller epsilon or "
-                            "a smaller limit")
-        return acc.epsilon(compose_after(prior, step_event, t), delta,
-                           interval=value_discretization_interval)[0] <= eps_target
+            raise UserError(
+                f"max_steps: the {accountant} search for the steps within epsilon = {eps_target:g} did "
+                f"not finish within {budget:g} s{hint}; use accountant 'rdp', a smaller epsilon or "
+                "a smaller limit"
+            )
+        return (
+            acc.epsilon(compose_after(prior, step_event, t), delta, interval=value_discretization_interval)[0]
+            <= eps_target
+        )
 
     lo = 0
     if acc.name != "rdp":
         try:
-            rdp_answer = max_steps(step_event, eps_target, delta, StepSearch("rdp", limit, time_budget_s=budget),
-                                   prior=prior)
+            rdp_answer = max_steps(
+                step_event, eps_target, delta, StepSearch("rdp", limit, time_budget_s=budget), prior=prior
+            )
         except UserError:
             rdp_answer = None
         if rdp_answer and ok(rdp_answer):

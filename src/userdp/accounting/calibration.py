@@ -45,8 +45,7 @@ def _gdp_delta(eps: float, mu: float) -> float:
 def _step_mixture(ev: dpe.DpEvent) -> tuple[np.ndarray, np.ndarray, float] | None:
     """(sensitivities, probabilities, σ) of a Poisson-Gaussian / MoG / WOR-Gaussian step."""
     if isinstance(ev, dpe.MixtureOfGaussiansDpEvent):
-        return (np.asarray(ev.sensitivities, float), np.asarray(ev.sampling_probs, float),
-                float(ev.standard_deviation))
+        return (np.asarray(ev.sensitivities, float), np.asarray(ev.sampling_probs, float), float(ev.standard_deviation))
     if isinstance(ev, dpe.PoissonSampledDpEvent) and isinstance(ev.event, dpe.GaussianDpEvent):
         q = float(ev.sampling_probability)
         return np.array([0.0, 1.0]), np.array([1 - q, q]), float(ev.event.noise_multiplier)
@@ -58,8 +57,7 @@ def _step_mixture(ev: dpe.DpEvent) -> tuple[np.ndarray, np.ndarray, float] | Non
     return None
 
 
-def _initial_guess(make_step_event: Callable[[float], dpe.DpEvent], steps: int, eps: float,
-                   dlt: float) -> float | None:
+def _initial_guess(make_step_event: Callable[[float], dpe.DpEvent], steps: int, eps: float, dlt: float) -> float | None:
     """A cheap estimate of the answer from the central limit theorem of composition.
 
     T steps of a mixture P = Σ w_k N(s_k, σ²) against Q = N(0, σ²) are close to μ-GDP with
@@ -104,9 +102,15 @@ def _initial_guess(make_step_event: Callable[[float], dpe.DpEvent], steps: int, 
     return hi_s / sigma1  # the factory maps z to an event std of z * sigma1
 
 
-def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], steps: int,
-                               epsilon: float, delta: float, how: Calibration | str = "pld", *,
-                               prior: Sequence[dpe.DpEvent] = ()) -> float:
+def calibrate_noise_multiplier(
+    make_step_event: Callable[[float], dpe.DpEvent],
+    steps: int,
+    epsilon: float,
+    delta: float,
+    how: Calibration | str = "pld",
+    *,
+    prior: Sequence[dpe.DpEvent] = (),
+) -> float:
     """Smallest noise multiplier whose T-step composition is (ε, δ)-DP, never below the truth.
 
     ``how``: the accountant's name, or a :class:`Calibration` (accountant and search settings).
@@ -129,8 +133,10 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
     if not (eps > 0 and math.isfinite(eps)):
         raise UserError(f"epsilon must be a positive number (got {epsilon})")
     if eps > MAX_CALIBRATION_EPSILON:
-        raise UserError(f"epsilon = {eps:g} promises nothing (e^epsilon overflows); calibrate for an "
-                        f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}")
+        raise UserError(
+            f"epsilon = {eps:g} promises nothing (e^epsilon overflows); calibrate for an "
+            f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}"
+        )
     dlt = check_delta(delta)
     t = check_int(steps, "steps")
     check_callable(make_step_event, "make_step_event")
@@ -139,27 +145,34 @@ def calibrate_noise_multiplier(make_step_event: Callable[[float], dpe.DpEvent], 
     if prior:  # what the prior events alone spend: nothing left for training is refused in one line
         spent = acc.epsilon(compose_after(prior, None, 0), dlt, interval=how.interval, orders=how.orders)[0]
         if not spent < eps:
-            raise UserError(f"the events released before training already spend epsilon = {spent:.4g} of the "
-                            f"{eps:g} at delta = {dlt:g}: nothing is left for training; raise epsilon or spend "
-                            "less before training (e.g. a smaller planning.dp_median_epsilon)")
+            raise UserError(
+                f"the events released before training already spend epsilon = {spent:.4g} of the "
+                f"{eps:g} at delta = {dlt:g}: nothing is left for training; raise epsilon or spend "
+                "less before training (e.g. a smaller planning.dp_median_epsilon)"
+            )
 
     def eps_at(s: float, interval: float) -> float:
         return acc.epsilon(compose_after(prior, make_step_event(s), t), dlt, interval=interval, orders=how.orders)[0]
 
     # the steps' share, roughly (basic composition with the prior): only where the search starts
     guess = _initial_guess(make_step_event, t, eps - spent, dlt)
-    unreachable = (f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
-                   f"up to {how.sigma_max:g} in {t} steps")
+    unreachable = (
+        f"epsilon={eps:g} at delta={dlt:g} is not reachable with any noise multiplier "
+        f"up to {how.sigma_max:g} in {t} steps"
+    )
     try:
         return _calibrate(eps_at, guess, eps, t, how, unreachable)
     except RuntimeError:
         after = " after the events released before training" if prior else ""
-        raise UserError(f"no noise multiplier up to {how.sigma_max:g} meets epsilon = {eps:g} at delta = {dlt:g} "
-                        f"over {t} steps{after}; raise epsilon or delta, or take fewer steps") from None
+        raise UserError(
+            f"no noise multiplier up to {how.sigma_max:g} meets epsilon = {eps:g} at delta = {dlt:g} "
+            f"over {t} steps{after}; raise epsilon or delta, or take fewer steps"
+        ) from None
 
 
-def _calibrate(eps_at: Callable[[float, float], float], guess: float | None, eps: float, t: int,
-               how: Calibration, unreachable: str) -> float:
+def _calibrate(
+    eps_at: Callable[[float, float], float], guess: float | None, eps: float, t: int, how: Calibration, unreachable: str
+) -> float:
     """The search of :func:`calibrate_noise_multiplier` over ``eps_at(σ, interval)``."""
     log_target = math.log(eps)
     discretized = get_accountant(how.accountant).discretized
@@ -199,8 +212,9 @@ def _calibrate(eps_at: Callable[[float, float], float], guess: float | None, eps
     return hi2
 
 
-def _secant_search(f: Callable[[float], float], s: float, pts: list, how: Calibration,
-                   unreachable: str) -> tuple[float, float | None, float]:
+def _secant_search(
+    f: Callable[[float], float], s: float, pts: list, how: Calibration, unreachable: str
+) -> tuple[float, float | None, float]:
     """Safeguarded secant on (log σ, f = log ε − log ε_target) for a decreasing ε(σ).
 
     Returns (hi, lo, slope): hi passes (f ≤ 0), lo fails or None, hi ≤ lo·(1 + rtol). Never
@@ -247,4 +261,3 @@ def _secant_search(f: Callable[[float], float], s: float, pts: list, how: Calibr
                 # bracket at least halves every three evaluations
                 s = math.sqrt(lo * hi)
     raise RuntimeError("calibration did not converge")  # pragma: no cover
-

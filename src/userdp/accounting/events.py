@@ -34,6 +34,7 @@ MAX_ELS_GROUP = 10_000
 #: Largest epsilon calibration accepts (e^epsilon overflows past ~709; beyond ~1000 nothing is promised).
 MAX_CALIBRATION_EPSILON = 1000.0
 
+
 # ----------------------------------------------------------------------------------- checks
 def _check_positive(name: str, value: float) -> float:
     return check_positive(value, name)
@@ -64,8 +65,10 @@ def els_step_event(noise_multiplier: float, sampling_rate: float, group_size: in
     p = _check_rate("sampling_rate", sampling_rate)
     g = check_int(group_size, "group_size")
     if g > MAX_ELS_GROUP:
-        raise UserError(f"group_size G = {g} is above {MAX_ELS_GROUP:,}, the largest the ELS mixture "
-                        "accountant takes (it builds G+1 components); use a smaller G, or ULS")
+        raise UserError(
+            f"group_size G = {g} is above {MAX_ELS_GROUP:,}, the largest the ELS mixture "
+            "accountant takes (it builds G+1 components); use a smaller G, or ULS"
+        )
     if g == 1:
         return dpe.PoissonSampledDpEvent(p, dpe.GaussianDpEvent(sigma))
     sens, probs = binomial_sensitivity(g, p)
@@ -106,8 +109,10 @@ def check_event(event: Any, name: str = "event") -> dpe.DpEvent:
     Raises:
         UserError: naming ``name`` and what was given instead."""
     if not isinstance(event, dpe.DpEvent):
-        raise UserError(f"{name} must be a dp_accounting DpEvent (e.g. userdp.accounting.uls_step_event(...)), "
-                        f"got {type(event).__name__}")
+        raise UserError(
+            f"{name} must be a dp_accounting DpEvent (e.g. userdp.accounting.uls_step_event(...)), "
+            f"got {type(event).__name__}"
+        )
     return event
 
 
@@ -150,8 +155,11 @@ def pure_dp_epsilon(event: dpe.DpEvent, relation: "NeighborRel" = None) -> float
 
     Under add-or-remove it is the event's epsilon; under replace-one (fixed-size cohorts), where
     replacing a user is removing one and adding another, twice that (group privacy of 2)."""
-    if not (isinstance(event, dpe.RandomizedResponseDpEvent) and event.num_buckets == 2
-            and 0 < float(event.noise_parameter) < 1):
+    if not (
+        isinstance(event, dpe.RandomizedResponseDpEvent)
+        and event.num_buckets == 2
+        and 0 < float(event.noise_parameter) < 1
+    ):
         return None
     eps = math.log(2.0 / float(event.noise_parameter) - 1.0)
     return 2.0 * eps if relation == NeighborRel.REPLACE_ONE else eps
@@ -211,9 +219,7 @@ def adjacency(event: dpe.DpEvent) -> str:
     ``"add_or_remove_one"`` (add or remove all of one user's data).
     """
     wor = contains_event(event, dpe.SampledWithoutReplacementDpEvent)
-    poisson = contains_event(event, dpe.PoissonSampledDpEvent) or contains_event(
-        event, dpe.MixtureOfGaussiansDpEvent
-    )
+    poisson = contains_event(event, dpe.PoissonSampledDpEvent) or contains_event(event, dpe.MixtureOfGaussiansDpEvent)
     if wor and poisson:
         raise UserError(
             "cannot compose fixed-size cohorts (replace-one) with Poisson-sampled steps "
@@ -273,10 +279,18 @@ def event_from_dict(obj: Any) -> dpe.DpEvent:
 
 
 #: the numeric fields of dp_accounting's events and the range each must lie in
-_EVENT_FIELDS = {"noise_multiplier": "nonnegative", "standard_deviation": "nonnegative",
-                 "sampling_probability": "probability", "count": "count", "sample_size": "count",
-                 "source_dataset_size": "count", "num_steps": "count", "sensitivity": "nonnegative",
-                 "epsilon": "nonnegative", "delta": "probability"}
+_EVENT_FIELDS = {
+    "noise_multiplier": "nonnegative",
+    "standard_deviation": "nonnegative",
+    "sampling_probability": "probability",
+    "count": "count",
+    "sample_size": "count",
+    "source_dataset_size": "count",
+    "num_steps": "count",
+    "sensitivity": "nonnegative",
+    "epsilon": "nonnegative",
+    "delta": "probability",
+}
 
 
 def _check_event_values(event: dpe.DpEvent, where: str = "event") -> None:
@@ -311,4 +325,3 @@ def _check_event_values(event: dpe.DpEvent, where: str = "event") -> None:
 
 def event_to_json(event: dpe.DpEvent) -> str:
     return json.dumps(event_to_dict(event), sort_keys=True)
-

@@ -79,11 +79,15 @@ class GroupPrivacyResult:
 
     def describe(self) -> str:
         if not self.feasible:
-            return (f"generic group privacy (form {self.form}), G={self.group_size}: infeasible "
-                    f"(no example-level delta meets user-level delta={self.delta:g})")
-        return (f"generic group privacy (form {self.form}), G={self.group_size}: "
-                f"epsilon={self.epsilon:.4g} at delta={self.delta:g} (example-level "
-                f"({self.example_epsilon:.4g}, {self.example_delta:.3g}) by {self.example_accountant})")
+            return (
+                f"generic group privacy (form {self.form}), G={self.group_size}: infeasible "
+                f"(no example-level delta meets user-level delta={self.delta:g})"
+            )
+        return (
+            f"generic group privacy (form {self.form}), G={self.group_size}: "
+            f"epsilon={self.epsilon:.4g} at delta={self.delta:g} (example-level "
+            f"({self.example_epsilon:.4g}, {self.example_delta:.3g}) by {self.example_accountant})"
+        )
 
 
 def _rdp_delta_grid(orders: np.ndarray, rdp: np.ndarray, eps: np.ndarray) -> np.ndarray:
@@ -100,10 +104,16 @@ def _rdp_delta_grid(orders: np.ndarray, rdp: np.ndarray, eps: np.ndarray) -> np.
     return np.minimum(logd.min(axis=0), 0.0)
 
 
-def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: float,
-                          form: str = "a", *, min_example_delta: float = 1e-300,
-                          pld_interval: float = PLD_INTERVAL,
-                          grid_rtol: float = 1e-3) -> GroupPrivacyResult:
+def group_privacy_epsilon(
+    example_event: dpe.DpEvent,
+    group_size: int,
+    delta: float,
+    form: str = "a",
+    *,
+    min_example_delta: float = 1e-300,
+    pld_interval: float = PLD_INTERVAL,
+    grid_rtol: float = 1e-3,
+) -> GroupPrivacyResult:
     """User-level ε of an example-level mechanism (the whole run's event) by group privacy.
 
     For each example-level ε_ex on a geometric grid (relative step ``grid_rtol``) the best
@@ -141,8 +151,7 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
         sel = eps_grid <= e_pld_hi
         if sel.any():
             with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-                log_d_pld[sel] = np.log(np.maximum(
-                    np.asarray(inner.get_delta_for_epsilon(eps_grid[sel]), float), 0.0))
+                log_d_pld[sel] = np.log(np.maximum(np.asarray(inner.get_delta_for_epsilon(eps_grid[sel]), float), 0.0))
     use_pld = log_d_pld <= log_d_rdp
     log_d = np.where(use_pld, log_d_pld, log_d_rdp)
     log_floor = math.log(min_example_delta)
@@ -154,6 +163,7 @@ def group_privacy_epsilon(example_event: dpe.DpEvent, group_size: int, delta: fl
         if ld >= log_target:
             continue
         if _log_group_delta(float(e), float(ld), k, form) <= log_target:
-            return GroupPrivacyResult(True, k * float(e), float(delta), k, form, float(e),
-                                      math.exp(ld), "pld" if use_pld[i] else "rdp")
+            return GroupPrivacyResult(
+                True, k * float(e), float(delta), k, form, float(e), math.exp(ld), "pld" if use_pld[i] else "rdp"
+            )
     return GroupPrivacyResult(False, math.inf, float(delta), k, form)

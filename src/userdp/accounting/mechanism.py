@@ -90,8 +90,9 @@ class Mechanism:
         check_int(self.steps, "steps")
 
     @classmethod
-    def for_training(cls, units: UnitSampling, sampling: str, noise_multiplier: float, steps: int,
-                     num_units: Optional[int] = None) -> "Mechanism":
+    def for_training(
+        cls, units: UnitSampling, sampling: str, noise_multiplier: float, steps: int, num_units: Optional[int] = None
+    ) -> "Mechanism":
         """The mechanism of a training run, from what the sampler does to what a unit is.
 
         Args:
@@ -115,8 +116,10 @@ class Mechanism:
             return cls("no_amplification", noise_multiplier, steps, group_size=owned)
         if sampling == "fixed_size":
             if owned > 1:
-                raise UserError("ELS with G > 1 has no accounted fixed-size sampler; use sampling='poisson' "
-                                "(or 'shuffle', which reports the no-amplification guarantee too)")
+                raise UserError(
+                    "ELS with G > 1 has no accounted fixed-size sampler; use sampling='poisson' "
+                    "(or 'shuffle', which reports the no-amplification guarantee too)"
+                )
             cohort = None if num_units is None else max(1, int(round(rate * num_units)))
             return cls("fixed_cohort", noise_multiplier, steps, num_users=num_units, cohort_size=cohort)
         if sampling != "poisson":

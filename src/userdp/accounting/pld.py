@@ -71,8 +71,12 @@ def _truncate_mixture(event: dpe.MixtureOfGaussiansDpEvent, tail_max: float):
     dropped = float(tail[n_drop - 1])
     keep = np.sort(order[n_drop:])
     kept = probs[keep] / (1.0 - dropped)
-    return (dpe.MixtureOfGaussiansDpEvent(event.standard_deviation, [float(x) for x in sens[keep]],
-                                          [float(x) for x in kept]), dropped)
+    return (
+        dpe.MixtureOfGaussiansDpEvent(
+            event.standard_deviation, [float(x) for x in sens[keep]], [float(x) for x in kept]
+        ),
+        dropped,
+    )
 
 
 def truncate_mixture_tails(event: dpe.DpEvent, budget: float) -> tuple[dpe.DpEvent, float, float]:
@@ -158,11 +162,11 @@ class _VectorizedMixtureGaussianPrivacyLoss(PLM.MixtureGaussianPrivacyLoss):
         consts = self._precompute_privacy_loss_constants
         chunk = max(1, 2_000_000 // len(self.sensitivities))
         for i in range(0, len(x), chunk):
-            x_loss = np.multiply.outer(x[i:i + chunk], self.sensitivities) / self._variance
+            x_loss = np.multiply.outer(x[i : i + chunk], self.sensitivities) / self._variance
             if self.adjacency_type == PLM.AdjacencyType.ADD:
-                out[i:i + chunk] = -np.logaddexp.reduce(consts + x_loss, axis=1)
+                out[i : i + chunk] = -np.logaddexp.reduce(consts + x_loss, axis=1)
             else:
-                out[i:i + chunk] = np.logaddexp.reduce(consts - x_loss, axis=1)
+                out[i : i + chunk] = np.logaddexp.reduce(consts - x_loss, axis=1)
         return out
 
     def _inverse_privacy_losses_with_range(self, privacy_losses, bounds, precision=1e-6):
@@ -200,7 +204,7 @@ class _VectorizedGaussianPrivacyLoss(PLM.GaussianPrivacyLoss):
 
     def _x_cutoffs(self, eps: np.ndarray) -> np.ndarray | None:
         q, s = self.sampling_prob, self.sensitivity
-        var = self._standard_deviation ** 2
+        var = self._standard_deviation**2
         add = self.adjacency_type == PLM.AdjacencyType.ADD
         if self.adjacency_type not in (PLM.AdjacencyType.ADD, PLM.AdjacencyType.REMOVE):
             return None
@@ -256,15 +260,22 @@ def gaussian_pld(sigma: float, sampling_prob: float, interval: float):
     create = getattr(PLD, "_create_pld_pmf_from_monotone_privacy_loss", None)
     if create is None:  # pragma: no cover - a dp_accounting without the private builder
         return PLD.from_gaussian_mechanism(
-            standard_deviation=sigma, value_discretization_interval=interval, sampling_prob=sampling_prob,
-            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE)
+            standard_deviation=sigma,
+            value_discretization_interval=interval,
+            sampling_prob=sampling_prob,
+            neighboring_relation=NeighborRel.ADD_OR_REMOVE_ONE,
+        )
 
     def single(adjacency):
-        loss = _VectorizedGaussianPrivacyLoss(sigma, sensitivity=1, pessimistic_estimate=True,
-                                              log_mass_truncation_bound=-50, sampling_prob=sampling_prob,
-                                              adjacency_type=adjacency)
-        return create(loss, pessimistic_estimate=True, value_discretization_interval=interval,
-                      use_connect_dots=True)
+        loss = _VectorizedGaussianPrivacyLoss(
+            sigma,
+            sensitivity=1,
+            pessimistic_estimate=True,
+            log_mass_truncation_bound=-50,
+            sampling_prob=sampling_prob,
+            adjacency_type=adjacency,
+        )
+        return create(loss, pessimistic_estimate=True, value_discretization_interval=interval, use_connect_dots=True)
 
     remove = single(PLM.AdjacencyType.REMOVE)
     if sampling_prob == 1.0:
@@ -279,15 +290,22 @@ def mixture_gaussian_pld(sigma: float, sensitivities, probs, interval: float):
     create = getattr(PLD, "_create_pld_pmf_from_monotone_privacy_loss", None)
     if create is None:  # pragma: no cover - a dp_accounting without the private builder
         return PLD.from_mixture_gaussian_mechanism(
-            standard_deviation=sigma, sensitivities=sensitivities, sampling_probs=probs,
-            value_discretization_interval=interval)
+            standard_deviation=sigma,
+            sensitivities=sensitivities,
+            sampling_probs=probs,
+            value_discretization_interval=interval,
+        )
 
     def single(adjacency):
         loss = _VectorizedMixtureGaussianPrivacyLoss(
-            sigma, sensitivities, probs, pessimistic_estimate=True, log_mass_truncation_bound=-50,
-            adjacency_type=adjacency)
-        return create(loss, pessimistic_estimate=True, value_discretization_interval=interval,
-                      use_connect_dots=True)
+            sigma,
+            sensitivities,
+            probs,
+            pessimistic_estimate=True,
+            log_mass_truncation_bound=-50,
+            adjacency_type=adjacency,
+        )
+        return create(loss, pessimistic_estimate=True, value_discretization_interval=interval, use_connect_dots=True)
 
     return PLD.PrivacyLossDistribution(single(PLM.AdjacencyType.REMOVE), single(PLM.AdjacencyType.ADD))
 
@@ -342,8 +360,9 @@ def _self_compose_pmf(pmf, num_times: int, tail_mass_truncation: float = 1e-15):
     conv = np.real(fft.ifft(fft.fft(probs, fast_len) ** num_times))
     out = np.array(np.roll(conv, -lo)[:out_len])
     inf_prob = tail_mass_truncation - math.expm1(num_times * math.log1p(-pmf._infinity_mass))
-    return pld_pmf.DensePLDPmf(pmf._discretization, pmf._lower_loss * num_times + lo, out, inf_prob,
-                               pmf._pessimistic_estimate)
+    return pld_pmf.DensePLDPmf(
+        pmf._discretization, pmf._lower_loss * num_times + lo, out, inf_prob, pmf._pessimistic_estimate
+    )
 
 
 def self_compose(pld, num_times: int):
@@ -372,14 +391,16 @@ def _self_composed_from_cached_step(event: dpe.DpEvent, interval: float):
         if step.standard_deviation <= 0 or (len(step.sensitivities) == 1 and step.sensitivities[0] == 0):
             return None
         make = lambda: mixture_gaussian_pld(  # noqa: E731
-            step.standard_deviation, step.sensitivities, step.sampling_probs, interval)
+            step.standard_deviation, step.sensitivities, step.sampling_probs, interval
+        )
     else:
         if not isinstance(step.event, dpe.GaussianDpEvent):
             return None
         if step.sampling_probability <= 0 or step.event.noise_multiplier <= 0:
             return None
         make = lambda: gaussian_pld(  # noqa: E731
-            step.event.noise_multiplier, step.sampling_probability, interval)
+            step.event.noise_multiplier, step.sampling_probability, interval
+        )
     key = (repr(step), float(interval))
     base = _STEP_PLD_CACHE.get(key)
     if base is None:
@@ -402,8 +423,9 @@ def _with_pure(acc, pure: list[float], interval: float):
     if acc is not None:  # ours, or dp_accounting's PLDAccountant (its PLD is its _pld)
         pld = acc.pld_distribution if isinstance(acc, _ComposedPLD) else acc._pld
     for eps in pure:
-        step = PLD.from_privacy_parameters(pld_common.DifferentialPrivacyParameters(eps, 0.0),
-                                           value_discretization_interval=interval)
+        step = PLD.from_privacy_parameters(
+            pld_common.DifferentialPrivacyParameters(eps, 0.0), value_discretization_interval=interval
+        )
         pld = step if pld is None else pld.compose(step)
     return _ComposedPLD(pld)
 
@@ -458,7 +480,5 @@ def pld_infeasible(event: dpe.DpEvent, count: int = 1) -> str | None:
         ratio = float(event.standard_deviation) / max(max(event.sensitivities), 1e-300)
         low = PLD_MIXTURE_RATIO_MIN
     if ratio is not None and not (low <= ratio <= PLD_SIGMA_RANGE[1]):
-        return (f"noise multiplier / sensitivity = {ratio:.3g} (PLD handles {low:g} to "
-                f"{PLD_SIGMA_RANGE[1]:.0e})")
+        return f"noise multiplier / sensitivity = {ratio:.3g} (PLD handles {low:g} to {PLD_SIGMA_RANGE[1]:.0e})"
     return None
-

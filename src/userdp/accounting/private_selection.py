@@ -49,7 +49,9 @@ def trial_count_from_dict(d: Mapping, source: str) -> TrialCount:
         kind = str(d["kind"])
         vals = {k: float(d[k]) for k in ("eta", "gamma", "mu")}
     except (KeyError, TypeError, ValueError):
-        raise UserError(f"{source}: malformed trial-count distribution {dict(d) if isinstance(d, Mapping) else d!r}") from None
+        raise UserError(
+            f"{source}: malformed trial-count distribution {dict(d) if isinstance(d, Mapping) else d!r}"
+        ) from None
     if not all(math.isfinite(v) for v in vals.values()):
         raise UserError(f"{source}: the trial-count distribution has a non-finite parameter")
     return TrialCount(kind, **vals)
@@ -61,13 +63,21 @@ def contract_digest(on: str, trial_count: Mapping, delta: float, run_events: Map
     configuration carries it (``privacy.tuning_contract``), so the ledger journal of the released
     run is bound to it before its first step; the report re-computes it from the tuning section and
     refuses a section that is not the one the journal was bound to."""
-    blob = json.dumps({"on": on, "trial_count": dict(trial_count), "delta": float(delta),
-                       "run_events": dict(run_events)}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {"on": on, "trial_count": dict(trial_count), "delta": float(delta), "run_events": dict(run_events)},
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def derive(mechanism_events: Mapping[str, object], trials_run: Sequence[str] | None, count: TrialCount,
-           delta: float, source: str = "tuning") -> dict:
+def derive(
+    mechanism_events: Mapping[str, object],
+    trials_run: Sequence[str] | None,
+    count: TrialCount,
+    delta: float,
+    source: str = "tuning",
+) -> dict:
     """The released model's guarantee (private selection, K hidden) and, given the trials run, what
     publishing them would cost (their composition).
 
@@ -105,5 +115,7 @@ def derive(mechanism_events: Mapping[str, object], trials_run: Sequence[str] | N
             raise UserError(f"{source}: trials name mechanisms with no event: {', '.join(unknown)}")
         out["epsilon_if_trials_published"] = (
             epsilon_from_rdp(ORDERS, np.sum([curves[k] for k in trials_run], axis=0), float(delta))
-            if trials_run else 0.0)
+            if trials_run
+            else 0.0
+        )
     return out

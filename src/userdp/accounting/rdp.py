@@ -67,8 +67,14 @@ def _mixture_log_weights(sensitivities: Sequence[float], probs: Sequence[float])
     return sens, np.log(w / w.sum())
 
 
-def mog_rdp(sigma: float, sensitivities: Sequence[float], probs: Sequence[float],
-            orders: Sequence[float] = RDP_ORDERS, *, max_points: int = 2_000_000) -> np.ndarray:
+def mog_rdp(
+    sigma: float,
+    sensitivities: Sequence[float],
+    probs: Sequence[float],
+    orders: Sequence[float] = RDP_ORDERS,
+    *,
+    max_points: int = 2_000_000,
+) -> np.ndarray:
     """RDP of one Mixture-of-Gaussians step: max(D_α(P‖Q), D_α(Q‖P)) per order, by quadrature.
 
     With L(x) = log P(x)/Q(x): D_α(P‖Q) = log E_Q[e^{αL}]/(α−1) and D_α(Q‖P) =
@@ -92,7 +98,7 @@ def mog_rdp(sigma: float, sensitivities: Sequence[float], probs: Sequence[float]
     L = np.empty_like(x)
     chunk = max(1, 4_000_000 // len(sens))
     for i in range(0, len(x), chunk):
-        L[i:i + chunk] = _mog_log_ratio(x[i:i + chunk], sigma, sens, log_w)
+        L[i : i + chunk] = _mog_log_ratio(x[i : i + chunk], sigma, sens, log_w)
     out = np.full(len(orders), np.inf)
     for i, a in enumerate(orders):
         if not covered[i]:
@@ -125,13 +131,15 @@ def _rdp_vector(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -
         return sum((_rdp_vector(e, orders, relation) for e in event.events), np.zeros(len(orders)))
     if isinstance(event, dpe.MixtureOfGaussiansDpEvent):
         sigma, sens, probs = float(event.standard_deviation), tuple(event.sensitivities), tuple(event.sampling_probs)
-        return _kept(_MOG_RDP_CACHE, 256, (sigma, sens, probs, tuple(orders)),
-                     lambda: mog_rdp(sigma, sens, probs, tuple(orders)))
+        return _kept(
+            _MOG_RDP_CACHE, 256, (sigma, sens, probs, tuple(orders)), lambda: mog_rdp(sigma, sens, probs, tuple(orders))
+        )
     eps = pure_dp_epsilon(event, relation)
     if eps is not None:
         return pure_dp_rdp(eps, orders)
-    return _kept(_LIBRARY_RDP_CACHE, 1024, (repr(event), tuple(orders), relation),
-                 lambda: _library_rdp(event, orders, relation))
+    return _kept(
+        _LIBRARY_RDP_CACHE, 1024, (repr(event), tuple(orders), relation), lambda: _library_rdp(event, orders, relation)
+    )
 
 
 #: RDP vectors already computed, the oldest forgotten first (:func:`_kept`): ELS mixtures' (ours),
@@ -217,8 +225,7 @@ def rdp_curve(event: dpe.DpEvent, orders: Sequence[float] | None = None) -> tupl
     return orders_arr, step_rdp(event, orders_arr)
 
 
-def moments_accountant_epsilon(sampling_rate: float, noise_multiplier: float, steps: int,
-                               delta: float) -> float:
+def moments_accountant_epsilon(sampling_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
     """The legacy moments accountant of [McMahan et al. 2018] (McMahan et al. 2018): integer orders 2..33 and the
     classical conversion ε = min_α T·RDP(α) + ln(1/δ)/(α−1). For reproduction only."""
     orders = np.arange(2, 34, dtype=float)
@@ -226,4 +233,3 @@ def moments_accountant_epsilon(sampling_rate: float, noise_multiplier: float, st
     with _quiet_rdp_convergence():
         acc.compose(compose(uls_step_event(noise_multiplier, sampling_rate), steps))
     return float(np.min(acc.rdp + math.log(1 / check_delta(delta)) / (orders - 1)))
-

@@ -53,7 +53,9 @@ class TrialCount:
     def __post_init__(self):
         if self.kind == "tnb":
             if not (self.eta >= 0 and 0 < self.gamma < 1):
-                raise UserError(f"truncated negative binomial: need eta >= 0 and 0 < gamma < 1 (got {self.eta}, {self.gamma})")
+                raise UserError(
+                    f"truncated negative binomial: need eta >= 0 and 0 < gamma < 1 (got {self.eta}, {self.gamma})"
+                )
         elif self.kind == "poisson":
             if not self.mu > 0:
                 raise UserError(f"Poisson trial count: need mu > 0 (got {self.mu})")

@@ -26,7 +26,7 @@ def effective_noise_multiplier(update_z: float, count_stddev: float) -> float:
     """z from the update multiplier z_Δ and the count-noise std σ_b: (z_Δ^-2 + (2σ_b)^-2)^-1/2."""
     z_u = _positive("update noise multiplier", update_z)
     s_b = _positive("count noise stddev", count_stddev)
-    return (z_u ** -2 + (2.0 * s_b) ** -2) ** -0.5
+    return (z_u**-2 + (2.0 * s_b) ** -2) ** -0.5
 
 
 def update_noise_multiplier(effective_z: float, count_stddev: float) -> float:
@@ -38,4 +38,4 @@ def update_noise_multiplier(effective_z: float, count_stddev: float) -> float:
             f"count noise stddev {s_b:g} is too small for noise multiplier {z:g}: adaptive "
             f"clipping needs 2*count_noise_stddev > noise_multiplier (got {2 * s_b:g} <= {z:g})"
         )
-    return (z ** -2 - (2.0 * s_b) ** -2) ** -0.5
+    return (z**-2 - (2.0 * s_b) ** -2) ** -0.5

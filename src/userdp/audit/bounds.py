@@ -137,8 +137,9 @@ def guess_grid(m: int, grid: Sequence[tuple[float, float]] = GUESS_GRID) -> list
     return out
 
 
-def largest_bound(m: int, *, delta: float, confidence: float = 0.95,
-                  grid: Sequence[tuple[float, float]] = GUESS_GRID) -> float:
+def largest_bound(
+    m: int, *, delta: float, confidence: float = 0.95, grid: Sequence[tuple[float, float]] = GUESS_GRID
+) -> float:
     """The audit's power: the largest bound :func:`one_run_bound` could report with ``m``
     canaries — every guess of the best grid point correct. An audited ε of 0 then reads as "this
     design could have shown at most this much", not as evidence that the accounting is tight."""
@@ -147,8 +148,14 @@ def largest_bound(m: int, *, delta: float, confidence: float = 0.95,
     return max(epsilon_lower_bound(m, kp + km, kp + km, delta, beta) for kp, km in pairs)
 
 
-def one_run_bound(scores: Sequence[float], included: Sequence[bool], *, delta: float,
-                  confidence: float = 0.95, grid: Sequence[tuple[float, float]] = GUESS_GRID) -> OneRunBound:
+def one_run_bound(
+    scores: Sequence[float],
+    included: Sequence[bool],
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    grid: Sequence[tuple[float, float]] = GUESS_GRID,
+) -> OneRunBound:
     """Steinke et al.'s one-run epsilon lower bound from canary scores (higher = "more likely in").
 
     Args:
@@ -185,12 +192,22 @@ def one_run_bound(scores: Sequence[float], included: Sequence[bool], *, delta: f
     ranked = inc[order]
     tried = []
     for kp, km in pairs:
-        v = int(ranked[:kp].sum()) + (int((~ranked[m - km:]).sum()) if km else 0)
+        v = int(ranked[:kp].sum()) + (int((~ranked[m - km :]).sum()) if km else 0)
         eps = epsilon_lower_bound(m, kp + km, v, delta, beta)
         tried.append(Guess(kp, km, v, eps))
     best = max(tried, key=lambda g: (g.epsilon, g.correct))
-    return OneRunBound(best.epsilon, confidence, delta, m, int(inc.sum()), best.k_plus + best.k_minus,
-                       best.correct, best.k_plus, best.k_minus, tried)
+    return OneRunBound(
+        best.epsilon,
+        confidence,
+        delta,
+        m,
+        int(inc.sum()),
+        best.k_plus + best.k_minus,
+        best.correct,
+        best.k_plus,
+        best.k_minus,
+        tried,
+    )
 
 
 def clopper_pearson(k: int, n: int, confidence: float) -> tuple[float, float]:
@@ -203,8 +220,14 @@ def clopper_pearson(k: int, n: int, confidence: float) -> tuple[float, float]:
     return lo, hi
 
 
-def clopper_pearson_bound(scores: Sequence[float], included: Sequence[bool], *, delta: float,
-                          confidence: float = 0.95, threshold: float | None = None) -> dict:
+def clopper_pearson_bound(
+    scores: Sequence[float],
+    included: Sequence[bool],
+    *,
+    delta: float,
+    confidence: float = 0.95,
+    threshold: float | None = None,
+) -> dict:
     """The classic audit: guess "in" above ``threshold`` (default: the median score); with
     Clopper–Pearson intervals on TPR and FPR (each at 1 - (1-confidence)/2, so both hold
     jointly), eps >= max(log((TPR_lo - delta)/FPR_hi), log((TNR_lo - delta)/FNR_hi)).
@@ -232,8 +255,17 @@ def clopper_pearson_bound(scores: Sequence[float], included: Sequence[bool], *, 
         return math.log(num / den) if num > 0 and den > 0 else 0.0
 
     eps = max(0.0, ratio(tpr_lo - delta, fpr_hi), ratio(tnr_lo - delta, fnr_hi))
-    return {"epsilon_lower_bound": eps, "confidence": confidence, "threshold": t,
-            "tp": tp, "fn": fn, "fp": fp, "tn": tn, "tpr_lower": tpr_lo, "fpr_upper": fpr_hi}
+    return {
+        "epsilon_lower_bound": eps,
+        "confidence": confidence,
+        "threshold": t,
+        "tp": tp,
+        "fn": fn,
+        "fp": fp,
+        "tn": tn,
+        "tpr_lower": tpr_lo,
+        "fpr_upper": fpr_hi,
+    }
 
 
 def roc_auc(scores_pos: Sequence[float], scores_neg: Sequence[float]) -> float:

@@ -130,8 +130,9 @@ class GradientCanaries:
         if count < 2:
             raise UserError(f"audit.canaries: need at least 2 canaries, got {count}")
         if count > numel:
-            raise UserError(f"audit.canaries: {count} gradient canaries need as many entries of {param} "
-                            f"(it has {numel})")
+            raise UserError(
+                f"audit.canaries: {count} gradient canaries need as many entries of {param} (it has {numel})"
+            )
         ss = np.random.SeedSequence(int(seed))
         s_coord, s_incl = ss.spawn(2)
         coords = np.random.default_rng(s_coord).choice(numel, size=count, replace=False).astype(np.int64)
@@ -149,10 +150,12 @@ class GradientCanaries:
             raise UserError("audit: no canary was drawn into the training data (rerun the audit)")
         n = inc.size * self.records
         w = max(2, int(width))
-        b = {"input_ids": torch.full((n, w), int(pad_id), dtype=torch.long),
-             "labels": torch.full((n, w), IGNORE_INDEX, dtype=torch.long),
-             "audit_coord": torch.from_numpy(np.repeat(self.coords[inc], self.records)),
-             "audit_on": torch.ones(n)}
+        b = {
+            "input_ids": torch.full((n, w), int(pad_id), dtype=torch.long),
+            "labels": torch.full((n, w), IGNORE_INDEX, dtype=torch.long),
+            "audit_coord": torch.from_numpy(np.repeat(self.coords[inc], self.records)),
+            "audit_on": torch.ones(n),
+        }
         return TensorUserData(b, np.arange(inc.size + 1, dtype=np.int64) * self.records)
 
 
@@ -214,8 +217,7 @@ class WithCanaries(DelegatingUserData):
                 if len(have) != len(parts):
                     raise UserError(f"audit: a batch without {k}")
                 width = max(v.shape[-1] for _, v in have)
-                t = torch.full((n, *first.shape[1:-1], width), IGNORE_INDEX if k == "labels" else 0,
-                               dtype=first.dtype)
+                t = torch.full((n, *first.shape[1:-1], width), IGNORE_INDEX if k == "labels" else 0, dtype=first.dtype)
                 for pos, v in have:
                     t[torch.from_numpy(pos), ..., : v.shape[-1]] = v
             else:  # per-record tensors; the audit keys exist on gradient canaries only (0 elsewhere)

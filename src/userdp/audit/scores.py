@@ -48,8 +48,14 @@ def pick_users(num_users: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return np.sort(rng.choice(num_users, k, replace=False)) if k > 0 else np.zeros(0, np.int64)
 
 
-def user_losses(model, data, users: np.ndarray, max_records: int, rng: np.random.Generator | None = None,
-                records: list | None = None):
+def user_losses(
+    model,
+    data,
+    users: np.ndarray,
+    max_records: int,
+    rng: np.random.Generator | None = None,
+    records: list | None = None,
+):
     """Token-weighted mean NLL of each user's records under ``model`` (up to ``max_records`` of
     each, drawn once with ``rng`` unless ``records`` gives them). Returns ``(losses, records)`` so
     the same records can be scored under a second model."""
@@ -57,8 +63,7 @@ def user_losses(model, data, users: np.ndarray, max_records: int, rng: np.random
     sizes = data.sizes()
     if records is None:
         rng = rng or np.random.default_rng(0)
-        records = [np.sort(rng.choice(int(sizes[u]), min(int(sizes[u]), max_records), replace=False))
-                   for u in users]
+        records = [np.sort(rng.choice(int(sizes[u]), min(int(sizes[u]), max_records), replace=False)) for u in users]
     if len(users) == 0:
         return np.zeros(0), records
     uu = np.concatenate([np.full(len(r), u, np.int64) for u, r in zip(users, records)])

@@ -41,41 +41,58 @@ from userdp.errors import UserError
 from userdp.fileio import read_input, write_json
 from userdp.lm.run_dir import existing_run_dir, read_json
 
-DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023): {k} synthetic canary users, each holding "
-          "{r} copies of its own random {s}-token secret, were each included in the training data "
-          "independently with probability 1/2 before training; after training the auditor guesses "
-          "members from the scores alone")
-GRADIENT_DESIGN = ("one-run audit (Steinke, Nasr & Jagielski 2023), white-box: {k} synthetic canary users, "
-                   "each holding {r} text-free records whose update is a large step along one coordinate "
-                   "of its own, were each included independently with probability 1/2 before training; "
-                   "every step's noisy update is read at the canaries' coordinates")
+DESIGN = (
+    "one-run audit (Steinke, Nasr & Jagielski 2023): {k} synthetic canary users, each holding "
+    "{r} copies of its own random {s}-token secret, were each included in the training data "
+    "independently with probability 1/2 before training; after training the auditor guesses "
+    "members from the scores alone"
+)
+GRADIENT_DESIGN = (
+    "one-run audit (Steinke, Nasr & Jagielski 2023), white-box: {k} synthetic canary users, "
+    "each holding {r} text-free records whose update is a large step along one coordinate "
+    "of its own, were each included independently with probability 1/2 before training; "
+    "every step's noisy update is read at the canaries' coordinates"
+)
 SCORES = {
-    "loss": ("minus the secret's mean next-token loss under the trained model (black-box: the final "
-             "model only)"),
-    "loss_difference": ("the secret's mean next-token loss under the starting model minus under the "
-                        "trained model (black-box: the final model only)"),
-    "gradient_alignment": ("how far training moved the weights along the canary's gradient at the "
-                           "starting weights, <g, theta_0 - theta_T>/||g|| (white-box: the starting and "
-                           "final weights, as anyone holding the checkpoints has)"),
-    "gradient": ("gradient-space canaries: each canary's update is {scale:g} (far above C) along one "
-                 "coordinate of {param} of its own; the score is minus the sum over every step of the noisy "
-                 "update at that coordinate (white-box: the adversary who sees every step's update, which "
-                 "the guarantee covers)"),
+    "loss": ("minus the secret's mean next-token loss under the trained model (black-box: the final model only)"),
+    "loss_difference": (
+        "the secret's mean next-token loss under the starting model minus under the "
+        "trained model (black-box: the final model only)"
+    ),
+    "gradient_alignment": (
+        "how far training moved the weights along the canary's gradient at the "
+        "starting weights, <g, theta_0 - theta_T>/||g|| (white-box: the starting and "
+        "final weights, as anyone holding the checkpoints has)"
+    ),
+    "gradient": (
+        "gradient-space canaries: each canary's update is {scale:g} (far above C) along one "
+        "coordinate of {param} of its own; the score is minus the sum over every step of the noisy "
+        "update at that coordinate (white-box: the adversary who sees every step's update, which "
+        "the guarantee covers)"
+    ),
 }
-SHOWS = ("a lower bound that holds with the stated confidence over the canary draw and the training "
-         "randomness: no (eps, delta)-DP guarantee with eps below it can be true of this run. A bound "
-         "above the accounted epsilon means the implementation or its accounting is broken")
-DOES_NOT_SHOW = ("that the accounted epsilon is tight or that real users are safer than the bound: "
-                 "a small lower bound only says this attack ({attack}) did not find more. Canaries "
-                 "are worst-case-like users; real users' text is less distinctive")
-ATTACKS = {"gradient": "gradient-space canaries read at every step",
-           "loss": "the final model's loss on random-token canaries",
-           "loss_difference": "the final model's loss, against the starting model's, on random-token canaries",
-           "gradient_alignment": "the final weights' movement along random-token canaries' gradients"}
-UI_NOTE = ("user inference (Kandpal et al. 2023): the same loss difference averaged over up to {rec} "
-           "records of {nt} training users and {nh} held-out users; a diagnostic computed WITHOUT noise on "
-           "real users' records (released outside the guarantee; see not_accounted). Training users' "
-           "scored records may be ones the model trained on, which favours the attack")
+SHOWS = (
+    "a lower bound that holds with the stated confidence over the canary draw and the training "
+    "randomness: no (eps, delta)-DP guarantee with eps below it can be true of this run. A bound "
+    "above the accounted epsilon means the implementation or its accounting is broken"
+)
+DOES_NOT_SHOW = (
+    "that the accounted epsilon is tight or that real users are safer than the bound: "
+    "a small lower bound only says this attack ({attack}) did not find more. Canaries "
+    "are worst-case-like users; real users' text is less distinctive"
+)
+ATTACKS = {
+    "gradient": "gradient-space canaries read at every step",
+    "loss": "the final model's loss on random-token canaries",
+    "loss_difference": "the final model's loss, against the starting model's, on random-token canaries",
+    "gradient_alignment": "the final weights' movement along random-token canaries' gradients",
+}
+UI_NOTE = (
+    "user inference (Kandpal et al. 2023): the same loss difference averaged over up to {rec} "
+    "records of {nt} training users and {nh} held-out users; a diagnostic computed WITHOUT noise on "
+    "real users' records (released outside the guarantee; see not_accounted). Training users' "
+    "scored records may be ones the model trained on, which favours the attack"
+)
 
 
 def default_secrets_path(run_root: Path) -> Path:
@@ -104,13 +121,16 @@ class AuditSession:
         UserError: the secrets file exists for a new run, or is missing/damaged on a resume.
     """
 
-    def __init__(self, audit_cfg, run_root: Path, *, resume: bool, log: Callable[[str], None],
-                 steps_begun: bool = True):
+    def __init__(
+        self, audit_cfg, run_root: Path, *, resume: bool, log: Callable[[str], None], steps_begun: bool = True
+    ):
         self.cfg = audit_cfg
         self.path = Path(audit_cfg.secrets) if audit_cfg.secrets else default_secrets_path(run_root)
         if self.path.resolve().is_relative_to(Path(run_root).resolve()):
-            raise UserError(f"audit.secrets {self.path}: inside the run directory {run_root}, which is meant to be "
-                            "shared; the canaries' seed and inclusions must live outside it")
+            raise UserError(
+                f"audit.secrets {self.path}: inside the run directory {run_root}, which is meant to be "
+                "shared; the canaries' seed and inclusions must live outside it"
+            )
         self.log = log
         self.state: dict = {}
         self.canaries: Canaries | None = None
@@ -120,13 +140,17 @@ class AuditSession:
                 self.state = json.loads(self.path.read_text())
                 int(self.state["seed"], 16)
             except FileNotFoundError:
-                raise UserError(f"{self.path}: the audit's secrets file is missing, so the canaries of this "
-                                "run cannot be re-derived; the run cannot be resumed as an audit") from None
+                raise UserError(
+                    f"{self.path}: the audit's secrets file is missing, so the canaries of this "
+                    "run cannot be re-derived; the run cannot be resumed as an audit"
+                ) from None
             except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
                 raise UserError(f"{self.path}: not an audit secrets file written by userdp") from None
         elif self.path.exists():
-            raise UserError(f"{self.path}: an audit secrets file is already there (another run's); "
-                            "move it away or set audit.secrets to a new path")
+            raise UserError(
+                f"{self.path}: an audit secrets file is already there (another run's); "
+                "move it away or set audit.secrets to a new path"
+            )
 
     # ---------------------------------------------------------------- before training
 
@@ -161,9 +185,11 @@ class AuditSession:
         param, w = max(named, key=lambda x: x[1].numel())
         if w.dtype not in (torch.float32, torch.float64):
             # the engine then updates float32 master copies: the model's own .grad stays empty
-            raise UserError(f"audit.score: gradient canaries read each step's update on the model's weights, "
-                            f"but {param} is {str(w.dtype).replace('torch.', '')} (the update goes to separate "
-                            "master weights); load the model in float32 or use audit.score: loss")
+            raise UserError(
+                f"audit.score: gradient canaries read each step's update on the model's weights, "
+                f"but {param} is {str(w.dtype).replace('torch.', '')} (the update goes to separate "
+                "master weights); load the model in float32 or use audit.score: loss"
+            )
         scale = float(self.cfg.gradient_scale) * float(clip_norm)
         return GradientCanaries.generate(seed, int(self.cfg.canaries), self.records, param, w.numel(), scale)
 
@@ -186,32 +212,43 @@ class AuditSession:
         if self.length > seq_len:
             raise UserError(f"audit.secret_tokens = {self.length} is longer than tokenizer.seq_len = {seq_len}")
         if self.state:  # a resume: the same canaries, from the saved seed
-            if (self.state.get("canaries"), self.state.get("records_per_canary"), self.state.get("secret_tokens")) \
-                    != (int(self.cfg.canaries), self.records, self.length):
+            if (self.state.get("canaries"), self.state.get("records_per_canary"), self.state.get("secret_tokens")) != (
+                int(self.cfg.canaries),
+                self.records,
+                self.length,
+            ):
                 raise UserError(f"{self.path}: its canaries do not match this run's audit settings")
             seed = int(self.state["seed"], 16)
         else:
             seed = new_seed() if self.cfg.seed is None else int(self.cfg.seed)
         if self.gradient:
             self.canaries = self._gradient_canaries(model, seed, clip_norm)
-            self.grad_scores = np.asarray(self.state.get("grad_scores") or np.zeros(self.canaries.count),
-                                          dtype=np.float64)
-            what = (f"gradient canary users ({self.records} records each, update {self.canaries.scale:g} on "
-                    f"one coordinate of {self.canaries.param})")
+            self.grad_scores = np.asarray(
+                self.state.get("grad_scores") or np.zeros(self.canaries.count), dtype=np.float64
+            )
+            what = (
+                f"gradient canary users ({self.records} records each, update {self.canaries.scale:g} on "
+                f"one coordinate of {self.canaries.param})"
+            )
         else:
-            self.canaries = Canaries.generate(seed, int(self.cfg.canaries), self.length, self.records,
-                                              ordinary_token_ids(tok))
+            self.canaries = Canaries.generate(
+                seed, int(self.cfg.canaries), self.length, self.records, ordinary_token_ids(tok)
+            )
             # the starting weights, for the white-box alignment score (on a resume the checkpoint is
             # loaded later, so the model is still the starting model here)
             self.start = S.trainable_snapshot(model)
             what = f"canary users of {self.records} records ({self.length}-token secrets)"
         view = WithCanaries(train_data, self.canaries.training_users(self._width(train_data)))
         if self.state:
-            self.log(f"audit: resuming with the {self.canaries.count} canaries of {self.path}"
-                     + (f" ({self.state.get('steps_observed', 0)} steps observed)" if self.gradient else ""))
+            self.log(
+                f"audit: resuming with the {self.canaries.count} canaries of {self.path}"
+                + (f" ({self.state.get('steps_observed', 0)} steps observed)" if self.gradient else "")
+            )
             return view
-        self.log(f"audit: {self.canaries.count} {what}, {int(self.canaries.included.sum())} drawn into training; "
-                 f"seed and scores in {self.path} (keep it out of the published outputs)")
+        self.log(
+            f"audit: {self.canaries.count} {what}, {int(self.canaries.included.sum())} drawn into training; "
+            f"seed and scores in {self.path} (keep it out of the published outputs)"
+        )
         t0 = time.perf_counter()
         before = np.zeros(self.canaries.count) if self.gradient else S.canary_losses(model, self.canaries)
         ui = {}
@@ -224,18 +261,33 @@ class AuditSession:
             rec = int(self.cfg.inference_records)
             tr_loss, tr_rec = S.user_losses(model, train_data, tr, rec, rng=rng)
             he_loss, he_rec = S.user_losses(model, eval_data, he, rec, rng=rng)
-            ui = {"trained_users": tr.tolist(), "trained_records": [r.tolist() for r in tr_rec],
-                  "heldout_users": he.tolist(), "heldout_records": [r.tolist() for r in he_rec],
-                  "trained_before": tr_loss.tolist(), "heldout_before": he_loss.tolist()}
-        self.state = {"format": "userdp-audit-secrets-1", "seed": f"{seed:032x}",
-                      "canaries": self.canaries.count, "records_per_canary": self.records,
-                      "secret_tokens": self.length, "included": self.canaries.included.tolist(),
-                      "loss_before": before.tolist(), "user_inference": ui,
-                      "kind": "gradient" if self.gradient else "secret",
-                      "seconds_before_training": round(time.perf_counter() - t0, 3)}
+            ui = {
+                "trained_users": tr.tolist(),
+                "trained_records": [r.tolist() for r in tr_rec],
+                "heldout_users": he.tolist(),
+                "heldout_records": [r.tolist() for r in he_rec],
+                "trained_before": tr_loss.tolist(),
+                "heldout_before": he_loss.tolist(),
+            }
+        self.state = {
+            "format": "userdp-audit-secrets-1",
+            "seed": f"{seed:032x}",
+            "canaries": self.canaries.count,
+            "records_per_canary": self.records,
+            "secret_tokens": self.length,
+            "included": self.canaries.included.tolist(),
+            "loss_before": before.tolist(),
+            "user_inference": ui,
+            "kind": "gradient" if self.gradient else "secret",
+            "seconds_before_training": round(time.perf_counter() - t0, 3),
+        }
         if self.gradient:
-            self.state.update(param=self.canaries.param, scale=self.canaries.scale,
-                              grad_scores=self.grad_scores.tolist(), steps_observed=0)
+            self.state.update(
+                param=self.canaries.param,
+                scale=self.canaries.scale,
+                grad_scores=self.grad_scores.tolist(),
+                steps_observed=0,
+            )
         _write_private_json(self.path, self.state)
         self._wrote = True
         return view
@@ -267,30 +319,48 @@ class AuditSession:
             before = np.asarray(self.state["loss_before"])
             # every score is computed and kept in the secrets file; only the configured one (chosen
             # before training) gives the bound — picking the best afterwards would need a union bound
-            all_scores = {"loss": -after, "loss_difference": before - after,
-                          "gradient_alignment": S.gradient_alignment(model, c, self.start)}
+            all_scores = {
+                "loss": -after,
+                "loss_difference": before - after,
+                "gradient_alignment": S.gradient_alignment(model, c, self.start),
+            }
         score = all_scores[self.cfg.score]
         inc = c.included
         conf = float(self.cfg.confidence)
         one = B.one_run_bound(score, inc, delta=delta, confidence=conf)
         cp = B.clopper_pearson_bound(score, inc, delta=delta, confidence=conf)
         out = {
-            "design": (GRADIENT_DESIGN.format(k=c.count, r=self.records) if self.gradient
-                       else DESIGN.format(k=c.count, r=self.records, s=self.length)),
-            "canaries": c.count, "canaries_included": int(inc.sum()),
-            "records_per_canary": self.records, "secret_tokens": self.length,
-            "score": f"{self.cfg.score}: " + (SCORES["gradient"].format(scale=c.scale, param=c.param)
-                                              if self.gradient else SCORES[self.cfg.score]),
-            "epsilon_upper_bound": epsilon, "delta": delta, "confidence": conf,
+            "design": (
+                GRADIENT_DESIGN.format(k=c.count, r=self.records)
+                if self.gradient
+                else DESIGN.format(k=c.count, r=self.records, s=self.length)
+            ),
+            "canaries": c.count,
+            "canaries_included": int(inc.sum()),
+            "records_per_canary": self.records,
+            "secret_tokens": self.length,
+            "score": f"{self.cfg.score}: "
+            + (SCORES["gradient"].format(scale=c.scale, param=c.param) if self.gradient else SCORES[self.cfg.score]),
+            "epsilon_upper_bound": epsilon,
+            "delta": delta,
+            "confidence": conf,
             "epsilon_lower_bound": one.epsilon_lower_bound,
-            "guesses": one.guesses, "correct": one.correct, "k_plus": one.k_plus, "k_minus": one.k_minus,
+            "guesses": one.guesses,
+            "correct": one.correct,
+            "k_plus": one.k_plus,
+            "k_minus": one.k_minus,
             "guess_grid": len(one.tried),
             "canary_auc": B.roc_auc(score[inc], score[~inc]),
-            "canary_auc_other_scores": {k: B.roc_auc(v[inc], v[~inc]) for k, v in all_scores.items()
-                                        if k != self.cfg.score},
-            "clopper_pearson_diagnostic": {**cp, "note": "treats the canaries of one run as independent "
-                                           "trials, which they are not; a diagnostic, not a bound"},
-            "shows": SHOWS, "does_not_show": DOES_NOT_SHOW.format(attack=ATTACKS[self.cfg.score]),
+            "canary_auc_other_scores": {
+                k: B.roc_auc(v[inc], v[~inc]) for k, v in all_scores.items() if k != self.cfg.score
+            },
+            "clopper_pearson_diagnostic": {
+                **cp,
+                "note": "treats the canaries of one run as independent "
+                "trials, which they are not; a diagnostic, not a bound",
+            },
+            "shows": SHOWS,
+            "does_not_show": DOES_NOT_SHOW.format(attack=ATTACKS[self.cfg.score]),
             "secrets_file": str(self.path),
             "seeded": self.cfg.seed is not None,
         }
@@ -301,28 +371,46 @@ class AuditSession:
         out["mechanism_caught"] = epsilon is not None and one.epsilon_lower_bound > epsilon
         ui = self.state.get("user_inference") or {}
         if ui:
-            tr_after, _ = S.user_losses(model, train_data, np.asarray(ui["trained_users"], np.int64), 0,
-                                        records=[np.asarray(r, np.int64) for r in ui["trained_records"]])
-            he_after, _ = S.user_losses(model, eval_data, np.asarray(ui["heldout_users"], np.int64), 0,
-                                        records=[np.asarray(r, np.int64) for r in ui["heldout_records"]])
+            tr_after, _ = S.user_losses(
+                model,
+                train_data,
+                np.asarray(ui["trained_users"], np.int64),
+                0,
+                records=[np.asarray(r, np.int64) for r in ui["trained_records"]],
+            )
+            he_after, _ = S.user_losses(
+                model,
+                eval_data,
+                np.asarray(ui["heldout_users"], np.int64),
+                0,
+                records=[np.asarray(r, np.int64) for r in ui["heldout_records"]],
+            )
             s_tr = np.asarray(ui["trained_before"]) - tr_after
             s_he = np.asarray(ui["heldout_before"]) - he_after
             ui["trained_after"], ui["heldout_after"] = tr_after.tolist(), he_after.tolist()
             rec = max((len(r) for r in ui["trained_records"] + ui["heldout_records"]), default=0)
             out["user_inference"] = {
-                "auc": B.roc_auc(s_tr, s_he), "tpr_at_1pct_fpr": B.tpr_at_fpr(s_tr, s_he, 0.01),
-                "trained_users": len(s_tr), "heldout_users": len(s_he),
-                "note": UI_NOTE.format(rec=rec, nt=len(s_tr), nh=len(s_he))}
-        out["seconds"] = round(float(self.state.get("seconds_before_training", 0.0))
-                               + time.perf_counter() - t0, 3)  # scoring only; training is the run's
-        self.state.update(loss_after=after.tolist(), score=score.tolist(),
-                          scores={k: v.tolist() for k, v in all_scores.items()}, result=out)
+                "auc": B.roc_auc(s_tr, s_he),
+                "tpr_at_1pct_fpr": B.tpr_at_fpr(s_tr, s_he, 0.01),
+                "trained_users": len(s_tr),
+                "heldout_users": len(s_he),
+                "note": UI_NOTE.format(rec=rec, nt=len(s_tr), nh=len(s_he)),
+            }
+        out["seconds"] = round(
+            float(self.state.get("seconds_before_training", 0.0)) + time.perf_counter() - t0, 3
+        )  # scoring only; training is the run's
+        self.state.update(
+            loss_after=after.tolist(),
+            score=score.tolist(),
+            scores={k: v.tolist() for k, v in all_scores.items()},
+            result=out,
+        )
         _write_private_json(self.path, self.state)
         return out
 
 
 def statement(eps_upper: float | None, eps_lower: float, confidence: float, power: float | None = None) -> str:
-    """"accounted eps <= 3.0; audited eps >= 0.4 (95%; this audit could have shown at most 2.1)"."""
+    """ "accounted eps <= 3.0; audited eps >= 0.4 (95%; this audit could have shown at most 2.1)"."""
     up = "no guarantee (non-private run)" if eps_upper is None else f"accounted ε ≤ {eps_upper:.3g}"
     most = f"; this audit could have shown at most ε = {power:.3g}" if power is not None else ""
     return f"{up}; audited ε ≥ {eps_lower:.3g} ({confidence:.0%}{most})"
@@ -381,11 +469,20 @@ def combine_runs(run_dirs: list[str], confidence: float | None = None) -> dict:
     eps = None if any(e is None for e in epsilons) else max(epsilons)
     one = B.one_run_bound(scores, included, delta=delta, confidence=conf)
     cp = B.clopper_pearson_bound(scores, included, delta=delta, confidence=conf)
-    return {"runs": len(run_dirs), "canaries": len(scores), "canaries_included": int(sum(included)),
-            "epsilon": eps, "delta": delta, "confidence": conf,
-            "epsilon_lower_bound": one.epsilon_lower_bound, "guesses": one.guesses, "correct": one.correct,
-            "mechanism_caught": eps is not None and one.epsilon_lower_bound > eps,
-            "clopper_pearson_diagnostic": {**cp, "note": "pooled trials; independent across runs only"},
-            "largest_possible_bound": B.largest_bound(len(scores), delta=delta, confidence=conf),
-            "statement": statement(eps, one.epsilon_lower_bound, conf,
-                                   B.largest_bound(len(scores), delta=delta, confidence=conf))}
+    return {
+        "runs": len(run_dirs),
+        "canaries": len(scores),
+        "canaries_included": int(sum(included)),
+        "epsilon": eps,
+        "delta": delta,
+        "confidence": conf,
+        "epsilon_lower_bound": one.epsilon_lower_bound,
+        "guesses": one.guesses,
+        "correct": one.correct,
+        "mechanism_caught": eps is not None and one.epsilon_lower_bound > eps,
+        "clopper_pearson_diagnostic": {**cp, "note": "pooled trials; independent across runs only"},
+        "largest_possible_bound": B.largest_bound(len(scores), delta=delta, confidence=conf),
+        "statement": statement(
+            eps, one.epsilon_lower_bound, conf, B.largest_bound(len(scores), delta=delta, confidence=conf)
+        ),
+    }

@@ -75,9 +75,14 @@ def _command_of(argv: list[str]) -> str | None:
 
 def _add_plugin_option(parser: argparse.ArgumentParser) -> None:
     """``--plugin`` on every command (main reads it before parsing; argparse only lists it)."""
-    parser.add_argument("--plugin", action="append", default=[], metavar="MODULE_OR_FILE",
-                        help="load a plugin first (a module name or a .py file that registers an algorithm, "
-                             "accountant, per-unit strategy, noise mechanism or sampler; repeatable)")
+    parser.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE_OR_FILE",
+        help="load a plugin first (a module name or a .py file that registers an algorithm, "
+        "accountant, per-unit strategy, noise mechanism or sampler; repeatable)",
+    )
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in dict.fromkeys(action.choices.values()):

@@ -61,14 +61,20 @@ def sample_rate(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"must be a rate in (0, 1), got {text}: each training user is kept with that probability, whatever "
             "the number of users (a count K would be a rate K/N, so one user could change whether others are "
-            "sampled); for about K of N users give K/N")
+            "sampled); for about K of N users give K/N"
+        )
     return value
 
 
 def int_range(lo: int, hi: int) -> Callable[[str], int]:
     """An integer in [lo, hi]."""
-    return _checked(_integer, lambda v: lo <= v <= hi, f"an integer in [{lo}, {hi}]", f"integer in [{lo}, {hi}]",
-                    f"An integer in [{lo}, {hi}].")
+    return _checked(
+        _integer,
+        lambda v: lo <= v <= hi,
+        f"an integer in [{lo}, {hi}]",
+        f"integer in [{lo}, {hi}]",
+        f"An integer in [{lo}, {hi}].",
+    )
 
 
 def list_of(item: Callable[[str], float | int]) -> Callable[[str], tuple]:
@@ -97,8 +103,13 @@ def device(text: str) -> str:
 def add_device_option(parser: argparse.ArgumentParser, what: str, default: str | None = None) -> None:
     """``--device D`` on ``parser``: where ``what`` runs (None: the config's ``model.device``)."""
     tail = f"default: {default}" if default else "default: the config's model.device"
-    parser.add_argument("--device", type=device, default=default, metavar="D",
-                        help=f"where {what}: auto (a GPU when there is one), cpu, cuda or cuda:<index> ({tail})")
+    parser.add_argument(
+        "--device",
+        type=device,
+        default=default,
+        metavar="D",
+        help=f"where {what}: auto (a GPU when there is one), cpu, cuda or cuda:<index> ({tail})",
+    )
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")

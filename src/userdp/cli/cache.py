@@ -29,8 +29,9 @@ KINDS = {"stores": True, "tokenized": True, "perplexity": True, "pretrained": Fa
 
 
 def _size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != OWNED_MARK) \
-        if path.is_dir() else 0
+    return (
+        sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != OWNED_MARK) if path.is_dir() else 0
+    )
 
 
 #: an entry of a userdp cache kind: ``<kind>-<hex key>`` (or an interrupted build's ``.<entry>.tmp<pid>``)
@@ -43,9 +44,12 @@ def _made_by_an_older_userdp(d: Path) -> bool:
     writes. A folder with anything else (a user's file) is not userdp's."""
     entries = list(d.iterdir())
     return bool(entries) and all(
-        e.is_dir() and not e.is_symlink() and _ENTRY.match(e.name)
+        e.is_dir()
+        and not e.is_symlink()
+        and _ENTRY.match(e.name)
         and (e.name.startswith(".") or any(e.glob("*.json")) or (e / "scores.npy").is_file())
-        for e in entries)
+        for e in entries
+    )
 
 
 def info(root: Path, local: list[Path] = ()) -> dict:
@@ -56,14 +60,20 @@ def info(root: Path, local: list[Path] = ()) -> dict:
     for kind, private in KINDS.items():
         d = root / kind
         # (a pretraining's lock file, `.<entry>.lock`, is not an entry)
-        entries = sorted(p.name for p in d.iterdir() if p.name != OWNED_MARK and not p.name.endswith(".lock")) \
-            if d.is_dir() else []
+        entries = (
+            sorted(p.name for p in d.iterdir() if p.name != OWNED_MARK and not p.name.endswith(".lock"))
+            if d.is_dir()
+            else []
+        )
         kinds[kind] = {"entries": len(entries), "bytes": _size(d), "private": private, "path": str(d)}
-    elsewhere = [{"path": str(p), "bytes": sum(_size(p / k) for k, private in KINDS.items() if private)}
-                 for p in local]
-    return {"root": str(root), "exists": root.is_dir(), "kinds": kinds, "local": elsewhere,
-            "private_bytes": sum(k["bytes"] for k in kinds.values() if k["private"])
-            + sum(x["bytes"] for x in elsewhere)}
+    elsewhere = [{"path": str(p), "bytes": sum(_size(p / k) for k, private in KINDS.items() if private)} for p in local]
+    return {
+        "root": str(root),
+        "exists": root.is_dir(),
+        "kinds": kinds,
+        "local": elsewhere,
+        "private_bytes": sum(k["bytes"] for k in kinds.values() if k["private"]) + sum(x["bytes"] for x in elsewhere),
+    }
 
 
 def _human(n: int) -> str:
@@ -87,20 +97,26 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {kind:<11} {k['entries']:>4} entries  {_human(k['bytes']):>10}  ({label})")
         for x in rep["local"]:  # run-local and project caches (output.cache: run or a folder)
             print(f"  elsewhere   {_human(x['bytes']):>23}  (PRIVATE: {x['path']})")
-        print(f"  private data at rest: {_human(rep['private_bytes'])}; remove it with `userdp cache clear "
-              "--private-only`, or set output.cache: run to keep it inside each run directory")
+        print(
+            f"  private data at rest: {_human(rep['private_bytes'])}; remove it with `userdp cache clear "
+            "--private-only`, or set output.cache: run to keep it inside each run directory"
+        )
         return 0
     kinds = [k for k, private in KINDS.items() if private or not args.private_only]
     for kind in kinds:  # checked before anything is removed: only folders userdp marked as its own
         d = root / kind
         if d.is_symlink():
-            raise UserError(f"{d}: a symbolic link; `cache clear` does not follow links to delete "
-                            f"(remove the link and what it points to yourself; nothing was removed)")
+            raise UserError(
+                f"{d}: a symbolic link; `cache clear` does not follow links to delete "
+                f"(remove the link and what it points to yourself; nothing was removed)"
+            )
         if d.exists() and not d.is_dir():
             raise UserError(f"{d}: not a folder; nothing was removed")
         if d.is_dir() and not is_owned(d) and not _made_by_an_older_userdp(d):
-            raise UserError(f"{d}: not marked as userdp's ({OWNED_MARK} is missing: a folder of yours, or a cache "
-                            "of a userdp before 0.4); nothing was removed: remove it yourself if it is userdp's")
+            raise UserError(
+                f"{d}: not marked as userdp's ({OWNED_MARK} is missing: a folder of yours, or a cache "
+                "of a userdp before 0.4); nothing was removed: remove it yourself if it is userdp's"
+            )
     removed = 0
     for kind in kinds:
         d = root / kind
@@ -119,6 +135,9 @@ def register(p) -> None:
     i = sub.add_parser("info", help="what the cache holds, by kind, and which kinds are private")
     i.add_argument("--json", action="store_true", help="print one JSON object")
     c = sub.add_parser("clear", help="remove the cache (the private kinds, or everything)")
-    c.add_argument("--private-only", action="store_true",
-                   help="keep the models pretrained on public text; remove stores, tokenized data and scores")
+    c.add_argument(
+        "--private-only",
+        action="store_true",
+        help="keep the models pretrained on public text; remove stores, tokenized data and scores",
+    )
     p.set_defaults(func=_run)

@@ -26,10 +26,11 @@ from userdp.errors import UserError
 
 
 def register(p) -> None:
-    p.description = ("Find the smallest noise multiplier for which T steps of ELS or ULS "
-                     "(DP-FedAvg) training are user-level (epsilon, delta)-DP.")
-    p.add_argument("--epsilon", type=positive_float, required=True, metavar="E",
-                   help="target user-level epsilon")
+    p.description = (
+        "Find the smallest noise multiplier for which T steps of ELS or ULS "
+        "(DP-FedAvg) training are user-level (epsilon, delta)-DP."
+    )
+    p.add_argument("--epsilon", type=positive_float, required=True, metavar="E", help="target user-level epsilon")
     add_mechanism_arguments(p)
     p.set_defaults(func=run)
 
@@ -42,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--epsilon {args.epsilon:g}: {exc}") from None
     split_noise(m, z, args.count_noise_stddev)
     m["epsilon"] = args.epsilon
-    m["calibration"] = ("smallest noise multiplier (to 0.4%) whose pessimistic "
-                        f"{m['accountant'].upper()} epsilon meets the target")
+    m["calibration"] = (
+        f"smallest noise multiplier (to 0.4%) whose pessimistic {m['accountant'].upper()} epsilon meets the target"
+    )
     emit(m, args.json, describe(m).replace("User-level", "Calibrated: user-level", 1))
     return 0

@@ -15,17 +15,25 @@ from userdp.errors import UserError
 
 
 def _add_source_args(p) -> None:
-    p.add_argument("source", help="a file (JSONL[.gz], CSV, Parquet), a folder (Stack Exchange dump, saved HF dataset, "
-                   "built store) or 'shakespeare'")
-    p.add_argument("--format", choices=["jsonl", "csv", "parquet", "hf", "stackexchange", "shakespeare"],
-                   help="override the format detected from the name or contents")
+    p.add_argument(
+        "source",
+        help="a file (JSONL[.gz], CSV, Parquet), a folder (Stack Exchange dump, saved HF dataset, "
+        "built store) or 'shakespeare'",
+    )
+    p.add_argument(
+        "--format",
+        choices=["jsonl", "csv", "parquet", "hf", "stackexchange", "shakespeare"],
+        help="override the format detected from the name or contents",
+    )
     p.add_argument("--user-field", default="user", help="field naming the user (default: user)")
     p.add_argument("--text-field", default="text", help="field holding the text (default: text)")
     p.add_argument("--date-field", default=None, help="optional field holding the record's date")
     p.add_argument("--split", default=None, help="split of a saved Hugging Face DatasetDict")
     p.add_argument("--public-plays", default="", help="shakespeare: comma-separated plays set aside as public text")
     p.add_argument("--sites", default="", help="stackexchange: comma-separated site folders to read (default: all)")
-    p.add_argument("--shards", type=A.int_range(1, 4096), default=None, help="number of hash shards for the out-of-core build")
+    p.add_argument(
+        "--shards", type=A.int_range(1, 4096), default=None, help="number of hash shards for the out-of-core build"
+    )
 
 
 def _open_store(args, out_dir):
@@ -33,9 +41,14 @@ def _open_store(args, out_dir):
     if args.source != "shakespeare" and (src_path / "meta.json").is_file() and (src_path / "records.arrow").is_file():
         return UserStore(src_path)
     plays = tuple(p for p in args.public_plays.split(",") if p.strip())
-    source = open_source(args.source, args.format, fields=Fields(args.user_field, args.text_field, args.date_field),
-                         split=args.split, public_plays=plays,
-                         sites=tuple(x for x in args.sites.split(",") if x.strip()))
+    source = open_source(
+        args.source,
+        args.format,
+        fields=Fields(args.user_field, args.text_field, args.date_field),
+        split=args.split,
+        public_plays=plays,
+        sites=tuple(x for x in args.sites.split(",") if x.strip()),
+    )
     return build_store(source, out_dir, num_shards=args.shards, overwrite=getattr(args, "overwrite", False)).store
 
 
@@ -45,12 +58,16 @@ def _stats(args) -> int:
         tokenized = None
         if args.tokenizer:
             tok = load_tokenizer(args.tokenizer)
-            tokenized = tokenize_store(store, tok, TokenLayout(2**30, "full", add_eos=False),
-                                       cache_dir=Path(tmp) / "tokenized")
+            tokenized = tokenize_store(
+                store, tok, TokenLayout(2**30, "full", add_eos=False), cache_dir=Path(tmp) / "tokenized"
+            )
         s = corpus_stats(store, tokenized)
         if args.plot:
-            plot_records_per_user(store.sizes(), args.plot, title=f"{Path(str(args.source)).name}: "
-                                  f"{s['users']:,} users, {s['records']:,} records")
+            plot_records_per_user(
+                store.sizes(),
+                args.plot,
+                title=f"{Path(str(args.source)).name}: {s['users']:,} users, {s['records']:,} records",
+            )
         if args.json:
             print(jsonout.dumps(s, indent=1))
         else:
@@ -78,7 +95,9 @@ def register(p) -> None:
     _add_source_args(s)
     s.add_argument("--tokenizer", default=None, help="tokenizer.json or tokenizer folder: also count tokens")
     s.add_argument("--json", action="store_true", help="print one JSON object")
-    s.add_argument("--plot", default=None, metavar="FILE.png", type=A.plot_file, help="write a records-per-user histogram")
+    s.add_argument(
+        "--plot", default=None, metavar="FILE.png", type=A.plot_file, help="write a records-per-user histogram"
+    )
     s.set_defaults(func=_stats)
 
     b = sub.add_parser("build", help="build a user-grouped store on disk (out of core)")

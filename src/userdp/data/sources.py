@@ -60,8 +60,9 @@ def check_readable(path: Path) -> None:
     Raises:
         UserError: naming the path."""
     if path.exists() and not (path.is_file() or path.is_dir()):
-        raise UserError(f"{path}: not a regular file (a pipe, socket or device); save the data to a file "
-                        "and give its path")
+        raise UserError(
+            f"{path}: not a regular file (a pipe, socket or device); save the data to a file and give its path"
+        )
 
 
 def detect_format(source: str) -> str:
@@ -75,7 +76,11 @@ def detect_format(source: str) -> str:
     if path.is_dir():
         if (path / "Posts.xml").is_file() or any((p / "Posts.xml").is_file() for p in path.iterdir() if p.is_dir()):
             return "stackexchange"
-        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        if (
+            (path / "dataset_info.json").is_file()
+            or (path / "state.json").is_file()
+            or (path / "dataset_dict.json").is_file()
+        ):
             return "hf"
         parquet = sorted(path.glob("*.parquet"))
         if parquet:
@@ -120,14 +125,23 @@ class Fields:
 
     def __post_init__(self):
         if self.user == self.text:
-            raise UserError(f"--user-field and --text-field are both {self.user!r}: every distinct text "
-                            "would become its own user, which silently changes the privacy unit")
+            raise UserError(
+                f"--user-field and --text-field are both {self.user!r}: every distinct text "
+                "would become its own user, which silently changes the privacy unit"
+            )
         if self.date is not None and self.date in (self.user, self.text):
             raise UserError(f"--date-field {self.date!r} is also the user or text field")
 
 
-def open_source(source: str, format: Optional[str] = None, *, fields: Optional[Fields] = None,
-                split: Optional[str] = None, public_plays: tuple[str, ...] = (), sites: tuple[str, ...] = ()):
+def open_source(
+    source: str,
+    format: Optional[str] = None,
+    *,
+    fields: Optional[Fields] = None,
+    split: Optional[str] = None,
+    public_plays: tuple[str, ...] = (),
+    sites: tuple[str, ...] = (),
+):
     """Open ``source`` (a path, or ``shakespeare``) as a streaming record source. ``fields``: which
     of a record's fields hold its user, text and date (default ``Fields()``: user, text, no date);
     ``split`` a saved HF dataset's split; ``public_plays`` and ``sites`` the bundled sources'."""
@@ -221,8 +235,9 @@ def _check_unicode(value, where: str, which: str, field: str) -> None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise UserError(f"{where}: the {which} field {field!r} holds an unpaired surrogate "
-                            "(invalid Unicode)") from None
+            raise UserError(
+                f"{where}: the {which} field {field!r} holds an unpaired surrogate (invalid Unicode)"
+            ) from None
 
 
 def _first_bad_utf8(path) -> tuple[int, int]:
@@ -248,8 +263,9 @@ class _TextFileSource(_FieldSource):
         try:
             yield from self._batches(batch_size)
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise UserError(f"{self.path}: the compressed data is damaged or truncated "
-                            f"({type(exc).__name__}: {exc})") from None
+            raise UserError(
+                f"{self.path}: the compressed data is damaged or truncated ({type(exc).__name__}: {exc})"
+            ) from None
 
     def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         raise NotImplementedError
@@ -282,12 +298,17 @@ class JsonlSource(_TextFileSource):
                     if any(raw.count(k) > 1 for k in keys):  # maybe a field given twice: check exactly
                         json.loads(raw, object_pairs_hook=_no_duplicate_keys)
                 except _DuplicateKey as exc:
-                    raise UserError(f"{fname}:line {lineno}: the field {exc.args[0]!r} appears twice in one "
-                                    "object (ambiguous)") from None
+                    raise UserError(
+                        f"{fname}:line {lineno}: the field {exc.args[0]!r} appears twice in one object (ambiguous)"
+                    ) from None
                 except UnicodeDecodeError as exc:
-                    raise UserError(f"{fname}:line {lineno}: invalid UTF-8 ({exc.reason} at byte {exc.start} of the line)") from None
+                    raise UserError(
+                        f"{fname}:line {lineno}: invalid UTF-8 ({exc.reason} at byte {exc.start} of the line)"
+                    ) from None
                 except json.JSONDecodeError as exc:
-                    raise UserError(f"{fname}:line {lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                    raise UserError(
+                        f"{fname}:line {lineno}: not valid JSON ({exc.msg} at column {exc.colno})"
+                    ) from None
                 if not isinstance(obj, dict):
                     raise UserError(f"{fname}:line {lineno}: expected a JSON object, got {type(obj).__name__}")
                 try:
@@ -339,8 +360,10 @@ class CsvSource(_TextFileSource):
                 cols = {}
                 for which, field in self._fields():
                     if header.count(field) > 1:
-                        raise UserError(f"{fname}:line 1: the CSV header names the {which} field {field!r} "
-                                        f"{header.count(field)} times (ambiguous)")
+                        raise UserError(
+                            f"{fname}:line 1: the CSV header names the {which} field {field!r} "
+                            f"{header.count(field)} times (ambiguous)"
+                        )
                     if field not in header:
                         raise UserError(
                             f"{fname}:line 1: the CSV header lacks the {which} field {field!r} "
@@ -358,8 +381,10 @@ class CsvSource(_TextFileSource):
                     if not row:
                         continue  # a blank line is no record in CSV
                     if len(row) != len(header) and len(row) > need:
-                        raise UserError(f"{fname}:line {reader.line_num}: the row has {len(row)} fields but "
-                                        f"the header has {len(header)} (a stray delimiter or quote)")
+                        raise UserError(
+                            f"{fname}:line {reader.line_num}: the row has {len(row)} fields but "
+                            f"the header has {len(header)} (a stray delimiter or quote)"
+                        )
                     if len(row) <= need:
                         missing = [w for w, c in cols.items() if c >= len(row)]
                         raise UserError(
@@ -368,8 +393,9 @@ class CsvSource(_TextFileSource):
                         )
                     users.append(_user_value(row[ui], f"{fname}:line {reader.line_num}", self.user_field))
                     if "\x00" in row[ti] or "\x00" in row[ui]:
-                        raise UserError(f"{fname}:line {reader.line_num}: a NUL byte in the row (a binary or "
-                                        "damaged file)")
+                        raise UserError(
+                            f"{fname}:line {reader.line_num}: a NUL byte in the row (a binary or damaged file)"
+                        )
                     texts.append(row[ti])
                     if dates is not None:
                         dates.append(row[di] or None)
@@ -383,8 +409,9 @@ class CsvSource(_TextFileSource):
         except UnicodeDecodeError as exc:
             line, col = _first_bad_utf8(self.path)
             where = f"line {line}, byte {col}" if line else f"after line {last_row}"
-            raise UserError(f"{fname}:{where}: invalid UTF-8 ({exc.reason}; a Latin-1 or other non-UTF-8 file? "
-                            "save it as UTF-8)") from None
+            raise UserError(
+                f"{fname}:{where}: invalid UTF-8 ({exc.reason}; a Latin-1 or other non-UTF-8 file? save it as UTF-8)"
+            ) from None
         except csv.Error as exc:
             raise UserError(f"{fname}:line {last_row + 1}: malformed CSV ({exc})") from None
 
@@ -411,7 +438,9 @@ class _ArrowSource(_FieldSource):
                     try:
                         out.append(None if v is None else v.decode("utf-8"))
                     except UnicodeDecodeError as exc:
-                        raise UserError(f"{where}:row {first_row + i}: field {field!r} is invalid UTF-8 ({exc.reason})") from None
+                        raise UserError(
+                            f"{where}:row {first_row + i}: field {field!r} is invalid UTF-8 ({exc.reason})"
+                        ) from None
                 return out
             return c.to_pylist()
 

@@ -42,7 +42,7 @@ def keyed_uniforms(ids, seed: int, purpose: str) -> np.ndarray:
     prefix = f"userdp:{purpose}:{int(seed)}:".encode()
     for i, uid in enumerate(ids):
         h = hashlib.sha256(prefix + str(uid).encode("utf-8", "surrogatepass")).digest()
-        out[i] = int.from_bytes(h[:8], "little") / 2.0 ** 64
+        out[i] = int.from_bytes(h[:8], "little") / 2.0**64
     return out
 
 
@@ -74,12 +74,17 @@ def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
     note = ""
     if fraction > 0 and k == 0:  # tiny data only (P = (1 - f)^N): the user with the smallest hash
         held[int(np.argmin(u))] = True
-        k, note = 1, "; none fell below the fraction, so the user with the smallest hash is held out (a choice " \
-                     "that depends on the other users: tiny data only)"
+        k, note = (
+            1,
+            "; none fell below the fraction, so the user with the smallest hash is held out (a choice "
+            "that depends on the other users: tiny data only)",
+        )
     if k >= n:  # likewise: the user with the largest hash trains
         held[int(np.argmax(u))] = False
-        k, note = n - 1, "; every user fell below the fraction, so the user with the largest hash trains (tiny " \
-                         "data only)"
+        k, note = (
+            n - 1,
+            "; every user fell below the fraction, so the user with the largest hash trains (tiny data only)",
+        )
     ev = np.flatnonzero(held)
     tr = np.flatnonzero(~held)
     full = UserSubset.full(sizes)
@@ -87,8 +92,12 @@ def heldout_users(store_or_sizes, fraction: float, seed: int) -> Split:
     def take(users):
         return UserSubset.from_lists(users, [full.records_of(u) for u in users])
 
-    return Split(take(tr), take(ev), f"held-out users: {k} of {n}, each held out with probability {fraction} "
-                                     f"by a keyed hash of its id (seed {seed}){note}")
+    return Split(
+        take(tr),
+        take(ev),
+        f"held-out users: {k} of {n}, each held out with probability {fraction} "
+        f"by a keyed hash of its id (seed {seed}){note}",
+    )
 
 
 def keep_users(subset: UserSubset, ids: list, rate: float, seed: int, purpose: str) -> UserSubset:
@@ -181,7 +190,9 @@ def time_split(store, cutoff) -> Split:
                     b = cache[d] = parse_date(d).timestamp() < cut_ts
                 except ValueError as exc:
                     u = int(np.searchsorted(store.offsets, row, side="right") - 1)
-                    raise UserError(f"{store.path}: user {store.user_id(u)!r} record {row - store.offsets[u]}: {exc}") from None
+                    raise UserError(
+                        f"{store.path}: user {store.user_id(u)!r} record {row - store.offsets[u]}: {exc}"
+                    ) from None
             before[start + j] = b
     full = UserSubset.full(store.sizes())
     owner = np.repeat(np.arange(store.num_users), store.sizes())

@@ -100,7 +100,9 @@ def _rows(path: Path) -> Iterator[dict]:
                 elem.clear()
     except ET.ParseError as exc:
         line, col = exc.position
-        raise UserError(f"{path}:line {line}, column {col}: malformed XML ({exc.msg if hasattr(exc, 'msg') else exc})") from None
+        raise UserError(
+            f"{path}:line {line}, column {col}: malformed XML ({exc.msg if hasattr(exc, 'msg') else exc})"
+        ) from None
 
 
 def _int(v: Optional[str]) -> Optional[int]:
@@ -155,7 +157,9 @@ class StackExchangeSource:
             for row in _rows(posts):
                 rid, ptype = _int(row.get("Id")), _int(row.get("PostTypeId"))
                 if rid is None or ptype is None:
-                    self.drops.add(MALFORMED_ROW, example=f"{fname}: row Id={row.get('Id')!r} PostTypeId={row.get('PostTypeId')!r}")
+                    self.drops.add(
+                        MALFORMED_ROW, example=f"{fname}: row Id={row.get('Id')!r} PostTypeId={row.get('PostTypeId')!r}"
+                    )
                     continue
                 if ptype in (4, 5):
                     self.drops.add(TAG_WIKI, example=f"{fname}: row Id={rid}")
@@ -166,7 +170,9 @@ class StackExchangeSource:
                 owner = _int(row.get("OwnerUserId"))
                 if owner is None:
                     if row.get("OwnerUserId") is not None:
-                        self.drops.add(MALFORMED_ROW, example=f"{fname}: row Id={rid} OwnerUserId={row.get('OwnerUserId')!r}")
+                        self.drops.add(
+                            MALFORMED_ROW, example=f"{fname}: row Id={rid} OwnerUserId={row.get('OwnerUserId')!r}"
+                        )
                     else:
                         self.drops.add(NO_OWNER, example=f"{fname}: row Id={rid}")
                     continue

@@ -55,7 +55,9 @@ def format_stats(s: dict) -> str:
     if "tokens" in s:
         lines.append(f"tokens:     {s['tokens']:,}")
     lines.append(
-        "records per user: min {min:,}  median {median:,.1f}  mean {mean:,.1f}  p90 {p90:,.1f}  p99 {p99:,.1f}  max {max:,}".format(**r)
+        "records per user: min {min:,}  median {median:,.1f}  mean {mean:,.1f}  p90 {p90:,.1f}  p99 {p99:,.1f}  max {max:,}".format(
+            **r
+        )
     )
     if not s["dropped"]:
         lines.append("dropped: nothing")

@@ -196,7 +196,10 @@ def build_store(
         sizes_arr = np.concatenate(sizes) if sizes else np.zeros(0, np.int64)
         offsets = np.concatenate([[0], np.cumsum(sizes_arr)]).astype(np.int64)
         ids = pa.concat_arrays(user_ids) if user_ids else pa.array([], pa.string())
-        with pa.OSFile(str(out / "users.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("user_id", pa.string())])) as w:
+        with (
+            pa.OSFile(str(out / "users.arrow"), "wb") as sink,
+            pa.ipc.new_file(sink, pa.schema([("user_id", pa.string())])) as w,
+        ):
             w.write_table(pa.table({"user_id": ids}), max_chunksize=CHUNK_ROWS)
         np.save(out / "offsets.npy", offsets)
     except BaseException:
@@ -255,19 +258,24 @@ class UserStore:
         except (OSError, UnicodeDecodeError, ValueError, AssertionError):
             raise UserError(f"{meta_path}: unreadable store metadata (damaged); rebuild the store") from None
         if self.meta.get("format_version") != FORMAT_VERSION:
-            raise UserError(f"{self.path}: store format {self.meta.get('format_version')} is not {FORMAT_VERSION}; rebuild it")
+            raise UserError(
+                f"{self.path}: store format {self.meta.get('format_version')} is not {FORMAT_VERSION}; rebuild it"
+            )
         try:
             self._open(verify)
         except UserError:
             raise
         except (OSError, ValueError, KeyError, TypeError, IndexError, pa.ArrowException) as exc:
-            raise UserError(f"{self.path}: damaged data store ({type(exc).__name__}: {str(exc)[:120]}); "
-                            "rebuild it") from None
+            raise UserError(
+                f"{self.path}: damaged data store ({type(exc).__name__}: {str(exc)[:120]}); rebuild it"
+            ) from None
 
     def _open(self, verify: bool) -> None:
         if verify and _fingerprint(self.path) != self.meta.get("fingerprint"):
-            raise UserError(f"{self.path}: the store's files do not match the fingerprint in meta.json "
-                            "(damaged or edited); rebuild it")
+            raise UserError(
+                f"{self.path}: the store's files do not match the fingerprint in meta.json "
+                "(damaged or edited); rebuild it"
+            )
         self._mmap = pa.memory_map(str(self.path / "records.arrow"))
         self._reader = pa.ipc.open_file(self._mmap)
         self._batches = [self._reader.get_batch(i) for i in range(self._reader.num_record_batches)]
@@ -282,12 +290,18 @@ class UserStore:
         self.fingerprint: str = self.meta["fingerprint"]
         self.drops = DropReport.from_dict(self.meta.get("drops", {}))
         rows = int(self._batch_starts[-1])
-        if (self.meta.get("num_users") != self.num_users or self.meta.get("num_records") != self.num_records
-                or rows != self.num_records or len(self._user_ids) != self.num_users
-                or (self.num_users and np.any(self._sizes < 1))):
-            raise UserError(f"{self.path}: inconsistent store (meta.json says {self.meta.get('num_users')} users / "
-                            f"{self.meta.get('num_records')} records, the files hold {self.num_users} / {rows}); "
-                            "rebuild it")
+        if (
+            self.meta.get("num_users") != self.num_users
+            or self.meta.get("num_records") != self.num_records
+            or rows != self.num_records
+            or len(self._user_ids) != self.num_users
+            or (self.num_users and np.any(self._sizes < 1))
+        ):
+            raise UserError(
+                f"{self.path}: inconsistent store (meta.json says {self.meta.get('num_users')} users / "
+                f"{self.meta.get('num_records')} records, the files hold {self.num_users} / {rows}); "
+                "rebuild it"
+            )
 
     def __repr__(self) -> str:
         return f"UserStore({str(self.path)!r}, users={self.num_users:,}, records={self.num_records:,})"

@@ -31,7 +31,11 @@ class UserSubset:
         users = np.asarray(users, dtype=np.int64)
         lens = np.array([len(r) for r in record_lists], dtype=np.int64)
         offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-        recs = np.concatenate([np.asarray(r, dtype=np.int64) for r in record_lists]) if len(record_lists) else np.zeros(0, np.int64)
+        recs = (
+            np.concatenate([np.asarray(r, dtype=np.int64) for r in record_lists])
+            if len(record_lists)
+            else np.zeros(0, np.int64)
+        )
         return cls(users, offs, recs)
 
     @property

@@ -54,8 +54,10 @@ def load_tokenizer(path):
     unk = getattr(tok.model, "unk_token", None)
     unk_id = tok.token_to_id(unk) if unk else None
     if size < 2 or not ids or all(i == unk_id for i in ids) or len(set(ids)) == 1:
-        raise UserError(f"tokenizer {path!s}: it cannot encode text (a vocabulary of {size} token(s)); the folder "
-                        "lacks its tokenizer files (tokenizer.json, or vocab/merges): add them, or set tokenizer.path")
+        raise UserError(
+            f"tokenizer {path!s}: it cannot encode text (a vocabulary of {size} token(s)); the folder "
+            "lacks its tokenizer files (tokenizer.json, or vocab/merges): add them, or set tokenizer.path"
+        )
     return tok
 
 
@@ -111,7 +113,9 @@ class PublicText:
         self.description = str(description)
 
 
-def train_bpe(public: PublicText, vocab_size: int = 8192, *, min_frequency: int = 2, special_tokens=("<|endoftext|>", "<pad>")):
+def train_bpe(
+    public: PublicText, vocab_size: int = 8192, *, min_frequency: int = 2, special_tokens=("<|endoftext|>", "<pad>")
+):
     """A byte-level BPE tokenizer trained on ``public`` (a :class:`PublicText`) only."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -193,7 +197,15 @@ class TokenizedStore:
 
 
 def _key(store: UserStore, subset: UserSubset, tok, seq_len: int, mode: str, add_eos: bool) -> str:
-    parts = [store.fingerprint, subset.fingerprint(), tokenizer_fingerprint(tok), str(seq_len), mode, str(add_eos), "v1"]
+    parts = [
+        store.fingerprint,
+        subset.fingerprint(),
+        tokenizer_fingerprint(tok),
+        str(seq_len),
+        mode,
+        str(add_eos),
+        "v1",
+    ]
     return hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
 
 
@@ -209,7 +221,8 @@ def _intact(folder: Path) -> bool:
         files = meta.get("files")
         if not isinstance(files, dict):  # an entry of an older userdp
             return (folder / "tokens.bin").stat().st_size == 4 * int(meta["num_tokens"]) and all(
-                (folder / n).is_file() for n in ENTRY_FILES)
+                (folder / n).is_file() for n in ENTRY_FILES
+            )
         for name in ENTRY_FILES:
             want, p = files[name], folder / name
             if p.stat().st_size != int(want["bytes"]) or sha256_file(p) != want["sha256"]:
@@ -222,7 +235,9 @@ def _intact(folder: Path) -> bool:
 def _load(folder: Path) -> TokenizedStore:
     meta = json.loads((folder / "meta.json").read_text())
     n_tok = meta["num_tokens"]
-    tokens = np.memmap(folder / "tokens.bin", dtype=np.int32, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, np.int32)
+    tokens = (
+        np.memmap(folder / "tokens.bin", dtype=np.int32, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, np.int32)
+    )
     return TokenizedStore(
         tokens=tokens,
         seq_offsets=np.load(folder / "seq_offsets.npy"),
@@ -258,8 +273,9 @@ class TokenLayout:
             raise UserError(f"sequence length must be >= 2, got {self.seq_len}")
 
 
-def tokenize_store(store: UserStore, tokenizer, layout: TokenLayout | int, *, subset: Optional[UserSubset] = None,
-                   cache_dir=None) -> TokenizedStore:
+def tokenize_store(
+    store: UserStore, tokenizer, layout: TokenLayout | int, *, subset: Optional[UserSubset] = None, cache_dir=None
+) -> TokenizedStore:
     """Tokenize the store (or a subset of it) as ``layout`` says (an int: ``TokenLayout(seq_len)``,
     truncated records with an end-of-text token), or load the cached result for the same key."""
     layout = TokenLayout(layout) if isinstance(layout, int) else layout
@@ -277,8 +293,9 @@ def tokenize_store(store: UserStore, tokenizer, layout: TokenLayout | int, *, su
         shutil.rmtree(folder)  # a damaged entry (a crash's leftover, a disk error, an edit): made again below
     eos_id = special_id(tokenizer, EOS_CANDIDATES)
     if add_eos and eos_id is None:
-        raise UserError("the tokenizer has no end-of-text token (<|endoftext|>, </s>, <eos>); use "
-                        "TokenLayout(..., add_eos=False)")
+        raise UserError(
+            "the tokenizer has no end-of-text token (<|endoftext|>, </s>, <eos>); use TokenLayout(..., add_eos=False)"
+        )
     pad_id = special_id(tokenizer, PAD_CANDIDATES)
     if pad_id is None:
         pad_id = eos_id if eos_id is not None else 0
@@ -290,8 +307,16 @@ def tokenize_store(store: UserStore, tokenizer, layout: TokenLayout | int, *, su
         tok.enable_truncation(max_length=seq_len - (1 if add_eos else 0))
     else:
         tok.no_truncation()
-    meta = dict(key=key, seq_len=int(seq_len), mode=mode, eos_id=eos_id, pad_id=int(pad_id), add_eos=add_eos,
-                store=store.fingerprint, tokenizer=tokenizer_fingerprint(tokenizer))
+    meta = dict(
+        key=key,
+        seq_len=int(seq_len),
+        mode=mode,
+        eos_id=eos_id,
+        pad_id=int(pad_id),
+        add_eos=add_eos,
+        store=store.fingerprint,
+        tokenizer=tokenizer_fingerprint(tokenizer),
+    )
     with atomic_dir(folder) as tmp:  # renamed to folder when whole; another process's entry is kept
         _write_tokens(tmp, tok, store, subset, meta)
     ts = _load(folder)
@@ -316,7 +341,10 @@ def _write_tokens(tmp: Path, tok, store, subset, meta: dict) -> None:
     rows = subset.rows(store.offsets)
     rec_lens = np.empty(len(rows), dtype=np.int64)
     n_tok = 0
-    with open(tmp / "tokens.bin", "wb") as out, progress.bar(len(rows), "tokenizing", "rec", lines=progress.LOOP_LINES) as shown:
+    with (
+        open(tmp / "tokens.bin", "wb") as out,
+        progress.bar(len(rows), "tokenizing", "rec", lines=progress.LOOP_LINES) as shown,
+    ):
         for a in range(0, len(rows), block):
             r = rows[a : a + block]
             texts = store._column_rows("text", r)
@@ -340,7 +368,9 @@ def _write_tokens(tmp: Path, tok, store, subset, meta: dict) -> None:
         n_win = -(-user_tok // seq_len)
         user_offsets = np.concatenate([[0], np.cumsum(n_win)]).astype(np.int64)
         user_start = np.concatenate([[0], np.cumsum(user_tok)])[:-1]
-        starts = np.repeat(user_start, n_win) + (np.arange(user_offsets[-1]) - np.repeat(user_offsets[:-1], n_win)) * seq_len
+        starts = (
+            np.repeat(user_start, n_win) + (np.arange(user_offsets[-1]) - np.repeat(user_offsets[:-1], n_win)) * seq_len
+        )
         ends = np.minimum(starts + seq_len, np.repeat(user_start + user_tok, n_win))
         seq_offsets = np.concatenate([starts, ends[-1:]]).astype(np.int64) if len(starts) else np.zeros(1, np.int64)
         assert np.array_equal(seq_offsets[1:], ends)

@@ -51,7 +51,7 @@ class TokenizedUserData(UserData):
             h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
         tokens = ts.tokens
         for start in range(0, len(tokens), 1 << 24):  # a memory-mapped file: read in pieces
-            h.update(np.ascontiguousarray(tokens[start:start + (1 << 24)]).tobytes())
+            h.update(np.ascontiguousarray(tokens[start : start + (1 << 24)]).tobytes())
         return h.digest()
 
     def num_tokens(self) -> int:
@@ -64,7 +64,11 @@ class TokenizedUserData(UserData):
         pos = np.arange(L)[None, :]
         valid = pos < lengths[:, None]
         idx = np.where(valid, starts[:, None] + pos, 0)
-        toks = np.asarray(self.ts.tokens[idx.reshape(-1)], dtype=np.int64).reshape(idx.shape) if idx.size else np.zeros(idx.shape, np.int64)
+        toks = (
+            np.asarray(self.ts.tokens[idx.reshape(-1)], dtype=np.int64).reshape(idx.shape)
+            if idx.size
+            else np.zeros(idx.shape, np.int64)
+        )
         input_ids = np.where(valid, toks, self.pad_id)
         labels = np.where(valid, toks, -100)
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels)}

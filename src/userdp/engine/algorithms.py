@@ -50,11 +50,17 @@ class UnitTable:
         # the contract is 0 <= w <= 1 (a weight above 1 would need its sensitivity and accounting scaled)
         if self.weights is not None:
             w = np.asarray(self.weights, dtype=np.float64)
-            if w.shape != (len(self.users),) or not np.all(np.isfinite(w)) or w.min(initial=0.0) < 0 \
-                    or w.max(initial=0.0) > 1:
-                raise UserError("unit weights must be finite and in [0, 1], one per unit (the noise is sized by "
-                                f"the clip norm alone); got min {np.nanmin(w) if w.size else 'n/a'}, max "
-                                f"{np.nanmax(w) if w.size else 'n/a'} over {w.size} weights for {len(self.users)} units")
+            if (
+                w.shape != (len(self.users),)
+                or not np.all(np.isfinite(w))
+                or w.min(initial=0.0) < 0
+                or w.max(initial=0.0) > 1
+            ):
+                raise UserError(
+                    "unit weights must be finite and in [0, 1], one per unit (the noise is sized by "
+                    f"the clip norm alone); got min {np.nanmin(w) if w.size else 'n/a'}, max "
+                    f"{np.nanmax(w) if w.size else 'n/a'} over {w.size} weights for {len(self.users)} units"
+                )
 
     def __len__(self) -> int:
         return len(self.users)
@@ -85,8 +91,11 @@ class _Sampled:
         """The algorithm from a run's settings: any object carrying ``group_size`` and, by the same
         names, whichever of the class's other fields it has (the LM config's ``training:``
         section carries ``local_epochs`` and ``local_lr`` for FedAvg)."""
-        extra = {f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)
-                 if f.name not in ("group_size", "sampling_rate") and hasattr(settings, f.name)}
+        extra = {
+            f.name: getattr(settings, f.name)
+            for f in dataclasses.fields(cls)
+            if f.name not in ("group_size", "sampling_rate") and hasattr(settings, f.name)
+        }
         return cls(group_size=int(settings.group_size), sampling_rate=float(sampling_rate), **extra)
 
     @classmethod
@@ -124,8 +133,10 @@ class ELS(_Sampled):
     update = "gradient"
     random_load = False  # a unit is one fixed record: loading it draws nothing
     rate_name = "ELS record sampling rate p"
-    unit_text = ("user (ELS: at most G records per user; per-record clipping; the user-level guarantee comes "
-                 "from the mixture-of-Gaussians accountant)")
+    unit_text = (
+        "user (ELS: at most G records per user; per-record clipping; the user-level guarantee comes "
+        "from the mixture-of-Gaussians accountant)"
+    )
     units_label = "records of D'"
 
     @classmethod
@@ -134,10 +145,12 @@ class ELS(_Sampled):
 
     @classmethod
     def event_text(cls, accountant: str) -> str:
-        return (" with a mixture-of-Gaussians step event (Binomial(G, q) sensitivity)"
-                + ("; the PLD drops the mixture's components of largest sensitivity whose total probability is "
-                   "at most 1e-6 of delta and adds their exact cost to epsilon and delta (docs/accounting.md)"
-                   if accountant == "pld" else ""))
+        return " with a mixture-of-Gaussians step event (Binomial(G, q) sensitivity)" + (
+            "; the PLD drops the mixture's components of largest sensitivity whose total probability is "
+            "at most 1e-6 of delta and adds their exact cost to epsilon and delta (docs/accounting.md)"
+            if accountant == "pld"
+            else ""
+        )
 
     @property
     def records_per_unit(self) -> int:
@@ -218,11 +231,14 @@ class FedAvg(ULS):
 
     def __post_init__(self):
         super().__post_init__()
-        check_fields(self, local_epochs=(check_int, "FedAvg local epochs"),
-                     local_lr=(check_positive, "FedAvg local learning rate"),
-                     local_batch_size=(optional(check_int), "FedAvg local batch size"),
-                     weight_cap=(optional(check_positive), "FedAvg weight cap w_hat"),
-                     reproject=(check_bool, "FedAvg reproject"))
+        check_fields(
+            self,
+            local_epochs=(check_int, "FedAvg local epochs"),
+            local_lr=(check_positive, "FedAvg local learning rate"),
+            local_batch_size=(optional(check_int), "FedAvg local batch size"),
+            weight_cap=(optional(check_positive), "FedAvg weight cap w_hat"),
+            reproject=(check_bool, "FedAvg reproject"),
+        )
 
     @property
     def local_steps_per_epoch(self) -> int:
@@ -251,8 +267,7 @@ class FedAvg(ULS):
 
 def FedSGD(group_size: int, sampling_rate: float, weight_cap: Optional[float] = None) -> FedAvg:
     """DP-FedSGD: one local step with lr 1 over the whole local batch (update = mean gradient)."""
-    return FedAvg(group_size, sampling_rate, local_epochs=1, local_lr=1.0, local_batch_size=None,
-                  weight_cap=weight_cap)
+    return FedAvg(group_size, sampling_rate, local_epochs=1, local_lr=1.0, local_batch_size=None, weight_cap=weight_cap)
 
 
 @dataclass(frozen=True)
@@ -268,8 +283,9 @@ class NonPrivate(ULS):
 Algorithm = ELS | ULS | FedAvg
 
 #: name -> algorithm class; ``training.algorithm`` picks one (``register_algorithm`` adds one)
-ALGORITHMS: Registry = Registry("training.algorithm", {"uls": ULS, "els": ELS, "fedavg": FedAvg,
-                                                      "nonprivate": NonPrivate})
+ALGORITHMS: Registry = Registry(
+    "training.algorithm", {"uls": ULS, "els": ELS, "fedavg": FedAvg, "nonprivate": NonPrivate}
+)
 
 
 def register_algorithm(cls: type) -> type:

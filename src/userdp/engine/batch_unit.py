@@ -43,12 +43,16 @@ class BatchPerUnit:
 
     def __init__(self, model: nn.Module, loss_fn, algorithm, precision: Precision | None = None):
         if getattr(algorithm, "private", True):
-            raise UserError(f"training.per_unit: batch computes no per-unit norm, so nothing bounds one unit's "
-                            f"share of the sum: it serves training.algorithm: nonprivate only, not "
-                            f"{getattr(algorithm, 'name', type(algorithm).__name__)}")
+            raise UserError(
+                f"training.per_unit: batch computes no per-unit norm, so nothing bounds one unit's "
+                f"share of the sum: it serves training.algorithm: nonprivate only, not "
+                f"{getattr(algorithm, 'name', type(algorithm).__name__)}"
+            )
         if algorithm.update != "gradient":
-            raise UserError(f"training.per_unit: batch sums gradients; the update of "
-                            f"{getattr(algorithm, 'name', type(algorithm).__name__)} is {algorithm.update}")
+            raise UserError(
+                f"training.per_unit: batch sums gradients; the update of "
+                f"{getattr(algorithm, 'name', type(algorithm).__name__)} is {algorithm.update}"
+            )
         lint_model(model)
         self.model, self.loss_fn, self.algorithm = model, loss_fn, algorithm
         self.precision = precision or Precision()
@@ -67,8 +71,12 @@ class BatchPerUnit:
         ``bad`` all False (a chunk with a non-finite unit is the per-unit strategy's)."""
         args = (batch, mask, weights, clip)
         clipping, clip_state, acc_dtype = clip.clipping, clip.state, clip.acc_dtype
-        if not (type(clipping) is FlatClip and not clipping.adaptive and not clipping.normalized
-                and float(clip_state["clip_norm"]) >= UNCLIPPED):
+        if not (
+            type(clipping) is FlatClip
+            and not clipping.adaptive
+            and not clipping.normalized
+            and float(clip_state["clip_norm"]) >= UNCLIPPED
+        ):
             return self._per_unit().clipped_sum(*args)  # a clipping that could bind: norms are needed
         m, g_cap = mask.shape
         n = m * g_cap
@@ -81,8 +89,14 @@ class BatchPerUnit:
         unit_loss = (losses.to(acc_dtype).reshape(m, g_cap) * mk).sum(1) / mk.sum(1).clamp(min=1.0)
         scale = self.precision.loss_scale
         grads = torch.autograd.grad((unit_loss * weights.to(acc_dtype)).sum() * scale, self.params, allow_unused=True)
-        sums = [torch.zeros_like(p, dtype=acc_dtype) if g is None else g.to(acc_dtype) / scale if scale != 1.0
-                else g.to(acc_dtype) for g, p in zip(grads, self.params)]
+        sums = [
+            torch.zeros_like(p, dtype=acc_dtype)
+            if g is None
+            else g.to(acc_dtype) / scale
+            if scale != 1.0
+            else g.to(acc_dtype)
+            for g, p in zip(grads, self.params)
+        ]
         finite = torch.stack([torch.isfinite(unit_loss).all()] + [torch.isfinite(s).all() for s in sums]).all()
         if not bool(finite):  # the per-unit strategy finds and zeroes the units at fault
             return self._per_unit().clipped_sum(*args)

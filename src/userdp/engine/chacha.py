@@ -112,9 +112,11 @@ def _check_compiled(compiled, device: torch.device) -> str | None:
     if got.shape != ref.shape or got.dtype != ref.dtype or not bool(torch.isfinite(got).all()):
         return "the compiled kernel's output differs in shape, dtype or finiteness"
     rel = float(normals_error(got, ref))
-    if rel > NORMALS_ULPS * 2.0 ** -52:
-        return (f"the compiled normals differ from the eager ones by {rel:.3g} of their pair's radius "
-                f"(> {NORMALS_ULPS} ulps)")
+    if rel > NORMALS_ULPS * 2.0**-52:
+        return (
+            f"the compiled normals differ from the eager ones by {rel:.3g} of their pair's radius "
+            f"(> {NORMALS_ULPS} ulps)"
+        )
     return None
 
 
@@ -157,8 +159,9 @@ def _build(device: torch.device, triton: bool) -> tuple:
     return _slab_eager, f"eager ({'; '.join(w for w in (why, refused) if w)})"
 
 
-def compile_kernel(device: torch.device, *, force: bool = False, timeout: float | None = None,
-                   triton: bool | None = None) -> tuple:
+def compile_kernel(
+    device: torch.device, *, force: bool = False, timeout: float | None = None, triton: bool | None = None
+) -> tuple:
     """``(kernel, status)``: the slab kernel on CUDA is the hand-written Triton kernel
     (:mod:`userdp.engine.chacha_triton`), else :func:`_slab_eager` fused by ``torch.compile``
     (eagerly it is about 2,000 small kernels a slab: 0.42 s against 0.016 s for 124M normals on an
@@ -178,8 +181,9 @@ def compile_kernel(device: torch.device, *, force: bool = False, timeout: float 
         limit = COMPILE_TIMEOUT_S if timeout is None else timeout
         box: list = []
         use_triton = device.type == "cuda" if triton is None else bool(triton)
-        worker = threading.Thread(target=lambda: box.append(_build(device, use_triton)), daemon=True,
-                                  name="userdp-chacha-compile")
+        worker = threading.Thread(
+            target=lambda: box.append(_build(device, use_triton)), daemon=True, name="userdp-chacha-compile"
+        )
         worker.start()
         worker.join(limit)
         out = box[0] if box else (_slab_eager, f"eager (the kernel's compile did not finish in {limit:.0f} s)")
@@ -193,8 +197,9 @@ def _block_fn(device: torch.device):
     return _words
 
 
-def chacha20_blocks(key: Sequence[int], nonce: Sequence[int], counter: int, n: int,
-                    device: torch.device | str = "cpu") -> torch.Tensor:
+def chacha20_blocks(
+    key: Sequence[int], nonce: Sequence[int], counter: int, n: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """``n`` ChaCha20 blocks with block counters ``counter, counter + 1, ...``.
 
     Args:
@@ -222,8 +227,9 @@ def chacha20_blocks(key: Sequence[int], nonce: Sequence[int], counter: int, n: i
 def _fixed_words(key: Sequence[int], nonce: Sequence[int], dev: torch.device) -> torch.Tensor:
     """The 16 input words (the counter word 0) on ``dev``: pinned and non-blocking on CUDA (a
     pageable copy would wait for the device), once per draw."""
-    fixed = torch.tensor([*_CONSTANTS, *(int(k) & _MASK for k in key), 0, *(int(x) & _MASK for x in nonce)],
-                         dtype=torch.int64)
+    fixed = torch.tensor(
+        [*_CONSTANTS, *(int(k) & _MASK for k in key), 0, *(int(x) & _MASK for x in nonce)], dtype=torch.int64
+    )
     return fixed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else fixed.to(dev, non_blocking=True)
 
 
@@ -231,7 +237,7 @@ def _fixed_words(key: Sequence[int], nonce: Sequence[int], dev: torch.device) ->
 #: bounded by sqrt(2 * 85 ln 2) = 10.85; the Gaussian mass it drops is 2^-85 per pair of normals,
 #: added to delta by :func:`tail_delta` (the 53-bit u1 of before dropped 2^-53 a pair, which at
 #: GPT-2 size and epsilon = 8 would have added about 0.02 to delta over 1,000 steps).
-TAIL_MASS_PER_PAIR = 2.0 ** -85
+TAIL_MASS_PER_PAIR = 2.0**-85
 
 
 def tail_delta(num_coordinates: int, steps: int, epsilon: float, mass_per_pair: float = TAIL_MASS_PER_PAIR) -> float:
@@ -268,9 +274,11 @@ class ChaChaNoise:
         seeded: whether the key came from a user-given seed (then the state may be saved).
     """
 
-    algorithm = ("ChaCha20 (RFC 8439, 256-bit key, 20 rounds) in torch on the parameters' device; "
-                 "Box-Muller in float64 on an 85-bit radius uniform and a 32-bit angle (radius <= 10.85: "
-                 "the dropped tail, 2^-85 a pair, is added to delta); one nonce per draw")
+    algorithm = (
+        "ChaCha20 (RFC 8439, 256-bit key, 20 rounds) in torch on the parameters' device; "
+        "Box-Muller in float64 on an 85-bit radius uniform and a 32-bit angle (radius <= 10.85: "
+        "the dropped tail, 2^-85 a pair, is added to delta); one nonce per draw"
+    )
 
     #: the Gaussian mass the bounded radius drops, per pair of normals (:func:`tail_delta`)
     tail_mass_per_pair = TAIL_MASS_PER_PAIR
@@ -358,6 +366,8 @@ class ChaChaNoise:
             userdp.errors.UserError: a state of another generator.
         """
         if not (isinstance(state, dict) and "chacha20_draws" in state):
-            raise UserError("the checkpoint's noise generator state is of another generator (a run made on "
-                            "another device type): resume on the device the seeded run began on")
+            raise UserError(
+                "the checkpoint's noise generator state is of another generator (a run made on "
+                "another device type): resume on the device the seeded run began on"
+            )
         self._draws = int(state["chacha20_draws"])

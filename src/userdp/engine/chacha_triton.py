@@ -62,8 +62,43 @@ def _pair(wa, wb, wc, wd, pi, out_ptr, base, mask):
 
 
 @triton.jit
-def _words_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-               i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15, out_ptr, base, mask):
+def _words_out(
+    x0,
+    x1,
+    x2,
+    x3,
+    x4,
+    x5,
+    x6,
+    x7,
+    x8,
+    x9,
+    x10,
+    x11,
+    x12,
+    x13,
+    x14,
+    x15,
+    i0,
+    i1,
+    i2,
+    i3,
+    i4,
+    i5,
+    i6,
+    i7,
+    i8,
+    i9,
+    i10,
+    i11,
+    i12,
+    i13,
+    i14,
+    i15,
+    out_ptr,
+    base,
+    mask,
+):
     tl.store(out_ptr + base, (x0 + i0).to(tl.int64), mask=mask)
     tl.store(out_ptr + base + 1, (x1 + i1).to(tl.int64), mask=mask)
     tl.store(out_ptr + base + 2, (x2 + i2).to(tl.int64), mask=mask)
@@ -116,8 +151,43 @@ def _slab_kernel(ctr_ptr, fixed_ptr, pi_ptr, out_ptr, n, BLOCK: tl.constexpr, WO
         x3, x4, x9, x14 = _quarter(x3, x4, x9, x14)
     if WORDS:  # the keystream itself (tests: RFC 8439, bit for bit)
         base = lane.to(tl.int64) * 16
-        _words_out(x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15,
-                   i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, c12, i13, i14, i15, out_ptr, base, mask)
+        _words_out(
+            x0,
+            x1,
+            x2,
+            x3,
+            x4,
+            x5,
+            x6,
+            x7,
+            x8,
+            x9,
+            x10,
+            x11,
+            x12,
+            x13,
+            x14,
+            x15,
+            i0,
+            i1,
+            i2,
+            i3,
+            i4,
+            i5,
+            i6,
+            i7,
+            i8,
+            i9,
+            i10,
+            i11,
+            c12,
+            i13,
+            i14,
+            i15,
+            out_ptr,
+            base,
+            mask,
+        )
     else:
         pi = tl.load(pi_ptr)
         base = lane.to(tl.int64) * 8
@@ -125,6 +195,7 @@ def _slab_kernel(ctr_ptr, fixed_ptr, pi_ptr, out_ptr, n, BLOCK: tl.constexpr, WO
         _pair(x4 + i4, x5 + i5, x6 + i6, x7 + i7, pi, out_ptr, base + 2, mask)
         _pair(x8 + i8, x9 + i9, x10 + i10, x11 + i11, pi, out_ptr, base + 4, mask)
         _pair(x12 + c12, x13 + i13, x14 + i14, x15 + i15, pi, out_ptr, base + 6, mask)
+
 
 def _launch(ctr: torch.Tensor, fixed: torch.Tensor, words: bool) -> torch.Tensor:
     ctr = ctr.contiguous()

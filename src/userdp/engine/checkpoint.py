@@ -82,8 +82,9 @@ def pending_folder(directory: str, folder: str) -> str:
     return os.path.join(directory, f".{folder}.pending")
 
 
-def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None,
-         shards: Optional[tuple[str, dict]] = None) -> None:
+def save(
+    directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None, shards: Optional[tuple[str, dict]] = None
+) -> None:
     """Write a checkpoint: ``state`` as ``checkpoint.pt`` plus ``extra`` files (name -> a function
     that writes that file at the path it is given), committed as one unit. ``shards``: a sharded
     run's ``(folder, {file: {"sha256", "bytes"}})``, files every rank has already written in
@@ -118,10 +119,12 @@ def save(directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = No
             raise
         # torch.save's RuntimeError on a full disk, safetensors' error, an OSError: one line; the
         # ledger's journal already counts the steps, so the run resumes from the previous checkpoint
-        raise UserError(f"{directory}: could not write the checkpoint at step {state.get('step')} "
-                        f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else failure_text(exc)}"
-                        f"{free_space(directory)}); the previous checkpoint is intact: free "
-                        "space and resume the run") from None
+        raise UserError(
+            f"{directory}: could not write the checkpoint at step {state.get('step')} "
+            f"({exc.strerror if isinstance(exc, OSError) and exc.strerror else failure_text(exc)}"
+            f"{free_space(directory)}); the previous checkpoint is intact: free "
+            "space and resume the run"
+        ) from None
     except BaseException:
         _remove(written)
         raise
@@ -156,7 +159,7 @@ def _switch(directory: str, manifest: dict) -> None:
         if os.path.isdir(pending_folder(directory, folder)):
             _switch_folder(directory, folder)
     for entry in os.listdir(directory):  # the previous checkpoint's shards, or a failed write's
-        bare = entry[1:-len(".pending")] if entry.startswith(".") and entry.endswith(".pending") else entry
+        bare = entry[1 : -len(".pending")] if entry.startswith(".") and entry.endswith(".pending") else entry
         if _SHARDS.match(bare) and bare not in folders:
             shutil.rmtree(os.path.join(directory, entry), ignore_errors=True)
     fsync_path(directory)
@@ -171,8 +174,10 @@ def read_manifest(directory: str) -> dict:
     mp = manifest_path(directory)
     if not os.path.exists(mp):
         if os.path.exists(path(directory)):
-            raise UserError(f"{mp}: missing, so {path(directory)} cannot be verified (deleted, or the "
-                            "checkpoint was written by an older userdp); the run cannot be resumed")
+            raise UserError(
+                f"{mp}: missing, so {path(directory)} cannot be verified (deleted, or the "
+                "checkpoint was written by an older userdp); the run cannot be resumed"
+            )
         raise UserError(f"{directory}: no checkpoint")
     try:
         with open(mp) as f:
@@ -188,8 +193,10 @@ def read_manifest(directory: str) -> dict:
             os.replace(pend, os.path.join(directory, name))
     for folder in {name.partition("/")[0] for name in files if "/" in name}:
         if os.path.isdir(pending_folder(directory, folder)) and all(
-                os.path.isfile(_pending(directory, n)) and sha256_file(_pending(directory, n)) == m["sha256"]
-                for n, m in files.items() if n.partition("/")[0] == folder):
+            os.path.isfile(_pending(directory, n)) and sha256_file(_pending(directory, n)) == m["sha256"]
+            for n, m in files.items()
+            if n.partition("/")[0] == folder
+        ):
             _switch_folder(directory, folder)
     return manifest
 

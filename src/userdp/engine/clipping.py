@@ -157,8 +157,12 @@ class PerLayerClip(_FixedNorm):
     normalized: bool = False
 
     def __post_init__(self):
-        check_fields(self, norm=(check_positive, "clip norm"), layer_norms=(optional(_layer_norms), "layer_norms"),
-                     normalized=(check_bool, "PerLayerClip normalized"))
+        check_fields(
+            self,
+            norm=(check_positive, "clip norm"),
+            layer_norms=(optional(_layer_norms), "layer_norms"),
+            normalized=(check_bool, "PerLayerClip normalized"),
+        )
 
     def bounds(self, num_tensors: int) -> list[float]:
         """The per-tensor bounds S_j.
@@ -212,12 +216,15 @@ class AdaptiveClip(_Clipping):
     normalized: bool = False  # not supported: the quantile tracks C, normalizing removes it
 
     def __post_init__(self):
-        check_fields(self, initial_norm=(check_positive, "adaptive clipping: initial clip norm C0"),
-                     target_quantile=(check_fraction, "adaptive clipping: target quantile"),
-                     learning_rate=(check_positive, "adaptive clipping: learning rate eta_C"),
-                     count_stddev=(optional(check_positive), "adaptive clipping: count_stddev sigma_b"),
-                     geometric=(check_bool, "adaptive clipping: geometric"),
-                     normalized=(check_bool, "adaptive clipping: normalized"))
+        check_fields(
+            self,
+            initial_norm=(check_positive, "adaptive clipping: initial clip norm C0"),
+            target_quantile=(check_fraction, "adaptive clipping: target quantile"),
+            learning_rate=(check_positive, "adaptive clipping: learning rate eta_C"),
+            count_stddev=(optional(check_positive), "adaptive clipping: count_stddev sigma_b"),
+            geometric=(check_bool, "adaptive clipping: geometric"),
+            normalized=(check_bool, "adaptive clipping: normalized"),
+        )
         if self.normalized:
             raise UserError("adaptive clipping cannot be normalized (normalizing removes the clip norm)")
 

@@ -65,7 +65,7 @@ GRAMS_CHECKED: dict = {}  # device type -> True, or why the kernel is not used
 #: gpt2-small ghost chunk 1.35x a non-private forward and backward with it, 1.26x rounded).
 SUM_OPERAND = "rounded"
 #: the relative error of rounding a float32 number to bf16 (8 significand bits, to nearest)
-ROUNDED_OPERAND_U = 2.0 ** -8
+ROUNDED_OPERAND_U = 2.0**-8
 
 
 def defers_zeroing(device: torch.device) -> bool:
@@ -107,8 +107,9 @@ def round_down_bf16(c: torch.Tensor) -> torch.Tensor:
     return (c.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
 
 
-def split_bf16(p: torch.Tensor, hi: torch.Tensor | None = None,
-               lo: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def split_bf16(
+    p: torch.Tensor, hi: torch.Tensor | None = None, lo: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(hi, lo)`` bf16 with ``hi + lo == p`` exactly, for ``p`` a float32 product of two bf16
     numbers (at most 16 significant bits: hi holds the leading 8, lo the rest). Written into
     ``hi``/``lo`` when given (bf16 views of p's shape, e.g. the two halves of one GEMM operand):
@@ -120,8 +121,9 @@ def split_bf16(p: torch.Tensor, hi: torch.Tensor | None = None,
     return hi, lo
 
 
-def clipped_contraction(x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narrow: bool,
-                         dtype: torch.dtype, bad: torch.Tensor | None = None) -> torch.Tensor:
+def clipped_contraction(
+    x: torch.Tensor, y: torch.Tensor, c: torch.Tensor, narrow: bool, dtype: torch.dtype, bad: torch.Tensor | None = None
+) -> torch.Tensor:
     """``Σ_u c_u Σ_t x[..., u, t] ⊗ y[..., u, t]``: ``x [..., m, T, X]``, ``y [..., m, T, Y]``,
     ``c [..., m]`` -> ``[..., X, Y]`` (one use, or a stack of uses with a leading dimension).
     ``bad`` (bool ``[m]``): units whose rows of ``y`` count as zero (``x``'s must be zero already;
@@ -180,14 +182,16 @@ def rounded_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, 
     return buf
 
 
-def fused_operand(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int,
-                 split: bool = True) -> torch.Tensor | None:
+def fused_operand(
+    y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, wp: int, split: bool = True
+) -> torch.Tensor | None:
     """:func:`split_operand`'s buffer (``split``) or :func:`rounded_operand`'s from one Triton kernel
     (:mod:`userdp.engine.split_triton`) where :data:`FUSED_SPLIT` allows it and the kernel has matched
     both bit for bit on this device type (checked once per process; a mismatch or a failure is warned
     about once and the torch passes are used); else None."""
-    if not kernel_gate.allowed(FUSED_SPLIT, FUSED_CHECKED, y.device, check_fused_operand,
-                               "the fused clipped-sum operand kernel"):
+    if not kernel_gate.allowed(
+        FUSED_SPLIT, FUSED_CHECKED, y.device, check_fused_operand, "the fused clipped-sum operand kernel"
+    ):
         return None
     return split_triton.scale_split(y, c, bad, wp, split)
 
@@ -199,8 +203,12 @@ def check_fused_operand(device: torch.device) -> bool | str:
     if split_triton is None:
         return NO_TRITON
     g = torch.Generator().manual_seed(0)
-    for shape, aligned in (((3, 5, 37), False), ((2, 3, 4, 64), False), ((3, 5, 37), True),
-                           ((3, 2, 2500), True)):  # several column tiles
+    for shape, aligned in (
+        ((3, 5, 37), False),
+        ((2, 3, 4, 64), False),
+        ((3, 5, 37), True),
+        ((3, 2, 2500), True),
+    ):  # several column tiles
         y = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
         y[..., 1, 1, :5] = float("inf")
         y[..., 1, 1, 7] = float("nan")
@@ -258,8 +266,7 @@ def operand_roundoff(narrow: bool) -> float:
     return ROUNDED_OPERAND_U if narrow and SUM_OPERAND == "rounded" else 0.0
 
 
-def gram_pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor,
-                   row_sums: bool) -> tuple:
+def gram_pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor, row_sums: bool) -> tuple:
     """``(v, qy, qx, sx)`` ``[m, Ta]``, per row t of a Gram pair ``[m, Ta, Tb]``: ``Σ_s Gx_ts Gy_ts``,
     ``Σ_s |Gy_ts| rb_x_s``, ``Σ_s |Gx_ts| rb_y_s`` and (``row_sums``; else None) ``Σ_s |Gx_ts|``, in the
     Grams' dtype: what a ghost norm and its rounding bound are summed from
@@ -273,8 +280,9 @@ def gram_pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y:
     return torch_pair_rows(gx, gy, rb_x, rb_y, row_sums)
 
 
-def torch_pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor,
-                    row_sums: bool) -> tuple:
+def torch_pair_rows(
+    gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor, row_sums: bool
+) -> tuple:
     """:func:`gram_pair_rows` by torch's passes: a batched dot per row, the absolute Grams and two
     batched products with the row vectors."""
     m, ta, tb = gy.shape
@@ -292,7 +300,7 @@ def _grams_kernel_allowed(device: torch.device) -> bool:
 def gram_row_budget(ta: int, tb: int) -> float:
     """gamma_{Ta+Tb} = n u / (1 - n u) for n = Ta + Tb and float32's unit roundoff u = 2^-24: the
     relative rounding the proven norm bound budgets for one row of a Gram pair's sums."""
-    n = (ta + tb) * 2.0 ** -24
+    n = (ta + tb) * 2.0**-24
     return n / (1.0 - n)
 
 

@@ -37,9 +37,7 @@ class UserData:
         """Batch of the records ``(users[i], records[i])``; every tensor has leading dim len(users)."""
         raise NotImplementedError
 
-    def draw_records(
-        self, users: np.ndarray, group_size: int, rng: np.random.Generator
-    ) -> tuple[Batch, torch.Tensor]:
+    def draw_records(self, users: np.ndarray, group_size: int, rng: np.random.Generator) -> tuple[Batch, torch.Tensor]:
         """Up to ``group_size`` records of each user in ``users``, drawn fresh.
 
         Returns the batch with tensors shaped ``[len(users), G, ...]`` and a float mask
@@ -88,7 +86,7 @@ class UserData:
         users = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
         records = np.arange(len(users), dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
         for start in range(0, len(users), 4096):
-            batch = self.gather(users[start:start + 4096], records[start:start + 4096])
+            batch = self.gather(users[start : start + 4096], records[start : start + 4096])
             hash_tensors(h, batch)
         return h.digest()
 
@@ -251,15 +249,20 @@ class TensorUserData(UserData):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], offsets: np.ndarray):
         if not isinstance(tensors, Mapping) or not tensors:
-            raise UserError("TensorUserData: tensors must be a non-empty mapping of name -> torch.Tensor "
-                            f"(got {type(tensors).__name__})")
+            raise UserError(
+                "TensorUserData: tensors must be a non-empty mapping of name -> torch.Tensor "
+                f"(got {type(tensors).__name__})"
+            )
         for k, v in tensors.items():
             if not isinstance(v, torch.Tensor) or v.ndim < 1:
-                raise UserError(f"TensorUserData: tensors[{k!r}] must be a torch.Tensor with a row dimension "
-                                f"(got {type(v).__name__})")
+                raise UserError(
+                    f"TensorUserData: tensors[{k!r}] must be a torch.Tensor with a row dimension "
+                    f"(got {type(v).__name__})"
+                )
         raw = np.asarray(offsets)
-        if raw.dtype.kind not in "iu" and not (raw.dtype.kind == "f" and np.all(np.isfinite(raw))
-                                               and np.all(raw == np.round(raw))):
+        if raw.dtype.kind not in "iu" and not (
+            raw.dtype.kind == "f" and np.all(np.isfinite(raw)) and np.all(raw == np.round(raw))
+        ):
             # a float offset such as 2.7 would be truncated to 2 and move a record to another user
             raise UserError(f"TensorUserData: offsets must be integers (got {raw.dtype} values)")
         offsets = raw.astype(np.int64)
@@ -286,15 +289,18 @@ class TensorUserData(UserData):
         raw = list(user_ids) if not isinstance(user_ids, np.ndarray) else user_ids.tolist()
         for i, u in enumerate(raw):  # a missing author would merge with the others into one "user"
             if u is None or (isinstance(u, float) and u != u):
-                raise UserError(f"TensorUserData.from_user_ids: row {i} has no user id ({u!r}); every record needs "
-                                "its author")
+                raise UserError(
+                    f"TensorUserData.from_user_ids: row {i} has no user id ({u!r}); every record needs its author"
+                )
         ids = np.asarray(user_ids)
         if ids.ndim != 1:
             raise UserError(f"TensorUserData.from_user_ids: user_ids must be one id per row (got shape {ids.shape})")
-        for k, v in (tensors.items() if isinstance(tensors, Mapping) else ()):
+        for k, v in tensors.items() if isinstance(tensors, Mapping) else ():
             if isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] != len(ids):
-                raise UserError(f"TensorUserData.from_user_ids: {len(ids)} user ids for the {v.shape[0]} rows of "
-                                f"tensors[{k!r}] (one id per row; no row is dropped)")
+                raise UserError(
+                    f"TensorUserData.from_user_ids: {len(ids)} user ids for the {v.shape[0]} rows of "
+                    f"tensors[{k!r}] (one id per row; no row is dropped)"
+                )
         _, inverse = np.unique(ids, return_inverse=True)
         order = np.argsort(inverse, kind="stable")
         counts = np.bincount(inverse)

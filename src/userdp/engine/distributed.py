@@ -52,8 +52,7 @@ def _buckets(tensors: Sequence[torch.Tensor], limit: int) -> list[list[int]]:
     for i, t in enumerate(tensors):
         nbytes = t.numel() * t.element_size()
         prev = tensors[out[-1][-1]] if out else None
-        if (prev is None or prev.dtype != t.dtype or prev.device != t.device
-                or size + nbytes > limit or nbytes > limit):
+        if prev is None or prev.dtype != t.dtype or prev.device != t.device or size + nbytes > limit or nbytes > limit:
             out.append([i])
             size = nbytes
         else:
@@ -106,8 +105,9 @@ class TorchDistributedCombiner:
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The element-wise sum over ranks of each tensor (in its own dtype)."""
-        return self._collective(tensors, lambda t: self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM,
-                                                                         group=self.group))
+        return self._collective(
+            tensors, lambda t: self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM, group=self.group)
+        )
 
     def broadcast_from_main(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Rank 0's value of each tensor, on every rank."""

@@ -50,8 +50,10 @@ def add_piece(flats: Sequence[torch.Tensor], offsets: Sequence[int], z: torch.Te
 
 def zeros_for_noise(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Zeros shaped like ``tensors`` on their devices, in float32 (float64 for a float64 tensor)."""
-    return [torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-            for t in tensors]
+    return [
+        torch.zeros(t.shape, device=t.device, dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+        for t in tensors
+    ]
 
 
 class DrawCursor:
@@ -76,7 +78,7 @@ class DrawCursor:
                     raise RuntimeError(f"a draw's pieces out of order: {lo} after {self._pos}")
                 self._at = 0
             k = min(n - filled, self._z.numel() - self._at)
-            out[filled:filled + k] = self._z[self._at:self._at + k]  # the same rounding as z.to(dtype)
+            out[filled : filled + k] = self._z[self._at : self._at + k]  # the same rounding as z.to(dtype)
             filled, self._at, self._pos = filled + k, self._at + k, self._pos + k
         return out
 

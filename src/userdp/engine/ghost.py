@@ -87,6 +87,7 @@ class GhostUnsupported(UserError):
 #: per-token terms cancel could then add up to 3x C); only tests set it, to show that.
 BOUND = True
 
+
 @dataclass
 class Factored:
     """One use of a parameter of layout ``[X, Y]``: unit u's gradient is ``Σ_t x[u,t] ⊗ y[u,t]``.
@@ -114,8 +115,12 @@ class Factored:
     @property
     def narrow(self) -> bool:
         """Both factors bf16 (token ids count as exact), so tensor cores may contract them."""
-        return (self.tc and self.y.dtype == torch.bfloat16 and self.compute_dtype == torch.float32
-                and (self.index or self.x.dtype == torch.bfloat16))
+        return (
+            self.tc
+            and self.y.dtype == torch.bfloat16
+            and self.compute_dtype == torch.float32
+            and (self.index or self.x.dtype == torch.bfloat16)
+        )
 
     @property
     def rounds_operand(self) -> bool:
@@ -142,12 +147,12 @@ class Factored:
         applying them costs no kernel."""
         if self._rows is None:
             y = self.fy()
-            ry, sy = (y * y).sum(-1).sqrt(), _root_slack(int(y.shape[-1]) + 1, 2.0 ** -23)
+            ry, sy = (y * y).sum(-1).sqrt(), _root_slack(int(y.shape[-1]) + 1, 2.0**-23)
             if self.index:
                 rx, sx = torch.ones_like(ry), 1.0
             else:
                 x = self.fx()
-                rx, sx = (x * x).sum(-1).sqrt(), _root_slack(int(x.shape[-1]) + 1, 2.0 ** -23)
+                rx, sx = (x * x).sum(-1).sqrt(), _root_slack(int(x.shape[-1]) + 1, 2.0**-23)
             self._rows = (rx, ry, sx, sy)
         return self._rows
 
@@ -158,8 +163,7 @@ class Factored:
         if self._mag is None:
             rx, ry, sx, sy = self.row_norms()
             t = rx.shape[1]
-            self._mag = (torch.bmm(rx.unsqueeze(1), ry.unsqueeze(2)).view(-1),
-                         sx * sy * (1.0 + gamma(t + 2, 2.0 ** -23)))
+            self._mag = (torch.bmm(rx.unsqueeze(1), ry.unsqueeze(2)).view(-1), sx * sy * (1.0 + gamma(t + 2, 2.0**-23)))
         return self._mag
 
     def spread(self) -> torch.Tensor:
@@ -254,10 +258,23 @@ class _SpreadTerm:
 
     def split(self, k: int) -> list[_SpreadTerm]:
         """A stack's term (``k·m`` units: k members of m) as each member's, by views."""
+
         def part(t, i):
             return None if t is None else t.view(k, -1, *t.shape[1:])[i]
-        return [_SpreadTerm(part(self.mag, i), self.smag, part(self.rx, i), part(self.ry, i), self.sx, self.sy,
-                            part(self.gx_rows, i), self.gxn) for i in range(k)]
+
+        return [
+            _SpreadTerm(
+                part(self.mag, i),
+                self.smag,
+                part(self.rx, i),
+                part(self.ry, i),
+                self.sx,
+                self.sy,
+                part(self.gx_rows, i),
+                self.gxn,
+            )
+            for i in range(k)
+        ]
 
 
 def _spreads(per_param: list[list[_SpreadTerm]], m: int) -> torch.Tensor:
@@ -276,15 +293,16 @@ def _spreads(per_param: list[list[_SpreadTerm]], m: int) -> torch.Tensor:
         def coef(values):
             return _coefficients(tuple(values), device).view(-1, 1)
 
-        b = torch.stack([t.mag for t in ts]).double() * coef(t.smag * (1.0 + 2.0 ** -40) for t in ts)  # [U, m]
+        b = torch.stack([t.mag for t in ts]).double() * coef(t.smag * (1.0 + 2.0**-40) for t in ts)  # [U, m]
         if tokens is None:
             val = b
         else:
             rxd = torch.stack([t.rx for t in ts]).double() * coef(t.sx for t in ts).unsqueeze(2)  # [U, m, T]
-            rows = (torch.stack([t.gx_rows for t in ts]).double() * (1.0 + gamma(tokens + 2, 2.0 ** -23))
-                    + coef(t.gxn for t in ts).unsqueeze(2) * rxd * rxd.sum(2, keepdim=True))
+            rows = torch.stack([t.gx_rows for t in ts]).double() * (1.0 + gamma(tokens + 2, 2.0**-23)) + coef(
+                t.gxn for t in ts
+            ).unsqueeze(2) * rxd * rxd.sum(2, keepdim=True)
             yf = (torch.stack([t.ry for t in ts]).double() * coef(t.sy for t in ts).unsqueeze(2)).pow(2).sum(2)
-            val = torch.minimum(b, (rows.amax(2) * yf).sqrt() * (1.0 + 2.0 ** -40))
+            val = torch.minimum(b, (rows.amax(2) * yf).sqrt() * (1.0 + 2.0**-40))
         index = _coefficients(tuple(j for j, _ in members), device, torch.long)
         out.index_add_(0, index, val)
     return out
@@ -352,10 +370,10 @@ def _inner(a: Factored, b: Factored) -> tuple[torch.Tensor, torch.Tensor]:
     mb, smb = (ma, sma) if b is a else b.magnitude()
     # every term is non-negative: each coefficient carries the factors its computed terms may be low
     # by, and 2^-20 covers the float rounding of these three operations
-    gq = (1.0 + gamma(ta + tb + 2, 2.0 ** -23)) * (1.0 + 2.0 ** -20)
+    gq = (1.0 + gamma(ta + tb + 2, 2.0**-23)) * (1.0 + 2.0**-20)
     c_qx = gyn * gq * sya * syb
     c_qy = (gxn + gamma(ta + tb, u) * (1.0 + gxn)) * gq * sxa * sxb
-    c_b = (gxn * gyn + 2.0 * u) * sma * smb * (1.0 + 2.0 ** -20)
+    c_b = (gxn * gyn + 2.0 * u) * sma * smb * (1.0 + 2.0**-20)
     err = torch.addcmul(torch.add(qx * c_qx, qy, alpha=c_qy), ma, mb, value=c_b)
     return value, err
 
@@ -366,7 +384,7 @@ def _root_slack(n: int, u: float) -> float:
 
 
 def _root_slack_of(g: float) -> float:
-    return ((1.0 + 2.0 ** -20) / (1.0 - g)) ** 0.5
+    return ((1.0 + 2.0**-20) / (1.0 - g)) ** 0.5
 
 
 def _dot_rows(ra: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -388,7 +406,7 @@ def _inner_dense(a: Factored, mat: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     gam = gamma(int(a.y.shape[-1]), u) + (0.0 if a.index else gamma(int(a.x.shape[-1]), u)) + 2.0 * u
     size = torch.linalg.vector_norm(mat.reshape(mat.shape[0], -1), dim=1, dtype=torch.float64)
     mag, smag = a.magnitude()
-    return value, (gam * smag * (1.0 + 2.0 ** -20)) * mag * size
+    return value, (gam * smag * (1.0 + 2.0**-20)) * mag * size
 
 
 #: keep bf16/fp16 captures narrow in Factored (upcast at each use); False upcasts at capture
@@ -400,8 +418,10 @@ def _by_units(t: torch.Tensor, m: int, n: int, dtype: torch.dtype, what: str, *,
     """``[n, ..., d] -> [m, T, d]`` in ``dtype`` (a unit's records are consecutive rows); with
     ``store``, a bf16/fp16 tensor stays in its dtype (a factor kept until the clipped sum)."""
     if t.dim() < 2 or t.shape[0] != n:
-        raise GhostUnsupported(f"per_unit=ghost: {what} has shape {tuple(t.shape)}, expected the chunk's {n} records "
-                        "first; this model is not batch-first here: use training.per_unit: vmap")
+        raise GhostUnsupported(
+            f"per_unit=ghost: {what} has shape {tuple(t.shape)}, expected the chunk's {n} records "
+            "first; this model is not batch-first here: use training.per_unit: vmap"
+        )
     t = t.reshape(m, -1, t.shape[-1])
     if store and KEEP_NARROW and t.dtype in (torch.bfloat16, torch.float16):
         return cx.aligned_rows(t)
@@ -418,10 +438,12 @@ GHOST_LAYERS: dict[type, LayerHandler] = {}
 
 def register_ghost_layer(*types: type):
     """Decorator: register a handler for layers of ``types`` (see :data:`LayerHandler`)."""
+
     def deco(fn: LayerHandler) -> LayerHandler:
         for t in types:
             GHOST_LAYERS[t] = fn
         return fn
+
     return deco
 
 
@@ -447,12 +469,16 @@ def _conv1d(mod, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) 
 @register_ghost_layer(nn.Embedding)
 def _embedding(mod: nn.Embedding, inputs: tuple, gout: torch.Tensor, m: int, dtype: torch.dtype) -> dict:
     if mod.max_norm is not None or mod.scale_grad_by_freq or mod.sparse:
-        raise GhostUnsupported("per_unit=ghost: nn.Embedding with max_norm, scale_grad_by_freq or sparse gradients "
-                        "is not supported: use training.per_unit: vmap")
+        raise GhostUnsupported(
+            "per_unit=ghost: nn.Embedding with max_norm, scale_grad_by_freq or sparse gradients "
+            "is not supported: use training.per_unit: vmap"
+        )
     ids = inputs[0]
     n = gout.shape[0]
     if ids.shape[0] != n:
-        raise GhostUnsupported(f"per_unit=ghost: embedding ids have shape {tuple(ids.shape)}, expected {n} records first")
+        raise GhostUnsupported(
+            f"per_unit=ghost: embedding ids have shape {tuple(ids.shape)}, expected {n} records first"
+        )
     ids = ids.reshape(m, -1)
     g = _by_units(gout, m, n, dtype, "the output of nn.Embedding", store=True)
     if mod.padding_idx is not None:  # PyTorch gives the padding row no gradient (x 0/1: exact in any dtype)
@@ -489,8 +515,10 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
     split = []
     for i, t in enumerate(inputs):
         if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != n:
-            raise GhostUnsupported(f"per_unit=ghost: layer {type(mod).__name__} has no ghost handler and its input {i} is "
-                            f"not batch-first over the chunk's {n} records: use training.per_unit: vmap")
+            raise GhostUnsupported(
+                f"per_unit=ghost: layer {type(mod).__name__} has no ghost handler and its input {i} is "
+                f"not batch-first over the chunk's {n} records: use training.per_unit: vmap"
+            )
         split.append(t.detach().reshape(m, n // m, *t.shape[1:]))
     go = gout.reshape(m, n // m, *gout.shape[1:])
 
@@ -502,7 +530,9 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
     return {k: [grads[k].to(dtype)] for k in names}
 
 
-def _weighted_sum(dense: torch.Tensor | None, factored: list[Factored], c: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+def _weighted_sum(
+    dense: torch.Tensor | None, factored: list[Factored], c: torch.Tensor, p: torch.Tensor
+) -> torch.Tensor:
     """``Σ_u c_u · (unit u's gradient of p)`` from its materialized part and its factored uses."""
     wide = c.float() if c.dtype == torch.bfloat16 else c  # a bf16 factor (tensor cores) is exact in float32
     # the first term is the sum's buffer (each term is a fresh tensor): no zeros + add per parameter
@@ -528,7 +558,7 @@ def _cap_groups(by_key: dict, per_member: dict) -> list[list[int]]:
     groups = []
     for key, members in by_key.items():
         cap = max(1, GROUP_ELEMENTS // max(1, per_member[key]))
-        groups.extend(g for g in (members[i:i + cap] for i in range(0, len(members), cap)) if len(g) > 1)
+        groups.extend(g for g in (members[i : i + cap] for i in range(0, len(members), cap)) if len(g) > 1)
     return groups  # a group of one would only copy its member: it is left to the per-parameter path
 
 
@@ -597,8 +627,14 @@ class _FactorStack:
         magnitudes and, with the rounded operand, each member's spread term (else None; the stack as
         k·m units of one use; see :func:`_inner`)."""
         k, m = self.x.shape[:2]
-        flat = Factored(self.x.reshape(k * m, *self.x.shape[2:]), self.y.reshape(k * m, *self.y.shape[2:]),
-                        self.size_x, False, self.dtype, self.tc)
+        flat = Factored(
+            self.x.reshape(k * m, *self.x.shape[2:]),
+            self.y.reshape(k * m, *self.y.shape[2:]),
+            self.size_x,
+            False,
+            self.dtype,
+            self.tc,
+        )
         value, err = _inner(flat, flat)
         mag, smag = flat.magnitude()
         spread = flat.spread_term().split(k) if flat.rounds_operand else None
@@ -646,7 +682,9 @@ def _coefficients(values: tuple, device: torch.device, dtype: torch.dtype = torc
     key = (values, str(device), dtype)
     t = _COEFFICIENTS.get(key)
     if t is None:
-        if len(_COEFFICIENTS) > 512:  # a run's chunk shapes repeat: a few dozen keys (the spreads add five per token count)
+        if (
+            len(_COEFFICIENTS) > 512
+        ):  # a run's chunk shapes repeat: a few dozen keys (the spreads add five per token count)
             _COEFFICIENTS.clear()
         t = _COEFFICIENTS[key] = torch.tensor(values, dtype=dtype, device=device)
     return t
@@ -665,16 +703,17 @@ def _bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     value = torch.stack([b.value for b in parts], dim=1).clamp(min=0)
     est = value.sqrt()
     if not BOUND:  # the estimate alone (tests only: shows what the bound closes)
-        return est, est * (1.0 + 256 * 2.0 ** -23)
+        return est, est * (1.0 + 256 * 2.0**-23)
     zero = torch.zeros_like(parts[0].value)
     err = torch.stack([zero if b.err is None else b.err for b in parts], dim=1)
     mag = torch.stack([zero if b.magnitude is None else b.magnitude for b in parts], dim=1)
     size = torch.stack([zero if b.size is None else b.size for b in parts], dim=1)
-    c_sum = _coefficients(tuple((gamma(b.length, b.u) + 2.0 * b.u) * (1.0 + b.operand) if b.length else 0.0
-                                for b in parts), value.device)
+    c_sum = _coefficients(
+        tuple((gamma(b.length, b.u) + 2.0 * b.u) * (1.0 + b.operand) if b.length else 0.0 for b in parts), value.device
+    )
     c_dense = _coefficients(tuple(gamma(m, b.u) + b.u for b in parts), value.device)
     # 2^-40: the float64 square root and sums; the rest is what the float32 arithmetic may move
-    upper = (value + err).sqrt() * (1.0 + 2.0 ** -40) + mag * c_sum + size * c_dense
+    upper = (value + err).sqrt() * (1.0 + 2.0**-40) + mag * c_sum + size * c_dense
     if any(b.operand for b in parts):
         spread = _spreads([b.spread if b.operand else [] for b in parts], m).t()
         upper = upper + spread * _coefficients(tuple(b.operand for b in parts), value.device)
@@ -747,19 +786,24 @@ class GhostPerUnit:
     def __init__(self, model: nn.Module, loss_fn, algorithm, precision: Precision | None = None):
         lint_model(model)
         if algorithm.update != "gradient":
-            raise GhostUnsupported(f"per_unit=ghost clips gradients; {type(algorithm).__name__}'s unit update is "
-                            f"{algorithm.update!r}: use training.per_unit: vmap (or auto)")
+            raise GhostUnsupported(
+                f"per_unit=ghost clips gradients; {type(algorithm).__name__}'s unit update is "
+                f"{algorithm.update!r}: use training.per_unit: vmap (or auto)"
+            )
         _register_transformers_layers()
         self.model, self.loss_fn, self.algorithm = model, loss_fn, algorithm
         self.precision = precision or Precision()
         self.names, self.params = trainable_parameters(model)
         self._index = {id(p): j for j, p in enumerate(self.params)}
-        self._layers = [mod for mod in model.modules()
-                        if any(p.requires_grad for p in mod.parameters(recurse=False))]
+        self._layers = [mod for mod in model.modules() if any(p.requires_grad for p in mod.parameters(recurse=False))]
         # (layer, attribute) -> the parameter's index: under FSDP2 the attribute holds a gathered tensor
         # while the module is unsharded (the root's stays so from its forward to its backward)
-        self._owner = {(id(mod), n): self._index[id(p)] for mod in self._layers
-                       for n, p in mod.named_parameters(recurse=False) if id(p) in self._index}
+        self._owner = {
+            (id(mod), n): self._index[id(p)]
+            for mod in self._layers
+            for n, p in mod.named_parameters(recurse=False)
+            if id(p) in self._index
+        }
         self.fallback_layers = sorted({type(mod).__name__ for mod in self._layers if type(mod) not in GHOST_LAYERS})
         self._verified = False
         self._mismatches = 0  # first-chunk checks whose sums differed from autograd's (_verify)
@@ -772,9 +816,14 @@ class GhostPerUnit:
         # rank checks them a group of at most 1/W of the model at a time (a whole batch gradient of
         # each in the group), so the check never holds the model's whole gradient
         self._unchecked: list[int] = list(range(len(self.params)))
-        self._check_budget = (max(max(p.numel() for p in self.params),
-                                  math.ceil(sum(p.numel() for p in self.params) / self.params[0].device_mesh.size()))
-                              if self._sharded else None)
+        self._check_budget = (
+            max(
+                max(p.numel() for p in self.params),
+                math.ceil(sum(p.numel() for p in self.params) / self.params[0].device_mesh.size()),
+            )
+            if self._sharded
+            else None
+        )
         self.last_choice: dict[str, str] = {}  # parameter -> "ghost" | "materialized" (last chunk)
         #: parameter -> for each dense (GEMM) use in the last chunk, whether it took the bf16 tensor-core path
         self.last_narrow: dict[str, list[bool]] = {}
@@ -789,8 +838,10 @@ class GhostPerUnit:
 
         def hook(mod, args, out):
             if not isinstance(out, torch.Tensor):
-                raise GhostUnsupported(f"per_unit=ghost: layer {type(mod).__name__} returns {type(out).__name__}, "
-                                "not a tensor: use training.per_unit: vmap")
+                raise GhostUnsupported(
+                    f"per_unit=ghost: layer {type(mod).__name__} returns {type(out).__name__}, "
+                    "not a tensor: use training.per_unit: vmap"
+                )
             captures.append(_Capture(mod, tuple(_captured(a) for a in args), out))
             if self._sharded and not self._verified:
                 self._in_use.extend((mod, n, t) for n, t in mod.named_parameters(recurse=False) if t.requires_grad)
@@ -852,7 +903,7 @@ class GhostPerUnit:
         in_use = [(mod, a, t) for mod, a, t in in_use if self._owner.get((id(mod), a)) in group]
         wrt = [t for _, _, t in in_use] if self._sharded else [self.params[j] for j in sorted(group)]
         grads = torch.autograd.grad(unit_loss.sum() * scale, outs + wrt, allow_unused=True)
-        delivered, checked = iter(grads[: len(outs)]), grads[len(outs):]
+        delivered, checked = iter(grads[: len(outs)]), grads[len(outs) :]
         out_grads = [None if c.edge is None else next(delivered) for c in captures]
         del delivered
         batch_grads: list = [None] * len(self.params)  # the checked group's batch gradients (on this rank)
@@ -875,10 +926,12 @@ class GhostPerUnit:
                 if go is None:
                     continue
                 if go.dim() == 0 or go.shape[0] != n:
-                    raise GhostUnsupported(f"per_unit=ghost: the output of a {type(cap.module).__name__} layer has shape "
-                                    f"{tuple(go.shape)}, not the chunk's {n} records first (an input broadcast over the "
-                                    "batch, e.g. position ids of shape [1, L]: pass them per record), so its gradient "
-                                    "mixes units: use training.per_unit: vmap")
+                    raise GhostUnsupported(
+                        f"per_unit=ghost: the output of a {type(cap.module).__name__} layer has shape "
+                        f"{tuple(go.shape)}, not the chunk's {n} records first (an input broadcast over the "
+                        "batch, e.g. position ids of shape [1, L]: pass them per record), so its gradient "
+                        "mixes units: use training.per_unit: vmap"
+                    )
                 go = go.to(acc_dtype) / scale if scale != 1.0 else go
                 for attr, parts in self._handler(cap.module)(cap.module, cap.inputs, go, m, acc_dtype).items():
                     p = getattr(cap.module, attr)
@@ -899,8 +952,10 @@ class GhostPerUnit:
             # not a few per parameter: small materialized-only ones (biases, LayerNorms, LoRA factors)
             # [m, k, size], and single-use dense ghosts (a block's c_fc, ...) by their factors
             # (a sink takes the sums one parameter at a time, in order: no groups)
-            blocks = [(g, torch.stack([dense[j].reshape(m, -1) for j in g], dim=1))
-                      for g in (_vector_groups(dense, factored, m) if sink is None else [])]
+            blocks = [
+                (g, torch.stack([dense[j].reshape(m, -1) for j in g], dim=1))
+                for g in (_vector_groups(dense, factored, m) if sink is None else [])
+            ]
             stacks = [_FactorStack(g, factored) for g in (_factor_groups(dense, factored, m) if sink is None else [])]
             # per parameter: the estimate of each unit's squared norm and what bounds the unit's
             # contribution above it (float64 [m] each; see _bounded_norms)
@@ -921,8 +976,11 @@ class GhostPerUnit:
             for j, (d, fs) in enumerate(zip(dense, factored)):
                 if parts[j] is None:
                     value, err, mag, spread = self._norm2(d, fs)
-                    size = (torch.linalg.vector_norm(d.reshape(m, -1), dim=1, dtype=torch.float64)
-                            if d is not None else None)
+                    size = (
+                        torch.linalg.vector_norm(d.reshape(m, -1), dim=1, dtype=torch.float64)
+                        if d is not None
+                        else None
+                    )
                     k_len = max((m * x.tokens for x in fs), default=0)
                     u = max([x.u for x in fs] + [u_dense])
                     r = cx.ROUNDED_OPERAND_U if spread else 0.0
@@ -988,7 +1046,7 @@ class GhostPerUnit:
         for name, p, parts in zip(self.names, self.params, contrib):
             d, fs = None, []
             for part in parts:
-                if isinstance(part, Factored) and part.tokens ** 2 <= part.numel:
+                if isinstance(part, Factored) and part.tokens**2 <= part.numel:
                     fs.append(part)
                     continue
                 mat = part.materialize() if isinstance(part, Factored) else part
@@ -1026,7 +1084,7 @@ class GhostPerUnit:
             if a.rounds_operand:
                 spread.append(a.spread_term())
         for i, a in enumerate(fs):
-            for b in fs[i + 1:]:
+            for b in fs[i + 1 :]:
                 v, e = _inner(a, b)
                 value, err = value + 2.0 * v, err + 2.0 * e
             if d is not None:
@@ -1062,18 +1120,23 @@ class GhostPerUnit:
         without that use, then stops with the error; its privacy is the same.)"""
         tol = self.precision.verify_tolerance
         complete = True
-        for j, (name, p, d, fs, bg, used) in enumerate(zip(self.names, self.params, dense, factored, batch_grads,
-                                                           seen)):
+        for j, (name, p, d, fs, bg, used) in enumerate(
+            zip(self.names, self.params, dense, factored, batch_grads, seen)
+        ):
             if not used and self._sharded:  # its gathered tensor was never seen: no gradient to compare
-                raise GhostUnsupported(f"sharding=fsdp: parameter {name!r} is trainable but not used through the "
-                                       "forward of a layer that owns it; freeze it (requires_grad=False) or use "
-                                       "sharding: none")
+                raise GhostUnsupported(
+                    f"sharding=fsdp: parameter {name!r} is trainable but not used through the "
+                    "forward of a layer that owns it; freeze it (requires_grad=False) or use "
+                    "sharding: none"
+                )
             if j not in group:
                 continue
             if not used and bg is not None:  # structural: no layer's hook saw a parameter the loss uses
-                raise GhostUnsupported(f"per_unit=ghost: parameter {name!r} is used by the loss but not through the "
-                                       "forward of a layer that owns it, so no per-unit norm can be formed from "
-                                       "activations: use training.per_unit: vmap")
+                raise GhostUnsupported(
+                    f"per_unit=ghost: parameter {name!r} is used by the loss but not through the "
+                    "forward of a layer that owns it, so no per-unit norm can be formed from "
+                    "activations: use training.per_unit: vmap"
+                )
             m_units = (d if d is not None else fs[0].y).shape[0]
             dt = d.dtype if d is not None else fs[0].compute_dtype
             ours = _weighted_sum(d, fs, torch.ones(m_units, dtype=dt, device=p.device), p)
@@ -1090,10 +1153,12 @@ class GhostPerUnit:
                 self._mismatches += 1
                 complete = False
                 if self._mismatches >= 2:
-                    raise GhostUnsupported(f"per_unit=ghost: the gradient of {name!r} is not fully seen by the layers "
-                                           "that own it (the parameter is used outside their forward, e.g. a functional "
-                                           "call in a parent module), so its per-unit norm would be wrong: use "
-                                           "training.per_unit: vmap")
+                    raise GhostUnsupported(
+                        f"per_unit=ghost: the gradient of {name!r} is not fully seen by the layers "
+                        "that own it (the parameter is used outside their forward, e.g. a functional "
+                        "call in a parent module), so its per-unit norm would be wrong: use "
+                        "training.per_unit: vmap"
+                    )
                 break
         if complete:
             self._unchecked = [j for j in self._unchecked if j not in group]

@@ -30,8 +30,23 @@ BLOCK_S = 256
 
 
 @triton.jit
-def _pair_kernel(gx_ptr, gy_ptr, rb_x_ptr, rb_y_ptr, v_ptr, qy_ptr, qx_ptr, sx_ptr, ta, tb, t_blocks, s_blocks,
-                 BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, ROW_SUMS: tl.constexpr):
+def _pair_kernel(
+    gx_ptr,
+    gy_ptr,
+    rb_x_ptr,
+    rb_y_ptr,
+    v_ptr,
+    qy_ptr,
+    qx_ptr,
+    sx_ptr,
+    ta,
+    tb,
+    t_blocks,
+    s_blocks,
+    BLOCK_T: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ROW_SUMS: tl.constexpr,
+):
     # one program: BLOCK_T rows x BLOCK_S columns of one unit's pair; its row sums go to column
     # program's s-block of the partial outputs [m, ta, s_blocks] (no atomics: one order every run)
     pid = tl.program_id(0).to(tl.int64)
@@ -56,14 +71,20 @@ def _pair_kernel(gx_ptr, gy_ptr, rb_x_ptr, rb_y_ptr, v_ptr, qy_ptr, qx_ptr, sx_p
         tl.store(sx_ptr + out, tl.sum(tl.abs(gx), axis=1), mask=t_in)
 
 
-def pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor,
-              row_sums: bool) -> tuple | None:
+def pair_rows(
+    gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor, row_sums: bool
+) -> tuple | None:
     """``(v, qy, qx, sx)`` ``[m, Ta]`` float32, per row t: ``Σ_s Gx_ts Gy_ts``, ``Σ_s |Gy_ts| rb_x_s``,
     ``Σ_s |Gx_ts| rb_y_s`` and (``row_sums``; else None) ``Σ_s |Gx_ts|``. ``gx``, ``gy`` contiguous
     float32 ``[m, Ta, Tb]``, ``rb_x``, ``rb_y`` ``[m, Tb]``. None where the inputs are not so (the
     caller takes the torch passes)."""
-    if not (gx.dtype == gy.dtype == torch.float32 and gx.shape == gy.shape and gx.dim() == 3
-            and gx.is_contiguous() and gy.is_contiguous()):
+    if not (
+        gx.dtype == gy.dtype == torch.float32
+        and gx.shape == gy.shape
+        and gx.dim() == 3
+        and gx.is_contiguous()
+        and gy.is_contiguous()
+    ):
         return None
     m, ta, tb = gx.shape
     if m * ta * tb == 0:
@@ -76,8 +97,22 @@ def pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torc
     parts = torch.empty(4 if row_sums else 3, m, ta, s_blocks, dtype=torch.float32, device=gx.device)
     sx = parts[3] if row_sums else parts[0]  # unwritten without ROW_SUMS
     with torch.cuda.device(gx.device) if gx.device.type == "cuda" else contextlib.nullcontext():
-        _pair_kernel[(m * t_blocks * s_blocks,)](gx, gy, rbx, rby, parts[0], parts[1], parts[2], sx, ta, tb,
-                                                 t_blocks, s_blocks, BLOCK_T=BLOCK_T, BLOCK_S=BLOCK_S,
-                                                 ROW_SUMS=row_sums)
+        _pair_kernel[(m * t_blocks * s_blocks,)](
+            gx,
+            gy,
+            rbx,
+            rby,
+            parts[0],
+            parts[1],
+            parts[2],
+            sx,
+            ta,
+            tb,
+            t_blocks,
+            s_blocks,
+            BLOCK_T=BLOCK_T,
+            BLOCK_S=BLOCK_S,
+            ROW_SUMS=row_sums,
+        )
     rows = parts[..., 0] if s_blocks == 1 else parts.sum(-1)
     return rows[0], rows[1], rows[2], (rows[3] if row_sums else None)

@@ -15,8 +15,9 @@ from collections.abc import Callable
 import torch
 
 
-def allowed(switch: str, checked: dict, device: torch.device, check: Callable[[torch.device], bool | str],
-            what: str) -> bool:
+def allowed(
+    switch: str, checked: dict, device: torch.device, check: Callable[[torch.device], bool | str], what: str
+) -> bool:
     """Whether the kernel ``what`` may run on ``device`` under ``switch``; ``checked`` keeps each device
     type's answer (True, or why not) from ``check``, asked at most once per type."""
     kind = device.type
@@ -30,6 +31,10 @@ def allowed(switch: str, checked: dict, device: torch.device, check: Callable[[t
             state = f"{type(exc).__name__}: {str(exc)[:160]}"
         checked[kind] = state
         if state is not True:
-            warnings.warn(f"userdp: {what} is not used on {kind} ({state}); torch's passes serve instead (the "
-                          "same results, slower)", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"userdp: {what} is not used on {kind} ({state}); torch's passes serve instead (the "
+                "same results, slower)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return state is True

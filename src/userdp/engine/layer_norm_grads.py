@@ -74,8 +74,9 @@ def torch_grads(x: torch.Tensor, g: torch.Tensor, m: int, spec: LayerNormSpec, d
 
 
 def _fused_allowed(device: torch.device) -> bool:
-    return kernel_gate.allowed(FUSED_LAYER_NORM, FUSED_CHECKED, device, check_fused,
-                               "the fused LayerNorm-gradient kernel")
+    return kernel_gate.allowed(
+        FUSED_LAYER_NORM, FUSED_CHECKED, device, check_fused, "the fused LayerNorm-gradient kernel"
+    )
 
 
 def check_fused(device: torch.device) -> bool | str:
@@ -85,8 +86,11 @@ def check_fused(device: torch.device) -> bool | str:
     if layer_norm_triton is None:
         return NO_TRITON
     gen = torch.Generator().manual_seed(0)
-    for m, t, d, gdt, padded in ((3, 37, 200, torch.float32, False), (2, 70, 64, torch.bfloat16, False),
-                                 (4, 5, 33, torch.float32, True)):
+    for m, t, d, gdt, padded in (
+        (3, 37, 200, torch.float32, False),
+        (2, 70, 64, torch.bfloat16, False),
+        (4, 5, 33, torch.float32, True),
+    ):
         x = torch.randn(m * t, d, generator=gen) * 3 + 1
         if padded:  # rows of a wider buffer
             x = F.pad(x, (0, 7))[:, :d]

@@ -28,8 +28,21 @@ BLOCK_T = 64
 
 
 @triton.jit
-def _grads_kernel(x_ptr, g_ptr, mean_ptr, rstd_ptr, w_ptr, b_ptr, t_per_unit, blocks_per_unit, width,
-                  x_stride, g_stride, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
+def _grads_kernel(
+    x_ptr,
+    g_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
+    t_per_unit,
+    blocks_per_unit,
+    width,
+    x_stride,
+    g_stride,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     # one program: BLOCK_T tokens of one unit x BLOCK_D features; its two partial sums go to row
     # program_id(0) of the partial outputs (no atomics: the same sums in the same order every run)
     part = tl.program_id(0).to(tl.int64)
@@ -68,8 +81,9 @@ def unit_grads(x: torch.Tensor, g: torch.Tensor, m: int, eps: float) -> tuple[to
     b = torch.empty_like(w)
     grid = (m * blocks, triton.cdiv(d, BLOCK_D))
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _grads_kernel[grid](x2, g2, mean, rstd, w, b, t, blocks, d, x2.stride(0), g2.stride(0),
-                            BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T)
+        _grads_kernel[grid](
+            x2, g2, mean, rstd, w, b, t, blocks, d, x2.stride(0), g2.stride(0), BLOCK_D=BLOCK_D, BLOCK_T=BLOCK_T
+        )
     if blocks == 1:
         return w, b
     return w.view(m, blocks, d).sum(1), b.view(m, blocks, d).sum(1)

@@ -99,6 +99,7 @@ def read_chain(path: str | os.PathLike, bad=None) -> tuple[dict, dict[int, str],
     Raises:
         UserError: naming the file, when it is missing, unreadable, headerless or the chain breaks."""
     if bad is None:
+
         def bad(why):
             return UserError(f"{path}: {why}; the ledger cannot be trusted")
 
@@ -107,7 +108,7 @@ def read_chain(path: str | os.PathLike, bad=None) -> tuple[dict, dict[int, str],
             raw = f.read()
     except OSError:
         raise bad("the ledger journal is missing or unreadable") from None
-    raw = raw[:raw.rfind(b"\n") + 1]
+    raw = raw[: raw.rfind(b"\n") + 1]
     try:
         rows = [json.loads(x) for x in raw.decode("utf-8").splitlines()]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -129,8 +130,7 @@ def read_chain(path: str | os.PathLike, bad=None) -> tuple[dict, dict[int, str],
     return header, hashes, best
 
 
-def check_cited(path: str | os.PathLike, hashes: dict[int, str], run: Optional[str], cited: dict,
-                by: str) -> None:
+def check_cited(path: str | os.PathLike, hashes: dict[int, str], run: Optional[str], cited: dict, by: str) -> None:
     """A record (``by``) cited the journal at ``cited`` = {"run", "lines", "head"}: the journal must
     still hold that line with that hash.
 
@@ -145,11 +145,14 @@ def check_cited(path: str | os.PathLike, hashes: dict[int, str], run: Optional[s
         raise UserError(f"{path}: it belongs to another run than {by}; the ledger cannot be trusted")
     have = max(hashes)
     if c_lines > have:
-        raise UserError(f"{path}: it holds {have} steps but {by} saw {c_lines}: the journal was truncated or "
-                        "replaced by an older copy; the ledger cannot be trusted")
+        raise UserError(
+            f"{path}: it holds {have} steps but {by} saw {c_lines}: the journal was truncated or "
+            "replaced by an older copy; the ledger cannot be trusted"
+        )
     if hashes.get(c_lines) != c_head:
-        raise UserError(f"{path}: line {c_lines + 1} differs from what {by} saw (edited or replaced); "
-                        "the ledger cannot be trusted")
+        raise UserError(
+            f"{path}: line {c_lines + 1} differs from what {by} saw (edited or replaced); the ledger cannot be trusted"
+        )
 
 
 class Journal:
@@ -174,8 +177,13 @@ class Journal:
 
     # ---------------------------------------------------------------- creating / reading
     def create(self) -> None:
-        header = {"journal": _MAGIC, "version": 2, "run": secrets.token_hex(16),
-                  "event": self.event_json, "context": self.context}
+        header = {
+            "journal": _MAGIC,
+            "version": 2,
+            "run": secrets.token_hex(16),
+            "event": self.event_json,
+            "context": self.context,
+        }
         header["hash"] = _header_hash(header)
         with open(self.path, "x") as f:
             f.write(json.dumps(header, sort_keys=True) + "\n")
@@ -200,8 +208,10 @@ class Journal:
         write_atomic(self.head_path, json.dumps(self.cite()))
 
     def _bad(self, why: str) -> UserError:
-        return UserError(f"{self.path}: {why}; the ledger cannot be trusted, so the run cannot be "
-                         "resumed (restore the run directory from a backup, or start a new run)")
+        return UserError(
+            f"{self.path}: {why}; the ledger cannot be trusted, so the run cannot be "
+            "resumed (restore the run directory from a backup, or start a new run)"
+        )
 
     def load(self) -> None:
         """Read and verify the whole chain (and that it is not shorter than its head file);
@@ -218,13 +228,20 @@ class Journal:
                 os.fsync(f.fileno())
         header, hashes, best = read_chain(self.path, bad=self._bad)
         if header.get("event") != self.event_json:
-            raise self._bad("it records a different step event than this configuration "
-                            f"({header.get('event')} != {self.event_json})")
+            raise self._bad(
+                "it records a different step event than this configuration "
+                f"({header.get('event')} != {self.event_json})"
+            )
         if header.get("context") != self.context:
-            diff = sorted(k for k in set(header.get("context") or {}) | set(self.context)
-                          if (header.get("context") or {}).get(k) != self.context.get(k))
-            raise self._bad(f"it was written for a different {', '.join(diff) or 'context'} "
-                            "(the configuration or the data changed since the run began)")
+            diff = sorted(
+                k
+                for k in set(header.get("context") or {}) | set(self.context)
+                if (header.get("context") or {}).get(k) != self.context.get(k)
+            )
+            raise self._bad(
+                f"it was written for a different {', '.join(diff) or 'context'} "
+                "(the configuration or the data changed since the run began)"
+            )
         if not os.path.isfile(self.head_path):
             raise self._bad(f"{HEAD} beside it is missing (deleted), so the journal's length cannot be checked")
         try:
@@ -234,7 +251,12 @@ class Journal:
             raise self._bad(f"{HEAD} beside it is unreadable") from None
         check_cited(self.path, hashes, header["run"], cited, self.head_path)
         self.run, self.head, self.lines, self.max_spent, self._hashes = (
-            header["run"], hashes[max(hashes)], max(hashes), best, hashes)
+            header["run"],
+            hashes[max(hashes)],
+            max(hashes),
+            best,
+            hashes,
+        )
 
     def verify_checkpoint(self, run: Optional[str], lines: Optional[int], head: Optional[str]) -> None:
         """The checkpoint saw ``lines`` lines ending in ``head``: the journal must still hold them."""
@@ -276,8 +298,15 @@ class PrivacyLedger:
     #: the budget check's step grid grows by this ratio (:meth:`max_steps`)
     GRID_RATIO = 1.01
 
-    def __init__(self, step_event, delta: float, *, target_epsilon: Optional[float] = None,
-                 accountant: str = "pld", safe_steps: Optional[int] = None):
+    def __init__(
+        self,
+        step_event,
+        delta: float,
+        *,
+        target_epsilon: Optional[float] = None,
+        accountant: str = "pld",
+        safe_steps: Optional[int] = None,
+    ):
         self.step_event = step_event
         self.delta = float(delta)
         self.target_epsilon = target_epsilon
@@ -349,8 +378,10 @@ class PrivacyLedger:
         if self.target_epsilon is not None and self.epsilon() > self.target_epsilon:
             self.prior.pop()
             self._invalidate()
-            raise BudgetExceededError(f"spending {accounting.event_to_json(event)} would exceed the privacy "
-                                      f"budget epsilon={self.target_epsilon:g} at delta={self.delta:g}")
+            raise BudgetExceededError(
+                f"spending {accounting.event_to_json(event)} would exceed the privacy "
+                f"budget epsilon={self.target_epsilon:g} at delta={self.delta:g}"
+            )
 
     def rebase(self, step_event) -> None:
         """From now on steps are ``step_event`` (e.g. a resumed run at another sigma): the steps
@@ -377,7 +408,8 @@ class PrivacyLedger:
             # with prior events, a pessimistic 1e-3 PLD grid (still an upper bound, ten times cheaper)
             how = accounting.StepSearch(self.accountant, interval=1e-3 if self.prior else None)
             self._max_steps = self.segment_start + accounting.max_steps(
-                self.step_event, self.target_epsilon, self.delta, how, prior=self.prior)
+                self.step_event, self.target_epsilon, self.delta, how, prior=self.prior
+            )
         return self._max_steps
 
     def allows(self, n: int = 1) -> bool:
@@ -434,27 +466,37 @@ class PrivacyLedger:
 
     def _cheap_epsilon(self, t: int) -> float:
         if self.prior:
-            return accounting.epsilon(self.total_event(t), self.delta, self.accountant,
-                                      value_discretization_interval=1e-3)
+            return accounting.epsilon(
+                self.total_event(t), self.delta, self.accountant, value_discretization_interval=1e-3
+            )
         return accounting.get_accountant(self.accountant).epsilon_of_steps(self.step_event, t, self.delta)
 
     # ---------------------------------------------------------------- persistence
     def state_dict(self) -> dict:
         j = self.journal
-        return {"spent": self.spent, "lost_steps": self.lost_steps, "step_event": self.event_json(),
-                "delta": self.delta, "target_epsilon": self.target_epsilon, "accountant": self.accountant,
-                "prior_events": [accounting.event_to_json(e) for e in self.prior],
-                "segment_start": self.segment_start,
-                "journal_run": j.run if j else None, "journal_lines": j.lines if j else None,
-                "journal_head": j.head if j else None}
+        return {
+            "spent": self.spent,
+            "lost_steps": self.lost_steps,
+            "step_event": self.event_json(),
+            "delta": self.delta,
+            "target_epsilon": self.target_epsilon,
+            "accountant": self.accountant,
+            "prior_events": [accounting.event_to_json(e) for e in self.prior],
+            "segment_start": self.segment_start,
+            "journal_run": j.run if j else None,
+            "journal_lines": j.lines if j else None,
+            "journal_head": j.head if j else None,
+        }
 
     def load_state_dict(self, state: dict, *, replayable: bool, replay_refused: Optional[str] = None) -> None:
         """Restore from a checkpoint; the journal must still hold what the checkpoint saw, and the
         steps begun after it are counted as spent (unless ``replayable``: a seeded run replays)."""
         mine = self.event_json()
         if state["step_event"] != mine:
-            raise UserError("cannot resume: the checkpoint's step event differs from this config's "
-                            f"({state['step_event']} != {mine})")
+            raise UserError(
+                "cannot resume: the checkpoint's step event differs from this config's "
+                f"({state['step_event']} != {mine})"
+            )
         self.spent = int(state["spent"])
         self.lost_steps = int(state["lost_steps"])
         self.prior = [accounting.event_from_dict(json.loads(e)) for e in state.get("prior_events") or []]
@@ -463,8 +505,7 @@ class PrivacyLedger:
         if self.journal is None:
             return
         self.journal.load()
-        self.journal.verify_checkpoint(state.get("journal_run"), state.get("journal_lines"),
-                                       state.get("journal_head"))
+        self.journal.verify_checkpoint(state.get("journal_run"), state.get("journal_lines"), state.get("journal_head"))
         if self.journal.max_spent > self.spent and replayable and replay_refused:
             raise UserError(replay_refused)
         if self.journal.max_spent > self.spent and not replayable:

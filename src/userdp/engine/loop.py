@@ -131,23 +131,34 @@ def _own_optimizer(optimizer: torch.optim.Optimizer, run: "EngineRun") -> torch.
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UserError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if run.master is not run.params:
-        raise UserError("make_private: the model's trainable parameters are float16/bfloat16; keep float32 "
-                        "weights and set TrainConfig(precision='bfloat16') for mixed precision, or use train(), "
-                        "which steps float32 master weights")
+        raise UserError(
+            "make_private: the model's trainable parameters are float16/bfloat16; keep float32 "
+            "weights and set TrainConfig(precision='bfloat16') for mixed precision, or use train(), "
+            "which steps float32 master weights"
+        )
     held = [p for g in optimizer.param_groups for p in g["params"]]
     mine = {id(p) for p in run.params}
     if {id(p) for p in held} != mine or len(held) != len(mine):
-        raise UserError(f"make_private: the optimizer must hold exactly the model's {len(mine)} trainable "
-                        f"parameters (it holds {len(held)} tensors, {len({id(p) for p in held} & mine)} of them "
-                        "trainable parameters of the model)")
+        raise UserError(
+            f"make_private: the optimizer must hold exactly the model's {len(mine)} trainable "
+            f"parameters (it holds {len(held)} tensors, {len({id(p) for p in held} & mine)} of them "
+            "trainable parameters of the model)"
+        )
     return optimizer
 
 
 class EngineRun:
     """State of one training run (kept small: everything here is saved in a checkpoint)."""
 
-    def __init__(self, model, data, loss_fn, config: TrainConfig | RunPlan, options: RunOptions | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
+    def __init__(
+        self,
+        model,
+        data,
+        loss_fn,
+        config: TrainConfig | RunPlan,
+        options: RunOptions | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ):
         options = run_options(options)
         if not isinstance(data, UserData):
             raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
@@ -179,15 +190,17 @@ class EngineRun:
         else:
             self.master = self.params
         if not self.sharded and is_sharded(self.params):
-            raise UserError("the model's parameters are DTensors (fully_shard): set sharding='fsdp' "
-                            "(training.sharding: fsdp)")
+            raise UserError(
+                "the model's parameters are DTensors (fully_shard): set sharding='fsdp' (training.sharding: fsdp)"
+            )
         self._padding = None  # a sharded rank's zero-weight chunk (clipped_sum)
-        self.precision = {"autocast": cfg.precision,
-                          "model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
-                          "master_weights": "float32" if self.master is not self.params else "the model's own",
-                          "norms_sums_noise": sorted({str(_accumulation_dtype(p.dtype)).replace("torch.", "")
-                                                      for p in self.params}),
-                          "float32_contractions": EXACT_FLOAT32}
+        self.precision = {
+            "autocast": cfg.precision,
+            "model": sorted({str(p.dtype).replace("torch.", "") for p in self.params}),
+            "master_weights": "float32" if self.master is not self.params else "the model's own",
+            "norms_sums_noise": sorted({str(_accumulation_dtype(p.dtype)).replace("torch.", "") for p in self.params}),
+            "float32_contractions": EXACT_FLOAT32,
+        }
         self.dir = options.checkpoint_dir
         self.seeded = cfg.seed is not None
         # generators: the cohort and the data key (identical on every rank), the noise (main rank)
@@ -202,8 +215,9 @@ class EngineRun:
         # the frozen plan: mechanism, noise, denominator, delta (calibrated if a target is given)
         total_weight = float(self.table.weights.sum()) if self.table.weights is not None else None
         if given_plan is None:
-            self.plan: RunPlan = make_plan(cfg, num_users=data.num_users, num_units=len(self.table),
-                                           total_weight=total_weight)
+            self.plan: RunPlan = make_plan(
+                cfg, num_users=data.num_users, num_units=len(self.table), total_weight=total_weight
+            )
         else:  # the caller's plan (already calibrated): it must be the plan of this data
             _check_plan_fits(given_plan, data.num_users, len(self.table), total_weight)
             self.plan = given_plan
@@ -212,27 +226,39 @@ class EngineRun:
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
         if self.sharded and not callable(getattr(self.noise, "pieces", None)):
-            raise UserError(f"sharding='fsdp': the noise mechanism {type(self.noise).__name__} has no pieces() (its "
-                            "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'")
+            raise UserError(
+                f"sharding='fsdp': the noise mechanism {type(self.noise).__name__} has no pieces() (its "
+                "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'"
+            )
         # what the noise is added to each step: the sums, one per trainable parameter, in float32+
         self._sum_numel = sum(p.numel() for p in self.params)
         self._sum_dtypes = sorted({_accumulation_dtype(p.dtype) for p in self.params}, key=str)
         # the device noise kernel is built (compiled and checked) now, not inside step 1; its status
         # is recorded (a fallback to eager is never silent)
         prepare = getattr(source, "prepare", None)
-        self.noise_kernel = prepare(self.device) if prepare is not None else (
-            "host generator" if source is not None else "none on this rank")
+        self.noise_kernel = (
+            prepare(self.device)
+            if prepare is not None
+            else ("host generator" if source is not None else "none on this rank")
+        )
         # the journal is bound to everything its epsilon depends on: the config, delta (a default
         # delta is computed from N) and the accountant, so a privacy record that names others is caught
         # (performance settings — chunk size, per-unit strategy, precision, checkpoint cadence — may change)
-        context = {"engine_privacy_config_sha256": hashlib.sha256(privacy_repr(cfg).encode()).hexdigest(),
-                   "delta": None if self.plan.delta is None else float(self.plan.delta),
-                   "accountant": cfg.accountant,
-                   # N, which the statement prints and delta's default rule uses: a record naming another is refused
-                   "num_users": int(data.num_users)}
+        context = {
+            "engine_privacy_config_sha256": hashlib.sha256(privacy_repr(cfg).encode()).hexdigest(),
+            "delta": None if self.plan.delta is None else float(self.plan.delta),
+            "accountant": cfg.accountant,
+            # N, which the statement prints and delta's default rule uses: a record naming another is refused
+            "num_users": int(data.num_users),
+        }
         context.update(options.journal_context or {})
-        self.ledger = PrivacyLedger(self.plan.step_event, self.plan.delta, target_epsilon=cfg.target_epsilon,
-                                    accountant=cfg.accountant, safe_steps=self.plan.safe_steps)
+        self.ledger = PrivacyLedger(
+            self.plan.step_event,
+            self.plan.delta,
+            target_epsilon=cfg.target_epsilon,
+            accountant=cfg.accountant,
+            safe_steps=self.plan.safe_steps,
+        )
         if self.dir and self.combiner.rank == 0:  # one writer: the main rank keeps the journal (every rank counts)
             self.ledger.attach_journal(self.dir, context)
         for event in cfg.prior_events:  # released before the first step: counted first, against the budget
@@ -279,22 +305,26 @@ class EngineRun:
         i's draw at a step is the i-th of that step's stream whatever the number of units (a user
         appended last moves no other unit's membership at any step: a sequential stream shifted every
         later step's draws by one), and a resume continues the same cohorts with no state saved."""
-        return np.random.default_rng(np.random.SeedSequence(self._data_key, spawn_key=(COHORT, int(step)),
-                                                            pool_size=_POOL))
+        return np.random.default_rng(
+            np.random.SeedSequence(self._data_key, spawn_key=(COHORT, int(step)), pool_size=_POOL)
+        )
 
     def _unit_rng(self, step: int, unit: int) -> np.random.Generator:
         """The generator of unit ``unit``'s record draw at ``step``: keyed by the run's data key,
         the step and the unit alone, so a unit draws the same records whichever rank loads it
         and however the cohort is chunked (W processes give one process's model; a resume with
         another world size continues the same run)."""
-        return np.random.default_rng(np.random.SeedSequence(self._data_key, spawn_key=(UNIT_DRAWS, step, int(unit)),
-                                                            pool_size=_POOL))
+        return np.random.default_rng(
+            np.random.SeedSequence(self._data_key, spawn_key=(UNIT_DRAWS, step, int(unit)), pool_size=_POOL)
+        )
 
     def _load(self, cid: np.ndarray, step: int):
         """One chunk's batch and mask, padded to its bucket size, on the device."""
         if self.algo.random_load:  # one draw per unit, from the unit's own generator
-            parts = [self.algo.load(self.data, self.table, cid[i : i + 1], self._unit_rng(step, u))
-                     for i, u in enumerate(cid)]
+            parts = [
+                self.algo.load(self.data, self.table, cid[i : i + 1], self._unit_rng(step, u))
+                for i, u in enumerate(cid)
+            ]
             batch = self.data.concat([b for b, _ in parts])
             mask = torch.cat([m for _, m in parts])
         else:
@@ -338,8 +368,11 @@ class EngineRun:
         # units, centered count, loss, clipped, weight, non-finite units; bad units with padding (release's redo)
         stats = torch.zeros(7, dtype=torch.float64, device=self.device)  # read once a step, in run_step
         c_now = float(self.clip_state["clip_norm"])
-        reproject = (cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
-                     if getattr(algo, "reproject", False) else None)
+        reproject = (
+            cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
+            if getattr(algo, "reproject", False)
+            else None
+        )
         clip = StepClipping(cfg.clipping, self.clip_state, acc, reproject, lazy_zeroing=lazy)
         if self._compact:  # users of like record counts share a chunk, so little padding is left to compute
             ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
@@ -363,8 +396,9 @@ class EngineRun:
             w = valid.clone()
             if self.table.weights is not None:
                 w[:k] *= _to_device(torch.as_tensor(self.table.weights[cid], dtype=w.dtype), self.device)
-            part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, clip,
-                                                                 **({"sink": sink} if self.sharded else {}))
+            part, norms, losses, bad = self.per_unit.clipped_sum(
+                batch, mask, w, clip, **({"sink": sink} if self.sharded else {})
+            )
             if shards is None and sums is None:  # the strategy's sums are fresh: keep them (.to: no-op, same dtype)
                 sums = [x.to(_accumulation_dtype(p.dtype)) for x, p in zip(part, self.params)]
             elif shards is None:  # (sharded: the sink has them)
@@ -372,12 +406,22 @@ class EngineRun:
                     sums[j] += x
             unclipped = (norms <= c_now).to(acc)
             losses = torch.where(torch.isfinite(losses), losses.detach(), 0.0).to(acc)
-            stats += torch.stack([valid.sum(), ((unclipped - 0.5) * valid).sum(), (losses * valid).sum(),
-                                  ((1 - unclipped) * valid).sum(), w.sum(),
-                                  (bad.to(acc) * valid).sum(), bad.to(acc).sum()]).double()
+            stats += torch.stack(
+                [
+                    valid.sum(),
+                    ((unclipped - 0.5) * valid).sum(),
+                    (losses * valid).sum(),
+                    ((1 - unclipped) * valid).sum(),
+                    w.sum(),
+                    (bad.to(acc) * valid).sum(),
+                    bad.to(acc).sum(),
+                ]
+            ).double()
         if shards is not None:  # each rank's shards of the totals (zero where no chunk ran: an empty cohort)
-            sums = [x if x is not None else torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype))
-                    for x, p in zip(shards, self.params)]
+            sums = [
+                x if x is not None else torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype))
+                for x, p in zip(shards, self.params)
+            ]
         elif sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
             sums = [torch.zeros(p.shape, dtype=_accumulation_dtype(p.dtype), device=self.device) for p in self.params]
         return sums, stats
@@ -421,9 +465,20 @@ class EngineRun:
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
         # what a sampler returns is checked where it enters (distinct integer ids in range; a plugin's
         # exception is one line naming it): a unit named twice would count twice in the sum
-        ids = checked_cohort(plugin_call("sampler", self.sampler, self.sampler.sample, self.n_units, self.rate,
-                                         self.step, self._cohort_rng(self.step), self.sampler_state),
-                             self.n_units, self.sampler)
+        ids = checked_cohort(
+            plugin_call(
+                "sampler",
+                self.sampler,
+                self.sampler.sample,
+                self.n_units,
+                self.rate,
+                self.step,
+                self._cohort_rng(self.step),
+                self.sampler_state,
+            ),
+            self.n_units,
+            self.sampler,
+        )
         mine = ids[comb.rank :: comb.world_size]
         # sharded: every rank runs as many chunks as the rank with the most units (FSDP's gathers pair up)
         n_chunks = chunks_per_rank(len(ids), comb.world_size, cfg.chunk_size) if self.sharded else None
@@ -443,8 +498,9 @@ class EngineRun:
         stats = stats[:6]
         # ---- 1. the statistics (float64, a few numbers): the main rank adds the count query's noise
         if main and plan.count_stddev:
-            stats[1] += check_finite_scalar(plugin_call("noise mechanism", self.noise, self.noise.scalar,
-                                                        plan.count_stddev), self.noise)
+            stats[1] += check_finite_scalar(
+                plugin_call("noise mechanism", self.noise, self.noise.scalar, plan.count_stddev), self.noise
+            )
         stats = torch.cat([stats, torch.tensor([float(stop_requested)], dtype=torch.float64)])
         stats = comb.all_reduce_sum([stats])[0].double().cpu()
         n_units, noisy_centered, loss_sum, n_clipped, weight, n_bad, stops = stats.tolist()
@@ -466,10 +522,15 @@ class EngineRun:
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
             m.grad = x.div_(den).to(m.dtype)
-        metrics = {"step": self.step + 1, "loss": loss_sum / max(n_units, 1.0), "units": int(n_units),
-                   "stop": stops > 0, "nonfinite_units": int(n_bad),
-                   "fraction_clipped": n_clipped / max(n_units, 1.0),
-                   "clip_norm": float(self.clip_state["clip_norm"])}
+        metrics = {
+            "step": self.step + 1,
+            "loss": loss_sum / max(n_units, 1.0),
+            "units": int(n_units),
+            "stop": stops > 0,
+            "nonfinite_units": int(n_bad),
+            "fraction_clipped": n_clipped / max(n_units, 1.0),
+            "clip_norm": float(self.clip_state["clip_norm"]),
+        }
         return metrics, noisy_centered
 
     def _read_shards(self, st: dict, held: list) -> dict:
@@ -528,21 +589,29 @@ class EngineRun:
         optimizer, shards = self.optimizer.state_dict(), {}
         if self.sharded:
             optimizer, shards = self._split_for_shards(optimizer)
-        st = {"step": self.step, "ledger": self.ledger.state_dict(),
-              "params": None if self.sharded else [p.detach().cpu() for p in self.master],
-              "param_names": self.per_unit.names,
-              "buffers": {n: b.detach().cpu() for n, b in self.model.named_buffers()},
-              "optimizer": optimizer, "clip_state": dict(self.clip_state),
-              "table_users": torch.from_numpy(self.table.users),
-              "table_records": torch.from_numpy(self.table.records) if self.table.records is not None else None,
-              "seeded": self.seeded, "config": privacy_repr(self.cfg), "history": self.history,
-              "nonfinite_units": self.nonfinite_units}
+        st = {
+            "step": self.step,
+            "ledger": self.ledger.state_dict(),
+            "params": None if self.sharded else [p.detach().cpu() for p in self.master],
+            "param_names": self.per_unit.names,
+            "buffers": {n: b.detach().cpu() for n, b in self.model.named_buffers()},
+            "optimizer": optimizer,
+            "clip_state": dict(self.clip_state),
+            "table_users": torch.from_numpy(self.table.users),
+            "table_records": torch.from_numpy(self.table.records) if self.table.records is not None else None,
+            "seeded": self.seeded,
+            "config": privacy_repr(self.cfg),
+            "history": self.history,
+            "nonfinite_units": self.nonfinite_units,
+        }
         if self.seeded:  # unseeded random states are secret: never written
             st["noise"] = self.noise.state_dict()
             st["torch_rng"] = torch.get_rng_state()
             perm = self.sampler_state.get("perm")
-            st["sampler"] = {"epoch": self.sampler_state.get("epoch"),
-                             "perm": torch.from_numpy(perm) if perm is not None else None}
+            st["sampler"] = {
+                "epoch": self.sampler_state.get("epoch"),
+                "perm": torch.from_numpy(perm) if perm is not None else None,
+            }
         return st, shards
 
     def _held(self) -> list:
@@ -557,8 +626,9 @@ class EngineRun:
         kept = {}
         for i, entry in optimizer["state"].items():
             shape = tuple(held[int(i)].shape)
-            moved = {k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0
-                     and tuple(v.shape) == shape}
+            moved = {
+                k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == shape
+            }
             shards.update({f"optim/{i}/{k}": entry[k] for k in moved})
             kept[i] = {k: ckpt.IN_SHARDS if k in moved else v for k, v in entry.items()}
         return {**optimizer, "state": kept}, shards
@@ -582,9 +652,11 @@ class EngineRun:
 
     def restore(self, st: dict):
         if st["config"] != privacy_repr(self.cfg):
-            raise UserError(f"cannot resume from {ckpt.path(self.dir)}: it was written with a different config "
-                            f"({config_difference(st['config'], privacy_repr(self.cfg))}; only performance "
-                            "settings may change: chunk size, per-unit strategy, precision, checkpoint cadence)")
+            raise UserError(
+                f"cannot resume from {ckpt.path(self.dir)}: it was written with a different config "
+                f"({config_difference(st['config'], privacy_repr(self.cfg))}; only performance "
+                "settings may change: chunk size, per-unit strategy, precision, checkpoint cadence)"
+            )
         if st["param_names"] != self.per_unit.names:
             raise UserError(f"cannot resume from {ckpt.path(self.dir)}: the model's trainable parameters differ")
         held = self._held()
@@ -595,8 +667,10 @@ class EngineRun:
         else:
             for name, m, v in zip(self.per_unit.names, self.master, st["params"]):
                 if tuple(v.shape) != tuple(m.shape):
-                    raise UserError(f"cannot resume from {ckpt.path(self.dir)}: parameter {name} has shape "
-                                    f"{tuple(v.shape)} there and {tuple(m.shape)} in this model")
+                    raise UserError(
+                        f"cannot resume from {ckpt.path(self.dir)}: parameter {name} has shape "
+                        f"{tuple(v.shape)} there and {tuple(m.shape)} in this model"
+                    )
             if self.sharded:
                 optimizer = optimizer_state_like(optimizer, held)
         with torch.no_grad():
@@ -618,8 +692,10 @@ class EngineRun:
         self.nonfinite_units = int(st.get("nonfinite_units", 0))
         if st["seeded"]:
             if "data_rng" in st:  # per-rank record draws (userdp 0.1): that stream cannot be continued
-                raise UserError(f"cannot resume from {ckpt.path(self.dir)}: a seeded checkpoint of an older userdp "
-                                "(its record draws used another generator); start the seeded run again")
+                raise UserError(
+                    f"cannot resume from {ckpt.path(self.dir)}: a seeded checkpoint of an older userdp "
+                    "(its record draws used another generator); start the seeded run again"
+                )
             self.noise.load_state_dict(st.get("noise") or {})
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
@@ -637,8 +713,9 @@ class EngineRun:
         records, noise, torch) is keyed anew from the seed and the count of steps begun, so no (key,
         counter) pair of the noise — and no cohort draw — is used twice, and the run stays
         reproducible from its seed and its journal."""
-        material = int.from_bytes(hashlib.sha256(f"{int(self.cfg.seed)}:resume:{int(begun)}".encode()).digest()[:16],
-                                  "little")
+        material = int.from_bytes(
+            hashlib.sha256(f"{int(self.cfg.seed)}:resume:{int(begun)}".encode()).digest()[:16], "little"
+        )
         self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
@@ -704,13 +781,21 @@ def _check_plan_fits(plan: RunPlan, num_users: int, num_units: int, total_weight
         UserError: the plan's counts differ from the data's."""
     expected_weight = plan.expected_units * (total_weight if total_weight is not None else num_units) / num_units
     if (plan.num_users, plan.num_units) != (int(num_users), int(num_units)) or not math.isclose(
-            plan.expected_weight, expected_weight, rel_tol=1e-12):
-        raise UserError(f"the run plan was made for {plan.num_users} users and {plan.num_units} units; this data "
-                        f"has {num_users} users and {num_units} units (make the plan from this data: make_plan)")
+        plan.expected_weight, expected_weight, rel_tol=1e-12
+    ):
+        raise UserError(
+            f"the run plan was made for {plan.num_users} users and {plan.num_units} units; this data "
+            f"has {num_users} users and {num_units} units (make the plan from this data: make_plan)"
+        )
 
 
-def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan,
-          options: RunOptions | None = None) -> TrainResult:
+def train(
+    model: nn.Module,
+    data: UserData,
+    loss_fn: Callable,
+    config: TrainConfig | RunPlan,
+    options: RunOptions | None = None,
+) -> TrainResult:
     """Train ``model`` on user-partitioned ``data`` with user-level DP. See docs/engine.md.
 
     ``config``: the run's :class:`TrainConfig`, or the :class:`RunPlan` already made from it for
@@ -739,20 +824,37 @@ def train(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConf
     run = start_run(model, data, loss_fn, config, options)
     config = run.cfg
     if options.on_start is not None:
-        options.on_start({"noise_multiplier": run.noise_multiplier, "sampling_rate": run.rate,
-                          "expected_units": run.expected_units, "steps": config.steps, "delta": run.delta,
-                          "delta_rule": run.plan.delta_rule, "sampler_mode": run.plan.sampler_mode,
-                          "accountant": config.accountant, "target_epsilon": config.target_epsilon,
-                          "steps_accounted": run.ledger.spent, "unit": run.plan.unit, "num_units": run.n_units,
-                          "noise_kernel": run.noise_kernel})
+        options.on_start(
+            {
+                "noise_multiplier": run.noise_multiplier,
+                "sampling_rate": run.rate,
+                "expected_units": run.expected_units,
+                "steps": config.steps,
+                "delta": run.delta,
+                "delta_rule": run.plan.delta_rule,
+                "sampler_mode": run.plan.sampler_mode,
+                "accountant": config.accountant,
+                "target_epsilon": config.target_epsilon,
+                "steps_accounted": run.ledger.spent,
+                "unit": run.plan.unit,
+                "num_units": run.n_units,
+                "noise_kernel": run.noise_kernel,
+            }
+        )
     try:
         return _train_loop(run, options)
     finally:
         run._loader.shutdown(wait=True)
 
 
-def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig | RunPlan,
-              options: RunOptions, optimizer: torch.optim.Optimizer | None = None) -> EngineRun:
+def start_run(
+    model: nn.Module,
+    data: UserData,
+    loss_fn: Callable,
+    config: TrainConfig | RunPlan,
+    options: RunOptions,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> EngineRun:
     """A run ready for its first step (shared by :func:`train` and
     :func:`userdp.engine.private_loop.make_private`): its plan made or checked, its journal started
     (or, on ``resume``, its checkpoint restored and its journal's begun steps counted), every rank
@@ -770,10 +872,10 @@ def start_run(model: nn.Module, data: UserData, loss_fn: Callable, config: Train
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
     # would race it. A refusal there ends the main rank, and the others with it (docs/scaling.md).
-    if (comb.rank == 0 and checkpoint_dir and not resume
-            and (ckpt.exists(checkpoint_dir) or os.path.exists(journal))):
-        raise UserError(f"{checkpoint_dir} already holds a checkpoint: pass resume=True to continue it, "
-                        "or use an empty directory")
+    if comb.rank == 0 and checkpoint_dir and not resume and (ckpt.exists(checkpoint_dir) or os.path.exists(journal)):
+        raise UserError(
+            f"{checkpoint_dir} already holds a checkpoint: pass resume=True to continue it, or use an empty directory"
+        )
     created = bool(checkpoint_dir) and comb.rank == 0 and not os.path.exists(checkpoint_dir)
     if checkpoint_dir and comb.rank == 0:
         try:
@@ -817,9 +919,11 @@ def _check_one_step_fits(run: EngineRun) -> None:
     if not ledger.private or ledger.target_epsilon is None or ledger.allows(1):
         return
     one = ledger.epsilon(steps=ledger.spent + 1)
-    raise UserError(f"target_epsilon {ledger.target_epsilon:g}: not one step fits at noise multiplier "
-                    f"{run.noise_multiplier:.4g} (one step spends epsilon = {one:.4g} at delta = {ledger.delta:.3g}); "
-                    "raise the noise multiplier, or give none to calibrate it to the target")
+    raise UserError(
+        f"target_epsilon {ledger.target_epsilon:g}: not one step fits at noise multiplier "
+        f"{run.noise_multiplier:.4g} (one step spends epsilon = {one:.4g} at delta = {ledger.delta:.3g}); "
+        "raise the noise multiplier, or give none to calibrate it to the target"
+    )
 
 
 def _check_run_arguments(model, data, loss_fn, config) -> None:
@@ -833,8 +937,10 @@ def _check_run_arguments(model, data, loss_fn, config) -> None:
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError("model has no parameter with requires_grad=True: there is nothing to train")
     if any(p.is_meta for p in model.parameters()):
-        raise UserError("model: its parameters are on the meta device (shapes without values): load its weights "
-                        "first (e.g. from_pretrained without device_map='meta', or to_empty() and load_state_dict)")
+        raise UserError(
+            "model: its parameters are on the meta device (shapes without values): load its weights "
+            "first (e.g. from_pretrained without device_map='meta', or to_empty() and load_state_dict)"
+        )
     check_instance(data, "data", UserData, "a userdp.engine.UserData (e.g. TensorUserData)")
     check_callable(loss_fn, "loss_fn")
     check_instance(config, "config", (TrainConfig, RunPlan), "a TrainConfig (or a RunPlan made from one)")
@@ -856,12 +962,16 @@ def _agree(run: EngineRun) -> None:
     mine = [torch.tensor(np.frombuffer(d, dtype=np.int64).copy()) for d in (config, data)]
     main = [t.cpu() for t in comb.broadcast_from_main([t.clone() for t in mine])]
     if not torch.equal(mine[0], main[0]):
-        raise UserError(f"rank {comb.rank}: this process's training config differs from rank 0's "
-                        "(every process of a job must read the same config)")
+        raise UserError(
+            f"rank {comb.rank}: this process's training config differs from rank 0's "
+            "(every process of a job must read the same config)"
+        )
     if not torch.equal(mine[1], main[1]):
-        raise UserError(f"rank {comb.rank}: this process's data differ from rank 0's: its users, their order or "
-                        "their records (every process must number the same people alike; ids pseudonymised "
-                        "with Python's hash() are salted per process: use a keyed hash such as hashlib.blake2b)")
+        raise UserError(
+            f"rank {comb.rank}: this process's data differ from rank 0's: its users, their order or "
+            "their records (every process must number the same people alike; ids pseudonymised "
+            "with Python's hash() are salted per process: use a keyed hash such as hashlib.blake2b)"
+        )
     # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank (a sharded
     # run did so before sharding: its ranks now hold different shards)
     if not run.sharded:
@@ -888,14 +998,22 @@ def _train_loop(run: EngineRun, options: RunOptions) -> TrainResult:
                 # so save it and stop: nothing is lost, `resume=True` continues from here.
                 run.save(checkpoint_extra)
                 rec = run.record().replace(stopped="interrupted")
-                raise TrainingInterrupted(f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}",
-                                          rec, run.step)
+                raise TrainingInterrupted(
+                    f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}", rec, run.step
+                )
             if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
                 run.save(checkpoint_extra)
     if checkpoint_dir:
         run.save(checkpoint_extra)
     rec = run.record().replace(stopped=stopped)
-    return TrainResult(steps=run.step, epsilon=rec.epsilon, delta=run.delta,
-                       noise_multiplier=run.noise_multiplier, update_noise_multiplier=run.update_z,
-                       clip_norm=float(run.clip_state["clip_norm"]), stopped=stopped, record=rec,
-                       history=run.history)
+    return TrainResult(
+        steps=run.step,
+        epsilon=rec.epsilon,
+        delta=run.delta,
+        noise_multiplier=run.noise_multiplier,
+        update_noise_multiplier=run.update_z,
+        clip_norm=float(run.clip_state["clip_norm"]),
+        stopped=stopped,
+        record=rec,
+        history=run.history,
+    )

@@ -79,8 +79,13 @@ def _dims(model: nn.Module) -> dict | None:
     n = first("num_hidden_layers", "n_layer", "num_layers")
     if d is None or n is None:
         return None
-    return {"d": d, "layers": n, "heads": first("num_attention_heads", "n_head", default=1),
-            "ff": first("intermediate_size", "n_inner", default=4 * d), "vocab": first("vocab_size", default=0)}
+    return {
+        "d": d,
+        "layers": n,
+        "heads": first("num_attention_heads", "n_head", default=1),
+        "ff": first("intermediate_size", "n_inner", default=4 * d),
+        "vocab": first("vocab_size", default=0),
+    }
 
 
 def _ghost_widths(model: nn.Module, vocab: int) -> int:
@@ -125,8 +130,15 @@ def unit_bytes(model: nn.Module, group_size: int, seq_len: int, *, strategy: str
     return int(act + logits + extra)
 
 
-def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "ghost", *,
-                noise_ahead: bool = False, shards: int = 1, low_precision: bool = False) -> int:
+def fixed_bytes(
+    model: nn.Module,
+    optimizer_states: int = 2,
+    strategy: str = "ghost",
+    *,
+    noise_ahead: bool = False,
+    shards: int = 1,
+    low_precision: bool = False,
+) -> int:
     """Bytes that do not grow with the chunk: the weights, the float32 running and partial sums,
     float32 masters of parameters narrower than float32, ``optimizer_states`` float32 states per
     trainable parameter (Adam: 2), for ghost the first chunk's batch gradient (4 B a trainable
@@ -153,16 +165,24 @@ def fixed_bytes(model: nn.Module, optimizer_states: int = 2, strategy: str = "gh
     verify = n if strategy == "ghost" else 0
     stacks = STACK_TRANSIENT_BYTES if strategy == "ghost" else 0
     ahead = n if noise_ahead else 0
-    casts = 2 * sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p.dtype == torch.float32) \
-        if low_precision else 0
+    casts = (
+        2 * sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p.dtype == torch.float32)
+        if low_precision
+        else 0
+    )
     if shards > 1:
-        blocks = sorted((sum(p.numel() * p.element_size() for p in b.parameters()) for b in gathered_blocks(model)),
-                        reverse=True)
+        blocks = sorted(
+            (sum(p.numel() * p.element_size() for p in b.parameters()) for b in gathered_blocks(model)), reverse=True
+        )
         gathered = sum(blocks[:2]) if blocks else total  # no blocks: the root gathers everything
         largest = max((p.numel() for p in trainable), default=0)
         verify = max(math.ceil(n / shards), largest) if strategy == "ghost" else 0
-        return int(total / shards + gathered + casts + 4 * (n * (1 + optimizer_states) / shards
-                                                            + 2 * largest + masters + verify))
+        return int(
+            total / shards
+            + gathered
+            + casts
+            + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters + verify)
+        )
     return int(total + casts + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
 
 
@@ -188,8 +208,9 @@ class RunShape:
     shards: int = 1
 
 
-def auto_chunk_size(model: nn.Module, shape: RunShape, *, device: torch.device,
-                    memory_cap_bytes: int | None = None) -> tuple[int, dict]:
+def auto_chunk_size(
+    model: nn.Module, shape: RunShape, *, device: torch.device, memory_cap_bytes: int | None = None
+) -> tuple[int, dict]:
     """The largest power-of-two chunk whose estimated peak fits the cap, and how it was chosen.
 
     Args:
@@ -207,21 +228,36 @@ def auto_chunk_size(model: nn.Module, shape: RunShape, *, device: torch.device,
     per = unit_bytes(model, group_size, seq_len, strategy=shape.strategy, low_precision=shape.low_precision)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
     ahead = source_class(device) is GaussianNoise and draws_ahead(n)
-    fixed = fixed_bytes(model, shape.optimizer_states, shape.strategy, noise_ahead=ahead, shards=shards,
-                        low_precision=shape.low_precision)
-    info = {"memory_cap_bytes": cap, "cap_source": "training.memory_gb" if memory_cap_bytes is not None
-            else f"{int(HEADROOM * 100)}% of free {device.type} memory", "fixed_bytes": fixed, "unit_bytes": per, "shards": shards}
+    fixed = fixed_bytes(
+        model,
+        shape.optimizer_states,
+        shape.strategy,
+        noise_ahead=ahead,
+        shards=shards,
+        low_precision=shape.low_precision,
+    )
+    info = {
+        "memory_cap_bytes": cap,
+        "cap_source": "training.memory_gb"
+        if memory_cap_bytes is not None
+        else f"{int(HEADROOM * 100)}% of free {device.type} memory",
+        "fixed_bytes": fixed,
+        "unit_bytes": per,
+        "shards": shards,
+    }
     if per is None:
         info["rule"] = "no transformer config to estimate from: the default chunk of 8"
         return 8, info
     room = int(MODEL_MARGIN * cap) - fixed
     if room < per:
-        raise UserError(f"training.chunk_size: auto — one unit ({group_size} records x {seq_len} tokens) needs about "
-                        f"{(fixed + per) / 2**30:.2f} GiB with the model's fixed {fixed / 2**30:.2f} GiB, more than the "
-                        f"{MODEL_MARGIN * cap / 2**30:.2f} GiB usable of the {cap / 2**30:.2f} GiB cap "
-                        f"({info['cap_source']}; {int(MODEL_MARGIN * 100)}% for the estimate's error); lower "
-                        "group_size or seq_len, use LoRA, or "
-                        "raise training.memory_gb")
+        raise UserError(
+            f"training.chunk_size: auto — one unit ({group_size} records x {seq_len} tokens) needs about "
+            f"{(fixed + per) / 2**30:.2f} GiB with the model's fixed {fixed / 2**30:.2f} GiB, more than the "
+            f"{MODEL_MARGIN * cap / 2**30:.2f} GiB usable of the {cap / 2**30:.2f} GiB cap "
+            f"({info['cap_source']}; {int(MODEL_MARGIN * 100)}% for the estimate's error); lower "
+            "group_size or seq_len, use LoRA, or "
+            "raise training.memory_gb"
+        )
     chunk = 1
     while chunk * 2 <= MAX_AUTO_CHUNK and chunk * 2 * per <= room:
         chunk *= 2

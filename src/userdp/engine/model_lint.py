@@ -48,9 +48,12 @@ def mixing_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The modules :func:`lint_model` would refuse in training mode (BatchNorm, InstanceNorm with
     running statistics): kept by a run so every release checks them again (a caller's loop may call
     ``model.train()`` after the run was built)."""
-    return [(name, mod) for name, mod in model.named_modules()
-            if isinstance(mod, nn.modules.batchnorm._BatchNorm)
-            or (isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats)]
+    return [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+        or (isinstance(mod, nn.modules.instancenorm._InstanceNorm) and mod.track_running_stats)
+    ]
 
 
 def buffer_versions(model: nn.Module) -> list[int]:
@@ -68,10 +71,14 @@ def check_release(model: nn.Module, mixing: list, versions_before: list[int] | N
         UserError: naming the module or saying that a buffer changed."""
     for name, mod in mixing:
         if mod.training:
-            raise UserError(f"module {name!r} ({type(mod).__name__}) is in training mode at a private step (the loop "
-                            "called model.train()?): it mixes the units of a batch and updates its statistics from "
-                            "the un-noised cohort; keep it in eval mode (module.eval()) for the whole run")
+            raise UserError(
+                f"module {name!r} ({type(mod).__name__}) is in training mode at a private step (the loop "
+                "called model.train()?): it mixes the units of a batch and updates its statistics from "
+                "the un-noised cohort; keep it in eval mode (module.eval()) for the whole run"
+            )
     if versions_before is not None and buffer_versions(model) != versions_before:
-        raise UserError("a private step changed the model's buffers (running statistics computed from the "
-                        "un-noised cohort would be released with every checkpoint): freeze every module that "
-                        "updates buffers in its forward")
+        raise UserError(
+            "a private step changed the model's buffers (running statistics computed from the "
+            "un-noised cohort would be released with every checkpoint): freeze every module that "
+            "updates buffers in its forward"
+        )

@@ -65,8 +65,9 @@ class Gap:
 ENTRIES = ("train", "make_private")
 
 
-def released_sum(model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *,
-                 combiner=None, entry: str = "train") -> tuple[list[torch.Tensor], float]:
+def released_sum(
+    model: nn.Module, data: UserData, loss_fn: Callable, config: TrainConfig, *, combiner=None, entry: str = "train"
+) -> tuple[list[torch.Tensor], float]:
     """One step's released noisy sum (the privatized gradient times its public denominator), float64,
     and the bound on one user's share of it: the sensitivity the noise was scaled to, times the units
     one user can own (G for ELS). ``model`` is trained in place (pass a fresh copy). ``entry``:
@@ -101,9 +102,17 @@ def _released(run) -> list[torch.Tensor]:
     return [whole(m.grad).detach().double() * den for m in run.master]
 
 
-def neighbour_gap(build_model: Callable[[], nn.Module], data: UserData, added: UserData | None,
-                  loss_fn: Callable, config: TrainConfig, *, rtol: float = RTOL, combiner=None,
-                  entry: str = "train") -> Gap:
+def neighbour_gap(
+    build_model: Callable[[], nn.Module],
+    data: UserData,
+    added: UserData | None,
+    loss_fn: Callable,
+    config: TrainConfig,
+    *,
+    rtol: float = RTOL,
+    combiner=None,
+    entry: str = "train",
+) -> Gap:
     """``|S(D ∪ added) - S(D)|`` for one seeded step (see the module docstring).
 
     Args:

@@ -94,8 +94,10 @@ class GaussianNoise:
             by whoever holds the seed, and the state may be checkpointed).
     """
 
-    algorithm = ("numpy PCG64DXSM (128-bit state + 128-bit increment) via a 256-bit SeedSequence pool; "
-                 f"{_STREAMS} independent child streams fill fixed blocks of each draw, in parallel threads")
+    algorithm = (
+        "numpy PCG64DXSM (128-bit state + 128-bit increment) via a 256-bit SeedSequence pool; "
+        f"{_STREAMS} independent child streams fill fixed blocks of each draw, in parallel threads"
+    )
 
     def __init__(self, key_material: int, *, seeded: bool):
         self.seeded = bool(seeded)
@@ -122,8 +124,7 @@ class GaussianNoise:
     def keying_text(seeded: bool) -> str:
         """How a generator is keyed, for the privacy record."""
         if seeded:
-            return ("keyed from the user-given seed (reproducible: whoever holds the seed can "
-                    "recompute the noise)")
+            return "keyed from the user-given seed (reproducible: whoever holds the seed can recompute the noise)"
         return f"keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored"
 
     # ------------------------------------------------------------------ drawing
@@ -151,6 +152,7 @@ class GaussianNoise:
         bounds = _blocks(total)
         pending = self._take_pending(total, dtype)
         if pending is not None:  # this draw's normals were drawn while the sums were computed
+
             def scaled(k: int) -> None:  # the same arithmetic as below: the piece times std, added in place
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
                 add_piece(flats, offsets, torch.from_numpy(pending.buf[lo:hi]).mul_(float(std)), lo)
@@ -213,7 +215,7 @@ class GaussianNoise:
             return False
         buf = np.empty(int(numel), dtype=dtype)
         bounds = _blocks(int(numel))
-        blocks = [(self._streams[k], buf[int(bounds[k]):int(bounds[k + 1])], dtype) for k in range(_STREAMS)]
+        blocks = [(self._streams[k], buf[int(bounds[k]) : int(bounds[k + 1])], dtype) for k in range(_STREAMS)]
         ahead = _ahead_pool()
         self._pending = _Pending(int(numel), dtype, buf, blocks, [ahead.submit(_fill, *b) for b in blocks])
         return True
@@ -243,8 +245,10 @@ class GaussianNoise:
         if not self.seeded:
             raise RuntimeError("an unseeded noise generator's state is secret and is never saved")
         self._drop_pending()  # drawn ahead but not added (a step that added no noise): the state is past it
-        return {"scalar": dict(self._gen.bit_generator.state),
-                "streams": [dict(g.bit_generator.state) for g in self._streams]}
+        return {
+            "scalar": dict(self._gen.bit_generator.state),
+            "streams": [dict(g.bit_generator.state) for g in self._streams],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a state saved by :meth:`state_dict`.
@@ -252,8 +256,10 @@ class GaussianNoise:
         Raises:
             UserError: a state of another layout (a checkpoint of an older userdp)."""
         if not (isinstance(state, dict) and "streams" in state and len(state["streams"]) == _STREAMS):
-            raise UserError("the checkpoint's noise generator state has another layout (an older userdp): "
-                            "start the seeded run again")
+            raise UserError(
+                "the checkpoint's noise generator state has another layout (an older userdp): "
+                "start the seeded run again"
+            )
         self._drop_pending()  # drawn from the state being replaced
         self._gen.bit_generator.state = state["scalar"]
         for g, st in zip(self._streams, state["streams"]):
@@ -286,7 +292,7 @@ def _fill(gen: np.random.Generator, out: np.ndarray, dtype) -> None:
     """``out`` filled with standard normals from ``gen``, a piece at a time as :meth:`GaussianNoise.add_`
     draws them (the same numbers: a stream's draws do not depend on how they are split)."""
     for lo in range(0, out.size, _PIECE):
-        gen.standard_normal(out=out[lo:lo + _PIECE], dtype=dtype)
+        gen.standard_normal(out=out[lo : lo + _PIECE], dtype=dtype)
 
 
 def _for_each(fn, items, parallel: bool = True) -> None:

@@ -47,14 +47,26 @@ class SGD:
 
     def __post_init__(self):
         # a non-finite rate trains to nan and releases it: refused with the other bad values
-        check_fields(self, lr=(check_positive, "SGD lr"), momentum=(_unit_interval, "SGD momentum"),
-                     dampening=(_unit_interval, "SGD dampening"), nesterov=(check_bool, "SGD nesterov"),
-                     weight_decay=(check_nonnegative, "SGD weight_decay"))
+        check_fields(
+            self,
+            lr=(check_positive, "SGD lr"),
+            momentum=(_unit_interval, "SGD momentum"),
+            dampening=(_unit_interval, "SGD dampening"),
+            nesterov=(check_bool, "SGD nesterov"),
+            weight_decay=(check_nonnegative, "SGD weight_decay"),
+        )
 
     def build(self, params) -> torch.optim.Optimizer:
         params = list(params)
-        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, dampening=self.dampening,
-                               nesterov=self.nesterov, weight_decay=self.weight_decay, **_fused(params))
+        return torch.optim.SGD(
+            params,
+            lr=self.lr,
+            momentum=self.momentum,
+            dampening=self.dampening,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            **_fused(params),
+        )
 
 
 @dataclass(frozen=True)
@@ -66,14 +78,19 @@ class Adam:
     decoupled: bool = False  # True -> AdamW
 
     def __post_init__(self):
-        check_fields(self, lr=(check_positive, "Adam lr"), betas=(_betas, "Adam betas"), eps=(check_positive, "Adam eps"),
-                     weight_decay=(check_nonnegative, "Adam weight_decay"), decoupled=(check_bool, "Adam decoupled"))
+        check_fields(
+            self,
+            lr=(check_positive, "Adam lr"),
+            betas=(_betas, "Adam betas"),
+            eps=(check_positive, "Adam eps"),
+            weight_decay=(check_nonnegative, "Adam weight_decay"),
+            decoupled=(check_bool, "Adam decoupled"),
+        )
 
     def build(self, params):
         params = list(params)
         cls = torch.optim.AdamW if self.decoupled else torch.optim.Adam
-        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay,
-                   **_fused(params))
+        return cls(params, lr=self.lr, betas=self.betas, eps=self.eps, weight_decay=self.weight_decay, **_fused(params))
 
 
 @dataclass(frozen=True)
@@ -84,22 +101,29 @@ class Adafactor:
     weight_decay: float = 0.0
 
     def __post_init__(self):
-        check_fields(self, lr=(check_positive, "Adafactor lr"), beta2_decay=(check_number, "Adafactor beta2_decay"),
-                     eps=(_eps_pair, "Adafactor eps"), weight_decay=(check_nonnegative, "Adafactor weight_decay"))
+        check_fields(
+            self,
+            lr=(check_positive, "Adafactor lr"),
+            beta2_decay=(check_number, "Adafactor beta2_decay"),
+            eps=(_eps_pair, "Adafactor eps"),
+            weight_decay=(check_nonnegative, "Adafactor weight_decay"),
+        )
         if self.beta2_decay > 0:
             raise UserError(f"Adafactor beta2_decay must be <= 0 (got {self.beta2_decay})")
 
     def build(self, params):
-        return torch.optim.Adafactor(params, lr=self.lr, beta2_decay=self.beta2_decay, eps=self.eps,
-                                     weight_decay=self.weight_decay)
+        return torch.optim.Adafactor(
+            params, lr=self.lr, beta2_decay=self.beta2_decay, eps=self.eps, weight_decay=self.weight_decay
+        )
 
 
 def _fused(params) -> dict:
     """``fused=True`` on CUDA: one kernel for the whole update and no host read of Adam's step count
     (the foreach and single-tensor forms call ``.item()`` on it, a host sync every step). The
     arithmetic is the optimizer's, on already-privatized gradients: no privacy role."""
-    if params and all(isinstance(p, torch.Tensor) and p.device.type == "cuda" and p.is_floating_point()
-                      for p in params):
+    if params and all(
+        isinstance(p, torch.Tensor) and p.device.type == "cuda" and p.is_floating_point() for p in params
+    ):
         return {"fused": True}
     return {}
 

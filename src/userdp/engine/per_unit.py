@@ -92,8 +92,9 @@ class PerUnit:
         self._keys = ["model." + n for n in self.names]
         updates = {"gradient": self._mean_gradient, "local_sgd": self._local_sgd}
         if algorithm.update not in updates:
-            raise UserError(f"the vmap per-unit strategy has no update {algorithm.update!r}; "
-                            f"it has {', '.join(updates)}")
+            raise UserError(
+                f"the vmap per-unit strategy has no update {algorithm.update!r}; it has {', '.join(updates)}"
+            )
         self._update = updates[algorithm.update]
 
     def _masked_loss(self, params, batch, mask):
@@ -173,8 +174,10 @@ class PerUnit:
         with exact_float32():  # norms and sums in IEEE float32 whatever the caller's TF32 setting
             # the norms of what is summed, squares summed in float64; the factor is taken from them
             # inflated by the bound on the rounding of each unit's own terms in the m-term sum
-            tn = torch.stack([torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1, dtype=torch.float64)
-                              for u in updates], dim=1)
+            tn = torch.stack(
+                [torch.linalg.vector_norm(u.reshape(u.shape[0], -1), dim=1, dtype=torch.float64) for u in updates],
+                dim=1,
+            )
             m = tn.shape[0]
             uround = unit_roundoff(acc_dtype, False)
             f, _ = clipping.factors_from_norms(tn * (1.0 + gamma(max(m, 1), uround) + 2.0 * uround), clip_state)
@@ -204,8 +207,9 @@ def eager_attention(model: nn.Module):
         model.set_attn_implementation(impl)
 
 
-def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
-                   norms: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def zero_nonfinite(
+    updates: list[torch.Tensor], factors: torch.Tensor, norms: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Units whose update holds Inf/NaN (their norm is then Inf/NaN, or it overflowed) contribute
     zero: their clipped update would otherwise poison every coordinate of the sum, exactly when
     they are sampled. ``norms`` are the clipping strategy's per-unit norms (no second pass).
@@ -215,8 +219,10 @@ def zero_nonfinite(updates: list[torch.Tensor], factors: torch.Tensor,
     """
     bad = ~torch.isfinite(norms)
     # unconditionally (no `if bad.any()`: that would wait for the device once per chunk)
-    updates = [torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
-               for u in updates]
+    updates = [
+        torch.where(bad.view(-1, *([1] * (u.dim() - 1))), torch.zeros((), dtype=u.dtype, device=u.device), u)
+        for u in updates
+    ]
     factors = torch.where(bad.unsqueeze(1), torch.zeros((), dtype=factors.dtype, device=factors.device), factors)
     return updates, factors, bad
 
@@ -277,8 +283,9 @@ class AutoPerUnit:
         return (None, *out[1:])
 
 
-def make_per_unit(name: str, model: nn.Module, loss_fn: LossFn, algorithm,
-                  precision: Precision | None = None) -> PerUnitStrategy:
+def make_per_unit(
+    name: str, model: nn.Module, loss_fn: LossFn, algorithm, precision: Precision | None = None
+) -> PerUnitStrategy:
     """The per-unit strategy called ``name`` (``auto``: :func:`resolve_per_unit`).
 
     Raises:

@@ -47,9 +47,14 @@ from userdp.validation import (
 )
 
 #: (sampling, unit) -> the sampler mode the record names
-SAMPLER_MODE = {("poisson", "record"): "poisson_examples", ("poisson", "user"): "poisson_users",
-                ("fixed_size", "record"): "fixed_size_wor", ("fixed_size", "user"): "fixed_size_wor",
-                ("shuffle", "record"): "shuffle_fixed_batches", ("shuffle", "user"): "shuffle_fixed_batches"}
+SAMPLER_MODE = {
+    ("poisson", "record"): "poisson_examples",
+    ("poisson", "user"): "poisson_users",
+    ("fixed_size", "record"): "fixed_size_wor",
+    ("fixed_size", "user"): "fixed_size_wor",
+    ("shuffle", "record"): "shuffle_fixed_batches",
+    ("shuffle", "user"): "shuffle_fixed_batches",
+}
 
 
 @dataclass(frozen=True)
@@ -102,27 +107,46 @@ class TrainConfig:
     def __post_init__(self):
         # the one boundary of the engine's config: every field's type and range, converted in
         # place, so that a nan sigma, a string clip or a float step count never reaches a step
-        check_instance(self.algorithm, "algorithm", tuple(ALGORITHMS[n] for n in ALGORITHMS),
-                       f"an algorithm ({', '.join(ALGORITHMS[n].__name__ for n in ALGORITHMS)})")
-        check_instance(self.clipping, "clipping", (FlatClip, PerLayerClip, AdaptiveClip),
-                       "FlatClip, PerLayerClip or AdaptiveClip")
+        check_instance(
+            self.algorithm,
+            "algorithm",
+            tuple(ALGORITHMS[n] for n in ALGORITHMS),
+            f"an algorithm ({', '.join(ALGORITHMS[n].__name__ for n in ALGORITHMS)})",
+        )
+        check_instance(
+            self.clipping, "clipping", (FlatClip, PerLayerClip, AdaptiveClip), "FlatClip, PerLayerClip or AdaptiveClip"
+        )
         if not callable(getattr(self.optimizer, "build", None)):
-            raise UserError(f"optimizer must be SGD, Adam, Adafactor or an object with build(params) "
-                            f"(got {type(self.optimizer).__name__})")
-        check_instance(self.denominator, "denominator", (FixedDenominator, ClippedDenominator),
-                       "FixedDenominator() or ClippedDenominator()")
-        check_fields(self, steps=(check_int, "steps"),
-                     noise_multiplier=(optional(check_nonnegative), "noise_multiplier"),
-                     target_epsilon=(optional(check_positive), "target_epsilon"),
-                     delta=(optional(check_fraction), "delta"),
-                     accountant=(check_string, "accountant"), sampling=(check_string, "sampling"),
-                     chunk_size=(check_int, "chunk_size"), seed=(optional(check_int), "seed", 0),
-                     checkpoint_every=(check_int, "checkpoint_every", 0),
-                     track_epsilon=(check_bool, "track_epsilon"), per_unit=(check_string, "per_unit"),
-                     noise=(check_string, "noise"), precision=(check_string, "precision"))
+            raise UserError(
+                f"optimizer must be SGD, Adam, Adafactor or an object with build(params) "
+                f"(got {type(self.optimizer).__name__})"
+            )
+        check_instance(
+            self.denominator,
+            "denominator",
+            (FixedDenominator, ClippedDenominator),
+            "FixedDenominator() or ClippedDenominator()",
+        )
+        check_fields(
+            self,
+            steps=(check_int, "steps"),
+            noise_multiplier=(optional(check_nonnegative), "noise_multiplier"),
+            target_epsilon=(optional(check_positive), "target_epsilon"),
+            delta=(optional(check_fraction), "delta"),
+            accountant=(check_string, "accountant"),
+            sampling=(check_string, "sampling"),
+            chunk_size=(check_int, "chunk_size"),
+            seed=(optional(check_int), "seed", 0),
+            checkpoint_every=(check_int, "checkpoint_every", 0),
+            track_epsilon=(check_bool, "track_epsilon"),
+            per_unit=(check_string, "per_unit"),
+            noise=(check_string, "noise"),
+            precision=(check_string, "precision"),
+        )
         if not isinstance(self.prior_events, (tuple, list)):
-            raise UserError(f"prior_events must be a tuple of dp_accounting DpEvents (got "
-                            f"{type(self.prior_events).__name__})")
+            raise UserError(
+                f"prior_events must be a tuple of dp_accounting DpEvents (got {type(self.prior_events).__name__})"
+            )
         object.__setattr__(self, "prior_events", tuple(self.prior_events))
         for i, event in enumerate(self.prior_events):
             check_instance(event, f"prior_events[{i}]", (dpe.DpEvent,), "a dp_accounting DpEvent")
@@ -161,15 +185,20 @@ def config_difference(saved: str, current: str) -> str:
     """Which fields differ between two :func:`privacy_repr` strings, in words (``"steps: 10 there,
     20 here"``): what a refused resume names. Fields are split at the top level of the repr."""
     a, b = _repr_fields(saved), _repr_fields(current)
-    diff = [f"{k}: {a.get(k, '(absent)')} there, {b.get(k, '(absent)')} here"
-            for k in list(a) + [k for k in b if k not in a] if a.get(k) != b.get(k)]
-    return "; ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "") if diff else "the config differs"
+    diff = [
+        f"{k}: {a.get(k, '(absent)')} there, {b.get(k, '(absent)')} here"
+        for k in list(a) + [k for k in b if k not in a]
+        if a.get(k) != b.get(k)
+    ]
+    return (
+        "; ".join(diff[:3]) + (f" and {len(diff) - 3} more" if len(diff) > 3 else "") if diff else "the config differs"
+    )
 
 
 def _repr_fields(text: str) -> dict[str, str]:
     """``TrainConfig(a=1, b=X(c=2))`` -> ``{"a": "1", "b": "X(c=2)"}`` (top-level fields only)."""
     start = text.find("(")
-    body = text[start + 1:-1] if start >= 0 and text.endswith(")") else text
+    body = text[start + 1 : -1] if start >= 0 and text.endswith(")") else text
     fields, depth, cur = {}, 0, ""
     for ch in body + ",":
         if ch in "([{":
@@ -297,8 +326,14 @@ class RunPlan:
         z = float(noise_multiplier)
         update_z, count_std = _noise_split(self.config, z, self.expected_units)
         mech = _mechanism(self.config, self.unit, self.accounted_sampling, z, self.num_units) if z > 0 else None
-        return dataclasses.replace(self, noise_multiplier=z, update_noise_multiplier=update_z,
-                                   count_stddev=count_std, mechanism=mech, safe_steps=safe_steps)
+        return dataclasses.replace(
+            self,
+            noise_multiplier=z,
+            update_noise_multiplier=update_z,
+            count_stddev=count_std,
+            mechanism=mech,
+            safe_steps=safe_steps,
+        )
 
     def calibrated(self, target_epsilon: float) -> "RunPlan":
         """The plan with the smallest noise multiplier whose ``config.steps`` steps meet
@@ -341,13 +376,14 @@ def check_delta_for_users(delta: float, num_users: int, *, private: bool = True)
     Raises:
         UserError: naming delta, N and 1/N."""
     if private and num_users and delta * num_users >= 1.0:
-        raise UserError(f"privacy.delta = {delta:g} is at least 1/N = {1 / num_users:.3g} (N = {num_users} users): "
-                        "a guarantee with such a delta allows publishing a user's data outright; use a delta well "
-                        f"below 1/N (the default is N^-1.1 = {float(num_users) ** -1.1:.3g})")
+        raise UserError(
+            f"privacy.delta = {delta:g} is at least 1/N = {1 / num_users:.3g} (N = {num_users} users): "
+            "a guarantee with such a delta allows publishing a user's data outright; use a delta well "
+            f"below 1/N (the default is N^-1.1 = {float(num_users) ** -1.1:.3g})"
+        )
 
 
-def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
-              total_weight: Optional[float] = None) -> RunPlan:
+def make_plan(config: TrainConfig, *, num_users: int, num_units: int, total_weight: Optional[float] = None) -> RunPlan:
     """Make the run plan of ``config`` on data with these counts.
 
     Args:
@@ -379,11 +415,23 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int,
             rule = f"given; above N^-1.1 = {default:.3g}, the default: a weaker guarantee"
     else:
         delta, rule = accounting.default_delta(num_users)
-    plan = RunPlan(config=config, unit=unit, num_users=int(num_users), num_units=int(num_units),
-                   expected_units=expected_units, expected_weight=expected_weight, delta=delta, delta_rule=rule,
-                   noise_multiplier=0.0, update_noise_multiplier=0.0, count_stddev=None, mechanism=None,
-                   safe_steps=None, sampler=get_sampler(config.sampling),
-                   noise_mechanism=NOISE_MECHANISMS.lookup(config.noise))
+    plan = RunPlan(
+        config=config,
+        unit=unit,
+        num_users=int(num_users),
+        num_units=int(num_units),
+        expected_units=expected_units,
+        expected_weight=expected_weight,
+        delta=delta,
+        delta_rule=rule,
+        noise_multiplier=0.0,
+        update_noise_multiplier=0.0,
+        count_stddev=None,
+        mechanism=None,
+        safe_steps=None,
+        sampler=get_sampler(config.sampling),
+        noise_mechanism=NOISE_MECHANISMS.lookup(config.noise),
+    )
     if config.noise_multiplier is None or config.noise_multiplier > 0:
         # the accountant must handle this run's kind of step event: refused now, before a
         # calibration or an optimizer step asks it (its shape does not depend on sigma)

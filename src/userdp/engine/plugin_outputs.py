@@ -69,14 +69,18 @@ def checked_cohort(ids: Any, num_units: int, sampler: Any) -> np.ndarray:
     if arr.size == 0:
         return arr.astype(np.int64)
     if arr.dtype.kind not in "iu":
-        raise UserError(f"{who} returned unit ids of type {arr.dtype}: they must be integers (a float id "
-                        "would be rounded to another unit)")
+        raise UserError(
+            f"{who} returned unit ids of type {arr.dtype}: they must be integers (a float id "
+            "would be rounded to another unit)"
+        )
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= num_units:
         raise UserError(f"{who} returned unit id {lo if lo < 0 else hi}, outside [0, {num_units})")
     if np.unique(arr).size != arr.size:
-        raise UserError(f"{who} returned a cohort that names a unit more than once: that unit's share of the "
-                        "step's sum would exceed the clip norm the run is accounted for")
+        raise UserError(
+            f"{who} returned a cohort that names a unit more than once: that unit's share of the "
+            "step's sum would exceed the clip norm the run is accounted for"
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -90,8 +94,10 @@ def check_finite_release(sums: Sequence[torch.Tensor], noise: Any) -> None:
         return
     ok = torch.stack([torch.isfinite(s).all() for s in sums]).all()
     if not bool(ok):
-        raise UserError(f"{describe('noise mechanism', noise)} wrote a non-finite value into the step's noisy sum: "
-                        "nothing of this step was applied (the step is counted as spent)")
+        raise UserError(
+            f"{describe('noise mechanism', noise)} wrote a non-finite value into the step's noisy sum: "
+            "nothing of this step was applied (the step is counted as spent)"
+        )
 
 
 def check_finite_scalar(value: Any, noise: Any) -> float:
@@ -102,8 +108,10 @@ def check_finite_scalar(value: Any, noise: Any) -> float:
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise UserError(f"{describe('noise mechanism', noise)} returned {type(value).__name__} as the count "
-                        "query's noise: it must be a number") from None
+        raise UserError(
+            f"{describe('noise mechanism', noise)} returned {type(value).__name__} as the count "
+            "query's noise: it must be a number"
+        ) from None
     if not np.isfinite(x):
         raise UserError(f"{describe('noise mechanism', noise)} returned {x} as the count query's noise")
     return x
@@ -132,14 +140,22 @@ def checked_loss_fn(loss_fn: Callable) -> Callable:
     def checked(model, batch):
         out = loss_fn(model, batch)
         if not isinstance(out, torch.Tensor):
-            raise UserError(f"loss_fn returned {type(out).__name__}: it must return a torch.Tensor holding one loss "
-                            "per record (shape [n])")
+            raise UserError(
+                f"loss_fn returned {type(out).__name__}: it must return a torch.Tensor holding one loss "
+                "per record (shape [n])"
+            )
         if not out.is_floating_point():
             raise UserError(f"loss_fn returned a {out.dtype} tensor: the losses must be floating point")
-        if (torch.is_grad_enabled() and not out.requires_grad and not _wrapped(out)
-                and any(p.requires_grad for p in model.parameters())):
-            raise UserError("loss_fn returned a tensor that does not depend on the model's parameters (detached, or "
-                            "computed under torch.no_grad()): compute the loss from model(batch)")
+        if (
+            torch.is_grad_enabled()
+            and not out.requires_grad
+            and not _wrapped(out)
+            and any(p.requires_grad for p in model.parameters())
+        ):
+            raise UserError(
+                "loss_fn returned a tensor that does not depend on the model's parameters (detached, or "
+                "computed under torch.no_grad()): compute the loss from model(batch)"
+            )
         return out
 
     checked._userdp_checked = True  # type: ignore[attr-defined]

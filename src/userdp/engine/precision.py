@@ -25,8 +25,14 @@ from userdp.validation import check_choice
 
 #: the backends whose float32 contractions may silently run in TF32 (10-bit mantissas) when a
 #: caller enabled it (HF's ``tf32=True``, Lightning, ``set_float32_matmul_precision("high")``)
-_FP32_BACKENDS = (("cuda", "matmul"), ("cudnn", "conv"), ("cudnn", "rnn"), ("mkldnn", "matmul"),
-                  ("mkldnn", "conv"), ("mkldnn", "rnn"))
+_FP32_BACKENDS = (
+    ("cuda", "matmul"),
+    ("cudnn", "conv"),
+    ("cudnn", "rnn"),
+    ("mkldnn", "matmul"),
+    ("mkldnn", "conv"),
+    ("mkldnn", "rnn"),
+)
 
 #: what the privacy record says about the float32 contractions of norms and sums
 EXACT_FLOAT32 = "IEEE float32 (TF32 and other reduced float32 modes pinned off inside norms and clipped sums)"

@@ -99,8 +99,10 @@ class PrivateTraining:
                 self._current = PrivateStep(self, run.step + 1)
                 yield self._current
                 if self._current.metrics is None:
-                    raise UserError(f"make_private: step {self._current.index} ended without step.backward(); "
-                                    "call it once in every step of the loop")
+                    raise UserError(
+                        f"make_private: step {self._current.index} ended without step.backward(); "
+                        "call it once in every step of the loop"
+                    )
                 if every and run.step % every == 0:
                     run.save()
             else:
@@ -114,8 +116,10 @@ class PrivateTraining:
         if step is not self._current:
             raise UserError("make_private: this step is over; call backward() on the step the loop yields")
         if step.metrics is not None:
-            raise UserError(f"make_private: step {step.index} was already released (backward() twice); each call "
-                            "would be another release, counted by the ledger: call it once per step")
+            raise UserError(
+                f"make_private: step {step.index} was already released (backward() twice); each call "
+                "would be another release, counted by the ledger: call it once per step"
+            )
         run = self._run
         t0 = time.perf_counter()
         metrics, noisy_centered = run.release()
@@ -162,8 +166,14 @@ class PrivateTraining:
         return False
 
 
-def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserData, loss_fn: Callable,
-                 config: TrainConfig | RunPlan, options: RunOptions | None = None) -> PrivateTraining:
+def make_private(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: UserData,
+    loss_fn: Callable,
+    config: TrainConfig | RunPlan,
+    options: RunOptions | None = None,
+) -> PrivateTraining:
     """User-level DP for a training loop the caller writes (see the module docstring).
 
     Args:
@@ -189,16 +199,24 @@ def make_private(model: nn.Module, optimizer: torch.optim.Optimizer, data: UserD
             parameters, float16/bfloat16 parameters, or a checkpoint_dir that holds another run.
     """
     options = run_options(options)
-    check_instance(optimizer, "optimizer", torch.optim.Optimizer,
-                   "a torch.optim.Optimizer over the model's trainable parameters (your loop steps it)")
+    check_instance(
+        optimizer,
+        "optimizer",
+        torch.optim.Optimizer,
+        "a torch.optim.Optimizer over the model's trainable parameters (your loop steps it)",
+    )
     if options.hooks:
-        raise UserError(f"make_private: options.{options.hooks[0]} is train()'s hook; in a loop of your own, call "
-                        "your own code between the steps")
+        raise UserError(
+            f"make_private: options.{options.hooks[0]} is train()'s hook; in a loop of your own, call "
+            "your own code between the steps"
+        )
     earlier = getattr(model, _MARK, None)
     if earlier is not None and earlier.spent > 0 and not options.resume:
-        raise UserError("make_private: this model is already private under another make_private call; a second "
-                        "call would start a fresh ledger that does not count the first one's steps (their "
-                        "epsilons compose): continue the first, or resume it from its checkpoint_dir")
+        raise UserError(
+            "make_private: this model is already private under another make_private call; a second "
+            "call would start a fresh ledger that does not count the first one's steps (their "
+            "epsilons compose): continue the first, or resume it from its checkpoint_dir"
+        )
     run = start_run(model, data, loss_fn, config, options, optimizer=optimizer)
     setattr(model, _MARK, run.ledger)  # the ledger alone (its count), not the run and its data
     return PrivateTraining(run)

@@ -18,8 +18,15 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 #: fields that are written only when they apply (absent from :meth:`PrivacyRecord.to_dict` when None)
-WHEN_THEY_APPLY = ("noise_tail", "warning", "epsilon_no_amplification", "epsilon_assuming_poisson",
-                   "sampling_warning", "stopped", "broken_build")
+WHEN_THEY_APPLY = (
+    "noise_tail",
+    "warning",
+    "epsilon_no_amplification",
+    "epsilon_assuming_poisson",
+    "sampling_warning",
+    "stopped",
+    "broken_build",
+)
 
 
 @dataclass(frozen=True)

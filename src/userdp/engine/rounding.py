@@ -20,8 +20,8 @@ def unit_roundoff(dtype: torch.dtype, tensor_cores: bool) -> float:
     """The unit roundoff of a contraction's accumulation: 2^-24 (IEEE float32, round to nearest),
     2^-53 (float64), and 2^-23 on tensor cores, whose float32 accumulation may truncate."""
     if dtype == torch.float64:
-        return 2.0 ** -53
-    return 2.0 ** -23 if tensor_cores else 2.0 ** -24
+        return 2.0**-53
+    return 2.0**-23 if tensor_cores else 2.0**-24
 
 
 def gamma(n: int, u: float) -> float:
@@ -29,8 +29,10 @@ def gamma(n: int, u: float) -> float:
     in any order of summation (round to nearest; truncation is covered by the doubled u)."""
     nu = n * u
     if nu >= 0.5:
-        raise UserError(f"a {n}-term contraction is too long for a float rounding bound at u = {u:g}: "
-                        "lower training.chunk_size (or the sequence length)")
+        raise UserError(
+            f"a {n}-term contraction is too long for a float rounding bound at u = {u:g}: "
+            "lower training.chunk_size (or the sequence length)"
+        )
     return nu / (1.0 - nu)
 
 

@@ -28,10 +28,15 @@ def _cfg_dict(obj) -> Any:
 def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
     """The privacy record's description of a caller's optimizer: its class and hyperparameters
     (post-processing of the released gradient; listed so that the record says what stepped)."""
-    groups = [{k: v if isinstance(v, (int, float, bool, str, type(None))) else repr(v)
-               for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}", "param_groups": groups,
-            "source": "the caller's own (make_private)"}
+    groups = [
+        {k: v if isinstance(v, (int, float, bool, str, type(None))) else repr(v) for k, v in g.items() if k != "params"}
+        for g in optimizer.param_groups
+    ]
+    return {
+        "type": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "param_groups": groups,
+        "source": "the caller's own (make_private)",
+    }
 
 
 def run_record(run) -> PrivacyRecord:
@@ -43,58 +48,88 @@ def run_record(run) -> PrivacyRecord:
     tail_pair = getattr(source_class(run.device), "tail_mass_per_pair", None)
     if plan.private and tail_pair:  # a sampler with a bounded tail: its dropped mass goes into delta
         d = int(sum(p.numel() for p in run.master))
-        when["noise_tail"] = {"coordinates": d, "mass_per_pair": tail_pair, "steps": int(run.ledger.spent),
-                              "delta": tail_delta(d, run.ledger.spent, eps, tail_pair),
-                              "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta"}
+        when["noise_tail"] = {
+            "coordinates": d,
+            "mass_per_pair": tail_pair,
+            "steps": int(run.ledger.spent),
+            "delta": tail_delta(d, run.ledger.spent, eps, tail_pair),
+            "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta",
+        }
     if not plan.private:
         when["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
     elif plan.accounted_sampling == "shuffle":
         when["epsilon_no_amplification"] = eps
         when["epsilon_assuming_poisson"] = _epsilon_under(run, "poisson", cfg.accountant)
-        when["sampling_warning"] = ("training used shuffled fixed batches, which have no proven amplification: "
-                                    "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
-                                    "Gaussian mechanism with the user's whole sensitivity); "
-                                    "epsilon_assuming_poisson is a comparison only, not a guarantee")
+        when["sampling_warning"] = (
+            "training used shuffled fixed batches, which have no proven amplification: "
+            "epsilon is the guarantee WITHOUT amplification (each step accounted as the "
+            "Gaussian mechanism with the user's whole sensitivity); "
+            "epsilon_assuming_poisson is a comparison only, not a guarantee"
+        )
     elif plan.accounted_sampling != "poisson":
         when["epsilon_no_amplification"] = _epsilon_under(run, "shuffle", "pld")
-        when["sampling_warning"] = ("fixed-size cohorts without replacement: epsilon is under replace-one "
-                                    "adjacency (RDP); epsilon_no_amplification holds without amplification")
+        when["sampling_warning"] = (
+            "fixed-size cohorts without replacement: epsilon is under replace-one "
+            "adjacency (RDP); epsilon_no_amplification holds without amplification"
+        )
     return PrivacyRecord(
-        algorithm=_cfg_dict(run.algo), unit=plan.unit,
-        num_users=int(run.data.num_users), num_units=int(run.n_units),
-        expected_units_per_step=run.expected_units, denominator=run.expected_weight,
-        denominator_kind=cfg.denominator.name, sampler_mode=plan.sampler_mode,
-        sampler={"name": cfg.sampling, "mode": getattr(run.sampler, "mode", cfg.sampling),
-                 "accounted_as": plan.accounted_sampling},
+        algorithm=_cfg_dict(run.algo),
+        unit=plan.unit,
+        num_users=int(run.data.num_users),
+        num_units=int(run.n_units),
+        expected_units_per_step=run.expected_units,
+        denominator=run.expected_weight,
+        denominator_kind=cfg.denominator.name,
+        sampler_mode=plan.sampler_mode,
+        sampler={
+            "name": cfg.sampling,
+            "mode": getattr(run.sampler, "mode", cfg.sampling),
+            "accounted_as": plan.accounted_sampling,
+        },
         noise_mechanism=cfg.noise,
-        noise_multiplier=run.noise_multiplier, update_noise_multiplier=run.update_z,
-        count_noise_stddev=plan.count_stddev, clipping=_cfg_dict(cfg.clipping),
+        noise_multiplier=run.noise_multiplier,
+        update_noise_multiplier=run.update_z,
+        count_noise_stddev=plan.count_stddev,
+        clipping=_cfg_dict(cfg.clipping),
         final_clip_norm=float(run.clip_state["clip_norm"]),
         optimizer=_optimizer_record(run.optimizer) if run.external_optimizer else _cfg_dict(cfg.optimizer),
-        accountant=cfg.accountant, steps_applied=run.step, steps_accounted=run.ledger.spent,
-        steps_lost_to_crashes=run.ledger.lost_steps, epsilon=eps, delta=run.delta,
-        delta_rule=plan.delta_rule, target_epsilon=cfg.target_epsilon,
+        accountant=cfg.accountant,
+        steps_applied=run.step,
+        steps_accounted=run.ledger.spent,
+        steps_lost_to_crashes=run.ledger.lost_steps,
+        epsilon=eps,
+        delta=run.delta,
+        delta_rule=plan.delta_rule,
+        target_epsilon=cfg.target_epsilon,
         calibrated=cfg.noise_multiplier is None,
         step_event=accounting.event_to_dict(plan.step_event) if plan.private else None,
         adjacency=plan.mechanism.adjacency if plan.private else None,
         dp_event_total=accounting.event_to_dict(total) if total is not None else None,
         journal=run.ledger.journal.cite() if run.ledger.journal is not None else None,
         seeded=run.seeded,
-        randomness=("seeded by the user (seed given): sampling and noise are reproducible by whoever "
-                    "holds the seed; the guarantee holds only against parties who do not know it")
-        if run.seeded else
-        f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored",
+        randomness=(
+            "seeded by the user (seed given): sampling and noise are reproducible by whoever "
+            "holds the seed; the guarantee holds only against parties who do not know it"
+        )
+        if run.seeded
+        else f"sampling and noise keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored",
         noise_generator=source_class(run.device).algorithm + "; " + GaussianNoise.keying_text(run.seeded),
         noise_kernel=run.noise_kernel,
         precision=run.precision,
-        per_unit={"strategy": run.per_unit.name, "requested": cfg.per_unit,
-                  "fallback_reason": getattr(run.per_unit, "fallback_reason", None),
-                  "device": str(run.device)},
+        per_unit={
+            "strategy": run.per_unit.name,
+            "requested": cfg.per_unit,
+            "fallback_reason": getattr(run.per_unit, "fallback_reason", None),
+            "device": str(run.device),
+        },
         nonfinite_units=run.nonfinite_units,
-        nonfinite_units_note=("units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
-                              "this count is computed on the private data and is NOT privatized"),
+        nonfinite_units_note=(
+            "units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
+            "this count is computed on the private data and is NOT privatized"
+        ),
         counts_treated_as_public=_public_counts(run),
-        **when)
+        **when,
+    )
 
 
 def _epsilon_under(run, sampling: str, accountant: str) -> float:
@@ -108,8 +143,10 @@ def _public_counts(run) -> list[str]:
     """Counts computed from the private data and used without noise (listed in the report)."""
     out = [f"the number of users N = {int(run.data.num_users)} (in delta's default rule and the sampling rate)"]
     if run.plan.unit == "record":
-        out.append(f"the number of records after capping at G, |D'| = {run.n_units} (fixes the record "
-                   "sampling rate p = cohort/|D'| and the denominator p*|D'|)")
+        out.append(
+            f"the number of records after capping at G, |D'| = {run.n_units} (fixes the record "
+            "sampling rate p = cohort/|D'| and the denominator p*|D'|)"
+        )
     elif run.table.weights is not None:
         out.append("the total user weight W (FedAvg's fixed denominator q*W)")
     return out

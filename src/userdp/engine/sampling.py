@@ -83,8 +83,10 @@ def accounted_as(name: str) -> str:
         return name
     base = getattr(sampler, "accounted_as", None)
     if base not in ACCOUNTED:
-        raise UserError(f"sampling {name!r}: a registered sampler must declare accounted_as, one of "
-                        f"{', '.join(ACCOUNTED)} (the sampling whose accounting its draws follow); it declares {base!r}")
+        raise UserError(
+            f"sampling {name!r}: a registered sampler must declare accounted_as, one of "
+            f"{', '.join(ACCOUNTED)} (the sampling whose accounting its draws follow); it declares {base!r}"
+        )
     return base
 
 

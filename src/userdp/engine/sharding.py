@@ -80,8 +80,10 @@ def shard_model(model: nn.Module, combiner) -> None:
 
 def _check_process_group(combiner) -> None:
     if not dist.is_initialized() or getattr(combiner, "world_size", 1) != dist.get_world_size():
-        raise UserError("sharding='fsdp' needs torch.distributed: launch with torchrun (a process group and the "
-                        "engine's TorchDistributedCombiner), or use sharding='none'")
+        raise UserError(
+            "sharding='fsdp' needs torch.distributed: launch with torchrun (a process group and the "
+            "engine's TorchDistributedCombiner), or use sharding='none'"
+        )
 
 
 def unshardable(update: str, per_unit: str) -> str | None:
@@ -105,8 +107,10 @@ def check_shardable(config, model: nn.Module, combiner) -> None:
     if why:
         raise UserError(f"sharding='fsdp': {why}; use sharding='none' (or ULS/ELS with per_unit='auto' or 'ghost')")
     if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):
-        raise UserError("sharding='fsdp' trains float32 parameters (bfloat16 or float16 weights would need sharded "
-                        "float32 masters): load the model in float32; precision='bfloat16' autocast is allowed")
+        raise UserError(
+            "sharding='fsdp' trains float32 parameters (bfloat16 or float16 weights would need sharded "
+            "float32 masters): load the model in float32; precision='bfloat16' autocast is allowed"
+        )
     _check_process_group(combiner)
 
 
@@ -134,8 +138,7 @@ def scatter_from_main(full: torch.Tensor | None, param, dtype: torch.dtype) -> t
 
     if full is None:
         full = torch.empty(param.shape, dtype=dtype, device=param.device)
-    return distribute_tensor(full.view(param.shape), param.device_mesh, param.placements,
-                             src_data_rank=0).to_local()
+    return distribute_tensor(full.view(param.shape), param.device_mesh, param.placements, src_data_rank=0).to_local()
 
 
 def save_shards(tensors: dict, folder: str) -> dict:
@@ -151,8 +154,11 @@ def save_shards(tensors: dict, folder: str) -> dict:
         os.makedirs(folder)
     dist.barrier()
     dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
-    mine = {f: {"sha256": sha256_file(os.path.join(folder, f)), "bytes": os.path.getsize(os.path.join(folder, f))}
-            for f in sorted(os.listdir(folder)) if f.startswith(f"__{rank}_") or (rank == 0 and f == ".metadata")}
+    mine = {
+        f: {"sha256": sha256_file(os.path.join(folder, f)), "bytes": os.path.getsize(os.path.join(folder, f))}
+        for f in sorted(os.listdir(folder))
+        if f.startswith(f"__{rank}_") or (rank == 0 and f == ".metadata")
+    }
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return {k: v for part in every for k, v in part.items()}
@@ -175,8 +181,10 @@ def load_shards(template: dict, folder: str, where: str) -> None:
     for name, t in template.items():
         got = meta.get(name)
         if got is None or tuple(getattr(got, "size", ())) != tuple(t.shape):
-            raise UserError(f"{where}: {name} is {'missing' if got is None else f'of shape {tuple(got.size)}'} "
-                            f"there and of shape {tuple(t.shape)} in this run")
+            raise UserError(
+                f"{where}: {name} is {'missing' if got is None else f'of shape {tuple(got.size)}'} "
+                f"there and of shape {tuple(t.shape)} in this run"
+            )
     with warnings.catch_warnings():  # one process with no group (a resume unsharded): what we intend
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load(template, storage_reader=reader)
@@ -204,8 +212,10 @@ def optimizer_state_like(state_dict: dict, params) -> dict:
     out["state"] = {}
     for idx, entry in state_dict["state"].items():
         p = params[int(idx)]
-        out["state"][idx] = {k: shard_like(v, p) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape)
-                             else v for k, v in entry.items()}
+        out["state"][idx] = {
+            k: shard_like(v, p) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) else v
+            for k, v in entry.items()
+        }
     return out
 
 
@@ -238,8 +248,10 @@ def _empty_like(model: nn.Module) -> nn.Module:
             return peft
         config = getattr(model, "config", None)
         if config is None:
-            raise UserError(f"sharding='fsdp': cannot rebuild a whole {_plain_class(model).__name__} after training "
-                            "(not a Hugging Face or PEFT model with a config); gather it yourself with full_tensor()")
+            raise UserError(
+                f"sharding='fsdp': cannot rebuild a whole {_plain_class(model).__name__} after training "
+                "(not a Hugging Face or PEFT model with a config); gather it yourself with full_tensor()"
+            )
         return _plain_class(model)(config)
 
 

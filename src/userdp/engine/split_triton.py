@@ -29,8 +29,19 @@ BLOCK_COLUMNS = 1024
 
 
 @triton.jit
-def _split_kernel(y_ptr, c_ptr, bad_ptr, out_ptr, width, padded, t_per_unit, y_row_stride,
-                  BLOCK: tl.constexpr, HAS_BAD: tl.constexpr, SPLIT: tl.constexpr):
+def _split_kernel(
+    y_ptr,
+    c_ptr,
+    bad_ptr,
+    out_ptr,
+    width,
+    padded,
+    t_per_unit,
+    y_row_stride,
+    BLOCK: tl.constexpr,
+    HAS_BAD: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     unit = row // t_per_unit
@@ -56,8 +67,9 @@ def _split_kernel(y_ptr, c_ptr, bad_ptr, out_ptr, width, padded, t_per_unit, y_r
         tl.store(out_ptr + row * padded + cols, hi, mask=keep)
 
 
-def scale_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padded: int,
-                split: bool = True) -> torch.Tensor | None:
+def scale_split(
+    y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padded: int, split: bool = True
+) -> torch.Tensor | None:
     """``[..., m·T, 2·padded]`` bf16: ``[hi | lo]`` of ``c_u · y`` as contraction.clipped_contraction
     builds it (each half ``padded`` columns, the pad zero), units ``bad`` zeroed; ``y`` bf16
     ``[..., m, T, Y]`` with unit-stride columns and one row stride; ``c`` ``[..., m]`` bf16 numbers
@@ -80,8 +92,9 @@ def scale_split(y: torch.Tensor, c: torch.Tensor, bad: torch.Tensor | None, padd
     grid = (rows, triton.cdiv(padded, BLOCK_COLUMNS))
     # Triton launches on the current device: make it the tensors' (cuda:1 in a one-process run, ...)
     with torch.cuda.device(y.device) if y.device.type == "cuda" else contextlib.nullcontext():
-        _split_kernel[grid](flat, cf, bad_arg, out, width, padded, t, flat.stride(0),
-                            BLOCK=BLOCK_COLUMNS, HAS_BAD=has_bad, SPLIT=split)
+        _split_kernel[grid](
+            flat, cf, bad_arg, out, width, padded, t, flat.stride(0), BLOCK=BLOCK_COLUMNS, HAS_BAD=has_bad, SPLIT=split
+        )
     return out
 
 

@@ -81,14 +81,17 @@ class MeanEstimationConfig:
         need = 8 * self.dimension * self.num_users * (self.records_per_user + 2)  # records, user means, copies
         have = _memory_bytes()
         if have and need > have // 2:
-            raise UserError(f"--dimension {self.dimension} x --users {self.num_users} x --records-per-user "
-                            f"{self.records_per_user} needs about {need / 2**30:.3g} GiB of memory, more than half "
-                            f"of this machine's {have / 2**30:.3g} GiB: choose a smaller study")
+            raise UserError(
+                f"--dimension {self.dimension} x --users {self.num_users} x --records-per-user "
+                f"{self.records_per_user} needs about {need / 2**30:.3g} GiB of memory, more than half "
+                f"of this machine's {have / 2**30:.3g} GiB: choose a smaller study"
+            )
         for g in self.uls_group_sizes:
             if self.compute_budget / g > self.num_users:
                 raise UserError(
                     f"G_ULS = {g} needs a cohort of B/G = {self.compute_budget / g:g} users, more "
-                    f"than --num-users {self.num_users}")
+                    f"than --num-users {self.num_users}"
+                )
 
 
 def _memory_bytes() -> int:
@@ -136,8 +139,7 @@ def generate(config: MeanEstimationConfig, rng: np.random.Generator) -> Syntheti
         sizes = np.full(n, config.records_per_user, dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(sizes)])
     owner = np.repeat(np.arange(n), sizes)
-    records = user_means[owner] + rng.normal(0.0, math.sqrt(config.within_user_variance),
-                                             size=(int(offsets[-1]), d))
+    records = user_means[owner] + rng.normal(0.0, math.sqrt(config.within_user_variance), size=(int(offsets[-1]), d))
     return SyntheticUsers(mu, user_means, sizes, records, offsets)
 
 
@@ -177,24 +179,34 @@ class Row:
 
 # ------------------------------------------------------------------------------- running
 
+
 def _median_group_size(sizes: np.ndarray) -> int:
     return els_group_size(sizes).group_size
 
 
-def _noise_multiplier(algorithm: str, group_size: int, rate: float, config: MeanEstimationConfig,
-                      delta: float, cache: dict) -> float:
+def _noise_multiplier(
+    algorithm: str, group_size: int, rate: float, config: MeanEstimationConfig, delta: float, cache: dict
+) -> float:
     key = (algorithm, group_size, round(rate, 15), config.steps, config.epsilon, delta, config.accountant)
     if key not in cache:
         if algorithm == "ELS":
-            cache[key] = els_noise_multiplier(rate, group_size, config.steps, config.epsilon, delta,
-                                              config.accountant)
+            cache[key] = els_noise_multiplier(rate, group_size, config.steps, config.epsilon, delta, config.accountant)
         else:
             cache[key] = uls_noise_multiplier(rate, config.steps, config.epsilon, delta, config.accountant)
     return cache[key]
 
 
-def train_once(data: SyntheticUsers, algorithm, config: MeanEstimationConfig, *, noise_multiplier: float,
-               learning_rate: float, clip_norm: float, seed: int, user_data=None) -> tuple[float, float]:
+def train_once(
+    data: SyntheticUsers,
+    algorithm,
+    config: MeanEstimationConfig,
+    *,
+    noise_multiplier: float,
+    learning_rate: float,
+    clip_norm: float,
+    seed: int,
+    user_data=None,
+) -> tuple[float, float]:
     """One run through ``userdp.engine.train``; returns (||theta_T - mu||^2, epsilon recorded)."""
     model = MeanModel(config.dimension)
     ud = user_data if user_data is not None else data.user_data()
@@ -210,18 +222,36 @@ def train_once(data: SyntheticUsers, algorithm, config: MeanEstimationConfig, *,
             acc["sum"] += model.theta.detach().double()
             acc["n"] += 1
 
-    result = train(model, ud, loss_fn,
-                   TrainConfig(
-        algorithm=algorithm, steps=config.steps, clipping=FlatClip(clip_norm),
-        optimizer=SGD(learning_rate), noise_multiplier=noise_multiplier, delta=delta,
-        accountant=config.accountant, seed=seed, track_epsilon=False, chunk_size=256),
-                   RunOptions(callbacks=(_average,) if n_avg > 0 else ()))
+    result = train(
+        model,
+        ud,
+        loss_fn,
+        TrainConfig(
+            algorithm=algorithm,
+            steps=config.steps,
+            clipping=FlatClip(clip_norm),
+            optimizer=SGD(learning_rate),
+            noise_multiplier=noise_multiplier,
+            delta=delta,
+            accountant=config.accountant,
+            seed=seed,
+            track_epsilon=False,
+            chunk_size=256,
+        ),
+        RunOptions(callbacks=(_average,) if n_avg > 0 else ()),
+    )
     theta = (acc["sum"] / acc["n"] if acc["n"] else model.theta.detach().double()).numpy()
     return float(np.sum((theta - data.mu) ** 2)), float(result.epsilon)
 
 
-def run_setting(config: MeanEstimationConfig, *, sweep: str = "base", noise_multiplier: float | None = None,
-                cache: dict | None = None, log: Callable[[str], None] | None = None) -> list[dict]:
+def run_setting(
+    config: MeanEstimationConfig,
+    *,
+    sweep: str = "base",
+    noise_multiplier: float | None = None,
+    cache: dict | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
     """ELS at G_ELS and ULS at each G_ULS for one setting; best (lr, clip) by mean loss over trials.
 
     ``noise_multiplier`` overrides calibration (0 = non-private, for checks)."""
@@ -244,38 +274,68 @@ def run_setting(config: MeanEstimationConfig, *, sweep: str = "base", noise_mult
         else:
             units = config.compute_budget / g
             rate = min(1.0, units / config.num_users)
-        sigma = noise_multiplier if noise_multiplier is not None else _noise_multiplier(
-            name, g, rate, config, delta, cache)
+        sigma = (
+            noise_multiplier if noise_multiplier is not None else _noise_multiplier(name, g, rate, config, delta, cache)
+        )
         alg = ELS(group_size=g, sampling_rate=rate) if name == "ELS" else ULS(group_size=g, sampling_rate=rate)
         best = None
         for lr in config.learning_rates:
             for clip in config.clip_norms:
-                out = [train_once(d, alg, config, noise_multiplier=sigma, learning_rate=lr,
-                                  clip_norm=clip, seed=config.seed * 1_000_003 + t, user_data=ud)
-                       for t, (d, ud) in enumerate(zip(datasets, user_datas))]
+                out = [
+                    train_once(
+                        d,
+                        alg,
+                        config,
+                        noise_multiplier=sigma,
+                        learning_rate=lr,
+                        clip_norm=clip,
+                        seed=config.seed * 1_000_003 + t,
+                        user_data=ud,
+                    )
+                    for t, (d, ud) in enumerate(zip(datasets, user_datas))
+                ]
                 losses = np.array([o[0] for o in out])
                 if best is None or losses.mean() < best[0]:
                     best = (float(losses.mean()), float(losses.std()), lr, clip, out[0][1])
         row = Row(
-            algorithm=name, group_size=g, cohort_size=float(units), sampling_rate=float(rate),
-            noise_multiplier=float(sigma), within_user_variance=config.within_user_variance,
-            compute_budget=config.compute_budget, epsilon=config.epsilon, delta=float(delta),
-            steps=config.steps, learning_rate=best[2], clip_norm=best[3], loss=best[0],
-            loss_std=best[1], trials=config.trials, seconds=time.time() - t0).to_dict()
+            algorithm=name,
+            group_size=g,
+            cohort_size=float(units),
+            sampling_rate=float(rate),
+            noise_multiplier=float(sigma),
+            within_user_variance=config.within_user_variance,
+            compute_budget=config.compute_budget,
+            epsilon=config.epsilon,
+            delta=float(delta),
+            steps=config.steps,
+            learning_rate=best[2],
+            clip_norm=best[3],
+            loss=best[0],
+            loss_std=best[1],
+            trials=config.trials,
+            seconds=time.time() - t0,
+        ).to_dict()
         row["epsilon_spent"] = best[4]
         row["sweep"] = sweep
         rows.append(row)
         if log:
-            log(f"[{sweep}] {name} G={g}: loss={best[0]:.4g} (lr={best[2]:g}, clip={best[3]:g}, "
-                f"sigma={sigma:.4g}) in {time.time() - t0:.1f} s")
+            log(
+                f"[{sweep}] {name} G={g}: loss={best[0]:.4g} (lr={best[2]:g}, clip={best[3]:g}, "
+                f"sigma={sigma:.4g}) in {time.time() - t0:.1f} s"
+            )
     return rows
 
 
 SWEEPABLE = ("within_user_variance", "compute_budget", "epsilon")
 
 
-def run_study(base: MeanEstimationConfig, sweeps: dict[str, Sequence] | None = None, *,
-              noise_multiplier: float | None = None, log=None) -> list[dict]:
+def run_study(
+    base: MeanEstimationConfig,
+    sweeps: dict[str, Sequence] | None = None,
+    *,
+    noise_multiplier: float | None = None,
+    log=None,
+) -> list[dict]:
     """The base setting, then each knob of ``sweeps`` varied one at a time (Charles et al. 2024, §4)."""
     cache: dict = {}
     rows = run_setting(base, sweep="base", noise_multiplier=noise_multiplier, cache=cache, log=log)
@@ -293,24 +353,35 @@ def run_study(base: MeanEstimationConfig, sweeps: dict[str, Sequence] | None = N
 def quick_settings(base: MeanEstimationConfig, sweeps: dict) -> tuple[MeanEstimationConfig, dict]:
     """The reduced ``--quick`` run: fewer users, steps, G values, hyper-parameters and trials,
     and a single swept knob (the within-user variance, raised to 100)."""
-    q = replace(base, num_users=min(base.num_users, 1000), steps=min(base.steps, 30),
-                uls_group_sizes=tuple(g for g in (1, 4, 16) if g <= base.compute_budget),
-                learning_rates=(1.0,), clip_norms=(2.0, 4.0), trials=min(base.trials, 2))
+    q = replace(
+        base,
+        num_users=min(base.num_users, 1000),
+        steps=min(base.steps, 30),
+        uls_group_sizes=tuple(g for g in (1, 4, 16) if g <= base.compute_budget),
+        learning_rates=(1.0,),
+        clip_norms=(2.0, 4.0),
+        trials=min(base.trials, 2),
+    )
     return q, {"within_user_variance": (100.0,)}
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    head = (f"{'sweep':>22} {'alg':>4} {'G':>5} {'units/step':>10} {'sigma_w^2':>9} {'B':>6} "
-            f"{'eps':>6} {'sigma':>8} {'lr':>5} {'clip':>5} {'loss':>10} {'±std':>9}")
+    head = (
+        f"{'sweep':>22} {'alg':>4} {'G':>5} {'units/step':>10} {'sigma_w^2':>9} {'B':>6} "
+        f"{'eps':>6} {'sigma':>8} {'lr':>5} {'clip':>5} {'loss':>10} {'±std':>9}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r['sweep']:>22} {r['algorithm']:>4} {r['group_size']:>5d} {r['cohort_size']:>10.4g} "
             f"{r['within_user_variance']:>9g} {r['compute_budget']:>6d} {r['epsilon']:>6g} "
             f"{r['noise_multiplier']:>8.4g} {r['learning_rate']:>5g} {r['clip_norm']:>5g} "
-            f"{r['loss']:>10.4g} {r['loss_std']:>9.2g}")
-    lines.append("loss = ||theta_T - mu||^2, best (lr, clip) by mean over trials; units/step = ULS "
-                 "cohort M = B/G or ELS expected batch p|D'|.")
+            f"{r['loss']:>10.4g} {r['loss_std']:>9.2g}"
+        )
+    lines.append(
+        "loss = ||theta_T - mu||^2, best (lr, clip) by mean over trials; units/step = ULS "
+        "cohort M = B/G or ELS expected batch p|D'|."
+    )
     return "\n".join(lines)
 
 
@@ -332,11 +403,15 @@ def plot(rows: Sequence[dict], base: MeanEstimationConfig, sweeps: dict, out_dir
             uls = sorted((r for r in sel if r["algorithm"] == "ULS"), key=lambda r: r["group_size"])
             els = [r for r in sel if r["algorithm"] == "ELS"]
             color = f"C{i}"
-            ax.plot([r["group_size"] for r in uls], [r["loss"] for r in uls], marker="o", color=color,
-                    label=f"ULS, {knob} = {v:g}")
+            ax.plot(
+                [r["group_size"] for r in uls],
+                [r["loss"] for r in uls],
+                marker="o",
+                color=color,
+                label=f"ULS, {knob} = {v:g}",
+            )
             for r in els:
-                ax.axhline(r["loss"], color=color, ls="--", lw=1,
-                           label=f"ELS (G={r['group_size']}), {knob} = {v:g}")
+                ax.axhline(r["loss"], color=color, ls="--", lw=1, label=f"ELS (G={r['group_size']}), {knob} = {v:g}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("G_ULS (cohort M = B / G)")

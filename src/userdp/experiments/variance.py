@@ -50,12 +50,13 @@ class VarianceConfig:
             raise UserError("--users, --max-group-size, --compute-budget and --steps must be >= 1")
         if not 1 <= self.els_group_size <= self.max_group_size:
             raise UserError(
-                f"--els-group-size must be in [1, --max-group-size={self.max_group_size}], "
-                f"got {self.els_group_size}")
+                f"--els-group-size must be in [1, --max-group-size={self.max_group_size}], got {self.els_group_size}"
+            )
         if self.compute_budget > self.num_users * self.els_group_size:
             raise UserError(
                 f"--compute-budget {self.compute_budget} exceeds the ELS dataset size "
-                f"N*G_ELS = {self.num_users * self.els_group_size} (sampling rate would exceed 1)")
+                f"N*G_ELS = {self.num_users * self.els_group_size} (sampling rate would exceed 1)"
+            )
         if not 0 < self.delta < 1:
             raise UserError(f"--delta must be in (0, 1), got {self.delta}")
         if not self.epsilons or any(not e > 0 for e in self.epsilons):
@@ -66,8 +67,7 @@ class VarianceConfig:
             if self.compute_budget % m:
                 raise UserError(f"cohort size {m} does not divide --compute-budget {self.compute_budget}")
             if self.compute_budget // m > self.max_group_size:
-                raise UserError(
-                    f"cohort size {m} needs G_ULS = {self.compute_budget // m} > --max-group-size")
+                raise UserError(f"cohort size {m} needs G_ULS = {self.compute_budget // m} > --max-group-size")
         if not self.resolved_cohort_sizes():
             raise UserError("no cohort size M with B/G_max <= M <= min(B, N): widen the settings")
 
@@ -95,32 +95,41 @@ def run(config: VarianceConfig, progress=None) -> list[VarianceRow]:
     p = b / (n * config.els_group_size)
     rows: list[VarianceRow] = []
     for eps in config.epsilons:
-        sigma_els = els_noise_multiplier(
-            p, config.els_group_size, config.steps, eps, config.delta, config.accountant)
+        sigma_els = els_noise_multiplier(p, config.els_group_size, config.steps, eps, config.delta, config.accountant)
         sigma_of_m = uls_sigma_of_m(n, config.steps, eps, config.delta, config.accountant)
         for m in config.resolved_cohort_sizes():
             g = b // m
             s_uls = sigma_of_m(m)
-            rows.append(VarianceRow(
-                epsilon=float(eps), cohort_size=m, group_size_uls=g,
-                group_size_els=config.els_group_size, sampling_rate_els=p,
-                sampling_rate_uls=m / n, sigma_els=sigma_els, sigma_uls=s_uls,
-                ratio_identical=variance_ratio(g, 1.0, s_uls, sigma_els),
-                ratio_orthogonal=variance_ratio(g, 1.0 / math.sqrt(g), s_uls, sigma_els),
-            ))
+            rows.append(
+                VarianceRow(
+                    epsilon=float(eps),
+                    cohort_size=m,
+                    group_size_uls=g,
+                    group_size_els=config.els_group_size,
+                    sampling_rate_els=p,
+                    sampling_rate_uls=m / n,
+                    sigma_els=sigma_els,
+                    sigma_uls=s_uls,
+                    ratio_identical=variance_ratio(g, 1.0, s_uls, sigma_els),
+                    ratio_orthogonal=variance_ratio(g, 1.0 / math.sqrt(g), s_uls, sigma_els),
+                )
+            )
             if progress:
                 progress(rows[-1])
     return rows
 
 
 def format_table(rows: Sequence[VarianceRow]) -> str:
-    head = (f"{'eps':>6} {'M':>6} {'G_ULS':>6} {'sigma_ELS':>10} {'sigma_ULS':>10} "
-            f"{'ratio(L_G=1)':>13} {'ratio(L_G=1/sqrtG)':>19}")
+    head = (
+        f"{'eps':>6} {'M':>6} {'G_ULS':>6} {'sigma_ELS':>10} {'sigma_ULS':>10} "
+        f"{'ratio(L_G=1)':>13} {'ratio(L_G=1/sqrtG)':>19}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
             f"{r.epsilon:>6g} {r.cohort_size:>6d} {r.group_size_uls:>6d} {r.sigma_els:>10.4g} "
-            f"{r.sigma_uls:>10.4g} {r.ratio_identical:>13.4g} {r.ratio_orthogonal:>19.4g}")
+            f"{r.sigma_uls:>10.4g} {r.ratio_identical:>13.4g} {r.ratio_orthogonal:>19.4g}"
+        )
     lines.append("ratio = Var_ULS / Var_ELS (docs/experiments.md, eq. 7); < 1 means ULS adds less noise.")
     return "\n".join(lines)
 
@@ -132,12 +141,13 @@ def plot(rows: Sequence[VarianceRow], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, key, title in ((axes[0], "ratio_identical", "identical gradients, $L_G = 1$"),
-                           (axes[1], "ratio_orthogonal", r"orthogonal gradients, $L_G = 1/\sqrt{G}$")):
+    for ax, key, title in (
+        (axes[0], "ratio_identical", "identical gradients, $L_G = 1$"),
+        (axes[1], "ratio_orthogonal", r"orthogonal gradients, $L_G = 1/\sqrt{G}$"),
+    ):
         for eps in sorted({r.epsilon for r in rows}):
             sel = [r for r in rows if r.epsilon == eps]
-            ax.plot([r.cohort_size for r in sel], [getattr(r, key) for r in sel], marker="o",
-                    label=f"ε = {eps:g}")
+            ax.plot([r.cohort_size for r in sel], [getattr(r, key) for r in sel], marker="o", label=f"ε = {eps:g}")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

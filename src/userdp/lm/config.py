@@ -111,6 +111,7 @@ def _auto_is_none(v: Any) -> Any:
 def _one_of(*options: str):
     """A string among ``options``: a tuple, or zero-argument callables returning names (a
     registry's ``names``, read when a value is validated so that plugins count)."""
+
     def check(v: str) -> str:
         names = [n for o in options for n in (o() if callable(o) else (o,))]
         if v not in names:
@@ -118,6 +119,7 @@ def _one_of(*options: str):
             hint = f" (did you mean {' or '.join(close)}?)" if close else ""
             raise _bad("userdp_choice", f"must be one of {', '.join(names)}{hint}", v)
         return v
+
     return AfterValidator(check)
 
 
@@ -151,32 +153,32 @@ class DataConfig:
     """Where the private records come from and how users are split."""
 
     source: _choice("shakespeare", "stackexchange", "jsonl", "csv", "parquet", "hf") = "shakespeare"
-    path: Str | None = None            # file or folder for stackexchange/jsonl/csv
-    sites: Names | None = None         # stackexchange: sites to fine-tune on (default: main sites)
+    path: Str | None = None  # file or folder for stackexchange/jsonl/csv
+    sites: Names | None = None  # stackexchange: sites to fine-tune on (default: main sites)
     public_sites: Names | None = None  # stackexchange: declared-public sites (meta)
     public_plays: Names = ("hamlet", "macbeth", "the-tempest", "twelfth-night")
     #                                     shakespeare: whole plays set aside as public text
-    user_field: Str = "user"              # jsonl/csv
-    text_field: Str = "text"              # jsonl/csv
-    public_path: Str | None = None     # jsonl/csv/txt of declared-public text (pretraining)
+    user_field: Str = "user"  # jsonl/csv
+    text_field: Str = "text"  # jsonl/csv
+    public_path: Str | None = None  # jsonl/csv/txt of declared-public text (pretraining)
     sample_rate: Fraction | None = None  # keep each training user with this probability (keyed hash of its id,
     #                                      so one user's membership never depends on the others), for quick runs
-    max_users: Count | None = None     # about this many training users, at rate K/N (the statement says what
+    max_users: Count | None = None  # about this many training users, at rate K/N (the statement says what
     #                                      that rate's dependence on N leaves), for quick runs
-    heldout_users: Fraction = 0.1         # fraction of users held out (whole) for evaluation
+    heldout_users: Fraction = 0.1  # fraction of users held out (whole) for evaluation
     max_eval_users: Count | None = 200  # cap on the held-out users evaluated (seeded choice)
-    split_seed: Seed = 0                  # which users are held out (and max_users choice)
+    split_seed: Seed = 0  # which users are held out (and max_users choice)
 
 
 @with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class TokenizerConfig:
-    path: Str | None = None            # a saved tokenizer (tokenizer.json or a HF folder)
+    path: Str | None = None  # a saved tokenizer (tokenizer.json or a HF folder)
     #                                       BPE trained on the declared-public text: the 256 bytes plus specials
     vocab_size: Annotated[Int, Ge(260), Le(1_000_000)] = 2048
     seq_len: Annotated[Int, Ge(4), Le(1_000_000)] = 64  # tokens per record (longer records are truncated)
-    declared_public: Bool = False         # the tokenizer at `path` saw only public text
-    trained_on_private: Bool = False      # set when the tokenizer saw the training records
+    declared_public: Bool = False  # the tokenizer at `path` saw only public text
+    trained_on_private: Bool = False  # set when the tokenizer saw the training records
     #  A tokenizer from `path` (or from a model directory not made by `userdp pretrain`) must be
     #  declared public: its training text is outside the DP guarantee (Ponomareva et al. 2023, §5.5.1).
 
@@ -188,7 +190,7 @@ class LoraConfig:
     rank: Count = 8
     alpha: Positive = 16.0
     target_modules: Names | None = None
-    save_adapter: Bool = False            # save the adapter instead of the merged model
+    save_adapter: Bool = False  # save the adapter instead of the merged model
     quantize: _choice("none", "nf4", "fp4") = "none"  # QLoRA-style: a 4-bit frozen base (bitsandbytes)
 
 
@@ -207,19 +209,19 @@ class PretrainConfig:
 @with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: Str | None = "tiny"        # tiny | small | base (GPT-2 style), or null with path
-    path: Str | None = None            # local model directory (AutoModelForCausalLM)
-    pretrain: Bool = True                 # preset: pretrain on the public text first (cached)
+    preset: Str | None = "tiny"  # tiny | small | base (GPT-2 style), or null with path
+    path: Str | None = None  # local model directory (AutoModelForCausalLM)
+    pretrain: Bool = True  # preset: pretrain on the public text first (cached)
     pretraining: PretrainConfig = PretrainConfig()
     lora: LoraConfig = LoraConfig()
-    device: Str = "auto"                  # auto | cpu | cuda | cuda:<i> (auto: a GPU when there is one)
+    device: Str = "auto"  # auto | cpu | cuda | cuda:<i> (auto: a GPU when there is one)
 
 
 @with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class PrivacyConfig:
-    epsilon: Float = 3.0                  # > 0 unless training.algorithm is nonprivate
-    delta: Fraction | None = None      # null: N^-1.1 with N = training users
+    epsilon: Float = 3.0  # > 0 unless training.algorithm is nonprivate
+    delta: Fraction | None = None  # null: N^-1.1 with N = training users
     noise_multiplier: Positive | None = None  # fixed sigma instead of calibrating to epsilon
     accountant: _choice(ACCOUNTANTS.choices()) = "pld"  # a registered accountant (plugins add names)
     sampler: _choice(SAMPLERS.choices()) = "poisson"  # poisson (as accounted), shuffle, fixed_size, or a plugin's
@@ -237,7 +239,7 @@ class PrivacyConfig:
 class TrainingConfig:
     algorithm: _choice(ALGORITHMS.choices()) = "uls"  # uls, els, fedavg, nonprivate, or a plugin's
     steps: Annotated[Int, Ge(1), Le(10**9)] = 200
-    cohort_size: Positive = 64.0          # expected units per step (q = cohort / units)
+    cohort_size: Positive = 64.0  # expected units per step (q = cohort / units)
     #                                       G: records per user (ULS average / ELS cap); the ELS accountant's limit
     group_size: Annotated[Int, Ge(1), Le(MAX_GROUP_SIZE)] = 8
     clip_norm: Annotated[Float, Ge(1e-30)] = 1.0  # smaller underflows in float32
@@ -246,8 +248,8 @@ class TrainingConfig:
     lr: Positive = 1e-3
     momentum: Annotated[Float, Ge(0), Lt(1)] = 0.0
     weight_decay: Annotated[Float, Ge(0)] = 0.0
-    local_epochs: Count = 1               # fedavg: local epochs of SGD per user (over up to G records)
-    local_lr: Positive = 0.1              # fedavg
+    local_epochs: Count = 1  # fedavg: local epochs of SGD per user (over up to G records)
+    local_lr: Positive = 0.1  # fedavg
     selection: _choice("random", "longest", "shortest", "random_chunk", "highest_ppl", "lowest_ppl") = "random"
     #                                       units per per-unit call; auto (null): fit memory_gb
     chunk_size: Annotated[Count | None, BeforeValidator(_auto_is_none)] = 8
@@ -255,7 +257,7 @@ class TrainingConfig:
     per_unit: _choice(PER_UNIT_STRATEGIES.choices("auto")) = "auto"  # auto: ghost norms for gradient updates
     precision: _choice("auto", "float32", "bfloat16", "float16") = "auto"  # autocast dtype
     sharding: _choice(*SHARDINGS) = "none"  # fsdp: each of the torchrun processes holds 1/W of the model (FSDP2)
-    seed: Seed | None = None           # null: sampling and noise from OS entropy (secret)
+    seed: Seed | None = None  # null: sampling and noise from OS entropy (secret)
     checkpoint_every: Count = 25
 
 
@@ -263,7 +265,7 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     batch_size: Count = 64
-    before: Bool = True                   # evaluate the starting model too
+    before: Bool = True  # evaluate the starting model too
     personalize: Bool = False
     personalize_lr: Positive = 0.05
     personalize_epochs: Count = 4
@@ -272,12 +274,12 @@ class EvalConfig:
 @with_config(ConfigDict(extra="forbid"))
 @dataclass(frozen=True)
 class OutputConfig:
-    dir: Str | None = None             # default runs/<timestamp> under the cwd
+    dir: Str | None = None  # default runs/<timestamp> under the cwd
     plot: Bool = True
     # where the private caches of the data go: shared ($USERDP_CACHE), run (<run>/cache) or a folder
     # that the project's runs, plans and evaluations share (read and tokenized once)
     cache: Str = "shared"
-    tensorboard: Bool = False             # also TensorBoard scalars in <run>/tensorboard (userdp[tensorboard])
+    tensorboard: Bool = False  # also TensorBoard scalars in <run>/tensorboard (userdp[tensorboard])
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -286,10 +288,10 @@ class PlanningConfig:
     """Options of ``plan: auto`` (docs/plan.md, ``userdp.planning.plan_for_training``)."""
 
     compute_budget: Count | None = None  # B: gradients per step (required with plan: auto)
-    sample_users: Count = 128             # users sampled to estimate L(G) (a non-private touch)
+    sample_users: Count = 128  # users sampled to estimate L(G) (a non-private touch)
     dp_median_epsilon: Positive | None = None  # release the ELS median with this eps-DP (counted)
     algorithm: _choice("recommended", *PLANNED_ALGORITHMS) = "recommended"
-    seed: Seed | None = None           # the user sample / record draws (null: OS entropy)
+    seed: Seed | None = None  # the user sample / record draws (null: OS entropy)
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -299,12 +301,12 @@ class AuditConfig:
     records_per_canary: Count | None = None  # null: training.group_size (a canary fills a user's G slots)
     secret_tokens: Annotated[Int, Ge(2)] | None = None  # tokens of each random secret (null: tokenizer.seq_len)
     score: _choice("gradient", "gradient_alignment", "loss", "loss_difference") = "gradient"  # docs/audit.md
-    gradient_scale: Positive = 100.0      # score gradient: a canary's update norm, in clip norms
-    confidence: Fraction = 0.95           # of the one-run lower bound
-    secrets: Str | None = None         # the seed, inclusions and scores (null: <run_dir>.audit-secrets.json)
-    seed: Seed | None = None           # canary seed (null: 128 bits of OS entropy); for reproducible tests
-    inference_users: NonNegative = 100    # training and held-out users scored for user inference (0: none)
-    inference_records: Count = 8          # records scored per such user
+    gradient_scale: Positive = 100.0  # score gradient: a canary's update norm, in clip norms
+    confidence: Fraction = 0.95  # of the one-run lower bound
+    secrets: Str | None = None  # the seed, inclusions and scores (null: <run_dir>.audit-secrets.json)
+    seed: Seed | None = None  # canary seed (null: 128 bits of OS entropy); for reproducible tests
+    inference_users: NonNegative = 100  # training and held-out users scored for user inference (0: none)
+    inference_records: Count = 8  # records scored per such user
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -348,7 +350,7 @@ def _dotted(loc: tuple) -> str:
 
 
 def _hint(section, key: str) -> str:
-    """" (did you mean …?)" for an unknown ``key`` of a config section, else its known keys."""
+    """ " (did you mean …?)" for an unknown ``key`` of a config section, else its known keys."""
     names = [f.name for f in dataclasses.fields(section)]
     close = close_names(key, names, n=3) or [n for n in names if n.startswith(key[:3])]
     return f" (did you mean {', '.join(close)}?)" if close else f" (known keys: {', '.join(names)})"
@@ -407,7 +409,8 @@ class StrictLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} appears twice in one mapping (ambiguous)", key_node.start_mark)
+                    None, None, f"the key {key!r} appears twice in one mapping (ambiguous)", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -512,6 +515,7 @@ def _gradient_canaries(cfg: RunConfig) -> bool:
 
 def validate(cfg: RunConfig, where: str = "config") -> None:
     """Cross-field rules (types, choices and ranges are the schema's, checked while building)."""
+
     def bad(msg):
         raise UserError(f"{where}: {msg}")
 
@@ -529,22 +533,30 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     if not DEVICE_SPEC.match(str(m.device).strip().lower()):
         bad(f"model.device must be auto, cpu, cuda or cuda:<index>, got {m.device!r}")
     if not gradient and t.per_unit in ("ghost", "batch"):
-        bad(f"training.per_unit: {t.per_unit} takes gradients; {algo.__name__}'s update is {algo.update}, not a "
-            "gradient (use auto or vmap)")
+        bad(
+            f"training.per_unit: {t.per_unit} takes gradients; {algo.__name__}'s update is {algo.update}, not a "
+            "gradient (use auto or vmap)"
+        )
     if algo.private and t.per_unit == "batch":
-        bad(f"training.per_unit: batch computes no per-unit norm, so nothing would bound one user's share: it "
-            f"serves training.algorithm: nonprivate only, not {t.algorithm} (use auto, ghost or vmap)")
+        bad(
+            f"training.per_unit: batch computes no per-unit norm, so nothing would bound one user's share: it "
+            f"serves training.algorithm: nonprivate only, not {t.algorithm} (use auto, ghost or vmap)"
+        )
     if m.lora.quantize != "none":
         q = f"model.lora.quantize: {m.lora.quantize}"
         if not m.lora.enabled:
             bad(f"{q} needs model.lora.enabled: true (a 4-bit base is frozen; only the LoRA adapters train)")
         if not m.path:
-            bad(f"{q} quantizes a local model folder (model.path); the presets are GPT-2, whose Conv1D layers "
-                "bitsandbytes does not quantize")
+            bad(
+                f"{q} quantizes a local model folder (model.path); the presets are GPT-2, whose Conv1D layers "
+                "bitsandbytes does not quantize"
+            )
         if not gradient or t.per_unit == "vmap":
-            bad(f"{q} needs the ghost per-unit strategy (a gradient update, such as ULS, ELS or nonprivate, with "
+            bad(
+                f"{q} needs the ghost per-unit strategy (a gradient update, such as ULS, ELS or nonprivate, with "
                 "training.per_unit: auto or ghost): torch.func.vmap, which FedAvg and per_unit: vmap use, cannot "
-                "run bitsandbytes' 4-bit matmul")
+                "run bitsandbytes' 4-bit matmul"
+            )
         if _gradient_canaries(cfg):
             bad(f"{q}: gradient canaries (audit.score: gradient) run the vmap strategy; use audit.score: loss")
         if cfg.eval.personalize:
@@ -552,9 +564,11 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     if d.source in ("jsonl", "csv", "stackexchange") and not d.path:
         bad(f"data.path is required for data.source = {d.source}")
     if tok.path and tok.trained_on_private and not tok.declared_public:
-        bad("tokenizer: a tokenizer trained on the private training records leaks them "
+        bad(
+            "tokenizer: a tokenizer trained on the private training records leaks them "
             "(docs/threat_model.md); train it on public text or set tokenizer.declared_public: true if "
-            "that text is public")
+            "that text is public"
+        )
     cache = cfg.output.cache
     if cache not in ("shared", "run"):
         if not cache.strip():
@@ -562,12 +576,16 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         near = difflib.get_close_matches(cache.lower(), ("shared", "run"), n=1, cutoff=0.6)
         if near and "/" not in cache and not cache.startswith((".", "~")) and not Path(cache).exists():
             # a slip for a keyword would put the private store in a new folder of that name, silently
-            bad(f"output.cache: {cache!r} is not a keyword (shared, run): did you mean {near[0]}? To keep the "
-                f"private cache in a folder of that name, write it as a path (./{cache})")
+            bad(
+                f"output.cache: {cache!r} is not a keyword (shared, run): did you mean {near[0]}? To keep the "
+                f"private cache in a folder of that name, write it as a path (./{cache})"
+            )
         why = unclaimable(Path(cache).expanduser())
         if why:
-            bad(f"output.cache: {cache} {why}; give shared, run, or a new or empty folder for the project's "
-                "private cache")
+            bad(
+                f"output.cache: {cache} {why}; give shared, run, or a new or empty folder for the project's "
+                "private cache"
+            )
     a = cfg.audit
     if a.canaries != 0 and a.canaries < 2:
         bad(f"audit.canaries must be 0 (no audit) or at least 2, got {a.canaries}")
@@ -575,20 +593,28 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
         bad(f"audit.secret_tokens must be in [2, tokenizer.seq_len = {tok.seq_len}], got {a.secret_tokens}")
     if _gradient_canaries(cfg):
         if not gradient:
-            bad(f"audit.score: gradient canaries need a gradient update (uls, els or nonprivate), not "
-                f"{t.algorithm}'s {algo.update}")
+            bad(
+                f"audit.score: gradient canaries need a gradient update (uls, els or nonprivate), not "
+                f"{t.algorithm}'s {algo.update}"
+            )
         if t.per_unit == "ghost":
-            bad("audit.score: gradient canaries add a term the ghost strategy cannot see; use "
-                "training.per_unit: auto or vmap (an audit with them runs vmap)")
+            bad(
+                "audit.score: gradient canaries add a term the ghost strategy cannot see; use "
+                "training.per_unit: auto or vmap (an audit with them runs vmap)"
+            )
         if not a.gradient_scale > 1:
-            bad(f"audit.gradient_scale must be > 1 (a canary's update must exceed the clip norm), got {a.gradient_scale}")
+            bad(
+                f"audit.gradient_scale must be > 1 (a canary's update must exceed the clip norm), got {a.gradient_scale}"
+            )
     pl = cfg.planning
     if cfg.plan == "auto":
         if pl.compute_budget is None:
             bad("plan: auto needs planning.compute_budget (gradients per step, e.g. 256)")
         if t.algorithm not in PLANNED_ALGORITHMS:
-            bad(f"plan: auto chooses between uls and els; training.algorithm is {t.algorithm} "
-                "(drop plan: auto, or set training.algorithm: uls)")
+            bad(
+                f"plan: auto chooses between uls and els; training.algorithm is {t.algorithm} "
+                "(drop plan: auto, or set training.algorithm: uls)"
+            )
         if p.noise_multiplier is not None:
             bad("plan: auto calibrates sigma to privacy.epsilon; drop privacy.noise_multiplier")
 
@@ -611,8 +637,10 @@ def is_performance_key(dotted: str) -> bool:
 def privacy_fingerprint(raw: dict) -> str:
     """sha256 of a config mapping without its performance settings (canonical JSON): what a run's
     ledger journal is bound to. Comments, key order and the performance keys do not count."""
-    kept = {k: ({kk: vv for kk, vv in v.items() if kk not in PERFORMANCE_KEYS.get(k, ())} if isinstance(v, dict)
-                else v) for k, v in raw.items()}
+    kept = {
+        k: ({kk: vv for kk, vv in v.items() if kk not in PERFORMANCE_KEYS.get(k, ())} if isinstance(v, dict) else v)
+        for k, v in raw.items()
+    }
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 

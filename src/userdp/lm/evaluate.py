@@ -49,7 +49,11 @@ def record_nll(model, data, users: np.ndarray, records: np.ndarray, batch_size: 
     nll = np.zeros(len(users))
     cnt = np.zeros(len(users))
     pos = 0
-    with progress.bar(len(users), "evaluating", "rec", lines=progress.LOOP_LINES) if show else contextlib.nullcontext() as shown:
+    with (
+        progress.bar(len(users), "evaluating", "rec", lines=progress.LOOP_LINES)
+        if show
+        else contextlib.nullcontext() as shown
+    ):
         for _, batch in _batches(data, users, records, batch_size):
             s, c = models.token_nll(model, batch)
             n = len(s)
@@ -64,17 +68,30 @@ def record_nll(model, data, users: np.ndarray, records: np.ndarray, batch_size: 
 def summarize(users: np.ndarray, nll: np.ndarray, cnt: np.ndarray) -> dict:
     tokens = float(cnt.sum())
     if tokens == 0:
-        return {"loss": float("nan"), "perplexity": float("nan"), "user_loss": float("nan"),
-                "user_perplexity": float("nan"), "num_users": 0, "num_records": 0, "num_tokens": 0}
+        return {
+            "loss": float("nan"),
+            "perplexity": float("nan"),
+            "user_loss": float("nan"),
+            "user_perplexity": float("nan"),
+            "num_users": 0,
+            "num_records": 0,
+            "num_tokens": 0,
+        }
     loss = float(nll.sum() / tokens)
     uniq, inv = np.unique(users, return_inverse=True)
     u_nll = np.bincount(inv, weights=nll)
     u_cnt = np.bincount(inv, weights=cnt)
     ok = u_cnt > 0
     user_loss = float(np.mean(u_nll[ok] / u_cnt[ok]))
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700)), "user_loss": user_loss,
-            "user_perplexity": math.exp(min(user_loss, 700)), "num_users": int(ok.sum()),
-            "num_records": int(len(users)), "num_tokens": int(tokens)}
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700)),
+        "user_loss": user_loss,
+        "user_perplexity": math.exp(min(user_loss, 700)),
+        "num_users": int(ok.sum()),
+        "num_records": int(len(users)),
+        "num_tokens": int(tokens),
+    }
 
 
 def evaluate_lm(model, data, users: Sequence[int] | None = None, batch_size: int = 64, combiner=None) -> dict:
@@ -160,9 +177,17 @@ def personalize(model, data, users: Sequence[int] | None = None, how: Personaliz
     eu_a = np.concatenate(eu)
     base = summarize(eu_a, np.concatenate(base_nll), np.concatenate(base_cnt))
     pers = summarize(eu_a, np.concatenate(pers_nll), np.concatenate(pers_cnt))
-    per_user_gain = [float(b.sum() / max(c.sum(), 1) - p.sum() / max(d.sum(), 1))
-                     for b, c, p, d in zip(base_nll, base_cnt, pers_nll, pers_cnt)]
-    return {"users": len(eu), "skipped_users_with_one_record": skipped, "lr": lr, "epochs": epochs,
-            "base": base, "personalized": pers,
-            "users_improved": int(sum(g > 0 for g in per_user_gain)),
-            "mean_user_loss_gain": float(np.mean(per_user_gain))}
+    per_user_gain = [
+        float(b.sum() / max(c.sum(), 1) - p.sum() / max(d.sum(), 1))
+        for b, c, p, d in zip(base_nll, base_cnt, pers_nll, pers_cnt)
+    ]
+    return {
+        "users": len(eu),
+        "skipped_users_with_one_record": skipped,
+        "lr": lr,
+        "epochs": epochs,
+        "base": base,
+        "personalized": pers,
+        "users_improved": int(sum(g > 0 for g in per_user_gain)),
+        "mean_user_loss_gain": float(np.mean(per_user_gain)),
+    }

@@ -31,11 +31,11 @@ def _run_context(run: Path) -> dict:
     try:
         context = journal_header(journal)["context"]
     except UserError:
-        raise UserError(f"{journal}: missing or unreadable, so the run's held-out users cannot be "
-                        "verified") from None
+        raise UserError(f"{journal}: missing or unreadable, so the run's held-out users cannot be verified") from None
     if not RunDir(run).matches_journal(context):
-        raise UserError(f"{run / 'config.yaml'}: edited since the run trained (its checksum differs from "
-                        f"the one in {journal})")
+        raise UserError(
+            f"{run / 'config.yaml'}: edited since the run trained (its checksum differs from the one in {journal})"
+        )
     return context
 
 
@@ -51,8 +51,14 @@ class EvalSource:
     overrides: tuple[str, ...] = ()
 
 
-def evaluate_target(target: str, source: EvalSource | None = None, *, personalize: bool = False,
-                    max_users: int | None = None, device: str | None = None) -> dict:
+def evaluate_target(
+    target: str,
+    source: EvalSource | None = None,
+    *,
+    personalize: bool = False,
+    max_users: int | None = None,
+    device: str | None = None,
+) -> dict:
     """Evaluate a run directory's released model, or a model folder, on held-out users (``userdp
     evaluate``); ``personalize``, ``max_users`` and ``device`` set ``eval.personalize``,
     ``data.max_eval_users`` and ``model.device``."""
@@ -60,6 +66,7 @@ def evaluate_target(target: str, source: EvalSource | None = None, *, personaliz
     data, fmt, config, overrides = source.data, source.fmt, source.config, list(source.overrides)
 
     t = Path(target)
+
     def holds_model(d: Path) -> bool:  # a saved model, or a LoRA adapter (a quantized base's is always one)
         return (d / "config.json").is_file() or (d / "adapter_config.json").is_file()
 
@@ -78,11 +85,11 @@ def evaluate_target(target: str, source: EvalSource | None = None, *, personaliz
                 sets += [f"data.source={fmt or detect_format(data)}", f"data.path={data}"]
             cfg = C.load_config(None, sets)
         else:
-            raise UserError(f"{target}: a model folder needs --data or --config to say which users to "
-                            "evaluate on")
+            raise UserError(f"{target}: a model folder needs --data or --config to say which users to evaluate on")
     else:
-        raise UserError(f"{target}: neither a finished userdp run directory (config.yaml + model/) "
-                        "nor a model folder (config.json)")
+        raise UserError(
+            f"{target}: neither a finished userdp run directory (config.yaml + model/) nor a model folder (config.json)"
+        )
     extra = ["training.selection=random"]  # evaluation reads held-out users only
     extra.append(f"eval.personalize={'true' if personalize else 'false'}")  # the flag's, not the run's
     if max_users is not None:
@@ -117,16 +124,23 @@ def evaluate_target(target: str, source: EvalSource | None = None, *, personaliz
 def _evaluate(t: Path, cfg, model, tok, model_dir: Path, run_context) -> dict:
     prep = prepare_data(cfg.data, log=lambda m: None)
     if run_context is not None and run_context.get("data_fingerprint") != prep.data_fingerprint:
-        raise UserError(f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "
-                        "trained with (a changed data file, data.split_seed or --set): users it trained on "
-                        "would be evaluated as held out")
-    _, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection,
-                                  log=lambda m: None)
-    res = {"model": str(model_dir), "split": prep.split_rule,
-           "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size)}
+        raise UserError(
+            f"{t / 'config.yaml'}: the data or the held-out split differs from the one the run "
+            "trained with (a changed data file, data.split_seed or --set): users it trained on "
+            "would be evaluated as held out"
+        )
+    _, eval_data = build_datasets(
+        prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection, log=lambda m: None
+    )
+    res = {
+        "model": str(model_dir),
+        "split": prep.split_rule,
+        "heldout": evaluate_lm(model, eval_data, batch_size=cfg.eval.batch_size),
+    }
     if cfg.eval.personalize:
-        res["personalization"] = run_personalize(model, eval_data,
-                                                 how=Personalization(cfg.eval.personalize_lr, cfg.eval.personalize_epochs))
+        res["personalization"] = run_personalize(
+            model, eval_data, how=Personalization(cfg.eval.personalize_lr, cfg.eval.personalize_epochs)
+        )
     if (t / "config.yaml").is_file():
         write_json(t / "evaluate.json", res)
     return res

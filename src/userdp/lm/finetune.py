@@ -54,9 +54,11 @@ def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
     metrics = rd.read_metrics()
     if not journal.is_file():
         if ckpt.exists(str(rd.checkpoints)) or metrics or state.get("status") in ("running", "interrupted"):
-            raise UserError(f"{journal}: the ledger journal is missing, so the steps this run began cannot "
-                            "be counted; the run cannot be resumed (restore it from a backup, or start a "
-                            "new run in an empty --output)")
+            raise UserError(
+                f"{journal}: the ledger journal is missing, so the steps this run began cannot "
+                "be counted; the run cannot be resumed (restore it from a backup, or start a "
+                "new run in an empty --output)"
+            )
         return False
     check_metrics_cite_journal(rd)
     return True
@@ -71,23 +73,36 @@ def _keep_performance_changes(rd: RunDir, cfg: C.RunConfig, log: Log) -> None:
     saved, new = C.to_dict(C.load_config(rd.config)), C.to_dict(cfg)
     if saved == new:
         return
+
     def section(cfg: dict, name: str) -> dict:
         return cfg[name] if isinstance(cfg.get(name), dict) else {}
 
-    changed = sorted(f"{s}.{k}" for s in set(new) | set(saved)
-                     for k in set(section(new, s)) | set(section(saved, s))
-                     if section(saved, s).get(k) != section(new, s).get(k))
+    changed = sorted(
+        f"{s}.{k}"
+        for s in set(new) | set(saved)
+        for k in set(section(new, s)) | set(section(saved, s))
+        if section(saved, s).get(k) != section(new, s).get(k)
+    )
     if C.privacy_fingerprint(saved) != C.privacy_fingerprint(new):
         keys = [k for k in changed if not C.is_performance_key(k)]
-        raise UserError(f"--resume {rd.root}: only performance settings may change on resume; changed: "
-                        f"{', '.join(keys) or 'the config'} (saved in {rd.config})")
+        raise UserError(
+            f"--resume {rd.root}: only performance settings may change on resume; changed: "
+            f"{', '.join(keys) or 'the config'} (saved in {rd.config})"
+        )
     header = "".join(ln for ln in rd.config.read_text().splitlines(keepends=True) if ln.startswith("#"))
     write_atomic(rd.config, header + C.dump_yaml(cfg), replaces_input=True)  # the run's own, on purpose
     log(f"resume: performance settings changed ({', '.join(changed)}); saved in {rd.config}")
 
 
-def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[str] = None,
-        progress: bool = True, log: Log = stderr_log, launch: Optional[Launch] = None) -> Optional[dict]:
+def run(
+    cfg: C.RunConfig,
+    *,
+    output: Optional[str] = None,
+    resume_dir: Optional[str] = None,
+    progress: bool = True,
+    log: Log = stderr_log,
+    launch: Optional[Launch] = None,
+) -> Optional[dict]:
     """Run (or resume) a training job; returns the summary (also in the run directory).
 
     ``output``: the new run's directory (empty or absent; None: ``output.dir``, else
@@ -112,8 +127,7 @@ def run(cfg: C.RunConfig, *, output: Optional[str] = None, resume_dir: Optional[
         log, progress = (lambda msg: None), False
     try:
         with bars_shown(progress):  # every phase's bar, as the training bar, follows --no-progress
-            ctx = JobContext(world=world, log=log, progress=progress, plan_file=launch.plan_file,
-                             resume_dir=resume_dir)
+            ctx = JobContext(world=world, log=log, progress=progress, plan_file=launch.plan_file, resume_dir=resume_dir)
             return _run_top(cfg, output, audit, ctx)
     except (Exception, JobStopped) as exc:
         lost = exc if isinstance(exc, JobStopped) else translate(exc) if world.distributed else None
@@ -128,8 +142,10 @@ def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: J
     world, log, resume_dir = ctx.world, ctx.log, ctx.resume_dir
     check_available(cfg.output.tensorboard)  # before anything is read or made
     if world.distributed and cfg.audit.canaries:
-        raise UserError("audit.canaries: the empirical audit runs in one process only (its canaries and "
-                        "secrets file are not shared out yet); run `userdp audit` without torchrun")
+        raise UserError(
+            "audit.canaries: the empirical audit runs in one process only (its canaries and "
+            "secrets file are not shared out yet); run `userdp audit` without torchrun"
+        )
     C.check_sharding(cfg, world.distributed)
     if resume_dir is not None:
         rd = existing_run_dir(resume_dir)
@@ -160,7 +176,6 @@ def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: J
         return _run(cfg, ctx)
     except BaseException:
         if rd is not None and not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
-
             shutil.rmtree(rd.root, ignore_errors=True)
             if existed:
                 rd.root.mkdir(parents=True, exist_ok=True)
@@ -169,14 +184,17 @@ def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: J
         raise
 
 
-def _audit_session(hooks: Optional[Callable], cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log,
-                   steps_begun: bool = False):
+def _audit_session(
+    hooks: Optional[Callable], cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log, steps_begun: bool = False
+):
     """The run's audit session (from ``hooks``, see :func:`run`) when ``audit.canaries > 0``, else None."""
     if not cfg.audit.canaries:
         return None
     if hooks is None:
-        raise UserError("audit.canaries: this run was started without the audit's hooks; use `userdp train` or "
-                        "`userdp audit`, or pass audit=userdp.audit.session.AuditSession to finetune.run")
+        raise UserError(
+            "audit.canaries: this run was started without the audit's hooks; use `userdp train` or "
+            "`userdp audit`, or pass audit=userdp.audit.session.AuditSession to finetune.run"
+        )
     return hooks(cfg.audit, rd.root, resume=resume, log=log, steps_begun=steps_begun)
 
 
@@ -213,16 +231,18 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
         check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
     # 2. the tokenizer and the starting model
     with world.main_first("building the tokenizer and the model"):
-        tok, model, ctx.notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, ctx.progress,
-                                                        device=ctx.device)
+        tok, model, ctx.notes = get_tokenizer_and_model(
+            cfg.tokenizer, cfg.model, prep, log, ctx.progress, device=ctx.device
+        )
     if prep.sample_note:  # what a sample whose rate depends on N leaves of the guarantee: the report states it
         ctx.notes["sample"] = prep.sample_note
     model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, device=ctx.device)
     if cfg.training.sharding == "fsdp":
         model = float32_for_sharding(model, ctx.notes, log)
     with world.main_first("tokenizing the data"):
-        train_data, eval_data = build_datasets(prep, tok, seq_len=cfg.tokenizer.seq_len,
-                                               selection=cfg.training.selection, log=log, model=model)
+        train_data, eval_data = build_datasets(
+            prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection, log=log, model=model
+        )
     if train_data.data_touch is not None:  # a non-private touch of the data: the report states it
         ctx.notes["data_touch"] = train_data.data_touch
     # 3. the plan: its choices, the audit's canaries (before any step), the chunk size, the run plan

@@ -35,16 +35,16 @@ class JobContext:
     found, on resume); ``combiner`` when the model is placed on its device; ``notes`` gather what
     the phases tell the report (the tokenizer folder, the chunk size's choice, ...)."""
 
-    world: Any                          # userdp.launch.World: this process among the job's
+    world: Any  # userdp.launch.World: this process among the job's
     log: Log
     progress: bool
-    plan_file: Optional[str] = None     # --plan
-    resume_dir: Optional[str] = None    # --resume
+    plan_file: Optional[str] = None  # --plan
+    resume_dir: Optional[str] = None  # --resume
     rd: Optional[RunDir] = None
-    audit: Any = None                   # the audit session (None: no canaries)
-    engine_resume: bool = False         # the engine has a checkpoint to continue from
-    combiner: Any = None                # sums across processes (None: one process)
-    device: Any = None                  # torch.device: model.device, resolved once before any data is read
+    audit: Any = None  # the audit session (None: no canaries)
+    engine_resume: bool = False  # the engine has a checkpoint to continue from
+    combiner: Any = None  # sums across processes (None: one process)
+    device: Any = None  # torch.device: model.device, resolved once before any data is read
     notes: dict = dataclasses.field(default_factory=dict)
     t_start: float = dataclasses.field(default_factory=time.time)
 

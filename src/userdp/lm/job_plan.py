@@ -39,8 +39,10 @@ def check_cohort(cfg: C.RunConfig, num_units: int) -> None:
     t = cfg.training
     unit = algorithm_of(cfg).units_label
     if t.cohort_size > num_units:
-        raise UserError(f"training.cohort_size = {t.cohort_size:g} is more than the {num_units} {unit}; "
-                        f"give at most {num_units} (sampling rate 1)")
+        raise UserError(
+            f"training.cohort_size = {t.cohort_size:g} is more than the {num_units} {unit}; "
+            f"give at most {num_units} (sampling rate 1)"
+        )
 
 
 def engine_config(cfg: C.RunConfig, num_units_hint: int, device: torch.device, prior: tuple = ()):
@@ -66,10 +68,22 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int, device: torch.device, p
         clip = E.FlatClip(t.clip_norm, normalized=normalized)
 
     precision = resolve_precision(t.precision, device)
-    kw = dict(algorithm=algo, steps=t.steps, clipping=clip, optimizer=opt, delta=p.delta,
-              accountant=p.accountant, sampling=p.sampler, noise=p.noise, seed=t.seed,
-              chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
-              checkpoint_every=t.checkpoint_every, per_unit=t.per_unit, precision=precision, sharding=t.sharding)
+    kw = dict(
+        algorithm=algo,
+        steps=t.steps,
+        clipping=clip,
+        optimizer=opt,
+        delta=p.delta,
+        accountant=p.accountant,
+        sampling=p.sampler,
+        noise=p.noise,
+        seed=t.seed,
+        chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
+        checkpoint_every=t.checkpoint_every,
+        per_unit=t.per_unit,
+        precision=precision,
+        sharding=t.sharding,
+    )
     if not algo.private:
         kw["noise_multiplier"] = 0.0
     elif p.noise_multiplier is not None:
@@ -102,8 +116,15 @@ def mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tupl
 
 def _performance_neutral(cfg: C.RunConfig) -> C.RunConfig:
     """``cfg`` with its performance settings fixed (they change how a run computes, not its plan)."""
-    t = dataclasses.replace(cfg.training, chunk_size=1, memory_gb=None, per_unit="auto", precision="float32",
-                            checkpoint_every=1, sharding="none")
+    t = dataclasses.replace(
+        cfg.training,
+        chunk_size=1,
+        memory_gb=None,
+        per_unit="auto",
+        precision="float32",
+        checkpoint_every=1,
+        sharding="none",
+    )
     return dataclasses.replace(cfg, training=t, model=dataclasses.replace(cfg.model, device="cpu"))
 
 
@@ -138,7 +159,8 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple 
             f"privacy: with noise_multiplier {p.noise_multiplier} and sampling rate {plan.sampling_rate:.4g}, the "
             f"configured {t.steps} steps{before} spend epsilon = {eps:.3g} > the target {p.epsilon} at "
             f"delta = {plan.delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
-            "to calibrate sigma to the target")
+            "to calibrate sigma to the target"
+        )
     return None
 
 
@@ -174,8 +196,7 @@ class JobPlan:
         return SAMPLER_MODE[(accounted_as(self.privacy.sampler), self.algorithm.unit)]
 
 
-def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dict] = None,
-            device=None) -> JobPlan:
+def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dict] = None, device=None) -> JobPlan:
     """The job plan of a resolved config (plan applied, chunk size fixed) on data with these
     counts, run on ``device``: the budget checked and the one run plan made (:func:`run_plan`).
 
@@ -183,10 +204,16 @@ def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dic
         UserError: the cohort does not fit the units, or a fixed sigma passes the budget."""
     prior = median_events(plan, "the plan")  # spent before the first step: the ledger counts it first
     check_budget(cfg, num_users, num_units, prior)
-    return JobPlan(engine=run_plan(cfg, num_users, num_units, device, prior), training=cfg.training,
-                   privacy=cfg.privacy,
-                   seq_len=cfg.tokenizer.seq_len, eval=cfg.eval, output=cfg.output, lora=cfg.model.lora,
-                   plan=plan)
+    return JobPlan(
+        engine=run_plan(cfg, num_users, num_units, device, prior),
+        training=cfg.training,
+        privacy=cfg.privacy,
+        seq_len=cfg.tokenizer.seq_len,
+        eval=cfg.eval,
+        output=cfg.output,
+        lora=cfg.model.lora,
+        plan=plan,
+    )
 
 
 def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = stderr_log, world_size: int = 1):
@@ -211,13 +238,22 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = s
         records = algo.records_per_unit
         states = {"adam": 2, "adafactor": 1}.get(t.optimizer, 1 if t.momentum else 0)
         low = resolve_precision(t.precision, device) != "float32"
-        shape = RunShape(records, cfg.tokenizer.seq_len, strategy=strategy, low_precision=low, optimizer_states=states,
-                         shards=world_size if t.sharding == "fsdp" else 1)
-        chunk, info = auto_chunk_size(model, shape, device=device,
-                                      memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None)
+        shape = RunShape(
+            records,
+            cfg.tokenizer.seq_len,
+            strategy=strategy,
+            low_precision=low,
+            optimizer_states=states,
+            shards=world_size if t.sharding == "fsdp" else 1,
+        )
+        chunk, info = auto_chunk_size(
+            model, shape, device=device, memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None
+        )
         info["chunk_size"] = chunk
         write_json(saved, info)
     per = info.get("unit_bytes")
-    log(f"chunk size: auto -> {info['chunk_size']} units per call (cap {info['memory_cap_bytes'] / 2**30:.1f} GiB, "
-        f"{info['cap_source']}; about {(per or 0) / 2**20:.0f} MiB per unit)")
+    log(
+        f"chunk size: auto -> {info['chunk_size']} units per call (cap {info['memory_cap_bytes'] / 2**30:.1f} GiB, "
+        f"{info['cap_source']}; about {(per or 0) / 2**20:.0f} MiB per unit)"
+    )
     return dataclasses.replace(cfg, training=dataclasses.replace(t, chunk_size=int(info["chunk_size"]))), info

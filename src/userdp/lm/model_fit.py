@@ -54,15 +54,21 @@ def check_model_fits(m: C.ModelConfig, t: C.TokenizerConfig) -> None:
     if not tok_file.is_file():
         if t.path:
             raise UserError(f"tokenizer.path: no tokenizer.json at {t.path}")
-        raise UserError(f"model.path {m.path}: the folder holds no tokenizer.json (save the tokenizer beside the "
-                        "model with tokenizer.save_pretrained(folder), or give tokenizer.path)")
+        raise UserError(
+            f"model.path {m.path}: the folder holds no tokenizer.json (save the tokenizer beside the "
+            "model with tokenizer.save_pretrained(folder), or give tokenizer.path)"
+        )
     tok = load_tokenizer(tok_file)
     ids = tok.get_vocab(with_added_tokens=True).values()
     top = max(ids) if ids else -1
     if vocab is not None and top >= vocab:
-        raise UserError(f"model.path {m.path}: its tokenizer writes token ids up to {top}, but the model has "
-                        f"{vocab} embedding rows (config.json vocab_size): resize the embeddings to the tokenizer "
-                        "(model.resize_token_embeddings(len(tokenizer))) and save the folder again")
+        raise UserError(
+            f"model.path {m.path}: its tokenizer writes token ids up to {top}, but the model has "
+            f"{vocab} embedding rows (config.json vocab_size): resize the embeddings to the tokenizer "
+            "(model.resize_token_embeddings(len(tokenizer))) and save the folder again"
+        )
     if positions is not None and t.seq_len > positions:
-        raise UserError(f"tokenizer.seq_len {t.seq_len} is longer than the {positions} positions of {m.path} "
-                        f"(config.json): set tokenizer.seq_len to at most {positions}")
+        raise UserError(
+            f"tokenizer.seq_len {t.seq_len} is longer than the {positions} positions of {m.path} "
+            f"(config.json): set tokenizer.seq_len to at most {positions}"
+        )

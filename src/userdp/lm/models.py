@@ -56,9 +56,17 @@ def _no_dropout(model: nn.Module) -> nn.Module:
             module.p = 0.0
     cfg = getattr(model, "config", None)
     if cfg is not None:
-        for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout",
-                    "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout",
-                    "attention_dropout", "hidden_dropout"):
+        for key in (
+            "resid_pdrop",
+            "embd_pdrop",
+            "attn_pdrop",
+            "summary_first_dropout",
+            "hidden_dropout_prob",
+            "attention_probs_dropout_prob",
+            "dropout",
+            "attention_dropout",
+            "hidden_dropout",
+        ):
             if isinstance(getattr(cfg, key, None), float):
                 setattr(cfg, key, 0.0)
     return model
@@ -93,8 +101,15 @@ def set_attention(model: nn.Module, impl: str) -> None:
     cfg._attn_implementation = impl
 
 
-def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
-                 bos_token_id: int | None = None, eos_token_id: int | None = None, seed: int = 0) -> nn.Module:
+def build_preset(
+    name: str,
+    vocab_size: int,
+    n_positions: int = 128,
+    *,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    seed: int = 0,
+) -> nn.Module:
     """A randomly initialised GPT-2-style model of the named size (a key of :data:`PRESETS`). Its
     config has no pad token: GPT-2's has none, and the loss masks padding by its labels."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -104,10 +119,17 @@ def build_preset(name: str, vocab_size: int, n_positions: int = 128, *,
         raise UserError(f"model.preset: unknown preset {name!r} (choose one of {', '.join(PRESETS)})")
     if vocab_size < 2:
         raise UserError(f"model: vocabulary size must be at least 2, got {vocab_size}")
-    cfg = GPT2Config(vocab_size=int(vocab_size), n_positions=int(n_positions),
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                     bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-                     pad_token_id=None, **PRESETS[name])
+    cfg = GPT2Config(
+        vocab_size=int(vocab_size),
+        n_positions=int(n_positions),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        **PRESETS[name],
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(cfg)
@@ -126,14 +148,16 @@ def quantization_config(kind: str, device):
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise UserError(f"model.lora.quantize: {kind} needs the bitsandbytes package: "
-                        "pip install 'userdp[qlora]'") from None
+        raise UserError(
+            f"model.lora.quantize: {kind} needs the bitsandbytes package: pip install 'userdp[qlora]'"
+        ) from None
     from transformers import BitsAndBytesConfig
 
     dev = torch.device(device or "cpu")
     compute = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=compute)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute
+    )
 
 
 def is_quantized(model: nn.Module) -> bool:
@@ -176,22 +200,29 @@ def load_local(path: str | os.PathLike, *, quantize: str = "none", device=None) 
         model = PeftModel.from_pretrained(base_model, str(p), local_files_only=True)
         return _prepare(_no_dropout(model.merge_and_unload()))
     if not (p / "config.json").is_file():
-        raise UserError(f"model.path: {path} holds no config.json (expected a model saved with "
-                        "save_pretrained, or a userdp run's model/ directory)")
+        raise UserError(
+            f"model.path: {path} holds no config.json (expected a model saved with "
+            "save_pretrained, or a userdp run's model/ directory)"
+        )
     kwargs = {}
     if quantize != "none":
-        kwargs = {"quantization_config": quantization_config(quantize, device),
-                  "device_map": {"": str(device or "cpu")}}
+        kwargs = {
+            "quantization_config": quantization_config(quantize, device),
+            "device_map": {"": str(device or "cpu")},
+        }
     try:
         # the absolute path: a saved adapter names its base by it (base_model_name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(str(p.resolve()), local_files_only=True,
-                                                     attn_implementation="sdpa", **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p.resolve()), local_files_only=True, attn_implementation="sdpa", **kwargs
+        )
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise UserError(f"model.path: cannot load a causal LM from {path} (damaged or incomplete: {first})") from None
     if quantize != "none" and not is_quantized(model):
-        raise UserError(f"model.lora.quantize: {quantize}: no layer of {path} was quantized (bitsandbytes "
-                        "quantizes nn.Linear; GPT-2's Conv1D layers are not): drop model.lora.quantize")
+        raise UserError(
+            f"model.lora.quantize: {quantize}: no layer of {path} was quantized (bitsandbytes "
+            "quantizes nn.Linear; GPT-2's Conv1D layers are not): drop model.lora.quantize"
+        )
     return _prepare(_no_dropout(model))
 
 
@@ -218,11 +249,15 @@ def resolve_model_path(path: str | Path) -> Path:
         except (LocalEntryNotFoundError, OSError, ValueError):
             from huggingface_hub.constants import HF_HUB_CACHE
 
-            raise UserError(f"model.path {path}: not a local directory, and not in the local Hugging Face cache "
-                            f"({HF_HUB_CACHE}); nothing is downloaded at run time: fetch it once where there is "
-                            f"internet (`huggingface-cli download {path}`) or give a directory") from None
-    raise UserError(f"model.path: {path} is not a directory (models are loaded from local "
-                    "directories or the local Hugging Face cache only; nothing is downloaded)")
+            raise UserError(
+                f"model.path {path}: not a local directory, and not in the local Hugging Face cache "
+                f"({HF_HUB_CACHE}); nothing is downloaded at run time: fetch it once where there is "
+                f"internet (`huggingface-cli download {path}`) or give a directory"
+            ) from None
+    raise UserError(
+        f"model.path: {path} is not a directory (models are loaded from local "
+        "directories or the local Hugging Face cache only; nothing is downloaded)"
+    )
 
 
 @dataclass(frozen=True)
@@ -238,8 +273,9 @@ def default_lora_targets(model: nn.Module) -> list[str]:
     for candidates in (["c_attn"], ["q_proj", "v_proj"], ["query_key_value"], ["Wqkv"]):
         if all(c in names for c in candidates):
             return candidates
-    raise UserError("model.lora.target_modules: cannot guess the attention projections of this "
-                    "model; name them explicitly")
+    raise UserError(
+        "model.lora.target_modules: cannot guess the attention projections of this model; name them explicitly"
+    )
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
@@ -253,12 +289,19 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
     present = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [t for t in targets if t not in present]
     if missing:
-        raise UserError(f"model.lora.target_modules: {missing} not found in the model "
-                        f"(modules include {sorted(present)[:12]})")
+        raise UserError(
+            f"model.lora.target_modules: {missing} not found in the model (modules include {sorted(present)[:12]})"
+        )
     fan_in_fan_out = type(model).__name__.startswith("GPT2")  # GPT-2's Conv1D stores W transposed
-    cfg = LoraConfig(r=int(spec.rank), lora_alpha=float(spec.alpha), target_modules=targets,
-                     lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                     fan_in_fan_out=fan_in_fan_out)
+    cfg = LoraConfig(
+        r=int(spec.rank),
+        lora_alpha=float(spec.alpha),
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        fan_in_fan_out=fan_in_fan_out,
+    )
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
         warnings.simplefilter("ignore")
         torch.manual_seed(LORA_INIT_SEED)  # the adapters' initialisation: public, the same in every run
@@ -343,13 +386,29 @@ def _token_nll(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.
 
 
 #: a Hugging Face folder's tokenizer files (a hub download's layout): released as they are
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
-                   "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
-def save_model(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
-               adapter: bool = False, quantize: str = "none", tokenizer_folder: str | os.PathLike | None = None) -> Path:
+def save_model(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    tokenizer=None,
+    *,
+    adapter: bool = False,
+    quantize: str = "none",
+    tokenizer_folder: str | os.PathLike | None = None,
+) -> Path:
     """Save a model ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads (LoRA merged), or,
     with ``adapter=True`` and a LoRA model, the adapter only (peft format). A LoRA model on a
     quantized base (``quantize`` nf4/fp4) is always saved as its adapter, with a
@@ -363,11 +422,17 @@ def save_model(model: nn.Module, out_dir: str | os.PathLike, tokenizer=None, *,
     out.mkdir(parents=True, exist_ok=True)
     if quantize != "none" and is_lora(model):
         model.save_pretrained(str(out))
-        (out / QUANTIZATION_FILE).write_text(json.dumps({
-            "quantize": quantize, "library": "bitsandbytes",
-            "note": "LoRA adapter trained on a 4-bit base; load with userdp (models.load_local), which "
-                    "quantizes the base the same way; merging into 4-bit weights would round the update away"},
-            indent=1))
+        (out / QUANTIZATION_FILE).write_text(
+            json.dumps(
+                {
+                    "quantize": quantize,
+                    "library": "bitsandbytes",
+                    "note": "LoRA adapter trained on a 4-bit base; load with userdp (models.load_local), which "
+                    "quantizes the base the same way; merging into 4-bit weights would round the update away",
+                },
+                indent=1,
+            )
+        )
     elif adapter and is_lora(model):
         model.save_pretrained(str(out))
     else:
@@ -392,10 +457,12 @@ def hf_tokenizer(tokenizer):
 
         specials = {}
         vocab = tokenizer.get_vocab()
-        for key, cands in (("eos_token", ["<|endoftext|>", "</s>", "<eos>"]),
-                           ("pad_token", ["<pad>", "<|pad|>"]),
-                           ("bos_token", ["<s>", "<bos>", "<|endoftext|>"]),
-                           ("unk_token", ["<unk>"])):
+        for key, cands in (
+            ("eos_token", ["<|endoftext|>", "</s>", "<eos>"]),
+            ("pad_token", ["<pad>", "<|pad|>"]),
+            ("bos_token", ["<s>", "<bos>", "<|endoftext|>"]),
+            ("unk_token", ["<unk>"]),
+        ):
             for c in cands:
                 if c in vocab:
                     specials[key] = c

@@ -23,15 +23,19 @@ def plan_touches(plan: dict) -> list[str]:
     e, i = plan["els"], plan["inputs"]
     gs = sorted(int(g) for g in (plan.get("l_of_g_evaluated") or []))
     k = i.get("l_of_g_sample_users")
-    median = ("released by an epsilon-DP median (its epsilon is counted above)"
-              if e.get("group_size_method") == "dp_median" else "the exact median, not private")
+    median = (
+        "released by an epsilon-DP median (its epsilon is counted above)"
+        if e.get("group_size_method") == "dp_median"
+        else "the exact median, not private"
+    )
     who = plan.get("source") or "plan: auto"
     return [
         f"{who} — the per-user record counts of all {i['num_users']} training users were read "
         f"to choose the ELS group size G = {e['group_size']} as their median ({median})",
         f"{who} — {k} training users were sampled (without noise) to estimate L(G), and the "
         f"norms of their mean gradients at the pretrained model were computed"
-        + (f" for G in {gs}" if gs else "") + "; these norms chose the cohort and group size "
+        + (f" for G in {gs}" if gs else "")
+        + "; these norms chose the cohort and group size "
         "(not private, not accounted)",
     ]
 
@@ -66,15 +70,22 @@ def apply_plan(cfg: C.RunConfig, record: dict, *, source: str, data_fingerprint:
     over = plan_choices(record, source)
     if record["data_fingerprint"] != data_fingerprint:
         raise UserError(f"{source}: the plan was made on other data or another split than this config's")
-    resolved = dataclasses.replace(cfg, training=dataclasses.replace(
-        cfg.training, algorithm=over["training.algorithm"], group_size=over["training.group_size"],
-        cohort_size=over["training.cohort_size"]))
+    resolved = dataclasses.replace(
+        cfg,
+        training=dataclasses.replace(
+            cfg.training,
+            algorithm=over["training.algorithm"],
+            group_size=over["training.group_size"],
+            cohort_size=over["training.cohort_size"],
+        ),
+    )
     C.validate(resolved, source)
     return resolved
 
 
-def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = stderr_log,
-              data_fingerprint: str = "") -> tuple[C.RunConfig, dict]:
+def plan_auto(
+    cfg: C.RunConfig, train_data, model, log: Log = stderr_log, data_fingerprint: str = ""
+) -> tuple[C.RunConfig, dict]:
     """Run ``plan_for_training`` for a ``plan: auto`` config; returns (resolved config, plan dict).
 
     The resolved config has the chosen ``training.algorithm``, ``group_size`` and ``cohort_size``;
@@ -82,24 +93,39 @@ def plan_auto(cfg: C.RunConfig, train_data, model, log: Log = stderr_log,
 
     pl, p, t = cfg.planning, cfg.privacy, cfg.training
     k = min(pl.sample_users, int(train_data.num_users))
-    log(f"plan: auto — estimating L(G) on {k} sampled users and calibrating sigma(M) "
-        f"(compute budget {pl.compute_budget} gradients/step) ...")
-    budget = planning.PlanBudget(pl.compute_budget, p.epsilon, t.steps, delta=p.delta, accountant=p.accountant,
-                                 dp_median_epsilon=pl.dp_median_epsilon)
+    log(
+        f"plan: auto — estimating L(G) on {k} sampled users and calibrating sigma(M) "
+        f"(compute budget {pl.compute_budget} gradients/step) ..."
+    )
+    budget = planning.PlanBudget(
+        pl.compute_budget,
+        p.epsilon,
+        t.steps,
+        delta=p.delta,
+        accountant=p.accountant,
+        dp_median_epsilon=pl.dp_median_epsilon,
+    )
     sample = planning.NormSample(pl.sample_users, chunk_size=t.chunk_size or 8, seed=pl.seed)
     plan = planning.plan_for_training(train_data, model, models.causal_lm_loss, budget, sample)
     algo = plan.recommended if pl.algorithm == "recommended" else pl.algorithm
-    out = plan_record(plan, algo, "recommended" if pl.algorithm == "recommended" else "planning.algorithm",
-                      seed=pl.seed, data_fingerprint=data_fingerprint)
+    out = plan_record(
+        plan,
+        algo,
+        "recommended" if pl.algorithm == "recommended" else "planning.algorithm",
+        seed=pl.seed,
+        data_fingerprint=data_fingerprint,
+    )
     resolved = apply_plan(cfg, out, source="plan: auto", data_fingerprint=data_fingerprint)
     over = out["overrides"]
     ch = getattr(plan, algo)  # the planner's figures for the algorithm it chose (uls or els)
     unit = ALGORITHMS.lookup(algo).units_label
-    log(f"plan: auto chose {algo.upper()}{' (recommended)' if algo == plan.recommended else ''}: "
+    log(
+        f"plan: auto chose {algo.upper()}{' (recommended)' if algo == plan.recommended else ''}: "
         f"group_size {over['training.group_size']}, cohort_size {over['training.cohort_size']:g} "
         f"expected {unit}/step, sigma {ch['noise_multiplier']:.3g}; noise std proxy ULS "
         f"{plan.uls['noise_std_proxy']:.3g} vs ELS {plan.els['noise_std_proxy']:.3g} "
-        f"(B = {pl.compute_budget}; the plan's data touches are listed in the privacy report)")
+        f"(B = {pl.compute_budget}; the plan's data touches are listed in the privacy report)"
+    )
     return resolved, out
 
 
@@ -133,13 +159,17 @@ def planned_config(cfg: C.RunConfig, ctx: JobContext, prep, train_data, model):
         plan_choices(plan, str(saved_path))
         if cfg.plan != "auto":
             return cfg, plan
-        log(f"plan: auto — resuming with the saved plan ({plan.get('applied', '?').upper()}, "
-            f"group_size {cfg.training.group_size}, cohort_size {cfg.training.cohort_size:g})")
+        log(
+            f"plan: auto — resuming with the saved plan ({plan.get('applied', '?').upper()}, "
+            f"group_size {cfg.training.group_size}, cohort_size {cfg.training.cohort_size:g})"
+        )
     elif cfg.plan != "auto":
         plan, header = None, ""
     elif resume_dir is not None:
-        raise UserError(f"--resume {resume_dir}: the config says plan: auto but the run "
-                        "directory has no plan.json (start the run again instead)")
+        raise UserError(
+            f"--resume {resume_dir}: the config says plan: auto but the run "
+            "directory has no plan.json (start the run again instead)"
+        )
     else:
         with world.main_first("planning"):  # once, on rank 0 (its DP median is spent once)
             if main:
@@ -148,8 +178,10 @@ def planned_config(cfg: C.RunConfig, ctx: JobContext, prep, train_data, model):
             else:
                 plan = read_plan(saved_path, str(saved_path))
                 cfg = apply_plan(cfg, plan, source=str(saved_path), data_fingerprint=prep.data_fingerprint)
-        header = ("# plan: auto chose training.algorithm, group_size and cohort_size below (see plan.json);\n"
-                  "# `userdp train --resume` keeps them, a new run plans again\n")
+        header = (
+            "# plan: auto chose training.algorithm, group_size and cohort_size below (see plan.json);\n"
+            "# `userdp train --resume` keeps them, a new run plans again\n"
+        )
     if main and (resume_dir is None or plan_file is not None):
         # a new run's config, written once, as planned (the budget is checked when the job is resolved);
         # a resumed run keeps its own

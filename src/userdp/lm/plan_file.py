@@ -21,8 +21,16 @@ from userdp.lm.config import PLANNED_ALGORITHMS
 #: the only keys a plan may set, and what ``plan: auto`` may choose for them
 PLAN_CHOICES = ("training.algorithm", "training.group_size", "training.cohort_size")
 PLAN_ALGORITHMS = PLANNED_ALGORITHMS
-REQUIRED = ("applied", "overrides", "els", "uls", "inputs", "data_touches", "dp_median_epsilon_spent",
-            "data_fingerprint")
+REQUIRED = (
+    "applied",
+    "overrides",
+    "els",
+    "uls",
+    "inputs",
+    "data_touches",
+    "dp_median_epsilon_spent",
+    "data_fingerprint",
+)
 
 
 def dp_median_event(epsilon: float) -> dict:
@@ -59,21 +67,24 @@ def plan_median_epsilon(plan: dict, source: str) -> float:
         UserError: the figure is missing, negative, non-finite, or disagrees with the event."""
     method = (plan.get("els") or {}).get("group_size_method") if isinstance(plan.get("els"), dict) else None
     claimed = plan.get("dp_median_epsilon_spent", 0.0)
-    if isinstance(claimed, bool) or not isinstance(claimed, (int, float)) or not math.isfinite(claimed) \
-            or claimed < 0:
+    if isinstance(claimed, bool) or not isinstance(claimed, (int, float)) or not math.isfinite(claimed) or claimed < 0:
         raise UserError(f"{source}: dp_median_epsilon_spent must be a finite number >= 0, got {claimed!r}")
     if method != "dp_median":
         if claimed != 0:
-            raise UserError(f"{source}: dp_median_epsilon_spent is {claimed} but the plan's median was not a DP "
-                            "median (els.group_size_method)")
+            raise UserError(
+                f"{source}: dp_median_epsilon_spent is {claimed} but the plan's median was not a DP "
+                "median (els.group_size_method)"
+            )
         return 0.0
     ev = plan.get("dp_median_event")
     try:
         eps = pure_dp_epsilon(event_from_dict(ev))
         assert eps is not None and math.isfinite(eps) and eps > 0
     except (AssertionError, KeyError, TypeError, ValueError, ZeroDivisionError, UserError):
-        raise UserError(f"{source}: the DP median's event (dp_median_event) is missing or malformed; make the "
-                        "plan again with `userdp plan`") from None
+        raise UserError(
+            f"{source}: the DP median's event (dp_median_event) is missing or malformed; make the "
+            "plan again with `userdp plan`"
+        ) from None
     if not math.isclose(eps, float(claimed), rel_tol=1e-9, abs_tol=0.0):
         raise UserError(f"{source}: dp_median_epsilon_spent {claimed} differs from its event's epsilon {eps:g}")
     return eps
@@ -92,16 +103,18 @@ def plan_choices(plan: dict, source: str) -> dict:
         raise UserError(f"{source}: overrides must be an object of {', '.join(PLAN_CHOICES)}")
     extra = sorted(set(over) - set(PLAN_CHOICES))
     if extra or set(over) != set(PLAN_CHOICES):
-        raise UserError(f"{source}: overrides may set exactly {', '.join(PLAN_CHOICES)} (what plan: auto chooses)"
-                        + (f"; it also sets {', '.join(extra)}" if extra else ""))
+        raise UserError(
+            f"{source}: overrides may set exactly {', '.join(PLAN_CHOICES)} (what plan: auto chooses)"
+            + (f"; it also sets {', '.join(extra)}" if extra else "")
+        )
     algo, g, cohort = (over[k] for k in PLAN_CHOICES)
     if algo not in PLAN_ALGORITHMS:
-        raise UserError(f"{source}: training.algorithm must be one of {', '.join(PLAN_ALGORITHMS)} (lower case), "
-                        f"got {algo!r}")
+        raise UserError(
+            f"{source}: training.algorithm must be one of {', '.join(PLAN_ALGORITHMS)} (lower case), got {algo!r}"
+        )
     if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= MAX_ELS_GROUP:
         raise UserError(f"{source}: training.group_size must be an integer in [1, {MAX_ELS_GROUP}], got {g!r}")
-    if isinstance(cohort, bool) or not isinstance(cohort, (int, float)) or not math.isfinite(cohort) \
-            or not cohort > 0:
+    if isinstance(cohort, bool) or not isinstance(cohort, (int, float)) or not math.isfinite(cohort) or not cohort > 0:
         raise UserError(f"{source}: training.cohort_size must be a finite number > 0, got {cohort!r}")
     if plan["applied"] != algo:
         raise UserError(f"{source}: applied is {plan['applied']!r} but overrides choose {algo!r}")
@@ -124,5 +137,6 @@ def refuse_conflicts(choices: dict, explicit: list[str], source: str) -> None:
         key, _, value = item.partition("=")
         key = key.strip()
         if key in choices and not _same(value.strip().strip("'\""), choices[key]):
-            raise UserError(f"--set {item} conflicts with {source}, which sets {key} = {choices[key]}; "
-                            "give one or the other")
+            raise UserError(
+                f"--set {item} conflicts with {source}, which sets {key} = {choices[key]}; give one or the other"
+            )

@@ -52,8 +52,9 @@ def prepare_data(d: C.DataConfig, log: Log = stderr_log) -> Prepared:
     train, ev = split.train, split.eval
     rule = split.rule
     ids = None
-    if (d.max_users is not None and train.num_users > d.max_users) or \
-            (d.max_eval_users is not None and ev.num_users > d.max_eval_users):
+    if (d.max_users is not None and train.num_users > d.max_users) or (
+        d.max_eval_users is not None and ev.num_users > d.max_eval_users
+    ):
         ids = user_ids_of(store, store.num_users)
     sample_note = ""
     if d.sample_rate is not None:
@@ -61,24 +62,32 @@ def prepare_data(d: C.DataConfig, log: Log = stderr_log) -> Prepared:
         before = train.num_users
         train = keep_users(train, ids, d.sample_rate, d.split_seed, "sample")
         rule += f"; a Poisson sample of the training users at rate {d.sample_rate:.4g} by a keyed hash of each id"
-        log(f"data.sample_rate = {d.sample_rate:.4g}: training on {train.num_users} of the {before} training users "
-            "(each in or out by a keyed hash of its own id; drop --sample / data.sample_rate for the real run)")
+        log(
+            f"data.sample_rate = {d.sample_rate:.4g}: training on {train.num_users} of the {before} training users "
+            "(each in or out by a keyed hash of its own id; drop --sample / data.sample_rate for the real run)"
+        )
     if d.max_users is not None and train.num_users > d.max_users:
         before = train.num_users
         train, rate = sample_users(train, ids, d.max_users, d.split_seed, "sample")
         rule += f"; a Poisson sample of the training users at rate {rate:.4g} by a keyed hash of each id"
-        sample_note = (f"data.max_users: the training users are a sample at rate {rate:.4g} = {d.max_users}/N, a rate "
-                       "that depends on how many users there are, so one user's presence can change whether "
-                       "others are sampled; the guarantee covers the sampled users taken as the data set "
-                       "(data.sample_rate, a rate fixed in advance, has no such dependence)")
-        log(f"data.max_users = {d.max_users}: training on a Poisson sample of the {before} training users (rate "
+        sample_note = (
+            f"data.max_users: the training users are a sample at rate {rate:.4g} = {d.max_users}/N, a rate "
+            "that depends on how many users there are, so one user's presence can change whether "
+            "others are sampled; the guarantee covers the sampled users taken as the data set "
+            "(data.sample_rate, a rate fixed in advance, has no such dependence)"
+        )
+        log(
+            f"data.max_users = {d.max_users}: training on a Poisson sample of the {before} training users (rate "
             f"{rate:.4g}, each user in or out on its own): {train.num_users} users ({before - train.num_users} "
-            "left out of this run; drop --sample / data.max_users for the real run)")
+            "left out of this run; drop --sample / data.max_users for the real run)"
+        )
     if d.max_eval_users is not None and ev.num_users > d.max_eval_users:
         ev, _ = sample_users(ev, ids, d.max_eval_users, d.split_seed, "eval-sample")
     drops = store.drops.to_dict() if hasattr(store.drops, "to_dict") else {}
-    log(f"data: {store.num_users} users, {store.num_records} records; {rule}; training on "
-        f"{train.num_users} users / {train.num_records} records, evaluating {ev.num_users} held-out users")
+    log(
+        f"data: {store.num_users} users, {store.num_records} records; {rule}; training on "
+        f"{train.num_users} users / {train.num_records} records, evaluating {ev.num_users} held-out users"
+    )
     # the store's content and the split: a run's journal is bound to it, so a changed data file or
     # split_seed cannot resume the run or evaluate trained users as held out
     data_fp = fingerprint(store.fingerprint, rule, split.train.fingerprint(), split.eval.fingerprint())
@@ -108,8 +117,9 @@ def _perplexity_scores(L: int, prep, tok, model, log):
         return out
 
     log("scoring the training records' perplexity under the starting model (a disclosed data touch) ...")
-    scores, touch = perplexity_scores(prep.store, score, model_id, subset=prep.train_subset,
-                                      cache_dir=owned_dir(private_cache_root() / "perplexity"))
+    scores, touch = perplexity_scores(
+        prep.store, score, model_id, subset=prep.train_subset, cache_dir=owned_dir(private_cache_root() / "perplexity")
+    )
     rows = prep.train_subset.rows(prep.store.offsets)
     return np.asarray(scores)[rows], touch
 
@@ -126,12 +136,16 @@ def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None):
     mode = "full" if selection == "random_chunk" else "truncate"
     tr = tokenize_store(prep.store, tok, TokenLayout(seq_len, mode), subset=prep.train_subset, cache_dir=cache)
     ev = tokenize_store(prep.store, tok, TokenLayout(seq_len), subset=prep.eval_subset, cache_dir=cache)
-    log(f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
-        f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)")
+    log(
+        f"tokenized {tr.num_users} training and {ev.num_users} held-out users "
+        f"({tr.num_tokens + ev.num_tokens} tokens, {time.time() - t0:.1f} s)"
+    )
     for name, part in (("training", tr), ("held-out", ev)):  # never train or evaluate on nothing
         if part.num_users and part.num_tokens == 0:
-            raise UserError(f"the {name} users' records tokenized to 0 tokens: the tokenizer cannot encode this "
-                            "data (check tokenizer.path / model.path, data.text_field); nothing was trained")
+            raise UserError(
+                f"the {name} users' records tokenized to 0 tokens: the tokenizer cannot encode this "
+                "data (check tokenizer.path / model.path, data.text_field); nothing was trained"
+            )
     scores, touch = None, None
     if selection in ("highest_ppl", "lowest_ppl"):
         if model is None:

@@ -37,8 +37,7 @@ def pack(token_lists: Iterable[Sequence[int]], seq_len: int, eos_id: int | None)
             flat.append(eos_id)
     n = len(flat) // seq_len
     if n < 1:
-        raise UserError(f"pretrain: the public text holds {len(flat)} tokens, fewer than one "
-                        f"block of {seq_len}")
+        raise UserError(f"pretrain: the public text holds {len(flat)} tokens, fewer than one block of {seq_len}")
     return torch.tensor(flat[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
@@ -74,22 +73,38 @@ class Reporting:
     state_path: Path | None = None
 
 
-def train_lm(model: torch.nn.Module, blocks: torch.Tensor, spec: PretrainSpec,
-             report: Reporting = Reporting()) -> list[float]:
+def train_lm(
+    model: torch.nn.Module, blocks: torch.Tensor, spec: PretrainSpec, report: Reporting = Reporting()
+) -> list[float]:
     """Plain (non-private) LM training on packed blocks, as ``spec`` says; returns the loss per step.
 
     ``report.state_path``: a checkpoint of this training (model, optimizer, batch generator, step),
     written atomically every ``report.every`` steps and removed at the end; a run that finds one
     made with the same settings continues from it (bit for bit what an uninterrupted run computes)."""
     steps, batch_size, lr, warmup, seed = spec.steps, spec.batch_size, spec.lr, spec.warmup, spec.seed
-    weight_decay, state_path, every, say, log = spec.weight_decay, report.state_path, report.every, report.say, report.log
+    weight_decay, state_path, every, say, log = (
+        spec.weight_decay,
+        report.state_path,
+        report.every,
+        report.say,
+        report.log,
+    )
     if steps < 1:
         raise UserError(f"pretrain: steps must be >= 1, got {steps}")
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-    setting = fingerprint(steps, batch_size, lr, warmup, seed, weight_decay, tuple(blocks.shape),
-                          int(blocks.sum()), sum(p.numel() for p in params))
+    setting = fingerprint(
+        steps,
+        batch_size,
+        lr,
+        warmup,
+        seed,
+        weight_decay,
+        tuple(blocks.shape),
+        int(blocks.sum()),
+        sum(p.numel() for p in params),
+    )
     start, losses = 0, []
     if state_path is not None and Path(state_path).is_file():
         try:
@@ -106,8 +121,14 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, spec: PretrainSpec,
             gen = torch.Generator().manual_seed(seed)
 
     def save(step: int) -> None:
-        state = {"setting": setting, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "generator": gen.get_state(), "step": step, "losses": losses}
+        state = {
+            "setting": setting,
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "generator": gen.get_state(),
+            "step": step,
+            "losses": losses,
+        }
         write_atomic(state_path, lambda p: torch.save(state, p))
 
     def lr_at(step: int) -> float:
@@ -138,8 +159,10 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, spec: PretrainSpec,
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tok_s:.0f}")
         if say is not None and step - start == 4 and steps - step > 1:
             left = (time.time() - t0) / 5 * (steps - step - 1)
-            say(f"pretraining: about {left:.0f} s for the {steps - step - 1} steps left "
-                f"(checkpointed every {every} steps; stopping loses at most that many)")
+            say(
+                f"pretraining: about {left:.0f} s for the {steps - step - 1} steps left "
+                f"(checkpointed every {every} steps; stopping loses at most that many)"
+            )
         if state_path is not None and (step + 1) % every == 0 and step + 1 < steps:
             save(step + 1)
         if log is not None:
@@ -152,8 +175,9 @@ def train_lm(model: torch.nn.Module, blocks: torch.Tensor, spec: PretrainSpec,
     return losses
 
 
-def pretrain_model(texts: Sequence[str], tokenizer, spec: PretrainSpec, *, device=None,
-                   report: Reporting = Reporting()):
+def pretrain_model(
+    texts: Sequence[str], tokenizer, spec: PretrainSpec, *, device=None, report: Reporting = Reporting()
+):
     """Build (``spec.preset``) or load (``spec.base_model``) a causal LM and train it on public
     ``texts`` as ``spec`` says (on ``device``, default the CPU; the model is returned on the CPU)."""
     ids = encode_texts(tokenizer, texts)
@@ -162,15 +186,24 @@ def pretrain_model(texts: Sequence[str], tokenizer, spec: PretrainSpec, *, devic
     if spec.base_model:
         model = models.load_local(spec.base_model)
     else:
-        model = models.build_preset(spec.preset, vocab_size=tokenizer.get_vocab_size(),
-                                    n_positions=max(spec.seq_len, 128), bos_token_id=sp.get("eos"),
-                                    eos_token_id=sp.get("eos"), seed=spec.seed)
+        model = models.build_preset(
+            spec.preset,
+            vocab_size=tokenizer.get_vocab_size(),
+            n_positions=max(spec.seq_len, 128),
+            bos_token_id=sp.get("eos"),
+            eos_token_id=sp.get("eos"),
+            seed=spec.seed,
+        )
     if device is not None:
         model.to(device)
     losses = train_lm(model, blocks, spec, report)
     model.cpu()
-    return model, {"blocks": int(blocks.shape[0]), "tokens": int(blocks.numel()),
-                   "final_loss": float(np.mean(losses[-20:])), "steps": spec.steps}
+    return model, {
+        "blocks": int(blocks.shape[0]),
+        "tokens": int(blocks.numel()),
+        "final_loss": float(np.mean(losses[-20:])),
+        "steps": spec.steps,
+    }
 
 
 def save_pretrained(model, tokenizer, out_dir: str | Path, info: dict) -> Path:

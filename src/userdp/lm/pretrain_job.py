@@ -19,8 +19,10 @@ from userdp.lm.pretrain import PretrainSpec, pretrain_model, save_pretrained
 def public_texts(args) -> tuple[list[str], str]:
     if args.public_text:
         if not args.declare_public:
-            raise UserError("--public-text: pass --declare-public to state that this text is public "
-                            "(pretraining is not private; it must not contain the users' records)")
+            raise UserError(
+                "--public-text: pass --declare-public to state that this text is public "
+                "(pretraining is not private; it must not contain the users' records)"
+            )
         return read_public_file(args.public_text, args.text_field), f"declared-public file {args.public_text}"
     if args.stackexchange:
         if not args.declare_public:
@@ -57,11 +59,24 @@ def pretrain_job(args) -> dict:
     else:
         tok = train_bpe(PublicText(texts, description=desc), args.vocab_size)
     t0 = time.time()
-    spec = PretrainSpec(preset=args.preset, seq_len=args.seq_len, steps=args.steps, batch_size=args.batch_size,
-                        lr=args.lr, seed=args.seed, base_model=args.base_model)
+    spec = PretrainSpec(
+        preset=args.preset,
+        seq_len=args.seq_len,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        seed=args.seed,
+        base_model=args.base_model,
+    )
     model, info = pretrain_model(texts, tok, spec, device=device)
-    info.update(public_text=desc, seconds=round(time.time() - t0, 1), preset=args.preset,
-                vocab_size=tok.get_vocab_size(), seq_len=args.seq_len, output=str(out))
+    info.update(
+        public_text=desc,
+        seconds=round(time.time() - t0, 1),
+        preset=args.preset,
+        vocab_size=tok.get_vocab_size(),
+        seq_len=args.seq_len,
+        output=str(out),
+    )
     with atomic_dir(out, keep_existing=False) as tmp:  # an empty folder there (checked above) is replaced
         save_pretrained(model, tok, tmp, info)
     return info

@@ -33,20 +33,38 @@ def release_facts(job: JobPlan, num_records: int, notes: dict) -> ReleaseFacts:
     """The job's facts for its statement (known once the model and the data are built, before the
     first step: the journal binds their scope, :func:`userdp.lm.statement.statement_scope`)."""
     t, p, plan = job.training, job.privacy, job.plan
-    touches = ([notes["data_touch"]] if notes.get("data_touch") else []) \
-        + ([notes["sample"]] if notes.get("sample") else []) + list(p.disclosed_touches or []) \
-        + (plan_touches(plan) if plan else []) + _monitoring(job.output)
+    touches = (
+        ([notes["data_touch"]] if notes.get("data_touch") else [])
+        + ([notes["sample"]] if notes.get("sample") else [])
+        + list(p.disclosed_touches or [])
+        + (plan_touches(plan) if plan else [])
+        + _monitoring(job.output)
+    )
     facts = ReleaseFacts(
-        algorithm=t.algorithm, accountant=p.accountant, sampler_assumed=job.sampler_assumed,
-        epsilon_target=p.epsilon, steps_planned=t.steps, group_size=t.group_size, num_records=num_records,
-        clipping=t.clipping, seq_len=job.seq_len, selection=t.selection,
-        tokenizer_note=notes.get("tokenizer", ""), pretraining_note=notes.get("pretraining", ""),
-        not_accounted=tuple(touches), plan=plan, plugins=tuple(plugins.loaded()),
-        compute={"device": notes.get("device"), "chunk_size": notes.get("chunk_size"),
-                 "quantization": notes.get("quantization"),
-                 "processes": notes.get("processes", {"world_size": 1, "backend": None}),
-                 "sharding": t.sharding,
-                 **({"weights": notes["weights_widened"]} if notes.get("weights_widened") else {})})
+        algorithm=t.algorithm,
+        accountant=p.accountant,
+        sampler_assumed=job.sampler_assumed,
+        epsilon_target=p.epsilon,
+        steps_planned=t.steps,
+        group_size=t.group_size,
+        num_records=num_records,
+        clipping=t.clipping,
+        seq_len=job.seq_len,
+        selection=t.selection,
+        tokenizer_note=notes.get("tokenizer", ""),
+        pretraining_note=notes.get("pretraining", ""),
+        not_accounted=tuple(touches),
+        plan=plan,
+        plugins=tuple(plugins.loaded()),
+        compute={
+            "device": notes.get("device"),
+            "chunk_size": notes.get("chunk_size"),
+            "quantization": notes.get("quantization"),
+            "processes": notes.get("processes", {"world_size": 1, "backend": None}),
+            "sharding": t.sharding,
+            **({"weights": notes["weights_widened"]} if notes.get("weights_widened") else {}),
+        },
+    )
     return facts
 
 
@@ -62,21 +80,28 @@ def save_released_model(rd: RunDir, model, tokenizer, **save_kwargs) -> None:
 
 def _monitoring(output: C.OutputConfig) -> list[str]:
     """The run's monitoring files, which hold statistics of the private data without noise."""
-    where = "diagnostics.jsonl, curves.png and tensorboard/" if output.tensorboard else \
-        "diagnostics.jsonl and curves.png"
-    return [f"monitoring: the training loss, fraction clipped and non-finite count per step in {where} are "
-            "computed on the private data without noise (the data holder's private files; never released)"]
+    where = (
+        "diagnostics.jsonl, curves.png and tensorboard/" if output.tensorboard else "diagnostics.jsonl and curves.png"
+    )
+    return [
+        f"monitoring: the training loss, fraction clipped and non-finite count per step in {where} are "
+        "computed on the private data without noise (the data holder's private files; never released)"
+    ]
 
 
 def audit_disclosures(section: dict) -> list[str]:
     """The audit's non-private touches of real users' data, one line each (for not_accounted)."""
-    out = [f"audit: {section['canaries_included']} synthetic canary users were added to the training data "
-           "(they are counted in N; they are not people)"]
+    out = [
+        f"audit: {section['canaries_included']} synthetic canary users were added to the training data "
+        "(they are counted in N; they are not people)"
+    ]
     ui = section.get("user_inference")
     if ui:
-        out.append(f"audit: the user-inference AUC and TPR were computed without noise on the records of "
-                   f"{ui['trained_users']} training users and {ui['heldout_users']} held-out users "
-                   "(a non-private statistic of the data)")
+        out.append(
+            f"audit: the user-inference AUC and TPR were computed without noise on the records of "
+            f"{ui['trained_users']} training users and {ui['heldout_users']} held-out users "
+            "(a non-private statistic of the data)"
+        )
     return out
 
 
@@ -108,8 +133,9 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         return None
     if ev.personalize:
         log("personalization evaluation (docs/lm.md) ...")
-        ev_state["personalization"] = personalize(models.merged(model), eval_data,
-                                                  how=Personalization(ev.personalize_lr, ev.personalize_epochs))
+        ev_state["personalization"] = personalize(
+            models.merged(model), eval_data, how=Personalization(ev.personalize_lr, ev.personalize_epochs)
+        )
     write_json(rd.eval, ev_state)
     priv = privacy_json(job, res.record, prep.train_subset.num_records, notes)
     priv["split"] = prep.split_rule
@@ -121,8 +147,13 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         priv["not_accounted"] = list(priv.get("not_accounted") or []) + audit_disclosures(priv["audit"])
         log(f"audit: {priv['audit']['statement']}")
     write_json(rd.privacy, priv)
-    save_released_model(rd, model, tok, quantize=job.lora.quantize,  # validate(): quantize needs LoRA
-                        tokenizer_folder=notes.get("tokenizer_folder"))
+    save_released_model(
+        rd,
+        model,
+        tok,
+        quantize=job.lora.quantize,  # validate(): quantize needs LoRA
+        tokenizer_folder=notes.get("tokenizer_folder"),
+    )
     if job.lora.enabled and job.lora.save_adapter:
         with atomic_dir(rd.adapter, keep_existing=False) as tmp:
             models.save_model(model, tmp, None, adapter=True)
@@ -136,20 +167,38 @@ def release(job: JobPlan, model, data: JobData, res, ev_state: dict, ctx: JobCon
         "perplexity_after": ev_state["after"]["perplexity"],
         "loss_before": (ev_state.get("before") or {}).get("loss"),
         "loss_after": ev_state["after"]["loss"],
-        "epsilon": priv["epsilon"], "delta": priv["delta"], "epsilon_target": priv["epsilon_target"],
+        "epsilon": priv["epsilon"],
+        "delta": priv["delta"],
+        "epsilon_target": priv["epsilon_target"],
         "epsilon_total": priv.get("epsilon_total", priv["epsilon"]),
-        "epsilon_plan": priv.get("epsilon_plan"), "seeded": priv.get("seeded", False),
-        "sampler": job.privacy.sampler, "epsilon_assuming_poisson": priv.get("epsilon_assuming_poisson"),
-        "group_size": job.training.group_size, "cohort_size": job.training.cohort_size,
+        "epsilon_plan": priv.get("epsilon_plan"),
+        "seeded": priv.get("seeded", False),
+        "sampler": job.privacy.sampler,
+        "epsilon_assuming_poisson": priv.get("epsilon_assuming_poisson"),
+        "group_size": job.training.group_size,
+        "cohort_size": job.training.cohort_size,
         "plan": (plan or {}).get("applied"),
-        "noise_multiplier": priv["noise_multiplier"], "sampling_rate": priv["sampling_rate"],
-        "steps": res.steps, "stopped": res.stopped, "train_users": prep.train_subset.num_users,
-        "eval_users": prep.eval_subset.num_users, "seconds": round(time.time() - t_start, 1),
+        "noise_multiplier": priv["noise_multiplier"],
+        "sampling_rate": priv["sampling_rate"],
+        "steps": res.steps,
+        "stopped": res.stopped,
+        "train_users": prep.train_subset.num_users,
+        "eval_users": prep.eval_subset.num_users,
+        "seconds": round(time.time() - t_start, 1),
     }
     if audit is not None:
         a = priv["audit"]
-        summary["audit"] = {k: a.get(k) for k in ("statement", "epsilon_lower_bound", "confidence",
-                                                   "canaries", "canaries_included", "mechanism_caught")}
+        summary["audit"] = {
+            k: a.get(k)
+            for k in (
+                "statement",
+                "epsilon_lower_bound",
+                "confidence",
+                "canaries",
+                "canaries_included",
+                "mechanism_caught",
+            )
+        }
     rd.write_state(status="done", summary=summary)  # public: no path, no count of private events
     write_report(rd.root)  # report.md and report.json, as `userdp report` writes them
     if job.output.tensorboard:

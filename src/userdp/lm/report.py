@@ -32,22 +32,34 @@ from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_d
 TIERS = [
     (1.0, 1, "Tier 1 (epsilon <= 1): strong protection"),
     (10.0, 2, "Tier 2 (epsilon <= 10): reasonable; the common target for ML models"),
-    (math.inf, 3, "Tier 3 (epsilon > 10): weak; release needs additional measures (empirical "
-                  "auditing, demonstrated robustness to attacks, or removal of sensitive data)"),
+    (
+        math.inf,
+        3,
+        "Tier 3 (epsilon > 10): weak; release needs additional measures (empirical "
+        "auditing, demonstrated robustness to attacks, or removal of sensitive data)",
+    ),
 ]
 
 
 def epsilon_tier(eps: float | None) -> dict:
     """Ponomareva et al. 2023, §5.2.1 tier of an epsilon (user-level unit, add/remove adjacency assumed)."""
     if eps is None or not math.isfinite(eps):
-        return {"tier": None, "meaning": "no differential-privacy guarantee (non-private training)",
-                "context": "e^10 = 22,026"}
+        return {
+            "tier": None,
+            "meaning": "no differential-privacy guarantee (non-private training)",
+            "context": "e^10 = 22,026",
+        }
     for bound, tier, meaning in TIERS:
         if eps <= bound:
-            return {"tier": tier, "meaning": meaning,
-                    "context": (f"an adversary's odds about any one user's participation change by "
-                                f"at most a factor e^{eps:.3g} = {math.exp(min(eps, 700)):.4g} "
-                                "(except with probability delta); for comparison e^10 = 22,026")}
+            return {
+                "tier": tier,
+                "meaning": meaning,
+                "context": (
+                    f"an adversary's odds about any one user's participation change by "
+                    f"at most a factor e^{eps:.3g} = {math.exp(min(eps, 700)):.4g} "
+                    "(except with probability delta); for comparison e^10 = 22,026"
+                ),
+            }
     raise AssertionError  # pragma: no cover
 
 
@@ -65,11 +77,31 @@ def median_composed(dp_event: dict | None) -> bool:
     return dp_event is not None and A.has_pure_dp(A.event_from_dict(dp_event))
 
 
-REQUIRED = ["setting", "data_accesses_covered", "mechanism_output", "unit", "adjacency",
-            "accountant", "assumptions", "sampler_used", "assumptions_met", "epsilon", "delta",
-            "delta_rule", "tuning_guarantee", "noise_multiplier", "sampling_rate", "steps_taken",
-            "clip_norm", "group_size", "not_accounted", "library_versions", "dp_event", "tier",
-            "transparency"]
+REQUIRED = [
+    "setting",
+    "data_accesses_covered",
+    "mechanism_output",
+    "unit",
+    "adjacency",
+    "accountant",
+    "assumptions",
+    "sampler_used",
+    "assumptions_met",
+    "epsilon",
+    "delta",
+    "delta_rule",
+    "tuning_guarantee",
+    "noise_multiplier",
+    "sampling_rate",
+    "steps_taken",
+    "clip_norm",
+    "group_size",
+    "not_accounted",
+    "library_versions",
+    "dp_event",
+    "tier",
+    "transparency",
+]
 
 
 def verify_epsilon(rec: dict, path: Path) -> None:
@@ -93,8 +125,10 @@ def verify_epsilon(rec: dict, path: Path) -> None:
         raise UserError(f"{path}: the saved DpEvent or delta is malformed ({exc})") from None
     claimed = rec.get("epsilon")
     if not isinstance(claimed, (int, float)) or not math.isclose(eps, float(claimed), rel_tol=1e-9, abs_tol=1e-12):
-        raise UserError(f"{path}: epsilon {claimed} does not match the epsilon of its own DpEvent "
-                        f"({eps:.6g}): the file was edited or damaged")
+        raise UserError(
+            f"{path}: epsilon {claimed} does not match the epsilon of its own DpEvent "
+            f"({eps:.6g}): the file was edited or damaged"
+        )
     steps = getattr(event, "count", None)
     if steps is not None and rec.get("steps_taken") is not None and int(steps) != int(rec["steps_taken"]):
         raise UserError(f"{path}: the DpEvent composes {steps} steps but steps_taken says {rec['steps_taken']}")
@@ -130,8 +164,10 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
     ctx = header.get("context") or {}
     bound = ("config_sha256", "config_privacy_sha256", "engine_privacy_config_sha256")
     if any(k in ctx for k in bound) and not rd.matches_journal(ctx):
-        raise UserError(f"{rd.config}: not the configuration this run's ledger journal was bound to (edited, or "
-                        "copied in from another run)")
+        raise UserError(
+            f"{rd.config}: not the configuration this run's ledger journal was bound to (edited, or "
+            "copied in from another run)"
+        )
     check_metrics_cite_journal(rd)
     if not rec.get("private", True):
         if header.get("event") != "non-private":
@@ -139,8 +175,10 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
         return
     cited = (rec.get("engine_record") or {}).get("journal")
     if not isinstance(cited, dict):
-        raise UserError(f"{rd.privacy}: it carries no reference to this run's ledger journal (written by an "
-                        "older userdp, or copied in from elsewhere)")
+        raise UserError(
+            f"{rd.privacy}: it carries no reference to this run's ledger journal (written by an "
+            "older userdp, or copied in from elsewhere)"
+        )
     if cited.get("run") != header.get("run"):
         raise UserError(f"{rd.privacy}: it belongs to another run (its ledger journal id differs from {journal}'s)")
     check_cited(journal, hashes, header.get("run"), cited, str(rd.privacy))
@@ -155,27 +193,38 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
         raise UserError(f"{journal}: its plan_dp_median_epsilon is not a number") from None
     # the plan's DP median composed before the steps (spent through the ledger); without it, a run
     # written before the median was so spent (its total then adds the median by basic composition)
-    wants = [A.event_to_dict(A.compose_after(p, step_event, begun)) if (begun or p) else None
-             for p in ((prior, ()) if prior else ((),))]
+    wants = [
+        A.event_to_dict(A.compose_after(p, step_event, begun)) if (begun or p) else None
+        for p in ((prior, ()) if prior else ((),))
+    ]
     if rec.get("dp_event") not in wants:
-        raise UserError(f"{rd.privacy}: its DpEvent is not the ledger journal's step event composed over the "
-                        f"{begun} steps the journal records as begun (the file was edited, or is stale)")
+        raise UserError(
+            f"{rd.privacy}: its DpEvent is not the ledger journal's step event composed over the "
+            f"{begun} steps the journal records as begun (the file was edited, or is stale)"
+        )
     if "delta" in ctx and ctx["delta"] != rec.get("delta"):
-        raise UserError(f"{rd.privacy}: delta {rec.get('delta')} is not the delta {ctx['delta']} the ledger "
-                        "journal was bound to")
+        raise UserError(
+            f"{rd.privacy}: delta {rec.get('delta')} is not the delta {ctx['delta']} the ledger journal was bound to"
+        )
     if "plan_dp_median_epsilon" in ctx:  # a plan's DP median spent before the first step: it must be stated
         bound = float(ctx["plan_dp_median_epsilon"])
         if not rec.get("plan"):
-            raise UserError(f"{rd.privacy}: the ledger journal records a plan whose DP median spent epsilon = "
-                            f"{bound:.6g}, but the record carries no plan section (deleted?)")
+            raise UserError(
+                f"{rd.privacy}: the ledger journal records a plan whose DP median spent epsilon = "
+                f"{bound:.6g}, but the record carries no plan section (deleted?)"
+            )
         got = plan_median_epsilon(rec["plan"], str(rd.privacy))
         if not math.isclose(got, bound, rel_tol=1e-9, abs_tol=1e-12):
-            raise UserError(f"{rd.privacy}: its plan's DP median spent epsilon = {got:.6g}, not the {bound:.6g} the "
-                            "ledger journal was bound to (the plan section was edited)")
+            raise UserError(
+                f"{rd.privacy}: its plan's DP median spent epsilon = {got:.6g}, not the {bound:.6g} the "
+                "ledger journal was bound to (the plan section was edited)"
+            )
     acc = (rec.get("engine_record") or {}).get("accountant")
     if "accountant" in ctx and ctx["accountant"] != acc:
-        raise UserError(f"{rd.privacy}: accountant {acc!r} is not the accountant {ctx['accountant']!r} the "
-                        "ledger journal was bound to")
+        raise UserError(
+            f"{rd.privacy}: accountant {acc!r} is not the accountant {ctx['accountant']!r} the "
+            "ledger journal was bound to"
+        )
 
 
 def verify_scope(rec: dict, ctx: dict, path: Path, tuned: bool) -> None:
@@ -187,20 +236,26 @@ def verify_scope(rec: dict, ctx: dict, path: Path, tuned: bool) -> None:
     Raises:
         UserError: naming the file and the first figure or line that differs."""
     if "num_users" in ctx and rec.get("num_users") != ctx["num_users"]:
-        raise UserError(f"{path}: num_users {rec.get('num_users')} is not the {ctx['num_users']} users the ledger "
-                        "journal was bound to (the file was edited)")
+        raise UserError(
+            f"{path}: num_users {rec.get('num_users')} is not the {ctx['num_users']} users the ledger "
+            "journal was bound to (the file was edited)"
+        )
     scope = ctx.get("statement")
     if not isinstance(scope, dict):  # a run written before the journal bound its statement's scope
         return
     if rec.get("num_records") != scope.get("num_records"):
-        raise UserError(f"{path}: num_records {rec.get('num_records')} is not the {scope.get('num_records')} "
-                        "training records the ledger journal was bound to (the file was edited)")
+        raise UserError(
+            f"{path}: num_records {rec.get('num_records')} is not the {scope.get('num_records')} "
+            "training records the ledger journal was bound to (the file was edited)"
+        )
     have = rec.get("not_accounted")
     have = set(have) if isinstance(have, list) and all(isinstance(x, str) for x in have) else set()
     for line in scope.get("not_accounted") or []:
         if line not in have and not (tuned and line.startswith(TUNING_LINE_PREFIX)):
-            raise UserError(f"{path}: its not_accounted list lacks a line the ledger journal was bound to "
-                            f"({line[:60]!r}...): a disclosure was removed")
+            raise UserError(
+                f"{path}: its not_accounted list lacks a line the ledger journal was bound to "
+                f"({line[:60]!r}...): a disclosure was removed"
+            )
 
 
 def verify_tuning(rec: dict, path: Path, contract: str | None) -> float | None:
@@ -222,8 +277,10 @@ def verify_tuning(rec: dict, path: Path, contract: str | None) -> float | None:
     if t.get("on") != "private":
         return None
     if contract is None:
-        raise UserError(f"{src}: a private tuning section, but this run's configuration (bound to its ledger "
-                        "journal) names no tuning contract: the section was added after the run")
+        raise UserError(
+            f"{src}: a private tuning section, but this run's configuration (bound to its ledger "
+            "journal) names no tuning contract: the section was added after the run"
+        )
     try:
         events, best_mech = t["run_events"], t["best"]["mechanism"]
         delta = float(t["delta"])
@@ -231,8 +288,10 @@ def verify_tuning(rec: dict, path: Path, contract: str | None) -> float | None:
     except (KeyError, TypeError, ValueError, AttributeError):
         raise UserError(f"{src}: the tuning section lacks the contract its guarantee is derived from") from None
     if digest != contract:
-        raise UserError(f"{src}: the tuning section is not the contract this run's journal was bound to "
-                        "(edited, or copied from another tuning run)")
+        raise UserError(
+            f"{src}: the tuning section is not the contract this run's journal was bound to "
+            "(edited, or copied from another tuning run)"
+        )
     if delta != rec.get("delta"):
         raise UserError(f"{src}: the tuning guarantee's delta {delta} is not the run's {rec.get('delta')}")
     g = TG.derive(events, None, TG.trial_count_from_dict(t.get("trial_count") or {}, src), delta, source=src)
@@ -245,8 +304,10 @@ def verify_tuning(rec: dict, path: Path, contract: str | None) -> float | None:
     eps = g["epsilon_released_model"]
     claimed = t.get("epsilon_total")
     if not isinstance(claimed, (int, float)) or not math.isclose(claimed, eps, rel_tol=1e-9, abs_tol=1e-12):
-        raise UserError(f"{src}: epsilon_total {claimed} is not the guarantee its events give ({eps:.6g}): the "
-                        "file was edited or damaged")
+        raise UserError(
+            f"{src}: epsilon_total {claimed} is not the guarantee its events give ({eps:.6g}): the "
+            "file was edited or damaged"
+        )
     return eps
 
 
@@ -272,8 +333,13 @@ def _at_delta(rec: dict, delta: float, path: Path) -> dict:
     out = {"delta": delta, "epsilon_run": own}
     t = rec.get("tuning") if isinstance(rec.get("tuning"), dict) else {}
     if t.get("on") == "private":
-        g = TG.derive(t["run_events"], None,
-                      TG.trial_count_from_dict(t.get("trial_count") or {}, str(path)), delta, source=str(path))
+        g = TG.derive(
+            t["run_events"],
+            None,
+            TG.trial_count_from_dict(t.get("trial_count") or {}, str(path)),
+            delta,
+            source=str(path),
+        )
         out["epsilon"] = g["epsilon_released_model"]
         out["note"] = "the released (selected) model's guarantee at this delta"
     else:
@@ -281,11 +347,14 @@ def _at_delta(rec: dict, delta: float, path: Path) -> dict:
         out["epsilon"] = own + (0.0 if inside else float(rec.get("epsilon_plan") or 0.0))
         out["note"] = "re-derived from the run's DpEvent" + (
             (" (the plan's DP median composed in it)" if inside else " plus the plan's DP median")
-            if rec.get("epsilon_plan") else "")
+            if rec.get("epsilon_plan")
+            else ""
+        )
     nt = (rec.get("engine_record") or {}).get("noise_tail")
     if nt:  # the sampler's tail term grows with epsilon: stated beside the requested delta
-        out["delta_noise_tail"] = tail_delta(int(nt["coordinates"]), int(rec["steps_taken"]), out["epsilon"],
-                                             ChaChaNoise.tail_mass_per_pair)
+        out["delta_noise_tail"] = tail_delta(
+            int(nt["coordinates"]), int(rec["steps_taken"]), out["epsilon"], ChaChaNoise.tail_mass_per_pair
+        )
     return out
 
 
@@ -309,9 +378,11 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
     if not rd.privacy.is_file():
         begun = _ledger_steps(rd)
         if begun:
-            raise UserError(f"{run_dir}: no privacy.json yet, but the ledger journal records {begun} steps "
-                            "begun (the run stopped before it could write its statement); "
-                            f"`userdp train --resume {run_dir}` completes the accounting")
+            raise UserError(
+                f"{run_dir}: no privacy.json yet, but the ledger journal records {begun} steps "
+                "begun (the run stopped before it could write its statement); "
+                f"`userdp train --resume {run_dir}` completes the accounting"
+            )
         raise UserError(f"{run_dir}: no privacy.json yet (the run has not taken a step)")
     rec = read_json(rd.privacy)
     if not isinstance(rec, dict):
@@ -323,8 +394,9 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
     nt = (rec.get("engine_record") or {}).get("noise_tail")
     if rec.get("private", True) and nt:  # re-derived: the sampler's dropped tail, added to delta
         try:
-            tail = tail_delta(int(nt["coordinates"]), int(rec["steps_taken"]), float(rec["epsilon"]),
-                              ChaChaNoise.tail_mass_per_pair)
+            tail = tail_delta(
+                int(nt["coordinates"]), int(rec["steps_taken"]), float(rec["epsilon"]), ChaChaNoise.tail_mass_per_pair
+            )
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{rd.privacy}: the noise sampler's tail record is malformed") from None
         rec["delta_noise_tail"] = tail
@@ -339,7 +411,8 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
             rec["not_accounted"] = list(rec.get("not_accounted") or []) + [
                 "this run is one trial of a private tuning run: its epsilon covers this run on its own; if it is "
                 "released as the selected trial, the guarantee is the tuning guarantee (userdp tune writes it "
-                "into the selected run), never this trial's epsilon"]
+                "into the selected run), never this trial's epsilon"
+            ]
         inside = median_composed(rec.get("dp_event"))
         total = tuned if tuned is not None else float(rec["epsilon"]) + (0.0 if inside else plan_eps)
         rec["epsilon_plan"] = plan_eps if rec.get("plan") is not None else None
@@ -375,15 +448,24 @@ def _fmt(v: Any) -> str:
 def _render_evaluation(L: list, ev: dict, private: bool = True) -> None:
     if not ev:
         return
-    L.append("## 7. Held-out-user evaluation (not a DP release)" if private else "## Held-out-user evaluation (not a DP release)")
-    L.append("- computed without noise on held-out users' records; those users are outside the "
-             "training data, and these numbers are not covered by the guarantee above" if private else
-             "- computed on held-out users' records (users outside the training data)")
+    L.append(
+        "## 7. Held-out-user evaluation (not a DP release)"
+        if private
+        else "## Held-out-user evaluation (not a DP release)"
+    )
+    L.append(
+        "- computed without noise on held-out users' records; those users are outside the "
+        "training data, and these numbers are not covered by the guarantee above"
+        if private
+        else "- computed on held-out users' records (users outside the training data)"
+    )
     for k in ("before", "after"):
         if k in ev and ev[k]:
-            L.append(f"- {k}: loss {_fmt(ev[k].get('loss'))}, perplexity "
-                     f"{_fmt(ev[k].get('perplexity'))} (token-weighted); per-user mean loss "
-                     f"{_fmt(ev[k].get('user_loss'))} over {ev[k].get('num_users')} users")
+            L.append(
+                f"- {k}: loss {_fmt(ev[k].get('loss'))}, perplexity "
+                f"{_fmt(ev[k].get('perplexity'))} (token-weighted); per-user mean loss "
+                f"{_fmt(ev[k].get('user_loss'))} over {ev[k].get('num_users')} users"
+            )
 
 
 def _render_audit(L: list, a: dict) -> None:
@@ -393,18 +475,24 @@ def _render_audit(L: list, a: dict) -> None:
     L.append("## 8. Empirical audit (a lower bound, beside the accounted upper bound)")
     L.append(f"- **{a.get('statement', '')}**")
     if a.get("mechanism_caught"):
-        L.append("- **The audited lower bound exceeds the accounted epsilon: the implementation or its "
-                 "accounting is broken, and the guarantee above must not be relied on.**")
+        L.append(
+            "- **The audited lower bound exceeds the accounted epsilon: the implementation or its "
+            "accounting is broken, and the guarantee above must not be relied on.**"
+        )
     L.append(f"- design: {a.get('design')}")
     L.append(f"- score: {a.get('score')}")
-    L.append(f"- bound: Steinke et al. (2023), Thm 5.2, at delta = {_fmt(a.get('delta'))} and confidence "
-             f"{_fmt(a.get('confidence'))}; {a.get('correct')} of {a.get('guesses')} guesses correct "
-             f"({a.get('k_plus')} \"in\", {a.get('k_minus')} \"out\"; the best of {a.get('guess_grid')} guess "
-             f"counts fixed in advance, paid for by a union bound); canary ROC AUC {_fmt(a.get('canary_auc'))}")
+    L.append(
+        f"- bound: Steinke et al. (2023), Thm 5.2, at delta = {_fmt(a.get('delta'))} and confidence "
+        f"{_fmt(a.get('confidence'))}; {a.get('correct')} of {a.get('guesses')} guesses correct "
+        f'({a.get("k_plus")} "in", {a.get("k_minus")} "out"; the best of {a.get("guess_grid")} guess '
+        f"counts fixed in advance, paid for by a union bound); canary ROC AUC {_fmt(a.get('canary_auc'))}"
+    )
     ui = a.get("user_inference")
     if ui:
-        L.append(f"- user inference on real users (diagnostic): ROC AUC {_fmt(ui.get('auc'))}, TPR at 1% FPR "
-                 f"{_fmt(ui.get('tpr_at_1pct_fpr'))}; {ui.get('note')}")
+        L.append(
+            f"- user inference on real users (diagnostic): ROC AUC {_fmt(ui.get('auc'))}, TPR at 1% FPR "
+            f"{_fmt(ui.get('tpr_at_1pct_fpr'))}; {ui.get('note')}"
+        )
     L.append(f"- what it shows: {a.get('shows')}")
     L.append(f"- what it does not show: {a.get('does_not_show')}")
 
@@ -416,69 +504,95 @@ def render_markdown(rep: dict) -> str:
     L.append(f"# Privacy statement: {'user-level differential privacy' if private else 'no privacy guarantee'}")
     L.append("")
     if not private:
-        L.append("**No differential-privacy guarantee.** This run trained without noise "
-                 "(`training.algorithm: nonprivate`): its model and checkpoints may reveal any training "
-                 "user's data. Nothing here is a privacy statement.")
+        L.append(
+            "**No differential-privacy guarantee.** This run trained without noise "
+            "(`training.algorithm: nonprivate`): its model and checkpoints may reveal any training "
+            "user's data. Nothing here is a privacy statement."
+        )
         L.append("")
         _render_evaluation(L, rep.get("evaluation") or {}, private=False)
         _render_audit(L, rep.get("audit") or {})
         return "\n".join(L) + "\n"
     if rep.get("status") == "interrupted" or rep.get("stopped") == "interrupted":
-        L.append(f"**Interrupted** after {rep.get('steps_applied', rep.get('steps_taken'))} of "
-                 f"{rep.get('steps_planned')} planned steps (Ctrl-C); the statement below covers every step "
-                 f"begun ({rep.get('steps_taken')}). `userdp train --resume` continues the run.")
+        L.append(
+            f"**Interrupted** after {rep.get('steps_applied', rep.get('steps_taken'))} of "
+            f"{rep.get('steps_planned')} planned steps (Ctrl-C); the statement below covers every step "
+            f"begun ({rep.get('steps_taken')}). `userdp train --resume` continues the run."
+        )
         L.append("")
     plan = rep.get("plan")
     plan_eps = rep.get("epsilon_plan") or 0.0
     composed = median_composed(rep.get("dp_event"))
     tuning = rep.get("tuning") if isinstance(rep.get("tuning"), dict) else {}
     if private and tuning.get("on") == "private":
-        L.append(f"**Guarantee.** This model was selected by `userdp tune` among trials whose number was drawn "
-                 f"in secret; the released model (and every checkpoint of this run) satisfies user-level "
-                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential "
-                 f"privacy under add/remove-one-user adjacency — {rep['tier']['meaning']} — by private selection "
-                 "(Papernot & Steinke 2022), which holds while the number of trials stays secret: publishing it, "
-                 "or any other trial's score or model, voids this bound (the tuning directory's tune.json states "
-                 f"what that would cost). This trial's own epsilon, {_fmt(rep.get('epsilon_run', rep.get('epsilon')))}, is the epsilon of one "
-                 "trial, not a guarantee for the selected model.")
+        L.append(
+            f"**Guarantee.** This model was selected by `userdp tune` among trials whose number was drawn "
+            f"in secret; the released model (and every checkpoint of this run) satisfies user-level "
+            f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential "
+            f"privacy under add/remove-one-user adjacency — {rep['tier']['meaning']} — by private selection "
+            "(Papernot & Steinke 2022), which holds while the number of trials stays secret: publishing it, "
+            "or any other trial's score or model, voids this bound (the tuning directory's tune.json states "
+            f"what that would cost). This trial's own epsilon, {_fmt(rep.get('epsilon_run', rep.get('epsilon')))}, is the epsilon of one "
+            "trial, not a guarantee for the selected model."
+        )
     elif private and plan_eps and composed:
-        L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
-                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
-                 f"under add/remove-one-user adjacency in total: the plan's DP median of records per user "
-                 f"(epsilon = {_fmt(plan_eps)} on its own) and training, composed by the accountant (the median's "
-                 f"pure-DP event before the steps, counted by the ledger against the target) — "
-                 f"{rep['tier']['meaning']}. The plan's other data touches are not accounted (section 3).")
+        L.append(
+            f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
+            f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
+            f"under add/remove-one-user adjacency in total: the plan's DP median of records per user "
+            f"(epsilon = {_fmt(plan_eps)} on its own) and training, composed by the accountant (the median's "
+            f"pure-DP event before the steps, counted by the ledger against the target) — "
+            f"{rep['tier']['meaning']}. The plan's other data touches are not accounted (section 3)."
+        )
     elif private and plan_eps:
-        L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
-                 f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
-                 f"under add/remove-one-user adjacency in total: training spent epsilon = "
-                 f"{_fmt(rep.get('epsilon_run', rep.get('epsilon')))} and the plan's DP median of records per user spent "
-                 f"epsilon = {_fmt(plan_eps)} (basic composition) — {rep['tier']['meaning']}. "
-                 "The plan's other data touches are not accounted (section 3).")
+        L.append(
+            f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
+            f"({_fmt(rep['epsilon_total'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
+            f"under add/remove-one-user adjacency in total: training spent epsilon = "
+            f"{_fmt(rep.get('epsilon_run', rep.get('epsilon')))} and the plan's DP median of records per user spent "
+            f"epsilon = {_fmt(plan_eps)} (basic composition) — {rep['tier']['meaning']}. "
+            "The plan's other data touches are not accounted (section 3)."
+        )
     elif private:
-        L.append(f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
-                 f"({_fmt(rep['epsilon'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
-                 f"under add/remove-one-user adjacency — {rep['tier']['meaning']}.")
+        L.append(
+            f"**Guarantee.** The final model (and every checkpoint) satisfies user-level "
+            f"({_fmt(rep['epsilon'])}, {_fmt(rep.get('delta_stated', rep['delta']))})-differential privacy "
+            f"under add/remove-one-user adjacency — {rep['tier']['meaning']}."
+        )
     else:
         L.append("**No differential-privacy guarantee**: this run trained without noise.")
     for ad in (rep.get("at_reference_delta"), rep.get("at_delta")):
         if private and ad and ad.get("epsilon") is not None:
             L.append("")
-            L.append(f"**At delta = {_fmt(ad['delta'])}:** epsilon = {_fmt(ad['epsilon'])} ({ad['note']})"
-                     + (f"; the noise sampler's tail adds {_fmt(ad['delta_noise_tail'])} to that delta"
-                        if ad.get("delta_noise_tail") else "") + ".")
+            L.append(
+                f"**At delta = {_fmt(ad['delta'])}:** epsilon = {_fmt(ad['epsilon'])} ({ad['note']})"
+                + (
+                    f"; the noise sampler's tail adds {_fmt(ad['delta_noise_tail'])} to that delta"
+                    if ad.get("delta_noise_tail")
+                    else ""
+                )
+                + "."
+            )
     if private and rep.get("sampler_used") == "shuffle_fixed_batches":
         L.append("")
-        L.append("**Shuffled batches.** Training used shuffled fixed-size batches, which have no proven "
-                 "privacy amplification, so the epsilon above is the guarantee WITHOUT amplification"
-                 + (f"; assuming Poisson sampling would have given epsilon = "
-                    f"{_fmt(rep.get('epsilon_assuming_poisson'))}, a comparison only, not a guarantee"
-                    if rep.get("epsilon_assuming_poisson") is not None else "") + ".")
+        L.append(
+            "**Shuffled batches.** Training used shuffled fixed-size batches, which have no proven "
+            "privacy amplification, so the epsilon above is the guarantee WITHOUT amplification"
+            + (
+                f"; assuming Poisson sampling would have given epsilon = "
+                f"{_fmt(rep.get('epsilon_assuming_poisson'))}, a comparison only, not a guarantee"
+                if rep.get("epsilon_assuming_poisson") is not None
+                else ""
+            )
+            + "."
+        )
     if private and rep.get("seeded"):
         L.append("")
-        L.append("**Seeded run.** The sampling and the noise derive from the seed in the configuration: "
-                 "whoever holds the seed can recompute the noise and remove it, so the guarantee holds "
-                 "only against parties who do not know the seed.")
+        L.append(
+            "**Seeded run.** The sampling and the noise derive from the seed in the configuration: "
+            "whoever holds the seed can recompute the noise and remove it, so the guarantee holds "
+            "only against parties who do not know the seed."
+        )
     L.append("")
     L.append("## 1. Setting")
     L.append(f"- {rep['setting']}")
@@ -493,29 +607,41 @@ def render_markdown(rep: dict) -> str:
     for a in rep["assumptions"]:
         L.append(f"  - {a}")
     met = rep.get("assumptions_met")
-    L.append(f"  - sampler assumed: `{rep.get('sampler_assumed')}`; sampler used: "
-             f"`{rep['sampler_used']}` — assumptions met: "
-             f"{'yes' if met else ('n/a' if met is None else 'NO')}")
+    L.append(
+        f"  - sampler assumed: `{rep.get('sampler_assumed')}`; sampler used: "
+        f"`{rep['sampler_used']}` — assumptions met: "
+        f"{'yes' if met else ('n/a' if met is None else 'NO')}"
+    )
     if met is False:
-        L.append(f"  - **Mismatch**: the accountant assumed Poisson sampling but training used "
-                 f"`{rep['sampler_used']}`. Guarantee without amplification: epsilon = "
-                 f"{_fmt(rep.get('epsilon_no_amplification'))}.")
+        L.append(
+            f"  - **Mismatch**: the accountant assumed Poisson sampling but training used "
+            f"`{rep['sampler_used']}`. Guarantee without amplification: epsilon = "
+            f"{_fmt(rep.get('epsilon_no_amplification'))}."
+        )
     if tuning.get("on") == "private":
-        L.append(f"- (c) this trial alone: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (the epsilon of one trial, not a "
-                 f"guarantee for the selected model); the released model: epsilon = {_fmt(rep['epsilon_total'])}, "
-                 f"delta = {_fmt(rep['delta'])} ({rep['delta_rule']})")
+        L.append(
+            f"- (c) this trial alone: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (the epsilon of one trial, not a "
+            f"guarantee for the selected model); the released model: epsilon = {_fmt(rep['epsilon_total'])}, "
+            f"delta = {_fmt(rep['delta'])} ({rep['delta_rule']})"
+        )
     else:
-        L.append(f"- (c) final model: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (target "
-                 f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
-                 f"({rep['delta_rule']})")
+        L.append(
+            f"- (c) final model: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (target "
+            f"{_fmt(rep.get('epsilon_target'))}), delta = {_fmt(rep['delta'])} "
+            f"({rep['delta_rule']})"
+        )
     if plan_eps and composed:
-        L.append(f"- (c) extra spend: the plan's epsilon-DP median (ELS group size), epsilon = {_fmt(plan_eps)} on "
-                 f"its own, is inside the final model's epsilon = {_fmt(rep.get('epsilon_total'))}: the ledger "
-                 "counted its event before the first step, and sigma was calibrated to leave room for it")
+        L.append(
+            f"- (c) extra spend: the plan's epsilon-DP median (ELS group size), epsilon = {_fmt(plan_eps)} on "
+            f"its own, is inside the final model's epsilon = {_fmt(rep.get('epsilon_total'))}: the ledger "
+            "counted its event before the first step, and sigma was calibrated to leave room for it"
+        )
     elif plan_eps:
-        L.append(f"- (c) extra spend: the plan's epsilon-DP median (ELS group size) spent epsilon = "
-                 f"{_fmt(plan_eps)}; total epsilon = {_fmt(rep.get('epsilon_total'))} (basic "
-                 "composition with the training run)")
+        L.append(
+            f"- (c) extra spend: the plan's epsilon-DP median (ELS group size) spent epsilon = "
+            f"{_fmt(plan_eps)}; total epsilon = {_fmt(rep.get('epsilon_total'))} (basic "
+            "composition with the training run)"
+        )
     L.append(f"- (c) tuning process: {rep['tuning_guarantee']}")
     L.append("- Not accounted:")
     for n in rep["not_accounted"]:
@@ -523,28 +649,42 @@ def render_markdown(rep: dict) -> str:
     L.append("## 4. Parameters")
     L.append("| quantity | value |")
     L.append("|---|---|")
-    for key, label in [("algorithm", "algorithm"), ("noise_multiplier", "noise multiplier sigma"),
-                       ("sampling_rate", "sampling rate q"), ("expected_cohort", "expected units per step"),
-                       ("steps_taken", "steps T taken"), ("steps_planned", "steps planned"),
-                       ("clip_norm", "clip norm C"), ("clipping", "clipping"),
-                       ("group_size", "group size G"), ("selection", "record selection"),
-                       ("num_users", "training users N"), ("num_records", "training records")]:
+    for key, label in [
+        ("algorithm", "algorithm"),
+        ("noise_multiplier", "noise multiplier sigma"),
+        ("sampling_rate", "sampling rate q"),
+        ("expected_cohort", "expected units per step"),
+        ("steps_taken", "steps T taken"),
+        ("steps_planned", "steps planned"),
+        ("clip_norm", "clip norm C"),
+        ("clipping", "clipping"),
+        ("group_size", "group size G"),
+        ("selection", "record selection"),
+        ("num_users", "training users N"),
+        ("num_records", "training records"),
+    ]:
         L.append(f"| {label} | {_fmt(rep.get(key))} |")
     if plan:
         ov = plan.get("overrides") or {}
         i = plan.get("inputs") or {}
         L.append(f"## 4b. Plan ({plan.get('source') or '`plan: auto`'}, docs/plan.md)")
-        L.append(f"- applied: {str(plan.get('applied', '')).upper()} ({plan.get('choice', '')}; "
-                 f"recommended {str(plan.get('recommended', '')).upper()}) for a compute budget of "
-                 f"{_fmt(i.get('compute_budget'))} gradients/step: "
-                 + ", ".join(f"{k} = {_fmt(v)}" for k, v in ov.items()))
+        L.append(
+            f"- applied: {str(plan.get('applied', '')).upper()} ({plan.get('choice', '')}; "
+            f"recommended {str(plan.get('recommended', '')).upper()}) for a compute budget of "
+            f"{_fmt(i.get('compute_budget'))} gradients/step: " + ", ".join(f"{k} = {_fmt(v)}" for k, v in ov.items())
+        )
         for name in ("uls", "els"):
             d = plan.get(name) or {}
-            L.append(f"- {name.upper()}: group size {_fmt(d.get('group_size'))}, "
-                     + (f"cohort {_fmt(d.get('cohort_size'))}" if name == "uls"
-                        else f"expected batch {_fmt(d.get('expected_batch_size'))}")
-                     + f", sigma {_fmt(d.get('noise_multiplier'))}, noise std proxy "
-                     f"{_fmt(d.get('noise_std_proxy'))}")
+            L.append(
+                f"- {name.upper()}: group size {_fmt(d.get('group_size'))}, "
+                + (
+                    f"cohort {_fmt(d.get('cohort_size'))}"
+                    if name == "uls"
+                    else f"expected batch {_fmt(d.get('expected_batch_size'))}"
+                )
+                + f", sigma {_fmt(d.get('noise_multiplier'))}, noise std proxy "
+                f"{_fmt(d.get('noise_std_proxy'))}"
+            )
         L.append("- its non-private data touches are listed under Not accounted (section 3)")
     L.append("## 5. Tier (Ponomareva et al. 2023)")
     t = rep["tier"]
@@ -571,48 +711,78 @@ def model_card(rep: dict) -> str:
     private = rep.get("private", True)
     eps = rep.get("epsilon_total") if private else None
     delta = rep.get("delta_stated", rep.get("delta")) if private else None
-    tier = (rep.get("tier") or {})
+    tier = rep.get("tier") or {}
     # a hub search for differential privacy must not find the non-private baseline
-    tags = ["differential-privacy", "user-level-differential-privacy", "userdp"] if private else \
-        ["userdp", "non-private-baseline"]
-    meta = {"library_name": "transformers",
-            "tags": tags,
-            "userdp": {"private": bool(private), "epsilon": eps, "delta": delta,
-                       "unit": "user" if private else None,
-                       "adjacency": "add/remove one user" if private else None,
-                       "algorithm": rep.get("algorithm"), "tier": tier.get("tier"),
-                       "epsilon_at_delta_1e-6": (rep.get("at_reference_delta") or {}).get("epsilon")
-                       if private else None}}
+    tags = (
+        ["differential-privacy", "user-level-differential-privacy", "userdp"]
+        if private
+        else ["userdp", "non-private-baseline"]
+    )
+    meta = {
+        "library_name": "transformers",
+        "tags": tags,
+        "userdp": {
+            "private": bool(private),
+            "epsilon": eps,
+            "delta": delta,
+            "unit": "user" if private else None,
+            "adjacency": "add/remove one user" if private else None,
+            "algorithm": rep.get("algorithm"),
+            "tier": tier.get("tier"),
+            "epsilon_at_delta_1e-6": (rep.get("at_reference_delta") or {}).get("epsilon") if private else None,
+        },
+    }
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", ""]
     # the title names nothing of the run's folder (a tuned run's would tell which trial won)
-    lines.append("# Fine-tuned with user-level differential privacy by userdp" if private else
-                 "# Fine-tuned without differential privacy by userdp (a non-private baseline)")
+    lines.append(
+        "# Fine-tuned with user-level differential privacy by userdp"
+        if private
+        else "# Fine-tuned without differential privacy by userdp (a non-private baseline)"
+    )
     lines.append("")
     if private:
-        lines.append(f"**Guarantee.** This model (and every checkpoint of its training run) satisfies user-level "
-                     f"({_fmt(eps)}, {_fmt(delta)})-differential privacy under add/remove-one-user adjacency: "
-                     f"it is almost the same whether or not any one person's data — all of it — was used. "
-                     f"{tier.get('meaning', '')}.")
+        lines.append(
+            f"**Guarantee.** This model (and every checkpoint of its training run) satisfies user-level "
+            f"({_fmt(eps)}, {_fmt(delta)})-differential privacy under add/remove-one-user adjacency: "
+            f"it is almost the same whether or not any one person's data — all of it — was used. "
+            f"{tier.get('meaning', '')}."
+        )
         ref = rep.get("at_reference_delta") or {}
         if ref.get("epsilon") is not None:
             lines.append("")
-            lines.append(f"At delta = {_fmt(ref['delta'])}, the same training satisfies epsilon = "
-                         f"{_fmt(ref['epsilon'])}.")
+            lines.append(
+                f"At delta = {_fmt(ref['delta'])}, the same training satisfies epsilon = {_fmt(ref['epsilon'])}."
+            )
         if isinstance(rep.get("tuning"), dict) and rep["tuning"].get("on") == "private":
             lines.append("")
-            lines.append("It was selected by `userdp tune` among trials whose number is kept secret (private "
-                         "selection); the epsilon above is the selected model's guarantee, not one trial's.")
+            lines.append(
+                "It was selected by `userdp tune` among trials whose number is kept secret (private "
+                "selection); the epsilon above is the selected model's guarantee, not one trial's."
+            )
     else:
-        lines.append("**No differential-privacy guarantee.** This model was trained without noise: it may "
-                     "reveal any training user's data.")
-    lines += ["", "## Unit of privacy", "", f"- {rep.get('unit', 'n/a')}", "",
-              "## Not covered by the guarantee (non-private touches of the data, and what is assumed)", ""]
+        lines.append(
+            "**No differential-privacy guarantee.** This model was trained without noise: it may "
+            "reveal any training user's data."
+        )
+    lines += [
+        "",
+        "## Unit of privacy",
+        "",
+        f"- {rep.get('unit', 'n/a')}",
+        "",
+        "## Not covered by the guarantee (non-private touches of the data, and what is assumed)",
+        "",
+    ]
     lines += [f"- {n}" for n in rep.get("not_accounted") or []]
     lines += [f"- assumed: {a}" for a in rep.get("assumptions") or [] if a != "none"]
-    lines += ["", "## Check it", "",
-              "The training run directory holds the evidence (the ledger journal, the DpEvent, checksums): "
-              "`userdp report <run directory>` re-derives every figure above and refuses edited files.",
-              ""]
+    lines += [
+        "",
+        "## Check it",
+        "",
+        "The training run directory holds the evidence (the ledger journal, the DpEvent, checksums): "
+        "`userdp report <run directory>` re-derives every figure above and refuses edited files.",
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -118,8 +118,10 @@ class RunDir:
         raw = C.load_yaml(self.config)
         hf = raw.get("hf_trainer") if isinstance(raw, dict) else None
         stated = hf.get("privacy") if isinstance(hf, dict) else None
-        return isinstance(stated, str) and context.get("engine_privacy_config_sha256") == \
-            hashlib.sha256(stated.encode()).hexdigest()
+        return (
+            isinstance(stated, str)
+            and context.get("engine_privacy_config_sha256") == hashlib.sha256(stated.encode()).hexdigest()
+        )
 
     def read_state(self) -> dict:
         """state.json's content ({} when absent).
@@ -174,8 +176,10 @@ def check_metrics_cite_journal(rd: RunDir) -> int:
         if cited is not None:
             check_cited(journal, hashes, header.get("run"), cited, f"{rd.metrics} (step {row.get('step')})")
         elif isinstance(row, dict) and int(row.get("step", 0) or 0) > begun:
-            raise UserError(f"{journal}: it records {begun} steps begun but {rd.metrics} records step "
-                            f"{row.get('step')}: the journal was truncated; the ledger cannot be trusted")
+            raise UserError(
+                f"{journal}: it records {begun} steps begun but {rd.metrics} records step "
+                f"{row.get('step')}: the journal was truncated; the ledger cannot be trusted"
+            )
     return begun
 
 
@@ -208,8 +212,7 @@ def new_run_dir(output: str | os.PathLike | None) -> RunDir:
         if root.exists() and not root.is_dir():
             raise UserError(f"--output {output}: exists and is not a folder")
         if root.exists() and any(root.iterdir()):
-            raise UserError(f"--output {output}: directory exists and is not empty "
-                            "(use --resume to continue a run)")
+            raise UserError(f"--output {output}: directory exists and is not empty (use --resume to continue a run)")
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / ".write-probe"

@@ -29,8 +29,9 @@ from userdp.lm.tokenization import special_ids
 
 
 def _pretrained_dir(m: C.ModelConfig, t: C.TokenizerConfig, prep: Prepared) -> Path:
-    key = fingerprint(fingerprint(prep.public_texts), t.vocab_size, t.seq_len, m.preset,
-                      dataclasses.asdict(m.pretraining), "v1")
+    key = fingerprint(
+        fingerprint(prep.public_texts), t.vocab_size, t.seq_len, m.preset, dataclasses.asdict(m.pretraining), "v1"
+    )
     return owned_dir(cache_root() / "pretrained") / f"{m.preset}-{key}"
 
 
@@ -67,13 +68,23 @@ def _pretrain(cdir: Path, tok, spec: PretrainSpec, prep: Prepared, device: torch
     if not (partial / "tokenizer.json").is_file() and hasattr(tok, "save"):
         tok.save(str(partial / "tokenizer.json"))
     try:
-        model, info = pretrain_model(prep.public_texts, tok, spec, device=device,
-                                     report=dataclasses.replace(report, state_path=partial / "state.pt"))
+        model, info = pretrain_model(
+            prep.public_texts,
+            tok,
+            spec,
+            device=device,
+            report=dataclasses.replace(report, state_path=partial / "state.pt"),
+        )
     except KeyboardInterrupt:
         log(f"pretraining stopped; its last checkpoint is in {partial}: the same command continues it")
         raise
-    info.update(public_text=prep.public_description, seconds=round(time.time() - t0, 1),
-                preset=spec.preset, vocab_size=tok.get_vocab_size(), seq_len=spec.seq_len)
+    info.update(
+        public_text=prep.public_description,
+        seconds=round(time.time() - t0, 1),
+        preset=spec.preset,
+        vocab_size=tok.get_vocab_size(),
+        seq_len=spec.seq_len,
+    )
     with atomic_dir(cdir) as tmp:  # another process's entry, if it won the race, is kept
         save_pretrained(model, tok, tmp, info)
     shutil.rmtree(partial, ignore_errors=True)
@@ -83,8 +94,15 @@ def _pretrain(cdir: Path, tok, spec: PretrainSpec, prep: Prepared, device: torch
     return models.load_local(cdir), load_tokenizer(cdir)
 
 
-def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepared, log: Log = stderr_log,
-                            progress=True, *, device: torch.device):
+def get_tokenizer_and_model(
+    t: C.TokenizerConfig,
+    m: C.ModelConfig,
+    prep: Prepared,
+    log: Log = stderr_log,
+    progress=True,
+    *,
+    device: torch.device,
+):
     """(tokenizer, model, notes) from the config's ``tokenizer`` and ``model`` sections — notes
     describe what touched which text (for the report). ``device``: ``model.device`` as the job
     resolved it, once (a quantized load loads onto it; pretraining runs on it)."""
@@ -97,7 +115,8 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
             raise UserError(
                 f"tokenizer.path {t.path}: declare what it was trained on. A tokenizer trained on the "
                 "private training records leaks them outside the guarantee (docs/threat_model.md); if it was "
-                "trained on public text only, set tokenizer.declared_public: true")
+                "trained on public text only, set tokenizer.declared_public: true"
+            )
         tok = load_tokenizer(t.path)
         notes["tokenizer"] = f"tokenizer {t.path} declared public by the configuration"
         if Path(t.path).is_dir():
@@ -107,11 +126,15 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
             raise UserError(
                 f"model.path {m.path}: its tokenizer (and weights) must come from public data; "
                 "set tokenizer.declared_public: true to declare it (a tokenizer trained on the "
-                "private records is refused; see docs/threat_model.md)")
+                "private records is refused; see docs/threat_model.md)"
+            )
         tok = load_tokenizer(model_dir)
         notes["tokenizer_folder"] = str(model_dir)  # released with the model as it is (chat template, specials)
-        notes["tokenizer"] = (f"tokenizer of {m.path} " + ("(trained by userdp pretrain on declared-"
-                              "public text)" if made_by_us else "declared public by the configuration"))
+        notes["tokenizer"] = f"tokenizer of {m.path} " + (
+            "(trained by userdp pretrain on declared-public text)"
+            if made_by_us
+            else "declared public by the configuration"
+        )
     else:
         tok = None
     if model_dir is not None:
@@ -119,21 +142,26 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
         if q != "none":  # quantized while loading, so loaded onto the device
             load_on = device
             log(f"loading {m.path} with its linear layers quantized to 4 bits ({q}, bitsandbytes; frozen) ...")
-            notes["quantization"] = (f"base model's linear layers quantized to 4 bits ({q}, double quantization, "
-                                     "bitsandbytes) and frozen; only the LoRA adapters are trained (QLoRA-style)")
+            notes["quantization"] = (
+                f"base model's linear layers quantized to 4 bits ({q}, double quantization, "
+                "bitsandbytes) and frozen; only the LoRA adapters are trained (QLoRA-style)"
+            )
         model = models.load_local(model_dir, quantize=q, device=load_on)
         if made_by_us:
             info = json.loads((model_dir / "userdp_pretrain.json").read_text())
-            notes["pretraining"] = (f"model pretrained non-privately by userdp on "
-                                    f"{info.get('public_text', 'declared-public text')}")
+            notes["pretraining"] = (
+                f"model pretrained non-privately by userdp on {info.get('public_text', 'declared-public text')}"
+            )
         else:
             notes["pretraining"] = f"model {m.path} declared public (its training data is outside the guarantee)"
         return tok, model, notes
     # a preset: tokenizer + (pretrained) model, cached by the public text and settings
     if not prep.public_texts:
         if tok is None:
-            raise UserError("no public text to train a tokenizer on: give data.public_path (text "
-                            "declared public) or tokenizer.path (declared public)")
+            raise UserError(
+                "no public text to train a tokenizer on: give data.public_path (text "
+                "declared public) or tokenizer.path (declared public)"
+            )
     cdir = _pretrained_dir(m, t, prep)
     partial = cdir.with_name(cdir.name + ".partial")  # an interrupted pretraining: its tokenizer and state
     if tok is None and (cdir / "tokenizer.json").is_file():
@@ -156,8 +184,15 @@ def get_tokenizer_and_model(t: C.TokenizerConfig, m: C.ModelConfig, prep: Prepar
                     model, tok = models.load_local(cdir), load_tokenizer(cdir)
                 else:
                     pc = m.pretraining
-                    spec = PretrainSpec(preset=m.preset, seq_len=t.seq_len, steps=pc.steps, batch_size=pc.batch_size,
-                                        lr=pc.lr, warmup=pc.warmup, seed=pc.seed)
+                    spec = PretrainSpec(
+                        preset=m.preset,
+                        seq_len=t.seq_len,
+                        steps=pc.steps,
+                        batch_size=pc.batch_size,
+                        lr=pc.lr,
+                        warmup=pc.warmup,
+                        seed=pc.seed,
+                    )
                     model, tok = _pretrain(cdir, tok, spec, prep, device, Reporting(progress=progress, say=log))
         notes["pretraining"] = f"model pretrained non-privately on public text only: {prep.public_description}"
     else:
@@ -197,8 +232,10 @@ def float32_for_sharding(model, notes: dict, log: Log = stderr_log):
         with torch.no_grad():
             for p in params:  # the trainable ones: a frozen base (LoRA's) may stay narrow, FSDP2 shards it so
                 p.data = p.data.float()
-        notes["weights_widened"] = (f"the model's {'/'.join(narrow)} trainable weights were widened to float32 for "
-                                    "training.sharding: fsdp (4 bytes a parameter, sharded; the released model "
-                                    "is float32)")
+        notes["weights_widened"] = (
+            f"the model's {'/'.join(narrow)} trainable weights were widened to float32 for "
+            "training.sharding: fsdp (4 bytes a parameter, sharded; the released model "
+            "is float32)"
+        )
         log(f"sharding: {notes['weights_widened']}")
     return model

@@ -22,13 +22,18 @@ from userdp.errors import UserError
 from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.report import REFERENCE_DELTA, epsilon_tier, median_composed
 
-SETTING = ("central: a trusted aggregator (this process) sees the raw records, computes and "
-           "clips each sampled user's update, and releases only the noised sum")
-ADJACENCY = ("add/remove one user: the two datasets differ in all records of one user "
-             "(ADD_OR_REMOVE_ONE in dp_accounting)")
-COVERAGE = ("every step of training: the mechanism's output is the full sequence of noised "
-            "aggregated updates, so every checkpoint and the final model are covered by the same "
-            "(epsilon, delta) (post-processing)")
+SETTING = (
+    "central: a trusted aggregator (this process) sees the raw records, computes and "
+    "clips each sampled user's update, and releases only the noised sum"
+)
+ADJACENCY = (
+    "add/remove one user: the two datasets differ in all records of one user (ADD_OR_REMOVE_ONE in dp_accounting)"
+)
+COVERAGE = (
+    "every step of training: the mechanism's output is the full sequence of noised "
+    "aggregated updates, so every checkpoint and the final model are covered by the same "
+    "(epsilon, delta) (post-processing)"
+)
 
 
 def library_versions() -> dict[str, str]:
@@ -47,12 +52,12 @@ PRIVATE_RECORD_KEYS = frozenset({"nonfinite_units", "nonfinite_units_note"})
 
 SAMPLER_TEXT = {
     "poisson_users": "Poisson sampling of users: each user joins each step independently with "
-                     "probability q (variable cohort size)",
+    "probability q (variable cohort size)",
     "poisson_examples": "Poisson sampling of records: each of a user's (at most G) records joins "
-                        "each step independently with probability q",
+    "each step independently with probability q",
     "shuffle_fixed_batches": "shuffled fixed-size batches, which have no proven amplification: each "
-                             "step is accounted as the Gaussian mechanism with the user's whole "
-                             "sensitivity (the guarantee WITHOUT amplification)",
+    "step is accounted as the Gaussian mechanism with the user's whole "
+    "sensitivity (the guarantee WITHOUT amplification)",
     "fixed_size_wor": "fixed-size cohorts drawn without replacement (replace-one adjacency, RDP)",
     "none": "no sampling (full participation)",
 }
@@ -94,9 +99,11 @@ class ReleaseFacts:
 
 
 #: the line every statement carries until a verified tuning guarantee replaces it
-TUNING_NOT_ACCOUNTED = ("hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
-                        "them are not accounted; tune on public data or account it with `userdp tune` "
-                        "(Papernot & Steinke 2022)")
+TUNING_NOT_ACCOUNTED = (
+    "hyperparameter tuning (learning rate, C, steps, cohort) — runs used to choose "
+    "them are not accounted; tune on public data or account it with `userdp tune` "
+    "(Papernot & Steinke 2022)"
+)
 
 
 def _origin(registry, name: str) -> str:
@@ -128,8 +135,10 @@ def not_accounted(facts: ReleaseFacts) -> list[str]:
     if facts.pretraining_note:
         out.append(facts.pretraining_note)
     if facts.selection in ("highest_ppl", "lowest_ppl"):
-        out.append("perplexity-based record selection used the pretrained model on the private "
-                   "records (a non-private data touch)")
+        out.append(
+            "perplexity-based record selection used the pretrained model on the private "
+            "records (a non-private data touch)"
+        )
     return out
 
 
@@ -153,60 +162,83 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
     private = algo.private
     seq_len, num_users, group_size = facts.seq_len, engine.num_users, facts.group_size
     unit = algo.unit_text
-    unit += (f"; each record is at most {seq_len} tokens; features and labels (all text) are "
-             "protected") if seq_len else ""
+    unit += (
+        (f"; each record is at most {seq_len} tokens; features and labels (all text) are protected") if seq_len else ""
+    )
     assumptions = []
     if private:
         assumptions.append(f"sampling: {SAMPLER_TEXT.get(facts.sampler_assumed, facts.sampler_assumed)}")
         sampler = (engine.sampler or {}).get("name")
         if sampler and not _built_in(SAMPLERS, sampler):
-            assumptions.append(f"sampling ran by the plugin sampler {sampler!r} ({_origin(SAMPLERS, sampler)}), "
-                               f"which declares that its draws follow {engine.sampler.get('accounted_as')!r} "
-                               "sampling: the accounting rests on that declaration, not on userdp's code")
+            assumptions.append(
+                f"sampling ran by the plugin sampler {sampler!r} ({_origin(SAMPLERS, sampler)}), "
+                f"which declares that its draws follow {engine.sampler.get('accounted_as')!r} "
+                "sampling: the accounting rests on that declaration, not on userdp's code"
+            )
         if _built_in(NOISE_MECHANISMS, engine.noise_mechanism):
-            assumptions.append("noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
-                               "updates, drawn once per step in float32 from " + engine.noise_generator
-                               + " (not a cryptographically secure generator; floating-point attacks on "
-                               "the Gaussian sampler are not accounted)")
+            assumptions.append(
+                "noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
+                "updates, drawn once per step in float32 from "
+                + engine.noise_generator
+                + " (not a cryptographically secure generator; floating-point attacks on "
+                "the Gaussian sampler are not accounted)"
+            )
         else:
-            assumptions.append(f"noise: added by the plugin mechanism {engine.noise_mechanism!r} "
-                               f"({_origin(NOISE_MECHANISMS, engine.noise_mechanism)}); the accounting takes its "
-                               "declaration that it adds Gaussian noise of standard deviation sigma*C to the sum "
-                               "once per step: that is the plugin's claim, which userdp does not verify")
+            assumptions.append(
+                f"noise: added by the plugin mechanism {engine.noise_mechanism!r} "
+                f"({_origin(NOISE_MECHANISMS, engine.noise_mechanism)}); the accounting takes its "
+                "declaration that it adds Gaussian noise of standard deviation sigma*C to the sum "
+                "once per step: that is the plugin's claim, which userdp does not verify"
+            )
         prec = engine.precision
-        assumptions.append(f"precision: model {', '.join(prec['model'])}; norms, clipped sums, "
-                           f"the denominator and the noise in {', '.join(prec['norms_sums_noise'])}; "
-                           f"master weights {prec['master_weights']}")
+        assumptions.append(
+            f"precision: model {', '.join(prec['model'])}; norms, clipped sums, "
+            f"the denominator and the noise in {', '.join(prec['norms_sums_noise'])}; "
+            f"master weights {prec['master_weights']}"
+        )
         if engine.noise_tail is not None:
             nt = engine.noise_tail
-            assumptions.append(f"the noise sampler bounds each Box-Muller pair's radius (ChaCha20, 85-bit uniforms): "
-                               f"the Gaussian mass it drops, {nt['mass_per_pair']:.3g} a pair over "
-                               f"{nt['coordinates']} coordinates and {nt['steps']} steps, adds "
-                               f"{nt['delta']:.3g} to delta (total variation; included in the stated delta)")
+            assumptions.append(
+                f"the noise sampler bounds each Box-Muller pair's radius (ChaCha20, 85-bit uniforms): "
+                f"the Gaussian mass it drops, {nt['mass_per_pair']:.3g} a pair over "
+                f"{nt['coordinates']} coordinates and {nt['steps']} steps, adds "
+                f"{nt['delta']:.3g} to delta (total variation; included in the stated delta)"
+            )
         if engine.seeded:
-            assumptions.append("SEEDED RUN: the sampling and the noise derive from the seed in the "
-                               "configuration; whoever holds the seed can recompute the noise, and the "
-                               "guarantee holds only against parties who do not know it")
+            assumptions.append(
+                "SEEDED RUN: the sampling and the noise derive from the seed in the "
+                "configuration; whoever holds the seed can recompute the noise, and the "
+                "guarantee holds only against parties who do not know it"
+            )
         assumptions.extend(algo.assumptions(group_size))
         for c in engine.counts_treated_as_public:
             assumptions.append(f"treated as public (computed on the private data, not noised): {c}")
-        assumptions.append(f"treated as public: the number of training records, {facts.num_records} (published "
-                           "in this report)")
-        assumptions.append("a sampled unit whose update is not finite contributes zero (sensitivity unchanged); "
-                           "how many there were is an un-noised count of private events (a user with a NaN "
-                           "record would count its own participations), kept in the run's private "
-                           "diagnostics.jsonl and never released")
-        assumptions.append("the unit is the author: people *mentioned* in other users' text are not "
-                           "protected by a user-level guarantee")
+        assumptions.append(
+            f"treated as public: the number of training records, {facts.num_records} (published in this report)"
+        )
+        assumptions.append(
+            "a sampled unit whose update is not finite contributes zero (sensitivity unchanged); "
+            "how many there were is an un-noised count of private events (a user with a NaN "
+            "record would count its own participations), kept in the run's private "
+            "diagnostics.jsonl and never released"
+        )
+        assumptions.append(
+            "the unit is the author: people *mentioned* in other users' text are not "
+            "protected by a user-level guarantee"
+        )
     if facts.plugins:
-        assumptions.append(f"plugin code ran inside training ({', '.join(facts.plugins)}): the guarantee assumes "
-                           "it is correct, as it assumes of userdp's own code")
+        assumptions.append(
+            f"plugin code ran inside training ({', '.join(facts.plugins)}): the guarantee assumes "
+            "it is correct, as it assumes of userdp's own code"
+        )
     not_acc = not_accounted(facts)
     plan = facts.plan
     plan_eps = plan_median_epsilon(plan, "the plan") if plan else 0.0
     if plan_eps and plan.get("seeded"):
-        assumptions.append("SEEDED DP MEDIAN: the plan's epsilon-DP median drew its noise from the plan's "
-                           "seed; whoever holds that seed can undo it")
+        assumptions.append(
+            "SEEDED DP MEDIAN: the plan's epsilon-DP median drew its noise from the plan's "
+            "seed; whoever holds that seed can undo it"
+        )
     dp_event = engine.dp_event_total if private else None
     epsilon = engine.epsilon if private else None
     # the plan's DP median is spent through the ledger (its event composed with the steps, inside
@@ -216,15 +248,20 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
     rec = {
         "private": private,
         "setting": SETTING if private else "none (non-private training)",
-        "data_accesses_covered": ("training only (the sequence of noised aggregated updates); "
-                                  "held-out-user evaluation uses users excluded from training")
-        if private else "none",
+        "data_accesses_covered": (
+            "training only (the sequence of noised aggregated updates); "
+            "held-out-user evaluation uses users excluded from training"
+        )
+        if private
+        else "none",
         "mechanism_output": COVERAGE if private else "none",
         "unit": unit,
         "adjacency": ADJACENCY if private else "none",
         "algorithm": facts.algorithm,
-        "accountant": {"pld": "PLD (privacy-loss distributions, dp_accounting; add/remove)",
-                       "rdp": "RDP (Renyi DP, dp_accounting; add/remove)"}.get(facts.accountant, facts.accountant)
+        "accountant": {
+            "pld": "PLD (privacy-loss distributions, dp_accounting; add/remove)",
+            "rdp": "RDP (Renyi DP, dp_accounting; add/remove)",
+        }.get(facts.accountant, facts.accountant)
         + algo.event_text(facts.accountant),
         "assumptions": assumptions or ["none"],
         "sampler_assumed": facts.sampler_assumed,
@@ -233,14 +270,16 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
         "epsilon": epsilon,
         "epsilon_target": facts.epsilon_target if private else None,
         "delta": delta,
-        "delta_rule": (f"{engine.delta_rule}; delta = {delta:.3g} = {delta * num_users:.3g}/N for N = {num_users:,} "
-                       "training users (a mechanism that publishes one random user's data outright is "
-                       "(0, 1/N)-DP, so delta must be far below 1/N; the report also states epsilon at "
-                       f"delta = {REFERENCE_DELTA:g})"
-                       if private and delta and num_users else engine.delta_rule),
+        "delta_rule": (
+            f"{engine.delta_rule}; delta = {delta:.3g} = {delta * num_users:.3g}/N for N = {num_users:,} "
+            "training users (a mechanism that publishes one random user's data outright is "
+            "(0, 1/N)-DP, so delta must be far below 1/N; the report also states epsilon at "
+            f"delta = {REFERENCE_DELTA:g})"
+            if private and delta and num_users
+            else engine.delta_rule
+        ),
         "epsilon_no_amplification": engine.epsilon_no_amplification,
-        "tuning_guarantee": "not accounted (see not_accounted); the statement covers the final "
-                            "training run only",
+        "tuning_guarantee": "not accounted (see not_accounted); the statement covers the final training run only",
         "noise_multiplier": engine.noise_multiplier,
         "sampling_rate": engine.algorithm.get("sampling_rate"),
         "expected_cohort": engine.expected_units_per_step,
@@ -279,7 +318,9 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
 def transparency(engine: PrivacyRecord) -> str:
     """How the run computed what it clipped, from its own record (ghost or vmap)."""
     strategy = engine.per_unit.get("strategy")
-    how = {"ghost": "per-unit gradient norms and the clipped sum by ghost clipping (from each layer's activations "
-                    "and output gradients, without per-unit gradient copies; userdp.engine.ghost)",
-           "vmap": "per-unit gradients by torch.func (vmap)"}.get(strategy, f"per-unit strategy {strategy or 'n/a'}")
+    how = {
+        "ghost": "per-unit gradient norms and the clipped sum by ghost clipping (from each layer's activations "
+        "and output gradients, without per-unit gradient copies; userdp.engine.ghost)",
+        "vmap": "per-unit gradients by torch.func (vmap)",
+    }.get(strategy, f"per-unit strategy {strategy or 'n/a'}")
     return f"open-source userdp; accounting by Google's dp_accounting; {how}"

@@ -27,8 +27,13 @@ FOLDER = "tensorboard"
 #: metrics.jsonl field -> TensorBoard tag
 #: (no per-step cohort size, token count, throughput or step time: each is an exact count of the
 #: step's private cohort, released every step without noise)
-TAGS = {"epsilon": "privacy/epsilon_spent", "loss": "train/loss", "fraction_clipped": "train/fraction_clipped",
-        "nonfinite_units": "train/nonfinite_units", "clip_norm": "train/clip_norm"}
+TAGS = {
+    "epsilon": "privacy/epsilon_spent",
+    "loss": "train/loss",
+    "fraction_clipped": "train/fraction_clipped",
+    "nonfinite_units": "train/nonfinite_units",
+    "clip_norm": "train/clip_norm",
+}
 
 
 def check_available(enabled: bool) -> None:
@@ -51,15 +56,19 @@ def check_available(enabled: bool) -> None:
             w.add_text("probe", "probe", 1)
             w.close()
     except Exception as exc:  # noqa: BLE001 - any failure of the optional package is one line
-        raise UserError(f"output.tensorboard: true, but the tensorboard package does not work here "
-                        f"({type(exc).__name__}: {str(exc)[:160]}); reinstall it (pip install 'userdp[tensorboard]') "
-                        "or set output.tensorboard: false") from None
+        raise UserError(
+            f"output.tensorboard: true, but the tensorboard package does not work here "
+            f"({type(exc).__name__}: {str(exc)[:160]}); reinstall it (pip install 'userdp[tensorboard]') "
+            "or set output.tensorboard: false"
+        ) from None
 
 
 def _require_package() -> None:
     if importlib.util.find_spec("tensorboard") is None:
-        raise UserError("output.tensorboard: true needs the tensorboard package: pip install 'userdp[tensorboard]' "
-                        "(or set output.tensorboard: false; metrics.jsonl holds the same rows)")
+        raise UserError(
+            "output.tensorboard: true needs the tensorboard package: pip install 'userdp[tensorboard]' "
+            "(or set output.tensorboard: false; metrics.jsonl holds the same rows)"
+        )
 
 
 def _finite(v) -> bool:

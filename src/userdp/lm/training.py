@@ -60,8 +60,7 @@ class _TokenCounter:
 def journal_context(rd: RunDir, prep: Prepared) -> dict:
     """What a run's ledger journal is bound to: the saved config (less its performance settings,
     which a resume may change) and the data + split."""
-    return {"config_privacy_sha256": rd.config_fingerprint(),
-            "data_fingerprint": prep.data_fingerprint}
+    return {"config_privacy_sha256": rd.config_fingerprint(), "data_fingerprint": prep.data_fingerprint}
 
 
 def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
@@ -86,8 +85,11 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
                 kept = [r for r in rows if r["step"] <= start_step]
                 write_atomic(path, "".join(strict_dumps(r) + "\n" for r in kept))
         log(f"resuming at step {start_step} of {steps}")
-    bar = (progress_bar(steps, f"train {job.training.algorithm}", "step", initial=start_step, lines=LOOP_LINES)
-           if progress else None)
+    bar = (
+        progress_bar(steps, f"train {job.training.algorithm}", "step", initial=start_step, lines=LOOP_LINES)
+        if progress
+        else None
+    )
     mfile = open(rd.metrics, "a") if main else None  # noqa: SIM115 - closed below, whatever happens
     dfile = open(rd.diagnostics, "a") if main else None  # noqa: SIM115 - likewise
     scalars = Scalars(rd.root, job.output.tensorboard and main, start_step)  # closed below too
@@ -105,12 +107,18 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
         # clipped (its reduced denominator divides the cohort size) and the non-finite units (an
         # adversary's NaN record counts its own participations) are un-noised statistics of it. Those
         # go to diagnostics.jsonl, the data holder's private file (docs/threat_model.md)
-        row = {"step": m["step"], "epsilon": m.get("epsilon_spent"),
-               "clip_norm": m.get("clip_norm") if private else None,  # C, or the adaptive C (a DP release)
-               "journal": m.get("journal")}  # binds the ledger journal's length (docs/threat_model.md)
-        diag = {"step": m["step"], "loss": m["loss"],
-                "fraction_clipped": m.get("fraction_clipped") if private else None,
-                "nonfinite_units": m.get("nonfinite_units", 0)}
+        row = {
+            "step": m["step"],
+            "epsilon": m.get("epsilon_spent"),
+            "clip_norm": m.get("clip_norm") if private else None,  # C, or the adaptive C (a DP release)
+            "journal": m.get("journal"),
+        }  # binds the ledger journal's length (docs/threat_model.md)
+        diag = {
+            "step": m["step"],
+            "loss": m["loss"],
+            "fraction_clipped": m.get("fraction_clipped") if private else None,
+            "nonfinite_units": m.get("nonfinite_units", 0),
+        }
         mfile.write(strict_dumps(row) + "\n")  # strict JSON (a non-private run's epsilon is "inf")
         mfile.flush()
         dfile.write(strict_dumps(diag) + "\n")
@@ -119,8 +127,9 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
         if bar is not None:
             eps = row["epsilon"]
             bar.update(1)
-            bar.set_postfix_str(f"loss {diag['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} "
-                                f"tok/s {toks / dt:.0f}")
+            bar.set_postfix_str(
+                f"loss {diag['loss']:.3f} eps {eps if eps is None else f'{eps:.2f}'} tok/s {toks / dt:.0f}"
+            )
 
     def checkpoint_files(run) -> dict:
         """The LM files committed with each engine checkpoint, as one unit."""
@@ -142,10 +151,21 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
     try:
         loss_fn = audit.loss(models.causal_lm_loss) if audit is not None else models.causal_lm_loss
         callbacks = [on_step] + ([lambda m: audit.observe_step(model)] if audit is not None else [])
-        return train(model, counted, loss_fn, plan,
-                     RunOptions(checkpoint_dir=str(rd.checkpoints), resume=engine_resume, callbacks=callbacks,
-                                journal_context=context, checkpoint_extra=checkpoint_files,
-                                on_start=lambda info: _announce(info, log), combiner=ctx.combiner))
+        return train(
+            model,
+            counted,
+            loss_fn,
+            plan,
+            RunOptions(
+                checkpoint_dir=str(rd.checkpoints),
+                resume=engine_resume,
+                callbacks=callbacks,
+                journal_context=context,
+                checkpoint_extra=checkpoint_files,
+                on_start=lambda info: _announce(info, log),
+                combiner=ctx.combiner,
+            ),
+        )
     except KeyboardInterrupt as exc:
         if main:
             rd.write_state(status="interrupted")
@@ -154,8 +174,10 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
                 priv["split"], priv["data_drops"], priv["stopped"] = prep.split_rule, prep.drops, "interrupted"
                 write_json(rd.privacy, priv)
                 write_report(rd.root)
-            log(f"interrupted: the last checkpoint in {rd.checkpoints} and the ledger journal are kept; "
-                f"continue with: {'torchrun ... -m ' if world.distributed else ''}userdp train --resume {rd.root}")
+            log(
+                f"interrupted: the last checkpoint in {rd.checkpoints} and the ledger journal are kept; "
+                f"continue with: {'torchrun ... -m ' if world.distributed else ''}userdp train --resume {rd.root}"
+            )
         raise
     finally:
         for f in (mfile, dfile):
@@ -172,12 +194,16 @@ def _announce(info: dict, log: Log) -> None:
         log(f"training {info['steps']} steps WITHOUT noise (non-private): no privacy guarantee")
         return
     unit = "records" if info["unit"] == "record" else "users"
-    log(f"privacy: sigma {info['noise_multiplier']:.4g}, sampling rate q {info['sampling_rate']:.4g} "
+    log(
+        f"privacy: sigma {info['noise_multiplier']:.4g}, sampling rate q {info['sampling_rate']:.4g} "
         f"({info['sampler_mode']}), expected {info['expected_units']:.4g} {unit} per step of "
         f"{info['num_units']}, {info['steps']} steps, target epsilon {info['target_epsilon']}, "
         f"delta {info['delta']:.3g} ({info['delta_rule']}), accountant {info['accountant']}"
-        + (f"; {info['steps_accounted']} steps already accounted" if info["steps_accounted"] else ""))
-    if str(info.get("noise_kernel", "")).startswith("eager (torch.compile") or "differed" in str(info.get("noise_kernel")):
+        + (f"; {info['steps_accounted']} steps already accounted" if info["steps_accounted"] else "")
+    )
+    if str(info.get("noise_kernel", "")).startswith("eager (torch.compile") or "differed" in str(
+        info.get("noise_kernel")
+    ):
         log(f"warning: the device noise kernel runs {info['noise_kernel']}: correct, but about 20x slower")
 
 
@@ -191,7 +217,14 @@ def _save_weights(model, path, step: int, eps) -> None:
 def _write_ledger_summary(path, step: int, spent: int, eps) -> None:
     """A readable summary of the ledger; the authoritative state is checkpoint.pt and the journal."""
     with open(path, "w") as f:
-        json.dump({"step": step, "steps_accounted": spent, "epsilon_spent_upper_bound": eps,
-                   "authoritative": ["checkpoint.pt (ledger state)", "ledger_journal.jsonl (hash chain)"]},
-                  f, indent=2)
+        json.dump(
+            {
+                "step": step,
+                "steps_accounted": spent,
+                "epsilon_spent_upper_bound": eps,
+                "authoritative": ["checkpoint.pt (ledger state)", "ledger_journal.jsonl (hash chain)"],
+            },
+            f,
+            indent=2,
+        )
         f.write("\n")

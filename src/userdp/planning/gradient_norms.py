@@ -49,8 +49,16 @@ class GradientNormEstimator:
     cached by G. This is a NON-PRIVATE touch of the data.
     """
 
-    def __init__(self, model, data, loss_fn, sample: NormSample | None = None, *,
-                 rng: np.random.Generator | None = None, log=None):
+    def __init__(
+        self,
+        model,
+        data,
+        loss_fn,
+        sample: NormSample | None = None,
+        *,
+        rng: np.random.Generator | None = None,
+        log=None,
+    ):
         sample = sample or NormSample()
         num_users, chunk_size = sample.users, sample.chunk_size
         if num_users < 1:
@@ -70,7 +78,7 @@ class GradientNormEstimator:
         out = []
         with progress.bar(len(self.users), f"planning: L(G = {int(group_size)})", "user") as shown:
             for lo in range(0, len(self.users), self.chunk_size):
-                users = self.users[lo: lo + self.chunk_size]
+                users = self.users[lo : lo + self.chunk_size]
                 batch, mask = self.data.draw_records(users, int(group_size), self.rng)
                 ones = torch.ones(mask.shape[0], dtype=torch.float32, device=mask.device)
                 _, norms, _, bad = self._per_unit.clipped_sum(batch, mask, ones, _UNCLIPPED, sink=_drop)
@@ -87,6 +95,8 @@ class GradientNormEstimator:
             self.norms[g] = norms
             self._cache[g] = float(np.median(norms))
             if self.log is not None:
-                self.log(f"  L(G = {g}): median gradient norm {self._cache[g]:.4g} over {len(self.users)} sampled "
-                         f"users ({time.perf_counter() - t0:.1f} s)")
+                self.log(
+                    f"  L(G = {g}): median gradient norm {self._cache[g]:.4g} over {len(self.users)} sampled "
+                    f"users ({time.perf_counter() - t0:.1f} s)"
+                )
         return self._cache[g]

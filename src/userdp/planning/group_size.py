@@ -37,9 +37,7 @@ def log_grid(upper: int, points_per_doubling: int = 4) -> np.ndarray:
     return grid
 
 
-def dp_median_probabilities(
-    counts: np.ndarray, epsilon: float, grid: np.ndarray
-) -> np.ndarray:
+def dp_median_probabilities(counts: np.ndarray, epsilon: float, grid: np.ndarray) -> np.ndarray:
     """Exponential-mechanism probabilities over ``grid`` for the median of ``counts``.
 
     Utility u(c) = -| #{users with count <= c} - n/2 |. Adding, removing or replacing one user
@@ -105,13 +103,18 @@ def els_group_size(
     if dp_median_epsilon is None:
         g = max(1, int(math.ceil(float(np.median(counts)))))
         return GroupSizeChoice(
-            g, "median", 0.0, int(counts.size),
-            f"median of {counts.size} per-user record counts, computed without DP "
-            "(a non-private touch of the data)",
+            g,
+            "median",
+            0.0,
+            int(counts.size),
+            f"median of {counts.size} per-user record counts, computed without DP (a non-private touch of the data)",
         )
     g = dp_median(counts, dp_median_epsilon, upper=dp_median_upper, rng=rng)
     return GroupSizeChoice(
-        g, "dp_median", float(dp_median_epsilon), int(counts.size),
+        g,
+        "dp_median",
+        float(dp_median_epsilon),
+        int(counts.size),
         f"median of {counts.size} per-user record counts released with an "
         f"epsilon={dp_median_epsilon:g}-DP exponential mechanism over a public log grid "
         f"[1, {dp_median_upper}]; add this epsilon to the training budget",

@@ -18,9 +18,7 @@ def uls_noise_std(noise_multiplier: float, cohort_size: float, user_grad_norm: f
     return float(noise_multiplier * user_grad_norm / cohort_size)
 
 
-def variance_ratio(
-    group_size_uls: float, l_g: float, sigma_uls: float, sigma_els: float, l: float = 1.0
-) -> float:
+def variance_ratio(group_size_uls: float, l_g: float, sigma_uls: float, sigma_els: float, l: float = 1.0) -> float:
     """Charles et al. 2024, §3, App. B eq. (7): Var_ULS / Var_ELS = (G_ULS * L_G * sigma_ULS / (L * sigma_ELS))**2."""
     return float((group_size_uls * l_g * sigma_uls / (l * sigma_els)) ** 2)
 
@@ -29,6 +27,7 @@ def uls_sigma_of_m(
     num_users: int, steps: int, epsilon: float, delta: float, accountant: str = "pld"
 ) -> Callable[[int], float]:
     """sigma(M): the ULS noise multiplier for q = M/N at fixed (epsilon, delta, T), cached."""
+
     @functools.lru_cache(maxsize=None)
     def sigma(m: int) -> float:
         return uls_noise_multiplier(min(1.0, m / num_users), steps, epsilon, delta, accountant)
@@ -37,16 +36,27 @@ def uls_sigma_of_m(
 
 
 def els_noise_multiplier(
-    sampling_rate: float, group_size: int, steps: int, epsilon: float, delta: float,
+    sampling_rate: float,
+    group_size: int,
+    steps: int,
+    epsilon: float,
+    delta: float,
     accountant: str = "pld",
 ) -> float:
     """The calibrated ELS noise multiplier at record rate p and group size G."""
-    return float(accounting.Mechanism("els", 1.0, steps, sampling_rate=sampling_rate, group_size=group_size)
-                 .calibrated(epsilon, delta, accountant).noise_multiplier)
+    return float(
+        accounting.Mechanism("els", 1.0, steps, sampling_rate=sampling_rate, group_size=group_size)
+        .calibrated(epsilon, delta, accountant)
+        .noise_multiplier
+    )
 
 
-def uls_noise_multiplier(sampling_rate: float, steps: int, epsilon: float, delta: float,
-                         accountant: str = "pld") -> float:
+def uls_noise_multiplier(
+    sampling_rate: float, steps: int, epsilon: float, delta: float, accountant: str = "pld"
+) -> float:
     """The calibrated ULS (and DP-FedAvg) noise multiplier at user rate q."""
-    return float(accounting.Mechanism("uls", 1.0, steps, sampling_rate=sampling_rate)
-                 .calibrated(epsilon, delta, accountant).noise_multiplier)
+    return float(
+        accounting.Mechanism("uls", 1.0, steps, sampling_rate=sampling_rate)
+        .calibrated(epsilon, delta, accountant)
+        .noise_multiplier
+    )

@@ -44,8 +44,14 @@ class Calibration:
     epsilon_trial: dict  # each mechanism's own epsilon at its sigma (the final model alone)
 
 
-def calibrate(make_plan_at: Callable[[str, float], object], keys: Sequence[str], count: TrialCount,
-              delta: float, epsilon: float, iterations: int = 14) -> Calibration:
+def calibrate(
+    make_plan_at: Callable[[str, float], object],
+    keys: Sequence[str],
+    count: TrialCount,
+    delta: float,
+    epsilon: float,
+    iterations: int = 14,
+) -> Calibration:
     """The largest per-trial target tau whose selection total is <= ``epsilon``.
 
     Args:
@@ -61,9 +67,11 @@ def calibrate(make_plan_at: Callable[[str, float], object], keys: Sequence[str],
     """
     floor = floor_epsilon(count, delta)
     if floor >= epsilon:
-        raise UserError(f"--epsilon {epsilon:g} cannot cover tuning: drawing the number of trials "
-                        f"({count.kind}, mean {count.mean():.3g}) costs epsilon >= {floor:.3g} at delta {delta:.3g} "
-                        "even with infinitely noisy trials; raise --epsilon or lower --mean-trials")
+        raise UserError(
+            f"--epsilon {epsilon:g} cannot cover tuning: drawing the number of trials "
+            f"({count.kind}, mean {count.mean():.3g}) costs epsilon >= {floor:.3g} at delta {delta:.3g} "
+            "even with infinitely noisy trials; raise --epsilon or lower --mean-trials"
+        )
 
     def at(tau):
         plans = {k: make_plan_at(k, tau) for k in keys}
@@ -72,9 +80,11 @@ def calibrate(make_plan_at: Callable[[str, float], object], keys: Sequence[str],
     lo, hi = epsilon / 100, epsilon
     plans_lo, tot_lo = at(lo)
     if tot_lo > epsilon:
-        raise UserError(f"--epsilon {epsilon:g} cannot cover the per-trial minimum: even trials at epsilon "
-                        f"{lo:.3g} each give {tot_lo:.3g} in total with {count.kind} trials of mean "
-                        f"{count.mean():.3g}; raise --epsilon or lower --mean-trials")
+        raise UserError(
+            f"--epsilon {epsilon:g} cannot cover the per-trial minimum: even trials at epsilon "
+            f"{lo:.3g} each give {tot_lo:.3g} in total with {count.kind} trials of mean "
+            f"{count.mean():.3g}; raise --epsilon or lower --mean-trials"
+        )
     best = (lo, plans_lo, tot_lo)
     for _ in range(iterations):
         mid = (lo * hi) ** 0.5

@@ -92,8 +92,10 @@ def _check_public_is_not_private(cfg: C.RunConfig, public_cfg: C.RunConfig | Non
         except OSError:
             same = False
     if same:
-        raise UserError("--public-config: its data is the private data of the tuned config "
-                        f"({p1 or 'the same data section'}); --on public needs data declared public")
+        raise UserError(
+            "--public-config: its data is the private data of the tuned config "
+            f"({p1 or 'the same data section'}); --on public needs data declared public"
+        )
 
 
 def _check_public_content(private, public) -> None:
@@ -104,19 +106,34 @@ def _check_public_content(private, public) -> None:
     Raises:
         UserError: naming --public-config."""
     if public.store.fingerprint == private.store.fingerprint:
-        raise UserError("--public-config: its data has the same content as the private data of the tuned config "
-                        "(a copy under another name); --on public needs data declared public")
-    mine, theirs = set(map(str, user_ids_of(private.store, private.store.num_users))), \
-        set(map(str, user_ids_of(public.store, public.store.num_users)))
+        raise UserError(
+            "--public-config: its data has the same content as the private data of the tuned config "
+            "(a copy under another name); --on public needs data declared public"
+        )
+    mine, theirs = (
+        set(map(str, user_ids_of(private.store, private.store.num_users))),
+        set(map(str, user_ids_of(public.store, public.store.num_users))),
+    )
     both = len(mine & theirs)
     if both and both >= 0.5 * min(len(mine), len(theirs)):
-        raise UserError(f"--public-config: {both} of its {len(theirs)} users are users of the private data "
-                        f"({len(mine)} users); --on public needs data declared public, not a copy of the private data")
+        raise UserError(
+            f"--public-config: {both} of its {len(theirs)} users are users of the private data "
+            f"({len(mine)} users); --on public needs data declared public, not a copy of the private data"
+        )
 
 
-def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCount, out: Path,
-               on: str = "private", public_cfg: C.RunConfig | None = None, seed: int | None = None,
-               log: Log) -> dict:
+def new_tuning(
+    cfg: C.RunConfig,
+    space: Space,
+    *,
+    epsilon: float,
+    count: TrialCount,
+    out: Path,
+    on: str = "private",
+    public_cfg: C.RunConfig | None = None,
+    seed: int | None = None,
+    log: Log,
+) -> dict:
     """Calibrate and draw; write ``tune.json`` (before any trial). Returns the state.
 
     Raises:
@@ -140,18 +157,23 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
     delta_extra = [f"privacy.delta={delta!r}"]
     keys = {mechanism_key(m): m for m in mechs}
     if on == "private":
+
         def make(key, tau):
             return _plan_for(_trial_config(base, keys[key], delta_extra), prep, tau)
 
-        log(f"tune: calibrating {len(keys)} mechanism(s) so that tuning + the released model meet epsilon "
-            f"{epsilon:g} at delta {delta:.3g} ({count.kind}, mean {count.mean():.3g} trials) ...")
+        log(
+            f"tune: calibrating {len(keys)} mechanism(s) so that tuning + the released model meet epsilon "
+            f"{epsilon:g} at delta {delta:.3g} ({count.kind}, mean {count.mean():.3g} trials) ..."
+        )
         cal = TA.calibrate(make, list(keys), count, delta, epsilon)
         sigma = {k: p.noise_multiplier for k, p in cal.plans.items()}
         # each mechanism's whole-run DpEvent: every guarantee below is re-derived from these
-        guarantee = {"epsilon_selection_bound": cal.epsilon_total, "per_trial_target": cal.tau,
-                     "epsilon_one_trial_by_mechanism": cal.epsilon_trial,
-                     "run_events": {k: event_to_dict(compose(p.step_event, p.config.steps))
-                                    for k, p in cal.plans.items()}}
+        guarantee = {
+            "epsilon_selection_bound": cal.epsilon_total,
+            "per_trial_target": cal.tau,
+            "epsilon_one_trial_by_mechanism": cal.epsilon_trial,
+            "run_events": {k: event_to_dict(compose(p.step_event, p.config.steps)) for k, p in cal.plans.items()},
+        }
         # what the released statement rests on, fixed now: each trial's config carries its digest,
         # so the released run's journal is bound to it before its first step
         guarantee["contract_sha256"] = TG.contract_digest(on, count.to_dict(), delta, guarantee["run_events"])
@@ -160,13 +182,26 @@ def new_tuning(cfg: C.RunConfig, space: Space, *, epsilon: float, count: TrialCo
     rng = np.random.default_rng(np.random.SeedSequence(secrets.randbits(128) if seed is None else seed))
     k = count.sample(rng)
     trials = [space.draw(rng) for _ in range(k)]
-    state = {"format": "userdp-tune-1", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-             "on": on, "epsilon": epsilon, "delta": delta, "count": count.to_dict(), "trials_planned": k,
-             "seeded": seed is not None, "space": [dataclasses.asdict(d) for d in space.dims],
-             "base_config": base, "trial_config": trial_raw, "sigma": sigma, "trials": [
-                 {"index": i, "params": p, "mechanism": mechanism_key(p), "dir": trial_dir_name()}
-                 for i, p in enumerate(trials)],
-             **guarantee, "status": "running"}
+    state = {
+        "format": "userdp-tune-1",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "on": on,
+        "epsilon": epsilon,
+        "delta": delta,
+        "count": count.to_dict(),
+        "trials_planned": k,
+        "seeded": seed is not None,
+        "space": [dataclasses.asdict(d) for d in space.dims],
+        "base_config": base,
+        "trial_config": trial_raw,
+        "sigma": sigma,
+        "trials": [
+            {"index": i, "params": p, "mechanism": mechanism_key(p), "dir": trial_dir_name()}
+            for i, p in enumerate(trials)
+        ],
+        **guarantee,
+        "status": "running",
+    }
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / STATE, state)
     log(f"tune: {k} trials drawn (recorded in {out / STATE} before the first one)")
@@ -179,13 +214,24 @@ def check_state(state, path: Path) -> dict:
 
     Raises:
         UserError: naming the file, for a damaged or foreign plan."""
+
     def bad(why):
         return UserError(f"{path}: {why}; the tuning plan is damaged (start a new tuning run)")
 
     if not isinstance(state, dict) or state.get("format") != "userdp-tune-1":
         raise UserError(f"{path}: not a tuning plan written by userdp")
-    need = {"on": str, "epsilon": (int, float), "delta": (int, float), "count": dict, "trials_planned": int,
-            "space": list, "base_config": dict, "trial_config": dict, "sigma": dict, "trials": list}
+    need = {
+        "on": str,
+        "epsilon": (int, float),
+        "delta": (int, float),
+        "count": dict,
+        "trials_planned": int,
+        "space": list,
+        "base_config": dict,
+        "trial_config": dict,
+        "sigma": dict,
+        "trials": list,
+    }
     for k, t in need.items():
         if not isinstance(state.get(k), t) or isinstance(state.get(k), bool):
             raise bad(f"{k} is missing or has the wrong type")
@@ -194,8 +240,12 @@ def check_state(state, path: Path) -> dict:
     if len(state["trials"]) != state["trials_planned"]:
         raise bad("the trials do not match trials_planned")
     for i, t in enumerate(state["trials"]):
-        if not isinstance(t, dict) or t.get("index") != i or not isinstance(t.get("params"), dict) \
-                or not isinstance(t.get("mechanism"), str):
+        if (
+            not isinstance(t, dict)
+            or t.get("index") != i
+            or not isinstance(t.get("params"), dict)
+            or not isinstance(t.get("mechanism"), str)
+        ):
             raise bad(f"trial {i + 1} is malformed")
         if "dir" in t and not (isinstance(t["dir"], str) and re.fullmatch(r"trial-[0-9a-f]{16}", t["dir"])):
             raise bad(f"trial {i + 1}'s folder name is not one userdp draws")
@@ -206,8 +256,13 @@ def check_state(state, path: Path) -> dict:
         for t in state["trials"]:
             if t["mechanism"] not in events or t["mechanism"] not in state["sigma"]:
                 raise bad(f"trial {t['index'] + 1} names a mechanism without an event")
-        TG.derive(events, [t["mechanism"] for t in state["trials"]],
-                  TG.trial_count_from_dict(state["count"], str(path)), float(state["delta"]), source=str(path))
+        TG.derive(
+            events,
+            [t["mechanism"] for t in state["trials"]],
+            TG.trial_count_from_dict(state["count"], str(path)),
+            float(state["delta"]),
+            source=str(path),
+        )
     return state
 
 
@@ -232,10 +287,20 @@ def _final_private_run(state: dict, out: Path, *, progress: bool, log: Log) -> N
     best = min(done, key=lambda t: t["score"])
     d = out / "final"
     log(f"tune: training once on the private data with trial {best['index'] + 1}'s hyperparameters ...")
-    s = _run_or_resume(d, lambda: _trial_config(state["base_config"], best["params"],
-                                                [f"privacy.epsilon={state['epsilon']!r}"]), progress, log)
-    state["final"] = {"index": best["index"], "params": best["params"], "run_dir": str(d), "score": s["loss_after"],
-                      "perplexity": s["perplexity_after"], "epsilon": s["epsilon"]}
+    s = _run_or_resume(
+        d,
+        lambda: _trial_config(state["base_config"], best["params"], [f"privacy.epsilon={state['epsilon']!r}"]),
+        progress,
+        log,
+    )
+    state["final"] = {
+        "index": best["index"],
+        "params": best["params"],
+        "run_dir": str(d),
+        "score": s["loss_after"],
+        "perplexity": s["perplexity_after"],
+        "epsilon": s["epsilon"],
+    }
     write_json(out / STATE, state)
 
 
@@ -267,12 +332,16 @@ def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
             extra += [f"privacy.noise_multiplier={sig!r}", f"privacy.epsilon={eps_t * (1 + 1e-9) + 1e-9!r}"]
             if state.get("contract_sha256"):
                 extra.append(f"privacy.tuning_contract={state['contract_sha256']}")
-        log(f"tune: trial {t['index'] + 1} of {state['trials_planned']}: "
-            + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in t["params"].items()))
+        log(
+            f"tune: trial {t['index'] + 1} of {state['trials_planned']}: "
+            + ", ".join(f"{k} = {v:.4g}" if isinstance(v, float) else f"{k} = {v}" for k, v in t["params"].items())
+        )
         s = _run_or_resume(d, lambda t=t, extra=extra: _trial_config(base, t["params"], extra), progress, log)
         t.update(run_dir=str(d), score=s["loss_after"], perplexity=s["perplexity_after"], epsilon=s["epsilon"])
         write_json(out / STATE, state)
-        log(f"tune: trial {t['index'] + 1}: held-out loss {s['loss_after']:.4f} (perplexity {s['perplexity_after']:.2f})")
+        log(
+            f"tune: trial {t['index'] + 1}: held-out loss {s['loss_after']:.4f} (perplexity {s['perplexity_after']:.2f})"
+        )
 
 
 def release(state: dict, out: Path, log: Log) -> dict:
@@ -281,8 +350,9 @@ def release(state: dict, out: Path, log: Log) -> dict:
     if not done:
         state["status"] = "done"
         write_json(out / STATE, state)
-        raise UserError(f"{out}: the trial count drawn was 0 (Poisson): nothing is released; the budget "
-                        "is spent all the same")
+        raise UserError(
+            f"{out}: the trial count drawn was 0 (Poisson): nothing is released; the budget is spent all the same"
+        )
     best = min(done, key=lambda t: t["score"])
     if state["on"] == "public":
         best = state["final"]
@@ -305,36 +375,66 @@ def _guarantee(state: dict, best: dict) -> dict:
     """The released statement (``tuning.json`` and the winner's privacy.json): nothing in it depends
     on the number of trials K. What K and the other trials would cost if published
     goes into tune.json, the tuning directory's own record, which is not released."""
-    s = {"on": state["on"], "delta": state["delta"], "trial_count": state["count"], "seeded": state["seeded"],
-         "best": {"params": best["params"], "mechanism": best.get("mechanism"),
-                  "heldout_loss": best["score"], "heldout_perplexity": best["perplexity"]},
-         "scoring": ("held-out loss per token on the held-out users (data.heldout_users): those users are "
-                     "excluded from training and declared outside the guarantee; selecting on their loss "
-                     "is a non-private use of their records")}
+    s = {
+        "on": state["on"],
+        "delta": state["delta"],
+        "trial_count": state["count"],
+        "seeded": state["seeded"],
+        "best": {
+            "params": best["params"],
+            "mechanism": best.get("mechanism"),
+            "heldout_loss": best["score"],
+            "heldout_perplexity": best["perplexity"],
+        },
+        "scoring": (
+            "held-out loss per token on the held-out users (data.heldout_users): those users are "
+            "excluded from training and declared outside the guarantee; selecting on their loss "
+            "is a non-private use of their records"
+        ),
+    }
     if state["on"] == "private":
         if "run_events" not in state or "contract_sha256" not in state:
-            raise UserError("tune.json was written by an older userdp (no tuning contract to derive the "
-                            "guarantee from); start the tuning run again")
-        g = TG.derive(state["run_events"], [t["mechanism"] for t in state["trials"]],
-                      TG.trial_count_from_dict(state["count"], STATE), state["delta"], source=STATE)
-        s.update(epsilon_total=g["epsilon_released_model"], epsilon_budget=state["epsilon"],
-                 epsilon_selection_bound=g["epsilon_selection_bound"],
-                 epsilon_one_trial=best["epsilon"],
-                 epsilon_one_trial_note=("the epsilon of the winning trial's own run: NOT a guarantee for the "
-                                         "released model, which was selected among the trials"),
-                 run_events=state["run_events"], contract_sha256=state["contract_sha256"],
-                 method=("private selection (Papernot & Steinke 2022): the number of trials K was drawn from "
-                         f"{state['count']['kind']} (mean {state['count']['mean']:.3g}) before any trial and is "
-                         "kept secret; only the best trial is released; per-trial RDP curves (the max over the "
-                         "space's mechanisms) -> their theorem -> (epsilon, delta). Publishing K, another trial's "
-                         "score or model, or the tuning directory voids this bound: the composition of the K "
-                         "trials run applies instead (tune.json, epsilon_if_trials_published)"))
+            raise UserError(
+                "tune.json was written by an older userdp (no tuning contract to derive the "
+                "guarantee from); start the tuning run again"
+            )
+        g = TG.derive(
+            state["run_events"],
+            [t["mechanism"] for t in state["trials"]],
+            TG.trial_count_from_dict(state["count"], STATE),
+            state["delta"],
+            source=STATE,
+        )
+        s.update(
+            epsilon_total=g["epsilon_released_model"],
+            epsilon_budget=state["epsilon"],
+            epsilon_selection_bound=g["epsilon_selection_bound"],
+            epsilon_one_trial=best["epsilon"],
+            epsilon_one_trial_note=(
+                "the epsilon of the winning trial's own run: NOT a guarantee for the "
+                "released model, which was selected among the trials"
+            ),
+            run_events=state["run_events"],
+            contract_sha256=state["contract_sha256"],
+            method=(
+                "private selection (Papernot & Steinke 2022): the number of trials K was drawn from "
+                f"{state['count']['kind']} (mean {state['count']['mean']:.3g}) before any trial and is "
+                "kept secret; only the best trial is released; per-trial RDP curves (the max over the "
+                "space's mechanisms) -> their theorem -> (epsilon, delta). Publishing K, another trial's "
+                "score or model, or the tuning directory voids this bound: the composition of the K "
+                "trials run applies instead (tune.json, epsilon_if_trials_published)"
+            ),
+        )
         # the workspace's own record: what publishing the trials would cost (never in released files)
         state["epsilon_if_trials_published"] = g["epsilon_if_trials_published"]
     else:  # trials on public data: their number and folders reveal nothing private
         s["best"].update(run_dir=best["run_dir"], index=best["index"])
-        s.update(trials_run=len(state["trials"]), epsilon_total=best["epsilon"], epsilon_final_model=best["epsilon"],
-                 method="trials on data declared public; the private data was touched once (the final run)")
+        s.update(
+            trials_run=len(state["trials"]),
+            epsilon_total=best["epsilon"],
+            epsilon_final_model=best["epsilon"],
+            method="trials on data declared public; the private data was touched once (the final run)",
+        )
     return s
 
 
@@ -347,18 +447,22 @@ def _annotate_best(summary: dict, best: dict) -> None:
             f"the released model was selected by private tuning (the number of trials is secret): epsilon = "
             f"{summary['epsilon_total']:.4g} at delta = {summary['delta']:.3g} ({summary['method']}); "
             f"the epsilon of this trial alone, {summary['epsilon_one_trial']:.4g}, is not a guarantee for the "
-            "selected model; trials were scored on held-out users declared outside the guarantee")
+            "selected model; trials were scored on held-out users declared outside the guarantee"
+        )
         rec["epsilon_tuning_total"] = summary["epsilon_total"]
         rec["epsilon_total"] = summary["epsilon_total"]  # the headline: the released model's guarantee
         rec["tier"] = epsilon_tier(summary["epsilon_total"])
         rec["not_accounted"] = [n for n in rec.get("not_accounted", []) if not n.startswith("hyperparameter tuning")]
-        rec["not_accounted"].append("the held-out users' records scored each trial (selection used them; "
-                                    "they are outside the guarantee)")
+        rec["not_accounted"].append(
+            "the held-out users' records scored each trial (selection used them; they are outside the guarantee)"
+        )
     else:
         # the tuning line stays: a public tuning section is not bound to the journal, so it cannot
         # take a disclosure away (userdp report would refuse the record)
-        rec["tuning_guarantee"] = ("hyperparameters tuned on data declared public; the private data was "
-                                   "touched once, by this run (its epsilon is the whole guarantee)")
+        rec["tuning_guarantee"] = (
+            "hyperparameters tuned on data declared public; the private data was "
+            "touched once, by this run (its epsilon is the whole guarantee)"
+        )
     rec["tuning"] = summary
     write_json(p, rec)
     write_report(best["run_dir"])
@@ -366,9 +470,18 @@ def _annotate_best(summary: dict, best: dict) -> None:
 
 def _write_table(state: dict, out: Path) -> None:
     keys = [d["key"] for d in state["space"]]
-    rows = [{"trial": t["index"] + 1, **{k: t["params"].get(k) for k in keys}, "mechanism": t["mechanism"],
-             "heldout_loss": t.get("score"), "heldout_perplexity": t.get("perplexity"),
-             "epsilon_trial": t.get("epsilon"), "run_dir": t.get("run_dir")} for t in state["trials"]]
+    rows = [
+        {
+            "trial": t["index"] + 1,
+            **{k: t["params"].get(k) for k in keys},
+            "mechanism": t["mechanism"],
+            "heldout_loss": t.get("score"),
+            "heldout_perplexity": t.get("perplexity"),
+            "epsilon_trial": t.get("epsilon"),
+            "run_dir": t.get("run_dir"),
+        }
+        for t in state["trials"]
+    ]
     text = io.StringIO(newline="")
     w = csv.DictWriter(text, fieldnames=list(rows[0]))
     w.writeheader()

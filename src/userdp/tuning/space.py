@@ -23,11 +23,27 @@ from userdp.errors import UserError
 from userdp.fileio import read_input
 from userdp.lm.config import StrictLoader
 
-MECHANISM_KEYS = ("training.algorithm", "training.group_size", "training.cohort_size", "training.steps",
-                  "privacy.sampler", "training.clipping", "privacy.accountant", "privacy.delta")
+MECHANISM_KEYS = (
+    "training.algorithm",
+    "training.group_size",
+    "training.cohort_size",
+    "training.steps",
+    "privacy.sampler",
+    "training.clipping",
+    "privacy.accountant",
+    "privacy.delta",
+)
 MAX_CHOICES = 1000
-REFUSED_KEYS = ("privacy.epsilon", "privacy.noise_multiplier", "training.seed", "data.", "audit.", "output.",
-                "plan", "planning.")
+REFUSED_KEYS = (
+    "privacy.epsilon",
+    "privacy.noise_multiplier",
+    "training.seed",
+    "data.",
+    "audit.",
+    "output.",
+    "plan",
+    "planning.",
+)
 
 
 @dataclass(frozen=True)
@@ -75,8 +91,9 @@ class _SpaceLoader(StrictLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.events.AliasEvent):
             mark = self.peek_event().start_mark
-            raise yaml.composer.ComposerError(None, None, "YAML aliases (*name) are not allowed in a search space",
-                                              mark)
+            raise yaml.composer.ComposerError(
+                None, None, "YAML aliases (*name) are not allowed in a search space", mark
+            )
         return super().compose_node(parent, index)
 
 
@@ -100,14 +117,17 @@ def load_space(path: str) -> Space:
 
 def parse_space(raw, where: str = "search space") -> Space:
     if not isinstance(raw, dict) or not raw:
-        raise UserError(f"{where}: expected a mapping of config keys to values (a list, or "
-                        "{log_uniform: [low, high]} / {uniform: [low, high]})")
+        raise UserError(
+            f"{where}: expected a mapping of config keys to values (a list, or "
+            "{log_uniform: [low, high]} / {uniform: [low, high]})"
+        )
     dims = []
     for key, spec in raw.items():
         key = str(key)
         if any(key == r or (r.endswith(".") and key.startswith(r)) for r in REFUSED_KEYS):
-            raise UserError(f"{where}: {key} cannot be tuned (the budget, the data and the seeds are fixed "
-                            "by the tuning run)")
+            raise UserError(
+                f"{where}: {key} cannot be tuned (the budget, the data and the seeds are fixed by the tuning run)"
+            )
         if isinstance(spec, list):
             if not spec:
                 raise UserError(f"{where}: {key}: an empty list")
@@ -117,20 +137,30 @@ def parse_space(raw, where: str = "search space") -> Space:
             if bad:
                 raise UserError(f"{where}: {key}: {bad[0]!r} is not a single finite value")
             if key == "training.algorithm" and "nonprivate" in spec:
-                raise UserError(f"{where}: training.algorithm: nonprivate cannot be a trial (it has no guarantee "
-                                "to account tuning against)")
+                raise UserError(
+                    f"{where}: training.algorithm: nonprivate cannot be a trial (it has no guarantee "
+                    "to account tuning against)"
+                )
             dims.append(Dim(key, "choice", tuple(spec)))
         elif isinstance(spec, dict) and len(spec) == 1 and next(iter(spec)) in ("log_uniform", "uniform"):
             kind, rng = next(iter(spec.items()))
-            ok = (isinstance(rng, list) and len(rng) == 2
-                  and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in rng)
-                  and rng[0] < rng[1] and (kind == "uniform" or rng[0] > 0))
+            ok = (
+                isinstance(rng, list)
+                and len(rng) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in rng)
+                and rng[0] < rng[1]
+                and (kind == "uniform" or rng[0] > 0)
+            )
             if not ok:
-                raise UserError(f"{where}: {key}: {kind} needs finite numbers [low, high] with low < high"
-                                + (" and low > 0" if kind == "log_uniform" else ""))
+                raise UserError(
+                    f"{where}: {key}: {kind} needs finite numbers [low, high] with low < high"
+                    + (" and low > 0" if kind == "log_uniform" else "")
+                )
             if key in MECHANISM_KEYS:
-                raise UserError(f"{where}: {key} changes the privacy mechanism: give a list of values "
-                                "(each is calibrated), not a range")
+                raise UserError(
+                    f"{where}: {key} changes the privacy mechanism: give a list of values "
+                    "(each is calibrated), not a range"
+                )
             dims.append(Dim(key, kind, (float(rng[0]), float(rng[1]))))
         else:
             raise UserError(f"{where}: {key}: expected a list of values or {{log_uniform|uniform: [low, high]}}")
