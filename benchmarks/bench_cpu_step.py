@@ -114,8 +114,8 @@ def main(argv=None) -> int:
         "nonprivate_s": round(statistics.median(wall["nonprivate"]), 3),
     }
     for k in ("uls", "els"):
-        rw = [x / y for x, y in zip(wall[k], wall["nonprivate"])]
-        rc = [x / y for x, y in zip(cpu[k], cpu["nonprivate"])]
+        rw = [x / y for x, y in zip(wall[k], wall["nonprivate"], strict=True)]
+        rc = [x / y for x, y in zip(cpu[k], cpu["nonprivate"], strict=True)]
         out[k] = {
             "time": round(statistics.median(rw), 3),
             "time_range": [round(min(rw), 3), round(max(rw), 3)],

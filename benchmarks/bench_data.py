@@ -175,7 +175,33 @@ class SyntheticSource:
         owners = np.repeat(np.arange(len(self.sizes), dtype=np.int32), self.sizes)
         rng.shuffle(owners)
         words = np.array(
-            "the of and to a in is it you that he was for on are with as I his they be at one have this".split()
+            [
+                "the",
+                "of",
+                "and",
+                "to",
+                "a",
+                "in",
+                "is",
+                "it",
+                "you",
+                "that",
+                "he",
+                "was",
+                "for",
+                "on",
+                "are",
+                "with",
+                "as",
+                "I",
+                "his",
+                "they",
+                "be",
+                "at",
+                "one",
+                "have",
+                "this",
+            ]
         )
         for a in range(0, self.n_records, batch_size):
             o = owners[a : a + batch_size]

@@ -171,7 +171,7 @@ def _heatmap(results, path):
     import matplotlib.pyplot as plt
 
     cells = {}
-    for b, r in results.items():
+    for _b, r in results.items():
         for key, loss in r["grid"].items():
             m, g = map(int, key.split("x"))
             cells[(m, g)] = loss - r["best"]
@@ -186,7 +186,7 @@ def _heatmap(results, path):
     ax.set_yticks(range(len(gs)), [str(g) for g in gs])
     ax.set_xlabel("cohort size M")
     ax.set_ylabel("group size G")
-    for b, r in results.items():
+    for _b, r in results.items():
         m, g = r["estimate_and_double"]
         if m in ms and g in gs:
             ax.scatter(ms.index(m), gs.index(g), marker="*", s=200, color="red")

@@ -609,11 +609,11 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
         ):
             keys = sorted({r[outer] for r in g if r[outer] is not None})
             fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4), squeeze=False)
-            for ax, k in zip(axes[0], keys):
+            for ax, k in zip(axes[0], keys, strict=True):
                 for algo in ("els", "uls", "fedavg"):
                     pts = sorted((r[inner], r["loss"]) for r in g if r["algorithm"] == algo and r[outer] == k)
                     if pts:
-                        ax.plot(*zip(*pts), "o-", color=colors[algo], label=algo.upper())
+                        ax.plot(*zip(*pts, strict=True), "o-", color=colors[algo], label=algo.upper())
                 ax.axhline(pre, color="gray", ls=":", label="pretrained")
                 nps = [
                     r
@@ -624,7 +624,11 @@ def figures(rows: list[dict], folder: Path, a) -> list[Path]:
                 if outer == "compute_budget" and nps:
                     ax.axhline(nps[0]["loss"], color="black", ls="--", label="non-private")
                 elif nps:
-                    ax.plot(*zip(*sorted((r["compute_budget"], r["loss"]) for r in nps)), "k--", label="non-private")
+                    ax.plot(
+                        *zip(*sorted((r["compute_budget"], r["loss"]) for r in nps), strict=True),
+                        "k--",
+                        label="non-private",
+                    )
                 ax.set_xscale("log", base=2)
                 ax.set_xlabel(xlab)
                 ax.set_title(f"{'B' if outer == 'compute_budget' else 'epsilon'} = {k:g}")

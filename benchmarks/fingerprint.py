@@ -90,10 +90,36 @@ def run_lm(algorithm):
     from userdp.lm import config as C
     from userdp.lm.finetune import run as lm_run
 
-    words = (
-        "the king is dead long live the queen my lord I pray you speak of love and war "
-        "to be or not to be that is the question"
-    ).split()
+    words = [
+        "the",
+        "king",
+        "is",
+        "dead",
+        "long",
+        "live",
+        "the",
+        "queen",
+        "my",
+        "lord",
+        "I",
+        "pray",
+        "you",
+        "speak",
+        "of",
+        "love",
+        "and",
+        "war",
+        "to",
+        "be",
+        "or",
+        "not",
+        "to",
+        "be",
+        "that",
+        "is",
+        "the",
+        "question",
+    ]
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as d:
         d = pathlib.Path(d)
@@ -125,7 +151,7 @@ def main():
     lines = [run(n) for n in CASES] + [run_lm(a) for a in ("uls", "els", "fedavg")]
     if a.check:
         want = open(a.check).read().split("\n")
-        bad = [(w, g) for w, g in zip(want, lines) if w != g]
+        bad = [(w, g) for w, g in zip(want, lines, strict=True) if w != g]
         for w, g in bad:
             print(f"CHANGED\n  before {w}\n  after  {g}")
         print(f"{len(lines) - len(bad)}/{len(lines)} identical")

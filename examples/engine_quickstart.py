@@ -28,7 +28,7 @@ def main():
     num_users, dim = 500, 8
     sizes = rng.integers(1, 21, num_users)  # records per user
     user_means = rng.normal(1.0, 0.5, (num_users, dim))
-    x = np.concatenate([rng.normal(m, 1.0, (n, dim)) for m, n in zip(user_means, sizes)])
+    x = np.concatenate([rng.normal(m, 1.0, (n, dim)) for m, n in zip(user_means, sizes, strict=True)])
     data = TensorUserData({"x": torch.tensor(x, dtype=torch.float32)}, offsets=np.concatenate([[0], np.cumsum(sizes)]))
 
     config = TrainConfig(

@@ -69,7 +69,7 @@ def main() -> None:
     ):
         pts = [(r["G"], r[key]) for r in rows if r[key] is not None]
         if pts:
-            ax.plot(*zip(*pts), style, label=label)
+            ax.plot(*zip(*pts, strict=True), style, label=label)
     for r in rows:
         if r["generic_a"] is None:
             ax.annotate(

@@ -16,9 +16,9 @@ import bz2
 import gzip
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 GOOD_ROWS = [{"user": f"u{i % 6}", "text": f"hello number {i} from a user"} for i in range(30)]
 
@@ -27,7 +27,7 @@ GOOD_ROWS = [{"user": f"u{i % 6}", "text": f"hello number {i} from a user"} for 
 class Case:
     id: str
     category: str
-    build: Callable[[Path, Optional[Path]], list[str]]  # (work dir, finished run or None) -> argv
+    build: Callable[[Path, Path | None], list[str]]  # (work dir, finished run or None) -> argv
     expect: str = "error"
     timeout: int = 60
     needs_run: bool = False
@@ -1200,7 +1200,7 @@ def round4_cases() -> list[Case]:
     return out
 
 
-def all_cases(_work: Optional[Path] = None) -> list[Case]:
+def all_cases(_work: Path | None = None) -> list[Case]:
     return accounting_cases() + data_cases() + cli_cases() + guarantee_cases() + run_dir_cases() + round4_cases()
 
 

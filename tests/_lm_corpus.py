@@ -8,10 +8,42 @@ import random
 import shutil
 from pathlib import Path
 
-WORDS = (
-    "the king is dead long live the queen my lord I pray you speak of love and war "
-    "to be or not to be that is the question whether tis nobler in the mind"
-).split()
+WORDS = [
+    "the",
+    "king",
+    "is",
+    "dead",
+    "long",
+    "live",
+    "the",
+    "queen",
+    "my",
+    "lord",
+    "I",
+    "pray",
+    "you",
+    "speak",
+    "of",
+    "love",
+    "and",
+    "war",
+    "to",
+    "be",
+    "or",
+    "not",
+    "to",
+    "be",
+    "that",
+    "is",
+    "the",
+    "question",
+    "whether",
+    "tis",
+    "nobler",
+    "in",
+    "the",
+    "mind",
+]
 
 
 def words(rng: random.Random, n: int) -> str:

@@ -59,7 +59,7 @@ def isolated_registries():
     )
     saved = [dict(r._items) for r in registries], dict(plugins._LOADED)
     yield
-    for r, items in zip(registries, saved[0]):
+    for r, items in zip(registries, saved[0], strict=True):
         r._items = items
     plugins._LOADED.clear()
     plugins._LOADED.update(saved[1])

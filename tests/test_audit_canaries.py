@@ -194,14 +194,14 @@ def test_the_gradient_alignment_score_is_each_canarys_own_gradient_against_the_m
     n_params = sum(p.numel() for p in model.parameters())
     monkeypatch.setattr(S, "GRADIENT_CHUNK_BYTES", 4 * n_params * 5)  # chunks of 5: 23 = 4 x 5 + 3
     got = S.gradient_alignment(model, Secrets(), start)
-    assert all(torch.equal(p, f) for p, f in zip(model.parameters(), final))
+    assert all(torch.equal(p, f) for p, f in zip(model.parameters(), final, strict=True))
     with torch.no_grad():
-        for p, s in zip(model.parameters(), start):
+        for p, s in zip(model.parameters(), start, strict=True):
             p.copy_(s)
     model.eval()
     want = []
     for k in range(len(secrets)):
         g = torch.autograd.grad(models.causal_lm_loss(model, Secrets().batch([k])).sum(), list(model.parameters()))
-        dot = sum(float((gi.double() * (s - f).double()).sum()) for gi, s, f in zip(g, start, final))
+        dot = sum(float((gi.double() * (s - f).double()).sum()) for gi, s, f in zip(g, start, final, strict=True))
         want.append(dot / sum(float(gi.double().pow(2).sum()) for gi in g) ** 0.5)
     assert np.allclose(got, want, rtol=1e-5, atol=1e-9), np.max(np.abs(got - np.array(want)))

@@ -182,7 +182,7 @@ def test_combine_pools_the_canaries_of_separate_runs(tiny, capsys):
     tmp, cfg = tiny
     runs = [tmp / "r1", tmp / "r2"]
     # seeded canaries: unseeded, a run of 6 drew none into training about once in 64 (a refused audit)
-    for r, seed in zip(runs, (101, 202)):
+    for r, seed in zip(runs, (101, 202), strict=True):
         assert (
             cli(
                 [

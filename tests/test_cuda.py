@@ -139,7 +139,7 @@ def test_the_fused_operand_kernel_is_taken_and_gives_the_torch_passes_operand(mo
         monkeypatch.setattr(C, "FUSED_SPLIT", mode)
         out[mode] = bf16_lm_chunk(model, ids)[1][0]
     assert C.FUSED_CHECKED.get("cuda") is True
-    for a, b in zip(out["off"], out["on"]):
+    for a, b in zip(out["off"], out["on"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
@@ -158,7 +158,7 @@ def test_the_gram_and_layer_norm_kernels_pass_their_checks_and_give_the_torch_pa
     gx = torch.randn(64, 256, 256, generator=g, device=CUDA)
     gy = torch.randn(64, 256, 256, generator=g, device=CUDA)
     rb = torch.rand(64, 256, generator=g, device=CUDA)
-    for a, b in zip(gram_triton.pair_rows(gx, gy, rb, rb, True), C.torch_pair_rows(gx, gy, rb, rb, True)):
+    for a, b in zip(gram_triton.pair_rows(gx, gy, rb, rb, True), C.torch_pair_rows(gx, gy, rb, rb, True), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-3)
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=1001, n_positions=64).to(CUDA).train()
@@ -170,5 +170,5 @@ def test_the_gram_and_layer_norm_kernels_pass_their_checks_and_give_the_torch_pa
         out[mode] = bf16_lm_chunk(model, ids)[1]
     assert C.GRAMS_CHECKED.get("cuda") is True and L.FUSED_CHECKED.get("cuda") is True
     torch.testing.assert_close(out["off"][1], out["auto"][1], rtol=1e-5, atol=1e-7)
-    for a, b in zip(out["off"][0], out["auto"][0]):
+    for a, b in zip(out["off"][0], out["auto"][0], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -54,7 +54,10 @@ def test_public_plays_are_not_users(tmp_path):
     st = res.store
     assert not any(u.startswith(("hamlet/", "macbeth/")) for u in st.user_ids)
     n_public = sum(
-        1 for u, n in zip(full.user_ids, full.sizes()) if u.startswith(("hamlet/", "macbeth/")) for _ in range(n)
+        1
+        for u, n in zip(full.user_ids, full.sizes(), strict=True)
+        if u.startswith(("hamlet/", "macbeth/"))
+        for _ in range(n)
     )
     assert st.num_records == full.num_records - n_public
     assert res.drops.get(PUBLIC_PLAYS) == n_public

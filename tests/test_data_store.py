@@ -43,7 +43,7 @@ def test_store_matches_in_memory_grouping(tmp_path, shards):
     users, texts = heavy_tail()
     st = build_store(ListSource(users, texts), tmp_path / "s", num_shards=shards).store
     expect: dict[str, list[str]] = {}
-    for u, t in zip(users, texts):
+    for u, t in zip(users, texts, strict=True):
         expect.setdefault(u, []).append(t)
     assert st.num_users == len(expect) and st.num_records == len(users)
     assert st.offsets[0] == 0 and np.all(np.diff(st.offsets) >= 1)
@@ -63,7 +63,7 @@ def test_cohort_gather_and_record_indices(tmp_path):
     us = rng.integers(0, st.num_users, 64)
     rs = np.array([rng.integers(0, st.sizes()[u]) for u in us])
     got = st.gather_texts(us, rs)
-    assert got == [st.texts(u)[r] for u, r in zip(us, rs)]
+    assert got == [st.texts(u)[r] for u, r in zip(us, rs, strict=True)]
     big = int(np.argmax(st.sizes()))
     assert st.texts(big, [2, 0]) == [st.texts(big)[2], st.texts(big)[0]]
     with pytest.raises(IndexError):

@@ -30,7 +30,7 @@ def tok():
 @pytest.fixture
 def store(tmp_path):
     rng = np.random.default_rng(0)
-    words = "fox dog quick lazy brown public sentence jumps over".split()
+    words = ["fox", "dog", "quick", "lazy", "brown", "public", "sentence", "jumps", "over"]
     rows = [
         {"user": f"u{rng.integers(0, 9)}", "text": " ".join(rng.choice(words, rng.integers(1, 40)))} for _ in range(120)
     ]

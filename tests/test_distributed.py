@@ -479,6 +479,6 @@ def test_units_draw_the_same_records_whatever_the_chunking():
         for c in (1, 5)
     ]
     models = [Mean(4), Mean(4)]
-    for m, c in zip(models, cfgs):
+    for m, c in zip(models, cfgs, strict=True):
         train(m, user_data(np.arange(1, 13), d=4, seed=3), sq_loss, c)
     assert torch.allclose(models[0].theta, models[1].theta, atol=1e-6)

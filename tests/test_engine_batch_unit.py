@@ -51,7 +51,7 @@ def test_the_baseline_trains_the_same_model_as_the_per_unit_strategies():
     batch, _ = _train("batch")
     for other in ("vmap", "ghost"):
         ref, _ = _train(other)
-        for a, b in zip(batch, ref):  # same seed: same cohorts and records; float64 model
+        for a, b in zip(batch, ref, strict=True):  # same seed: same cohorts and records; float64 model
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
@@ -60,9 +60,9 @@ def test_a_clip_that_could_bind_is_the_per_unit_strategys():
     batch, res = _train("auto", clip=0.05)
     ref, _ = _train("ghost", clip=0.05)
     unclipped, _ = _train("ghost")
-    for a, b in zip(batch, ref):
+    for a, b in zip(batch, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
-    assert any((a - b).abs().max() > 1e-3 for a, b in zip(batch, unclipped))  # the clip did bind
+    assert any((a - b).abs().max() > 1e-3 for a, b in zip(batch, unclipped, strict=True))  # the clip did bind
     assert res.record["per_unit"]["strategy"] == "batch"
 
 
@@ -92,7 +92,7 @@ def test_a_chunk_equals_vmap_and_a_unit_with_a_nan_loss_is_zeroed(poison):
     sums, norms, losses, bad = _sums("batch", model, batch, mask, w)
     ref, _, ref_losses, ref_bad = _sums("vmap", model, batch, mask, w)
     assert bad.tolist() == ref_bad.tolist() == [False, False, poison == "loss", False, False]
-    for a, b in zip(sums, ref):
+    for a, b in zip(sums, ref, strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     ok = ~bad
@@ -124,7 +124,7 @@ def test_a_finite_loss_with_an_infinite_gradient_is_redone_per_unit():
     assert torch.isfinite(losses).all() and bad.tolist() == [False, True, False, False, False]
     ref, _, _, ref_bad = _sums("vmap", model, batch, mask, w)
     assert ref_bad.tolist() == bad.tolist()  # the unit at fault is zeroed, as vmap does
-    for a, b in zip(sums, ref):
+    for a, b in zip(sums, ref, strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 

@@ -79,7 +79,7 @@ def test_normalized_clipping_is_invariant_to_c_when_all_clipped():
 def test_adaptive_a2_grows_tenfold_in_23_rounds_when_all_clipped():
     clip = AdaptiveClip(initial_norm=0.1, target_quantile=0.5, learning_rate=0.2)
     st = clip.initial_state()
-    for r in range(1, 30):
+    for r in range(1, 30):  # noqa: B007 - r is read after the loop (the round it stopped at)
         st = clip.update(st, 0.0)  # no update was unclipped
         if st["clip_norm"] >= 1.0 - 1e-12:
             break

@@ -79,7 +79,7 @@ def test_trimmed_chunks_train_the_same_model(monkeypatch, per_unit):
     assert set(w_full) == {8}
     assert min(w_trim) <= 2 and max(w_trim) <= 8  # the short users' chunks are trimmed
     assert sum(w_trim) < 0.7 * sum(w_full)
-    for a, b in zip(full, trimmed):  # same seed: same cohorts, records and noise; float64 model
+    for a, b in zip(full, trimmed, strict=True):  # same seed: same cohorts, records and noise; float64 model
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 

@@ -43,7 +43,7 @@ def test_els_table_caps_every_user_at_g():
     t = ELS(4, 0.5).units(d, np.random.default_rng(1))
     counts = np.bincount(t.users, minlength=4)
     assert counts.tolist() == [3, 4, 2, 4]
-    pairs = set(zip(t.users.tolist(), t.records.tolist()))
+    pairs = set(zip(t.users.tolist(), t.records.tolist(), strict=True))
     assert len(pairs) == len(t)  # distinct records
 
 

@@ -66,7 +66,7 @@ def _rank(rank: int) -> dict:
     (plain_sums, plain_norms, _, _), (sums, norms, per_unit, bad) = out["plain"], out["sharded"]
     return {
         "kinds": kinds,
-        "same_sums": all(torch.equal(a, b) for a, b in zip(plain_sums, sums)),
+        "same_sums": all(torch.equal(a, b) for a, b in zip(plain_sums, sums, strict=True)),
         "same_norms": torch.equal(plain_norms, norms),
         "norms": norms.tolist(),
         "per_unit": per_unit,

@@ -41,7 +41,7 @@ def _assert_same(a, b, tol):
     sums_a, norms_a, losses_a, bad_a = a
     sums_b, norms_b, losses_b, bad_b = b
     scale = max(float(s.abs().max()) for s in sums_a)
-    for x, y in zip(sums_a, sums_b):
+    for x, y in zip(sums_a, sums_b, strict=True):
         assert x.dtype == y.dtype
         assert float((x - y).abs().max()) <= tol * max(scale, 1.0)
     assert torch.allclose(norms_a.to(F64), norms_b.to(F64), rtol=tol, atol=tol)
@@ -245,13 +245,13 @@ def test_ghost_on_lora_over_a_4bit_quantized_base_equals_a_per_unit_loop(tmp_pat
         norm = torch.sqrt(sum((x.double() ** 2).sum() for x in grads))
         want_norms.append(float(norm))
         f = min(1.0, 0.05 / float(norm))
-        for w, x in zip(want, grads):
+        for w, x in zip(want, grads, strict=True):
             w += f * x
     assert norms.dtype == torch.float32 and all(x.dtype == torch.float32 for x in sums)
     assert not bad.any() and bool(torch.isfinite(losses).all())
     torch.testing.assert_close(norms.double(), torch.tensor(want_norms, dtype=F64), rtol=1e-4, atol=1e-7)
     assert min(want_norms) > 0.05  # every unit was clipped: the factors matter
-    for x, w in zip(sums, want):
+    for x, w in zip(sums, want, strict=True):
         torch.testing.assert_close(x, w, rtol=1e-4, atol=1e-6)
 
 
@@ -327,7 +327,7 @@ def test_a_unit_with_a_nonfinite_gradient_contributes_zero(monkeypatch, build, c
     ref, *_ = GhostPerUnit(model, ce_loss, ULS(4, 0.5)).clipped_sum(
         batch_ok, mask_ok, w_ok, StepClipping(clip, st, F64)
     )
-    for s, r in zip(sums, ref):
+    for s, r in zip(sums, ref, strict=True):
         assert torch.isfinite(s).all() and torch.allclose(s, r, atol=1e-12)
 
 
@@ -482,7 +482,7 @@ def test_bf16_autocast_keeps_norms_sums_and_losses_in_float32_and_agrees_with_fl
         assert norms.dtype == torch.float32 and losses.dtype == torch.float32 and not bool(bad.any())
         # bf16 has 8 bits of mantissa: ~1% relative agreement on norms, sums a few %
         assert torch.allclose(norms, ref[1], rtol=3e-2)
-        num = torch.sqrt(sum(((s - r) ** 2).sum() for s, r in zip(sums, ref[0])))
+        num = torch.sqrt(sum(((s - r) ** 2).sum() for s, r in zip(sums, ref[0], strict=True)))
         den = torch.sqrt(sum((r**2).sum() for r in ref[0]))
         assert float(num / den) < 5e-2
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights untouched
@@ -518,7 +518,7 @@ def test_bf16_factors_kept_narrow_give_bit_identical_norms_and_sums(monkeypatch,
         (narrow, choice_n), (wide, choice_w) = run(True, clip), run(False, clip)
         assert choice_n == choice_w
         assert ("ghost" not in choice_n.values()) if materialize else ("ghost" in choice_n.values())
-        for a, b in zip(narrow[0], wide[0]):
+        for a, b in zip(narrow[0], wide[0], strict=True):
             assert a.dtype == torch.float32 and torch.equal(a, b)
         assert torch.equal(narrow[1], wide[1]) and torch.equal(narrow[2], wide[2])
 
@@ -570,7 +570,7 @@ def test_the_cpu_zeroes_factors_only_when_a_unit_is_bad(monkeypatch, build):
     batch, mask = _mlp_chunk()
     strategy = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
     ref, *_ = strategy.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), F64))
-    assert all(torch.equal(a, b) for a, b in zip(out[False][1], ref))
+    assert all(torch.equal(a, b) for a, b in zip(out[False][1], ref, strict=True))
 
 
 def test_auto_falls_back_to_vmap_for_a_parameter_no_layer_owns_in_its_forward():
@@ -696,7 +696,7 @@ def test_stacked_groups_on_tensor_cores_give_what_one_parameter_at_a_time_gives(
         )
         assert max(gs["factor"]) >= 2
         assert torch.allclose(grouped[1], alone[1], rtol=1e-5)
-        for a, b in zip(grouped[0], alone[0]):
+        for a, b in zip(grouped[0], alone[0], strict=True):
             assert a.dtype == torch.float32 and torch.allclose(a, b, rtol=1e-4, atol=1e-6)
         for u in range(4):  # one unit at a time: its whole clipped contribution within the bound
             w = torch.zeros(4)

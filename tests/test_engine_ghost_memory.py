@@ -121,7 +121,7 @@ def test_a_layer_whose_output_needs_no_gradient_adds_nothing():
         {"x": x}, torch.ones(3, 1), torch.ones(3), StepClipping(FlatClip(1e6), {"clip_norm": 1e6}, torch.float32)
     )
     assert not bad.any()
-    names = dict(zip(st.names, sums))
+    names = dict(zip(st.names, sums, strict=True))
     assert torch.equal(names["lin.weight"], torch.zeros_like(lin.weight))
     want = torch.autograd.grad(model(x.reshape(3, 4)).sum(), head.weight)[0]
     torch.testing.assert_close(names["head.weight"], want, rtol=1e-5, atol=1e-6)

@@ -53,7 +53,7 @@ def test_a_bad_unit_sends_the_step_back_to_be_computed_again_zeroing(monkeypatch
     got, _ = released_sum(builder(layers=2)(), data, reg_loss, _config())
     assert calls == [(True, False), (False, True)]
     assert all(bool(torch.isfinite(g).all()) for g in got)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
 
@@ -63,7 +63,7 @@ def test_a_step_without_a_bad_unit_is_computed_once_and_releases_the_same(monkey
     calls = _as_on_a_device(monkeypatch)
     got, _ = released_sum(builder(layers=2)(), data, reg_loss, _config())
     assert calls == [(True, True)]
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
 
 

@@ -27,7 +27,7 @@ def test_host_draw_does_not_depend_on_the_piece_size(monkeypatch, wide):
     big = noise_mod.GaussianNoise(77, seeded=True).like(_tensors(wide), 1.5)
     monkeypatch.setattr(noise_mod, "_PIECE", 1000)  # pieces cut across tensors and stream blocks
     small = noise_mod.GaussianNoise(77, seeded=True).like(_tensors(wide), 1.5)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(big, small))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(big, small, strict=True))
     assert [t.dtype for t in small][:2] == [torch.float32, torch.float64 if wide else torch.float32]
     assert float(torch.cat([t.double().flatten() for t in small]).std()) == pytest.approx(1.5, rel=0.01)
 
@@ -36,7 +36,7 @@ def test_device_generator_does_not_depend_on_the_slab_size(monkeypatch):
     big = chacha.ChaChaNoise(78, seeded=True).like(_tensors(True), 0.5)
     monkeypatch.setattr(chacha, "_SLAB_BLOCKS", 1001)  # many slabs, each cutting across tensors
     small = chacha.ChaChaNoise(78, seeded=True).like(_tensors(True), 0.5)
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(big, small))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(big, small, strict=True))
 
 
 @pytest.mark.parametrize("source", [noise_mod.GaussianNoise, chacha.ChaChaNoise])
@@ -44,8 +44,8 @@ def test_add_adds_in_place(source):
     base = [torch.full(s, 3.0) for s in SHAPES]
     want = [t + 3.0 for t in source(5, seeded=True).like(base, 2.0)]
     out = source(5, seeded=True).add_(base, 2.0)
-    assert all(o is b for o, b in zip(out, base))  # the caller's tensors, not copies
-    assert all(torch.equal(b, w) for b, w in zip(base, want))
+    assert all(o is b for o, b in zip(out, base, strict=True))  # the caller's tensors, not copies
+    assert all(torch.equal(b, w) for b, w in zip(base, want, strict=True))
 
 
 @pytest.mark.parametrize("source", [noise_mod.GaussianNoise, chacha.ChaChaNoise])
@@ -93,9 +93,9 @@ def test_a_draw_made_ahead_is_the_same_draw_and_is_used_once(monkeypatch, wide):
     assert ahead._pending is not None
     first = [plain.like(_tensors(wide), 0.7), ahead.like(_tensors(wide), 0.7)]
     assert ahead._pending is None  # consumed
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(*first))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(*first, strict=True))
     second = [plain.like(_tensors(wide), 0.7), ahead.like(_tensors(wide), 0.7)]  # nothing pending: drawn anew
-    assert all(torch.equal(a, b) for a, b in zip(*second))
+    assert all(torch.equal(a, b) for a, b in zip(*second, strict=True))
     assert not torch.equal(first[0][0], second[0][0])  # the next draw, not the one drawn ahead again
     assert plain.state_dict()["streams"] == ahead.state_dict()["streams"]
 
@@ -109,14 +109,14 @@ def test_a_draw_ahead_of_another_layout_is_dropped_never_reused(monkeypatch):
     ref = noise_mod.GaussianNoise(32, seeded=True)
     dropped = ref.like([torch.zeros(numel + 1)], 1.0)  # the normals the prefetch drew
     want = ref.like(_tensors(), 1.0)  # the stream's next ones
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert not torch.equal(torch.cat([t.flatten() for t in got]), dropped[0][:numel])
     # a second prefetch replaces the first, whose normals are dropped too
     a, b = noise_mod.GaussianNoise(33, seeded=True), noise_mod.GaussianNoise(33, seeded=True)
     a.prefetch(numel, dtypes)
     a.prefetch(numel, dtypes)
     b.like(_tensors(), 1.0)
-    assert all(torch.equal(x, y) for x, y in zip(a.like(_tensors(), 1.0), b.like(_tensors(), 1.0)))
+    assert all(torch.equal(x, y) for x, y in zip(a.like(_tensors(), 1.0), b.like(_tensors(), 1.0), strict=True))
 
 
 def test_a_pending_draw_is_never_saved_or_kept_past_a_state(monkeypatch):
@@ -131,12 +131,12 @@ def test_a_pending_draw_is_never_saved_or_kept_past_a_state(monkeypatch):
     ref.like(_tensors(), 1.0)
     assert saved["streams"] == ref.state_dict()["streams"] != start["streams"]
     after = src.like(_tensors(), 1.0)  # never the dropped normals: the next ones
-    assert all(torch.equal(a, b) for a, b in zip(after, ref.like(_tensors(), 1.0)))
+    assert all(torch.equal(a, b) for a, b in zip(after, ref.like(_tensors(), 1.0), strict=True))
     src.prefetch(numel, dtypes)
     src.load_state_dict(start)  # the pending normals came from the state now replaced
     assert src._pending is None
     fresh = noise_mod.GaussianNoise(34, seeded=True)
-    assert all(torch.equal(a, b) for a, b in zip(src.like(_tensors(), 1.0), fresh.like(_tensors(), 1.0)))
+    assert all(torch.equal(a, b) for a, b in zip(src.like(_tensors(), 1.0), fresh.like(_tensors(), 1.0), strict=True))
 
 
 def test_prefetch_auto_waits_for_a_large_draw_and_a_second_core(monkeypatch):
@@ -193,7 +193,7 @@ def test_a_seeded_run_is_the_same_with_its_noise_drawn_ahead(monkeypatch, own_lo
             history = train(model, data, ce_loss, cfg).history
         out[mode] = ([p.detach().clone() for p in model.parameters()], [h["loss"] for h in history])
     assert len(fills) == 4 * noise_mod._STREAMS  # "on" drew every step ahead, "off" never
-    assert all(torch.equal(a, b) for a, b in zip(out["off"][0], out["on"][0]))
+    assert all(torch.equal(a, b) for a, b in zip(out["off"][0], out["on"][0], strict=True))
     assert out["off"][1] == out["on"][1]
 
 
@@ -218,7 +218,7 @@ def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, s
     cursor = DrawCursor(mech.pieces(numel, dtypes, 0.3, "cpu"))
     got = [cursor.take(t.numel(), t.dtype, "cpu").view(t.shape) for t in tensors]
     cursor.finish()
-    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got, strict=True))
     assert torch.equal(whole.like(tensors, 1.0)[0], by_tensor.like(tensors, 1.0)[0])  # the next draw, alike
     short = DrawCursor(mech.pieces(numel, dtypes, 0.3, "cpu"))
     short.take(numel - 1, torch.float32, "cpu")

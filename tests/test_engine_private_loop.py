@@ -73,7 +73,7 @@ def test_same_seed_same_model_as_train(algorithm, opt, torch_opt):
     mine.load_state_dict(reference.state_dict())
     res = train(reference, data, ce_loss, cfg)
     private, metrics = _own_loop(mine, torch_opt(list(mine.parameters())), data, cfg)
-    for a, b in zip(reference.parameters(), mine.parameters()):
+    for a, b in zip(reference.parameters(), mine.parameters(), strict=True):
         assert torch.equal(a, b)
     assert [m["units"] for m in metrics] == [m["units"] for m in res.history]
     assert [m["loss"] for m in metrics] == [m["loss"] for m in res.history]
@@ -123,7 +123,7 @@ def test_grad_is_replaced_not_accumulated_and_stray_grads_never_leak():
         for step in private:
             step.backward()
             ref.append(ref_model.theta.grad.clone())
-    for a, b in zip(grads, ref):
+    for a, b in zip(grads, ref, strict=True):
         assert torch.equal(a, b) and float(a.abs().max()) < 1e3
 
 
@@ -241,7 +241,7 @@ def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
             grads.append([p.grad.clone() for p in again.parameters()])
             opt2.step()
         rec = private.record()
-    assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), again.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), again.parameters(), strict=True))
     # steps 4 and 5 were released before the crash and are counted; the 5 steps after the checkpoint
     # ran under new noise; the ledger holds every release
     assert rec["steps_lost_to_crashes"] == 2 and rec["steps_accounted"] == 10 and rec["journal"] is not None
@@ -264,7 +264,7 @@ def test_journal_checkpoints_and_a_resume_that_never_reuses_noise(tmp_path):
         for step in private:
             step.backward()
             o3.step()
-    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), third.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(again.parameters(), third.parameters(), strict=True))
 
 
 def test_a_nonprivate_config_says_so():

@@ -116,7 +116,7 @@ def test_tensor_core_sums_match_the_float32_path(monkeypatch, clip, operand):
     ref = _run(monkeypatch, "off", clip, w)
     tc = _run(monkeypatch, "on", clip, w)
     assert torch.allclose(tc[1], ref[1], rtol=1e-5)
-    num = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(tc[0], ref[0])))
+    num = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(tc[0], ref[0], strict=True)))
     den = torch.sqrt(sum((b.double() ** 2).sum() for b in ref[0]))
     clipped = clip.norm < 1e9
     tol = 2.0**-7 if operand == "split" else 2.0**-7 + 2.0**-8 + (0.015 if clipped else 0.0)
@@ -158,7 +158,7 @@ def test_the_float32_contractions_run_with_tf32_pinned_off(monkeypatch):
         assert seen and all(v == "ieee" for row in seen for v in row)
         assert [h.fp32_precision for h in handles] == ["tf32"] * len(handles)
     finally:
-        for h, v in zip(handles, before):
+        for h, v in zip(handles, before, strict=True):
             h.fp32_precision = v
     with exact_float32():
         assert all(h.fp32_precision == "ieee" for h in handles)
@@ -369,7 +369,7 @@ def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
         torch.zeros(m, dtype=torch.float64),
         _spread_by_hand(uses[1]) + _spread_by_hand(uses[2]),
     ]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert torch.allclose(g, w, rtol=1e-15, atol=0)
     assert bool((_spread_by_hand(uses[1]) < ghost_mod.Factored.magnitude(uses[1])[0].double()).all())  # not B alone
     # a stack of two members (2·m units of one use) split back: each member's own spread
@@ -694,7 +694,7 @@ def test_a_gram_kernel_that_differs_is_not_used_and_is_warned_about(monkeypatch)
         warnings.simplefilter("always")
         for _ in range(2):  # decided once
             got = contraction.gram_pair_rows(gx, gy, rb, rb, True)
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+            assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert len(caught) == 1 and "|Gy| form differs from torch's" in str(caught[0].message)
 
 
@@ -737,7 +737,7 @@ def test_the_gram_kernel_gate_holds_a_kernel_to_the_proofs_budget_not_twice_gamm
             want = contraction.torch_pair_rows(gx, gy, rbx, rby, sums)
             scales = ((gx * gy).abs().sum(-1), want[1], want[2], want[3])
             slack = fraction * contraction.gram_row_budget(ta, tb)
-            return tuple(None if w is None else w + slack * s for w, s in zip(want, scales))
+            return tuple(None if w is None else w + slack * s for w, s in zip(want, scales, strict=True))
 
         return types.SimpleNamespace(pair_rows=pair_rows)
 

@@ -62,7 +62,7 @@ def test_sigma0_no_clipping_uls_is_gradient_descent_on_user_averaged_loss():
     )
     res = train(a, data, ce_loss, cfg)
     _manual_user_avg_gd(b, data, 5, 0.3)
-    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.allclose(pa, pb, atol=1e-5), n
     assert res.epsilon == math.inf and "NOT differentially private" in res.record["warning"]
     assert all(h["units"] == len(sizes) for h in res.history)
@@ -120,7 +120,7 @@ def test_fedavg_update_equals_local_sgd_loop():
                 with torch.no_grad():
                     for p in local.parameters():
                         p -= lr * p.grad
-        for j, (p0, p1) in enumerate(zip(model.parameters(), local.parameters())):
+        for j, (p0, p1) in enumerate(zip(model.parameters(), local.parameters(), strict=True)):
             assert torch.allclose(updates[j][u], (p0 - p1).detach(), atol=1e-5)
 
 
@@ -142,7 +142,7 @@ def test_fedavg_reprojection_keeps_every_local_iterate_within_c():
     assert (n_free > C).all() and (n_proj <= C * (1 + 1e-5)).all()
     # not just the final clip: projecting every step changes the direction of the delta
     clipped = [u * (C / n_free).view(3, *[1] * (u.dim() - 1)) for u in free]
-    assert max(float((a - b).abs().max()) for a, b in zip(clipped, proj)) > 1e-4
+    assert max(float((a - b).abs().max()) for a, b in zip(clipped, proj, strict=True)) > 1e-4
 
 
 def test_fedsgd_with_lr_eta_equals_uls_step():
@@ -263,8 +263,8 @@ def test_interrupted_and_resumed_run_counts_its_lost_steps_and_is_reproducible(t
         assert r.steps == 10 and r.record["steps_accounted"] == 12 and r.record["steps_lost_to_crashes"] == 2
         assert r.epsilon > r_ref.epsilon
         models.append(m2)
-    assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), models[0].parameters()))
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
+    assert not all(torch.equal(a, b) for a, b in zip(ref.parameters(), models[0].parameters(), strict=True))
+    for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -323,7 +323,7 @@ def test_callbacks_get_metrics_and_loss_fn_shape_is_checked():
     assert [m["step"] for m in seen] == [1, 2, 3, 4]
     for k in ["loss", "epsilon_spent", "fraction_clipped", "units", "units_per_s", "clip_norm"]:
         assert k in seen[0]
-    assert all(b["epsilon_spent"] >= a["epsilon_spent"] for a, b in zip(seen, seen[1:]))
+    assert all(b["epsilon_spent"] >= a["epsilon_spent"] for a, b in zip(seen, seen[1:], strict=True))
     with pytest.raises(UserError, match="one loss per record"):
         train(
             Mean(2),

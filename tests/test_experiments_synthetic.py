@@ -99,7 +99,7 @@ def test_noiseless_uls_converges_to_the_average_user_mean():
     loss, eps = me.train_once(
         data, ULS(group_size=5, sampling_rate=1.0), cfg, noise_multiplier=0.0, learning_rate=1.0, clip_norm=1e6, seed=0
     )
-    target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:])], 0)
+    target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:], strict=True)], 0)
     assert loss == pytest.approx(float(np.sum((target - data.mu) ** 2)), rel=1e-4, abs=1e-8)
     assert eps == math.inf
 
@@ -121,7 +121,7 @@ def test_tail_averaging_reports_the_mean_of_the_last_iterates():
         average_fraction=0.5,
     )
     data = me.generate(cfg, np.random.default_rng(3))
-    target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:])], 0)
+    target = np.mean([data.records[a:b].mean(0) for a, b in zip(data.offsets[:-1], data.offsets[1:], strict=True)], 0)
     kw = dict(noise_multiplier=0.0, learning_rate=0.5, clip_norm=1e6, seed=0)
     alg = ULS(group_size=5, sampling_rate=1.0)
     avg, _ = me.train_once(data, alg, cfg, **kw)
@@ -203,7 +203,7 @@ def test_private_run_is_calibrated_and_noise_hurts():
     )
     private = me.run_setting(cfg)
     clean = me.run_setting(cfg, noise_multiplier=0.0)
-    for p, c in zip(private, clean):
+    for p, c in zip(private, clean, strict=True):
         assert p["noise_multiplier"] > 0.5
         assert p["epsilon_spent"] <= 0.5 * 1.01
         assert p["loss"] > c["loss"]

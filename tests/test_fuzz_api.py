@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -253,7 +253,7 @@ def test_a_nan_sigma_never_trains_a_model():
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(UserError, match="noise_multiplier"):
         train(model, _data(), _loss, TrainConfig(ULS(2, 0.5), steps=2, noise_multiplier=NAN))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_a_checked_config_holds_the_converted_values():

@@ -208,7 +208,7 @@ def test_mixture_rdp_does_not_underflow_at_extremes(G, p, sigma):
     ev = accounting.els_step_event(sigma, p, G)
     orders = [2.0, 3.0, 5.0, 8.0]
     ours = accounting.mog_rdp(sigma, ev.sensitivities, ev.sampling_probs, orders)
-    for o, r in zip(orders, ours):
+    for o, r in zip(orders, ours, strict=True):
         exact = _exact_mog_rdp_pq(G, p, sigma, int(o))
         # never below the exact divergence (up to float64 rounding of log(1 + tiny)), and equal
         # to it here, where D(P||Q) dominates

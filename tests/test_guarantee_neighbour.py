@@ -246,7 +246,7 @@ def test_two_gloo_ranks_that_split_the_cohort_release_no_more_than_the_bound():
     # reduce-scattered to the ranks' halves of each parameter (sharding: fsdp, FSDP2; the sum gathered whole
     # to measure it)
     results = run_gloo_pair(_gloo_rank)
-    for (gap0, ok0), (gap1, ok1), case in zip(results[0], results[1], TWO_RANK_CASES):
+    for (gap0, ok0), (gap1, ok1), case in zip(results[0], results[1], TWO_RANK_CASES, strict=True):
         assert ok0 and ok1, f"{case}: {gap0:.4f} / {gap1:.4f} x the bound"
         assert gap0 == gap1  # both ranks release the one all-reduced sum
 

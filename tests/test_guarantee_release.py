@@ -337,6 +337,6 @@ def test_the_hf_trainer_divides_by_a_public_constant_whatever_the_cohorts_size(t
             ([h["units"] for h in trainer._private.history], [p.detach().clone() for p in trainer.model.parameters()])
         )
     assert out[0][0] != out[1][0]
-    for a, b in zip(out[0][1], out[1][1]):
+    for a, b in zip(out[0][1], out[1][1], strict=True):
         assert torch.equal(a, b)
     assert np.isfinite(float(out[0][1][0].sum()))

@@ -87,7 +87,7 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
 
     assert trainer.state.global_step == 4
     assert [h["units"] for h in trainer._private.history] == [h["units"] for h in private.history]
-    for a, b in zip(trainer.model.parameters(), model.parameters()):
+    for a, b in zip(trainer.model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
     assert trainer.epsilon() == pytest.approx(private.epsilon(), rel=1e-12) and trainer.epsilon() > 0
     assert all("epsilon" in h for h in trainer.state.log_history if "loss" in h)
@@ -276,7 +276,7 @@ def test_a_trainer_script_under_torchrun_is_the_one_process_run(tmp_path):
     for rank in (0, 1):
         got = torch.load(tmp_path / "two" / f"result-{rank}.pt")
         assert got["world"] == 2 and got["units"] == ref["units"] and got["epsilon"] == ref["epsilon"]
-        for a, b in zip(got["params"], ref["params"]):
+        for a, b in zip(got["params"], ref["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-5)  # float32 sums in another order
     rec = json.loads((tmp_path / "two" / "privacy.json").read_text())
     assert rec["compute"]["processes"] == {"world_size": 2, "backend": "gloo"}
@@ -317,14 +317,14 @@ def test_a_batch_holds_only_the_records_of_the_users_it_names():
     ds = _dataset(labels=True)
     data = UserRecords(ds, "user", pad_token_id=63)
     by_user: dict[str, list] = {}
-    for ids, lab, u in zip(ds["input_ids"], ds["labels"], ds["user"]):
+    for ids, lab, u in zip(ds["input_ids"], ds["labels"], ds["user"], strict=True):
         by_user.setdefault(u, []).append((ids, lab))
     rng = np.random.default_rng(5)
     users = rng.integers(0, data.num_users, 200)
     recs = (rng.random(200) * data.sizes()[users]).astype(np.int64)
     batch = data.gather(users, recs)
     assert batch["input_ids"].shape == (200, data.seq_len)
-    for i, (u, r) in enumerate(zip(users, recs)):
+    for i, (u, r) in enumerate(zip(users, recs, strict=True)):
         ids, lab = by_user[data.user_ids[u]][r]
         n = len(ids)
         assert batch["input_ids"][i, :n].tolist() == ids and (batch["input_ids"][i, n:] == 63).all()
@@ -482,7 +482,7 @@ def test_an_adversarial_author_moves_the_trainers_released_sum_by_at_most_its_bo
 
     s0, bound0 = released(honest, "d")
     s1, bound1 = released(bigger, "d-plus-one")
-    gap = Gap(float(sum(((a - b) ** 2).sum() for a, b in zip(s1, s0))) ** 0.5, max(bound0, bound1))
+    gap = Gap(float(sum(((a - b) ** 2).sum() for a, b in zip(s1, s0, strict=True))) ** 0.5, max(bound0, bound1))
     assert gap.ratio > 0.1 and gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"  # drawn, and bounded
 
 

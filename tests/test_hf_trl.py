@@ -26,7 +26,7 @@ from userdp.lm.report import build_report  # noqa: E402
 warnings.filterwarnings("ignore", module="transformers")
 warnings.filterwarnings("ignore", module="trl")
 
-WORDS = "the sky is blue red green cat dog what color it".split()
+WORDS = ["the", "sky", "is", "blue", "red", "green", "cat", "dog", "what", "color", "it"]
 
 
 def _tokenizer():
@@ -116,7 +116,7 @@ def test_an_sft_run_is_the_engines_run_on_the_prepared_records(tmp_path, algorit
             step.backward()
             opt.step()
     assert [h["units"] for h in trainer._private.history] == [h["units"] for h in private.history]
-    for a, b in zip(trainer.model.parameters(), model.parameters()):
+    for a, b in zip(trainer.model.parameters(), model.parameters(), strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
     assert trainer.epsilon() == pytest.approx(private.epsilon(), rel=1e-12) and trainer.epsilon() > 0

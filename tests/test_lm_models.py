@@ -158,7 +158,7 @@ def test_a_hub_id_resolves_through_the_local_hugging_face_cache_and_never_downlo
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert models.resolve_model_path("acme/tiny-gpt") == snap
     loaded = models.load_local("acme/tiny-gpt")
-    for (n, a), (_, b) in zip(m.state_dict().items(), loaded.state_dict().items()):
+    for (n, a), (_, b) in zip(m.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
     with pytest.raises(
         UserError, match="model.path acme/absent: not a local directory, and not in the local Hugging Face cache"

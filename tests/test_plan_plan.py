@@ -47,7 +47,7 @@ def test_l_of_g_matches_a_direct_computation():
     # G >= every user's size: each user's mean gradient is theta - mean(x_u), no sampling
     direct = [
         np.linalg.norm(0.5 - data.tensors["x"][a:b].numpy().mean(0))
-        for a, b in zip(data.offsets[:-1], data.offsets[1:])
+        for a, b in zip(data.offsets[:-1], data.offsets[1:], strict=True)
     ]
     assert est(8) == pytest.approx(float(np.median(direct)), rel=1e-5)
 

@@ -47,7 +47,7 @@ def test_an_interrupted_pretraining_continues_from_its_checkpoint_bit_for_bit(tm
     )
     assert any("continuing from step 5 of 12" in s for s in said), said
     assert not state.exists()  # removed once done
-    for (n, a), (_, b) in zip(ref.state_dict().items(), again.state_dict().items()):
+    for (n, a), (_, b) in zip(ref.state_dict().items(), again.state_dict().items(), strict=True):
         assert torch.equal(a, b), n
     assert info["steps"] == 12
 

@@ -107,7 +107,7 @@ def test_a_hub_layout_folder_fine_tunes_with_lora_and_releases_its_tokenizer(tmp
         capsys.readouterr().err
     )
     priv = json.loads((run / "privacy.json").read_text())
-    assert priv["private"] and 0 < priv["epsilon"]
+    assert priv["private"] and priv["epsilon"] > 0
     # the private text was tokenized with the model's own tokenizer
     metas = [json.loads(p.read_text()) for p in (run / "cache" / "tokenized").glob("*/meta.json")]
     assert metas and {m["tokenizer"] for m in metas} == {tokenizer_fingerprint(load_tokenizer(base))}

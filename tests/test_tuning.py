@@ -117,7 +117,7 @@ def test_space_parsing_and_refusals():
     assert len(s.mechanisms()) == 4
     rng = np.random.default_rng(0)
     lrs = [s.draw(rng)["training.lr"] for _ in range(2000)]
-    assert 1e-4 <= min(lrs) and max(lrs) <= 1e-2
+    assert min(lrs) >= 1e-4 and max(lrs) <= 1e-2
     # log-uniform: log10(lr) uniform on [-4, -2]
     assert stats.kstest((np.log10(lrs) + 4) / 2, "uniform").pvalue > 1e-3
     for bad, msg in [

@@ -258,7 +258,7 @@ def test_the_cli_imports_only_the_command_it_runs(argv, heavy):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()[-4:]
     loaded = {
         m
-        for m, seen in zip(("torch", "dp_accounting", "userdp.cli.train", "userdp.cli.account"), out)
+        for m, seen in zip(("torch", "dp_accounting", "userdp.cli.train", "userdp.cli.account"), out, strict=True)
         if seen == "True"
     }
     commands = {f"userdp.cli.{argv[0]}"} if not argv[0].startswith("-") else set()

@@ -11,7 +11,7 @@ back: the same distribution, so the accounting (a Gaussian mechanism of std σC)
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ class Float64Gaussian(IIDGaussian):
         wide = [t.to(torch.float64) for t in tensors]
         self.source.add_(wide, std)  # float64 tensors: the noise is drawn in float64
         with torch.no_grad():
-            for t, w in zip(tensors, wide):
+            for t, w in zip(tensors, wide, strict=True):
                 t.copy_(w)
 
 

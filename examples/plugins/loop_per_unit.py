@@ -58,7 +58,9 @@ class LoopPerUnit:
         loss = (losses.float() * mask).sum() / mask.sum().clamp(min=1.0)
         scale = self.precision.loss_scale
         grads = torch.autograd.grad(loss * scale, self.params, allow_unused=True)
-        return [torch.zeros_like(p) if g is None else g / scale for g, p in zip(grads, self.params)], loss.detach()
+        return [
+            torch.zeros_like(p) if g is None else g / scale for g, p in zip(grads, self.params, strict=True)
+        ], loss.detach()
 
     def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping):
         clipping, clip_state, acc_dtype = clip.clipping, clip.state, clip.acc_dtype  # (gradients: no reproject)

@@ -36,7 +36,7 @@ import copy
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -202,7 +202,7 @@ class UserRecords(TensorUserData):
         self.max_token_id = int(max(max(r) for r in ids))
         padded_ids = torch.full((len(ids), self.seq_len), int(pad_token_id), dtype=torch.long)
         padded_labels = torch.full((len(ids), self.seq_len), IGNORE_INDEX, dtype=torch.long)
-        for i, (row, lab) in enumerate(zip(ids, labels)):
+        for i, (row, lab) in enumerate(zip(ids, labels, strict=True)):
             padded_ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
             padded_labels[i, : len(lab)] = torch.as_tensor(lab, dtype=torch.long)
         authors = np.asarray([str(u) for u in users])
@@ -308,10 +308,10 @@ class PrivateTrainer(Trainer):
         pad = getattr(self.processing_class, "pad_token_id", None)
         self.user_data = UserRecords(self.train_dataset, user_field, pad if pad is not None else 0)
         _check_fits(self.user_data, getattr(self.model, "config", None))
-        self._private: Optional[PrivateTraining] = None
+        self._private: PrivateTraining | None = None
         self._resuming = False
         self._steps = None
-        self._last_metrics: Optional[dict] = None
+        self._last_metrics: dict | None = None
 
     # ------------------------------------------------------------------ the Trainer's hooks
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -476,7 +476,7 @@ class PrivateTrainer(Trainer):
         )
         write_report(rd.root)
 
-    def epsilon(self, delta: Optional[float] = None) -> float:
+    def epsilon(self, delta: float | None = None) -> float:
         """The epsilon spent (at the run's delta, or at ``delta``), from the ledger's DpEvent."""
         if self._private is None:
             raise UserError("PrivateTrainer.epsilon(): train() has not run")

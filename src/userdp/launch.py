@@ -26,7 +26,7 @@ import re
 import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,10 +69,10 @@ class World:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    backend: Optional[str] = None
-    device_spec: Optional[str] = None
+    backend: str | None = None
+    device_spec: str | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
-    run_dir: Optional[str] = None  # set by the job once known (for the messages of a failed job)
+    run_dir: str | None = None  # set by the job once known (for the messages of a failed job)
     _objects: Any = None  # a gloo group with a long timeout, for Python objects and the preparation
 
     @property
@@ -117,9 +117,8 @@ class World:
 
     def close(self) -> None:
         """Leave the process group (no-op for one process)."""
-        if self.distributed:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def init_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
@@ -207,7 +206,7 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def translate(exc: BaseException) -> Optional[PeerLost]:
+def translate(exc: BaseException) -> PeerLost | None:
     """A :class:`PeerLost` for an exception that means a peer failed (a torch.distributed error,
     or gloo's transport errors, which torch raises as RuntimeError), else None."""
     text = str(exc)

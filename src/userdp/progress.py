@@ -17,7 +17,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Optional
 
 from tqdm import tqdm
 
@@ -46,7 +45,7 @@ def _terminal() -> bool:
     return bool(isatty and isatty())
 
 
-def bar(total: Optional[int] = None, desc: str = "", unit: str = "it", *, initial: int = 0, lines: int = 0):
+def bar(total: int | None = None, desc: str = "", unit: str = "it", *, initial: int = 0, lines: int = 0):
     """A transient bar for one phase (use as a context manager; ``update(n)`` as work is done,
     ``set_postfix_str(s)`` for what it shows beside the count). Off a terminal: ``lines`` plain
     lines over the whole ``total`` (0: nothing), see the module docstring."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from userdp.errors import UserError
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Optional, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 from dp_accounting import dp_event as dpe
@@ -51,8 +52,8 @@ class Accountant(Protocol):
         event: dpe.DpEvent,
         delta: float,
         *,
-        interval: Optional[float] = None,
-        orders: Optional[Sequence[float]] = None,
+        interval: float | None = None,
+        orders: Sequence[float] | None = None,
     ) -> tuple[float, str]:
         """(epsilon, which backend answered) of the composed event at delta: an upper bound.
 
@@ -64,8 +65,8 @@ class Accountant(Protocol):
         event: dpe.DpEvent,
         epsilon: float,
         *,
-        interval: Optional[float] = None,
-        orders: Optional[Sequence[float]] = None,
+        interval: float | None = None,
+        orders: Sequence[float] | None = None,
     ) -> float:
         """delta of the composed event at epsilon: an upper bound."""
         ...
@@ -360,7 +361,7 @@ class StepSearch:
 
     accountant: str = "pld"
     limit: int = 10**7
-    interval: Optional[float] = None
+    interval: float | None = None
     time_budget_s: float = 60.0
 
 

@@ -4,8 +4,8 @@ never below the truth."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 from dp_accounting import dp_event as dpe

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import dp_accounting
 import numpy as np
@@ -150,7 +151,7 @@ def pure_dp_event(epsilon: float) -> dpe.DpEvent:
     return dp_accounting.RandomizedResponseDpEvent(2.0 / (math.exp(eps) + 1.0), 2)
 
 
-def pure_dp_epsilon(event: dpe.DpEvent, relation: "NeighborRel" = None) -> float | None:
+def pure_dp_epsilon(event: dpe.DpEvent, relation: NeighborRel = None) -> float | None:
     """The epsilon of a :func:`pure_dp_event` under ``relation`` (None: not such an event).
 
     Under add-or-remove it is the event's epsilon; under replace-one (fixed-size cohorts), where

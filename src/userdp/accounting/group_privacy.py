@@ -16,6 +16,7 @@ works the result says "infeasible".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -130,10 +131,8 @@ def group_privacy_epsilon(
     orders, rdp = np.asarray(_rdp_mod.rdp_orders(), dtype=float), _rdp_mod.step_rdp(example_event)
     # The smallest useful ε_ex is ε_ex at δ_ex = target (δ_ex must be below the target).
     pld = None
-    try:
+    with contextlib.suppress(UserError):  # e.g. fixed cohorts: RDP only
         pld = _pld_mod.pld_distribution(example_event, pld_interval)
-    except UserError:
-        pass  # e.g. fixed cohorts: RDP only
     e_lo = float(rdp_lib.compute_epsilon(orders, rdp, delta)[0])
     e_pld_hi = 0.0
     if pld is not None:

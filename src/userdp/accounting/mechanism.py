@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Optional
+from typing import Any
 
 from dp_accounting import dp_event as dpe
 
@@ -91,8 +91,8 @@ class Mechanism:
 
     @classmethod
     def for_training(
-        cls, units: UnitSampling, sampling: str, noise_multiplier: float, steps: int, num_units: Optional[int] = None
-    ) -> "Mechanism":
+        cls, units: UnitSampling, sampling: str, noise_multiplier: float, steps: int, num_units: int | None = None
+    ) -> Mechanism:
         """The mechanism of a training run, from what the sampler does to what a unit is.
 
         Args:
@@ -154,11 +154,11 @@ class Mechanism:
         """The whole run's DpEvent: :meth:`step_event` composed ``steps`` times."""
         return compose(self.step_event(), self.steps)
 
-    def replace(self, **changes: Any) -> "Mechanism":
+    def replace(self, **changes: Any) -> Mechanism:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
-    def calibrated(self, epsilon: float, delta: float, accountant: str = "pld", prior=()) -> "Mechanism":
+    def calibrated(self, epsilon: float, delta: float, accountant: str = "pld", prior=()) -> Mechanism:
         """This mechanism with the smallest noise multiplier that meets (epsilon, delta) over its
         steps (never below the true one; see :func:`~userdp.accounting.calibrate_noise_multiplier`),
         after the ``prior`` events (released before the steps) where there are any.
@@ -194,7 +194,7 @@ class Mechanism:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Mechanism":
+    def from_dict(cls, d: dict[str, Any]) -> Mechanism:
         """Inverse of :meth:`to_dict` (extra keys ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})

@@ -117,7 +117,7 @@ def truncate_mixture_tails(event: dpe.DpEvent, budget: float) -> tuple[dpe.DpEve
             return ev if inner is ev.event else dpe.SelfComposedDpEvent(inner, ev.count)
         if isinstance(ev, dpe.ComposedDpEvent):
             parts = [walk(e, count) for e in ev.events]
-            return ev if all(a is b for a, b in zip(parts, ev.events)) else dpe.ComposedDpEvent(parts)
+            return ev if all(a is b for a, b in zip(parts, ev.events, strict=True)) else dpe.ComposedDpEvent(parts)
         if isinstance(ev, dpe.MixtureOfGaussiansDpEvent):
             out, tau = _truncate_mixture(ev, tail_max)
             slack[0] += count * tau
@@ -130,11 +130,11 @@ def truncate_mixture_tails(event: dpe.DpEvent, budget: float) -> tuple[dpe.DpEve
 
 
 # ----------------------------------------------------------------------------------- PLD
-PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+PLD_CACHE: OrderedDict[tuple, Any] = OrderedDict()
 _PLD_CACHE_SIZE = 64
 
 
-_STEP_PLD_CACHE: "OrderedDict[tuple, Any]" = OrderedDict()
+_STEP_PLD_CACHE: OrderedDict[tuple, Any] = OrderedDict()
 
 
 def clear_caches() -> None:
@@ -337,7 +337,7 @@ def _self_convolve_bounds(probs: np.ndarray, num_times: int, tail_mass_truncatio
     a_max = a.max(axis=1, keepdims=True)
     log_mgfs = np.log(np.sum(probs[None, :] * np.exp(a - a_max), axis=1)) + a_max[:, 0]
     log_tail = math.log(2 / tail_mass_truncation)
-    for order, log_mgf in zip(orders.tolist(), log_mgfs.tolist()):
+    for order, log_mgf in zip(orders.tolist(), log_mgfs.tolist(), strict=True):
         bound = (num_times * log_mgf + log_tail) / order
         if not math.isfinite(bound):
             continue

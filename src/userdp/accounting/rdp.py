@@ -8,7 +8,7 @@ import contextlib
 import logging
 import math
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import dp_accounting
 import numpy as np
@@ -146,11 +146,11 @@ def _rdp_vector(event: dpe.DpEvent, orders: np.ndarray, relation: NeighborRel) -
 #: and dp_accounting's of one event (Poisson-sampled or plain Gaussian, a fixed cohort). A
 #: calibration's secant search, and the planner's σ(M) beside it, evaluate the same σ again and
 #: again; one dp_accounting evaluation is ~60 ms of its series.
-_MOG_RDP_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
-_LIBRARY_RDP_CACHE: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
+_MOG_RDP_CACHE: OrderedDict[tuple, np.ndarray] = OrderedDict()
+_LIBRARY_RDP_CACHE: OrderedDict[tuple, np.ndarray] = OrderedDict()
 
 
-def _kept(cache: "OrderedDict[tuple, np.ndarray]", size: int, key: tuple, compute) -> np.ndarray:
+def _kept(cache: OrderedDict[tuple, np.ndarray], size: int, key: tuple, compute) -> np.ndarray:
     """``compute()``, kept in ``cache`` under ``key`` (at most ``size`` entries); a copy, so that a
     caller that changes the vector in place cannot change the cached one."""
     if key not in cache:

@@ -66,7 +66,7 @@ def user_losses(
         records = [np.sort(rng.choice(int(sizes[u]), min(int(sizes[u]), max_records), replace=False)) for u in users]
     if len(users) == 0:
         return np.zeros(0), records
-    uu = np.concatenate([np.full(len(r), u, np.int64) for u, r in zip(users, records)])
+    uu = np.concatenate([np.full(len(r), u, np.int64) for u, r in zip(users, records, strict=True)])
     rr = np.concatenate(records).astype(np.int64)
     try:
         nll, cnt = record_nll(model, data, uu, rr, SCORE_BATCH)
@@ -93,7 +93,7 @@ def gradient_alignment(model, canaries, start: list[torch.Tensor]) -> np.ndarray
     """
     params = [p for p in model.parameters() if p.requires_grad]
     final = [p.detach().clone() for p in params]
-    delta = [(s.to(f.device, f.dtype) - f) for s, f in zip(start, final)]  # theta_0 - theta_T
+    delta = [(s.to(f.device, f.dtype) - f) for s, f in zip(start, final, strict=True)]  # theta_0 - theta_T
     was_training = model.training
     model.eval()
     out = np.zeros(canaries.count)
@@ -103,21 +103,21 @@ def gradient_alignment(model, canaries, start: list[torch.Tensor]) -> np.ndarray
     chunk = max(1, GRADIENT_CHUNK_BYTES // (4 * sum(p.numel() for p in params)))
     try:
         with torch.no_grad():
-            for p, s in zip(params, start):
+            for p, s in zip(params, start, strict=True):
                 p.copy_(s.to(p.device, p.dtype))
         for lo in range(0, canaries.count, chunk):
             idx = np.arange(lo, min(canaries.count, lo + chunk))
             batch = {k: v.unsqueeze(1).to(params[0].device) for k, v in canaries.batch(idx).items()}
             grads, _ = per_record(batch, torch.ones(len(idx), 1, device=params[0].device))
             dot = norm2 = 0.0  # in float64, one parameter at a time
-            for g, d in zip(grads, delta):
+            for g, d in zip(grads, delta, strict=True):
                 g = g.double().flatten(1)
                 dot = dot + g @ d.double().flatten()
                 norm2 = norm2 + g.pow(2).sum(1)
             out[idx] = (dot / norm2.sqrt().clamp(min=1e-30)).cpu().numpy()
     finally:
         with torch.no_grad():
-            for p, f in zip(params, final):
+            for p, f in zip(params, final, strict=True):
                 p.copy_(f)
         model.train(was_training)
     return out

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from userdp.validation import DEVICE_SPEC
 

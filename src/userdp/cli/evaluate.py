@@ -35,7 +35,8 @@ def register(p) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config key, e.g. eval.batch_size=64 (a key that changes the data or the split is refused for a run directory)",
+        help="override a config key, e.g. eval.batch_size=64 (a key that changes the data or the split is "
+        "refused for a run directory)",
     )
     p.add_argument("--personalize", action="store_true", help="also run the personalization evaluation (docs/lm.md)")
     p.add_argument("--max-users", type=A.positive_int, help="evaluate at most this many held-out users")

@@ -1,4 +1,5 @@
-"""``userdp experiment {mean-estimation, variance}``: the synthetic experiments of Charles et al. 2024, §3-§4; docs/experiments.md."""
+"""``userdp experiment {mean-estimation, variance}``: the synthetic experiments of Charles et al. 2024,
+§3-§4; docs/experiments.md."""
 
 from __future__ import annotations
 

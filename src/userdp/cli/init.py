@@ -125,7 +125,8 @@ def build_config(
         "    lr: 0.003",
         "privacy:",
         "  epsilon: 3.0                # user-level (epsilon, delta)",
-        f"  delta: null                 # null = N^-1.1 for the N training users: about {dn:.2g} = {dn * train_users:.2g}/N",
+        f"  delta: null                 # null = N^-1.1 for the N training users: about {dn:.2g} = "
+        f"{dn * train_users:.2g}/N",
         "                              # here; a mechanism that publishes one random user's data outright is",
         "                              # (0, 1/N)-DP, so delta must be far below 1/N. The report also states",
         "                              # epsilon at delta = 1e-6; a fixed delta may be set here instead",

@@ -9,7 +9,6 @@ import importlib.metadata
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
 
 from userdp.caches import fingerprint, private_cache_root
 from userdp.data.shakespeare import ShakespeareSource, public_text
@@ -44,7 +43,7 @@ def cached_store(source, key: str, log: Callable[[str], None]):
     return open_store(folder)
 
 
-def stackexchange_source(path: str, sites: Optional[tuple], public: bool):
+def stackexchange_source(path: str, sites: tuple | None, public: bool):
     src = StackExchangeSource(Path(path))
     all_sites = find_sites(Path(path))
     if sites:
@@ -110,7 +109,7 @@ def read_public_file(path: str, text_field: str) -> list[str]:
     return [t for t in read_input(p, f"public text {path}").split("\n\n") if t.strip()]
 
 
-def store_key(kind: str, path: Optional[str], *selection) -> str:
+def store_key(kind: str, path: str | None, *selection) -> str:
     """The cache key of a user store: its kind, the content of the files under ``path`` (None: no
     files, e.g. a packaged corpus whose ``selection`` names its version) and the selection."""
     files = [file_signature(Path(path))] if path else []

@@ -7,7 +7,6 @@ to a :class:`DropReport` under a named reason, with a few examples naming file a
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 # Reasons used across the package (a reader may add others; they all surface in the output).
 EMPTY_TEXT = "empty_or_whitespace_text"
@@ -33,7 +32,7 @@ class DropReport:
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
     examples: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
-    def add(self, reason: str, n: int = 1, example: Optional[str] = None) -> None:
+    def add(self, reason: str, n: int = 1, example: str | None = None) -> None:
         if n <= 0:
             return
         self.counts[reason] = self.counts.get(reason, 0) + int(n)
@@ -42,7 +41,7 @@ class DropReport:
             if len(ex) < MAX_EXAMPLES:
                 ex.append(example)
 
-    def merge(self, other: "DropReport") -> None:
+    def merge(self, other: DropReport) -> None:
         for k, v in other.counts.items():
             self.counts[k] = self.counts.get(k, 0) + v
         for k, ex in other.examples.items():
@@ -60,7 +59,7 @@ class DropReport:
         return {"counts": dict(sorted(self.counts.items())), "examples": dict(sorted(self.examples.items()))}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DropReport":
+    def from_dict(cls, d: dict) -> DropReport:
         return cls(dict(d.get("counts", {})), {k: list(v) for k, v in d.get("examples", {}).items()})
 
     def lines(self) -> list[str]:
@@ -86,9 +85,9 @@ class RecordBatch:
     """
 
     users: list[str]
-    texts: list[Optional[str]]
-    dates: Optional[list[Optional[str]]] = None
-    lines: Optional[list[int]] = None
+    texts: list[str | None]
+    dates: list[str | None] | None = None
+    lines: list[int] | None = None
     file: str = ""
     line_kind: str = "line"
 

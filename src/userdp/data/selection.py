@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -66,9 +66,9 @@ def bound_contributions(
     group_size: int,
     strategy: str = "random",
     *,
-    subset: Optional[UserSubset] = None,
-    seed: Optional[int] = None,
-    scores: Optional[np.ndarray] = None,
+    subset: UserSubset | None = None,
+    seed: int | None = None,
+    scores: np.ndarray | None = None,
 ) -> UserSubset:
     """At most ``group_size`` records of each user of ``subset`` (default: all of ``store``).
 
@@ -122,7 +122,7 @@ def perplexity_scores(
     score_fn: Callable[[list[str]], Sequence[float]],
     model_id: str,
     *,
-    subset: Optional[UserSubset] = None,
+    subset: UserSubset | None = None,
     cache_dir=None,
     batch_size: int = 64,
 ) -> tuple[np.ndarray, DataTouch]:

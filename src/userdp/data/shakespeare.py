@@ -18,8 +18,8 @@ speeches set aside is reported as a drop reason so the counts add up.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from userdp.data.records import PUBLIC_PLAYS, DropReport, RecordBatch
 from userdp.errors import UserError

@@ -25,8 +25,8 @@ import json
 import os
 import sys
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -121,7 +121,7 @@ class Fields:
 
     user: str = "user"
     text: str = "text"
-    date: Optional[str] = None
+    date: str | None = None
 
     def __post_init__(self):
         if self.user == self.text:
@@ -135,10 +135,10 @@ class Fields:
 
 def open_source(
     source: str,
-    format: Optional[str] = None,
+    format: str | None = None,
     *,
-    fields: Optional[Fields] = None,
-    split: Optional[str] = None,
+    fields: Fields | None = None,
+    split: str | None = None,
     public_plays: tuple[str, ...] = (),
     sites: tuple[str, ...] = (),
 ):
@@ -201,13 +201,13 @@ def _user_value(v, where: str, field: str) -> str:
     raise UserError(f"{where}: the user field {field!r} must be a string or an integer, got {type(v).__name__}")
 
 
-def _text_value(v, where: str, field: str) -> Optional[str]:
+def _text_value(v, where: str, field: str) -> str | None:
     if v is None or isinstance(v, str):
         return v
     raise UserError(f"{where}: the text field {field!r} must be a string, got {type(v).__name__}")
 
 
-def _date_value(v, where: str, field: str) -> Optional[str]:
+def _date_value(v, where: str, field: str) -> str | None:
     if v is None:
         return None
     if isinstance(v, (str, int, float)) and not isinstance(v, bool):
@@ -286,7 +286,7 @@ class JsonlSource(_TextFileSource):
         fname = str(self.path)
         users: list[str] = []
         texts: list = []
-        dates: Optional[list] = [] if df else None
+        dates: list | None = [] if df else None
         lines: list[int] = []
         with opener(self.path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
@@ -347,7 +347,7 @@ class CsvSource(_TextFileSource):
     def _batches(self, batch_size: int) -> Iterator[RecordBatch]:
         fname = str(self.path)
         csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
-        binary = gzip.open(self.path, "rb") if is_gzip(self.path) else open(self.path, "rb")
+        binary = gzip.open(self.path, "rb") if is_gzip(self.path) else open(self.path, "rb")  # noqa: SIM115 - closed in the finally below
         delim = "\t" if ".tsv" in self.path.name.lower() else ","
         last_row = 0
         try:
@@ -374,7 +374,7 @@ class CsvSource(_TextFileSource):
                 need = max(cols.values())
                 users: list[str] = []
                 texts: list = []
-                dates: Optional[list] = [] if di is not None else None
+                dates: list | None = [] if di is not None else None
                 lines: list[int] = []
                 for row in reader:
                     last_row = reader.line_num
@@ -489,7 +489,7 @@ class HfDiskSource(_ArrowSource):
 
     kind = "hf"
 
-    def __init__(self, path: Path, fields: Fields, split: Optional[str] = None):
+    def __init__(self, path: Path, fields: Fields, split: str | None = None):
         super().__init__(path, fields)
         self.split = split
 

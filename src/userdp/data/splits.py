@@ -131,7 +131,7 @@ def cc_news_split(store_or_sizes) -> Split:
     drops.add(ONE_RECORD_USERS, n_one, example=None)
     n_eval = cc_news_n_eval(sizes[keep])
     ev = UserSubset.from_lists(keep, [np.arange(e) for e in n_eval])
-    tr = UserSubset.from_lists(keep, [np.arange(e, n) for e, n in zip(n_eval, sizes[keep])])
+    tr = UserSubset.from_lists(keep, [np.arange(e, n) for e, n in zip(n_eval, sizes[keep], strict=True)])
     rule = "CC-News rule: drop users with one record; eval = first min(32, max(1, ceil(0.1 n_u))) records"
     return Split(tr, ev, rule, drops)
 
@@ -157,11 +157,11 @@ def parse_date(value) -> dt.datetime:
                     continue
             if d is None:
                 try:
-                    d = dt.datetime.fromtimestamp(float(s), tz=dt.timezone.utc)
+                    d = dt.datetime.fromtimestamp(float(s), tz=dt.UTC)
                 except ValueError:
                     raise ValueError(f"unrecognised date {s!r}") from None
     if d.tzinfo is None:
-        d = d.replace(tzinfo=dt.timezone.utc)
+        d = d.replace(tzinfo=dt.UTC)
     return d
 
 
@@ -184,7 +184,8 @@ def time_split(store, cutoff) -> Split:
                 if d is None:
                     u = int(np.searchsorted(store.offsets, row, side="right") - 1)
                     raise UserError(
-                        f"{store.path}: user {store.user_id(u)!r} record {row - store.offsets[u]} has no date (time split)"
+                        f"{store.path}: user {store.user_id(u)!r} record {row - store.offsets[u]} has no date "
+                        "(time split)"
                     )
                 try:
                     b = cache[d] = parse_date(d).timestamp() < cut_ts

@@ -22,8 +22,8 @@ from __future__ import annotations
 import html.parser
 import re
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
 
 from userdp.data.records import (
     COMMUNITY_USER,
@@ -105,7 +105,7 @@ def _rows(path: Path) -> Iterator[dict]:
         ) from None
 
 
-def _int(v: Optional[str]) -> Optional[int]:
+def _int(v: str | None) -> int | None:
     if v is None:
         return None
     try:
@@ -143,12 +143,12 @@ class StackExchangeSource:
                 out[uid] = aid
         return out
 
-    def _records(self) -> Iterator[tuple[str, str, Optional[str], str, int]]:
+    def _records(self) -> Iterator[tuple[str, str, str | None, str, int]]:
         for site in self.sites:
             name = site.name
             accounts = self._accounts(site)
 
-            def user_of(uid: int) -> str:
+            def user_of(uid: int, accounts: dict = accounts, name: str = name) -> str:  # this site's, bound now
                 aid = accounts.get(uid)
                 return f"account:{aid}" if aid is not None else f"{name}:{uid}"
 

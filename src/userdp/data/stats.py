@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 
@@ -55,9 +53,10 @@ def format_stats(s: dict) -> str:
     if "tokens" in s:
         lines.append(f"tokens:     {s['tokens']:,}")
     lines.append(
-        "records per user: min {min:,}  median {median:,.1f}  mean {mean:,.1f}  p90 {p90:,.1f}  p99 {p99:,.1f}  max {max:,}".format(
-            **r
-        )
+        (
+            "records per user: min {min:,}  median {median:,.1f}  mean {mean:,.1f}  p90 {p90:,.1f}  "
+            "p99 {p99:,.1f}  max {max:,}"
+        ).format(**r)
     )
     if not s["dropped"]:
         lines.append("dropped: nothing")
@@ -67,7 +66,7 @@ def format_stats(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_records_per_user(sizes: np.ndarray, path, title: Optional[str] = None) -> None:
+def plot_records_per_user(sizes: np.ndarray, path, title: str | None = None) -> None:
     """Histogram of records per user on log-log axes with log-spaced bins (like the paper's Fig 10)."""
     import matplotlib
 

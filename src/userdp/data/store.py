@@ -31,7 +31,6 @@ import shutil
 import time
 import zlib
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -52,7 +51,7 @@ class PrivateTexts(list):
 
 @dataclasses.dataclass
 class BuildResult:
-    store: "UserStore"
+    store: UserStore
     drops: DropReport
     seconds: float
 
@@ -76,7 +75,7 @@ def build_store(
     out_dir,
     *,
     batch_size: int = 50_000,
-    num_shards: Optional[int] = None,
+    num_shards: int | None = None,
     shard_bytes: int = 128 << 20,
     overwrite: bool = False,
 ) -> BuildResult:
@@ -140,7 +139,7 @@ def build_store(
             starts = np.concatenate([[0], bounds])
             ends = np.concatenate([bounds, [n]])
             taken = rb.take(pa.array(order))
-            for a, b in zip(starts, ends):
+            for a, b in zip(starts, ends, strict=True):
                 s = int(sorted_shards[a])
                 if writers[s] is None:
                     writers[s] = pa.ipc.new_stream(str(tmp / f"shard-{s:05d}.arrows"), schema)
@@ -342,7 +341,7 @@ class UserStore:
                 vals = col.slice(lo, hi - lo).to_pylist()
             else:
                 vals = col.take(pa.array(local)).to_pylist()
-            for j, v in zip(order[seg], vals):
+            for j, v in zip(order[seg], vals, strict=True):
                 out[j] = v
         return out
 
@@ -377,7 +376,7 @@ class UserStore:
 
     def iter_text_batches(self, column: str = "text"):
         """(first row, list of values) for each stored batch, in store order."""
-        for start, b in zip(self._batch_starts[:-1], self._batches):
+        for start, b in zip(self._batch_starts[:-1], self._batches, strict=True):
             yield int(start), b.column(column).to_pylist()
 
     def column(self, name: str) -> pa.ChunkedArray:

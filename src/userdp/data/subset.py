@@ -20,14 +20,14 @@ class UserSubset:
     records: np.ndarray  # int64 [R]: record index within the store user
 
     @classmethod
-    def full(cls, sizes: np.ndarray) -> "UserSubset":
+    def full(cls, sizes: np.ndarray) -> UserSubset:
         sizes = np.asarray(sizes, dtype=np.int64)
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         within = np.arange(offs[-1], dtype=np.int64) - np.repeat(offs[:-1], sizes)
         return cls(np.arange(len(sizes), dtype=np.int64), offs, within)
 
     @classmethod
-    def from_lists(cls, users, record_lists) -> "UserSubset":
+    def from_lists(cls, users, record_lists) -> UserSubset:
         users = np.asarray(users, dtype=np.int64)
         lens = np.array([len(r) for r in record_lists], dtype=np.int64)
         offs = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
@@ -56,7 +56,7 @@ class UserSubset:
         """Global store rows of every record in the subset, in view order."""
         return np.repeat(np.asarray(store_offsets)[self.users], self.sizes()) + self.records
 
-    def nonempty(self) -> "UserSubset":
+    def nonempty(self) -> UserSubset:
         keep = self.sizes() > 0
         if keep.all():
             return self

@@ -25,8 +25,8 @@ import itertools
 import json
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 import numpy as np
 
@@ -90,7 +90,7 @@ def tokenizer_fingerprint(tok) -> str:
     return hashlib.blake2b(tok.to_str().encode("utf-8"), digest_size=12).hexdigest()
 
 
-def special_id(tok, candidates) -> Optional[int]:
+def special_id(tok, candidates) -> int | None:
     for c in candidates:
         i = tok.token_to_id(c)
         if i is not None:
@@ -166,10 +166,10 @@ class TokenizedStore:
     users: np.ndarray  # int64 [N]
     seq_len: int
     mode: str
-    eos_id: Optional[int]
+    eos_id: int | None
     pad_id: int
     key: str
-    path: Optional[Path] = None
+    path: Path | None = None
     from_cache: bool = False
     seconds: float = 0.0
 
@@ -274,7 +274,7 @@ class TokenLayout:
 
 
 def tokenize_store(
-    store: UserStore, tokenizer, layout: TokenLayout | int, *, subset: Optional[UserSubset] = None, cache_dir=None
+    store: UserStore, tokenizer, layout: TokenLayout | int, *, subset: UserSubset | None = None, cache_dir=None
 ) -> TokenizedStore:
     """Tokenize the store (or a subset of it) as ``layout`` says (an int: ``TokenLayout(seq_len)``,
     truncated records with an end-of-text token), or load the cached result for the same key."""

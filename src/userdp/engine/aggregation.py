@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,7 @@ class FixedDenominator:
 class ClippedDenominator:
     """``min_weight`` is W_min as a fraction of the total weight W (None -> 1, i.e. q*W)."""
 
-    min_weight_fraction: Optional[float] = None
+    min_weight_fraction: float | None = None
     name = "clipped"
 
     def scales(self, expected_weight, realized_weight, noise_std_on_sum):

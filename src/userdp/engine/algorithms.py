@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -42,8 +42,8 @@ class UnitTable:
     """The units of a run. ELS: (user, record) pairs of D'; ULS/FedAvg: users (records = None)."""
 
     users: np.ndarray
-    records: Optional[np.ndarray] = None
-    weights: Optional[np.ndarray] = None  # per-unit weight w in [0, 1] (FedAvg user weights), else None
+    records: np.ndarray | None = None
+    weights: np.ndarray | None = None  # per-unit weight w in [0, 1] (FedAvg user weights), else None
 
     def __post_init__(self):
         # the noise is sized by the clip norm C alone: a unit moves the sum by at most w * C, so
@@ -222,8 +222,8 @@ class FedAvg(ULS):
 
     local_epochs: int = 1
     local_lr: float = 0.1
-    local_batch_size: Optional[int] = None
-    weight_cap: Optional[float] = None
+    local_batch_size: int | None = None
+    weight_cap: float | None = None
     reproject: bool = False
     name = "fedavg"
     update = "local_sgd"
@@ -265,7 +265,7 @@ class FedAvg(ULS):
         return UnitTable(users, weights=w)
 
 
-def FedSGD(group_size: int, sampling_rate: float, weight_cap: Optional[float] = None) -> FedAvg:
+def FedSGD(group_size: int, sampling_rate: float, weight_cap: float | None = None) -> FedAvg:
     """DP-FedSGD: one local step with lr 1 over the whole local batch (update = mean gradient)."""
     return FedAvg(group_size, sampling_rate, local_epochs=1, local_lr=1.0, local_batch_size=None, weight_cap=weight_cap)
 

@@ -95,7 +95,7 @@ class BatchPerUnit:
             else g.to(acc_dtype) / scale
             if scale != 1.0
             else g.to(acc_dtype)
-            for g, p in zip(grads, self.params)
+            for g, p in zip(grads, self.params, strict=True)
         ]
         finite = torch.stack([torch.isfinite(unit_loss).all()] + [torch.isfinite(s).all() for s in sums]).all()
         if not bool(finite):  # the per-unit strategy finds and zeroes the units at fault

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ def _words(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
         _quarter(s, 1, 6, 11, 12)
         _quarter(s, 2, 7, 8, 13)
         _quarter(s, 3, 4, 9, 14)
-    return torch.stack([(x + y) & _MASK for x, y in zip(s, init)], dim=1)
+    return torch.stack([(x + y) & _MASK for x, y in zip(s, init, strict=True)], dim=1)
 
 
 _COMPILED: dict = {}  # device type -> (the slab kernel, its status)

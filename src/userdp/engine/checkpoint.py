@@ -34,7 +34,7 @@ import pickle
 import re
 import shutil
 import zipfile
-from typing import Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -83,7 +83,7 @@ def pending_folder(directory: str, folder: str) -> str:
 
 
 def save(
-    directory: str, state: dict, extra: Optional[Mapping[str, Writer]] = None, shards: Optional[tuple[str, dict]] = None
+    directory: str, state: dict, extra: Mapping[str, Writer] | None = None, shards: tuple[str, dict] | None = None
 ) -> None:
     """Write a checkpoint: ``state`` as ``checkpoint.pt`` plus ``extra`` files (name -> a function
     that writes that file at the path it is given), committed as one unit. ``shards``: a sharded

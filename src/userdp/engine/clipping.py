@@ -23,8 +23,9 @@ with), ``reproject_bounds(state, num_tensors)`` (FedAvg's greedy re-projection) 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ class StepClipping:
     clipping: Any
     state: dict
     acc_dtype: torch.dtype = torch.float32
-    reproject: Optional[Callable] = None
+    reproject: Callable | None = None
     lazy_zeroing: bool = False
 
 
@@ -153,7 +154,7 @@ class PerLayerClip(_FixedNorm):
     """
 
     norm: float
-    layer_norms: Optional[tuple[float, ...]] = None
+    layer_norms: tuple[float, ...] | None = None
     normalized: bool = False
 
     def __post_init__(self):
@@ -211,7 +212,7 @@ class AdaptiveClip(_Clipping):
     initial_norm: float = 0.1
     target_quantile: float = 0.5
     learning_rate: float = 0.2
-    count_stddev: Optional[float] = None
+    count_stddev: float | None = None
     geometric: bool = True
     normalized: bool = False  # not supported: the quantile tracks C, normalizing removes it
 
@@ -255,10 +256,7 @@ class AdaptiveClip(_Clipping):
         """One quantile step from the privatized fraction b~ of units with norm <= C."""
         c = float(state["clip_norm"])
         err = noisy_fraction_unclipped - self.target_quantile
-        if self.geometric:
-            c = c * math.exp(-self.learning_rate * err)
-        else:
-            c = max(c - self.learning_rate * err, _TINY)
+        c = c * math.exp(-self.learning_rate * err) if self.geometric else max(c - self.learning_rate * err, _TINY)
         return {"clip_norm": c}
 
 

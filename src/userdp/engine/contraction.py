@@ -18,7 +18,8 @@ how those products are computed, and nothing of what they mean:
 * a ghost norm's Gram-pair reductions, the norm's and its bound's row sums
   (:func:`gram_pair_rows`: torch's passes, or one Triton kernel, :mod:`userdp.engine.gram_triton`).
 
-The switches (:data:`TENSOR_CORES`, :data:`FUSED_SPLIT`, :data:`FUSED_GRAMS`, :data:`SUM_OPERAND`) are read at each call,
+The switches (:data:`TENSOR_CORES`, :data:`FUSED_SPLIT`, :data:`FUSED_GRAMS`, :data:`SUM_OPERAND`) are read at each
+call,
 so tests and benchmarks set them here.
 """
 
@@ -325,7 +326,7 @@ def check_gram_kernel(device: torch.device) -> bool | str:
         want = torch_pair_rows(gx, gy, rbx, rby, sums)
         slack = gram_row_budget(ta, tb)
         scales = ((gx * gy).abs().sum(-1), want[1], want[2], want[3])
-        for name, a, b, scale in zip(("dot", "|Gy| form", "|Gx| form", "|Gx| row sum"), got, want, scales):
+        for name, a, b, scale in zip(("dot", "|Gy| form", "|Gx| form", "|Gx| row sum"), got, want, scales, strict=True):
             if (a is None) != (b is None):
                 return f"its {name} is {'missing' if a is None else 'extra'}"
             if a is not None and not bool(((a - b).abs() <= slack * scale + 1e-30).all()):

@@ -9,7 +9,7 @@ come from (files, a tokenized store, synthetic draws) stays behind this contract
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -284,7 +284,7 @@ class TensorUserData(UserData):
         self.num_users = len(sizes)
 
     @classmethod
-    def from_user_ids(cls, tensors: Mapping[str, torch.Tensor], user_ids) -> "TensorUserData":
+    def from_user_ids(cls, tensors: Mapping[str, torch.Tensor], user_ids) -> TensorUserData:
         """Build from per-row user ids (any hashable values); rows are regrouped by user."""
         raw = list(user_ids) if not isinstance(user_ids, np.ndarray) else user_ids.tolist()
         for i, u in enumerate(raw):  # a missing author would merge with the others into one "user"

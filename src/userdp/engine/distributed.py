@@ -23,7 +23,7 @@ shape and device (the torch combiner works in place: it returns its inputs, upda
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,6 @@ def broadcast_module_state(combiner, module: torch.nn.Module, extra: Sequence[to
     with torch.no_grad():
         tensors = [p.data for p in module.parameters() if p.is_floating_point()]
         tensors += [b for b in module.buffers() if b.is_floating_point()] + [t.data for t in extra]
-        for t, v in zip(tensors, combiner.broadcast_from_main(tensors)):
+        for t, v in zip(tensors, combiner.broadcast_from_main(tensors), strict=True):
             if v is not t:
                 t.copy_(v)

@@ -216,13 +216,14 @@ class Factored:
         """``Σ_u c_u Σ_t x[u,t] ⊗ y[u,t]`` (``[X, Y]``): the clipped sum of this use.
 
         On tensor cores (:attr:`narrow`) the factors ``c`` must already be bf16 numbers (see
-        :func:`~userdp.engine.contraction.round_down_bf16`): then each ``c_u · y`` is exact in float32 and splits exactly into
+        :func:`~userdp.engine.contraction.round_down_bf16`): then each ``c_u · y`` is exact in float32 and splits
+        exactly into
         two bf16 pieces, and ``xᵀ hi + xᵀ lo`` is one bf16 GEMM with float32 accumulation — the
         float32 result up to the order of its sums, at twice the bf16 FLOPs instead of float32's."""
         if not self.index:
             return cx.clipped_contraction(self.x, self.y, c, self.narrow, self.compute_dtype, self.bad)
         width = self.y.shape[2]
-        if self.narrow:
+        if self.narrow:  # noqa: SIM108 - each branch's comment says why it is exact
             y = self.y.float() * c.float().view(-1, 1, 1)  # exact: bf16 x bf16
         else:
             y = self.fy() * c.view(-1, 1, 1)
@@ -233,7 +234,8 @@ class Factored:
         """This use with the units ``bad`` (bool ``[m]``) zeroed in both factors (Inf and NaN
         included: masked_fill writes the zeros, it does not multiply). A dense use keeps ``y`` as it
         is and ``bad`` with it: :meth:`weighted_sum` zeroes those rows where it reads ``y``
-        (:func:`~userdp.engine.contraction.clipped_contraction`; on tensor cores in the same pass that builds the GEMM's operand)."""
+        (:func:`~userdp.engine.contraction.clipped_contraction`; on tensor cores in the same pass that builds the
+        GEMM's operand)."""
         drop = bad.view(-1, 1, 1)
         if self.index:  # x holds token ids
             return Factored(self.x, cx.zero_rows(self.y, drop), self.size_x, self.index, self.dtype, self.tc)
@@ -568,7 +570,7 @@ def _vector_groups(dense: list, factored: list, m: int) -> list[list[int]]:
     parameter (GPT-2 small: 98 biases and LayerNorm vectors in 3 groups)."""
     by_key: dict = {}
     per_member: dict = {}
-    for j, (d, fs) in enumerate(zip(dense, factored)):
+    for j, (d, fs) in enumerate(zip(dense, factored, strict=True)):
         if d is not None and not fs:
             key = (d[0].numel(), d.dtype)
             by_key.setdefault(key, []).append(j)
@@ -594,7 +596,7 @@ def _factor_groups(dense: list, factored: list, m: int) -> list[list[int]]:
     (where :data:`STACK_FACTORS` says so)."""
     by_key: dict = {}
     per_member: dict = {}
-    for j, (d, fs) in enumerate(zip(dense, factored)):
+    for j, (d, fs) in enumerate(zip(dense, factored, strict=True)):
         if d is None and len(fs) == 1 and not fs[0].index and _stack_factors(fs[0].y.device):
             f = fs[0]
             key = (tuple(f.x.shape), tuple(f.y.shape), f.x.dtype, f.y.dtype, f.compute_dtype, f.tc)
@@ -659,7 +661,8 @@ class _Bound:
     2^-53), ``magnitude`` ``Σ_uses Σ_t |x_t||y_t|`` of its factored uses, ``length`` the longest
     contraction its clipped sum takes (m·T), ``u`` the unit roundoff, ``size`` the norm of its
     materialized part (None: none), ``operand`` the relative rounding of its clipped sum's operand
-    entries (:data:`~userdp.engine.contraction.ROUNDED_OPERAND_U` for the rounded tensor-core operand, else 0: exact) and
+    entries (:data:`~userdp.engine.contraction.ROUNDED_OPERAND_U` for the rounded tensor-core operand, else 0:
+    exact) and
     ``spread`` what that rounding is a share of: the terms of the uses whose operand is rounded, their
     :meth:`Factored.spread` summed (:func:`_spreads`; needed when ``operand`` is not 0)."""
 
@@ -908,12 +911,12 @@ class GhostPerUnit:
         del delivered
         batch_grads: list = [None] * len(self.params)  # the checked group's batch gradients (on this rank)
         if self._sharded:  # each gathered tensor's gradient is its (sharded) parameter's batch gradient
-            for (mod, attr, _), g in zip(in_use, checked):
+            for (mod, attr, _), g in zip(in_use, checked, strict=True):
                 j = self._owner[(id(mod), attr)]
                 if g is not None:
                     batch_grads[j] = g if batch_grads[j] is None else batch_grads[j] + g
         else:
-            for j, g in zip(sorted(group), checked):
+            for j, g in zip(sorted(group), checked, strict=True):
                 batch_grads[j] = g
         del checked
         del grads  # each output's gradient is dropped once its layer's factors hold what they need
@@ -973,7 +976,7 @@ class GhostPerUnit:
                 r = cx.operand_roundoff(st.narrow)
                 for i, j in enumerate(st.members):
                     parts[j] = _Bound(value[i], err[i], mag[i], k_len, u, None, r, [spread[i]] if r else None)
-            for j, (d, fs) in enumerate(zip(dense, factored)):
+            for j, (d, fs) in enumerate(zip(dense, factored, strict=True)):
                 if parts[j] is None:
                     value, err, mag, spread = self._norm2(d, fs)
                     size = (
@@ -1043,7 +1046,7 @@ class GhostPerUnit:
         unit's layer gradient (X·Y), else it is materialized (mixed ghost clipping)."""
         dense, factored = [], []
         self.last_choice = {}
-        for name, p, parts in zip(self.names, self.params, contrib):
+        for name, p, parts in zip(self.names, self.params, contrib, strict=True):
             d, fs = None, []
             for part in parts:
                 if isinstance(part, Factored) and part.tokens**2 <= part.numel:
@@ -1121,7 +1124,7 @@ class GhostPerUnit:
         tol = self.precision.verify_tolerance
         complete = True
         for j, (name, p, d, fs, bg, used) in enumerate(
-            zip(self.names, self.params, dense, factored, batch_grads, seen)
+            zip(self.names, self.params, dense, factored, batch_grads, seen, strict=True)
         ):
             if not used and self._sharded:  # its gathered tensor was never seen: no gradient to compare
                 raise GhostUnsupported(

@@ -100,7 +100,7 @@ def check_fused(device: torch.device) -> bool | str:
         if got is None:
             return f"it refused a layout of shape {(m * t, d)}"
         want = torch_grads(x, g, m, LayerNormSpec((d,), 1e-5), torch.float32)
-        for name, a in zip(("weight", "bias"), got):
+        for name, a in zip(("weight", "bias"), got, strict=True):
             b = want[name]
             if a.shape != b.shape or not torch.allclose(a, b, rtol=CHECK_RTOL, atol=CHECK_ATOL * float(b.abs().max())):
                 return f"its {name} sums differ from torch's on {(m, t, d)}"

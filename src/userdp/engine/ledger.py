@@ -40,7 +40,6 @@ import json
 import math
 import os
 import secrets
-from typing import Optional
 
 from userdp import accounting
 from userdp.errors import BudgetExceededError, UserError
@@ -130,7 +129,7 @@ def read_chain(path: str | os.PathLike, bad=None) -> tuple[dict, dict[int, str],
     return header, hashes, best
 
 
-def check_cited(path: str | os.PathLike, hashes: dict[int, str], run: Optional[str], cited: dict, by: str) -> None:
+def check_cited(path: str | os.PathLike, hashes: dict[int, str], run: str | None, cited: dict, by: str) -> None:
     """A record (``by``) cited the journal at ``cited`` = {"run", "lines", "head"}: the journal must
     still hold that line with that hash.
 
@@ -165,13 +164,13 @@ class Journal:
             whose context differs is refused.
     """
 
-    def __init__(self, path: str, event_json: str, context: Optional[dict] = None):
+    def __init__(self, path: str, event_json: str, context: dict | None = None):
         self.path = path
         self.event_json = event_json
         self.context = context or {}
-        self.run: Optional[str] = None
+        self.run: str | None = None
         self.lines = 0  # lines after the header
-        self.head: Optional[str] = None
+        self.head: str | None = None
         self.max_spent = 0
         self._hashes: dict[int, str] = {}  # line number -> hash
 
@@ -258,7 +257,7 @@ class Journal:
             hashes,
         )
 
-    def verify_checkpoint(self, run: Optional[str], lines: Optional[int], head: Optional[str]) -> None:
+    def verify_checkpoint(self, run: str | None, lines: int | None, head: str | None) -> None:
         """The checkpoint saw ``lines`` lines ending in ``head``: the journal must still hold them."""
         if run is None:
             raise self._bad("the checkpoint carries no journal reference (written by an older userdp)")
@@ -303,9 +302,9 @@ class PrivacyLedger:
         step_event,
         delta: float,
         *,
-        target_epsilon: Optional[float] = None,
+        target_epsilon: float | None = None,
         accountant: str = "pld",
-        safe_steps: Optional[int] = None,
+        safe_steps: int | None = None,
     ):
         self.step_event = step_event
         self.delta = float(delta)
@@ -314,16 +313,16 @@ class PrivacyLedger:
         self.spent = 0  # steps whose release may have happened (includes lost_steps)
         self.lost_steps = 0  # begun before a crash and not replayed (counted in spent)
         self._safe = safe_steps
-        self._max_steps: Optional[int] = None
+        self._max_steps: int | None = None
         self._grid: dict[int, float] = {}
         # events spent before this ledger's steps (a DP median, earlier trials, an earlier sigma):
         # composed heterogeneously with the steps; steps [0, segment_start) are inside them
         self.prior: list = []
         self.segment_start = 0
         self.private = step_event is not None
-        self.journal: Optional[Journal] = None
+        self.journal: Journal | None = None
 
-    def attach_journal(self, journal_dir: str, context: Optional[dict] = None) -> "PrivacyLedger":
+    def attach_journal(self, journal_dir: str, context: dict | None = None) -> PrivacyLedger:
         """Keep the ledger in ``journal_dir/ledger_journal.jsonl``, bound to the facts in ``context``
         (see :class:`Journal`); before any step is counted."""
         if self.spent or self.prior:
@@ -343,7 +342,7 @@ class PrivacyLedger:
             raise UserError(f"{self.journal.path} already exists: resume that run, or use an empty directory")
         self.journal.create()
 
-    def resume_without_checkpoint(self, *, replayable: bool, replay_refused: Optional[str] = None) -> None:
+    def resume_without_checkpoint(self, *, replayable: bool, replay_refused: str | None = None) -> None:
         """A run that crashed before its first checkpoint: the steps it began are spent (an
         unseeded run's lost steps cannot be replayed), a seeded run replays them."""
         if self.journal is None:
@@ -354,7 +353,7 @@ class PrivacyLedger:
         if not replayable:
             self.spent = self.lost_steps = self.journal.max_spent
 
-    def total_event(self, steps: Optional[int] = None):
+    def total_event(self, steps: int | None = None):
         """The DpEvent of everything the ledger counted (None before the first step or for a
         non-private run): recomputing epsilon from it gives :meth:`epsilon`. Extra events
         (:meth:`spend_event`, :meth:`rebase`) are composed with the steps by
@@ -400,7 +399,7 @@ class PrivacyLedger:
         self._grid.clear()
 
     # ---------------------------------------------------------------- budget
-    def max_steps(self) -> Optional[int]:
+    def max_steps(self) -> int | None:
         """Largest step count within the target (None: no target)."""
         if self.target_epsilon is None or not self.private:
             return None
@@ -433,7 +432,7 @@ class PrivacyLedger:
         return self.spent
 
     # ---------------------------------------------------------------- epsilon
-    def epsilon(self, steps: Optional[int] = None) -> float:
+    def epsilon(self, steps: int | None = None) -> float:
         """Exact (pessimistic PLD/RDP) epsilon after ``steps`` (default: all spent)."""
         t = self.spent if steps is None else steps
         if t == 0 and not self.prior:
@@ -488,7 +487,7 @@ class PrivacyLedger:
             "journal_head": j.head if j else None,
         }
 
-    def load_state_dict(self, state: dict, *, replayable: bool, replay_refused: Optional[str] = None) -> None:
+    def load_state_dict(self, state: dict, *, replayable: bool, replay_refused: str | None = None) -> None:
         """Restore from a checkpoint; the journal must still hold what the checkpoint saw, and the
         steps begun after it are counted as spent (unless ``replayable``: a seeded run replays)."""
         mine = self.event_json()

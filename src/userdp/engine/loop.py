@@ -120,7 +120,7 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _own_optimizer(optimizer: torch.optim.Optimizer, run: "EngineRun") -> torch.optim.Optimizer:
+def _own_optimizer(optimizer: torch.optim.Optimizer, run: EngineRun) -> torch.optim.Optimizer:
     """The caller's optimizer (make_private), checked: it must step exactly the trainable
     parameters the engine privatizes, and they must be float32 or wider (with narrower weights the
     engine steps float32 masters of its own, which a caller's optimizer does not hold).
@@ -388,7 +388,7 @@ class EngineRun:
         if n_chunks is not None and n_chunks > len(chunks):
             loaded = self._padded(loaded, n_chunks - len(chunks))
             chunks = chunks + [ids[:0]] * (n_chunks - len(chunks))
-        for cid, (batch, mask) in zip(chunks, loaded):
+        for cid, (batch, mask) in zip(chunks, loaded, strict=True):
             k = len(cid)
             b = mask.shape[0]
             valid = torch.zeros(b, dtype=acc, device=self.device)
@@ -400,7 +400,7 @@ class EngineRun:
                 batch, mask, w, clip, **({"sink": sink} if self.sharded else {})
             )
             if shards is None and sums is None:  # the strategy's sums are fresh: keep them (.to: no-op, same dtype)
-                sums = [x.to(_accumulation_dtype(p.dtype)) for x, p in zip(part, self.params)]
+                sums = [x.to(_accumulation_dtype(p.dtype)) for x, p in zip(part, self.params, strict=True)]
             elif shards is None:  # (sharded: the sink has them)
                 for j, x in enumerate(part):
                     sums[j] += x
@@ -420,7 +420,7 @@ class EngineRun:
         if shards is not None:  # each rank's shards of the totals (zero where no chunk ran: an empty cohort)
             sums = [
                 x if x is not None else torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype))
-                for x, p in zip(shards, self.params)
+                for x, p in zip(shards, self.params, strict=True)
             ]
         elif sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
             sums = [torch.zeros(p.shape, dtype=_accumulation_dtype(p.dtype), device=self.device) for p in self.params]
@@ -444,7 +444,7 @@ class EngineRun:
         self.optimizer.step()
         if self.master is not self.params:
             with torch.no_grad():
-                for p, m in zip(self.params, self.master):
+                for p, m in zip(self.params, self.master, strict=True):
                     p.copy_(m)
         return self.end_step(metrics, noisy_centered, t0)
 
@@ -520,7 +520,7 @@ class EngineRun:
                 check_finite_release(sums, self.noise)
             sums = comb.all_reduce_sum(sums)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
-        for m, x in zip(self.master, sums):  # in place: the sums are this step's own buffers
+        for m, x in zip(self.master, sums, strict=True):  # in place: the sums are this step's own buffers
             m.grad = x.div_(den).to(m.dtype)
         metrics = {
             "step": self.step + 1,
@@ -535,10 +535,11 @@ class EngineRun:
 
     def _read_shards(self, st: dict, held: list) -> dict:
         """Read a sharded checkpoint's shards into this run's masters (in place) and its optimizer
-        states (returned: ``st["optimizer"]`` with each :data:`userdp.engine.checkpoint.IN_SHARDS` filled), whatever this run's
+        states (returned: ``st["optimizer"]`` with each :data:`userdp.engine.checkpoint.IN_SHARDS` filled), whatever
+        this run's
         layout: sharded on any W, or whole (``torch.distributed.checkpoint`` reshards). Every rank of
         the run calls it."""
-        template = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master)}
+        template = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master, strict=True)}
         opt = {**st["optimizer"], "state": {}}
         for i, entry in st["optimizer"]["state"].items():
             opt["state"][i] = dict(entry)
@@ -555,7 +556,7 @@ class EngineRun:
         and scatters each parameter's noise to the ranks holding its shards."""
         main = self.combiner.rank == 0
         cursor = DrawCursor(self.noise.pieces(self._sum_numel, self._sum_dtypes, std, self.device)) if main else None
-        for p, x in zip(self.params, shards):
+        for p, x in zip(self.params, shards, strict=True):
             local = x.to_local()
             full = cursor.take(p.numel(), local.dtype, local.device) if main else None
             local.add_(scatter_from_main(full, p, local.dtype))
@@ -622,7 +623,7 @@ class EngineRun:
         replaced by :data:`userdp.engine.checkpoint.IN_SHARDS`, and those states with the masters
         by name, for the shards; scalars (Adam's step) stay in the state dict."""
         held = self._held()
-        shards = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master)}
+        shards = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master, strict=True)}
         kept = {}
         for i, entry in optimizer["state"].items():
             shape = tuple(held[int(i)].shape)
@@ -665,7 +666,7 @@ class EngineRun:
         if from_shards:  # a sharded run's: its shards, read into this run's layout
             optimizer = self._read_shards(st, held)
         else:
-            for name, m, v in zip(self.per_unit.names, self.master, st["params"]):
+            for name, m, v in zip(self.per_unit.names, self.master, st["params"], strict=True):
                 if tuple(v.shape) != tuple(m.shape):
                     raise UserError(
                         f"cannot resume from {ckpt.path(self.dir)}: parameter {name} has shape "
@@ -674,7 +675,7 @@ class EngineRun:
             if self.sharded:
                 optimizer = optimizer_state_like(optimizer, held)
         with torch.no_grad():
-            for i, (p, m) in enumerate(zip(self.params, self.master)):
+            for i, (p, m) in enumerate(zip(self.params, self.master, strict=True)):
                 if not from_shards:
                     m.copy_(shard_like(st["params"][i], m))  # a shard of the whole saved tensor where sharded
                 if m is not p:

@@ -137,7 +137,7 @@ def neighbour_gap(
     config = replace(config, checkpoint_every=0)
     s0, sens0 = released_sum(build_model(), data, loss_fn, config, combiner=combiner, entry=entry)
     s1, sens1 = released_sum(build_model(), bigger, loss_fn, config, combiner=combiner, entry=entry)
-    diff = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(s1, s0)))
+    diff = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(s1, s0, strict=True)))
     return Gap(diff, max(sens0, sens1), rtol)
 
 

@@ -32,8 +32,8 @@ factorization) are one new class and no change to the loop:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -111,12 +111,12 @@ class GaussianNoise:
         self._pending: _Pending | None = None
 
     @classmethod
-    def from_os_entropy(cls) -> "GaussianNoise":
+    def from_os_entropy(cls) -> GaussianNoise:
         """A generator keyed by 256 bits of ``os.urandom`` (never stored)."""
         return cls(os_entropy(), seeded=False)
 
     @classmethod
-    def from_seed(cls, seed: int) -> "GaussianNoise":
+    def from_seed(cls, seed: int) -> GaussianNoise:
         """A reproducible generator keyed from a user-given integer seed."""
         return cls(int(seed), seeded=True)
 
@@ -220,7 +220,7 @@ class GaussianNoise:
         self._pending = _Pending(int(numel), dtype, buf, blocks, [ahead.submit(_fill, *b) for b in blocks])
         return True
 
-    def _take_pending(self, numel: int, dtype) -> "_Pending | None":
+    def _take_pending(self, numel: int, dtype) -> _Pending | None:
         """The pending draw if it is for ``numel`` normals of ``dtype`` (waited for), else None (a
         pending draw of another layout is dropped: the streams are past it, so it is never reused)."""
         pending, self._pending = self._pending, None
@@ -262,7 +262,7 @@ class GaussianNoise:
             )
         self._drop_pending()  # drawn from the state being replaced
         self._gen.bit_generator.state = state["scalar"]
-        for g, st in zip(self._streams, state["streams"]):
+        for g, st in zip(self._streams, state["streams"], strict=True):
             g.bit_generator.state = st
 
 
@@ -317,7 +317,7 @@ class _Pending:
     def wait(self) -> None:
         """Until every block is filled: the blocks the ahead thread has not begun are cancelled there
         and filled by the shared pool (each block by its own stream, so the numbers are the same)."""
-        _for_each(lambda b: _fill(*b), [b for b, f in zip(self._blocks, self._futures) if f.cancel()])
+        _for_each(lambda b: _fill(*b), [b for b, f in zip(self._blocks, self._futures, strict=True) if f.cancel()])
         for f in self._futures:
             if not f.cancelled():
                 f.result()  # re-raises what the ahead thread raised
@@ -349,7 +349,7 @@ class IIDGaussian:
 
     name = "iid_gaussian"
 
-    def __init__(self, source: "GaussianNoise | None"):
+    def __init__(self, source: GaussianNoise | None):
         self.source = source
 
     def init(self, params: Sequence[torch.Tensor]) -> None:
@@ -400,7 +400,7 @@ class IIDGaussian:
 NOISE_MECHANISMS: Registry = Registry("noise", {"iid_gaussian": IIDGaussian})
 
 
-def make_noise(name: str, source: "GaussianNoise | None") -> IIDGaussian:
+def make_noise(name: str, source: GaussianNoise | None) -> IIDGaussian:
     """The noise mechanism called ``name`` over ``source``.
 
     Raises:

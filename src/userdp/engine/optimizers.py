@@ -10,7 +10,6 @@ For FedAvg the estimate is the averaged pseudo-gradient ``theta0 - theta_local``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -31,7 +30,7 @@ def _betas(value, name: str) -> tuple[float, float]:
     return (_unit_interval(value[0], name), _unit_interval(value[1], name))
 
 
-def _eps_pair(value, name: str) -> tuple[Optional[float], float]:
+def _eps_pair(value, name: str) -> tuple[float | None, float]:
     if not isinstance(value, (tuple, list)) or len(value) != 2:
         raise UserError(f"{name} must be a pair (eps1 or None, eps2) (got {value!r})")
     return (optional(check_positive)(value[0], name), check_positive(value[1], name))
@@ -97,7 +96,7 @@ class Adam:
 class Adafactor:
     lr: float = 1e-2
     beta2_decay: float = -0.8
-    eps: tuple[Optional[float], float] = (None, 1e-3)
+    eps: tuple[float | None, float] = (None, 1e-3)
     weight_decay: float = 0.0
 
     def __post_init__(self):

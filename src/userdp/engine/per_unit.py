@@ -99,7 +99,7 @@ class PerUnit:
 
     def _masked_loss(self, params, batch, mask):
         pb = dict(self._const)
-        pb.update(zip(self._keys, params))
+        pb.update(zip(self._keys, params, strict=True))
         with self.precision.autocast(self.params[0].device):
             losses = functional_call(self._wrapper, pb, (batch,))
         if losses.shape != mask.shape:
@@ -130,20 +130,20 @@ class PerUnit:
                 g, loss = grad(self._masked_loss, has_aux=True)(p, b, mask[e, sl])
                 if first_loss is None:
                     first_loss = loss
-                p = tuple(pi - a.local_lr * gi for pi, gi in zip(p, g))
+                p = tuple(pi - a.local_lr * gi for pi, gi in zip(p, g, strict=True))
                 if self._reproject is not None:  # McMahan et al.: theta <- theta0 + clip(theta - theta0)
                     p = self._project(params, p)
-        return tuple(p0 - pi for p0, pi in zip(params, p)), first_loss
+        return tuple(p0 - pi for p0, pi in zip(params, p, strict=True)), first_loss
 
     def _project(self, p0, p):
         bounds = self._reproject
-        d = [pi - q for pi, q in zip(p, p0)]
+        d = [pi - q for pi, q in zip(p, p0, strict=True)]
         if len(bounds) == 1:  # flat
             n = torch.sqrt(sum((x * x).sum() for x in d))
             f = torch.clamp(bounds[0] / torch.clamp(n, min=1e-12), max=1.0)
-            return tuple(q + x * f for q, x in zip(p0, d))
+            return tuple(q + x * f for q, x in zip(p0, d, strict=True))
         out = []
-        for q, x, b in zip(p0, d, bounds):  # per layer
+        for q, x, b in zip(p0, d, bounds, strict=True):  # per layer
             f = torch.clamp(b / torch.clamp(torch.linalg.vector_norm(x), min=1e-12), max=1.0)
             out.append(q + x * f)
         return tuple(out)

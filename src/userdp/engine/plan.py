@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from dp_accounting import dp_event as dpe
 
@@ -88,14 +88,14 @@ class TrainConfig:
     steps: int
     clipping: FlatClip | PerLayerClip | AdaptiveClip = FlatClip(1.0)
     optimizer: SGD | Adam | Adafactor = SGD(0.1)
-    noise_multiplier: Optional[float] = None
-    target_epsilon: Optional[float] = None
-    delta: Optional[float] = None
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    delta: float | None = None
     accountant: str = "pld"
     sampling: str = "poisson"
     denominator: FixedDenominator | ClippedDenominator = FixedDenominator()
     chunk_size: int = 64
-    seed: Optional[int] = None
+    seed: int | None = None
     checkpoint_every: int = 0
     track_epsilon: bool = True
     per_unit: str = "auto"
@@ -253,9 +253,9 @@ class RunPlan:
     delta_rule: str
     noise_multiplier: float
     update_noise_multiplier: float
-    count_stddev: Optional[float]
-    mechanism: Optional[accounting.Mechanism]
-    safe_steps: Optional[int]
+    count_stddev: float | None
+    mechanism: accounting.Mechanism | None
+    safe_steps: int | None
     sampler: Any
     noise_mechanism: type
 
@@ -302,7 +302,7 @@ class RunPlan:
         return self.mechanism is not None
 
     @property
-    def step_event(self) -> Optional[dpe.DpEvent]:
+    def step_event(self) -> dpe.DpEvent | None:
         """One step's DpEvent (None for a non-private run): what the ledger records per step."""
         return self.mechanism.step_event() if self.mechanism is not None else None
 
@@ -316,7 +316,7 @@ class RunPlan:
         return self.config.clipping.sensitivity(clip_state, num_tensors)
 
     # ---------------------------------------------------------------- new plans
-    def with_noise_multiplier(self, noise_multiplier: float, *, safe_steps: Optional[int] = None) -> "RunPlan":
+    def with_noise_multiplier(self, noise_multiplier: float, *, safe_steps: int | None = None) -> RunPlan:
         """The same plan at another (accounted) noise multiplier; adaptive clipping's split is
         redone.
 
@@ -335,7 +335,7 @@ class RunPlan:
             safe_steps=safe_steps,
         )
 
-    def calibrated(self, target_epsilon: float) -> "RunPlan":
+    def calibrated(self, target_epsilon: float) -> RunPlan:
         """The plan with the smallest noise multiplier whose ``config.steps`` steps meet
         ``target_epsilon`` at the plan's delta (never below the truth).
 
@@ -358,7 +358,7 @@ def _mechanism(config: TrainConfig, unit: str, sampling: str, z: float, num_unit
     return accounting.Mechanism.for_training(units, sampling, z if z > 0 else 1.0, config.steps, num_units)
 
 
-def _noise_split(config: TrainConfig, z: float, expected_units: float) -> tuple[float, Optional[float]]:
+def _noise_split(config: TrainConfig, z: float, expected_units: float) -> tuple[float, float | None]:
     """(z_Delta on the update sum, sigma_b on the count): the Theorem-1 split for adaptive
     clipping (z is then the effective multiplier), else (z, None)."""
     if not config.clipping.adaptive:
@@ -383,7 +383,7 @@ def check_delta_for_users(delta: float, num_users: int, *, private: bool = True)
         )
 
 
-def make_plan(config: TrainConfig, *, num_users: int, num_units: int, total_weight: Optional[float] = None) -> RunPlan:
+def make_plan(config: TrainConfig, *, num_users: int, num_units: int, total_weight: float | None = None) -> RunPlan:
     """Make the run plan of ``config`` on data with these counts.
 
     Args:

@@ -61,7 +61,7 @@ def exact_float32():
             h.fp32_precision = "ieee"
         yield
     finally:
-        for h, v in zip(handles, before):
+        for h, v in zip(handles, before, strict=True):
             h.fp32_precision = v
 
 

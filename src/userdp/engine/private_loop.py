@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Optional
 
 import torch
 from torch import nn
@@ -44,10 +43,10 @@ from userdp.validation import check_instance
 class PrivateStep:
     """One step of a :class:`PrivateTraining`; :meth:`backward` releases it, once."""
 
-    def __init__(self, owner: "PrivateTraining", index: int):
+    def __init__(self, owner: PrivateTraining, index: int):
         self._owner = owner
         self.index = index  # 1-based step number
-        self.metrics: Optional[dict] = None
+        self.metrics: dict | None = None
 
     def backward(self) -> dict:
         """Release this step: the ledger counts it (fsynced to the journal when there is one)
@@ -70,8 +69,8 @@ class PrivateTraining:
 
     def __init__(self, run: EngineRun):
         self._run = run
-        self._current: Optional[PrivateStep] = None
-        self.stopped: Optional[str] = None  # "completed" | "budget" once the iteration ends
+        self._current: PrivateStep | None = None
+        self.stopped: str | None = None  # "completed" | "budget" once the iteration ends
         self.history: list[dict] = run.history
 
     # the run's facts, read from its frozen plan
@@ -128,7 +127,7 @@ class PrivateTraining:
         run.history.append(step.metrics)
         return step.metrics
 
-    def epsilon(self, delta: Optional[float] = None) -> float:
+    def epsilon(self, delta: float | None = None) -> float:
         """The epsilon spent so far at the run's delta, or at ``delta`` (an Opacus user's
         ``get_epsilon(delta)``); recomputed from the ledger's DpEvent. On a GPU the device noise
         sampler's bounded tail adds ``record()["noise_tail"]["delta"]`` (about 1e-14 at 1e8
@@ -158,7 +157,7 @@ class PrivateTraining:
     def close(self) -> None:
         self._run._loader.shutdown(wait=True)
 
-    def __enter__(self) -> "PrivateTraining":
+    def __enter__(self) -> PrivateTraining:
         return self
 
     def __exit__(self, *exc) -> bool:

@@ -15,7 +15,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 #: fields that are written only when they apply (absent from :meth:`PrivacyRecord.to_dict` when None)
 WHEN_THEY_APPLY = (
@@ -54,7 +54,7 @@ class PrivacyRecord(Mapping):
     noise_mechanism: str
     noise_multiplier: float
     update_noise_multiplier: float
-    count_noise_stddev: Optional[float]
+    count_noise_stddev: float | None
     clipping: dict
     final_clip_norm: float
     optimizer: dict
@@ -65,12 +65,12 @@ class PrivacyRecord(Mapping):
     epsilon: float
     delta: float
     delta_rule: str
-    target_epsilon: Optional[float]
+    target_epsilon: float | None
     calibrated: bool
-    step_event: Optional[dict]
-    adjacency: Optional[str]
-    dp_event_total: Optional[dict]
-    journal: Optional[dict]
+    step_event: dict | None
+    adjacency: str | None
+    dp_event_total: dict | None
+    journal: dict | None
     seeded: bool
     randomness: str
     noise_generator: str
@@ -81,13 +81,13 @@ class PrivacyRecord(Mapping):
     nonfinite_units_note: str
     counts_treated_as_public: tuple[str, ...]
     # written only when they apply (WHEN_THEY_APPLY)
-    noise_tail: Optional[dict] = None
-    warning: Optional[str] = None
-    epsilon_no_amplification: Optional[float] = None
-    epsilon_assuming_poisson: Optional[float] = None
-    sampling_warning: Optional[str] = None
-    stopped: Optional[str] = None
-    broken_build: Optional[str] = None
+    noise_tail: dict | None = None
+    warning: str | None = None
+    epsilon_no_amplification: float | None = None
+    epsilon_assuming_poisson: float | None = None
+    sampling_warning: str | None = None
+    stopped: str | None = None
+    broken_build: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "counts_treated_as_public", tuple(self.counts_treated_as_public))
@@ -97,7 +97,7 @@ class PrivacyRecord(Mapping):
         """False for a run with noise_multiplier = 0 (no guarantee)."""
         return self.step_event is not None
 
-    def replace(self, **changes) -> "PrivacyRecord":
+    def replace(self, **changes) -> PrivacyRecord:
         """The same record with ``changes`` (e.g. ``stopped``)."""
         return dataclasses.replace(self, **changes)
 

@@ -102,7 +102,7 @@ def _one_row_stride(y: torch.Tensor) -> bool:
     """Every row of ``y`` (all dimensions but the last) is ``stride(-2)`` elements after the one
     before it: the whole tensor is one strided ``[rows, width]`` matrix."""
     expect = y.stride(-2)
-    for size, stride in zip(reversed(y.shape[:-1]), reversed(y.stride()[:-1])):
+    for size, stride in zip(reversed(y.shape[:-1]), reversed(y.stride()[:-1]), strict=True):
         if size != 1 and stride != expect:
             return False
         expect *= size

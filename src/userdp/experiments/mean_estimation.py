@@ -1,4 +1,5 @@
-"""Synthetic mean estimation (Charles et al. 2024, §4; [Charles et al. 2024] §4, Fig 3), trained through ``userdp.engine.train``.
+"""Synthetic mean estimation (Charles et al. 2024, §4; [Charles et al. 2024] §4, Fig 3), trained through
+``userdp.engine.train``.
 
 Generator: a population mean mu ~ N(0, pop_scale^2 I_d); user means mu_u ~ N(mu, between^2 I_d);
 records x_{u,j} ~ N(mu_u, sigma_w^2 I_d) where sigma_w^2 is the *within-user variance*. Users
@@ -16,9 +17,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -292,7 +293,7 @@ def run_setting(
                         seed=config.seed * 1_000_003 + t,
                         user_data=ud,
                     )
-                    for t, (d, ud) in enumerate(zip(datasets, user_datas))
+                    for t, (d, ud) in enumerate(zip(datasets, user_datas, strict=True))
                 ]
                 losses = np.array([o[0] for o in out])
                 if best is None or losses.mean() < best[0]:

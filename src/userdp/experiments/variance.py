@@ -1,4 +1,5 @@
-"""ELS versus ULS noise variance under a fixed compute budget (Charles et al. 2024, §3, App. B; [Charles et al. 2024] Fig 2 and App B).
+"""ELS versus ULS noise variance under a fixed compute budget (Charles et al. 2024, §3, App. B; [Charles et al.
+2024] Fig 2 and App B).
 
 Setting: N users with G_max records each, a budget of B gradients per step, T steps, (eps, delta).
 ELS samples records at p = B/(N G_ELS); ULS samples users at q = M/N with G_ULS = B/M. With C set
@@ -13,8 +14,8 @@ L_G = 1/sqrt(G_ULS) (orthogonal gradients). Every parameter the paper lost is an
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 from userdp.errors import UserError
 from userdp.planning import els_noise_multiplier, uls_sigma_of_m, variance_ratio

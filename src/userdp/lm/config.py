@@ -604,7 +604,8 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
             )
         if not a.gradient_scale > 1:
             bad(
-                f"audit.gradient_scale must be > 1 (a canary's update must exceed the clip norm), got {a.gradient_scale}"
+                "audit.gradient_scale must be > 1 (a canary's update must exceed the clip norm), got "
+                f"{a.gradient_scale}"
             )
     pl = cfg.planning
     if cfg.plan == "auto":
@@ -673,7 +674,10 @@ def check_sharding(cfg: RunConfig, distributed: bool) -> None:
     if not distributed:
         why = "shards the model over the processes of a job: launch with --nproc N (or torchrun)"
     elif cfg.model.lora.enabled and cfg.model.lora.quantize != "none":
-        why = f"cannot shard a quantized base (model.lora.quantize: {cfg.model.lora.quantize}): bitsandbytes' weights are not DTensors"
+        why = (
+            f"cannot shard a quantized base (model.lora.quantize: {cfg.model.lora.quantize}): bitsandbytes' weights "
+            "are not DTensors"
+        )
     else:  # the engine's own rules, read before any work (training.algorithm, training.per_unit)
         why = unshardable(ALGORITHMS.lookup(cfg.training.algorithm).update, cfg.training.per_unit)
     if why:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -179,7 +179,7 @@ def personalize(model, data, users: Sequence[int] | None = None, how: Personaliz
     pers = summarize(eu_a, np.concatenate(pers_nll), np.concatenate(pers_cnt))
     per_user_gain = [
         float(b.sum() / max(c.sum(), 1) - p.sum() / max(d.sum(), 1))
-        for b, c, p, d in zip(base_nll, base_cnt, pers_nll, pers_cnt)
+        for b, c, p, d in zip(base_nll, base_cnt, pers_nll, pers_cnt, strict=True)
     ]
     return {
         "users": len(eu),

@@ -19,7 +19,6 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
 
 from userdp.caches import cache_in, private_cache_for
 from userdp.devices import resolve_device
@@ -97,12 +96,12 @@ def _keep_performance_changes(rd: RunDir, cfg: C.RunConfig, log: Log) -> None:
 def run(
     cfg: C.RunConfig,
     *,
-    output: Optional[str] = None,
-    resume_dir: Optional[str] = None,
+    output: str | None = None,
+    resume_dir: str | None = None,
     progress: bool = True,
     log: Log = stderr_log,
-    launch: Optional[Launch] = None,
-) -> Optional[dict]:
+    launch: Launch | None = None,
+) -> dict | None:
     """Run (or resume) a training job; returns the summary (also in the run directory).
 
     ``output``: the new run's directory (empty or absent; None: ``output.dir``, else
@@ -138,7 +137,7 @@ def run(
         raise lost from None
 
 
-def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: JobContext) -> Optional[dict]:
+def _run_top(cfg, output: str | None, audit_hooks: Callable | None, ctx: JobContext) -> dict | None:
     world, log, resume_dir = ctx.world, ctx.log, ctx.resume_dir
     check_available(cfg.output.tensorboard)  # before anything is read or made
     if world.distributed and cfg.audit.canaries:
@@ -185,7 +184,7 @@ def _run_top(cfg, output: Optional[str], audit_hooks: Optional[Callable], ctx: J
 
 
 def _audit_session(
-    hooks: Optional[Callable], cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log, steps_begun: bool = False
+    hooks: Callable | None, cfg: C.RunConfig, rd: RunDir, resume: bool, log: Log, steps_begun: bool = False
 ):
     """The run's audit session (from ``hooks``, see :func:`run`) when ``audit.canaries > 0``, else None."""
     if not cfg.audit.canaries:
@@ -198,7 +197,7 @@ def _audit_session(
     return hooks(cfg.audit, rd.root, resume=resume, log=log, steps_begun=steps_begun)
 
 
-def _run(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
+def _run(cfg: C.RunConfig, ctx: JobContext) -> dict | None:
     # output.cache: run keeps every cached copy of this run's data in the run directory; a folder is
     # the project's, shared with its other runs, plans and evaluations
     where = private_cache_for(cfg.output.cache, ctx.rd.root)
@@ -208,7 +207,7 @@ def _run(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
     return _run_job(cfg, ctx)
 
 
-def _run_job(cfg: C.RunConfig, ctx: JobContext) -> Optional[dict]:
+def _run_job(cfg: C.RunConfig, ctx: JobContext) -> dict | None:
     """The phases, in order (see the module docstring)."""
     rd, world, log = ctx.rd, ctx.world, ctx.log
     ctx.t_start = time.time()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Optional
+from typing import Any
 
 from userdp.lm.prepare import Log, Prepared
 from userdp.lm.run_dir import RunDir
@@ -25,7 +25,7 @@ class Launch:
     (``userdp.audit.session.AuditSession``); the LM job does not import the audit, a layer above it."""
 
     world: Any = None
-    plan_file: Optional[str] = None
+    plan_file: str | None = None
     audit: Any = None
 
 
@@ -38,9 +38,9 @@ class JobContext:
     world: Any  # userdp.launch.World: this process among the job's
     log: Log
     progress: bool
-    plan_file: Optional[str] = None  # --plan
-    resume_dir: Optional[str] = None  # --resume
-    rd: Optional[RunDir] = None
+    plan_file: str | None = None  # --plan
+    resume_dir: str | None = None  # --resume
+    rd: RunDir | None = None
     audit: Any = None  # the audit session (None: no canaries)
     engine_resume: bool = False  # the engine has a checkpoint to continue from
     combiner: Any = None  # sums across processes (None: one process)

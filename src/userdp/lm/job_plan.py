@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -138,7 +137,7 @@ def _mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tup
 _NEUTRAL_DEVICE = torch.device("cpu")
 
 
-def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> Optional[str]:
+def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> str | None:
     """Refuse up front a fixed sigma whose configured steps, after the ``prior`` events (a plan's DP
     median), pass the target epsilon.
 
@@ -182,7 +181,7 @@ class JobPlan:
     eval: C.EvalConfig
     output: C.OutputConfig
     lora: C.LoraConfig
-    plan: Optional[dict] = None
+    plan: dict | None = None
 
     @property
     def algorithm(self) -> type:
@@ -196,7 +195,7 @@ class JobPlan:
         return SAMPLER_MODE[(accounted_as(self.privacy.sampler), self.algorithm.unit)]
 
 
-def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: Optional[dict] = None, device=None) -> JobPlan:
+def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: dict | None = None, device=None) -> JobPlan:
     """The job plan of a resolved config (plan applied, chunk size fixed) on data with these
     counts, run on ``device``: the budget checked and the one run plan made (:func:`run_plan`).
 

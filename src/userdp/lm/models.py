@@ -27,9 +27,9 @@ import re
 import shutil
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

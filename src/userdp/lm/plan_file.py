@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Optional
 
 from userdp.accounting import MAX_ELS_GROUP, event_from_dict, event_to_dict, pure_dp_epsilon, pure_dp_event
 from userdp.errors import UserError
@@ -40,7 +39,7 @@ def dp_median_event(epsilon: float) -> dict:
     return event_to_dict(pure_dp_event(epsilon))
 
 
-def median_events(plan: Optional[dict], source: str) -> tuple:
+def median_events(plan: dict | None, source: str) -> tuple:
     """The DpEvents a plan released before training (its DP median; none for an exact median or no
     plan), re-derived from the plan's recorded event, never from its number."""
     eps = plan_median_epsilon(plan, source) if plan else 0.0

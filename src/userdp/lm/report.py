@@ -532,7 +532,8 @@ def render_markdown(rep: dict) -> str:
             f"privacy under add/remove-one-user adjacency — {rep['tier']['meaning']} — by private selection "
             "(Papernot & Steinke 2022), which holds while the number of trials stays secret: publishing it, "
             "or any other trial's score or model, voids this bound (the tuning directory's tune.json states "
-            f"what that would cost). This trial's own epsilon, {_fmt(rep.get('epsilon_run', rep.get('epsilon')))}, is the epsilon of one "
+            "what that would cost). This trial's own epsilon, "
+            f"{_fmt(rep.get('epsilon_run', rep.get('epsilon')))}, is the epsilon of one "
             "trial, not a guarantee for the selected model."
         )
     elif private and plan_eps and composed:
@@ -620,7 +621,8 @@ def render_markdown(rep: dict) -> str:
         )
     if tuning.get("on") == "private":
         L.append(
-            f"- (c) this trial alone: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} (the epsilon of one trial, not a "
+            f"- (c) this trial alone: epsilon = {_fmt(rep.get('epsilon_run', rep.get('epsilon')))} "
+            "(the epsilon of one trial, not a "
             f"guarantee for the selected model); the released model: epsilon = {_fmt(rep['epsilon_total'])}, "
             f"delta = {_fmt(rep['delta'])} ({rep['delta_rule']})"
         )

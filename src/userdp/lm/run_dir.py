@@ -201,7 +201,7 @@ def verify_files(rd: RunDir) -> None:
 def new_run_dir(output: str | os.PathLike | None) -> RunDir:
     """``output`` if given (created; must be empty or absent), else ``runs/<UTC timestamp>``."""
     if output is None:
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stamp = _dt.datetime.now(_dt.UTC).strftime("%Y%m%d-%H%M%S")
         root = Path.cwd() / "runs" / stamp
         i = 1
         while root.exists():

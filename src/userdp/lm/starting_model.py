@@ -156,12 +156,11 @@ def get_tokenizer_and_model(
             notes["pretraining"] = f"model {m.path} declared public (its training data is outside the guarantee)"
         return tok, model, notes
     # a preset: tokenizer + (pretrained) model, cached by the public text and settings
-    if not prep.public_texts:
-        if tok is None:
-            raise UserError(
-                "no public text to train a tokenizer on: give data.public_path (text "
-                "declared public) or tokenizer.path (declared public)"
-            )
+    if not prep.public_texts and tok is None:
+        raise UserError(
+            "no public text to train a tokenizer on: give data.public_path (text "
+            "declared public) or tokenizer.path (declared public)"
+        )
     cdir = _pretrained_dir(m, t, prep)
     partial = cdir.with_name(cdir.name + ".partial")  # an interrupted pretraining: its tokenizer and state
     if tok is None and (cdir / "tokenizer.json").is_file():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.metadata as md
 import platform
 from dataclasses import dataclass
-from typing import Optional
 
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.noise import NOISE_MECHANISMS
@@ -83,19 +82,19 @@ class ReleaseFacts:
     algorithm: str
     accountant: str
     sampler_assumed: str
-    epsilon_target: Optional[float]
+    epsilon_target: float | None
     steps_planned: int
-    group_size: Optional[int]
+    group_size: int | None
     num_records: int
     clipping: str
-    seq_len: Optional[int] = None
+    seq_len: int | None = None
     selection: str = "random"
     tokenizer_note: str = ""
     pretraining_note: str = ""
     not_accounted: tuple[str, ...] = ()
-    plan: Optional[dict] = None
+    plan: dict | None = None
     plugins: tuple[str, ...] = ()
-    compute: Optional[dict] = None
+    compute: dict | None = None
 
 
 #: the line every statement carries until a verified tuning guarantee replaces it

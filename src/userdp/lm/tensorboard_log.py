@@ -18,7 +18,6 @@ import importlib.util
 import math
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from userdp.errors import UserError
 
@@ -101,7 +100,7 @@ class Scalars:
         if self._w is None:
             return
         for when, at in (("before", 0), ("after", step)):
-            part: Optional[dict] = eval_json.get(when)
+            part: dict | None = eval_json.get(when)
             for k in ("perplexity", "loss"):
                 v = part.get(k) if isinstance(part, dict) else None
                 if _finite(v):

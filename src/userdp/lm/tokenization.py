@@ -4,8 +4,8 @@ loading a saved tokenizer). Training the byte-level BPE on declared-public text 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from userdp.errors import UserError
 

@@ -228,7 +228,8 @@ def format_plan(plan: BudgetPlan) -> str:
         f"N = {i['num_users']} users",
         "",
         f"  ELS  group_size         {e['group_size']}  ({e['group_size_method']} records per user)",
-        f"       batch_size         {e['expected_batch_size']:g}  (expected records per step, of |D'| = {e['dataset_size']})",
+        f"       batch_size         {e['expected_batch_size']:g}  (expected records per step, of |D'| = "
+        f"{e['dataset_size']})",
         f"       sampling_rate      {e['sampling_rate']:.6g}",
         f"       noise_multiplier   {e['noise_multiplier']:.4g}",
         f"       noise std proxy    {e['noise_std_proxy']:.4g}  (sigma * L(1) / B, L(1) = {e['gradient_norm']:.4g})",

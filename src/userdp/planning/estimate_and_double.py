@@ -73,10 +73,7 @@ def estimate_and_double(
     trace: list[Doubling] = []
     while m * g < budget:
         r_g = ell(2 * g) / ell(g)
-        if 2 * m <= num_users:
-            r_m = sigma(2 * m) / (2.0 * sigma(m))
-        else:
-            r_m = math.inf
+        r_m = sigma(2 * m) / (2.0 * sigma(m)) if 2 * m <= num_users else math.inf
         doubled = "M" if r_m <= r_g else "G"
         trace.append(Doubling(m, g, float(r_m), float(r_g), doubled))
         if doubled == "M":

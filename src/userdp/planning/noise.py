@@ -28,7 +28,7 @@ def uls_sigma_of_m(
 ) -> Callable[[int], float]:
     """sigma(M): the ULS noise multiplier for q = M/N at fixed (epsilon, delta, T), cached."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def sigma(m: int) -> float:
         return uls_noise_multiplier(min(1.0, m / num_users), steps, epsilon, delta, accountant)
 

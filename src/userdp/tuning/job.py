@@ -340,7 +340,8 @@ def _trials(state: dict, out: Path, *, progress: bool, log: Log) -> None:
         t.update(run_dir=str(d), score=s["loss_after"], perplexity=s["perplexity_after"], epsilon=s["epsilon"])
         write_json(out / STATE, state)
         log(
-            f"tune: trial {t['index'] + 1}: held-out loss {s['loss_after']:.4f} (perplexity {s['perplexity_after']:.2f})"
+            f"tune: trial {t['index'] + 1}: held-out loss {s['loss_after']:.4f} "
+            f"(perplexity {s['perplexity_after']:.2f})"
         )
 
 
@@ -499,7 +500,7 @@ def _plot(state: dict, out: Path) -> None:
     dims = state["space"]
     done = [t for t in state["trials"] if t.get("score") is not None]
     fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 3.2), squeeze=False)
-    for ax, d in zip(axes[0], dims):
+    for ax, d in zip(axes[0], dims, strict=True):
         xs = [t["params"][d["key"]] for t in done]
         ys = [t["score"] for t in done]
         if all(isinstance(x, (int, float)) for x in xs):
