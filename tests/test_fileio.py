@@ -165,23 +165,19 @@ def test_a_cache_that_cannot_be_a_folder_is_one_line(tmp_path, monkeypatch, caps
         monkeypatch.setenv("HOME", str(tmp_path / "f"))
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"user": "u{i}", "text": "hello there number {i}"}}\n' for i in range(8)))
-    rc = (
-        main(["data", "tokenize", str(data), "--help"])
-        if False
-        else main(
-            [
-                "train",
-                "--set",
-                "data.source=jsonl",
-                "--set",
-                f"data.path={data}",
-                "--set",
-                "model.pretrain=false",
-                "--no-progress",
-                "--output",
-                str(tmp_path / "run"),
-            ]
-        )
+    rc = main(
+        [
+            "train",
+            "--set",
+            "data.source=jsonl",
+            "--set",
+            f"data.path={data}",
+            "--set",
+            "model.pretrain=false",
+            "--no-progress",
+            "--output",
+            str(tmp_path / "run"),
+        ]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2, err

@@ -282,7 +282,8 @@ class CheckedAccountant:
         return eps
 
 
-_RDP = register_accountant(RDPAccountant())  # also the PLD's fallback where it cannot answer
+_RDP = RDPAccountant()  # also the PLD's fallback where it cannot answer
+register_accountant(_RDP)
 register_accountant(PLDAccountant())
 
 

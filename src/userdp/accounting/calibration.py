@@ -239,11 +239,12 @@ def _secant_search(
                 slope = sl
         if hi is not None and lo is not None and hi <= lo * (1 + rtol):
             return float(hi), float(lo), slope
-        if hi is None and lo >= sigma_max:
+        if hi is None and lo is not None and lo >= sigma_max:
             raise UserError(unreachable)
         r = math.exp(math.log(near[0][0]) - max(min(near[0][1], 5.0), -5.0) / slope)
         step = rtol / 3
         if hi is None:  # no passing σ yet: aim just above the root, but grow at most 3x
+            assert lo is not None  # every point either passes or fails
             s = min(max(r * (1 + step), lo * (1 + step)), lo * 3, sigma_max)
         elif lo is None:  # no failing σ yet: aim just below, never far below a σ seen
             s = max(min(r * (1 - step), hi / (1 + step)), hi / 1.5)

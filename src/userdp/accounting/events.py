@@ -28,7 +28,7 @@ from scipy import stats
 from userdp.errors import UserError
 from userdp.validation import check_fraction, check_int, check_nonnegative, check_number, check_positive, check_rate
 
-NeighborRel = dp_accounting.NeighboringRelation
+NeighborRel = dp_accounting.NeighboringRelation  # (the enum, also its type below)
 
 #: at G = 1e4, over 20 s at 1e5).
 MAX_ELS_GROUP = 10_000
@@ -151,7 +151,7 @@ def pure_dp_event(epsilon: float) -> dpe.DpEvent:
     return dp_accounting.RandomizedResponseDpEvent(2.0 / (math.exp(eps) + 1.0), 2)
 
 
-def pure_dp_epsilon(event: dpe.DpEvent, relation: NeighborRel = None) -> float | None:
+def pure_dp_epsilon(event: dpe.DpEvent, relation: dp_accounting.NeighboringRelation | None = None) -> float | None:
     """The epsilon of a :func:`pure_dp_event` under ``relation`` (None: not such an event).
 
     Under add-or-remove it is the event's epsilon; under replace-one (fixed-size cohorts), where
@@ -229,7 +229,7 @@ def adjacency(event: dpe.DpEvent) -> str:
     return "replace_one" if wor else "add_or_remove_one"
 
 
-def neighbor_relation(event: dpe.DpEvent) -> NeighborRel:
+def neighbor_relation(event: dpe.DpEvent) -> dp_accounting.NeighboringRelation:
     return NeighborRel.REPLACE_ONE if adjacency(event) == "replace_one" else NeighborRel.ADD_OR_REMOVE_ONE
 
 

@@ -86,21 +86,21 @@ def mog_rdp(
     """
     sens, log_w = _mixture_log_weights(sensitivities, probs)
     smax = float(max(sens.max(), 0.0))
-    orders = np.asarray(orders, dtype=float)
+    ords = np.asarray(orders, dtype=float)
     h = sigma / 4.0
     lo = -40.0 * sigma - smax
-    covered = orders * smax + 40.0 * sigma <= lo + h * max_points
+    covered = ords * smax + 40.0 * sigma <= lo + h * max_points
     if not covered.any():  # sigma far below the sensitivities: no order is bounded on the grid
-        return np.full(len(orders), np.inf)
-    a_max = float(orders[covered].max())
+        return np.full(len(ords), np.inf)
+    a_max = float(ords[covered].max())
     x = np.arange(lo, a_max * smax + 40.0 * sigma + h, h)
     log_q = -0.5 * (x / sigma) ** 2 - 0.5 * math.log(2 * math.pi) - math.log(sigma) + math.log(h)
     L = np.empty_like(x)
     chunk = max(1, 4_000_000 // len(sens))
     for i in range(0, len(x), chunk):
         L[i : i + chunk] = _mog_log_ratio(x[i : i + chunk], sigma, sens, log_w)
-    out = np.full(len(orders), np.inf)
-    for i, a in enumerate(orders):
+    out = np.full(len(ords), np.inf)
+    for i, a in enumerate(ords):
         if not covered[i]:
             continue
         d1 = logsumexp(a * L + log_q) / (a - 1)
@@ -203,7 +203,7 @@ def clear_caches() -> None:
     _LIBRARY_RDP_CACHE.clear()
 
 
-def step_rdp(step_event: dpe.DpEvent, orders: Sequence[float] | None = None) -> np.ndarray:
+def step_rdp(step_event: dpe.DpEvent, orders: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
     """Rényi DP of one event at each order: ``rdp[i]`` is ε_RDP at ``orders[i]``.
 
     ``orders`` defaults to :func:`rdp_orders` (dp_accounting's defaults). RDP composes
