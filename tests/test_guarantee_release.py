@@ -340,3 +340,50 @@ def test_the_hf_trainer_divides_by_a_public_constant_whatever_the_cohorts_size(t
     for a, b in zip(out[0][1], out[1][1], strict=True):
         assert torch.equal(a, b)
     assert np.isfinite(float(out[0][1][0].sum()))
+
+
+def test_the_trainers_output_folder_is_classified_and_its_statement_names_what_it_declares(tmp_path):
+    """The HF path: every file PrivateTrainer's output_dir holds (the Trainer's checkpoint-N/ folders
+    included) is classified, and its statement has the sections `userdp train`'s has: the starting
+    model and tokenizer declared public, the settings chosen outside the record, and an eval set
+    checked by user (a record-level split that put training users into it is named)."""
+    pytest.importorskip("transformers")
+    from datasets import Dataset
+    from test_hf_trainer import _args, _dataset, _model
+
+    from userdp.hf import PrivateTrainer
+
+    train_ds = _dataset()
+    overlapping = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 4, "user": ["u0", "u7", "stranger", "u14"]})
+    held_out = Dataset.from_dict({"input_ids": [[1, 2, 3]] * 2, "user": ["x1", "x2"]})
+    privacy = TrainConfig(
+        algorithm=ULS(group_size=2, sampling_rate=0.3),
+        steps=2,
+        clipping=FlatClip(0.5),
+        noise_multiplier=1.0,
+        delta=1e-4,
+    )
+    for name, ev in (("overlap", overlapping), ("held", held_out)):
+        out = tmp_path / name
+        trainer = PrivateTrainer(
+            model=_model(),
+            args=_args(None, output_dir=str(out), save_strategy="steps", save_steps=1),
+            train_dataset=train_ds,
+            eval_dataset=ev,
+            privacy=privacy,
+            user_field="user",
+        )
+        trainer.train()
+        classes = _classes()
+        files = [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()]
+        assert any(f.startswith("checkpoint-") for f in files)
+        assert [f for f in files if _class_of(f, classes) is None] == []
+        said = json.loads((out / "privacy.json").read_text())["not_accounted"]
+        assert any(n.startswith("starting model GPT2LMHeadModel declared public") for n in said), said
+        assert any("chosen by the script" in n for n in said)
+        evaluation = [n for n in said if n.startswith("evaluation:")]
+        if name == "overlap":
+            assert "holds records of 3 training users" in evaluation[0]
+        else:
+            assert "holds no training user" in evaluation[0]
+        assert cli(["report", str(out)]) == 0  # the statement verifies against its journal

@@ -489,14 +489,43 @@ class PrivateTrainer(Trainer):
         return self._private.record()
 
     def disclosures(self) -> list[str]:
-        """The run's non-private touches of the training data, one line each."""
+        """The run's non-private touches of the data and what it declares public, one line each: the
+        same sections ``userdp train``'s statement has (the starting model and its tokenizer, the
+        settings chosen outside the record, monitoring, evaluation)."""
+        model = getattr(getattr(self.model, "config", None), "_name_or_path", "") or type(self.model).__name__
+        tok = getattr(self.processing_class, "name_or_path", "") or (
+            type(self.processing_class).__name__ if self.processing_class is not None else ""
+        )
         out = [
-            "monitoring: the training loss the Trainer logs (log_history, report_to) is computed on the "
-            "private records without noise"
+            f"starting model {model} declared public by the script (its training data is outside the guarantee)",
+            "monitoring: the training loss the Trainer logs (log_history, report_to, the Trainer's checkpoint-N/"
+            "trainer_state.json) is computed on the private records without noise",
+            "the privacy settings (G, the sampling rate, steps, clip norm) and the Trainer's hyperparameters were "
+            "chosen by the script: any look at the private data that chose them is not accounted",
         ]
+        if tok:
+            out.insert(1, f"tokenizer {tok} declared public by the script (its training text is outside the guarantee)")
         if self.eval_dataset is not None:
-            out.append(
-                "evaluation: the Trainer's eval_dataset is scored without noise (outside the guarantee "
-                "unless its users are not among the training users)"
-            )
+            out.append(self._evaluation_disclosure())
         return out
+
+    def _evaluation_disclosure(self) -> str:
+        """What the Trainer's eval_dataset is, checked by its user column: held-out users, or (named)
+        training users whose un-noised scores are outside the guarantee."""
+        field = self.user_data.user_field
+        columns = list(getattr(self.eval_dataset, "column_names", None) or [])
+        if field not in columns:
+            return (
+                f"evaluation: the Trainer's eval_dataset (no {field!r} column, so its users cannot be checked) is "
+                "scored without noise: outside the guarantee if any of its records are training users'"
+            )
+        shared = set(map(str, self.eval_dataset[field])) & set(map(str, self.user_data.user_ids))
+        if shared:
+            return (
+                f"evaluation: the Trainer's eval_dataset holds records of {len(shared)} training users (a record-level "
+                "split); its scores are un-noised statistics of training users' data, outside the guarantee"
+            )
+        return (
+            "evaluation: the Trainer's eval_dataset holds no training user (checked by user); it is scored "
+            "without noise"
+        )
