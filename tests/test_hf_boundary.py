@@ -160,3 +160,71 @@ def test_good_rows_still_train(tmp_path):
     )
     trainer.train()
     assert trainer.state.global_step == 2 and torch.isfinite(next(trainer.model.parameters())).all()
+
+
+def _mask_first_two(features):
+    """A label-masking collator: the first two tokens of each record are not learned from."""
+    ids = [f["input_ids"] for f in features]
+    width = max(len(r) for r in ids)
+    out = torch.zeros(len(ids), width, dtype=torch.long)
+    lab = torch.full((len(ids), width), -100, dtype=torch.long)
+    for i, r in enumerate(ids):
+        out[i, : len(r)] = torch.tensor(r)
+        lab[i, 2 : len(r)] = torch.tensor(r[2:])
+    return {"input_ids": out, "labels": lab}
+
+
+def test_the_scripts_data_collator_changes_what_is_learned_as_in_a_plain_run(tmp_path):
+    """The collator was silently ignored (0 calls). It is applied to each record, so a label-masking
+    collator gives the same run as the same masking written into the dataset's labels column."""
+    ds = _dataset()
+    privacy = _privacy(seed=5, steps=3)
+    with_collator = PrivateTrainer(
+        model=_model(),
+        args=_args(tmp_path / "a"),
+        train_dataset=ds,
+        data_collator=_mask_first_two,
+        privacy=privacy,
+        user_field="user",
+    )
+    assert any("data_collator (function) applied to each record" in n for n in with_collator.userdp_notes)
+    with_collator.train()
+    masked = ds.map(lambda r: {"labels": [-100, -100] + r["input_ids"][2:]})
+    with_labels = PrivateTrainer(
+        model=_model(), args=_args(tmp_path / "b"), train_dataset=masked, privacy=privacy, user_field="user"
+    )
+    with_labels.train()
+    plain = PrivateTrainer(
+        model=_model(), args=_args(tmp_path / "c"), train_dataset=ds, privacy=privacy, user_field="user"
+    )
+    plain.train()
+    for a, b in zip(with_collator.model.parameters(), with_labels.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert any(
+        not torch.allclose(a, c)
+        for a, c in zip(with_collator.model.parameters(), plain.model.parameters(), strict=True)
+    )
+
+
+def test_a_collator_that_fails_on_a_record_is_one_line(tmp_path):
+    def broken(features):
+        raise KeyError("attention_mask")
+
+    with pytest.raises(UserError, match="data_collator failed on train_dataset row 0 \\(KeyError"):
+        PrivateTrainer(
+            model=_model(),
+            args=_args(tmp_path),
+            train_dataset=_dataset(),
+            data_collator=broken,
+            privacy=_privacy(),
+            user_field="user",
+        )
+
+
+def test_a_subclass_whose_compute_loss_would_never_run_is_refused(tmp_path):
+    class MyTrainer(PrivateTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, **kw):
+            return super().compute_loss(model, inputs, return_outputs, **kw)
+
+    with pytest.raises(UserError, match="MyTrainer.compute_loss is overridden.*loss_fn"):
+        MyTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), privacy=_privacy(), user_field="user")

@@ -181,7 +181,7 @@ class UserRecords(TensorUserData):
     Raises:
         UserError: a missing column, or a row with no tokens or no author (naming the row)."""
 
-    def __init__(self, dataset, user_field: str, pad_token_id: int = 0):
+    def __init__(self, dataset, user_field: str, pad_token_id: int = 0, collator=None):
         columns = list(getattr(dataset, "column_names", None) or [])
         for need in (user_field, "input_ids"):
             if need not in columns:
@@ -196,6 +196,8 @@ class UserRecords(TensorUserData):
         users = list(dataset[user_field])
         ids = list(dataset["input_ids"])
         labels = list(dataset["labels"]) if "labels" in columns else None
+        if collator is not None:  # the script's data_collator, applied to each record on its own
+            ids, labels = _collate_each(collator, ids, labels)
         check_rows(users, ids, labels, user_field)  # the HF boundary: one record a row, integer ids, an author
         labels = ids if labels is None else labels
         self.seq_len = max(len(r) for r in ids)
@@ -212,6 +214,50 @@ class UserRecords(TensorUserData):
         self.user_field = user_field
         self.pad_token_id = int(pad_token_id)
         self.num_records = len(ids)
+
+
+def _collate_each(collator: Callable, ids: list, labels: list | None) -> tuple[list, list | None]:
+    """The script's ``data_collator`` applied to each record alone (per-record post-processing: a
+    label-masking collator masks what it masks in the private run as in a plain one). Returns the
+    rows' ``input_ids`` and ``labels`` as the collator left them.
+
+    Raises:
+        UserError: the collator fails on a record, or returns no ``input_ids``."""
+    out_ids, out_labels = [], []
+    for i, row in enumerate(ids):
+        feature = {"input_ids": list(row)} | ({"labels": list(labels[i])} if labels is not None else {})
+        try:
+            batch = collator([feature])
+        except Exception as exc:  # noqa: BLE001 - the script's collator: one line naming it
+            raise UserError(
+                f"data_collator failed on train_dataset row {i} ({type(exc).__name__}: {str(exc)[:160]}); "
+                "userdp applies it to each record alone"
+            ) from None
+        if "input_ids" not in batch:
+            raise UserError(f"data_collator returned no input_ids for train_dataset row {i}")
+        out_ids.append([int(t) for t in torch.as_tensor(batch["input_ids"])[0].tolist()])
+        lab = batch.get("labels")
+        out_labels.append([int(t) for t in torch.as_tensor(lab)[0].tolist()] if lab is not None else out_ids[-1])
+    return out_ids, out_labels
+
+
+#: Trainer methods whose work the private step does itself: a subclass's override would never run
+OWN_HOOKS = ("compute_loss", "training_step", "get_train_dataloader")
+
+
+def _check_overrides(trainer) -> None:
+    """A subclass that overrides a hook the private step replaces is refused, never silently
+    bypassed (its ``compute_loss`` would not be called: the loss is ``loss_fn``).
+
+    Raises:
+        UserError: naming the class and the method."""
+    for name in OWN_HOOKS:
+        module = getattr(getattr(type(trainer), name, None), "__module__", "") or ""
+        if module.split(".")[0] not in ("transformers", "trl", "userdp"):
+            raise UserError(
+                f"{type(trainer).__name__}.{name} is overridden ({module}): the private step does that work itself "
+                "and would never call it; give a per-record loss as loss_fn(model, batch) -> Tensor[n] instead"
+            )
 
 
 def _check_fits(data: UserRecords, config) -> None:
@@ -298,15 +344,27 @@ class PrivateTrainer(Trainer):
             check_output_dir(getattr(given["args"], "output_dir", None))
             check_push_to_hub(given["args"])
         check_dataset_kind(given.get("train_dataset"))
+        if given.get("compute_loss_func") is not None:
+            raise UserError(
+                "compute_loss_func: the private step computes one loss per record with loss_fn= (the Trainer's "
+                "would never be called); pass it as loss_fn(model, batch) -> Tensor[n]"
+            )
+        collator = given.get("data_collator")
         super().__init__(*args, **kwargs)  # a subclass's own data preparation (TRL's) runs here
+        _check_overrides(self)
         check_dataset_kind(self.train_dataset)  # as the subclass prepared it
         self.userdp_notes = check_arguments(self.args)
+        if collator is not None:
+            self.userdp_notes.append(
+                f"data_collator ({type(collator).__name__}) applied to each record alone before training (per-record "
+                "post-processing; a collator that combines records of a batch is not supported)"
+            )
         self.args = copy.copy(self.args)  # the caller's object stays as given (a copy: not re-initialised)
         self.args.max_grad_norm, self.args.max_steps = 0.0, privacy.steps
         self.privacy = privacy
         self.loss_fn = loss_fn
         pad = getattr(self.processing_class, "pad_token_id", None)
-        self.user_data = UserRecords(self.train_dataset, user_field, pad if pad is not None else 0)
+        self.user_data = UserRecords(self.train_dataset, user_field, pad if pad is not None else 0, collator)
         _check_fits(self.user_data, getattr(self.model, "config", None))
         self._private: PrivateTraining | None = None
         self._resuming = False
