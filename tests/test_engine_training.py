@@ -2,6 +2,7 @@
 FedAvg local SGD, adaptive clipping convergence (A8), exact resume after a crash."""
 
 import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -323,7 +324,7 @@ def test_callbacks_get_metrics_and_loss_fn_shape_is_checked():
     assert [m["step"] for m in seen] == [1, 2, 3, 4]
     for k in ["loss", "epsilon_spent", "fraction_clipped", "units", "units_per_s", "clip_norm"]:
         assert k in seen[0]
-    assert all(b["epsilon_spent"] >= a["epsilon_spent"] for a, b in zip(seen, seen[1:], strict=True))
+    assert all(b["epsilon_spent"] >= a["epsilon_spent"] for a, b in itertools.pairwise(seen))
     with pytest.raises(UserError, match="one loss per record"):
         train(
             Mean(2),

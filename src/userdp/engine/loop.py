@@ -489,7 +489,7 @@ class EngineRun:
         lazy = not self.sharded and defers_zeroing(self.device)
         sums, stats = self.clipped_sum(mine, n_chunks, lazy=lazy)
         check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
-        stats = stats.cpu()  # the step's one host sync: a few float64 statistics
+        stats = _host(stats)  # the step's one host sync: a few float64 statistics
         if lazy and stats[6] > 0:
             sums = stats = None  # unreleased, and never will be: the step's sums are these
             sums, stats = self.clipped_sum(mine, n_chunks)
@@ -910,6 +910,24 @@ def start_run(
     return run
 
 
+def _host(stats: torch.Tensor) -> torch.Tensor:
+    """The step's statistics on the host. A model on the meta device (shapes without values) has
+    none to give: one line, not torch's "cannot copy out of meta tensor" (the tests that count a
+    step's syncs on meta answer this read themselves).
+
+    Raises:
+        UserError: the parameters are on the meta device."""
+    try:
+        return stats.cpu()
+    except NotImplementedError:
+        if stats.is_meta:
+            raise UserError(
+                "model: its parameters are on the meta device (shapes without values): load its weights first "
+                "(e.g. from_pretrained without device_map='meta', or to_empty() and load_state_dict)"
+            ) from None
+        raise
+
+
 def _check_one_step_fits(run: EngineRun) -> None:
     """A fresh run whose target epsilon does not admit one step (a fixed sigma too small for it)
     would take no step and still release its starting model and a statement: refused up front.
@@ -937,11 +955,6 @@ def _check_run_arguments(model, data, loss_fn, config) -> None:
     check_instance(model, "model", nn.Module, "a torch.nn.Module")
     if not any(p.requires_grad for p in model.parameters()):
         raise UserError("model has no parameter with requires_grad=True: there is nothing to train")
-    if any(p.is_meta for p in model.parameters()):
-        raise UserError(
-            "model: its parameters are on the meta device (shapes without values): load its weights "
-            "first (e.g. from_pretrained without device_map='meta', or to_empty() and load_state_dict)"
-        )
     check_instance(data, "data", UserData, "a userdp.engine.UserData (e.g. TensorUserData)")
     check_callable(loss_fn, "loss_fn")
     check_instance(config, "config", (TrainConfig, RunPlan), "a TrainConfig (or a RunPlan made from one)")
