@@ -131,3 +131,33 @@ def test_the_statements_scope_is_the_one_the_journal_was_bound_to(finished, caps
         assert cli(["report", str(finished)]) == 0
     finally:
         p.write_text(good)
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda r: r.update(noise_multiplier=r["noise_multiplier"] * 3), "noise_multiplier"),
+        (lambda r: r.update(sampling_rate=r["sampling_rate"] / 10), "sampling_rate"),
+        (lambda r: r.update(steps_taken=r["steps_taken"] - 1), "steps_taken"),
+        (lambda r: r.update(adjacency="replace one record"), "its adjacency"),
+        (lambda r: r.update(setting="local DP on each device"), "its setting"),
+        (lambda r: r.update(mechanism_output="the final model only"), "its mechanism_output"),
+    ],
+)
+def test_the_figures_beside_the_dpevent_are_the_journals_events_own(finished, capsys, edit, needle):
+    """Property 3 of round 5: the statement is derived, not read. Beside the verified DpEvent, the
+    noise multiplier, the sampling rate and the steps it prints are the journal's step event's and
+    step count, and its fixed sentences are userdp's own; a record that says otherwise is refused."""
+    p = finished / "privacy.json"
+    good = p.read_text()
+    rec = json.loads(good)
+    edit(rec)
+    p.write_text(json.dumps(rec))
+    try:
+        capsys.readouterr()
+        assert cli(["report", str(finished)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0] and "privacy.json" in err[0]
+    finally:
+        p.write_text(good)
+    assert cli(["report", str(finished)]) == 0

@@ -28,6 +28,7 @@ from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C
 from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.run_dir import RunDir, check_metrics_cite_journal, existing_run_dir, read_json, verify_files
+from userdp.lm.statement_text import ADJACENCY, COVERAGE, SETTING
 
 TIERS = [
     (1.0, 1, "Tier 1 (epsilon <= 1): strong protection"),
@@ -227,6 +228,63 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
         )
 
 
+def _event_numbers(event: object, key: str) -> list[float]:
+    """Every value of ``key`` anywhere in a DpEvent's dict."""
+    if isinstance(event, dict):
+        own = [float(event[key])] if isinstance(event.get(key), (int, float)) else []
+        return own + [x for v in event.values() for x in _event_numbers(v, key)]
+    if isinstance(event, list):
+        return [x for v in event for x in _event_numbers(v, key)]
+    return []
+
+
+def verify_mechanism_facts(rec: dict, rd: RunDir, path: Path) -> None:
+    """The figures and sentences the statement prints beside its verified DpEvent are that event's
+    own, not the file's: the noise multiplier and the sampling rate (where the journal's step event
+    carries them), the steps taken (the steps the journal records as begun), ELS's group size (the
+    mixture's largest sensitivity), and the fixed sentences of the setting, the adjacency and what
+    is covered.
+
+    Raises:
+        UserError: naming the file and the first figure or sentence that differs."""
+    header, _, begun = read_chain(rd.checkpoints / JOURNAL)
+    try:
+        event = json.loads(header["event"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{rd.checkpoints / JOURNAL}: its header names no step event") from None
+
+    def close(a, b) -> bool:
+        return isinstance(a, (int, float)) and math.isclose(float(a), b, rel_tol=1e-9, abs_tol=1e-12)
+
+    sigmas = _event_numbers(event, "noise_multiplier") + _event_numbers(event, "standard_deviation")
+    if sigmas and not any(close(rec.get("noise_multiplier"), s) for s in sigmas):
+        raise UserError(
+            f"{path}: noise_multiplier {rec.get('noise_multiplier')} is not the ledger journal's step "
+            "event's (the file was edited)"
+        )
+    rates = _event_numbers(event, "sampling_probability")
+    if rates and not any(close(rec.get("sampling_rate"), q) for q in rates):
+        raise UserError(
+            f"{path}: sampling_rate {rec.get('sampling_rate')} is not the ledger journal's step event's "
+            "(the file was edited)"
+        )
+    if rec.get("steps_taken") != begun:
+        raise UserError(
+            f"{path}: steps_taken {rec.get('steps_taken')} is not the {begun} steps the ledger journal "
+            "records as begun (the file was edited)"
+        )
+    if event.get("class_name") == "MixtureOfGaussiansDpEvent":
+        sens = [float(x) for x in event.get("sensitivities") or []]
+        if sens and rec.get("group_size") != int(max(sens)):
+            raise UserError(
+                f"{path}: group_size {rec.get('group_size')} is not the step event's G = {int(max(sens))} "
+                "(the file was edited)"
+            )
+    for key, text in (("setting", SETTING), ("adjacency", ADJACENCY), ("mechanism_output", COVERAGE)):
+        if rec.get(key) != text:
+            raise UserError(f"{path}: its {key} is not the statement userdp writes (the file was edited)")
+
+
 def verify_scope(rec: dict, ctx: dict, path: Path, tuned: bool) -> None:
     """The statement's scope is the one its ledger journal was bound to before the first step: the
     number of users N (bound by the engine) and of training records it prints, and every "Not
@@ -407,6 +465,7 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
         contract = tuning_contract(rd)
         tuned = verify_tuning(rec, rd.privacy, contract)
         verify_scope(rec, _journal_context(rd), rd.privacy, tuned is not None)
+        verify_mechanism_facts(rec, rd, rd.privacy)
         if contract is not None and tuned is None:  # one trial of a private tuning run, not (yet) selected
             rec["not_accounted"] = list(rec.get("not_accounted") or []) + [
                 "this run is one trial of a private tuning run: its epsilon covers this run on its own; if it is "

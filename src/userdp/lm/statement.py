@@ -20,19 +20,7 @@ from userdp.engine.sampling import SAMPLERS
 from userdp.errors import UserError
 from userdp.lm.plan_file import plan_median_epsilon
 from userdp.lm.report import REFERENCE_DELTA, epsilon_tier, median_composed
-
-SETTING = (
-    "central: a trusted aggregator (this process) sees the raw records, computes and "
-    "clips each sampled user's update, and releases only the noised sum"
-)
-ADJACENCY = (
-    "add/remove one user: the two datasets differ in all records of one user (ADD_OR_REMOVE_ONE in dp_accounting)"
-)
-COVERAGE = (
-    "every step of training: the mechanism's output is the full sequence of noised "
-    "aggregated updates, so every checkpoint and the final model are covered by the same "
-    "(epsilon, delta) (post-processing)"
-)
+from userdp.lm.statement_text import ADJACENCY, COVERAGE, SETTING
 
 
 def library_versions() -> dict[str, str]:
