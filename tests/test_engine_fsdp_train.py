@@ -429,3 +429,57 @@ def test_a_quantized_base_is_refused_for_sharding_in_one_line():
     )
     with pytest.raises(UserError, match="training.sharding: fsdp cannot shard a quantized base"):
         C.check_sharding(q, distributed=True)
+
+
+def _sharded_normalisation(rank: int) -> dict:
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+    from userdp.lm.models import causal_lm_loss
+
+    class Ones(IIDGaussian):
+        name = "ones_pieces_for_test"
+
+        def pieces(self, numel, dtypes, std, device):
+            yield 0, torch.ones(numel)
+
+    NOISE_MECHANISMS.register(Ones, name=Ones.name, replace=True)
+
+    def zero_grad_loss(model, batch):
+        return causal_lm_loss(model, batch) * 0.0
+
+    out = {}
+    for seed in (1, 2):
+        model = _model("gpt2")
+        cfg = TrainConfig(
+            algorithm=ULS(2, 0.4),
+            steps=2,
+            clipping=FlatClip(0.5),
+            optimizer=SGD(1.0),
+            noise_multiplier=1.0,
+            delta=1e-5,
+            seed=seed,
+            chunk_size=2,
+            track_epsilon=False,
+            accountant="rdp",
+            sharding="fsdp",
+            noise=Ones.name,
+        )
+        res = train(model, _data(), zero_grad_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
+        out[seed] = {"units": [h["units"] for h in res.history], "params": _full(model)}
+    return out
+
+
+def test_a_sharded_step_divides_by_a_public_constant_whatever_the_cohorts_size():
+    """Round 5's normalisation property on the sharded path: two seeds draw cohorts of different
+    sizes, the released sum is 1 in every coordinate in both (a loss with no gradient and a noise
+    of ones), and the sharded model moves identically: the denominator is public, never the
+    realised cohort."""
+    results = run_gloo_pair(_sharded_normalisation)
+    got = results[0]
+    assert got[1]["units"] != got[2]["units"]
+    before = {n: p.detach().numpy() for n, p in _model("gpt2").named_parameters()}
+    for name, value in got[1]["params"].items():
+        np.testing.assert_array_equal(value, got[2]["params"][name])
+        assert not np.array_equal(value, before[name])  # the step did move it
+    for name, value in results[1][1]["params"].items():
+        np.testing.assert_array_equal(value, got[1]["params"][name])
