@@ -142,6 +142,7 @@ def test_the_statements_scope_is_the_one_the_journal_was_bound_to(finished, caps
         (lambda r: r.update(adjacency="replace one record"), "its adjacency"),
         (lambda r: r.update(setting="local DP on each device"), "its setting"),
         (lambda r: r.update(mechanism_output="the final model only"), "its mechanism_output"),
+        (lambda r: r.update(seeded=True), "seeded is True"),
     ],
 )
 def test_the_figures_beside_the_dpevent_are_the_journals_events_own(finished, capsys, edit, needle):
@@ -161,3 +162,24 @@ def test_the_figures_beside_the_dpevent_are_the_journals_events_own(finished, ca
     finally:
         p.write_text(good)
     assert cli(["report", str(finished)]) == 0
+
+
+def test_a_seeded_run_cannot_be_restated_as_unseeded(tmp_path, monkeypatch, capsys):
+    """Whoever holds a seeded run's seed can remove its noise: the statement says SEEDED. A record
+    edited to say seeded: false (and to drop the SEEDED assumption) is refused: the journal-bound
+    config.yaml gives the seed."""
+    cfg, _ = write_tiny_run(tmp_path, "  seed: 3\n")
+    monkeypatch.setenv("USERDP_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "seeded"
+    assert cli(["train", str(cfg), "--set", "training.steps=2", "--output", str(out), "--no-progress"]) == 0
+    p = out / "privacy.json"
+    rec = json.loads(p.read_text())
+    assert rec["seeded"] is True
+    for edit in (
+        dict(seeded=False),
+        dict(assumptions=[a for a in rec["assumptions"] if not a.startswith("SEEDED RUN")]),
+    ):
+        p.write_text(json.dumps({**rec, **edit}))
+        capsys.readouterr()
+        assert cli(["report", str(out)]) == 2
+        assert "seeded" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +284,30 @@ def verify_mechanism_facts(rec: dict, rd: RunDir, path: Path) -> None:
     for key, text in (("setting", SETTING), ("adjacency", ADJACENCY), ("mechanism_output", COVERAGE)):
         if rec.get(key) != text:
             raise UserError(f"{path}: its {key} is not the statement userdp writes (the file was edited)")
+    seeded = _seeded_by_config(rd)
+    if seeded is not None and bool(rec.get("seeded")) != seeded:
+        raise UserError(
+            f"{path}: seeded is {rec.get('seeded')!r}, but the configuration the ledger journal was bound "
+            f"to {'gives' if seeded else 'gives no'} seed (the file was edited)"
+        )
+    if seeded and not any(str(a).startswith("SEEDED RUN") for a in rec.get("assumptions") or []):
+        raise UserError(f"{path}: the run was seeded but its assumptions do not say so (the file was edited)")
+
+
+def _seeded_by_config(rd: RunDir) -> bool | None:
+    """Whether the journal-bound config.yaml gives the run a seed (`userdp train`'s training.seed, or
+    the Trainer's privacy config); None where it cannot be read from it."""
+    raw = C.load_yaml(rd.config) if rd.config.is_file() else None
+    if not isinstance(raw, dict):
+        return None
+    training = raw.get("training")
+    if isinstance(training, dict) and "seed" in training:
+        return training["seed"] is not None
+    hf = raw.get("hf_trainer")
+    if isinstance(hf, dict) and isinstance(hf.get("privacy"), str):
+        m = re.search(r"\bseed=(None|\d+)", hf["privacy"])
+        return None if m is None else m.group(1) != "None"
+    return None
 
 
 def verify_scope(rec: dict, ctx: dict, path: Path, tuned: bool) -> None:
