@@ -475,3 +475,23 @@ def test_a_public_text_with_invalid_utf8_names_its_line(tmp_path):
     gz.write_bytes(gzip.compress(b'{"text": "fine"}\n{"text": "bad \xff"}\n'))
     with pytest.raises(UserError, match=r"p.jsonl.gz:2: not UTF-8"):
         read_public_file(str(gz), "text")
+
+
+@pytest.mark.parametrize("per_unit", ["ghost", "vmap"])
+def test_a_forward_that_writes_a_running_statistic_into_a_buffer_is_one_line(per_unit):
+    """A running mean of private data kept in a buffer would be released, un-noised, with every
+    checkpoint: refused in the same line whichever per-unit strategy runs (torch.func's own error
+    under vmap was a traceback)."""
+
+    class Running(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(3))
+            self.register_buffer("running", torch.zeros(3))
+
+        def forward(self, x):
+            self.running.add_(x.detach().mean(0) * 0.1)
+            return x @ self.w
+
+    with pytest.raises(UserError, match="changed the model's buffers"):
+        train(Running(), _small_data(), lambda m, b: (m(b["x"]) - 1.0) ** 2, _cfg(per_unit=per_unit))

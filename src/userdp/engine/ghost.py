@@ -68,7 +68,7 @@ from torch.func import functional_call, vjp, vmap
 from userdp.engine import contraction as cx
 from userdp.engine.clipping import StepClipping
 from userdp.engine.layer_norm_grads import LayerNormSpec, per_unit_grads
-from userdp.engine.model_lint import lint_model, trainable_parameters
+from userdp.engine.model_lint import BUFFER_CHANGED, lint_model, mutates_captured, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.engine.sharding import is_sharded, whole
@@ -528,7 +528,12 @@ def _per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dty
         out, pull = vjp(lambda q: functional_call(mod, q, tuple(ins)), p)
         return pull(g.to(out.dtype))[0]
 
-    grads = vmap(one, in_dims=(None, 0, 0))(params, split, go)
+    try:
+        grads = vmap(one, in_dims=(None, 0, 0))(params, split, go)
+    except RuntimeError as exc:
+        if mutates_captured(exc):
+            raise UserError(BUFFER_CHANGED) from None
+        raise
     return {k: [grads[k].to(dtype)] for k in names}
 
 

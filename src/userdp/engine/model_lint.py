@@ -77,8 +77,18 @@ def check_release(model: nn.Module, mixing: list, versions_before: list[int] | N
                 "the un-noised cohort; keep it in eval mode (module.eval()) for the whole run"
             )
     if versions_before is not None and buffer_versions(model) != versions_before:
-        raise UserError(
-            "a private step changed the model's buffers (running statistics computed from the "
-            "un-noised cohort would be released with every checkpoint): freeze every module that "
-            "updates buffers in its forward"
-        )
+        raise UserError(BUFFER_CHANGED)
+
+
+#: the one line for a forward that writes into the model's buffers (any per-unit strategy)
+BUFFER_CHANGED = (
+    "a private step changed the model's buffers (running statistics computed from the "
+    "un-noised cohort would be released with every checkpoint): freeze every module that "
+    "updates buffers in its forward"
+)
+
+
+def mutates_captured(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch.func refusing a forward that writes into a tensor it captured (a
+    buffer updated in forward): the per-unit strategies say :data:`BUFFER_CHANGED` instead."""
+    return isinstance(exc, RuntimeError) and "mutate a captured Tensor" in str(exc)

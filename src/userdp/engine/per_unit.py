@@ -29,7 +29,7 @@ from torch.func import functional_call, grad, vmap
 
 from userdp.engine.clipping import StepClipping
 from userdp.engine.ghost import GhostPerUnit, GhostUnsupported
-from userdp.engine.model_lint import lint_model, trainable_parameters
+from userdp.engine.model_lint import BUFFER_CHANGED, lint_model, mutates_captured, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.errors import UserError
@@ -158,7 +158,12 @@ class PerUnit:
         self._reproject = reproject
         params = tuple(p.detach() for p in self.params) if chunk_params is None else chunk_params
         with eager_attention(self.model):
-            updates, losses = vmap(self._update, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
+            try:
+                updates, losses = vmap(self._update, in_dims=(None, 0, 0), randomness="different")(params, batch, mask)
+            except RuntimeError as exc:  # torch.func refuses a forward that writes into a captured buffer
+                if mutates_captured(exc):
+                    raise UserError(BUFFER_CHANGED) from None
+                raise
         return list(updates), losses
 
     def clipped_sum(self, batch: dict, mask: torch.Tensor, weights: torch.Tensor, clip: StepClipping):
