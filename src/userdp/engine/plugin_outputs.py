@@ -27,17 +27,22 @@ import torch
 from userdp.errors import UserError
 
 
+def origin(part: Any) -> str:
+    """The module whose code ``part`` (an object or a class) is."""
+    return getattr(part, "__module__", None) or type(part).__module__
+
+
 def built_in(part: Any) -> bool:
     """Whether ``part`` (an object or a class) is userdp's own code, not a plugin's."""
-    mod = getattr(part, "__module__", None) or type(part).__module__
+    mod = origin(part)
     return isinstance(mod, str) and mod.startswith("userdp.")
 
 
-def describe(kind: str, part: Any) -> str:
-    """``the sampler 'name' (module m)``: how a refusal names a part."""
-    name = getattr(part, "name", None) or type(part).__name__
-    mod = getattr(part, "__module__", None) or type(part).__module__
-    return f"the {kind} {name!r} (module {mod})"
+def describe(kind: str, part: Any, name: str | None = None) -> str:
+    """``the sampler 'name' (module m)``: how a refusal or a statement names a part (``name``: the
+    name it was registered and chosen by; default its own ``name``)."""
+    name = name or getattr(part, "name", None) or type(part).__name__
+    return f"the {kind} {name!r} (module {origin(part)})"
 
 
 def call(kind: str, part: Any, fn: Callable, *args) -> Any:

@@ -140,22 +140,19 @@ def verify_epsilon(rec: dict, path: Path) -> None:
 TUNING_LINE_PREFIX = "hyperparameter tuning"
 
 
-def _journal_context(rd: RunDir) -> dict:
-    header, _, _ = read_chain(rd.checkpoints / JOURNAL)
-    return header.get("context") or {}
-
-
 def _ledger_steps(rd: RunDir) -> int | None:
     p = rd.checkpoints / JOURNAL
     return steps_begun(p) if p.is_file() else None
 
 
-def verify_against_journal(rec: dict, rd: RunDir) -> None:
+def verify_against_journal(rec: dict, rd: RunDir) -> tuple[dict, int]:
     """The ledger journal is the source of truth: privacy.json must belong to this run (the
     journal's run id and a line of its chain), config.yaml must be the one the journal was bound
     to, and the saved DpEvent must be the journal's step event composed over exactly the steps it
     records as begun, at the delta and with the accountant it was bound to. Every metrics.jsonl
     line's citation of the journal must still hold.
+
+    Returns the journal's header and the steps it records as begun (for the statement's checks).
 
     Raises:
         UserError: naming the file that disagrees with the journal."""
@@ -174,7 +171,7 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
     if not rec.get("private", True):
         if header.get("event") != "non-private":
             raise UserError(f"{rd.privacy}: it says non-private but the ledger journal records a private step event")
-        return
+        return header, begun
     cited = (rec.get("engine_record") or {}).get("journal")
     if not isinstance(cited, dict):
         raise UserError(
@@ -227,6 +224,7 @@ def verify_against_journal(rec: dict, rd: RunDir) -> None:
             f"{rd.privacy}: accountant {acc!r} is not the accountant {ctx['accountant']!r} the "
             "ledger journal was bound to"
         )
+    return header, begun
 
 
 def _event_numbers(event: object, key: str) -> list[float]:
@@ -239,7 +237,7 @@ def _event_numbers(event: object, key: str) -> list[float]:
     return []
 
 
-def verify_mechanism_facts(rec: dict, rd: RunDir, path: Path) -> None:
+def verify_mechanism_facts(rec: dict, rd: RunDir, path: Path, header: dict, begun: int) -> None:
     """The figures and sentences the statement prints beside its verified DpEvent are that event's
     own, not the file's: the noise multiplier and the sampling rate (where the journal's step event
     carries them), the steps taken (the steps the journal records as begun), ELS's group size (the
@@ -248,7 +246,6 @@ def verify_mechanism_facts(rec: dict, rd: RunDir, path: Path) -> None:
 
     Raises:
         UserError: naming the file and the first figure or sentence that differs."""
-    header, _, begun = read_chain(rd.checkpoints / JOURNAL)
     try:
         event = json.loads(header["event"])
     except (KeyError, TypeError, ValueError):
@@ -471,7 +468,9 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
     if not isinstance(rec, dict):
         raise UserError(f"{rd.privacy}: not a privacy record (expected a JSON object)")
     verify_epsilon(rec, rd.privacy)
-    verify_against_journal(rec, rd)  # the verified chain: its event must compose exactly the steps begun
+    header, begun = verify_against_journal(
+        rec, rd
+    )  # the verified chain: its event must compose exactly the steps begun
     verify_files(rd)
     rec = dict(rec)
     nt = (rec.get("engine_record") or {}).get("noise_tail")
@@ -489,8 +488,8 @@ def build_report(run_dir: str | Path, delta: float | None = None) -> dict:
         plan_eps = _plan_epsilon(rec, rd.privacy)
         contract = tuning_contract(rd)
         tuned = verify_tuning(rec, rd.privacy, contract)
-        verify_scope(rec, _journal_context(rd), rd.privacy, tuned is not None)
-        verify_mechanism_facts(rec, rd, rd.privacy)
+        verify_scope(rec, header.get("context") or {}, rd.privacy, tuned is not None)
+        verify_mechanism_facts(rec, rd, rd.privacy, header, begun)
         if contract is not None and tuned is None:  # one trial of a private tuning run, not (yet) selected
             rec["not_accounted"] = list(rec.get("not_accounted") or []) + [
                 "this run is one trial of a private tuning run: its epsilon covers this run on its own; if it is "

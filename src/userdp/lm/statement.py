@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.noise import NOISE_MECHANISMS
+from userdp.engine.plugin_outputs import built_in, describe
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.sampling import SAMPLERS
 from userdp.errors import UserError
@@ -93,24 +94,12 @@ TUNING_NOT_ACCOUNTED = (
 )
 
 
-def _origin(registry, name: str) -> str:
-    """Where a registered implementation's code lives (its module), for the statement."""
+def _registered(registry, name: str):
+    """The implementation registered as ``name`` (None: no longer registered)."""
     try:
-        obj = registry.lookup(name)
+        return registry.lookup(name)
     except UserError:
-        return "no longer registered"
-    mod = getattr(obj, "__module__", None) or type(obj).__module__
-    return f"module {mod}"
-
-
-def _built_in(registry, name: str) -> bool:
-    """Whether ``name`` is userdp's own implementation (not a plugin's)."""
-    try:
-        obj = registry.lookup(name)
-    except UserError:
-        return False
-    mod = getattr(obj, "__module__", None) or type(obj).__module__
-    return mod.startswith("userdp.")
+        return None
 
 
 def not_accounted(facts: ReleaseFacts) -> list[str]:
@@ -156,13 +145,20 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
     if private:
         assumptions.append(f"sampling: {SAMPLER_TEXT.get(facts.sampler_assumed, facts.sampler_assumed)}")
         sampler = (engine.sampler or {}).get("name")
-        if sampler and not _built_in(SAMPLERS, sampler):
+        plugin_sampler = _registered(SAMPLERS, sampler) if sampler else None
+        if sampler and (plugin_sampler is None or not built_in(plugin_sampler)):
+            who = (
+                describe("plugin sampler", plugin_sampler, sampler)
+                if plugin_sampler is not None
+                else f"the plugin sampler {sampler!r} (no longer registered)"
+            )
             assumptions.append(
-                f"sampling ran by the plugin sampler {sampler!r} ({_origin(SAMPLERS, sampler)}), "
+                f"sampling ran by {who}, "
                 f"which declares that its draws follow {engine.sampler.get('accounted_as')!r} "
                 "sampling: the accounting rests on that declaration, not on userdp's code"
             )
-        if _built_in(NOISE_MECHANISMS, engine.noise_mechanism):
+        mechanism = _registered(NOISE_MECHANISMS, engine.noise_mechanism)
+        if mechanism is not None and built_in(mechanism):
             assumptions.append(
                 "noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
                 "updates, drawn once per step in float32 from "
@@ -172,8 +168,13 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
             )
         else:
             assumptions.append(
-                f"noise: added by the plugin mechanism {engine.noise_mechanism!r} "
-                f"({_origin(NOISE_MECHANISMS, engine.noise_mechanism)}); the accounting takes its "
+                "noise: added by "
+                + (
+                    describe("plugin mechanism", mechanism, engine.noise_mechanism)
+                    if mechanism is not None
+                    else f"the plugin mechanism {engine.noise_mechanism!r} (no longer registered)"
+                )
+                + "; the accounting takes its "
                 "declaration that it adds Gaussian noise of standard deviation sigma*C to the sum "
                 "once per step: that is the plugin's claim, which userdp does not verify"
             )
