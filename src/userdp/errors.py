@@ -47,4 +47,18 @@ def _hand_over(line: str, status: int) -> bool:
         path.write_text(f"{status}\n{line}\n", encoding="utf-8")
     except OSError:
         return False
+    _silence_stderr()
     return True
+
+
+def _silence_stderr() -> None:
+    """After a worker has handed its line over, what it would still print is noise before the job's
+    one line: torch.distributed's C++ stacks and warnings as its peers go, "Exception ignored in
+    atexit" from its shutdown. Its stderr goes to the null device for the rest of its life."""
+    try:
+        sys.stderr.flush()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+    except OSError:  # no stderr to replace: nothing will be printed on it either
+        pass
