@@ -418,11 +418,6 @@ def _cfg(**kw):
 )
 @pytest.mark.parametrize("per_unit", ["ghost", "vmap"])
 def test_a_loss_fn_that_returns_no_usable_loss_is_one_line(loss, needle, per_unit):
-    if per_unit == "vmap" and "depend" in needle:
-        pytest.skip(
-            "not caught yet: under vmap the loss is torch.func's tensor, and a detached one gives a zero "
-            "gradient (the run trains on noise alone), not an error"
-        )
     with pytest.raises(UserError, match=needle):
         train(_Lin(), _small_data(), loss, _cfg(per_unit=per_unit))
 

@@ -122,13 +122,20 @@ def check_finite_scalar(value: Any, noise: Any) -> float:
     return x
 
 
-def _wrapped(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a torch.func transform's tensor (vmap, grad): its autograd state is the
-    transform's, not checked here."""
+def _untracked(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a loss that autograd does not track where it should: eagerly, one that does
+    not require grad; under torch.func's transforms (the vmap strategy's ``grad``), one that does not
+    require grad at the ``grad`` transform's level (under ``vmap`` alone nothing is differentiated,
+    and nothing is checked)."""
     try:
-        return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
-    except AttributeError:  # a torch without the query: nothing is skipped
+        wrapped = bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+        stack = torch._C._functorch.get_interpreter_stack() or ()
+        under_grad = any(i.key() == torch._C._functorch.TransformType.Grad for i in stack)
+    except AttributeError:  # a torch without the queries: only eager losses are checked
+        wrapped, under_grad = False, False
+    if wrapped and not under_grad:
         return False
+    return not t.requires_grad
 
 
 def checked_loss_fn(loss_fn: Callable) -> Callable:
@@ -151,12 +158,7 @@ def checked_loss_fn(loss_fn: Callable) -> Callable:
             )
         if not out.is_floating_point():
             raise UserError(f"loss_fn returned a {out.dtype} tensor: the losses must be floating point")
-        if (
-            torch.is_grad_enabled()
-            and not out.requires_grad
-            and not _wrapped(out)
-            and any(p.requires_grad for p in model.parameters())
-        ):
+        if torch.is_grad_enabled() and _untracked(out) and any(p.requires_grad for p in model.parameters()):
             raise UserError(
                 "loss_fn returned a tensor that does not depend on the model's parameters (detached, or "
                 "computed under torch.no_grad()): compute the loss from model(batch)"
