@@ -73,11 +73,19 @@ def check_nonnegative(value, name: str) -> float:
     return x
 
 
-def check_int(value, name: str, minimum: int = 1) -> int:
-    """An integer >= ``minimum`` (an integral float such as 3.0 is accepted; bools are not).
+#: Most epochs any per-user loop runs (FedAvg's local SGD, personalization): more is a slip that
+#: would run for hours per user, not a plan.
+MAX_EPOCHS = 1000
+#: Most steps a run can be given (the CLI's ``training.steps`` and ``TrainConfig.steps`` alike).
+MAX_STEPS = 10**9
+
+
+def check_int(value, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """An integer >= ``minimum`` (and <= ``maximum`` when given; an integral float such as 3.0 is
+    accepted; bools are not).
 
     Raises:
-        UserError: not an integer, or below ``minimum``.
+        UserError: not an integer, or outside its range.
     """
     ok = not isinstance(value, bool)
     try:
@@ -86,6 +94,8 @@ def check_int(value, name: str, minimum: int = 1) -> int:
         ok = False
     if not ok:
         raise UserError(f"{name} must be an integer >= {minimum} (got {value})")
+    if maximum is not None and int(value) > maximum:
+        raise UserError(f"{name} must be at most {maximum:,} (got {int(value):,})")
     return int(value)
 
 

@@ -33,12 +33,15 @@ from userdp.accounting.accountants import (
     max_steps,
     register_accountant,
 )
-from userdp.accounting.calibration import MAX_CALIBRATION_EPSILON, SIGMA_MAX, Calibration, calibrate_noise_multiplier
+from userdp.accounting.calibration import SIGMA_MAX, Calibration, calibrate_noise_multiplier
 from userdp.accounting.events import (
+    MAX_CALIBRATION_EPSILON,
     MAX_ELS_GROUP,
+    MAX_TARGET_EPSILON,
     NeighborRel,
     adjacency,
     binomial_sensitivity,
+    check_target_epsilon,
     compose,
     compose_after,
     default_delta,
@@ -116,4 +119,6 @@ __all__ = [
     "MAX_ELS_GROUP",
     "MIN_SAMPLING_RATE",
     "MAX_CALIBRATION_EPSILON",
+    "MAX_TARGET_EPSILON",
+    "check_target_epsilon",
 ]

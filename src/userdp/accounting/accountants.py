@@ -27,7 +27,7 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from userdp.accounting import pld as _pld_mod
 from userdp.accounting import rdp as _rdp_mod
-from userdp.accounting.events import check_delta, check_event, compose, compose_after
+from userdp.accounting.events import check_delta, check_event, check_target_epsilon, compose, compose_after
 from userdp.accounting.pld import PLD_INTERVAL, pld_infeasible
 from userdp.accounting.rdp import rdp_curve
 from userdp.errors import UserError
@@ -124,10 +124,13 @@ class PLDAccountant:
         cut, slack, shift = _pld_mod.truncate_mixture_tails(event, _pld_mod.MIXTURE_TAIL_SHARE * delta)
         why = pld_infeasible(cut)
         if why is None:
-            eps = float(_pld_mod.pld_distribution(cut, interval or PLD_INTERVAL).get_epsilon(delta - slack)) + shift
+            try:
+                eps = float(_pld_mod.pld_distribution(cut, interval or PLD_INTERVAL).get_epsilon(delta - slack)) + shift
+            except MemoryError:  # a loss range too wide for its grid (e.g. thousands of unamplified steps)
+                eps, why = math.inf, "its grid would not fit in memory"
             if math.isfinite(eps):
                 return eps, "pld"
-            why = "it cannot resolve this delta (its tails are truncated)"
+            why = why or "it cannot resolve this delta (its tails are truncated)"
         return _RDP.epsilon(event, delta, orders=orders)[0], f"rdp (PLD infeasible: {why})"
 
     def delta(self, event, epsilon, *, interval=None, orders=None):
@@ -138,7 +141,11 @@ class PLDAccountant:
         for _ in range(2):
             cut, slack, shift = _pld_mod.truncate_mixture_tails(event, budget)
             if pld_infeasible(cut) is None:
-                d = float(_pld_mod.pld_distribution(cut, interval or PLD_INTERVAL).get_delta(epsilon - shift)) + slack
+                try:
+                    pld = _pld_mod.pld_distribution(cut, interval or PLD_INTERVAL)
+                    d = float(pld.get_delta(epsilon - shift)) + slack
+                except MemoryError:  # its grid would not fit: RDP answers below
+                    break
                 best = d if best is None else min(best, d)
             if best is None or _pld_mod.MIXTURE_TAIL_SHARE * best <= budget:
                 break
@@ -389,7 +396,7 @@ def max_steps(
     how = StepSearch(how) if isinstance(how, str) else how
     check_event(step_event, "step_event")
     accountant, value_discretization_interval = how.accountant, how.interval
-    eps_target = check_positive(epsilon, "epsilon")
+    eps_target = check_target_epsilon(epsilon)
     check_delta(delta)
     limit = check_int(how.limit, "limit")
     budget = check_positive(how.time_budget_s, "time_budget_s")

@@ -13,15 +13,13 @@ from scipy import stats
 from scipy.special import logsumexp
 
 from userdp.accounting.accountants import get_accountant
-from userdp.accounting.events import check_delta, compose_after
+from userdp.accounting.events import check_delta, check_target_epsilon, compose_after
 from userdp.accounting.pld import PLD_INTERVAL
 from userdp.errors import UserError
 from userdp.validation import check_callable, check_int
 
 #: Largest noise multiplier calibration will consider.
 SIGMA_MAX = 1e4
-#: Largest epsilon calibration accepts (e^epsilon overflows past ~709; beyond ~1000 nothing is promised).
-MAX_CALIBRATION_EPSILON = 1000.0
 
 
 @dataclass(frozen=True)
@@ -129,14 +127,7 @@ def calibrate_noise_multiplier(
     secant on log ε against log σ, aiming just either side of the root.
     """
     how = Calibration(how) if isinstance(how, str) else how
-    eps = float(epsilon)
-    if not (eps > 0 and math.isfinite(eps)):
-        raise UserError(f"epsilon must be a positive number (got {epsilon})")
-    if eps > MAX_CALIBRATION_EPSILON:
-        raise UserError(
-            f"epsilon = {eps:g} promises nothing (e^epsilon overflows); calibrate for an "
-            f"epsilon of at most {MAX_CALIBRATION_EPSILON:g}"
-        )
+    eps = check_target_epsilon(epsilon)
     dlt = check_delta(delta)
     t = check_int(steps, "steps")
     check_callable(make_step_event, "make_step_event")

@@ -32,8 +32,22 @@ NeighborRel = dp_accounting.NeighboringRelation  # (the enum, also its type belo
 
 #: at G = 1e4, over 20 s at 1e5).
 MAX_ELS_GROUP = 10_000
-#: Largest epsilon calibration accepts (e^epsilon overflows past ~709; beyond ~1000 nothing is promised).
-MAX_CALIBRATION_EPSILON = 1000.0
+#: Largest target epsilon anything accepts: calibration, the step search and a run's budget
+#: (e^epsilon overflows past ~709; beyond ~1000 nothing is promised, and the PLD of a search there
+#: can need minutes or a 100 GB grid).
+MAX_TARGET_EPSILON = 1000.0
+MAX_CALIBRATION_EPSILON = MAX_TARGET_EPSILON  # the name it had in 0.4
+
+
+def check_target_epsilon(value: float, name: str = "epsilon") -> float:
+    """A target epsilon: a number in (0, MAX_TARGET_EPSILON] (one rule for every search and budget)."""
+    eps = check_positive(value, name)
+    if eps > MAX_TARGET_EPSILON:
+        raise UserError(
+            f"{name} = {eps:g} promises nothing (e^epsilon overflows past ~709): use an epsilon of at "
+            f"most {MAX_TARGET_EPSILON:g}"
+        )
+    return eps
 
 
 # ----------------------------------------------------------------------------------- checks

@@ -34,7 +34,7 @@ from userdp.engine.data import UserData
 from userdp.engine.per_unit import fedavg_epoch_batches
 from userdp.errors import UserError
 from userdp.registry import Registry
-from userdp.validation import check_bool, check_fields, check_int, check_positive, check_rate, optional
+from userdp.validation import MAX_EPOCHS, check_bool, check_fields, check_int, check_positive, check_rate, optional
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ class FedAvg(ULS):
         super().__post_init__()
         check_fields(
             self,
-            local_epochs=(check_int, "FedAvg local epochs"),
+            local_epochs=(check_int, "FedAvg local epochs", 1, MAX_EPOCHS),
             local_lr=(check_positive, "FedAvg local learning rate"),
             local_batch_size=(optional(check_int), "FedAvg local batch size"),
             weight_cap=(optional(check_positive), "FedAvg weight cap w_hat"),

@@ -34,6 +34,7 @@ from userdp.engine.sampling import accounted_as, get_sampler
 from userdp.engine.sharding import SHARDINGS
 from userdp.errors import UserError
 from userdp.validation import (
+    MAX_STEPS,
     check_bool,
     check_choice,
     check_fields,
@@ -41,7 +42,6 @@ from userdp.validation import (
     check_instance,
     check_int,
     check_nonnegative,
-    check_positive,
     check_string,
     optional,
 )
@@ -129,9 +129,9 @@ class TrainConfig:
         )
         check_fields(
             self,
-            steps=(check_int, "steps"),
+            steps=(check_int, "steps", 1, MAX_STEPS),
             noise_multiplier=(optional(check_nonnegative), "noise_multiplier"),
-            target_epsilon=(optional(check_positive), "target_epsilon"),
+            target_epsilon=(optional(accounting.check_target_epsilon), "target_epsilon"),
             delta=(optional(check_fraction), "delta"),
             accountant=(check_string, "accountant"),
             sampling=(check_string, "sampling"),

@@ -33,6 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from userdp import plugins
 from userdp.accounting.accountants import ACCOUNTANTS
+from userdp.accounting.events import MAX_TARGET_EPSILON
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
@@ -41,7 +42,7 @@ from userdp.engine.sharding import SHARDINGS, unshardable
 from userdp.errors import UserError
 from userdp.fileio import read_input, unclaimable
 from userdp.lm.presets import PRESETS
-from userdp.validation import DEVICE_SPEC, close_names
+from userdp.validation import DEVICE_SPEC, MAX_EPOCHS, MAX_STEPS, close_names
 
 # --- the schema's value types ----------------------------------------------------------
 # pydantic v2 validates the dataclasses below (``TypeAdapter(RunConfig)``): unknown keys, types,
@@ -238,7 +239,7 @@ class PrivacyConfig:
 @dataclass(frozen=True)
 class TrainingConfig:
     algorithm: _choice(ALGORITHMS.choices()) = "uls"  # uls, els, fedavg, nonprivate, or a plugin's
-    steps: Annotated[Int, Ge(1), Le(10**9)] = 200
+    steps: Annotated[Int, Ge(1), Le(MAX_STEPS)] = 200
     cohort_size: Positive = 64.0  # expected units per step (q = cohort / units)
     #                                       G: records per user (ULS average / ELS cap); the ELS accountant's limit
     group_size: Annotated[Int, Ge(1), Le(MAX_GROUP_SIZE)] = 8
@@ -248,7 +249,8 @@ class TrainingConfig:
     lr: Positive = 1e-3
     momentum: Annotated[Float, Ge(0), Lt(1)] = 0.0
     weight_decay: Annotated[Float, Ge(0)] = 0.0
-    local_epochs: Count = 1  # fedavg: local epochs of SGD per user (over up to G records)
+    #                                       fedavg: local epochs of SGD per user (over up to G records)
+    local_epochs: Annotated[Int, Ge(1), Le(MAX_EPOCHS)] = 1
     local_lr: Positive = 0.1  # fedavg
     selection: _choice("random", "longest", "shortest", "random_chunk", "highest_ppl", "lowest_ppl") = "random"
     #                                       units per per-unit call; auto (null): fit memory_gb
@@ -268,7 +270,7 @@ class EvalConfig:
     before: Bool = True  # evaluate the starting model too
     personalize: Bool = False
     personalize_lr: Positive = 0.05
-    personalize_epochs: Count = 4
+    personalize_epochs: Annotated[Int, Ge(1), Le(MAX_EPOCHS)] = 4
 
 
 @with_config(ConfigDict(extra="forbid"))
@@ -526,6 +528,9 @@ def validate(cfg: RunConfig, where: str = "config") -> None:
     gradient = algo.update == "gradient"  # the ghost strategy and gradient canaries need a gradient update
     if algo.private and not p.epsilon > 0:
         bad(f"privacy.epsilon must be > 0, got {p.epsilon}")
+    if algo.private and p.epsilon > MAX_TARGET_EPSILON:
+        most = MAX_TARGET_EPSILON
+        bad(f"privacy.epsilon = {p.epsilon:g} promises nothing (e^epsilon overflows past ~709): at most {most:g}")
     if m.preset is None and m.path is None:
         bad("model: give model.preset (tiny, small, base) or model.path (a local directory)")
     if m.preset is not None and m.path is None and m.preset not in PRESETS:

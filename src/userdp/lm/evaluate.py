@@ -26,6 +26,7 @@ import torch
 
 from userdp import progress
 from userdp.lm import models
+from userdp.validation import MAX_EPOCHS, check_fields, check_int, check_positive
 
 
 def _batches(data, users: np.ndarray, records: np.ndarray, batch_size: int):
@@ -121,6 +122,15 @@ class Personalization:
     epochs: int = 4
     batch_size: int = 8
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_fields(
+            self,
+            lr=(check_positive, "personalization learning rate"),
+            epochs=(check_int, "personalization epochs", 1, MAX_EPOCHS),
+            batch_size=(check_int, "personalization batch size"),
+            seed=(check_int, "personalization seed", 0),
+        )
 
 
 #: records scored in one forward by :func:`personalize`
