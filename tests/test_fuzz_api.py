@@ -286,8 +286,9 @@ def test_max_steps_with_a_huge_epsilon_answers_within_its_time_budget():
 
     ev = A.uls_step_event(1.0, 0.01)
     t0 = time.time()
-    assert A.max_steps(ev, 1e6, 1e-6) == 10**7  # the limit, at once
-    assert time.time() - t0 < 30
+    with pytest.raises(UserError, match="promises nothing"):  # past the one bound (tests/test_bounded_work.py)
+        A.max_steps(ev, 1e6, 1e-6)
+    assert time.time() - t0 < 1
     t0 = time.time()
     with pytest.raises(UserError, match="did not finish within 1 s"):
         A.max_steps(ev, 1000.0, 1e-6, A.StepSearch(time_budget_s=1.0))
