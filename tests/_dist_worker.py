@@ -1,4 +1,4 @@
-"""One rank of the multi-process equality test (tests/test_distributed.py), launched by torchrun.
+"""One rank of the multi-process equality test (tests/e2e/test_torchrun.py), launched by torchrun.
 
 ``torchrun --standalone --nproc_per_node=W tests/_dist_worker.py OUT`` trains the same seeded
 runs on W processes and saves, on every rank, the final parameters and the collectives it

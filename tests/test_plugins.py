@@ -4,10 +4,10 @@ by --plugin (module or file), a config's plugins: key (modules only) and an entr
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from _paths import REPO
 from safetensors.torch import load_file
 
 from userdp import plugins
@@ -21,7 +21,7 @@ from userdp.registry import Registry
 
 from _lm_corpus import write_tiny_run
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
+EXAMPLES = REPO / "examples" / "plugins"
 # every test leaves the registries and the loaded plugins as it found them (tests/conftest.py)
 pytestmark = pytest.mark.usefixtures("isolated_registries")
 

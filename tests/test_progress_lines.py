@@ -1,13 +1,9 @@
 """Progress off a terminal (issue 39, logs): no bar frames, a few plain lines for the long loops,
 each message on its own line."""
 
-import sys
-from pathlib import Path
-
 from userdp import progress
 from userdp.cli import main
 
-sys.path.insert(0, str(Path(__file__).parent))
 from _fuzz_cases import _tiny_config  # noqa: E402
 
 

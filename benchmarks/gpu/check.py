@@ -20,7 +20,7 @@ Rows: the environment (driver, torch, CUDA, triton, transformers, peft, dp-accou
 kernel's status and draw time at 124M / 355M normals; non-private / ULS G = 4 / ELS at
 gpt2-small and gpt2-medium, bf16, 64 users x 64 tokens (time and peak memory ratios against the
 non-private step measured in the same part, host syncs per step); LoRA r = 8 at gpt2-small and a
-~1.1B Llama-shaped model; ``tests/test_cuda.py``; FSDP2 on the one GPU (NCCL, W = 1) against the
+~1.1B Llama-shaped model; ``tests/benchmarks/test_cuda.py``; FSDP2 on the one GPU (NCCL, W = 1) against the
 replicated run.
 """
 
@@ -62,7 +62,7 @@ PARTS = {
         170,
         "gpt2-small: non-private, ULS G=4, ELS, ULS with the split operand (bf16, 64 users x 64 tokens)",
     ),
-    "tests": (90, "pytest tests/test_cuda.py"),
+    "tests": (90, "pytest tests/benchmarks/test_cuda.py"),
     "lora": (150, "LoRA r=8: gpt2-small and a 1.1B Llama shape, non-private and ULS"),
     "steps-medium": (180, "gpt2-medium: non-private, ULS G=4, ELS"),
     "fsdp": (150, "FSDP2 on one GPU (NCCL, W = 1) against the replicated run: step time, per-rank state"),
@@ -279,7 +279,7 @@ def part_tests(a) -> None:
             "no:cacheprovider",
             "-rsf",
             "--tb=line",
-            os.path.join(ROOT, "tests", "test_cuda.py"),
+            os.path.join(ROOT, "tests", "tests/benchmarks/test_cuda.py"),
         ],
         capture_output=True,
         text=True,

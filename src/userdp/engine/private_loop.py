@@ -18,7 +18,7 @@ keeps the optimizer, the learning-rate schedule, logging and evaluation::
 
 Each step is exactly a step of :func:`userdp.engine.train` (the same sampler, per-unit strategy,
 noise, denominator and ledger, in the same order): with a seed and an optimizer equal to the
-config's, the two give the same model (tests/test_engine_private_loop.py). What the caller's loop
+config's, the two give the same model (tests/engine/test_private_loop.py). What the caller's loop
 may not do is touch the private data itself: a ``loss.backward()`` on private records, or a
 metric computed on them, is outside the guarantee (docs/engine.md, "Your own loop").
 """

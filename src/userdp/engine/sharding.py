@@ -6,7 +6,7 @@ weights for its forward and backward only. The private step is unchanged in what
 
 - **Per-unit clipping** is the ghost strategy's (:mod:`userdp.engine.ghost`): it reads each
   layer's captured input and output gradient, never the weights, so its norms and clipped sums of a
-  sharded model are the unsharded model's (tests/test_engine_fsdp.py).
+  sharded model are the unsharded model's (tests/engine/test_fsdp.py).
 - **One reduce-scatter per parameter and chunk** (:func:`reduce_scatter`: a ``Partial`` DTensor
   redistributed to the parameter's own placement): the ghost strategy hands each parameter's
   clipped sum over as soon as it is formed (its ``sink``), so a rank holds its shard's running total
