@@ -7,6 +7,8 @@ overwrites, that it never holds more than a piece on the host, and that it refus
 below float32.
 """
 
+import os
+import threading
 import tracemalloc
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 
 from userdp.engine import chacha
 from userdp.engine import noise as noise_mod
+from userdp.errors import UserError
 
 SHAPES = [(3, 1000, 70), (17,), (0,), (5000, 51), (123_457,)]
 
@@ -139,17 +142,59 @@ def test_a_pending_draw_is_never_saved_or_kept_past_a_state(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(src.like(_tensors(), 1.0), fresh.like(_tensors(), 1.0), strict=True))
 
 
-def test_prefetch_auto_waits_for_a_large_draw_and_a_second_core(monkeypatch):
+def test_nothing_is_drawn_ahead_unless_asked_and_auto_waits_for_a_core_torch_leaves_idle(monkeypatch):
     src = noise_mod.GaussianNoise(35, seeded=True)
-    monkeypatch.setattr(noise_mod.os, "cpu_count", lambda: 2)
-    assert not src.prefetch(noise_mod._PARALLEL_FROM - 1, [torch.float32])  # small: drawn when added
-    assert src.prefetch(noise_mod._PARALLEL_FROM, [torch.float32])
-    src._drop_pending()
-    monkeypatch.setattr(noise_mod.os, "cpu_count", lambda: 1)
-    assert not src.prefetch(noise_mod._PARALLEL_FROM, [torch.float32])  # one core: nothing to overlap
+    big = noise_mod._PARALLEL_FROM
+    assert noise_mod.PREFETCH == "off" or "USERDP_NOISE_PREFETCH" in os.environ  # the default: no extra thread
     monkeypatch.setattr(noise_mod, "PREFETCH", "off")
-    monkeypatch.setattr(noise_mod.os, "cpu_count", lambda: 8)
-    assert not src.prefetch(noise_mod._PARALLEL_FROM, [torch.float32])
+    monkeypatch.setattr(noise_mod, "_usable_cores", lambda: 8)
+    assert not src.prefetch(big, [torch.float32])
+    monkeypatch.setattr(noise_mod, "PREFETCH", "auto")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert not src.prefetch(big - 1, [torch.float32])  # small: drawn when added
+    assert src.prefetch(big, [torch.float32])  # torch computes on 1 of 8 cores: one is idle
+    src._drop_pending()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert not src.prefetch(big, [torch.float32])  # torch's threads take every core: none is idle
+    monkeypatch.setattr(noise_mod, "PREFETCH", "yes")
+    with pytest.raises(UserError, match="USERDP_NOISE_PREFETCH must be on, off or auto"):
+        src.prefetch(big, [torch.float32])
+
+
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_a_draw_is_filled_on_no_more_threads_than_torch_may_use(monkeypatch, limit):
+    """The noise follows torch's thread limit (a user who limits threads on a shared host limits the
+    noise's), and the numbers do not depend on it."""
+    seen: set[str] = set()
+    real_fill = noise_mod.GaussianNoise.add_
+    monkeypatch.setattr(noise_mod, "_PIECE", 1 << 14)
+    original = noise_mod._for_each
+
+    def watching(fn, items, parallel=True):
+        def wrapped(item):
+            seen.add(threading.current_thread().name)
+            return fn(item)
+
+        return original(wrapped, items, parallel)
+
+    monkeypatch.setattr(noise_mod, "_for_each", watching)
+    before = torch.get_num_threads()
+    torch.set_num_threads(limit)
+    try:
+        assert noise_mod.noise_threads() == limit
+        tensors = [torch.zeros(noise_mod._PARALLEL_FROM + 7)]
+        real_fill(noise_mod.GaussianNoise(36, seeded=True), tensors, 1.0)
+    finally:
+        torch.set_num_threads(before)
+    workers = {n for n in seen if n.startswith("userdp-noise")}
+    assert len(workers) <= (limit if limit > 1 else 0)
+    if limit == 1:
+        assert seen == {threading.current_thread().name}  # one thread: the caller's own
+    else:
+        assert seen == workers  # the pool's threads alone
+    ref = [torch.zeros(noise_mod._PARALLEL_FROM + 7)]
+    noise_mod.GaussianNoise(36, seeded=True).add_(ref, 1.0)
+    assert torch.equal(tensors[0], ref[0])
 
 
 @pytest.mark.parametrize("own_loop", [False, True])

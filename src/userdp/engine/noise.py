@@ -13,8 +13,10 @@ The noise is the privacy mechanism, so its generator is keyed like a secret:
   every device therefore gets the same ≥ 128-bit keying.
 * A seeded run (the user gives an integer) derives the key from that seed: reproducible, and
   the guarantee then holds only against parties who do not know the seed (the report says so).
-* On a CPU a step's draw is begun as the step begins and made beside its computation
-  (:meth:`GaussianNoise.prefetch`): the same numbers, added once or dropped, never saved.
+* A draw is filled on the threads torch may use (:func:`noise_threads`), so a thread limit holds
+  for the noise too; where asked (:data:`PREFETCH`), a CPU step's draw is begun as the step
+  begins and made beside its computation (:meth:`GaussianNoise.prefetch`): the same numbers,
+  added once or dropped, never saved.
 
 Two layers, so that correlated-noise mechanisms (DP-FTRL's tree aggregation, matrix
 factorization) are one new class and no change to the loop:
@@ -50,25 +52,40 @@ _STREAMS = 16  # fixed: the noise of a seeded run does not depend on the machine
 _PARALLEL_FROM = 1 << 20  # smaller draws are filled in the calling thread
 _PIECE = 1 << 20  # normals per host buffer: a thread holds at most 8 MB of noise at a time
 _POOL = None
-#: draw a step's noise in the pool's threads while the step's sums are computed (:meth:`GaussianNoise.prefetch`):
-#: "auto" where the draw is large enough to be split and there is a second core; "off" draws when the sums
-#: are ready (no model-sized buffer); tests force "on" to run the prefetch path on one core too
-PREFETCH = "auto"
+_POOL_THREADS = 0
+#: draw a step's noise ahead, in a thread of its own, while the step's sums are computed
+#: (:meth:`GaussianNoise.prefetch`): "off" (the default) draws when the sums are ready, on the threads torch
+#: may use; "on" draws ahead: one thread more than torch's, worth it only where a core is otherwise idle
+#: (a run given fewer torch threads than the machine's cores, on a host it has to itself). The
+#: environment's ``USERDP_NOISE_PREFETCH=on|off`` sets it for a process; tests set it directly.
+PREFETCH = os.environ.get("USERDP_NOISE_PREFETCH", "off")
 _AHEAD = None
 
 
+def noise_threads() -> int:
+    """The threads a draw is filled on: torch's own limit (``torch.set_num_threads``, which follows
+    ``OMP_NUM_THREADS``), at most one per stream. A user who limits torch's threads on a shared host
+    limits the noise's too."""
+    return max(1, min(_STREAMS, torch.get_num_threads()))
+
+
 def _pool():
-    """A shared thread pool for large noise draws (None with a single core)."""
-    global _POOL
-    if _POOL is None and (os.cpu_count() or 1) > 1:
-        _POOL = ThreadPoolExecutor(max_workers=min(_STREAMS, os.cpu_count() or 1), thread_name_prefix="userdp-noise")
+    """A thread pool for large noise draws, of :func:`noise_threads` threads (None for one thread);
+    rebuilt when torch's thread limit changes."""
+    global _POOL, _POOL_THREADS
+    threads = noise_threads()
+    if threads != _POOL_THREADS:
+        if _POOL is not None:
+            _POOL.shutdown(wait=True)
+        _POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="userdp-noise") if threads > 1 else None
+        _POOL_THREADS = threads
     return _POOL
 
 
 def _ahead_pool():
-    """One thread for draws made ahead (:meth:`GaussianNoise.prefetch`): it draws beside the step's
-    computation, which keeps its own threads; what it has not begun when the sums are ready is drawn
-    by the shared pool."""
+    """One thread for draws made ahead (:meth:`GaussianNoise.prefetch`, where :data:`PREFETCH` is "on"):
+    it draws beside the step's computation, which keeps its own threads; what it has not begun when
+    the sums are ready is drawn by the shared pool."""
     global _AHEAD
     if _AHEAD is None:
         _AHEAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="userdp-noise-ahead")
@@ -267,15 +284,25 @@ class GaussianNoise:
 
 
 def draws_ahead(numel: int, itemsize: int = 4) -> bool:
-    """Whether :meth:`GaussianNoise.prefetch` draws a step's ``numel`` normals ahead: :data:`PREFETCH`
-    "on"/"off", or "auto": a draw large enough to be split, a second core to draw on beside the step,
-    and free memory for four times the buffer (``numel * itemsize`` bytes; the memory model counts it)."""
+    """Whether :meth:`GaussianNoise.prefetch` draws a step's ``numel`` normals ahead: where
+    :data:`PREFETCH` is "on", or "auto" with a draw large enough to be split, a core that torch's
+    threads leave idle (``torch.get_num_threads()`` below the cores this process may run on) and free
+    memory for four times the buffer (``numel * itemsize`` bytes; the memory model counts it)."""
+    if PREFETCH not in ("on", "off", "auto"):
+        raise UserError(f"USERDP_NOISE_PREFETCH must be on, off or auto (got {PREFETCH!r})")
     if PREFETCH != "auto":
         return PREFETCH == "on"
-    if numel < _PARALLEL_FROM or (os.cpu_count() or 1) < 2:
+    if numel < _PARALLEL_FROM or torch.get_num_threads() >= _usable_cores():
         return False
     free = free_host_bytes()
     return free is not None and free >= 4 * numel * itemsize
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _draw_dtype(dtypes) -> type:
