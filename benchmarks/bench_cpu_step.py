@@ -111,6 +111,7 @@ def main(argv=None) -> int:
         "noise": not a.no_noise,
         "reps": a.reps,
         "threads": a.threads,
+        "params": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "nonprivate_s": round(statistics.median(wall["nonprivate"]), 3),
     }
     for k in ("uls", "els"):
