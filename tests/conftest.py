@@ -48,7 +48,7 @@ def isolated_registries():
     plugin, directly or through `userdp --plugin`, must not leave its names to the tests after)."""
     from userdp import plugins
     from userdp.accounting import accountants
-    from userdp.engine import algorithms, noise, per_unit, sampling
+    from userdp.engine import algorithms, distribution, noise, per_unit, sampling
 
     registries = (
         algorithms.ALGORITHMS,
@@ -56,6 +56,7 @@ def isolated_registries():
         per_unit.PER_UNIT_STRATEGIES,
         noise.NOISE_MECHANISMS,
         sampling.SAMPLERS,
+        distribution.DISTRIBUTIONS,
     )
     saved = [dict(r._items) for r in registries], dict(plugins._LOADED)
     yield

@@ -264,3 +264,19 @@ def test_a_plugin_sampler_and_noise_mechanism_run_through_userdp_train(tmp_path,
     assert priv["sampler_assumed"] == "poisson_users"  # accounted as Poisson, as it declares
     assert 0 < priv["epsilon"] <= 8.0 and not priv["sampling_warning"]
     assert {str(EXAMPLES / "geometric_poisson.py"), str(EXAMPLES / "float64_noise.py")} <= set(priv["plugins"])
+
+
+# ------------------------------------------------------------------------------ a distribution
+@pytest.mark.slow
+def test_a_plugin_distribution_runs_through_userdp_train_and_matches_the_replicated_run(tmp_path, tiny, monkeypatch):
+    monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
+    plugin = str(EXAMPLES / "three_way_split.py")
+    out_split, priv = _train(
+        tmp_path / "split", tiny[1], "--plugin", plugin, "--set", "training.sharding=three_way_split"
+    )
+    assert plugin in priv["plugins"]  # the statement names the code its release ran through
+    out_plain, _ = _train(tmp_path / "plain", tiny[1])
+    a, b = (load_file(str(o / "model" / "model.safetensors")) for o in (out_split, out_plain))
+    assert a.keys() == b.keys()
+    for k in a:  # the same seed: the same cohorts and noise; only the order of float32 sums differs
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)

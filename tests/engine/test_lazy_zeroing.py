@@ -3,12 +3,13 @@ non-finite unit's rows of every factor, and the step's one host sync says whethe
 bad; then the step's sums are computed again, zeroing, before any of them is used.
 
 The CPU zeroes exactly when a unit is bad (reading ``bad.any()`` is free there), so the device's
-rule is emulated here: ``contraction.must_zero`` and ``loop.defers_zeroing`` as on CUDA."""
+rule is emulated here: ``contraction.must_zero`` and ``distribution.defers_zeroing`` as on CUDA."""
 
 import pytest
 import torch
 from _neighbours import ADVERSARIES, builder, honest, reg_loss
 
+import userdp.engine.distribution as distribution_mod
 import userdp.engine.loop as loop_mod
 from userdp.engine import ULS, FlatClip, TrainConfig, contraction
 from userdp.engine.neighbour import join, neighbour_gap, released_sum
@@ -18,7 +19,7 @@ def _as_on_a_device(monkeypatch) -> list:
     """The device's zeroing rule on the CPU; returns the list each EngineRun.clipped_sum call appends
     ``(lazy, every sum finite)`` to."""
     monkeypatch.setattr(contraction, "must_zero", lambda bad, lazy=False: not lazy)
-    monkeypatch.setattr(loop_mod, "defers_zeroing", lambda device: True)
+    monkeypatch.setattr(distribution_mod, "defers_zeroing", lambda device: True)
     calls = []
     real = loop_mod.EngineRun.clipped_sum
 

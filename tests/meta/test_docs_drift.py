@@ -27,6 +27,7 @@ SEAMS = {
     ],
     "noise mechanism": ["userdp.engine.noise:IIDGaussian"],
     "ledger": ["userdp.engine.ledger:PrivacyLedger"],
+    "distribution": ["userdp.engine.distribution:Replicated", "userdp.engine.distribution:Sharded"],
     "algorithm": ["userdp.engine.algorithms:ELS", "userdp.engine.algorithms:ULS", "userdp.engine.algorithms:FedAvg"],
 }
 

@@ -26,17 +26,16 @@ from torch import nn
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.clipping import StepClipping
-from userdp.engine.contraction import defers_zeroing
 from userdp.engine.data import UserData, compact_groups
-from userdp.engine.distributed import LocalCombiner, broadcast_module_state
-from userdp.engine.flat import DrawCursor
+from userdp.engine.distributed import LocalCombiner
+from userdp.engine.distribution import DISTRIBUTIONS
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
 from userdp.engine.noise import ENTROPY_BITS, os_entropy, source_for
 from userdp.engine.per_unit import make_per_unit
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.plugin_outputs import call as plugin_call
-from userdp.engine.plugin_outputs import check_finite_release, check_finite_scalar, checked_cohort, checked_loss_fn
+from userdp.engine.plugin_outputs import check_finite_scalar, checked_cohort, checked_loss_fn
 from userdp.engine.precision import EXACT_FLOAT32, Precision
 from userdp.engine.record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
@@ -44,15 +43,10 @@ from userdp.engine.run_record import run_record
 from userdp.engine.sampling import bucket_size
 from userdp.engine.sharding import (
     check_shardable,
-    chunks_per_rank,
-    is_sharded,
     load_shards,
     optimizer_state_like,
-    reduce_scatter,
     save_shards,
-    scatter_from_main,
     shard_like,
-    shard_model,
 )
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_callable, check_instance
@@ -170,14 +164,11 @@ class EngineRun:
         self._compact = self.algo.unit == "user" and self.algo.update == "gradient" and self.algo.records_per_unit > 1
         self.combiner = options.combiner or LocalCombiner()
         precision = Precision(cfg.precision)
-        self.sharded = cfg.sharding == "fsdp"
-        if self.sharded:  # every rank starts from rank 0's whole model, then keeps its 1/W of it
-            check_shardable(cfg, model, self.combiner)
-            if not is_sharded(model.parameters()):  # a model the caller sharded: its shards are its own
-                broadcast_module_state(self.combiner, model)
-                shard_model(model, self.combiner)
-        per_unit = "ghost" if self.sharded and cfg.per_unit == "auto" else cfg.per_unit
-        self.per_unit = make_per_unit(per_unit, model, loss_fn, self.algo, precision)
+        # the distribution part: how the model is held, the sums accumulate and the noise is released
+        self.distribution = DISTRIBUTIONS.lookup(cfg.sharding)()
+        self.distribution.prepare(cfg, model, self.combiner)
+        self.sharded = self.distribution.holds_shards  # (the checkpoint's layout)
+        self.per_unit = make_per_unit(self.distribution.per_unit(cfg.per_unit), model, loss_fn, self.algo, precision)
         self._mixing = mixing_modules(model)  # checked again at every release
         self.params = self.per_unit.params
         self.device = self.params[0].device
@@ -189,10 +180,7 @@ class EngineRun:
             self.master = [nn.Parameter(p.detach().float().clone()) for p in self.params]
         else:
             self.master = self.params
-        if not self.sharded and is_sharded(self.params):
-            raise UserError(
-                "the model's parameters are DTensors (fully_shard): set sharding='fsdp' (training.sharding: fsdp)"
-            )
+        self.distribution.check_params(self.params)
         self._padding = None  # a sharded rank's zero-weight chunk (clipped_sum)
         self.precision = {
             "autocast": cfg.precision,
@@ -225,11 +213,7 @@ class EngineRun:
         self.sampler = self.plan.sampler
         self.noise = self.plan.noise_mechanism(source)
         self.noise.init(self.master)
-        if self.sharded and not callable(getattr(self.noise, "pieces", None)):
-            raise UserError(
-                f"sharding='fsdp': the noise mechanism {type(self.noise).__name__} has no pieces() (its "
-                "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'"
-            )
+        self.distribution.check_noise(self.noise)
         # what the noise is added to each step: the sums, one per trainable parameter, in float32+
         self._sum_numel = sum(p.numel() for p in self.params)
         self._sum_dtypes = sorted({_accumulation_dtype(p.dtype) for p in self.params}, key=str)
@@ -364,7 +348,7 @@ class EngineRun:
         statistic (bad units, padding included) and computes the sums again where it is not 0."""
         cfg, algo = self.cfg, self.algo
         acc = _accumulation_dtype(self.params[0].dtype)
-        sums = None  # the first chunk's sums become the accumulators (no extra model-sized buffer)
+        sums = self.distribution.accumulator(self.params, _accumulation_dtype, acc)
         # units, centered count, loss, clipped, weight, non-finite units; bad units with padding (release's redo)
         stats = torch.zeros(7, dtype=torch.float64, device=self.device)  # read once a step, in run_step
         c_now = float(self.clip_state["clip_norm"])
@@ -378,13 +362,7 @@ class EngineRun:
             ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
         chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
         loaded = self._prefetch(chunks)
-        shards: list | None = [None] * len(self.params) if self.sharded else None
-
-        def sink(j: int, x: torch.Tensor | None) -> None:  # sharded: each parameter's sum to its shards, now
-            if x is not None:
-                r = reduce_scatter(x.to(acc), self.params[j])
-                shards[j] = r if shards[j] is None else shards[j].add_(r)
-
+        sink = {"sink": sums.sink} if sums.sink is not None else {}
         if n_chunks is not None and n_chunks > len(chunks):
             loaded = self._padded(loaded, n_chunks - len(chunks))
             chunks = chunks + [ids[:0]] * (n_chunks - len(chunks))
@@ -396,14 +374,8 @@ class EngineRun:
             w = valid.clone()
             if self.table.weights is not None:
                 w[:k] *= _to_device(torch.as_tensor(self.table.weights[cid], dtype=w.dtype), self.device)
-            part, norms, losses, bad = self.per_unit.clipped_sum(
-                batch, mask, w, clip, **({"sink": sink} if self.sharded else {})
-            )
-            if shards is None and sums is None:  # the strategy's sums are fresh: keep them (.to: no-op, same dtype)
-                sums = [x.to(_accumulation_dtype(p.dtype)) for x, p in zip(part, self.params, strict=True)]
-            elif shards is None:  # (sharded: the sink has them)
-                for j, x in enumerate(part):
-                    sums[j] += x
+            part, norms, losses, bad = self.per_unit.clipped_sum(batch, mask, w, clip, **sink)
+            sums.add(part)
             unclipped = (norms <= c_now).to(acc)
             losses = torch.where(torch.isfinite(losses), losses.detach(), 0.0).to(acc)
             stats += torch.stack(
@@ -417,14 +389,7 @@ class EngineRun:
                     bad.to(acc).sum(),
                 ]
             ).double()
-        if shards is not None:  # each rank's shards of the totals (zero where no chunk ran: an empty cohort)
-            sums = [
-                x if x is not None else torch.zeros_like(p, dtype=_accumulation_dtype(p.dtype))
-                for x, p in zip(shards, self.params, strict=True)
-            ]
-        elif sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
-            sums = [torch.zeros(p.shape, dtype=_accumulation_dtype(p.dtype), device=self.device) for p in self.params]
-        return sums, stats
+        return sums.result(self.device), stats
 
     def _padded(self, loaded, extra: int):
         """The loaded chunks, then ``extra`` zero-weight padding chunks (:meth:`_padding_chunk`)."""
@@ -453,13 +418,12 @@ class EngineRun:
         units' updates clipped and summed, the noise added once to the sum, and the sum divided by
         the public denominator becomes ``.grad`` of the parameters the optimizer steps (replacing
         whatever was there). Returns the step's metrics so far and the count query's noisy value."""
-        cfg, plan, comb = self.cfg, self.plan, self.combiner
+        cfg, plan, comb, dist = self.cfg, self.plan, self.combiner, self.distribution
         check_release(self.model, self._mixing, None)  # a caller's loop may have called model.train()
         self.ledger.record_step()  # before anything of this step can be seen (on every rank: before its all-reduce)
         main = comb.rank == 0
-        if main and plan.update_noise_multiplier > 0 and hasattr(self.noise, "begin_step") and not self.sharded:
-            # the noise depends on nothing of the step's data: a host source draws it while the sums are computed
-            # (not when sharded: that would be a model-sized buffer; the shards' noise is read a parameter at a time)
+        if main and plan.update_noise_multiplier > 0 and hasattr(self.noise, "begin_step") and dist.draws_ahead():
+            # the noise depends on nothing of the step's data: a host source may draw it while the sums are computed
             self.noise.begin_step(self._sum_numel, self._sum_dtypes)
         versions = buffer_versions(self.model)
         self.optimizer.zero_grad(set_to_none=True)  # last step's update: free it before this step's sums
@@ -480,13 +444,11 @@ class EngineRun:
             self.sampler,
         )
         mine = ids[comb.rank :: comb.world_size]
-        # sharded: every rank runs as many chunks as the rank with the most units (FSDP's gathers pair up)
-        n_chunks = chunks_per_rank(len(ids), comb.world_size, cfg.chunk_size) if self.sharded else None
-        # on a device the strategy skips zeroing bad units' rows (a pass over every factor), and the
+        n_chunks = dist.chunks(len(ids), comb.world_size, cfg.chunk_size)  # (a floor: FSDP's gathers pair up)
+        # on a device the strategy may skip zeroing bad units' rows (a pass over every factor), and the
         # step's one sync says whether any unit was bad: then the sums may hold NaN, and are computed
-        # again, zeroing, before anything of them is used (a sharded step's collectives run inside the
-        # chunks, so every rank would have to agree: it zeroes always)
-        lazy = not self.sharded and defers_zeroing(self.device)
+        # again, zeroing, before anything of them is used
+        lazy = dist.lazy_zeroing(self.device)
         sums, stats = self.clipped_sum(mine, n_chunks, lazy=lazy)
         check_release(self.model, (), versions)  # no buffer moved: nothing un-noised leaves in a checkpoint
         stats = _host(stats)  # the step's one host sync: a few float64 statistics
@@ -510,15 +472,7 @@ class EngineRun:
         std_sum = plan.update_noise_multiplier * self._sensitivity()
         den, est_std = cfg.denominator.scales(plan.expected_weight, weight, std_sum)
         self.last_denominator = den  # what .grad was divided by (the neighbour test multiplies it back)
-        if self.sharded:  # the sums are each rank's shards of the totals already (clipped_sum's sink)
-            if est_std > 0:
-                self._add_shard_noise(sums, est_std * den)
-        else:  # every rank gets the whole noised sum
-            if main and est_std > 0:  # est_std is proportional to std_sum: 0 when non-private
-                # in place (drawn meanwhile on a CPU, else streamed); a plugin's release must be finite
-                plugin_call("noise mechanism", self.noise, self.noise.add_noise, sums, est_std * den)
-                check_finite_release(sums, self.noise)
-            sums = comb.all_reduce_sum(sums)
+        sums = dist.release(self, sums, est_std * den)
         # ---- divide by the public constant (in float32+), hand to the optimizer (grads were freed at the start)
         for m, x in zip(self.master, sums, strict=True):  # in place: the sums are this step's own buffers
             m.grad = x.div_(den).to(m.dtype)
@@ -548,20 +502,6 @@ class EngineRun:
                     opt["state"][i][k] = template[f"optim/{i}/{k}"] = torch.zeros_like(held[int(i)].detach())
         load_shards(template, os.path.join(self.dir, st["shards"]), f"cannot resume from {self.dir}")
         return opt
-
-    def _add_shard_noise(self, shards: list, std: float) -> None:
-        """Add the step's one noise draw to the shards of the totals (DTensors; every rank calls this):
-        rank 0 reads the draw in the replicated run's order, a parameter at a time
-        (:class:`userdp.engine.flat.DrawCursor`: the same numbers as :meth:`IIDGaussian.add_noise`),
-        and scatters each parameter's noise to the ranks holding its shards."""
-        main = self.combiner.rank == 0
-        cursor = DrawCursor(self.noise.pieces(self._sum_numel, self._sum_dtypes, std, self.device)) if main else None
-        for p, x in zip(self.params, shards, strict=True):
-            local = x.to_local()
-            full = cursor.take(p.numel(), local.dtype, local.device) if main else None
-            local.add_(scatter_from_main(full, p, local.dtype))
-        if main:
-            cursor.finish()
 
     def end_step(self, metrics: dict, noisy_centered: float, t0: float) -> dict:
         """After the optimizer's step: the step counts as applied, the adaptive clip norm moves,
@@ -988,8 +928,7 @@ def _agree(run: EngineRun) -> None:
         )
     # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank (a sharded
     # run did so before sharding: its ranks now hold different shards)
-    if not run.sharded:
-        broadcast_module_state(comb, run.model, extra=run.master if run.master is not run.params else ())
+    run.distribution.share_initial_state(comb, run)
 
 
 def _train_loop(run: EngineRun, options: RunOptions) -> TrainResult:

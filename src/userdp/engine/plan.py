@@ -26,12 +26,12 @@ from userdp.accounting.split import update_noise_multiplier
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
 from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
+from userdp.engine.distribution import DISTRIBUTIONS
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
 from userdp.engine.sampling import accounted_as, get_sampler
-from userdp.engine.sharding import SHARDINGS
 from userdp.errors import UserError
 from userdp.validation import (
     MAX_STEPS,
@@ -162,7 +162,7 @@ class TrainConfig:
             PER_UNIT_STRATEGIES.lookup(self.per_unit)
         NOISE_MECHANISMS.lookup(self.noise)
         check_choice(self.precision, "precision", PRECISIONS)
-        check_choice(self.sharding, "sharding", SHARDINGS)
+        DISTRIBUTIONS.lookup(self.sharding)  # none, fsdp, or a plugin's distribution
         if sampling == "fixed_size" and self.accountant != "rdp":
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:

@@ -37,9 +37,6 @@ from torch import nn
 from userdp.errors import UserError
 from userdp.fileio import sha256_file
 
-#: the choices of ``TrainConfig.sharding`` (and ``training.sharding``)
-SHARDINGS = ("none", "fsdp")
-
 
 def is_sharded(params) -> bool:
     """Whether any of ``params`` is a DTensor shard (a model already passed through ``fully_shard``).

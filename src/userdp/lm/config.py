@@ -35,10 +35,11 @@ from userdp import plugins
 from userdp.accounting.accountants import ACCOUNTANTS
 from userdp.accounting.events import MAX_TARGET_EPSILON
 from userdp.engine.algorithms import ALGORITHMS
+from userdp.engine.distribution import DISTRIBUTIONS
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.sampling import SAMPLERS
-from userdp.engine.sharding import SHARDINGS, unshardable
+from userdp.engine.sharding import unshardable
 from userdp.errors import UserError
 from userdp.fileio import read_input, unclaimable
 from userdp.lm.presets import PRESETS
@@ -258,7 +259,8 @@ class TrainingConfig:
     memory_gb: Positive | None = None  # cap for chunk_size: auto (null: 80% of the free device memory)
     per_unit: _choice(PER_UNIT_STRATEGIES.choices("auto")) = "auto"  # auto: ghost norms for gradient updates
     precision: _choice("auto", "float32", "bfloat16", "float16") = "auto"  # autocast dtype
-    sharding: _choice(*SHARDINGS) = "none"  # fsdp: each of the torchrun processes holds 1/W of the model (FSDP2)
+    # none; fsdp: each of the torchrun processes holds 1/W of the model (FSDP2); or a plugin's distribution
+    sharding: _choice(DISTRIBUTIONS.choices()) = "none"
     seed: Seed | None = None  # null: sampling and noise from OS entropy (secret)
     checkpoint_every: Count = 25
 

@@ -1,0 +1,210 @@
+"""How a step's work and its release are shared out across the processes of a job: the
+*distribution* part of a run (``TrainConfig.sharding`` names it; docs/scaling.md).
+
+A distribution decides, for a step whose cohort every rank has drawn alike:
+
+* how the model is held (:meth:`Replicated.prepare`: whole on every rank, or 1/W of it each) and
+  which per-unit strategy can train it;
+* how each rank's clipped sums accumulate over its chunks (:meth:`Replicated.accumulator`) and how
+  many chunks every rank runs;
+* where the step's one noise draw is made and how the noised sums reach every rank
+  (:meth:`Replicated.release`);
+* whether the host may draw the noise ahead, and whether a device may defer zeroing bad units.
+
+The loop asks these questions and branches on none of them. :class:`Replicated` is the plain
+data-parallel variant (the noise added once, on rank 0, to its partial sum before the all-reduce,
+as Opacus's ``DistributedDPOptimizer`` does); :class:`Sharded` overrides the stages that differ
+under FSDP2 (Opacus's distributed optimizers are such overrides too). A new distribution is one
+class registered in :data:`DISTRIBUTIONS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from userdp.engine.contraction import defers_zeroing
+from userdp.engine.distributed import broadcast_module_state
+from userdp.engine.flat import DrawCursor
+from userdp.engine.plugin_outputs import call as plugin_call
+from userdp.engine.plugin_outputs import check_finite_release
+from userdp.engine.sharding import (
+    check_shardable,
+    chunks_per_rank,
+    is_sharded,
+    reduce_scatter,
+    scatter_from_main,
+    shard_model,
+)
+from userdp.errors import UserError
+from userdp.registry import Registry
+
+
+class _WholeSums:
+    """A replicated rank's running clipped sums: the first chunk's sums become the accumulators
+    (no extra model-sized buffer), later chunks are added to them."""
+
+    sink = None  # the per-unit strategy returns each chunk's whole sums
+
+    def __init__(self, params: Sequence[torch.Tensor], dtype_of):
+        self.params, self.dtype_of = params, dtype_of
+        self.sums: list[torch.Tensor] | None = None
+
+    def add(self, part: Sequence[torch.Tensor]) -> None:
+        if self.sums is None:  # the strategy's sums are fresh: keep them (.to: no-op, same dtype)
+            self.sums = [x.to(self.dtype_of(p.dtype)) for x, p in zip(part, self.params, strict=True)]
+        else:
+            for j, x in enumerate(part):
+                self.sums[j] += x
+
+    def result(self, device) -> list[torch.Tensor]:
+        if self.sums is None:  # an empty cohort (Poisson can draw none): the sum is zero
+            return [torch.zeros(p.shape, dtype=self.dtype_of(p.dtype), device=device) for p in self.params]
+        return self.sums
+
+
+class _ShardSums:
+    """A sharded rank's running totals: each parameter's clipped sum is reduce-scattered to its
+    shards as soon as the strategy forms it (the sink), so a rank holds 1/W of the model's sums."""
+
+    def __init__(self, params: Sequence[torch.Tensor], dtype_of, acc: torch.dtype):
+        self.params, self.dtype_of, self.acc = params, dtype_of, acc
+        self.shards: list = [None] * len(params)
+
+    def sink(self, j: int, x: torch.Tensor | None) -> None:
+        if x is not None:
+            r = reduce_scatter(x.to(self.acc), self.params[j])
+            self.shards[j] = r if self.shards[j] is None else self.shards[j].add_(r)
+
+    def add(self, part) -> None:  # the sink has them
+        pass
+
+    def result(self, device) -> list[torch.Tensor]:  # zero where no chunk ran: an empty cohort
+        return [
+            x if x is not None else torch.zeros_like(p, dtype=self.dtype_of(p.dtype))
+            for x, p in zip(self.shards, self.params, strict=True)
+        ]
+
+
+class Replicated:
+    """Every rank holds the whole model and computes the clipped sums of its share of the cohort;
+    rank 0 adds the step's one noise draw to its partial sum, and the sums are all-reduced, so every
+    rank gets the whole noised sum."""
+
+    name = "none"
+    holds_shards = False
+
+    def prepare(self, config, model: torch.nn.Module, combiner) -> None:
+        """Make ``model`` ready to train under this distribution (replicated: nothing to do)."""
+
+    def per_unit(self, asked: str) -> str:
+        """The per-unit strategy this distribution trains with, given the one asked for."""
+        return asked
+
+    def check_params(self, params: Sequence[torch.Tensor]) -> None:
+        if is_sharded(params):
+            raise UserError(
+                "the model's parameters are DTensors (fully_shard): set sharding='fsdp' (training.sharding: fsdp)"
+            )
+
+    def check_noise(self, noise) -> None:
+        """Refuse, before any step, a noise mechanism this distribution cannot release with."""
+
+    def draws_ahead(self) -> bool:
+        """Whether the main rank's host source may draw a step's noise while its sums are computed
+        (a model-sized buffer)."""
+        return True
+
+    def chunks(self, cohort_size: int, world_size: int, chunk_size: int) -> int | None:
+        """How many chunks every rank runs at least (None: as many as its units need)."""
+        return None
+
+    def lazy_zeroing(self, device: torch.device) -> bool:
+        """Whether the strategy may leave bad units' rows unzeroed on ``device`` and have the step
+        computed again where any unit was bad."""
+        return defers_zeroing(device)
+
+    def accumulator(self, params: Sequence[torch.Tensor], dtype_of, acc: torch.dtype) -> _WholeSums | _ShardSums:
+        """The running sums of a rank's chunks: a ``sink`` the strategy hands each parameter's sum to
+        (None: it returns them), ``add(part)`` for each chunk's sums, ``result(device)`` for the step's."""
+        return _WholeSums(params, dtype_of)
+
+    def release(self, run, sums: list[torch.Tensor], std: float) -> list[torch.Tensor]:
+        """The step's noised sums on every rank: rank 0 adds one draw of N(0, std²) (in place; a
+        plugin's release must be finite), then the sums are all-reduced."""
+        if run.combiner.rank == 0 and std > 0:  # std is proportional to the noise multiplier: 0 when non-private
+            plugin_call("noise mechanism", run.noise, run.noise.add_noise, sums, std)
+            check_finite_release(sums, run.noise)
+        return run.combiner.all_reduce_sum(sums)
+
+    def share_initial_state(self, combiner, run) -> None:
+        """Rank 0's initial values on every rank (e.g. a randomly initialised preset, LoRA's random A)."""
+        broadcast_module_state(combiner, run.model, extra=run.master if run.master is not run.params else ())
+
+
+class Sharded(Replicated):
+    """FSDP2 (:mod:`userdp.engine.sharding`): each rank holds 1/W of every parameter; each
+    parameter's clipped sum is reduce-scattered to its shards as it is formed; every rank runs as
+    many chunks as the rank with the most units (FSDP's gathers are collectives); the noise is
+    drawn once on rank 0, in the replicated run's order, a parameter at a time, and scattered."""
+
+    name = "fsdp"
+    holds_shards = True
+
+    def prepare(self, config, model: torch.nn.Module, combiner) -> None:
+        """Every rank starts from rank 0's whole model, then keeps its 1/W of it (a model the caller
+        sharded keeps its own shards)."""
+        check_shardable(config, model, combiner)
+        if not is_sharded(model.parameters()):
+            broadcast_module_state(combiner, model)
+            shard_model(model, combiner)
+
+    def per_unit(self, asked: str) -> str:
+        return "ghost" if asked == "auto" else asked
+
+    def check_params(self, params) -> None:
+        pass
+
+    def check_noise(self, noise) -> None:
+        if not callable(getattr(noise, "pieces", None)):
+            raise UserError(
+                f"sharding='fsdp': the noise mechanism {type(noise).__name__} has no pieces() (its "
+                "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'"
+            )
+
+    def draws_ahead(self) -> bool:  # a model-sized buffer; the shards' noise is read a parameter at a time
+        return False
+
+    def chunks(self, cohort_size: int, world_size: int, chunk_size: int) -> int | None:
+        return chunks_per_rank(cohort_size, world_size, chunk_size)
+
+    def lazy_zeroing(self, device) -> bool:  # the collectives run inside the chunks: every rank zeroes
+        return False
+
+    def accumulator(self, params, dtype_of, acc) -> _ShardSums:
+        return _ShardSums(params, dtype_of, acc)
+
+    def release(self, run, sums: list, std: float) -> list:
+        """Add the step's one noise draw to the shards of the totals (DTensors; every rank calls
+        this): rank 0 reads the draw in the replicated run's order, a parameter at a time
+        (:class:`userdp.engine.flat.DrawCursor`: the same numbers as ``add_noise``), and scatters
+        each parameter's noise to the ranks holding its shards."""
+        if std <= 0:
+            return sums
+        main = run.combiner.rank == 0
+        cursor = DrawCursor(run.noise.pieces(run._sum_numel, run._sum_dtypes, std, run.device)) if main else None
+        for p, x in zip(run.params, sums, strict=True):
+            local = x.to_local()
+            full = cursor.take(p.numel(), local.dtype, local.device) if cursor is not None else None
+            local.add_(scatter_from_main(full, p, local.dtype))
+        if cursor is not None:
+            cursor.finish()
+        return sums
+
+    def share_initial_state(self, combiner, run) -> None:  # done before sharding: the ranks now hold different shards
+        pass
+
+
+#: ``TrainConfig.sharding`` (and ``training.sharding``) -> the distribution class; plugins register more
+DISTRIBUTIONS: Registry = Registry("sharding", {"none": Replicated, "fsdp": Sharded})

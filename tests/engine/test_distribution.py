@@ -1,0 +1,103 @@
+"""The distribution part (userdp.engine.distribution): the loop asks it how the sums accumulate
+and how the noised sum is released, and branches on none of it; a new distribution is one file
+(examples/plugins/three_way_split.py, three ranks' partial sums dealt out in one process) that a
+run takes by name, releases the replicated run's sum and passes the neighbour test."""
+
+import ast
+
+import numpy as np
+import pytest
+import torch
+from _neighbours import ADVERSARIES, builder, honest, reg_loss
+from _paths import REPO
+
+from userdp import plugins
+from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
+from userdp.engine.distribution import DISTRIBUTIONS, Replicated, Sharded
+from userdp.engine.neighbour import neighbour_gap
+from userdp.errors import UserError
+
+from _engine_helpers import MLP, ce_loss, mlp_data
+
+EXAMPLE = REPO / "examples" / "plugins" / "three_way_split.py"
+
+
+def _config(algorithm="uls", sharding="none", **kw):
+    alg = {"uls": ULS(2, 1.0), "els": ELS(2, 1.0), "fedavg": FedAvg(2, 1.0, local_epochs=1, local_lr=0.1)}[algorithm]
+    base = dict(
+        algorithm=alg,
+        steps=2,
+        clipping=FlatClip(1.0),
+        optimizer=SGD(lr=0.1),
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=11,
+        chunk_size=2,
+        sharding=sharding,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def test_the_loop_names_no_distribution():
+    """`sharded` and the sharding names appear in the step's module only where the checkpoint's
+    layout is read (the distribution part decides the rest)."""
+    tree = ast.parse((REPO / "src" / "userdp" / "engine" / "loop.py").read_text())
+    run = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineRun")
+    step_methods = {"__init__", "clipped_sum", "release", "run_step", "end_step"}
+    for fn in (n for n in run.body if isinstance(n, ast.FunctionDef) and n.name in step_methods):
+        text = ast.unparse(fn)
+        assert "fsdp" not in text and "DTensor" not in text, fn.name
+        assert "if self.sharded" not in text and "not self.sharded" not in text, fn.name
+
+
+def test_the_built_in_distributions_differ_only_in_the_stages_they_override():
+    r, s = Replicated(), Sharded()
+    assert DISTRIBUTIONS.lookup("none") is Replicated and DISTRIBUTIONS.lookup("fsdp") is Sharded
+    assert (r.per_unit("auto"), s.per_unit("auto"), s.per_unit("vmap")) == ("auto", "ghost", "vmap")
+    assert r.chunks(7, 2, 2) is None and s.chunks(7, 2, 2) == 2  # every rank as many as the busiest
+    assert r.draws_ahead() and not s.draws_ahead()  # a model-sized buffer a sharded rank must not hold
+    assert not s.lazy_zeroing(torch.device("cpu")) and not r.lazy_zeroing(torch.device("cpu"))
+
+    class NoPieces:
+        def add_noise(self, tensors, std):
+            pass
+
+    r.check_noise(NoPieces())
+    with pytest.raises(UserError, match="has no pieces"):
+        s.check_noise(NoPieces())
+    with pytest.raises(UserError, match=r"sharding must be one of none, fsdp"):
+        _config(sharding="fsdb")
+
+
+@pytest.fixture
+def three_way(isolated_registries):
+    plugins.load(str(EXAMPLE), source="--plugin")
+    assert "three_way_split" in DISTRIBUTIONS
+
+
+@pytest.mark.usefixtures("three_way")
+@pytest.mark.parametrize("algorithm", ["uls", "els", "fedavg"])
+def test_a_distribution_in_one_file_releases_the_replicated_runs_sum(algorithm):
+    models, records = {}, {}
+    sizes = np.random.default_rng(5).integers(1, 6, 40)
+    for sharding in ("none", "three_way_split"):
+        torch.manual_seed(0)
+        model = MLP()
+        res = train(model, mlp_data(sizes), ce_loss, _config(algorithm, sharding, chunk_size=3, steps=3))
+        models[sharding] = [p.detach().clone() for p in model.parameters()]
+        records[sharding] = res.record.to_dict()
+    # the same cohorts and the same noise; only the order of the float32 additions differs
+    for a, b in zip(models["none"], models["three_way_split"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    drop = {"journal"}
+    assert {k: v for k, v in records["none"].items() if k not in drop} == {
+        k: v for k, v in records["three_way_split"].items() if k not in drop
+    }
+
+
+@pytest.mark.usefixtures("three_way")
+@pytest.mark.parametrize("adversary", ["cancelling", "huge", "many_records", "nonfinite"])
+def test_a_distribution_in_one_file_passes_the_neighbour_test(adversary):
+    cfg = _config("uls", "three_way_split", steps=1)
+    gap = neighbour_gap(builder(layers=2), honest(n_users=7, g=2), ADVERSARIES[adversary](), reg_loss, cfg)
+    assert gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"
