@@ -20,10 +20,12 @@ class registered in :data:`DISTRIBUTIONS`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 
+from userdp.engine import checkpoint as ckpt
 from userdp.engine.contraction import defers_zeroing
 from userdp.engine.distributed import broadcast_module_state
 from userdp.engine.flat import DrawCursor
@@ -33,7 +35,10 @@ from userdp.engine.sharding import (
     check_shardable,
     chunks_per_rank,
     is_sharded,
+    load_shards,
+    optimizer_state_like,
     reduce_scatter,
+    save_shards,
     scatter_from_main,
     shard_model,
 )
@@ -95,6 +100,9 @@ class Replicated:
     name = "none"
     holds_shards = False
 
+    def check(self, config, model: torch.nn.Module, combiner) -> None:
+        """Refuse, before anything is written, a model or a job this distribution cannot train."""
+
     def prepare(self, config, model: torch.nn.Module, combiner) -> None:
         """Make ``model`` ready to train under this distribution (replicated: nothing to do)."""
 
@@ -142,6 +150,20 @@ class Replicated:
         """Rank 0's initial values on every rank (e.g. a randomly initialised preset, LoRA's random A)."""
         broadcast_module_state(combiner, run.model, extra=run.master if run.master is not run.params else ())
 
+    # ---------------------------------------------------------------- the checkpoint's layout
+    def split_state(self, run, optimizer: dict) -> tuple[dict, dict]:
+        """(the optimizer's state dict for the checkpoint, the tensors this rank writes as shards by
+        name): replicated, the whole state and no shards (the weights go in the state)."""
+        return optimizer, {}
+
+    def save_shards(self, run, st: dict, tensors: dict):
+        """Write this rank's shards, naming their folder in ``st`` (None: nothing to write)."""
+        return None
+
+    def optimizer_state_like(self, optimizer: dict, held: list) -> dict:
+        """A whole saved optimizer state laid out as this run holds its parameters."""
+        return optimizer
+
 
 class Sharded(Replicated):
     """FSDP2 (:mod:`userdp.engine.sharding`): each rank holds 1/W of every parameter; each
@@ -151,6 +173,9 @@ class Sharded(Replicated):
 
     name = "fsdp"
     holds_shards = True
+
+    def check(self, config, model: torch.nn.Module, combiner) -> None:
+        check_shardable(config, model, combiner)
 
     def prepare(self, config, model: torch.nn.Module, combiner) -> None:
         """Every rank starts from rank 0's whole model, then keeps its 1/W of it (a model the caller
@@ -204,6 +229,45 @@ class Sharded(Replicated):
 
     def share_initial_state(self, combiner, run) -> None:  # done before sharding: the ranks now hold different shards
         pass
+
+    def split_state(self, run, optimizer: dict) -> tuple[dict, dict]:
+        """Each optimizer state laid out as its parameter (Adam's moments) replaced by
+        :data:`userdp.engine.checkpoint.IN_SHARDS`, and those states with the masters by name, for the
+        shards (``param/NAME``, ``optim/INDEX/KEY``); scalars (Adam's step) stay in the state dict."""
+        held = [p for g in run.optimizer.param_groups for p in g["params"]]
+        shards = {f"param/{n}": m.detach() for n, m in zip(run.per_unit.names, run.master, strict=True)}
+        kept = {}
+        for i, entry in optimizer["state"].items():
+            shape = tuple(held[int(i)].shape)
+            moved = {
+                k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == shape
+            }
+            shards.update({f"optim/{i}/{k}": entry[k] for k in moved})
+            kept[i] = {k: ckpt.IN_SHARDS if k in moved else v for k, v in entry.items()}
+        return {**optimizer, "state": kept}, shards
+
+    def save_shards(self, run, st: dict, tensors: dict):
+        st["shards"] = ckpt.shards_folder(run.step)
+        return st["shards"], save_shards(tensors, ckpt.pending_folder(run.dir, st["shards"]))
+
+    def optimizer_state_like(self, optimizer: dict, held: list) -> dict:
+        return optimizer_state_like(optimizer, held)
+
+
+def read_shards(run, st: dict, held: list) -> dict:
+    """Read a sharded checkpoint's shards into ``run``'s masters (in place) and its optimizer states
+    (returned: ``st["optimizer"]`` with each :data:`userdp.engine.checkpoint.IN_SHARDS` filled),
+    whatever the run's layout: sharded on any W, or whole (``torch.distributed.checkpoint``
+    reshards). Every rank of the run calls it."""
+    template = {f"param/{n}": m.detach() for n, m in zip(run.per_unit.names, run.master, strict=True)}
+    opt = {**st["optimizer"], "state": {}}
+    for i, entry in st["optimizer"]["state"].items():
+        opt["state"][i] = dict(entry)
+        for k, v in entry.items():
+            if isinstance(v, str) and v == ckpt.IN_SHARDS:
+                opt["state"][i][k] = template[f"optim/{i}/{k}"] = torch.zeros_like(held[int(i)].detach())
+    load_shards(template, os.path.join(run.dir, st["shards"]), f"cannot resume from {run.dir}")
+    return opt
 
 
 #: ``TrainConfig.sharding`` (and ``training.sharding``) -> the distribution class; plugins register more

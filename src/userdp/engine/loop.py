@@ -28,7 +28,7 @@ from userdp.engine.algorithms import UnitTable
 from userdp.engine.clipping import StepClipping
 from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner
-from userdp.engine.distribution import DISTRIBUTIONS
+from userdp.engine.distribution import DISTRIBUTIONS, read_shards
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
 from userdp.engine.noise import ENTROPY_BITS, os_entropy, source_for
@@ -41,13 +41,7 @@ from userdp.engine.record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
 from userdp.engine.run_record import run_record
 from userdp.engine.sampling import bucket_size
-from userdp.engine.sharding import (
-    check_shardable,
-    load_shards,
-    optimizer_state_like,
-    save_shards,
-    shard_like,
-)
+from userdp.engine.sharding import shard_like
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_callable, check_instance
 
@@ -167,7 +161,6 @@ class EngineRun:
         # the distribution part: how the model is held, the sums accumulate and the noise is released
         self.distribution = DISTRIBUTIONS.lookup(cfg.sharding)()
         self.distribution.prepare(cfg, model, self.combiner)
-        self.sharded = self.distribution.holds_shards  # (the checkpoint's layout)
         self.per_unit = make_per_unit(self.distribution.per_unit(cfg.per_unit), model, loss_fn, self.algo, precision)
         self._mixing = mixing_modules(model)  # checked again at every release
         self.params = self.per_unit.params
@@ -487,22 +480,6 @@ class EngineRun:
         }
         return metrics, noisy_centered
 
-    def _read_shards(self, st: dict, held: list) -> dict:
-        """Read a sharded checkpoint's shards into this run's masters (in place) and its optimizer
-        states (returned: ``st["optimizer"]`` with each :data:`userdp.engine.checkpoint.IN_SHARDS` filled), whatever
-        this run's
-        layout: sharded on any W, or whole (``torch.distributed.checkpoint`` reshards). Every rank of
-        the run calls it."""
-        template = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master, strict=True)}
-        opt = {**st["optimizer"], "state": {}}
-        for i, entry in st["optimizer"]["state"].items():
-            opt["state"][i] = dict(entry)
-            for k, v in entry.items():
-                if isinstance(v, str) and v == ckpt.IN_SHARDS:
-                    opt["state"][i][k] = template[f"optim/{i}/{k}"] = torch.zeros_like(held[int(i)].detach())
-        load_shards(template, os.path.join(self.dir, st["shards"]), f"cannot resume from {self.dir}")
-        return opt
-
     def end_step(self, metrics: dict, noisy_centered: float, t0: float) -> dict:
         """After the optimizer's step: the step counts as applied, the adaptive clip norm moves,
         and the metrics get the step's time and the epsilon spent."""
@@ -527,13 +504,11 @@ class EngineRun:
         per-parameter optimizer states are not in the state (``params`` None, each such state
         :data:`userdp.engine.checkpoint.IN_SHARDS`) but in the shards (``param/NAME``,
         ``optim/INDEX/KEY``: each rank's, for ``torch.distributed.checkpoint``); ``{}`` when not sharded."""
-        optimizer, shards = self.optimizer.state_dict(), {}
-        if self.sharded:
-            optimizer, shards = self._split_for_shards(optimizer)
+        optimizer, shards = self.distribution.split_state(self, self.optimizer.state_dict())
         st = {
             "step": self.step,
             "ledger": self.ledger.state_dict(),
-            "params": None if self.sharded else [p.detach().cpu() for p in self.master],
+            "params": None if shards else [p.detach().cpu() for p in self.master],
             "param_names": self.per_unit.names,
             "buffers": {n: b.detach().cpu() for n, b in self.model.named_buffers()},
             "optimizer": optimizer,
@@ -558,22 +533,6 @@ class EngineRun:
     def _held(self) -> list:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def _split_for_shards(self, optimizer: dict) -> tuple[dict, dict]:
-        """``optimizer`` (a state dict) with each state laid out as its parameter (Adam's moments)
-        replaced by :data:`userdp.engine.checkpoint.IN_SHARDS`, and those states with the masters
-        by name, for the shards; scalars (Adam's step) stay in the state dict."""
-        held = self._held()
-        shards = {f"param/{n}": m.detach() for n, m in zip(self.per_unit.names, self.master, strict=True)}
-        kept = {}
-        for i, entry in optimizer["state"].items():
-            shape = tuple(held[int(i)].shape)
-            moved = {
-                k for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == shape
-            }
-            shards.update({f"optim/{i}/{k}": entry[k] for k in moved})
-            kept[i] = {k: ckpt.IN_SHARDS if k in moved else v for k, v in entry.items()}
-        return {**optimizer, "state": kept}, shards
-
     def save(self, extra=None):
         """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit).
         A sharded run's ranks each write their shards first (a collective: every rank calls this),
@@ -581,13 +540,10 @@ class EngineRun:
         if not self.dir:
             return
         main = self.combiner.rank == 0
-        if not (main or self.sharded):
+        if not (main or self.distribution.holds_shards):
             return
         st, tensors = self.state()
-        shards = None
-        if self.sharded:  # every rank its own shards (engine.sharding.save_shards), then one commit
-            st["shards"] = ckpt.shards_folder(self.step)
-            shards = (st["shards"], save_shards(tensors, ckpt.pending_folder(self.dir, st["shards"])))
+        shards = self.distribution.save_shards(self, st, tensors)  # every rank its own, then one commit
         if main:  # one writer
             ckpt.save(self.dir, st, extra(self) if extra is not None else None, shards=shards)
 
@@ -604,7 +560,7 @@ class EngineRun:
         optimizer = st["optimizer"]
         from_shards = st.get("shards") is not None
         if from_shards:  # a sharded run's: its shards, read into this run's layout
-            optimizer = self._read_shards(st, held)
+            optimizer = read_shards(self, st, held)
         else:
             for name, m, v in zip(self.per_unit.names, self.master, st["params"], strict=True):
                 if tuple(v.shape) != tuple(m.shape):
@@ -612,8 +568,7 @@ class EngineRun:
                         f"cannot resume from {ckpt.path(self.dir)}: parameter {name} has shape "
                         f"{tuple(v.shape)} there and {tuple(m.shape)} in this model"
                     )
-            if self.sharded:
-                optimizer = optimizer_state_like(optimizer, held)
+            optimizer = self.distribution.optimizer_state_like(optimizer, held)
         with torch.no_grad():
             for i, (p, m) in enumerate(zip(self.params, self.master, strict=True)):
                 if not from_shards:
@@ -808,8 +763,7 @@ def start_run(
     checkpoint_dir, resume = options.checkpoint_dir, options.resume
     comb = options.combiner or LocalCombiner()
     cfg = config.config if isinstance(config, RunPlan) else config
-    if cfg.sharding == "fsdp":  # refused before anything is written
-        check_shardable(cfg, model, comb)
+    DISTRIBUTIONS.lookup(cfg.sharding)().check(cfg, model, comb)  # refused before anything is written
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
     # would race it. A refusal there ends the main rank, and the others with it (docs/scaling.md).
