@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,12 +80,6 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         bool,
         "float16 loss scaling is not proven safe with per-user clipping; use "
         "TrainConfig(precision='bfloat16') (norms, sums and noise stay float32) or float32",
-    ),
-    (
-        "bf16",
-        bool,
-        "mixed precision is the engine's: use TrainConfig(precision='bfloat16') (norms, sums and "
-        "noise stay float32) instead of the Trainer's autocast",
     ),
     (
         "mixed_precision",
@@ -133,6 +128,23 @@ SELECTION_REFUSAL = (
     "score: the selection is outside each trial's guarantee; use `userdp tune` (it accounts the "
     "selection, docs/tuning.md)"
 )
+
+
+def set_aside_bf16(args, privacy: TrainConfig):
+    """``(args, note)``: arguments asking for the Trainer's bf16 autocast (``TrainingArguments.bf16``,
+    on by default in TRL's ``SFTConfig``) as a copy with it off, and the note that says so; or
+    ``(args, None)``. One rule for every entry point: mixed precision is the engine's
+    (``TrainConfig(precision=...)``), under which norms, sums and noise stay float32."""
+    if not getattr(args, "bf16", False):
+        return args, None
+    args = copy.copy(args)
+    args.bf16 = False
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "no":  # set from bf16 alone
+        args.mixed_precision = "no"
+    return args, (
+        f"{type(args).__name__}.bf16=True set aside: mixed precision is the engine's "
+        f"(TrainConfig(precision=...), here {privacy.precision!r}); norms, sums and noise stay float32"
+    )
 
 
 def check_arguments(args) -> list[str]:
@@ -339,7 +351,13 @@ class PrivateTrainer(Trainer):
         check_instance(privacy, "privacy", (TrainConfig,), "a userdp.engine.TrainConfig")
         check_algorithm(privacy)
         given = _given(super().__init__, args, kwargs)
+        bf16_note = None
         if given.get("args") is not None:
+            given["args"], bf16_note = set_aside_bf16(given["args"], privacy)
+            if "args" in kwargs:
+                kwargs["args"] = given["args"]
+            else:  # Trainer(model, args, ...)
+                args = (args[0], given["args"], *args[2:])
             check_arguments(given["args"])
             check_output_dir(getattr(given["args"], "output_dir", None))
             check_push_to_hub(given["args"])
@@ -353,7 +371,7 @@ class PrivateTrainer(Trainer):
         super().__init__(*args, **kwargs)  # a subclass's own data preparation (TRL's) runs here
         _check_overrides(self)
         check_dataset_kind(self.train_dataset)  # as the subclass prepared it
-        self.userdp_notes = check_arguments(self.args)
+        self.userdp_notes = check_arguments(self.args) + ([bf16_note] if bf16_note else [])
         if collator is not None:
             self.userdp_notes.append(
                 f"data_collator ({type(collator).__name__}) applied to each record alone before training (per-record "

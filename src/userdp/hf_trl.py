@@ -19,15 +19,13 @@ noised update, the ledger, the run directory that ``userdp report`` verifies). W
 * ``packing`` is refused: it concatenates records of different users into one training sequence
   (and drops the user column), so one sequence would carry several people's text.
 * ``padding_free`` is refused for the same reason (one flattened batch row across records).
-* ``bf16`` (on by default in ``SFTConfig``) is set aside, and said: mixed precision is
-  ``TrainConfig(precision="bfloat16")``'s (norms, sums and noise stay float32).
+* ``bf16`` (on by default in ``SFTConfig``) is set aside and said, as by ``PrivateTrainer``
+  (:func:`userdp.hf.set_aside_bf16`): mixed precision is ``TrainConfig(precision="bfloat16")``'s.
 * ``model`` given as a name must be a local folder: userdp downloads nothing.
 """
 
 from __future__ import annotations
 
-import copy
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -101,16 +99,6 @@ class PrivateSFTTrainer(PrivateTrainer, SFTTrainer):
                 value = getattr(args, name, None)
                 if value is not None and is_set(value):
                     raise UserError(f"SFTConfig.{name}={value!r}: {why}")
-            if getattr(args, "bf16", False):
-                args = copy.copy(args)
-                args.bf16 = False
-                if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "no":  # set from bf16 alone
-                    args.mixed_precision = "no"
-                set_aside.append(
-                    "SFTConfig.bf16=True set aside: mixed precision is the engine's "
-                    f"(TrainConfig(precision=...), here {privacy.precision!r}); norms, sums and noise "
-                    "stay float32"
-                )
         dataset = kwargs.get("train_dataset", rest[1] if len(rest) > 1 else None)
         _check_chat_template(dataset, kwargs.get("processing_class", rest[3] if len(rest) > 3 else None))
         before = len(dataset) if hasattr(dataset, "__len__") else None

@@ -15,6 +15,7 @@ from _hf_helpers import hf_dataset as _dataset
 from _hf_helpers import hf_model as _model
 from _paths import REPO, TESTS
 from datasets import Dataset
+from transformers import TrainingArguments
 
 from userdp.engine import ELS, ULS, FlatClip, TrainConfig, make_private
 from userdp.errors import UserError
@@ -66,7 +67,6 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
     [
         ("gradient_accumulation_steps", 2),
         ("fp16", True),
-        ("bf16", True),
         ("torch_compile", True),
         ("deepspeed", "ds.json"),
         ("fsdp", "full_shard"),
@@ -107,7 +107,6 @@ def test_each_setting_that_would_break_the_guarantee_is_one_line_naming_it(name,
     assert {n for n, _, _ in REFUSED} <= {
         "gradient_accumulation_steps",
         "fp16",
-        "bf16",
         "mixed_precision",
         "torch_compile",
         "deepspeed",
@@ -471,3 +470,29 @@ def test_the_trainers_cohorts_are_poisson_at_the_sampling_rate(tmp_path):
     mu4 = n * q * (1 - q) * (1 + 3 * (n - 2) * q * (1 - q))
     assert abs(sizes.var(ddof=1) - var) < 4 * np.sqrt((mu4 - var**2 * (t - 3) / (t - 1)) / t)
     assert sizes.min() >= 0 and sizes.max() <= n
+
+
+def test_bf16_is_set_aside_and_said_as_the_sft_trainer_does(tmp_path):
+    """One rule for TrainingArguments.bf16 at every entry point (SFTConfig turns it on by default):
+    the Trainer's autocast is set aside, the run's notes say so, and the caller's object is unchanged."""
+    privacy = TrainConfig(
+        algorithm=ULS(group_size=2, sampling_rate=0.3),
+        steps=1,
+        clipping=FlatClip(0.5),
+        noise_multiplier=1.0,
+        delta=1e-4,
+    )
+    args = _args(tmp_path, bf16=True) if _bf16_possible() else None
+    if args is None:
+        pytest.skip("this transformers refuses bf16=True on this CPU at TrainingArguments() already")
+    trainer = PrivateTrainer(model=_model(), args=args, train_dataset=_dataset(), privacy=privacy, user_field="user")
+    assert args.bf16 is True and trainer.args.bf16 is False
+    assert any(n.startswith("TrainingArguments.bf16=True set aside") for n in trainer.userdp_notes)
+
+
+def _bf16_possible() -> bool:
+    try:
+        TrainingArguments(output_dir=None, bf16=True, use_cpu=True, report_to=[])
+    except (ValueError, ImportError):
+        return False
+    return True
