@@ -496,3 +496,26 @@ def _bf16_possible() -> bool:
     except (ValueError, ImportError):
         return False
     return True
+
+
+def test_userdp_evaluate_on_a_trainers_output_dir_speaks_the_trainers_language(tmp_path, capsys):
+    """`userdp evaluate OUTPUT_DIR` read the Trainer's config.yaml as a `userdp train` config
+    ("unknown key 'hf_trainer'"). The Trainer's eval_dataset is never saved, so the users to
+    evaluate on must be given: without them, one line says so in the Trainer's terms; with
+    --data, the output_dir's model is evaluated as a model folder."""
+    from userdp.cli import main as cli
+
+    privacy = TrainConfig(algorithm=ULS(2, 0.3), steps=1, noise_multiplier=1.0, delta=1e-4)
+    PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=_dataset(), privacy=privacy).train()
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert cli(["evaluate", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "PrivateTrainer output_dir" in err and "--data" in err and "trainer.evaluate()" in err
+    assert "hf_trainer" not in err
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"user": f"h{i}", "text": "to be or not"}) + "\n" for i in range(4)))
+    rc = cli(["evaluate", str(out), "--data", str(data)])
+    err = capsys.readouterr().err.strip()
+    assert "hf_trainer" not in err and "Traceback" not in err
+    assert rc == 0 or (rc == 2 and "\n" not in err), err  # this tiny model saved no tokenizer: one line

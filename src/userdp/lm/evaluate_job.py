@@ -21,6 +21,15 @@ from userdp.lm.prepare import build_datasets, prepare_data
 from userdp.lm.run_dir import RunDir, verify_files
 
 
+def _trainer_output(t: Path) -> bool:
+    """Whether ``t`` is a :class:`userdp.hf.PrivateTrainer`'s output_dir (its config.yaml states the
+    Trainer's settings under ``hf_trainer:``, not a ``userdp train`` config)."""
+    if not (t / "config.yaml").is_file():
+        return False
+    raw = C.load_yaml(t / "config.yaml")
+    return isinstance(raw, dict) and "hf_trainer" in raw
+
+
 def _run_context(run: Path) -> dict:
     """The config and data fingerprints the run's ledger journal was bound to; the run's
     config.yaml must still hash to what the run trained with.
@@ -51,30 +60,27 @@ class EvalSource:
     overrides: tuple[str, ...] = ()
 
 
-def evaluate_target(
-    target: str,
-    source: EvalSource | None = None,
-    *,
-    personalize: bool = False,
-    max_users: int | None = None,
-    device: str | None = None,
-) -> dict:
-    """Evaluate a run directory's released model, or a model folder, on held-out users (``userdp
-    evaluate``); ``personalize``, ``max_users`` and ``device`` set ``eval.personalize``,
-    ``data.max_eval_users`` and ``model.device``."""
-    source = source or EvalSource()
+def _resolve_target(t: Path, target: str, source: EvalSource):
+    """(the model folder, the config naming its evaluation users) of ``userdp evaluate TARGET``: a run
+    directory's own, a PrivateTrainer output_dir's or a model folder's model, with --data/--config."""
     data, fmt, config, overrides = source.data, source.fmt, source.config, list(source.overrides)
-
-    t = Path(target)
 
     def holds_model(d: Path) -> bool:  # a saved model, or a LoRA adapter (a quantized base's is always one)
         return (d / "config.json").is_file() or (d / "adapter_config.json").is_file()
 
-    if (t / "config.yaml").is_file() and holds_model(t / "model"):
+    trainer_output = _trainer_output(t)
+    if (t / "config.yaml").is_file() and holds_model(t / "model") and not trainer_output:
         model_dir = t / "model"
         cfg = C.load_config(t / "config.yaml", overrides or [])
-    elif holds_model(t):
-        model_dir = t
+    elif holds_model(t) or (trainer_output and holds_model(t / "model")):
+        # a model folder, or a PrivateTrainer's output_dir: its model, on the users --data or --config name
+        model_dir = t / "model" if trainer_output else t
+        if not (config or data) and trainer_output:
+            raise UserError(
+                f"{target}: a PrivateTrainer output_dir; the Trainer's eval_dataset was never saved, so "
+                "userdp cannot tell its held-out users: give --data FILE (records of users the Trainer "
+                "did not train on) or --config, or call trainer.evaluate() in your script"
+            )
         if config:
             cfg = C.load_config(config, overrides or [])
         elif data:
@@ -90,6 +96,23 @@ def evaluate_target(
         raise UserError(
             f"{target}: neither a finished userdp run directory (config.yaml + model/) nor a model folder (config.json)"
         )
+    return model_dir, cfg
+
+
+def evaluate_target(
+    target: str,
+    source: EvalSource | None = None,
+    *,
+    personalize: bool = False,
+    max_users: int | None = None,
+    device: str | None = None,
+) -> dict:
+    """Evaluate a run directory's released model, or a model folder, on held-out users (``userdp
+    evaluate``); ``personalize``, ``max_users`` and ``device`` set ``eval.personalize``,
+    ``data.max_eval_users`` and ``model.device``."""
+    source = source or EvalSource()
+    t = Path(target)
+    model_dir, cfg = _resolve_target(t, target, source)
     extra = ["training.selection=random"]  # evaluation reads held-out users only
     extra.append(f"eval.personalize={'true' if personalize else 'false'}")  # the flag's, not the run's
     if max_users is not None:
