@@ -24,6 +24,7 @@ import numbers
 from pathlib import Path
 from typing import Any
 
+from userdp.engine.ledger import JOURNAL
 from userdp.errors import UserError
 
 #: the label that marks a position as not learned from (the Trainer's and userdp's)
@@ -134,6 +135,13 @@ def check_resume(resume_from_checkpoint: Any, output_dir: Any) -> None:
     Raises:
         UserError: naming the argument and what was found."""
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        began = Path(str(output_dir)) / "checkpoints" / JOURNAL
+        if output_dir is not None and began.is_file():  # a fresh start would overwrite a private run's ledger
+            raise UserError(
+                f"TrainingArguments.output_dir={str(output_dir)!r} already holds a private run (its ledger "
+                "journal counts the steps it spent): continue it with trainer.train(resume_from_checkpoint=True), "
+                "or give an empty output_dir"
+            )
         return
     if resume_from_checkpoint is True:
         out = Path(str(output_dir))

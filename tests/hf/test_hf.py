@@ -329,8 +329,12 @@ def test_a_crash_then_resume_from_checkpoint_counts_every_begun_step_once(tmp_pa
     assert (out / "checkpoint-4").is_dir() and len(
         (out / "checkpoints" / "ledger_journal.jsonl").read_text().splitlines()
     ) - 1 == 5
-    with pytest.raises(UserError, match="already holds a checkpoint"):  # a fresh run would start a second ledger
+    # a fresh run would start a second ledger: refused in the Trainer's terms (not the engine's resume=True)
+    with pytest.raises(
+        UserError, match=r"already holds a private run .*trainer\.train\(resume_from_checkpoint=True\)"
+    ) as exc:
         PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy).train()
+    assert "resume=True" not in str(exc.value).replace("resume_from_checkpoint=True", "")
     with pytest.raises(UserError, match="at step 2, userdp's .* at step 4"):
         PrivateTrainer(model=_model(), args=args, train_dataset=ds, privacy=privacy).train(
             resume_from_checkpoint=str(out / "checkpoint-2")
