@@ -16,10 +16,10 @@ def hf_dataset(n=90, users=30, seed=0, labels=False):
     return Dataset.from_dict(rows)
 
 
-def hf_model():
+def hf_model(vocab_size: int = 64):
     torch.manual_seed(0)
     cfg = GPT2Config(
-        vocab_size=64,
+        vocab_size=vocab_size,
         n_positions=16,
         n_embd=16,
         n_layer=1,

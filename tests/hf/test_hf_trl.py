@@ -11,11 +11,12 @@ import torch
 
 trl = pytest.importorskip("trl", reason="TRL is an optional extra (pip install userdp[trl])")
 
-from _paths import REPO
+from _hf_helpers import hf_model  # noqa: E402
+from _paths import REPO  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, pre_tokenizers  # noqa: E402
 from tokenizers import models as tm  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
+from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 from userdp.engine import ELS, ULS, FlatClip, TrainConfig, make_private  # noqa: E402
 from userdp.errors import UserError  # noqa: E402
@@ -51,21 +52,7 @@ def _chats(n=72, users=24, seed=0):
 
 
 def _model():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=16,
-            n_positions=16,
-            n_embd=16,
-            n_layer=1,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
+    return hf_model(vocab_size=16)
 
 
 def _config(tmp_path, **kw):

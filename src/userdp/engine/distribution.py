@@ -180,7 +180,7 @@ class Sharded(Replicated):
     def prepare(self, config, model: torch.nn.Module, combiner) -> None:
         """Every rank starts from rank 0's whole model, then keeps its 1/W of it (a model the caller
         sharded keeps its own shards)."""
-        check_shardable(config, model, combiner)
+        self.check(config, model, combiner)
         if not is_sharded(model.parameters()):
             broadcast_module_state(combiner, model)
             shard_model(model, combiner)
