@@ -223,6 +223,7 @@ class UserRecords(TensorUserData):
         grouped = TensorUserData.from_user_ids({"input_ids": padded_ids, "labels": padded_labels}, authors)
         super().__init__(grouped.tensors, grouped.offsets)
         self.user_ids = np.unique(authors)
+        self._user_keys = grouped._user_keys  # the authors: a cyclic-Poisson group follows its user
         self.user_field = user_field
         self.pad_token_id = int(pad_token_id)
         self.num_records = len(ids)

@@ -651,3 +651,38 @@ def test_tensorboard_without_the_package_is_refused_before_anything_runs(tiny, m
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "output.tensorboard" in err[0] and "userdp[tensorboard]" in err[0]
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_banded_noise_over_user_groups_from_the_cli_is_verified_by_report(tiny, capsys):
+    """`userdp train --set privacy.sampler=cyclic_poisson --set privacy.noise=bandmf --set
+    privacy.bands=2`: the run's privacy.json names the mechanism and its cycle, `userdp report`
+    re-derives epsilon over ceil(T/b) compositions, and a record whose bands or coefficients were
+    edited, or a resume with another band count, is one line."""
+    tmp, cfg = tiny
+    out = tmp / "run"
+    sets = ["--set", "privacy.sampler=cyclic_poisson", "--set", "privacy.noise=bandmf", "--set", "privacy.bands=2"]
+    assert cli(["train", str(cfg), *sets, "--output", str(out), "--json", "--no-progress"]) == 0
+    capsys.readouterr()
+    priv = json.loads((out / "privacy.json").read_text())
+    eng = priv["engine_record"]
+    assert priv["sampler_used"] == "cyclic_poisson_users" and eng["noise_mechanism"] == "bandmf"
+    assert eng["cycle"]["bands"] == 2 and eng["correlated_noise"]["bands"] == 2
+    assert priv["dp_event"]["count"] == -(-priv["steps_taken"] // 2)
+    assert cli(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "banded matrix-factorization noise (2 bands" in text and "cyclic Poisson sampling of users" in text
+    saved = (out / "privacy.json").read_text()
+    for edit in ("bands", "coefficients"):
+        rec = json.loads(saved)
+        if edit == "bands":
+            rec["engine_record"]["cycle"]["bands"] = 1
+        else:
+            rec["engine_record"]["correlated_noise"]["coefficients"][1] = 0.0
+        (out / "privacy.json").write_text(json.dumps(rec))
+        assert cli(["report", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "privacy.json" in err
+    (out / "privacy.json").write_text(saved)
+    assert cli(["train", "--resume", str(out), "--set", "privacy.bands=3", "--no-progress"]) == 2
+    assert "bands" in capsys.readouterr().err

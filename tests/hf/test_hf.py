@@ -523,3 +523,36 @@ def test_userdp_evaluate_on_a_trainers_output_dir_speaks_the_trainers_language(t
     err = capsys.readouterr().err.strip()
     assert "hf_trainer" not in err and "Traceback" not in err
     assert rc == 0 or (rc == 2 and "\n" not in err), err  # this tiny model saved no tokenizer: one line
+
+
+def test_banded_noise_over_user_groups_runs_under_the_trainer_as_in_the_engine(tmp_path):
+    """BandMF with cyclic Poisson sampling through PrivateTrainer: the engine's own loop's parameters
+    and epsilon, the groups keyed by the authors' ids, and a privacy.json that names the mechanism."""
+    ds = _dataset()
+    privacy = TrainConfig(
+        algorithm=ULS(group_size=2, sampling_rate=0.25),
+        steps=6,
+        clipping=FlatClip(0.5),
+        noise_multiplier=1.0,
+        delta=1e-4,
+        seed=11,
+        sampling="cyclic_poisson",
+        noise="bandmf",
+        bands=3,
+    )
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="user")
+    trainer.train()
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
+        for step in private:
+            opt.zero_grad()
+            step.backward()
+            opt.step()
+    for a, b in zip(trainer.model.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
+    assert trainer.epsilon() == pytest.approx(private.epsilon(), rel=1e-12)
+    eng = json.loads((tmp_path / "out" / "privacy.json").read_text())["engine_record"]
+    assert eng["noise_mechanism"] == "bandmf" and eng["correlated_noise"]["bands"] == 3
+    assert eng["cycle"]["compositions"] == 2 and eng["dp_event_total"]["count"] == 2
+    assert UserRecords(ds, "user").user_keys() == sorted({str(u) for u in ds["user"]})

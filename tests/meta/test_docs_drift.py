@@ -25,7 +25,7 @@ SEAMS = {
         "userdp.engine.clipping:PerLayerClip",
         "userdp.engine.clipping:AdaptiveClip",
     ],
-    "noise mechanism": ["userdp.engine.noise:IIDGaussian"],
+    "noise mechanism": ["userdp.engine.noise:IIDGaussian", "userdp.engine.bandmf:BandMF"],
     "ledger": ["userdp.engine.ledger:PrivacyLedger"],
     "distribution": ["userdp.engine.distribution:Replicated", "userdp.engine.distribution:Sharded"],
     "algorithm": ["userdp.engine.algorithms:ELS", "userdp.engine.algorithms:ULS", "userdp.engine.algorithms:FedAvg"],

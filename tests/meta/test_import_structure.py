@@ -16,6 +16,7 @@ LAYERS = {
     "userdp.errors": 0,
     "userdp.fileio": 0,
     "userdp.validation": 0,
+    "userdp.keyed_hash": 0,
     "userdp.accounting": 1,
     "userdp.data": 2,
     "userdp.engine": 3,

@@ -11,6 +11,12 @@ kind                      one step's event
 ``els``                   records Poisson-sampled at p, <= G per user: mixture of Gaussians
                           with sensitivity Binomial(G, p) (the Poisson Gaussian when G = 1)
 ``uls``                   users Poisson-sampled at q: Poisson-subsampled Gaussian
+``uls_cyclic``            users split into b groups by a keyed hash of their ids; step t samples
+                          group t mod b at q·b: a user takes part in at most ceil(T/b) steps,
+                          b apart, so the run is the Poisson-subsampled Gaussian at q·b composed
+                          ceil(T/b) times (:meth:`Mechanism.compositions`; with b-banded
+                          matrix-factorization noise as with independent noise: jax_privacy's
+                          ``amplified_bandmf_event``, Choquette-Choo et al. 2023, Thm. 4)
 ``fixed_cohort``          m of N units without replacement: replace-one adjacency (RDP)
 ``no_amplification``      no amplification (shuffled fixed batches): Gaussian, sensitivity G
 ========================  ===============================================================
@@ -39,8 +45,11 @@ from userdp.accounting.events import (
 from userdp.errors import UserError
 from userdp.validation import check_int
 
+#: the most bands a cyclic sampler may have (each band is a model-sized noise buffer with BandMF)
+MAX_BANDS = 4096
+
 #: what the training-side sampling modes are called (``TrainConfig.sampling``)
-SAMPLINGS = ("poisson", "fixed_size", "shuffle")
+SAMPLINGS = ("poisson", "fixed_size", "shuffle", "cyclic_poisson")
 #: what a privacy unit is for the sampler
 UNITS = ("record", "user")
 
@@ -68,6 +77,8 @@ class Mechanism:
         group_size: G (ELS: the records a user can own; no_amplification: the user's whole
             sensitivity in units).
         num_users, cohort_size: N and m of a fixed cohort.
+        bands: b, the cycle of ``uls_cyclic`` (users in b groups; a user's steps are b apart);
+            1 for every other kind.
 
     Raises:
         UserError: an unknown kind or a parameter out of range (checked at construction).
@@ -80,18 +91,30 @@ class Mechanism:
     group_size: int = 1
     num_users: int | None = None
     cohort_size: int | None = None
+    bands: int = 1
 
-    KINDS = ("els", "uls", "fixed_cohort", "no_amplification")
+    KINDS = ("els", "uls", "fixed_cohort", "no_amplification", "uls_cyclic")
 
     def __post_init__(self) -> None:
         if self.kind not in self.KINDS:
             raise UserError(f"mechanism kind must be one of {', '.join(self.KINDS)} (got {self.kind!r})")
+        check_int(self.bands, "bands", 1, MAX_BANDS)
+        if self.bands > 1 and self.kind != "uls_cyclic":
+            raise UserError(
+                f"bands = {self.bands}: only user-level cyclic Poisson sampling has bands (kind uls_cyclic)"
+            )
         self.step_event()  # validates the parameters
         check_int(self.steps, "steps")
 
     @classmethod
     def for_training(
-        cls, units: UnitSampling, sampling: str, noise_multiplier: float, steps: int, num_units: int | None = None
+        cls,
+        units: UnitSampling,
+        sampling: str,
+        noise_multiplier: float,
+        steps: int,
+        num_units: int | None = None,
+        bands: int = 1,
     ) -> Mechanism:
         """The mechanism of a training run, from what the sampler does to what a unit is.
 
@@ -101,16 +124,27 @@ class Mechanism:
                 ``group_size`` units) or ``user``.
             sampling: ``poisson`` (as accounted), ``fixed_size`` (``num_units`` needed: cohorts of
                 max(1, round(rate · num_units)); ELS only with G = 1), or ``shuffle`` (no
-                amplification: the Gaussian mechanism with the user's whole sensitivity).
-            noise_multiplier, steps: as in the class.
+                amplification: the Gaussian mechanism with the user's whole sensitivity), or
+                ``cyclic_poisson`` (users only: ``bands`` groups, group t mod b sampled at rate·b).
+            noise_multiplier, steps, bands: as in the class.
 
         Raises:
-            UserError: an unknown unit or sampling, or a fixed-size ELS run with G > 1 (no
-                accounted sampler).
+            UserError: an unknown unit or sampling, a fixed-size ELS run with G > 1 (no
+                accounted sampler), or cyclic Poisson sampling of records (no accounting).
         """
         unit, rate, group_size = units.unit, units.sampling_rate, units.group_size
         if unit not in UNITS:
             raise UserError(f"unit must be one of {', '.join(UNITS)} (got {unit!r})")
+        if sampling == "cyclic_poisson":
+            if unit != "user":
+                raise UserError(
+                    "cyclic Poisson sampling is accounted for users only (ULS, DP-FedAvg): ELS samples records, "
+                    "and a user's records in b-spaced steps have no mixture-of-Gaussians accounting here; use "
+                    "algorithm uls, or sampling poisson"
+                )
+            return cls("uls_cyclic", noise_multiplier, steps, sampling_rate=rate, bands=bands)
+        if bands != 1:
+            raise UserError(f"bands = {bands} needs sampling 'cyclic_poisson' (got {sampling!r})")
         owned = int(group_size) if unit == "record" else 1  # units one user can own
         if sampling == "shuffle":
             return cls("no_amplification", noise_multiplier, steps, group_size=owned)
@@ -139,6 +173,8 @@ class Mechanism:
             return els_step_event(z, self._rate(), self.group_size)
         if self.kind == "uls":
             return uls_step_event(z, self._rate())
+        if self.kind == "uls_cyclic":
+            return uls_step_event(z, self.group_rate)
         if self.kind == "fixed_cohort":
             if self.num_users is None or self.cohort_size is None:
                 raise UserError("a fixed_cohort mechanism needs num_users and cohort_size")
@@ -150,9 +186,34 @@ class Mechanism:
             raise UserError(f"a {self.kind} mechanism needs sampling_rate")
         return self.sampling_rate
 
+    @property
+    def group_rate(self) -> float:
+        """The rate each user of the step's group is sampled at: q·b (q for every kind but
+        ``uls_cyclic``, where b > 1).
+
+        Raises:
+            UserError: q·b above 1 (fewer users a step than q·N: the compute the rate promised)."""
+        q = self._rate()
+        if self.bands == 1:
+            return q
+        if q * self.bands > 1.0 + 1e-12:
+            raise UserError(
+                f"sampling rate {q:.4g} with {self.bands} bands samples each group at q·b = {q * self.bands:.4g} > 1: "
+                f"use at most {int(1.0 / q)} bands, or a smaller cohort"
+            )
+        return min(1.0, q * self.bands)
+
+    def compositions(self, steps: int | None = None) -> int:
+        """How many times the step event composes over ``steps`` steps (default: the run's):
+        ``steps`` itself, except for ``uls_cyclic``, where a user takes part in at most
+        ceil(steps / b) of them (one step of each cycle of b). The count of a prefix of the run is
+        the count of its own steps, so a run that stops early has spent what its steps spent."""
+        t = self.steps if steps is None else int(steps)
+        return -(-t // self.bands)
+
     def event(self) -> dpe.DpEvent:
-        """The whole run's DpEvent: :meth:`step_event` composed ``steps`` times."""
-        return compose(self.step_event(), self.steps)
+        """The whole run's DpEvent: :meth:`step_event` composed :meth:`compositions` times."""
+        return compose(self.step_event(), self.compositions())
 
     def replace(self, **changes: Any) -> Mechanism:
         """A copy with some fields changed (validated again)."""
@@ -166,7 +227,7 @@ class Mechanism:
         Raises:
             UserError: epsilon/delta out of range, or no noise multiplier meets them.
         """
-        z = calibrate_noise_multiplier(self.step_event, self.steps, epsilon, delta, accountant, prior=prior)
+        z = calibrate_noise_multiplier(self.step_event, self.compositions(), epsilon, delta, accountant, prior=prior)
         return self.replace(noise_multiplier=z)
 
     @property
@@ -185,6 +246,8 @@ class Mechanism:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields, with the adjacency and the step event."""
         d = dataclasses.asdict(self)
+        if self.bands == 1:  # the records of runs without a cycle read as they always have
+            del d["bands"]
         d["adjacency"] = self.adjacency
         d["step_event"] = event_to_dict(self.step_event())
         return d

@@ -3,7 +3,7 @@
     userdp account --mechanism {els,uls} --noise-multiplier Z
                    (--sampling-rate Q | --users N --cohort-size M) --steps T
                    [--group-size G] [--delta D] [--accountant {pld,rdp}]
-                   [--count-noise-stddev S] [--fixed-cohort] [--json]
+                   [--count-noise-stddev S] [--fixed-cohort] [--bands B] [--json]
 
 Shared argument handling for ``userdp calibrate`` lives here too.
 """
@@ -49,6 +49,14 @@ def add_mechanism_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="uls only: cohorts of exactly M users drawn without replacement "
         "(replace-one adjacency, RDP accountant) instead of Poisson sampling",
+    )
+    p.add_argument(
+        "--bands",
+        type=positive_int,
+        metavar="B",
+        help="uls only: cyclic Poisson sampling over B groups of users (a user's steps B apart, each group "
+        "sampled at Q·B; with or without banded matrix-factorization noise): T steps are accounted as "
+        "ceil(T/B) compositions. Default: plain Poisson sampling",
     )
     p.add_argument("--steps", type=positive_int, required=True, metavar="T", help="number of training steps (rounds)")
     p.add_argument(
@@ -104,6 +112,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     else:
         out["sampling"] = "poisson"
         out["accountant"] = args.accountant or "pld"
+    if args.bands is not None:
+        if args.mechanism != "uls" or args.fixed_cohort:
+            raise UserError("--bands applies to --mechanism uls with Poisson sampling only (users in B groups)")
+        out["sampling"], out["bands"] = "cyclic_poisson", args.bands
     if args.delta is not None:
         out["delta"], out["delta_rule"] = args.delta, "delta given by --delta"
         if args.users is not None and args.delta * args.users >= 1.0:
@@ -115,7 +127,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         out["delta"], out["delta_rule"] = accounting.default_delta(args.users)
     else:
         raise UserError("--delta is required unless --users is given (then it defaults to N^-1.1)")
-    out["adjacency"] = "replace_one_user" if out["sampling"] != "poisson" else "add_or_remove_one_user"
+    out["adjacency"] = (
+        "replace_one_user" if out["sampling"] == "fixed_cohort_without_replacement" else "add_or_remove_one_user"
+    )
     return out
 
 
@@ -124,8 +138,10 @@ def mechanism_of(m: dict[str, Any], noise_multiplier: float):
     units = accounting.UnitSampling(
         "record" if m["mechanism"] == "els" else "user", m["sampling_rate"], m["group_size"]
     )
-    sampling = "poisson" if m["sampling"] == "poisson" else "fixed_size"  # fixed cohorts of cohort_size / users
-    return accounting.Mechanism.for_training(units, sampling, noise_multiplier, m["steps"], m.get("users"))
+    sampling = {"poisson": "poisson", "cyclic_poisson": "cyclic_poisson"}.get(m["sampling"], "fixed_size")
+    return accounting.Mechanism.for_training(
+        units, sampling, noise_multiplier, m["steps"], m.get("users"), m.get("bands", 1)
+    )
 
 
 def split_noise(m: dict[str, Any], effective_z: float, count_stddev: float | None) -> None:
@@ -151,6 +167,12 @@ def describe(m: dict[str, Any]) -> str:
     unit = "records" if m["mechanism"] == "els" else "users"
     if m["sampling"] == "poisson":
         sampling = f"Poisson sampling of {unit} at rate {m['sampling_rate']:.6g}"
+    elif m["sampling"] == "cyclic_poisson":
+        b = m["bands"]
+        sampling = (
+            f"cyclic Poisson sampling of users in {b} groups (each group at rate {m['sampling_rate'] * b:.6g} in "
+            f"one step of every {b}; {-(-m['steps'] // b)} compositions; the same with banded MF noise)"
+        )
     else:
         sampling = f"fixed cohorts of {m['cohort_size']} of {m['users']} users without replacement"
     parts = [

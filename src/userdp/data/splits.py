@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
 
 import numpy as np
 
 from userdp.data.records import ONE_RECORD_USERS, DropReport
 from userdp.data.subset import UserSubset
 from userdp.errors import UserError
+from userdp.keyed_hash import keyed_uniforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,18 +32,6 @@ class Split:
 
 def _sizes(store_or_sizes) -> np.ndarray:
     return np.asarray(store_or_sizes.sizes() if hasattr(store_or_sizes, "sizes") else store_or_sizes, dtype=np.int64)
-
-
-def keyed_uniforms(ids, seed: int, purpose: str) -> np.ndarray:
-    """One number in [0, 1) per user id: the first 64 bits of sha256(purpose, seed, id). A user's
-    number depends on that user's id alone, so adding or removing a user moves no one else (the
-    unit of the mechanism D -> model stays one user)."""
-    out = np.empty(len(ids), dtype=np.float64)
-    prefix = f"userdp:{purpose}:{int(seed)}:".encode()
-    for i, uid in enumerate(ids):
-        h = hashlib.sha256(prefix + str(uid).encode("utf-8", "surrogatepass")).digest()
-        out[i] = int.from_bytes(h[:8], "little") / 2.0**64
-    return out
 
 
 def user_ids_of(store_or_sizes, n: int) -> list:

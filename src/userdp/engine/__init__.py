@@ -15,6 +15,7 @@ or, in the caller's own loop (docs/engine.md, "Your own loop")::
 
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
 from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg, FedSGD, NonPrivate, register_algorithm
+from userdp.engine.bandmf import BandMF  # registers noise: bandmf
 from userdp.engine.batch_unit import BatchPerUnit  # registers per_unit: batch (the non-private baseline's)
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.data import DelegatingUserData, TensorUserData, UserData
@@ -27,6 +28,7 @@ from userdp.engine.run_options import RunOptions
 
 __all__ = [
     "TrainingInterrupted",
+    "BandMF",
     "DelegatingUserData",
     "train",
     "RunOptions",

@@ -28,6 +28,7 @@ class UserData:
     """
 
     num_users: int
+    _user_keys: list | None = None  # the users' ids where the data knows them (user_keys)
 
     def sizes(self) -> np.ndarray:
         """int64 array [num_users]: records held by each user (every entry >= 1)."""
@@ -99,6 +100,15 @@ class UserData:
         carry keys the real users lack) override it."""
         return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
 
+    def user_keys(self) -> list:
+        """One stable identity per user, in user order (a user's cyclic-Poisson group is a keyed hash
+        of it, :class:`userdp.engine.sampling.CyclicPoisson`, so it must not depend on who else is in
+        the data). The default is the user's position, an identity only while users are added at
+        the end; data that knows its users' ids returns them (``TensorUserData.from_user_ids``, the
+        CLI's tokenized data)."""
+        keys = self._user_keys
+        return list(keys) if keys is not None else list(range(int(self.num_users)))
+
     def __len__(self) -> int:
         return int(self.num_users)
 
@@ -143,6 +153,9 @@ class DelegatingUserData(UserData):
 
     def fingerprint(self) -> bytes:
         return self.inner.fingerprint()
+
+    def user_keys(self) -> list:
+        return self.inner.user_keys()
 
     def __getattr__(self, name):  # anything beyond the contract (num_tokens, selection, ...)
         if name == "inner":
@@ -306,7 +319,9 @@ class TensorUserData(UserData):
         counts = np.bincount(inverse)
         offsets = np.concatenate([[0], np.cumsum(counts)])
         idx = torch.from_numpy(order)
-        return cls({k: v[idx] for k, v in tensors.items()}, offsets)
+        data = cls({k: v[idx] for k, v in tensors.items()}, offsets)
+        data._user_keys = np.unique(ids).tolist()  # user u's id (np.unique's order is the users' order)
+        return data
 
     def sizes(self) -> np.ndarray:
         return self._sizes

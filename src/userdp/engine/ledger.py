@@ -1,7 +1,9 @@
 """The privacy ledger: every step's event is recorded BEFORE the step's effects are visible.
 
 One run repeats one step event (the engine keeps sigma fixed; with adaptive clipping the event
-uses the effective multiplier), so the ledger holds that event and a count:
+uses the effective multiplier), so the ledger holds that event and a count. With cyclic sampling
+over b groups (``bands``) a user takes part in one step of each cycle of b, so t steps compose the
+event ceil(t / b) times (:meth:`PrivacyLedger.compositions`); the journal's header names b.
 
 * :meth:`PrivacyLedger.record_step` refuses a step past the target with
   ``BudgetExceededError``. The check is an integer comparison against the largest safe step
@@ -88,6 +90,21 @@ def journal_header(path: str | os.PathLike) -> dict:
     except (OSError, ValueError, AssertionError):
         raise UserError(f"{path}: missing, or not a userdp ledger journal") from None
     return header
+
+
+def journal_event(text: str) -> tuple:
+    """(the step event, b) a journal header's ``event`` names (:meth:`PrivacyLedger.event_json`): b
+    is the cycle of cyclic sampling, 1 for a header that names the step event alone.
+
+    Raises:
+        ValueError, KeyError, TypeError: the text names no step event."""
+    obj = json.loads(text)
+    if isinstance(obj, dict) and set(obj) == {"bands", "step"}:
+        bands = obj["bands"]
+        if not isinstance(bands, int) or isinstance(bands, bool) or bands < 1:
+            raise ValueError(f"bands {bands!r}")
+        return accounting.event_from_dict(obj["step"]), bands
+    return accounting.event_from_dict(obj), 1
 
 
 def read_chain(path: str | os.PathLike, bad=None) -> tuple[dict, dict[int, str], int]:
@@ -290,6 +307,7 @@ class PrivacyLedger:
         target_epsilon: the budget (None: no budget).
         accountant: a registered accountant name ("pld" or "rdp").
         safe_steps: a step count already known to fit the budget (from calibration).
+        bands: b of cyclic sampling (t steps compose the step event ceil(t / b) times); 1 otherwise.
 
     Without :meth:`attach_journal` the ledger lives in memory only (nothing survives the process).
     """
@@ -305,8 +323,10 @@ class PrivacyLedger:
         target_epsilon: float | None = None,
         accountant: str = "pld",
         safe_steps: int | None = None,
+        bands: int = 1,
     ):
         self.step_event = step_event
+        self.bands = int(bands)
         self.delta = float(delta)
         self.target_epsilon = target_epsilon
         self.accountant = accountant
@@ -331,7 +351,15 @@ class PrivacyLedger:
         return self
 
     def event_json(self) -> str:
-        return accounting.event_to_json(self.step_event) if self.private else "non-private"
+        """The step event as the journal's header and a checkpoint name it (with the bands, b > 1)."""
+        if not self.private:
+            return "non-private"
+        text = accounting.event_to_json(self.step_event)
+        return text if self.bands == 1 else json.dumps({"bands": self.bands, "step": json.loads(text)}, sort_keys=True)
+
+    def compositions(self, steps: int) -> int:
+        """How many times the step event composes over ``steps`` steps: ceil(steps / b)."""
+        return -(-int(steps) // self.bands)
 
     # ---------------------------------------------------------------- journal lifecycle
     def start_journal(self) -> None:
@@ -361,7 +389,9 @@ class PrivacyLedger:
         t = self.spent if steps is None else steps
         if not self.private or (t == 0 and not self.prior):
             return None
-        return accounting.compose_after(self.prior, self.step_event, t - self.segment_start)
+        return accounting.compose_after(
+            self.prior, self.step_event, self.compositions(t) - self.compositions(self.segment_start)
+        )
 
     def spend_event(self, event) -> None:
         """Count an extra DpEvent against this ledger's guarantee and budget (e.g. a DP median
@@ -387,6 +417,8 @@ class PrivacyLedger:
         counted so far keep their old event, composed before the new ones."""
         if not self.private or step_event is None:
             raise UserError("rebase needs a private ledger and a step event")
+        if self.bands > 1:
+            raise UserError("a cyclic run's steps keep one event (its noise multiplier cannot change mid-run)")
         if self.spent > self.segment_start:
             self.prior.append(accounting.compose(self.step_event, self.spent - self.segment_start))
         self.segment_start = self.spent
@@ -406,7 +438,8 @@ class PrivacyLedger:
         if self._max_steps is None:
             # with prior events, a pessimistic 1e-3 PLD grid (still an upper bound, ten times cheaper)
             how = accounting.StepSearch(self.accountant, interval=1e-3 if self.prior else None)
-            self._max_steps = self.segment_start + accounting.max_steps(
+            # ceil(t / b) <= k exactly when t <= k·b: the most steps are b times the most compositions
+            self._max_steps = self.segment_start + self.bands * accounting.max_steps(
                 self.step_event, self.target_epsilon, self.delta, how, prior=self.prior
             )
         return self._max_steps
@@ -468,7 +501,9 @@ class PrivacyLedger:
             return accounting.epsilon(
                 self.total_event(t), self.delta, self.accountant, value_discretization_interval=1e-3
             )
-        return accounting.get_accountant(self.accountant).epsilon_of_steps(self.step_event, t, self.delta)
+        return accounting.get_accountant(self.accountant).epsilon_of_steps(
+            self.step_event, self.compositions(t), self.delta
+        )
 
     # ---------------------------------------------------------------- persistence
     def state_dict(self) -> dict:

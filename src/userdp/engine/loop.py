@@ -192,7 +192,6 @@ class EngineRun:
         # with more than G records consumes draws, so sharing the cohort's stream would let one
         # added user move every later cohort (its membership must be its own draws alone)
         self.table: UnitTable = self.algo.units(data, self._bounding_rng())
-        self.sampler_state: dict = {}
         # the frozen plan: mechanism, noise, denominator, delta (calibrated if a target is given)
         total_weight = float(self.table.weights.sum()) if self.table.weights is not None else None
         if given_plan is None:
@@ -204,14 +203,14 @@ class EngineRun:
             self.plan = given_plan
         # the plan's parts: the sampler, and the noise mechanism over this run's keyed source
         self.sampler = self.plan.sampler
-        self.noise = self.plan.noise_mechanism(source)
+        self.sampler_state: dict = self._fresh_sampler_state()
+        self.noise = self.plan.make_noise(source)
         self.noise.init(self.master)
         self.distribution.check_noise(self.noise)
         # what the noise is added to each step: the sums, one per trainable parameter, in float32+
         self._sum_numel = sum(p.numel() for p in self.params)
         self._sum_dtypes = sorted({_accumulation_dtype(p.dtype) for p in self.params}, key=str)
-        # the device noise kernel is built (compiled and checked) now, not inside step 1; its status
-        # is recorded (a fallback to eager is never silent)
+        # the device noise kernel, built (compiled, checked) now, not in step 1; its status recorded (no silent eager)
         prepare = getattr(source, "prepare", None)
         self.noise_kernel = (
             prepare(self.device)
@@ -235,6 +234,7 @@ class EngineRun:
             target_epsilon=cfg.target_epsilon,
             accountant=cfg.accountant,
             safe_steps=self.plan.safe_steps,
+            bands=self.plan.cycle,
         )
         if self.dir and self.combiner.rank == 0:  # one writer: the main rank keeps the journal (every rank counts)
             self.ledger.attach_journal(self.dir, context)
@@ -596,7 +596,7 @@ class EngineRun:
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
             if s["epoch"] is not None:
-                self.sampler_state = {"epoch": s["epoch"], "perm": s["perm"].numpy()}
+                self.sampler_state = {**self.sampler_state, "epoch": s["epoch"], "perm": s["perm"].numpy()}
         before = int(st["ledger"]["spent"])
         # steps begun after the checkpoint are counted as spent, never replayed under the same noise
         # (a replay is not the same release: the caller's loop state, the data or the device's
@@ -613,11 +613,20 @@ class EngineRun:
             hashlib.sha256(f"{int(self.cfg.seed)}:resume:{int(begun)}".encode()).digest()[:16], "little"
         )
         self._data_key, source, torch_seed = _seeds(material, self.combiner, self.device)
-        self.noise = self.plan.noise_mechanism(source)
+        self.noise = self.plan.make_noise(source)
         self.noise.init(self.master)
         torch.manual_seed(torch_seed)
-        self.sampler_state = {}
+        self.sampler_state = self._fresh_sampler_state()
         self.rekeyed_at = int(begun)
+
+    def _fresh_sampler_state(self) -> dict:
+        """The sampler's state at the start of a run (a cyclic sampler's groups: a keyed hash of each
+        unit's user id, from the data, never saved)."""
+        initial = getattr(self.sampler, "initial_state", None)
+        if initial is None:
+            return {}
+        keys = self.data.user_keys()
+        return initial([keys[int(u)] for u in self.table.users], self.plan.cycle)
 
     rekeyed_at: int | None = None
     restored_spent: int = 0

@@ -54,6 +54,7 @@ SAMPLER_MODE = {
     ("fixed_size", "user"): "fixed_size_wor",
     ("shuffle", "record"): "shuffle_fixed_batches",
     ("shuffle", "user"): "shuffle_fixed_batches",
+    ("cyclic_poisson", "user"): "cyclic_poisson_users",
 }
 
 
@@ -78,7 +79,9 @@ class TrainConfig:
     optimizer state; :mod:`userdp.engine.sharding`). ``prior_events``: ``dp_accounting`` DpEvents released about
     the same people before training (e.g. the DP median that chose G): the ledger counts them before
     the first step, against ``target_epsilon`` like the steps, and a calibrated sigma leaves room
-    for them; the journal is bound to them (they are a privacy setting).
+    for them; the journal is bound to them (they are a privacy setting). ``bands``: b, the cycle of
+    ``sampling="cyclic_poisson"`` (users in b groups, a user's steps b apart; ULS and DP-FedAvg) and
+    the band count of ``noise="bandmf"`` (:mod:`userdp.engine.bandmf`), which needs that sampler.
 
     Raises:
         UserError: a value out of range or a combination that cannot be accounted.
@@ -103,6 +106,7 @@ class TrainConfig:
     precision: str = "float32"
     prior_events: tuple = ()
     sharding: str = "none"
+    bands: int = 1
 
     def __post_init__(self):
         # the one boundary of the engine's config: every field's type and range, converted in
@@ -142,6 +146,7 @@ class TrainConfig:
             per_unit=(check_string, "per_unit"),
             noise=(check_string, "noise"),
             precision=(check_string, "precision"),
+            bands=(check_int, "bands", 1, accounting.MAX_BANDS),
         )
         if not isinstance(self.prior_events, (tuple, list)):
             raise UserError(
@@ -167,6 +172,43 @@ class TrainConfig:
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:
             raise UserError("adaptive clipping uses the fixed denominator")
+        _check_bands(self, sampling)
+
+
+def _check_bands(config: TrainConfig, sampling: str) -> None:
+    """The combinations of cyclic sampling and banded noise that are accounted; the rest refused in
+    one line each.
+
+    Raises:
+        UserError: naming the setting to change."""
+    banded = getattr(NOISE_MECHANISMS.lookup(config.noise), "banded", False)
+    if sampling == "cyclic_poisson" and config.algorithm.unit != "user":
+        raise UserError(
+            "sampling 'cyclic_poisson' samples users (ULS, DP-FedAvg): ELS samples records, and a user's records "
+            "in b-spaced steps have no mixture-of-Gaussians accounting here; use algorithm uls"
+        )
+    if config.bands > 1 and sampling != "cyclic_poisson":
+        raise UserError(
+            f"bands = {config.bands} needs sampling 'cyclic_poisson' (users in b groups, a user's steps b apart); "
+            f"got {config.sampling!r}"
+        )
+    if not banded:
+        return
+    if sampling != "cyclic_poisson":
+        raise UserError(
+            f"noise 'bandmf' needs sampling 'cyclic_poisson' with the same bands: under {config.sampling!r} sampling "
+            "a user can take part in steps less than b apart, where banded noise is not accounted"
+        )
+    if config.clipping.adaptive:
+        raise UserError(
+            "noise 'bandmf' needs a constant sensitivity: adaptive clipping moves the clip norm during the "
+            "run; use a fixed clip (FlatClip / PerLayerClip), e.g. one chosen by userdp plan"
+        )
+    if isinstance(config.denominator, ClippedDenominator):
+        raise UserError(
+            "noise 'bandmf' needs the same noise scale every step: the clipped denominator scales it by the "
+            "step's weight; use the fixed denominator"
+        )
 
 
 #: TrainConfig fields that change how a run computes, not what it releases: a resumed run may
@@ -311,6 +353,21 @@ class RunPlan:
         comparisons, e.g. the Poisson-assumed epsilon of a shuffled run)."""
         return _mechanism(self.config, self.unit, sampling, self.noise_multiplier, self.num_units)
 
+    @property
+    def cycle(self) -> int:
+        """b of cyclic sampling (a user's steps are b apart); 1 for every other sampler."""
+        return self.config.bands if self.accounted_sampling == "cyclic_poisson" else 1
+
+    def compositions(self, steps: int) -> int:
+        """How many times the step event composes over ``steps`` steps (``steps`` but for cyclic
+        sampling: ceil(steps / b), :meth:`userdp.accounting.Mechanism.compositions`)."""
+        return -(-int(steps) // self.cycle)
+
+    def make_noise(self, source):
+        """The run's noise mechanism over its keyed ``source`` (a banded one gets the run's bands)."""
+        cls = self.noise_mechanism
+        return cls(source, bands=self.config.bands) if getattr(cls, "banded", False) else cls(source)
+
     def sensitivity(self, clip_state: dict, num_tensors: int) -> float:
         """The bound on one unit's contribution to the sum at ``clip_state``."""
         return self.config.clipping.sensitivity(clip_state, num_tensors)
@@ -355,7 +412,8 @@ def _mechanism(config: TrainConfig, unit: str, sampling: str, z: float, num_unit
     """The one place a training config becomes a mechanism (and so a DpEvent)."""
     algo = config.algorithm
     units = accounting.UnitSampling(unit, algo.sampling_rate, algo.group_size)
-    return accounting.Mechanism.for_training(units, sampling, z if z > 0 else 1.0, config.steps, num_units)
+    bands = config.bands if sampling == "cyclic_poisson" else 1  # another sampling's figure has no cycle
+    return accounting.Mechanism.for_training(units, sampling, z if z > 0 else 1.0, config.steps, num_units, bands)
 
 
 def _noise_split(config: TrainConfig, z: float, expected_units: float) -> tuple[float, float | None]:
@@ -400,7 +458,7 @@ def make_plan(config: TrainConfig, *, num_users: int, num_units: int, total_weig
     """
     check_int(num_units, "num_units")
     unit = config.algorithm.unit
-    if accounted_as(config.sampling) == "poisson":
+    if accounted_as(config.sampling) in ("poisson", "cyclic_poisson"):  # q·N a step (cyclic: q·b of N/b)
         expected_units = config.algorithm.sampling_rate * num_units
     else:
         expected_units = float(_cohort(config, num_units))

@@ -26,6 +26,8 @@ WHEN_THEY_APPLY = (
     "sampling_warning",
     "stopped",
     "broken_build",
+    "correlated_noise",
+    "cycle",
 )
 
 
@@ -88,6 +90,8 @@ class PrivacyRecord(Mapping):
     sampling_warning: str | None = None
     stopped: str | None = None
     broken_build: str | None = None
+    correlated_noise: dict | None = None
+    cycle: dict | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "counts_treated_as_public", tuple(self.counts_treated_as_public))

@@ -45,16 +45,7 @@ def run_record(run) -> PrivacyRecord:
     eps = run.ledger.epsilon()
     total = run.ledger.total_event()
     when = {}  # the fields that apply to some runs only
-    tail_pair = getattr(source_class(run.device), "tail_mass_per_pair", None)
-    if plan.private and tail_pair:  # a sampler with a bounded tail: its dropped mass goes into delta
-        d = int(sum(p.numel() for p in run.master))
-        when["noise_tail"] = {
-            "coordinates": d,
-            "mass_per_pair": tail_pair,
-            "steps": int(run.ledger.spent),
-            "delta": tail_delta(d, run.ledger.spent, eps, tail_pair),
-            "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta",
-        }
+    when["noise_tail"] = _noise_tail(run, eps)
     if not plan.private:
         when["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
     elif plan.accounted_sampling == "shuffle":
@@ -66,12 +57,15 @@ def run_record(run) -> PrivacyRecord:
             "Gaussian mechanism with the user's whole sensitivity); "
             "epsilon_assuming_poisson is a comparison only, not a guarantee"
         )
+    elif plan.accounted_sampling == "cyclic_poisson":
+        when["cycle"] = _cycle(run)
     elif plan.accounted_sampling != "poisson":
         when["epsilon_no_amplification"] = _epsilon_under(run, "shuffle", "pld")
         when["sampling_warning"] = (
             "fixed-size cohorts without replacement: epsilon is under replace-one "
             "adjacency (RDP); epsilon_no_amplification holds without amplification"
         )
+    when["correlated_noise"] = getattr(run.noise, "to_record", lambda: None)()
     return PrivacyRecord(
         algorithm=_cfg_dict(run.algo),
         unit=plan.unit,
@@ -130,6 +124,33 @@ def run_record(run) -> PrivacyRecord:
         counts_treated_as_public=_public_counts(run),
         **when,
     )
+
+
+def _noise_tail(run, eps: float) -> dict | None:
+    """A sampler with a bounded tail: the mass it drops, which goes into delta (None for others)."""
+    tail_pair = getattr(source_class(run.device), "tail_mass_per_pair", None)
+    if not (run.plan.private and tail_pair):
+        return None
+    d = int(sum(p.numel() for p in run.master))
+    return {
+        "coordinates": d,
+        "mass_per_pair": tail_pair,
+        "steps": int(run.ledger.spent),
+        "delta": tail_delta(d, run.ledger.spent, eps, tail_pair),
+        "rule": "steps * ceil(d/2) * mass_per_pair * (1 + e^epsilon), added to delta",
+    }
+
+
+def _cycle(run) -> dict:
+    """What the record says of cyclic sampling: b, the group's rate and the compositions so far."""
+    plan = run.plan
+    return {
+        "bands": plan.cycle,
+        "group_rate": plan.mechanism.group_rate if plan.private else plan.sampling_rate * plan.cycle,
+        "compositions": plan.compositions(run.ledger.spent),
+        "rule": "users in b groups by a keyed hash of each user's id; step t samples group t mod b at q·b; "
+        "a user takes part in at most ceil(t / b) of t steps, so they compose the step event ceil(t / b) times",
+    }
 
 
 def _epsilon_under(run, sampling: str, accountant: str) -> float:

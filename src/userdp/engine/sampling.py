@@ -7,6 +7,11 @@
 * :class:`Shuffle` — fixed batches of one shuffled pass per epoch, as most papers *did*;
   there is no proven amplification. The record then says the epsilon assumes Poisson and also
   gives the no-amplification guarantee.
+* :class:`CyclicPoisson` — users split into b groups by a keyed hash of each user's own id; step
+  t Poisson-samples group t mod b at rate q·b (the expected cohort stays q·N). A user takes part
+  only in steps of its group, b apart: what banded matrix-factorization noise needs
+  (:mod:`userdp.engine.bandmf`), accounted as ceil(T/b) compositions
+  (:meth:`userdp.accounting.Mechanism.compositions`).
 
 Variable cohort sizes keep vectorization by padding each chunk of units to one of a few bucket
 sizes (:func:`bucket_size`): the padding units carry mask 0 and contribute nothing.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from userdp.errors import UserError
+from userdp.keyed_hash import keyed_uniforms
 from userdp.registry import Registry
 
 
@@ -55,11 +61,38 @@ class Shuffle:
         return np.sort(state["perm"][k * m : (k + 1) * m])
 
 
+@dataclass(frozen=True)
+class CyclicPoisson:
+    """Cyclic Poisson sampling of users (jax_privacy's ``CyclicPoissonSampling`` with a user's group
+    fixed by its id): user u is in group ``floor(b · h(u))``, h the keyed hash of its id
+    (:func:`keyed_uniforms`), so whether one user is present moves no other user's group; step t
+    samples each user of group ``t mod b`` independently at ``rate · b``. The run's state holds the
+    groups (:meth:`initial_state`; derived from the data, never saved)."""
+
+    mode = "cyclic_poisson_users"
+    accounted_as = "cyclic_poisson"
+
+    def initial_state(self, unit_keys: list, bands: int) -> dict:
+        """The state a run starts (and resumes) with: each unit's group and the cycle's length."""
+        groups = np.floor(keyed_uniforms(unit_keys, 0, "cyclic-poisson") * int(bands)).astype(np.int64)
+        return {"groups": np.minimum(groups, int(bands) - 1), "bands": int(bands)}
+
+    def sample(self, num_units, rate, step, rng, state):
+        if "groups" not in state:
+            raise UserError("cyclic_poisson sampling needs the run's groups (initial_state): use it through a run")
+        bands, groups = state["bands"], state["groups"]
+        u = rng.random(num_units)  # one draw per unit, whatever its group: an added unit moves no one
+        return np.flatnonzero((groups == step % bands) & (u < min(1.0, rate * bands)))
+
+
 #: name -> sampler; ``TrainConfig.sampling`` (``privacy.sampler`` in a config) picks one
-SAMPLERS: Registry = Registry("sampling", {"poisson": Poisson(), "fixed_size": FixedSize(), "shuffle": Shuffle()})
+SAMPLERS: Registry = Registry(
+    "sampling",
+    {"poisson": Poisson(), "fixed_size": FixedSize(), "shuffle": Shuffle(), "cyclic_poisson": CyclicPoisson()},
+)
 
 #: the samplings the accounting knows: a registered sampler declares which one its draws follow
-ACCOUNTED = ("poisson", "fixed_size", "shuffle")
+ACCOUNTED = ("poisson", "fixed_size", "shuffle", "cyclic_poisson")
 
 
 def get_sampler(name: str):

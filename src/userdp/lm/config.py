@@ -34,6 +34,7 @@ from pydantic_core import PydanticCustomError
 from userdp import plugins
 from userdp.accounting.accountants import ACCOUNTANTS
 from userdp.accounting.events import MAX_TARGET_EPSILON
+from userdp.accounting.mechanism import MAX_BANDS
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.distribution import DISTRIBUTIONS
 from userdp.engine.noise import NOISE_MECHANISMS
@@ -228,6 +229,8 @@ class PrivacyConfig:
     accountant: _choice(ACCOUNTANTS.choices()) = "pld"  # a registered accountant (plugins add names)
     sampler: _choice(SAMPLERS.choices()) = "poisson"  # poisson (as accounted), shuffle, fixed_size, or a plugin's
     noise: _choice(NOISE_MECHANISMS.choices()) = "iid_gaussian"  # the noise mechanism (plugins add names)
+    # b: with sampler cyclic_poisson, users in b groups (a user's steps b apart); noise bandmf's band count
+    bands: Annotated[Int, Ge(1), Le(MAX_BANDS)] = 1
     # non-private touches of the data made before this run (e.g. `userdp init` read the per-user
     # counts to choose G): listed in the report's "Not accounted", whichever command made them
     disclosed_touches: Names | None = None

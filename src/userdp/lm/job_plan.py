@@ -76,6 +76,7 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int, device: torch.device, p
         accountant=p.accountant,
         sampling=p.sampler,
         noise=p.noise,
+        bands=p.bands,
         seed=t.seed,
         chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
         checkpoint_every=t.checkpoint_every,
@@ -151,7 +152,9 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple 
     if not algorithm_of(cfg).private or p.noise_multiplier is None:
         return None
     plan = mechanism_plan(cfg, num_users, num_units, prior)  # the engine's (once)
-    eps = accounting.epsilon(accounting.compose_after(prior, plan.step_event, t.steps), plan.delta, p.accountant)
+    eps = accounting.epsilon(
+        accounting.compose_after(prior, plan.step_event, plan.compositions(t.steps)), plan.delta, p.accountant
+    )
     if eps > p.epsilon:
         before = " after the plan's DP median" if prior else ""
         raise UserError(

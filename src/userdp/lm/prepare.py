@@ -152,5 +152,7 @@ def build_datasets(prep, tok, *, seq_len: int, selection: str, log, model=None):
             raise UserError(f"training.selection = {selection} needs the starting model")
         scores, touch = _perplexity_scores(seq_len, prep, tok, model, log)
     train = LMUserData(tr, selection, seq_len, scores)
+    ids = user_ids_of(prep.store, prep.store.num_users)
+    train._user_keys = [ids[int(u)] for u in tr.users]  # the store's ids: a cyclic group follows its user
     train.data_touch = touch.statement if touch is not None else None
     return train, LMUserData(ev, "random", seq_len)

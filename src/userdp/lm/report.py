@@ -22,8 +22,9 @@ from userdp import accounting as A
 from userdp.accounting import event_to_dict
 from userdp.accounting import private_selection as TG
 from userdp.accounting.rdp import step_rdp
+from userdp.engine.bandmf import bsr_coefficients
 from userdp.engine.chacha import ChaChaNoise, tail_delta
-from userdp.engine.ledger import JOURNAL, check_cited, read_chain, steps_begun
+from userdp.engine.ledger import JOURNAL, check_cited, journal_event, read_chain, steps_begun
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C
@@ -132,8 +133,42 @@ def verify_epsilon(rec: dict, path: Path) -> None:
             f"({eps:.6g}): the file was edited or damaged"
         )
     steps = getattr(event, "count", None)
-    if steps is not None and rec.get("steps_taken") is not None and int(steps) != int(rec["steps_taken"]):
-        raise UserError(f"{path}: the DpEvent composes {steps} steps but steps_taken says {rec['steps_taken']}")
+    taken = rec.get("steps_taken")
+    if steps is not None and taken is not None and int(steps) != -(-int(taken) // _bands(rec, path)):
+        raise UserError(f"{path}: the DpEvent composes {steps} steps but steps_taken says {taken}")
+
+
+def check_correlated_noise(rec: dict, bands: int, path: Path) -> None:
+    """A record's banded noise is the strategy its bands make (re-derived, not read), and the noise
+    of a cyclic run whose noise is banded has the journal's bands.
+
+    Raises:
+        UserError: naming the file, when its strategy or coefficients are not the ones the code uses."""
+    noise = (rec.get("engine_record") or {}).get("correlated_noise")
+    if noise is None:
+        return
+    try:
+        want = bsr_coefficients(bands)
+        ok = int(noise["bands"]) == bands and np.allclose(noise["coefficients"], want, rtol=0, atol=1e-15)
+    except (KeyError, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise UserError(
+            f"{path}: engine_record.correlated_noise is not the banded strategy of the {bands} bands the ledger "
+            "journal records (the file was edited)"
+        )
+
+
+def _bands(rec: dict, path: Path) -> int:
+    """b of a cyclic run as its record states it (1 without a cycle); bound to the journal's
+    header by :func:`verify_against_journal`."""
+    cycle = (rec.get("engine_record") or {}).get("cycle")
+    if cycle is None:
+        return 1
+    bands = cycle.get("bands") if isinstance(cycle, dict) else None
+    if not isinstance(bands, int) or isinstance(bands, bool) or bands < 1:
+        raise UserError(f"{path}: engine_record.cycle.bands is not a positive integer ({bands!r})")
+    return bands
 
 
 #: how the "Not accounted" line on hyperparameter tuning begins (a verified private tuning guarantee replaces it)
@@ -181,10 +216,7 @@ def verify_against_journal(rec: dict, rd: RunDir) -> tuple[dict, int]:
     if cited.get("run") != header.get("run"):
         raise UserError(f"{rd.privacy}: it belongs to another run (its ledger journal id differs from {journal}'s)")
     check_cited(journal, hashes, header.get("run"), cited, str(rd.privacy))
-    try:
-        step_event = A.event_from_dict(json.loads(header["event"]))
-    except (KeyError, TypeError, ValueError):
-        raise UserError(f"{journal}: its header names no step event") from None
+    step_event, composed = _journal_steps(rec, header, begun, rd)
     try:
         median = float(ctx.get("plan_dp_median_epsilon") or 0.0)
         prior = (A.pure_dp_event(median),) if median > 0 else ()
@@ -193,7 +225,7 @@ def verify_against_journal(rec: dict, rd: RunDir) -> tuple[dict, int]:
     # the plan's DP median composed before the steps (spent through the ledger); without it, a run
     # written before the median was so spent (its total then adds the median by basic composition)
     wants = [
-        A.event_to_dict(A.compose_after(p, step_event, begun)) if (begun or p) else None
+        A.event_to_dict(A.compose_after(p, step_event, composed)) if (begun or p) else None
         for p in ((prior, ()) if prior else ((),))
     ]
     if rec.get("dp_event") not in wants:
@@ -227,6 +259,25 @@ def verify_against_journal(rec: dict, rd: RunDir) -> tuple[dict, int]:
     return header, begun
 
 
+def _journal_steps(rec: dict, header: dict, begun: int, rd: RunDir) -> tuple:
+    """(the journal's step event, how many times its ``begun`` steps compose it): ceil(begun / b)
+    for a cyclic run over b groups, whose record must state the journal's b and the banded strategy
+    those bands make (:func:`check_correlated_noise`).
+
+    Raises:
+        UserError: a header that names no step event, or a record whose cycle differs from it."""
+    try:
+        step_event, bands = journal_event(header["event"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{rd.checkpoints / JOURNAL}: its header names no step event") from None
+    if _bands(rec, rd.privacy) != bands:
+        raise UserError(
+            f"{rd.privacy}: its cycle of {_bands(rec, rd.privacy)} bands is not the {bands} the ledger journal records"
+        )
+    check_correlated_noise(rec, bands, rd.privacy)
+    return step_event, -(-begun // bands)
+
+
 def _event_numbers(event: object, key: str) -> list[float]:
     """Every value of ``key`` anywhere in a DpEvent's dict."""
     if isinstance(event, dict):
@@ -248,8 +299,10 @@ def verify_mechanism_facts(rec: dict, rd: RunDir, path: Path, header: dict, begu
         UserError: naming the file and the first figure or sentence that differs."""
     try:
         event = json.loads(header["event"])
+        _, bands = journal_event(header["event"])
     except (KeyError, TypeError, ValueError):
         raise UserError(f"{rd.checkpoints / JOURNAL}: its header names no step event") from None
+    event = event["step"] if bands > 1 else event  # a cyclic run's group rate is q·b
 
     def close(a, b) -> bool:
         return isinstance(a, (int, float)) and math.isclose(float(a), b, rel_tol=1e-9, abs_tol=1e-12)
@@ -261,7 +314,8 @@ def verify_mechanism_facts(rec: dict, rd: RunDir, path: Path, header: dict, begu
             "event's (the file was edited)"
         )
     rates = _event_numbers(event, "sampling_probability")
-    if rates and not any(close(rec.get("sampling_rate"), q) for q in rates):
+    rate = rec.get("sampling_rate")
+    if rates and not any(close(rate * bands if isinstance(rate, (int, float)) else rate, q) for q in rates):
         raise UserError(
             f"{path}: sampling_rate {rec.get('sampling_rate')} is not the ledger journal's step event's "
             "(the file was edited)"

@@ -48,6 +48,10 @@ SAMPLER_TEXT = {
     "sensitivity (the guarantee WITHOUT amplification)",
     "fixed_size_wor": "fixed-size cohorts drawn without replacement (replace-one adjacency, RDP)",
     "none": "no sampling (full participation)",
+    "cyclic_poisson_users": "cyclic Poisson sampling of users: users split into b groups by a keyed hash of "
+    "each user's id; step t samples each user of group t mod b independently with probability q·b, so a "
+    "user takes part in at most ceil(T/b) steps, b apart, and T steps are accounted as ceil(T/b) "
+    "compositions (Choquette-Choo et al. 2023)",
 }
 
 
@@ -127,6 +131,28 @@ def statement_scope(facts: ReleaseFacts) -> dict:
     return {"num_records": int(facts.num_records), "not_accounted": not_accounted(facts)}
 
 
+def _built_in_noise_text(engine: PrivacyRecord) -> str:
+    """The statement's noise assumption for userdp's own mechanisms: independent Gaussian noise, or
+    banded matrix-factorization noise (``engine.correlated_noise``)."""
+    caveat = (
+        " (not a cryptographically secure generator; floating-point attacks on the Gaussian sampler are not accounted)"
+    )
+    noise = engine.correlated_noise
+    if noise is None:
+        return (
+            "noise: Gaussian with standard deviation sigma*C on the sum of clipped unit updates, drawn once per "
+            "step in float32 from " + engine.noise_generator + caveat
+        )
+    return (
+        f"noise: banded matrix-factorization noise ({noise['bands']} bands; {noise['strategy']}): each step adds "
+        "sigma*C times row t of C^-1 Z to the sum of clipped unit updates, Z i.i.d. Gaussian drawn in float32 from "
+        + engine.noise_generator
+        + caveat
+        + f"; C's coefficients {', '.join(f'{c:.6g}' for c in noise['coefficients'])} give one participation a "
+        f"sensitivity of at most {noise['max_column_norm']:.6g}·C; " + noise["state"]
+    )
+
+
 def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
     """The data behind the privacy statement; saved as ``privacy.json``.
 
@@ -159,13 +185,7 @@ def privacy_record(engine: PrivacyRecord, facts: ReleaseFacts) -> dict:
             )
         mechanism = _registered(NOISE_MECHANISMS, engine.noise_mechanism)
         if mechanism is not None and built_in(mechanism):
-            assumptions.append(
-                "noise: Gaussian with standard deviation sigma*C on the sum of clipped unit "
-                "updates, drawn once per step in float32 from "
-                + engine.noise_generator
-                + " (not a cryptographically secure generator; floating-point attacks on "
-                "the Gaussian sampler are not accounted)"
-            )
+            assumptions.append(_built_in_noise_text(engine))
         else:
             assumptions.append(
                 "noise: added by "

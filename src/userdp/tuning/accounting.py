@@ -25,7 +25,7 @@ from userdp.errors import UserError
 
 def run_rdp(plan) -> np.ndarray:
     """RDP curve (on :data:`ORDERS`) of one training run: steps x the step event's RDP."""
-    return plan.config.steps * step_rdp(plan.step_event, ORDERS)
+    return plan.compositions(plan.config.steps) * step_rdp(plan.step_event, ORDERS)
 
 
 def floor_epsilon(count: TrialCount, delta: float) -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from userdp.accounting import compose, event_to_dict
+from userdp.accounting import event_to_dict
 from userdp.accounting import private_selection as TG
 from userdp.accounting.selection import TrialCount
 from userdp.caches import shared_run_cache
@@ -172,7 +172,7 @@ def new_tuning(
             "epsilon_selection_bound": cal.epsilon_total,
             "per_trial_target": cal.tau,
             "epsilon_one_trial_by_mechanism": cal.epsilon_trial,
-            "run_events": {k: event_to_dict(compose(p.step_event, p.config.steps)) for k, p in cal.plans.items()},
+            "run_events": {k: event_to_dict(p.mechanism.event()) for k, p in cal.plans.items()},
         }
         # what the released statement rests on, fixed now: each trial's config carries its digest,
         # so the released run's journal is bound to it before its first step
