@@ -16,6 +16,11 @@ On the blogs corpus (6,000 bloggers, median 11 posts) and on Stack Exchange (mai
 * **els_group_sweep** (Fig. 4) — ELS for G in ``--els-gs`` at one epsilon and budget.
 * **uls_heatmap** (Fig. 5/13) — ULS for every (M, G) with M·G <= the largest budget, with the
   Estimate-and-Double choice marked.
+* **correlated_noise** — ULS with independent noise against ULS with banded matrix-factorization
+  noise over ``--bands`` cyclic user groups (``sampling="cyclic_poisson", noise="bandmf"``), the
+  same (M, G) from Estimate-and-Double under the first budget, the same steps (so the same users
+  processed), every epsilon in ``--eps``; with the pretrained model and non-private fine-tuning at
+  that budget, so each row gives its share of the non-private gain.
 * **selection** (Chua et al. Table) — record selection random / longest / shortest /
   highest and lowest perplexity / random chunk, for ELS (group-privacy style: G records kept
   once) and ULS (user-wise DP-SGD: G records drawn every step).
@@ -239,6 +244,7 @@ def train_eval(
     budget=None,
     data=None,
     local_lr=0.1,
+    bands=None,
 ) -> dict:
     """Fine-tune the pretrained model once; returns what was run and the held-out loss."""
     import torch
@@ -281,10 +287,13 @@ def train_eval(
             **common,
         )
     elif algo == "uls":
+        # bands: users in b cyclic groups and banded MF noise (the same users a step: cohort / N overall)
+        banded = dict(sampling="cyclic_poisson", noise="bandmf", bands=bands) if bands else {}
         cfg = E.TrainConfig(
             algorithm=E.ULS(group_size, min(1.0, cohort / n_users)),
             clipping=E.FlatClip(clip),
             target_epsilon=eps,
+            **banded,
             **common,
         )
     elif algo == "fedavg":  # two local epochs of SGD on the user's G records; the clip scales with the delta
@@ -478,6 +487,31 @@ def grid(c: Corpus, a) -> list[dict]:
                         **extra,
                     )
                 )
+    return rows
+
+
+def correlated(c: Corpus, a) -> list[dict]:
+    """ULS with independent noise against ULS with banded MF noise over b cyclic groups, at the same
+    (M, G), steps and epsilon; the pretrained and non-private rows of the same budget beside them."""
+    b = a.budgets[0]
+    seeds = range(a.seeds)
+    rows = [_row(c, a, "correlated", "pretrained", None, None, [{"loss": heldout_loss(c)}])]
+    nonprivate = [
+        train_eval(c, "nonprivate", eps=None, steps=a.steps, lr=a.lr_nonprivate, clip=None, seed=s, budget=b)
+        for s in seeds
+    ]
+    rows.append(_row(c, a, "correlated", "nonprivate", None, b, nonprivate, lr=a.lr_nonprivate))
+    for eps in a.eps:
+        p = plan(c, eps, b, a.steps)
+        kw = dict(group_size=p.uls["group_size"], cohort=p.uls["cohort_size"])
+        for bands in (None, *a.bands):
+            runs = [
+                train_eval(c, "uls", eps=eps, steps=a.steps, lr=a.lr, clip=a.clip, seed=s, bands=bands, **kw)
+                for s in seeds
+            ]
+            name = "uls" if bands is None else f"uls_bandmf_b{bands}"
+            rows.append(_row(c, a, "correlated", name, eps, b, runs, bands=bands or 1))
+            _log(f"{c.name}: correlated eps={eps} {name}: loss {np.mean([r['loss'] for r in runs]):.4f}")
     return rows
 
 
@@ -751,6 +785,7 @@ def main(argv=None) -> int:
         "through per-user vmap is ~5x an ELS/ULS step on a CPU)",
     )
     ap.add_argument("--algorithms", default="els,uls,fedavg", help="the private algorithms of the grid")
+    ap.add_argument("--bands", default="4,16", help="correlated_noise: the band counts b of BandMF (default 4,16)")
     ap.add_argument(
         "--accountant",
         default="pld",
@@ -782,6 +817,7 @@ def main(argv=None) -> int:
     a.fedavg_budgets = [int(x) for x in a.fedavg_budgets.split(",")] if a.fedavg_budgets else a.budgets
     a.seeds = a.seeds or (1 if q else 2)
     a.algorithms = tuple(x for x in a.algorithms.split(",") if x)
+    a.bands = [int(x) for x in a.bands.split(",") if x]
     if set(a.algorithms) - {"els", "uls", "fedavg"}:
         ap.error(f"--algorithms: one of els, uls, fedavg, not {a.algorithms}")
     a.tune_local_lrs = (0.01, 0.03, 0.1, 0.3)
@@ -818,6 +854,7 @@ def main(argv=None) -> int:
         c = prepare(ds, a, public)
         for part, fn in (
             ("grid", grid),
+            ("correlated_noise", correlated),
             ("els_group_sweep", els_sweep),
             ("uls_heatmap", uls_heatmap),
             ("selection", selections),

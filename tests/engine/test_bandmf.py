@@ -261,3 +261,30 @@ def test_a_group_rate_above_one_is_one_line():
 def test_fedavg_takes_part_in_cycles_too():
     _, r = _trained(_cfg(algorithm=FedAvg(group_size=2, sampling_rate=0.2), steps=4))
     assert r.record["cycle"]["bands"] == 4 and r.record["correlated_noise"]["name"] == "bandmf"
+
+
+class _DeviceLike:
+    """A source that is not the host generator (as ChaCha on CUDA is not): it only draws whole."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def like(self, tensors, std):
+        return self.inner.like(tensors, std)
+
+
+def test_the_draw_combined_in_pieces_whole_or_read_in_order_gives_the_same_numbers():
+    """The recursion inside the host draw (pieces in the pool's threads), on a whole draw (a device
+    source) and on the pieces a sharded step reads are the same numbers, step after step."""
+    shapes = [(700, 1500), (3,), (1 << 20,)]  # over a million numbers: the draw is split among threads
+    fused, whole, ordered = (BandMF(GaussianNoise.from_seed(5), bands=3) for _ in range(3))
+    whole.source = _DeviceLike(whole.source)
+    for _ in range(4):
+        a = [torch.zeros(s) for s in shapes]
+        b = [torch.zeros(s) for s in shapes]
+        fused.add_noise(a, 0.5)
+        whole.add_noise(b, 0.5)
+        numel = sum(t.numel() for t in a)
+        c = torch.cat([z for _, z in ordered.pieces(numel, [torch.float32], 0.5, "cpu")])
+        flat = torch.cat([t.reshape(-1) for t in a])
+        assert torch.equal(flat, torch.cat([t.reshape(-1) for t in b])) and torch.equal(flat, c)

@@ -85,7 +85,7 @@ def test_the_noise_drawn_ahead_on_a_cpu_is_counted(gpt2, monkeypatch):
     """A host noise source draws a step's noise while its sums are computed (a model-sized buffer
     of float32 normals): the fixed estimate counts it where it is drawn ahead, and only there."""
     n = sum(p.numel() for p in gpt2.parameters() if p.requires_grad)
-    assert fixed_bytes(gpt2, noise_ahead=True) - fixed_bytes(gpt2) == 4 * n
+    assert fixed_bytes(gpt2, noise_vectors=1) - fixed_bytes(gpt2) == 4 * n
     fixed = {}
     for mode in ("on", "off"):
         monkeypatch.setattr(noise, "PREFETCH", mode)
@@ -100,6 +100,24 @@ def test_the_noise_drawn_ahead_on_a_cpu_is_counted(gpt2, monkeypatch):
         device=torch.device("cuda"),
         memory_cap_bytes=1 << 36,
     )[1]["fixed_bytes"] == fixed_bytes(gpt2)
+
+
+def test_banded_noise_buffers_are_counted_whole_on_rank_0_also_when_sharded(gpt2, monkeypatch):
+    """BandMF keeps b − 1 model-sized float32 vectors across steps: chunk_size: auto counts them,
+    replicated and per rank of a sharded run (rank 0 holds the whole ring), and `userdp train`'s
+    shape asks the noise mechanism how many (noise_buffers)."""
+    from userdp.engine.noise import noise_buffers
+
+    monkeypatch.setattr(noise, "PREFETCH", "off")
+    n = sum(p.numel() for p in gpt2.parameters() if p.requires_grad)
+    assert noise_buffers("bandmf", 4) == 3 and noise_buffers("iid_gaussian", 4) == 0
+    for shards in (1, 2):
+
+        def fixed(buffers, shards=shards):
+            shape = RunShape(4, 64, strategy="ghost", shards=shards, noise_buffers=buffers)
+            return auto_chunk_size(gpt2, shape, device=CPU, memory_cap_bytes=1 << 36)[1]["fixed_bytes"]
+
+        assert fixed(3) - fixed(0) == 3 * 4 * n
 
 
 def test_a_cap_that_cannot_hold_one_unit_is_refused_with_both_figures(gpt2):

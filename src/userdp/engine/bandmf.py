@@ -12,8 +12,9 @@ cancels in the running sum of updates the model is.
   the clip norm: the run is accounted as ceil(T/b) Poisson-subsampled Gaussians at q·b
   (:meth:`userdp.accounting.Mechanism.compositions`).
 * **Streaming.** ``w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0`` (back-substitution of
-  ``C w = z``): the state is the last b−1 noise vectors, model-sized, held in the sums' dtype
-  (float32 or wider) on the sums' device. b = 1 is i.i.d. noise, the same numbers as
+  ``C w = z``): the state is the last b−1 noise vectors, model-sized, flat host buffers in the
+  draw's dtype (float32, float64 for float64 sums) in a ring; with the host source the recursion
+  runs inside the draw, a cache-sized piece at a time in its threads. b = 1 is i.i.d. noise, the same numbers as
   :class:`~userdp.engine.noise.IIDGaussian` (it *is* that mechanism).
 * **State and checkpoints.** The b−1 vectors are noise: anyone who holds them and two released
   models could subtract them. They are saved with a seeded run's checkpoint (as the generator's
@@ -31,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from userdp.engine.flat import add_piece, flat_views
 from userdp.engine.noise import NOISE_MECHANISMS, GaussianNoise, IIDGaussian
 from userdp.errors import UserError
 
@@ -69,58 +71,105 @@ class BandMF(IIDGaussian):
     name = "bandmf"
     banded = True  # the plan hands it the run's bands
 
+    @staticmethod
+    def buffers(bands: int) -> int:
+        """Model-sized vectors kept across steps (the memory model counts them): b − 1."""
+        return int(bands) - 1
+
     def __init__(self, source: GaussianNoise | None, bands: int = 1):
         super().__init__(source)
         self.bands = int(bands)
         self.coefficients = bsr_coefficients(self.bands)
-        self._past: list[list[torch.Tensor]] = []  # w_{t-1}, w_{t-2}, ... (at most b - 1)
+        # the past noise vectors, flat, in a ring of b - 1 slots: slot `_head` holds w_{t-1}, the
+        # slot after it the oldest (w_{t-b+1}, read for the last time while w_t overwrites it)
+        self._slots: list[torch.Tensor] = []
+        self._head = -1
+        self._held = 0  # past vectors held (fewer than b - 1 while a stream begins)
 
-    def _next(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """This step's w_t, shaped like ``like``; pushed onto the stream's state (the main rank's:
-        the only one with a source)."""
-        assert self.source is not None
-        w = self.source.like(like, 1.0)  # z_t: float32 (float64 where a sum is), on each sum's device
+    # ------------------------------------------------------------------ the stream
+    def _past(self, j: int) -> torch.Tensor:
+        """w_{t-j}, flat (1 <= j <= held)."""
+        return self._slots[(self._head - (j - 1)) % (self.bands - 1)]
+
+    def _combine(self, z: torch.Tensor, lo: int) -> torch.Tensor:
+        """The piece ``[lo, lo + len(z))`` of w_t from the same piece of z_t (changed in place and
+        returned): ``w = (z − Σ_j c_j w_{t−j}) / c_0``, written into the ring's next slot. Pieces
+        are disjoint, so the pool's threads may combine them at once."""
+        hi = lo + z.numel()
         c = self.coefficients
-        for j, past in enumerate(self._past, 1):
-            torch._foreach_add_(w, _laid_out(past, w), alpha=-float(c[j]))
-        torch._foreach_div_(w, float(c[0]))
-        self._past = ([w] + self._past)[: self.bands - 1]
-        return w
+        for j in range(1, self._held + 1):
+            z.add_(self._past(j)[lo:hi].to(z.device, z.dtype), alpha=-float(c[j]))
+        z.div_(float(c[0]))
+        self._slots[(self._head + 1) % (self.bands - 1)][lo:hi].copy_(z)
+        return z
 
+    def _begin(self, numel: int, dtype: torch.dtype) -> None:
+        """The ring ready for a step over ``numel`` numbers (allocated at the first step: b − 1 flat
+        host buffers of the draw's dtype)."""
+        if not self._slots:
+            self._slots = [torch.zeros(numel, dtype=dtype) for _ in range(self.bands - 1)]
+        if self._slots[0].numel() != numel:
+            raise UserError(f"the noise stream holds vectors of {self._slots[0].numel()} numbers, not {numel}")
+
+    def _advance(self) -> None:
+        self._head = (self._head + 1) % (self.bands - 1)
+        self._held = min(self._held + 1, self.bands - 1)
+
+    # ------------------------------------------------------------------ the mechanism
     def add_noise(self, tensors: Sequence[torch.Tensor], std: float) -> None:
-        """Add ``std · w_t`` to the sums, in place (b = 1: exactly :class:`IIDGaussian`'s draw)."""
+        """Add ``std · w_t`` to the sums, in place (b = 1: exactly :class:`IIDGaussian`'s draw). With
+        a host source the recursion runs inside the draw, a piece at a time in the pool's threads
+        (no model-sized temporary); another source's draw is combined whole."""
         if self.source is None or std <= 0:
             return
         if self.bands == 1:
             super().add_noise(tensors, std)
             return
-        w = self._next(tensors)
-        torch._foreach_add_(list(tensors), w, alpha=float(std))
+        numel = sum(t.numel() for t in tensors)
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        self._begin(numel, dtype)
+        if isinstance(self.source, GaussianNoise):
+            self.source.add_(tensors, std, transform=self._combine)
+        else:  # a device source (ChaCha on CUDA): one draw, combined, then added
+            z = self.source.like([torch.empty(numel, dtype=dtype, device=tensors[0].device)], 1.0)[0]
+            flats, offsets = flat_views(tensors)
+            add_piece(flats, offsets, self._combine(z, 0).mul_(float(std)), 0)
+        self._advance()
 
     def pieces(self, numel: int, dtypes: Sequence[torch.dtype], std: float, device):
-        """This step's noise in order, for a sharded step: one piece, the whole ``std · w_t`` (held
-        on the main rank's host; its b−1 past vectors are whole there too)."""
+        """This step's noise in order, for a sharded step: the source's pieces of z_t, each combined
+        into w_t and scaled (the main rank keeps the whole ring, on the host)."""
         if self.bands == 1:
             yield from super().pieces(numel, dtypes, std, device)
             return
         dtype = torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
-        (w,) = self._next([torch.empty(int(numel), dtype=dtype)])
-        yield 0, w.mul(float(std))
+        self._begin(int(numel), dtype)
+        for lo, z in self.source.pieces(numel, dtypes, device):
+            yield lo, self._combine(z, lo).mul_(float(std))
+        self._advance()
 
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """The source's state and the stream's past vectors (seeded runs only: both are secret)."""
-        return {**super().state_dict(), "past": [[t.detach().cpu().clone() for t in w] for w in self._past]}
+        """The source's state and the stream's past vectors, newest first (seeded runs only: both
+        are secret)."""
+        past = [self._past(j).clone() for j in range(1, self._held + 1)]
+        return {**super().state_dict(), "past": past}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output: the stream continues where it was saved.
 
         Raises:
-            UserError: a saved stream of another band count."""
+            UserError: a saved stream of more past vectors than b − 1."""
         super().load_state_dict(state)
-        past = state.get("past") or []
+        past = [t.reshape(-1) for t in (state.get("past") or [])]
         if len(past) > self.bands - 1:
             raise UserError(f"the checkpoint's noise stream holds {len(past)} past steps, more than bands - 1")
-        self._past = [[t.clone() for t in w] for w in past]
+        self._slots, self._head, self._held = [], -1, 0
+        if past:
+            self._begin(past[0].numel(), past[0].dtype)
+            for w in reversed(past):  # oldest first, as the steps wrote them
+                self._slots[(self._head + 1) % (self.bands - 1)].copy_(w)
+                self._advance()
 
     def to_record(self) -> dict:
         """What the privacy record says of the noise: the strategy, its coefficients and its norm."""
@@ -133,18 +182,6 @@ class BandMF(IIDGaussian):
             "state": "the last bands - 1 noise vectors: saved with a seeded run's checkpoint only (never "
             "released); an unseeded run resumed, or a seeded one re-keyed, starts a fresh stream",
         }
-
-
-def _laid_out(past: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """A past noise vector laid out as ``like`` (on its devices and dtypes): the same numbers in the
-    same flat order, whether it was saved one tensor per parameter (a replicated run) or as one flat
-    vector (a sharded run's), since a resume may change the sharding."""
-    if [tuple(t.shape) for t in past] != [tuple(t.shape) for t in like]:
-        flat = torch.cat([t.reshape(-1) for t in past])
-        if flat.numel() != sum(t.numel() for t in like):
-            raise UserError("the checkpoint's noise stream is for another model (its size differs)")
-        past = [p.view(t.shape) for p, t in zip(flat.split([t.numel() for t in like]), like, strict=True)]
-    return [p.to(device=t.device, dtype=t.dtype) for p, t in zip(past, like, strict=True)]
 
 
 NOISE_MECHANISMS.register(BandMF, name="bandmf")

@@ -135,7 +135,7 @@ def fixed_bytes(
     optimizer_states: int = 2,
     strategy: str = "ghost",
     *,
-    noise_ahead: bool = False,
+    noise_vectors: int = 0,
     shards: int = 1,
     low_precision: bool = False,
 ) -> int:
@@ -143,9 +143,11 @@ def fixed_bytes(
     float32 masters of parameters narrower than float32, ``optimizer_states`` float32 states per
     trainable parameter (Adam: 2), for ghost the first chunk's batch gradient (4 B a trainable
     parameter, held while the strategy checks its hooks against autograd) and the temporaries of
-    its stacked groups (:data:`STACK_TRANSIENT_BYTES`), and with ``noise_ahead`` the step's noise
-    drawn while its sums are computed (4 B a trainable parameter: a host source on a CPU,
-    :func:`userdp.engine.noise.draws_ahead`), and with ``low_precision`` (a bf16/fp16 autocast
+    its stacked groups (:data:`STACK_TRANSIENT_BYTES`), ``noise_vectors`` model-sized float32 noise
+    vectors held on the host (4 B a trainable parameter each: the step's noise drawn while its sums
+    are computed, :func:`userdp.engine.noise.draws_ahead`, and the past vectors a correlated
+    mechanism keeps across steps, BandMF's b − 1; on rank 0, whole, also in a sharded run), and with
+    ``low_precision`` (a bf16/fp16 autocast
     forward) the 2 B copy of each float32 weight matrix that autocast casts for its GEMMs and
     autograd keeps for the backward (0.23 GiB at gpt2-small, 0.66 GiB at gpt2-medium; on a sharded
     rank too, for every block: autocast casts each gathered weight, and the backward keeps the cast
@@ -164,7 +166,7 @@ def fixed_bytes(
     masters = sum(p.numel() for p in trainable if p.element_size() < 4)
     verify = n if strategy == "ghost" else 0
     stacks = STACK_TRANSIENT_BYTES if strategy == "ghost" else 0
-    ahead = n if noise_ahead else 0
+    ahead = n * int(noise_vectors)
     casts = (
         2 * sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p.dtype == torch.float32)
         if low_precision
@@ -181,7 +183,7 @@ def fixed_bytes(
             total / shards
             + gathered
             + casts
-            + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters + verify)
+            + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters + verify + ahead)
         )
     return int(total + casts + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
 
@@ -206,6 +208,7 @@ class RunShape:
     low_precision: bool = False
     optimizer_states: int = 2
     shards: int = 1
+    noise_buffers: int = 0
 
 
 def auto_chunk_size(
@@ -227,12 +230,12 @@ def auto_chunk_size(
     cap = int(memory_cap_bytes) if memory_cap_bytes is not None else int(HEADROOM * free_bytes(device))
     per = unit_bytes(model, group_size, seq_len, strategy=shape.strategy, low_precision=shape.low_precision)
     n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    ahead = source_class(device) is GaussianNoise and draws_ahead(n)
+    ahead = shards == 1 and source_class(device) is GaussianNoise and draws_ahead(n)  # none drawn ahead sharded
     fixed = fixed_bytes(
         model,
         shape.optimizer_states,
         shape.strategy,
-        noise_ahead=ahead,
+        noise_vectors=int(ahead) + shape.noise_buffers,
         shards=shards,
         low_precision=shape.low_precision,
     )

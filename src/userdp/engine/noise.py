@@ -145,7 +145,7 @@ class GaussianNoise:
         return f"keyed by {ENTROPY_BITS} bits of operating-system entropy (os.urandom), never stored"
 
     # ------------------------------------------------------------------ drawing
-    def add_(self, tensors: Sequence[torch.Tensor], std: float) -> Sequence[torch.Tensor]:
+    def add_(self, tensors: Sequence[torch.Tensor], std: float, transform=None) -> Sequence[torch.Tensor]:
         """Add one draw of N(0, std² I) over the concatenation of ``tensors`` to them, in place.
 
         Every coordinate gets noise (also coordinates whose gradient is zero). The draw streams
@@ -153,6 +153,11 @@ class GaussianNoise:
         (a 124M-parameter model's noise is a 0.5 GB buffer) unless :meth:`prefetch` drew these
         normals ahead; the numbers do not depend on the piece size, the thread count or whether
         they were drawn ahead. Draws are float32 (float64 where a tensor is).
+
+        ``transform(z, lo) -> tensor``: a correlated mechanism's map from the standard normals of
+        ``[lo, lo + len(z))`` (a host float tensor it may change in place) to the noise of those
+        coordinates before ``std`` scales it (:class:`userdp.engine.bandmf.BandMF`); called once per
+        piece, from the pool's threads, on disjoint pieces. None: the normals themselves.
 
         Returns:
             ``tensors``.
@@ -172,7 +177,8 @@ class GaussianNoise:
 
             def scaled(k: int) -> None:  # the same arithmetic as below: the piece times std, added in place
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
-                add_piece(flats, offsets, torch.from_numpy(pending.buf[lo:hi]).mul_(float(std)), lo)
+                piece = _mapped(torch.from_numpy(pending.buf[lo:hi]), lo, transform)
+                add_piece(flats, offsets, piece.mul_(float(std)), lo)
 
             _for_each(scaled, range(_STREAMS))
             return tensors
@@ -183,7 +189,7 @@ class GaussianNoise:
             while lo < hi:
                 out = buf[: min(_PIECE, hi - lo)]
                 self._streams[k].standard_normal(out=out, dtype=dtype)
-                add_piece(flats, offsets, torch.from_numpy(out).mul_(float(std)), lo)
+                add_piece(flats, offsets, _mapped(torch.from_numpy(out), lo, transform).mul_(float(std)), lo)
                 lo += out.size
 
         _for_each(fill, range(_STREAMS), parallel=total >= _PARALLEL_FROM)
@@ -281,6 +287,12 @@ class GaussianNoise:
         self._gen.bit_generator.state = state["scalar"]
         for g, st in zip(self._streams, state["streams"], strict=True):
             g.bit_generator.state = st
+
+
+def _mapped(z: torch.Tensor, lo: int, transform) -> torch.Tensor:
+    """The noise of a piece of standard normals ``z`` at offset ``lo``: ``z`` itself, or a correlated
+    mechanism's ``transform(z, lo)``."""
+    return z if transform is None else transform(z, lo)
 
 
 def draws_ahead(numel: int, itemsize: int = 4) -> bool:
@@ -425,6 +437,12 @@ class IIDGaussian:
 
 #: name -> mechanism class; ``TrainConfig.noise`` picks one
 NOISE_MECHANISMS: Registry = Registry("noise", {"iid_gaussian": IIDGaussian})
+
+
+def noise_buffers(name: str, bands: int) -> int:
+    """Model-sized vectors the mechanism called ``name`` keeps across steps with ``bands`` (its class's
+    ``buffers(bands)``; 0 for i.i.d. noise and for a plugin that does not say)."""
+    return int(getattr(NOISE_MECHANISMS.lookup(name), "buffers", lambda bands: 0)(bands))
 
 
 def make_noise(name: str, source: GaussianNoise | None) -> IIDGaussian:

@@ -18,6 +18,7 @@ from userdp import engine as E
 from userdp.devices import resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.memory import RunShape, auto_chunk_size
+from userdp.engine.noise import noise_buffers
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, make_plan
 from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError
@@ -247,6 +248,7 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = s
             low_precision=low,
             optimizer_states=states,
             shards=world_size if t.sharding == "fsdp" else 1,
+            noise_buffers=noise_buffers(cfg.privacy.noise, cfg.privacy.bands),
         )
         chunk, info = auto_chunk_size(
             model, shape, device=device, memory_cap_bytes=int(t.memory_gb * 2**30) if t.memory_gb else None
