@@ -52,6 +52,7 @@ def test_the_readme_own_data_commands_run_as_written(tmp_path, monkeypatch, caps
         if argv[0] == "plan":  # it says how a run trained without --plan records having seen it
             out = capsys.readouterr().out
             assert "WITHOUT --plan" in out and "privacy.disclosed_touches" in out
+            assert "ULS with banded matrix-factorization noise: b = " in out  # the plan says which b, and why
     capsys.readouterr()
     run = tmp_path / "runs" / "mine"
     # the run directory is complete without `userdp report`, and the plan reached the report

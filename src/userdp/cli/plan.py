@@ -126,6 +126,9 @@ def _plan(args: argparse.Namespace) -> int:
     plan = planning.plan_for_training(data, model, loss_fn, budget, sample, log=log)
 
     out = plan_record(plan, plan.recommended, "recommended", seed=args.seed, data_fingerprint=data_fp)
+    i = plan.inputs  # banded MF noise for the ULS plan: a model of the noise, not applied (docs/plan.md)
+    bands = planning.choose_bands(plan.uls["sampling_rate"], steps, i["epsilon"], i["delta"], i["accountant"])
+    out["uls_bands"] = bands
     out["config"] = args.config or "embedded default of `userdp train`"
     out["config_overrides"] = list(args.set or [])
     out["apply"] = {k: v for k, v in plan.training_overrides().items()}
@@ -135,6 +138,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(jsonout.dumps(out, indent=1))
     else:
         print(planning.format_plan(plan))
+        print(f"  ULS with banded matrix-factorization noise: {bands['why']}")
+        if bands["bands"] > 1:
+            print(
+                f"    to use it: --set privacy.sampler=cyclic_poisson --set privacy.noise=bandmf "
+                f"--set privacy.bands={bands['bands']} (not applied by --plan: docs/results.md measures where it helps)"
+            )
         if args.seed is not None and plan.els.get("group_size_method") == "dp_median":
             print("  note: SEEDED DP median (--seed): whoever holds the seed can undo its noise")
         sets = "".join(f" --set {shlex.quote(x)}" for x in (args.set or []))

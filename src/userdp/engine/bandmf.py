@@ -143,6 +143,7 @@ class BandMF(IIDGaussian):
             yield from super().pieces(numel, dtypes, std, device)
             return
         dtype = torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
+        assert self.source is not None  # the main rank's (the only one that reads the draw)
         self._begin(int(numel), dtype)
         for lo, z in self.source.pieces(numel, dtypes, device):
             yield lo, self._combine(z, lo).mul_(float(std))

@@ -20,9 +20,11 @@ says so in ``data_touches``.
 
 Modules: :mod:`~userdp.planning.group_size` (ELS), :mod:`~userdp.planning.estimate_and_double` (ULS),
 :mod:`~userdp.planning.noise` (proxies), :mod:`~userdp.planning.gradient_norms` (L(G)) and
-:mod:`~userdp.planning.budget_plan` (the budget plan: ``plan_for_training``, ``BudgetPlan``).
+:mod:`~userdp.planning.budget_plan` (the budget plan: ``plan_for_training``, ``BudgetPlan``) and
+:mod:`~userdp.planning.bands` (b of banded matrix-factorization noise for the ULS plan).
 """
 
+from userdp.planning.bands import choose_bands, prefix_noise
 from userdp.planning.budget_plan import (
     DATA_TOUCH_NOTE,
     BudgetPlan,
@@ -47,6 +49,8 @@ from userdp.planning.noise import (
 
 __all__ = [
     "BudgetPlan",
+    "choose_bands",
+    "prefix_noise",
     "PlanBudget",
     "NormSample",
     "Sigmas",
