@@ -6,6 +6,8 @@ Two ranks are simulated with threads and an in-memory all-reduce (a process spaw
 than the test budget); the real ``torch.distributed`` combiner runs on a one-process gloo group.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -185,3 +187,23 @@ def test_the_data_fingerprint_sees_each_users_records_and_ids():
     b = TensorUserData.from_user_ids({"x": torch.arange(4.0)[:, None]}, ["ann", "bob", "ann", "dee"])
     a.user_ids, b.user_ids = np.array(["ann", "bob", "cy"]), np.array(["ann", "bob", "dee"])
     assert a.fingerprint() != b.fingerprint()
+
+
+def test_two_ranks_with_banded_noise_equal_one():
+    """Banded MF noise under a replicated job (torchrun): rank 0 keeps the stream and adds w_t once
+    to its partial sum; the other rank holds none of it; the model is one process's."""
+    cfg = dataclasses.replace(
+        _cfg(), algorithm=ULS(8, 0.25), steps=6, sampling="cyclic_poisson", noise="bandmf", bands=3
+    )
+    world = 2
+    models = [Mean(64) for _ in range(world)]
+    results, _ = _run_ranks(
+        world,
+        lambda r, comb: train(models[r], user_data(SIZES, d=64, seed=2), sq_loss, cfg, RunOptions(combiner=comb)),
+    )
+    single = Mean(64)
+    ref = train(single, user_data(SIZES, d=64, seed=2), sq_loss, cfg)
+    assert ref.record["correlated_noise"]["bands"] == 3
+    for r in range(world):
+        assert [h["units"] for h in results[r].history] == [h["units"] for h in ref.history]
+        assert torch.allclose(models[r].theta, single.theta, atol=1e-6)

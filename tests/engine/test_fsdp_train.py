@@ -483,3 +483,35 @@ def test_a_sharded_step_divides_by_a_public_constant_whatever_the_cohorts_size()
         assert not np.array_equal(value, before[name])  # the step did move it
     for name, value in results[1][1]["params"].items():
         np.testing.assert_array_equal(value, got[1]["params"][name])
+
+
+def _sharded_bandmf(rank: int) -> dict:
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.lm.models import causal_lm_loss
+
+    out = {}
+    for sharding in ("none", "fsdp"):
+        model = _model("gpt2")
+        cfg = _config("uls", sharding, sampling="cyclic_poisson", noise="bandmf", bands=2)
+        cfg = TrainConfig(**{**cfg.__dict__, "steps": 4, "optimizer": SGD(0.5)})
+        res = train(model, _data(), causal_lm_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
+        out[sharding] = {"params": _full(model), "epsilon": res.epsilon, "units": [h["units"] for h in res.history]}
+    return out
+
+
+def test_banded_noise_under_sharding_trains_the_replicated_runs_model():
+    """BandMF's stream read in order, a parameter at a time, and scattered to the shards: the sharded
+    run's model is the replicated run's (rank 0 keeps the ring whole; docs/algorithms.md)."""
+    results = run_gloo_pair(_sharded_bandmf)
+    for rank in (0, 1):
+        got = results[rank]
+        assert got["fsdp"]["units"] == got["none"]["units"] and got["fsdp"]["epsilon"] == got["none"]["epsilon"]
+        gap = max(
+            float(np.abs(got["fsdp"]["params"][n] - got["none"]["params"][n]).max()) for n in got["none"]["params"]
+        )
+        assert gap < 1e-6, (rank, gap)
+        moved = max(
+            float(np.abs(got["none"]["params"][n] - p.detach().numpy()).max())
+            for n, p in _model("gpt2").named_parameters()
+        )
+        assert moved > 1e-3  # the noise moved the model: the comparison is not of two untouched models
