@@ -53,12 +53,14 @@ from userdp.engine.run_options import RunOptions
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.hf_boundary import (
+    PlannedPrivacy,
     check_algorithm,
     check_dataset_kind,
     check_output_dir,
     check_push_to_hub,
     check_resume,
     check_rows,
+    resolve_schedule,
 )
 from userdp.lm.models import IGNORE_INDEX, causal_lm_loss
 from userdp.lm.release import save_released_model
@@ -346,10 +348,19 @@ class PrivateTrainer(Trainer):
     """
 
     def __init__(
-        self, *args, privacy: TrainConfig, user_field: str = "user", loss_fn: Callable = causal_lm_loss, **kwargs
+        self,
+        *args,
+        privacy: TrainConfig | PlannedPrivacy,
+        user_field: str = "user",
+        loss_fn: Callable = causal_lm_loss,
+        cohort_size: int | None = None,
+        epochs: float | None = None,
+        **kwargs,
     ):
         # the HF boundary (userdp.hf_boundary), before the Trainer builds anything from its inputs
-        check_instance(privacy, "privacy", (TrainConfig,), "a userdp.engine.TrainConfig")
+        planned = privacy.disclosures if isinstance(privacy, PlannedPrivacy) else ()
+        privacy = privacy.config if isinstance(privacy, PlannedPrivacy) else privacy
+        check_instance(privacy, "privacy", (TrainConfig,), "a userdp.engine.TrainConfig (or userdp.hf_plan's plan)")
         check_algorithm(privacy)
         given = _given(super().__init__, args, kwargs)
         bf16_note = None
@@ -378,12 +389,15 @@ class PrivateTrainer(Trainer):
                 f"data_collator ({type(collator).__name__}) applied to each record alone before training (per-record "
                 "post-processing; a collator that combines records of a batch is not supported)"
             )
-        self.args = copy.copy(self.args)  # the caller's object stays as given (a copy: not re-initialised)
-        self.args.max_grad_norm, self.args.max_steps = 0.0, privacy.steps
-        self.privacy = privacy
         self.loss_fn = loss_fn
         pad = getattr(self.processing_class, "pad_token_id", None)
         self.user_data = UserRecords(self.train_dataset, user_field, pad if pad is not None else 0, collator)
+        privacy, schedule = resolve_schedule(privacy, self.user_data, cohort_size, epochs)
+        self.userdp_notes += schedule
+        self.planned = tuple(planned)  # the plan's looks at the data: in the statement's "Not accounted"
+        self.args = copy.copy(self.args)  # the caller's object stays as given (a copy: not re-initialised)
+        self.args.max_grad_norm, self.args.max_steps = 0.0, privacy.steps
+        self.privacy = privacy
         _check_fits(self.user_data, getattr(self.model, "config", None))
         self._private: PrivateTraining | None = None
         self._resuming = False
@@ -584,7 +598,7 @@ class PrivateTrainer(Trainer):
             out.insert(1, f"tokenizer {tok} declared public by the script (its training text is outside the guarantee)")
         if self.eval_dataset is not None:
             out.append(self._evaluation_disclosure())
-        return out
+        return out + list(self.planned)
 
     def _evaluation_disclosure(self) -> str:
         """What the Trainer's eval_dataset is, checked by its user column: held-out users, or (named)

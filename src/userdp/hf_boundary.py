@@ -19,13 +19,17 @@ Each refusal is one line naming the argument by the Trainer's own name for it (`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from userdp.engine.ledger import JOURNAL
 from userdp.errors import UserError
+from userdp.validation import MAX_STEPS, check_int, check_positive
 
 #: the label that marks a position as not learned from (the Trainer's and userdp's)
 IGNORE = -100
@@ -159,3 +163,51 @@ def check_resume(resume_from_checkpoint: Any, output_dir: Any) -> None:
         raise UserError(f"resume_from_checkpoint={str(p)!r} is a file: give the checkpoint-N folder the Trainer saved")
     if not p.is_dir():
         raise UserError(f"resume_from_checkpoint={str(p)!r}: no such folder (a checkpoint-N folder of output_dir)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedPrivacy:
+    """A privacy config chosen by ``userdp.hf_plan.plan_privacy`` and the non-private looks at the data
+    that chose it: ``PrivateTrainer(privacy=...)`` takes it as a config, and its statement lists
+    ``disclosures`` under "Not accounted" (what ``userdp train --plan`` does)."""
+
+    config: Any
+    disclosures: tuple[str, ...]
+    plan: Any = None
+
+
+def resolve_schedule(privacy: Any, data: Any, cohort_size: Any, epochs: Any) -> tuple[Any, list[str]]:
+    """The privacy config with the Trainer's ``cohort_size`` (expected units a step: users for ULS,
+    records for ELS, as ``training.cohort_size``) turned into the sampling rate over ``data``'s units,
+    and ``epochs`` (expected participations of each unit) into the steps, with one note each for
+    ``userdp_notes`` (the unit count is treated as public, as ``userdp train`` does).
+
+    Raises:
+        UserError: a cohort that is not a whole number in [1, units], or epochs that are not positive
+            or need more than MAX_STEPS steps."""
+    notes: list[str] = []
+    algo = privacy.algorithm
+    if cohort_size is not None:
+        m = check_int(cohort_size, "cohort_size")
+        per_user = np.minimum(data.sizes(), algo.group_size) if algo.unit == "record" else np.ones(data.num_users)
+        units, kind = int(per_user.sum()), "records (at most G a user)" if algo.unit == "record" else "users"
+        if m > units:
+            raise UserError(f"cohort_size = {m}: more than the {units} {kind} of train_dataset")
+        algo = dataclasses.replace(algo, sampling_rate=m / units)
+        notes.append(
+            f"cohort_size={m}: sampling rate {m / units:.6g} = {m}/{units} {kind} of train_dataset (a count "
+            "treated as public, as userdp train treats it)"
+        )
+    steps = privacy.steps
+    if epochs is not None:
+        e = check_positive(epochs, "epochs")
+        steps = math.ceil(e / algo.sampling_rate)
+        if steps > MAX_STEPS:
+            raise UserError(
+                f"epochs = {e:g} at sampling rate {algo.sampling_rate:.3g} needs {steps} steps (> {MAX_STEPS})"
+            )
+        notes.append(
+            f"epochs={e:g}: {steps} steps = ceil(epochs / sampling rate) (each unit takes part {e:g} times "
+            "in expectation)"
+        )
+    return dataclasses.replace(privacy, algorithm=algo, steps=steps), notes

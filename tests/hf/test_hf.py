@@ -3,6 +3,7 @@ Trainer-driven run is the engine's own-loop run (same seed: same cohorts, parame
 the settings that would break the guarantee are refused in one line, and a batch holds only the
 records of the users it names."""
 
+import dataclasses
 import json
 import types
 import warnings
@@ -556,3 +557,60 @@ def test_banded_noise_over_user_groups_runs_under_the_trainer_as_in_the_engine(t
     assert eng["noise_mechanism"] == "bandmf" and eng["correlated_noise"]["bands"] == 3
     assert eng["cycle"]["compositions"] == 2 and eng["dp_event_total"]["count"] == 2
     assert UserRecords(ds, "user").user_keys() == sorted({str(u) for u in ds["user"]})
+
+
+def test_a_cohort_and_epochs_set_the_rate_and_steps_from_the_datasets_users_and_say_so(tmp_path):
+    """PrivateTrainer(cohort_size=M, epochs=E): q = M/N over train_dataset's users (ULS) or p = M/|D'|
+    over its records (ELS), steps = ceil(E/q), each written in userdp_notes; bad values are one line."""
+    ds = _dataset()  # 30 users, 3 records each
+    privacy = TrainConfig(algorithm=ULS(2, 0.9), steps=1, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4)
+    t = PrivateTrainer(
+        model=_model(),
+        args=_args(tmp_path),
+        train_dataset=ds,
+        privacy=privacy,
+        user_field="user",
+        cohort_size=6,
+        epochs=2,
+    )
+    assert t.privacy.algorithm.sampling_rate == pytest.approx(6 / 30) and t.privacy.steps == 10
+    assert t.args.max_steps == 10
+    assert any("cohort_size=6" in n and "6/30 users" in n for n in t.userdp_notes)
+    assert any("epochs=2: 10 steps" in n for n in t.userdp_notes)
+    els = TrainConfig(algorithm=ELS(2, 0.9), steps=1, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4)
+    t = PrivateTrainer(
+        model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=els, user_field="user", cohort_size=12
+    )
+    assert t.privacy.algorithm.sampling_rate == pytest.approx(12 / 60)  # 30 users × min(3, G = 2) records
+    for kw, words in (
+        (dict(cohort_size=31), "more than the 30 users"),
+        (dict(cohort_size=0), "cohort_size"),
+        (dict(cohort_size=2.5), "cohort_size"),
+        (dict(epochs=-1), "epochs"),
+        (dict(epochs=1e12), "needs"),
+    ):
+        with pytest.raises(UserError, match=words) as info:
+            PrivateTrainer(
+                model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="user", **kw
+            )
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_a_plan_over_the_datasets_users_runs_under_the_trainer_and_its_looks_are_stated(tmp_path):
+    from userdp import planning
+    from userdp.hf_plan import plan_privacy
+
+    ds = _dataset()
+    base = TrainConfig(algorithm=ULS(1, 0.1), steps=3, clipping=FlatClip(0.5), target_epsilon=8.0, delta=1e-4, seed=2)
+    planned = plan_privacy(_model(), ds, "user", base, compute_budget=8, sample=planning.NormSample(8, seed=0))
+    algo = planned.config.algorithm
+    assert algo.name == planned.plan.recommended and planned.config.steps == 3 and planned.config.seed == 2
+    chosen = planned.plan.uls if algo.name == "uls" else planned.plan.els
+    assert algo.group_size == chosen["group_size"] and algo.sampling_rate == pytest.approx(chosen["sampling_rate"])
+    trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=planned, user_field="user")
+    trainer.train()
+    rec = json.loads((tmp_path / "out" / "privacy.json").read_text())
+    assert any(n.startswith("userdp.hf_plan: non-private data touches") for n in rec["not_accounted"])
+    with pytest.raises(UserError, match="target_epsilon"):
+        plan_privacy(_model(), ds, "user", dataclasses.replace(base, target_epsilon=None, noise_multiplier=1.0), 8)
