@@ -35,10 +35,12 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -62,6 +64,7 @@ from userdp.hf_boundary import (
     check_rows,
     resolve_schedule,
 )
+from userdp.lm.export import export_release
 from userdp.lm.models import IGNORE_INDEX, causal_lm_loss
 from userdp.lm.release import save_released_model
 from userdp.lm.report import write_report
@@ -566,6 +569,31 @@ class PrivateTrainer(Trainer):
             },
         )
         write_report(rd.root)
+
+    def push_to_hub(self, commit_message: str = "userdp release bundle", blocking: bool = True, **kwargs):
+        """Push the run's release bundle (:func:`userdp.lm.export.export_release`: the model with its
+        card at the root, the evidence ``userdp report`` verifies under ``userdp/``) to
+        ``args.hub_model_id`` (else the output folder's name), and nothing else: never the records,
+        the Trainer's checkpoints and loss log, or userdp's resume state. ``token`` and ``revision``
+        are the Hub's; the bundle is verified before it leaves.
+
+        Raises:
+            UserError: the run has not released a model yet."""
+        if not self.run_dir.privacy.is_file():
+            raise UserError("push_to_hub(): train() has not released a model yet (nothing verified to push)")
+        token = kwargs.get("token") or self.args.hub_token
+        repo_id = self.args.hub_model_id or Path(self.args.output_dir).name
+        with tempfile.TemporaryDirectory(prefix="userdp-bundle-") as tmp:
+            bundle = export_release(self.run_dir.root, Path(tmp) / "bundle")
+            huggingface_hub.create_repo(repo_id, token=token, private=self.args.hub_private_repo, exist_ok=True)
+            return huggingface_hub.upload_folder(
+                repo_id=repo_id,
+                folder_path=str(bundle),
+                commit_message=commit_message,
+                token=token,
+                revision=kwargs.get("revision"),
+                run_as_future=not blocking,
+            )
 
     def epsilon(self, delta: float | None = None) -> float:
         """The epsilon spent (at the run's delta, or at ``delta``), from the ledger's DpEvent."""

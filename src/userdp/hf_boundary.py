@@ -49,8 +49,8 @@ def check_push_to_hub(args: Any) -> None:
     if getattr(args, "push_to_hub", False):
         raise UserError(
             "TrainingArguments.push_to_hub=True: the output folder holds private files (userdp's "
-            "checkpoint state, the Trainer's un-noised loss log); userdp pushes nothing: publish the "
-            "released model folder (output_dir/model, with its card) yourself"
+            "checkpoint state, the Trainer's un-noised loss log); call trainer.push_to_hub() after train(): "
+            "it pushes the release bundle only (the model, its card and the evidence; `userdp export`)"
         )
 
 

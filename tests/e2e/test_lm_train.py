@@ -686,3 +686,43 @@ def test_banded_noise_over_user_groups_from_the_cli_is_verified_by_report(tiny, 
     (out / "privacy.json").write_text(saved)
     assert cli(["train", "--resume", str(out), "--set", "privacy.bands=3", "--no-progress"]) == 2
     assert "bands" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_export_writes_exactly_the_release_bundle_which_report_verifies(tiny, capsys):
+    """`userdp export RUN DEST`: the model and its Hub card at the root, the evidence under userdp/,
+    nothing private (records, diagnostics, resume state); `userdp report DEST` verifies it and refuses
+    an edit; an unverifiable run or a taken DEST is one line and leaves nothing behind."""
+    import yaml
+
+    from userdp.lm.export import EVIDENCE
+
+    tmp, cfg = tiny
+    run = tmp / "run"
+    assert cli(["train", str(cfg), "--output", str(run), "--no-progress"]) == 0
+    dest = tmp / "bundle"
+    assert cli(["export", str(run), str(dest)]) == 0
+    files = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    model_files = sorted(p.name for p in (run / "model").iterdir() if p.is_file())
+    evidence = sorted(f"userdp/{rel}" for rel in EVIDENCE if (run / rel).is_file())
+    assert files == sorted(model_files + evidence)
+    for private in ("diagnostics.jsonl", "cache", "checkpoint.pt", "curves.png", "MANIFEST.json"):
+        assert not any(f.startswith(f"userdp/{private}") or f"/{private}" in f for f in files if f != "MANIFEST.json")
+    card = (dest / "README.md").read_text()
+    meta = yaml.safe_load(card.split("---")[1])
+    assert meta["pipeline_tag"] == "text-generation" and "differential-privacy" in meta["tags"]
+    assert meta["model-index"][0]["results"][0]["metrics"][0]["type"] == "perplexity"
+    assert "## Intended use" in card
+    capsys.readouterr()
+    assert cli(["report", str(dest)]) == 0
+    priv = dest / "userdp" / "privacy.json"
+    rec = json.loads(priv.read_text())
+    rec["epsilon"] = rec["epsilon"] / 2
+    priv.write_text(json.dumps(rec))
+    assert cli(["report", str(dest)]) == 2
+    assert "privacy.json" in capsys.readouterr().err
+    assert cli(["export", str(run), str(dest)]) == 2  # taken
+    assert "not an empty folder" in capsys.readouterr().err
+    (run / "privacy.json").write_text(json.dumps({**json.loads((run / "privacy.json").read_text()), "epsilon": 0.001}))
+    assert cli(["export", str(run), str(tmp / "second")]) == 2  # an edited run is not exported
+    assert not (tmp / "second").exists() and not list(tmp.glob(".second.partial-*"))

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import types
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -612,5 +613,45 @@ def test_a_plan_over_the_datasets_users_runs_under_the_trainer_and_its_looks_are
     trainer.train()
     rec = json.loads((tmp_path / "out" / "privacy.json").read_text())
     assert any(n.startswith("userdp.hf_plan: non-private data touches") for n in rec["not_accounted"])
-    with pytest.raises(UserError, match="target_epsilon"):
-        plan_privacy(_model(), ds, "user", dataclasses.replace(base, target_epsilon=None, noise_multiplier=1.0), 8)
+
+
+def test_a_plan_needs_a_target_and_the_user_column_each_in_one_line():
+    from userdp.hf_plan import plan_privacy
+
+    ds = _dataset()
+    fixed = TrainConfig(algorithm=ULS(1, 0.1), steps=3, noise_multiplier=1.0, delta=1e-4)
+    with pytest.raises(UserError, match="target_epsilon") as info:
+        plan_privacy(_model(), ds, "user", fixed, 8)
+    assert "\n" not in str(info.value)
+    target = dataclasses.replace(fixed, noise_multiplier=None, target_epsilon=3.0)
+    with pytest.raises(UserError, match="author") as info:
+        plan_privacy(_model(), ds, "author", target, 8)
+    assert "\n" not in str(info.value)
+
+
+def test_push_to_hub_sends_the_verified_bundle_and_nothing_else(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    sent = {}
+
+    def upload_folder(repo_id, folder_path, **kw):
+        sent["repo"] = repo_id
+        sent["files"] = sorted(str(p.relative_to(folder_path)) for p in Path(folder_path).rglob("*") if p.is_file())
+        return "ok"
+
+    monkeypatch.setattr(huggingface_hub, "create_repo", lambda repo_id, **kw: sent.setdefault("created", repo_id))
+    monkeypatch.setattr(huggingface_hub, "upload_folder", upload_folder)
+    privacy = TrainConfig(
+        algorithm=ULS(2, 0.3), steps=2, clipping=FlatClip(0.5), noise_multiplier=1.0, delta=1e-4, seed=3
+    )
+    args = _args(tmp_path, hub_model_id="me/private-model", save_strategy="steps", save_steps=1)
+    trainer = PrivateTrainer(model=_model(), args=args, train_dataset=_dataset(), privacy=privacy, user_field="user")
+    with pytest.raises(UserError, match="train\\(\\) has not released"):
+        trainer.push_to_hub()
+    trainer.train()
+    assert trainer.push_to_hub() == "ok" and sent["repo"] == sent["created"] == "me/private-model"
+    files = sent["files"]
+    assert "README.md" in files and "config.json" in files and "userdp/privacy.json" in files
+    assert "userdp/checkpoints/ledger_journal.jsonl" in files
+    assert not any(f.startswith(("checkpoint-", "runs/", "cache/")) or "checkpoint.pt" in f for f in files), files
+    assert not any("diagnostics" in f or "trainer_state" in f for f in files), files

@@ -26,6 +26,7 @@ COMMANDS = {
     "audit": "train with canary users and measure an empirical lower bound on user-level epsilon",
     "tune": "tune hyperparameters with the tuning itself accounted (private selection)",
     "report": "print the privacy statement of a training run",
+    "export": "the release bundle of a run: what may be published, as a Hub model repository",
     "plan": "choose G, cohort size and noise for a compute budget (docs/plan.md)",
     "account": "user-level (epsilon, delta) of ELS / ULS / DP-FedAvg training",
     "calibrate": "noise multiplier for a target user-level (epsilon, delta)",

@@ -843,40 +843,49 @@ def render_markdown(rep: dict) -> str:
 MODEL_CARD = "README.md"
 
 
-def model_card(rep: dict) -> str:
-    """A Hugging Face model card (``README.md`` with YAML metadata) stating the verified guarantee,
-    the unit, the data touches outside it and the tier, so that whoever publishes the model folder
-    publishes the statement with it."""
+def card_facts(rd: RunDir) -> dict:
+    """What the card says of the model beside the statement: its base (``base_model``: a Hub id the
+    starting folder's config names, else None), whether a LoRA adapter was trained, and the preset."""
+    raw = C.load_yaml(rd.config) if rd.config.is_file() else {}
+    model = raw.get("model") if isinstance(raw, dict) else None
+    model = model if isinstance(model, dict) else {}
+    base = None
+    path = model.get("path")
+    if isinstance(path, str) and (Path(path) / "config.json").is_file():
+        try:
+            named = json.loads((Path(path) / "config.json").read_text()).get("_name_or_path")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        # a Hub id ("org/name"), not a local path: the folder was downloaded from the Hub
+        base = named if isinstance(named, str) and named.count("/") == 1 and not Path(named).exists() else None
+    lora = model.get("lora") if isinstance(model.get("lora"), dict) else {}
+    return {"base_model": base, "lora": bool(lora.get("enabled")), "preset": model.get("preset"), "path": path}
+
+
+def model_card(rep: dict, facts: dict | None = None) -> str:
+    """A Hugging Face model card (``README.md`` with YAML metadata, as the Hub's model-card
+    conventions have it: ``pipeline_tag``, ``library_name``, ``tags``, ``base_model`` where the
+    starting model is a Hub id, ``model-index`` with the held-out-user perplexity) stating the
+    verified guarantee, the unit, the data touches outside it, the tier and the intended use, so that
+    whoever publishes the model folder publishes the statement with it. ``facts``: :func:`card_facts`."""
+    facts = facts or {}
     private = rep.get("private", True)
     eps = rep.get("epsilon_total") if private else None
     delta = rep.get("delta_stated", rep.get("delta")) if private else None
     tier = rep.get("tier") or {}
-    # a hub search for differential privacy must not find the non-private baseline
-    tags = (
-        ["differential-privacy", "user-level-differential-privacy", "userdp"]
-        if private
-        else ["userdp", "non-private-baseline"]
-    )
-    meta = {
-        "library_name": "transformers",
-        "tags": tags,
-        "userdp": {
-            "private": bool(private),
-            "epsilon": eps,
-            "delta": delta,
-            "unit": "user" if private else None,
-            "adjacency": "add/remove one user" if private else None,
-            "algorithm": rep.get("algorithm"),
-            "tier": tier.get("tier"),
-            "epsilon_at_delta_1e-6": (rep.get("at_reference_delta") or {}).get("epsilon") if private else None,
-        },
-    }
+    after = (rep.get("evaluation") or {}).get("after") or {}
+    meta = _card_meta(rep, facts, eps, delta)
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", ""]
     # the title names nothing of the run's folder (a tuned run's would tell which trial won)
+    base = facts.get("base_model") or (
+        f"a `{facts['preset']}` GPT" if facts.get("preset") and not facts.get("path") else ""
+    )
+    what = f"{base} fine-tuned" if base else "Fine-tuned"
+    what += " (LoRA adapter)" if facts.get("lora") else ""
     lines.append(
-        "# Fine-tuned with user-level differential privacy by userdp"
+        f"# {what[0].upper() + what[1:]} with user-level differential privacy by userdp"
         if private
-        else "# Fine-tuned without differential privacy by userdp (a non-private baseline)"
+        else f"# {what[0].upper() + what[1:]} without differential privacy by userdp (a non-private baseline)"
     )
     lines.append("")
     if private:
@@ -914,23 +923,92 @@ def model_card(rep: dict) -> str:
     ]
     lines += [f"- {n}" for n in rep.get("not_accounted") or []]
     lines += [f"- assumed: {a}" for a in rep.get("assumptions") or [] if a != "none"]
-    lines += [
+    lines += _card_use_and_evaluation(rep, private, after)
+    return "\n".join(lines)
+
+
+def _card_meta(rep: dict, facts: dict, eps, delta) -> dict:
+    """The card's YAML metadata (the Hub's keys, and userdp's statement under ``userdp``)."""
+    private = rep.get("private", True)
+    tier = rep.get("tier") or {}
+    # a hub search for differential privacy must not find the non-private baseline
+    tags = (
+        ["differential-privacy", "user-level-differential-privacy", "userdp"]
+        if private
+        else ["userdp", "non-private-baseline"]
+    )
+    if facts.get("lora"):
+        tags = [*tags, "lora", "peft"]
+    after = (rep.get("evaluation") or {}).get("after") or {}
+    meta: dict = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        **({"base_model": facts["base_model"]} if facts.get("base_model") else {}),
+        "tags": tags,
+        "userdp": {
+            "private": bool(private),
+            "epsilon": eps,
+            "delta": delta,
+            "unit": "user" if private else None,
+            "adjacency": "add/remove one user" if private else None,
+            "algorithm": rep.get("algorithm"),
+            "tier": tier.get("tier"),
+            "epsilon_at_delta_1e-6": (rep.get("at_reference_delta") or {}).get("epsilon") if private else None,
+        },
+    }
+    if after.get("perplexity") is not None:  # the Hub's eval results: the held-out users' perplexity
+        meta["model-index"] = [
+            {
+                "name": "userdp fine-tune",
+                "results": [
+                    {
+                        "task": {"type": "text-generation", "name": "causal language modeling"},
+                        "dataset": {"name": "held-out users of the private data", "type": "private"},
+                        "metrics": [{"type": "perplexity", "value": round(float(after["perplexity"]), 4)}],
+                    }
+                ],
+            }
+        ]
+    return meta
+
+
+def _card_use_and_evaluation(rep: dict, private: bool, after: dict) -> list[str]:
+    """The card's intended use, evaluation and how to check it."""
+    out = ["", "## Intended use", ""]
+    out.append(
+        "Text generation in the domain of the fine-tuning data, where the people who wrote that data must "
+        "not be identifiable from the model. The guarantee covers the authors of the fine-tuning data only: "
+        "not the base model's training data, nor people mentioned in someone else's text. Add the licenses of "
+        "the base model and of the data before publishing."
+        if private
+        else "A baseline for comparison only: do not publish it where the training authors' privacy matters."
+    )
+    if after.get("perplexity") is not None:
+        out += [
+            "",
+            "## Evaluation",
+            "",
+            f"- held-out-user perplexity {float(after['perplexity']):.4g} (token-weighted; users not in the training "
+            "data, computed without noise, not a DP release)",
+        ]
+    out += [
         "",
         "## Check it",
         "",
-        "The training run directory holds the evidence (the ledger journal, the DpEvent, checksums): "
-        "`userdp report <run directory>` re-derives every figure above and refuses edited files.",
+        "The evidence (the ledger journal, the DpEvent, checksums) is in the run directory, or under `userdp/` "
+        "in a release bundle (`userdp export`): `userdp report <run directory or bundle>` re-derives every figure "
+        "above and refuses edited files.",
         "",
     ]
-    return "\n".join(lines)
+    return out
 
 
 def write_report(run_dir: str | Path, delta: float | None = None) -> tuple[dict, str]:
     rep = build_report(run_dir, delta)
     md = render_markdown(rep)
-    rd = RunDir(Path(run_dir))
+    rd = existing_run_dir(run_dir)
     write_atomic(rd.report_md, md)
     write_json(rd.report_json, rep)
     if rd.model.is_dir():  # the released folder carries the verified statement
-        write_atomic(rd.model / MODEL_CARD, model_card(rep))
+        write_atomic(rd.model / MODEL_CARD, model_card(rep, card_facts(rd)))
     return rep, md

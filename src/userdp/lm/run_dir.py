@@ -36,10 +36,18 @@ from userdp.errors import UserError
 from userdp.fileio import MANIFEST, sha256_file, verify_manifest, write_json
 from userdp.lm import config as C
 
+#: where a release bundle (``userdp export``) keeps the evidence ``userdp report`` verifies; the
+#: model's files sit at the bundle's root, as the Hugging Face Hub expects them
+BUNDLE_EVIDENCE = "userdp"
+
 
 @dataclass(frozen=True)
 class RunDir:
+    """A run directory at ``root``; ``model_root``: where the released model is when it is not
+    ``root/model`` (a release bundle's root, :data:`BUNDLE_EVIDENCE`)."""
+
     root: Path
+    model_root: Path | None = None
 
     @property
     def config(self) -> Path:
@@ -68,7 +76,7 @@ class RunDir:
 
     @property
     def model(self) -> Path:
-        return self.root / "model"
+        return self.model_root if self.model_root is not None else self.root / "model"
 
     @property
     def adapter(self) -> Path:
@@ -224,7 +232,13 @@ def new_run_dir(output: str | os.PathLike | None) -> RunDir:
 
 
 def existing_run_dir(path: str | os.PathLike) -> RunDir:
+    """The run directory at ``path``, or the evidence of a release bundle there (``userdp export``).
+
+    Raises:
+        UserError: neither (no config.yaml)."""
     root = Path(path)
+    if not (root / "config.yaml").is_file() and (root / BUNDLE_EVIDENCE / "config.yaml").is_file():
+        return RunDir(root / BUNDLE_EVIDENCE, model_root=root)
     if not (root / "config.yaml").is_file():
         raise UserError(f"{path}: not a userdp run directory (no config.yaml)")
     return RunDir(root)
