@@ -47,7 +47,7 @@ def _worker(a) -> None:
     import numpy as np
     import torch
 
-    from userdp import launch
+    from userdp import world as launch
     from userdp.engine import SGD, ULS, Adam, FlatClip, TensorUserData, TrainConfig, train
     from userdp.engine import loop as engine_loop
     from userdp.engine.distributed import combiner_for

@@ -81,8 +81,8 @@ def chunk_ops(preset: str, *, users: int = 8, records: int = 4, tokens: int = 16
     """Ops of one ghost ULS chunk and of a non-private forward + backward of the same records."""
     from userdp.engine import ULS
     from userdp.engine.clipping import FlatClip
-    from userdp.engine.data import TensorUserData
     from userdp.engine.per_unit import make_per_unit
+    from userdp.engine.user_data import TensorUserData
     from userdp.lm import models
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """ULS step time on users of real record counts: padded to G (before) against chunks sorted by
-record count and trimmed (``engine.data.compact_groups``), and a non-private step on as many
+record count and trimmed (``engine.user_data.compact_groups``), and a non-private step on as many
 real records, all measured in this run.
 
 A ULS unit averages up to G of a user's records; a user with fewer is padded to G with masked

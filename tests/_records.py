@@ -2,7 +2,7 @@
 every field set, as a run of the given algorithm and event would set it."""
 
 from userdp import accounting as A
-from userdp.engine.record import PrivacyRecord
+from userdp.engine.privacy_record import PrivacyRecord
 
 
 def engine_record(

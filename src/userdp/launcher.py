@@ -35,8 +35,8 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from userdp.errors import ERROR_DIR_ENV, UserError
 from userdp.fileio import read_input
-from userdp.launch import shared_device
 from userdp.lm.config import check_sharding
+from userdp.world import shared_device
 
 
 def precheck(cfg, nproc: int, plan: str | None) -> None:

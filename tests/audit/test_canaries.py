@@ -9,7 +9,7 @@ import torch
 from scipy import stats
 
 from userdp.audit.canaries import Canaries, WithCanaries, new_seed, ordinary_token_ids
-from userdp.engine.data import TensorUserData
+from userdp.engine.user_data import TensorUserData
 from userdp.errors import UserError
 
 VOCAB = np.arange(5, 300)

@@ -82,7 +82,7 @@ def test_a_bf16_ghost_step_on_cuda_stays_within_the_bound_and_matches_float32():
 
 def test_a_training_step_on_cuda_uses_fused_optimizers_and_records_its_kernels():
     from userdp.engine import ULS, Adam, TrainConfig, train
-    from userdp.engine.data import TensorUserData
+    from userdp.engine.user_data import TensorUserData
     from userdp.lm import models
 
     torch.manual_seed(0)

@@ -146,7 +146,7 @@ def test_one_user_added_changes_no_canarys_membership_or_data():
     import torch
 
     from userdp.audit.canaries import Canaries, WithCanaries
-    from userdp.engine.data import TensorUserData
+    from userdp.engine.user_data import TensorUserData
 
     vocab = np.arange(10, 500)
     c1 = Canaries.generate(2026, 64, 8, 2, vocab)

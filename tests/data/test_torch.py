@@ -10,7 +10,7 @@ from userdp.data import build_store, open_source
 from userdp.data.selection import RandomChunkUserData
 from userdp.data.tokenize import PublicText, TokenLayout, tokenize_store, train_bpe
 from userdp.data.torch_data import TokenizedUserData
-from userdp.engine.data import UserData
+from userdp.engine.user_data import UserData
 from userdp.errors import UserError
 
 

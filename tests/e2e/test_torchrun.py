@@ -400,7 +400,7 @@ def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path
 
 # ----------------------------------------------------------------------------- refusals, in process
 def test_a_torchrun_environment_that_cannot_be_used_is_refused(monkeypatch):
-    from userdp.launch import init_world
+    from userdp.world import init_world
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("RANK", raising=False)
@@ -415,10 +415,10 @@ def test_a_torchrun_environment_that_cannot_be_used_is_refused(monkeypatch):
 
 
 def test_the_audit_is_refused_on_several_processes(tmp_path):
-    from userdp.launch import World
     from userdp.lm import config as C
     from userdp.lm.finetune import run
     from userdp.lm.job_context import Launch
+    from userdp.world import World
 
     cfg = _tiny(tmp_path, "")
     c = C.load_config(str(cfg), ["audit.canaries=10"])

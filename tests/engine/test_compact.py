@@ -1,4 +1,4 @@
-"""ULS chunks without their padding slots (engine.data.compact_groups): the same clipped sums for
+"""ULS chunks without their padding slots (engine.user_data.compact_groups): the same clipped sums for
 less work.
 
 A ULS unit is a user with up to G records; a user with fewer records is padded to G with masked
@@ -11,7 +11,7 @@ import torch
 
 from userdp.engine import ULS, Adam, FedAvg, FlatClip, TensorUserData, TrainConfig, train
 from userdp.engine import loop as loop_mod
-from userdp.engine.data import compact_groups
+from userdp.engine.user_data import compact_groups
 
 from _engine_helpers import MLP, ce_loss, mlp_data
 

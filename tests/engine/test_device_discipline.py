@@ -21,7 +21,7 @@ from userdp.engine import noise as N
 from userdp.engine.algorithms import FedAvg
 from userdp.engine.chacha import ChaChaNoise
 from userdp.engine.clipping import FlatClip, PerLayerClip
-from userdp.engine.data import TensorUserData
+from userdp.engine.user_data import TensorUserData
 
 _SYNCS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
 

@@ -158,7 +158,7 @@ def test_the_data_fingerprint_sees_each_users_records_and_ids():
     import numpy as np
 
     from userdp.engine import TensorUserData
-    from userdp.engine.data import DelegatingUserData, UserData
+    from userdp.engine.user_data import DelegatingUserData, UserData
 
     class Plain(UserData):  # only the contract: the default fingerprint gathers every record
         def __init__(self, inner):

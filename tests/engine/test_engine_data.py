@@ -65,7 +65,7 @@ def test_uniform_subsets_is_uniform_distinct_and_capped():
     user's n records probability 1/C(n, G): chi-square over the 10 pairs of 5 records."""
     from scipy import stats
 
-    from userdp.engine.data import uniform_subsets
+    from userdp.engine.user_data import uniform_subsets
 
     rng = np.random.default_rng(123)
     rec, mask = uniform_subsets(np.full(50_000, 5), 2, rng)
@@ -81,7 +81,7 @@ def test_uniform_subsets_is_uniform_distinct_and_capped():
 
 
 def test_bounded_records_default_is_capped_random_subset():
-    from userdp.engine.data import TensorUserData
+    from userdp.engine.user_data import TensorUserData
 
     sizes = np.array([1, 3, 7, 2])
     d = TensorUserData({"x": torch.arange(13.0)}, np.concatenate([[0], np.cumsum(sizes)]))

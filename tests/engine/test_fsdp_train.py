@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, RunOptions, TrainConfig, checkpoint, train
-from userdp.engine.data import TensorUserData
+from userdp.engine.user_data import TensorUserData
 from userdp.errors import UserError
 
 from _engine_helpers import Crash, crash_at, run_gloo_pair

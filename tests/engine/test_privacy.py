@@ -25,7 +25,7 @@ from userdp.engine import (
     train,
 )
 from userdp.engine.loop import EngineRun
-from userdp.engine.record import PrivacyRecord
+from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.sampling import Poisson, bucket_size
 from userdp.errors import BudgetExceededError, UserError
 

@@ -19,8 +19,8 @@ from userdp import accounting
 from userdp import accounting as A
 from userdp.cli import main as cli
 from userdp.engine import checkpoint as ckpt
-from userdp.engine.data import TensorUserData
 from userdp.engine.ledger import JOURNAL
+from userdp.engine.user_data import TensorUserData
 
 from _lm_corpus import write_tiny_run
 
@@ -216,7 +216,7 @@ class _Ranked(TensorUserData):
 
 
 def test_wrappers_delegate_ranked_selection():
-    from userdp.engine.data import DelegatingUserData
+    from userdp.engine.user_data import DelegatingUserData
     from userdp.lm.training import _TokenCounter
 
     sizes = np.array([5, 1, 7, 3])

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import torch
 
-from userdp.engine.data import TensorUserData
+from userdp.engine.user_data import TensorUserData
 from userdp.lm import evaluate as E
 from userdp.lm import models
 

@@ -24,7 +24,7 @@ LAYERS = {
     "userdp.data.torch_data": 4,
     "userdp.data.selection": 4,
     "userdp.devices": 4,
-    "userdp.launch": 4,
+    "userdp.world": 4,
     "userdp.planning": 4,
     "userdp.lm": 5,
     "userdp.audit": 6,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from userdp.engine.data import TensorUserData
+from userdp.engine.user_data import TensorUserData
 from userdp.experiments.mean_estimation import MeanModel, loss_fn
 from userdp.planning import GradientNormEstimator, NormSample, PlanBudget, Sigmas, plan_for_budget, plan_for_training
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from userdp.engine.data import (
+from userdp.engine.user_data import (
     DelegatingUserData,
     TensorUserData,
     UserData,

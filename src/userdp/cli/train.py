@@ -7,7 +7,8 @@ import math
 import sys
 from pathlib import Path
 
-from userdp import launch, launcher
+from userdp import launcher
+from userdp import world as launch
 from userdp.audit.session import AuditSession
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout

@@ -38,7 +38,7 @@ import torch
 from userdp.data.subset import UserSubset
 from userdp.data.tokenize import TokenizedStore
 from userdp.data.torch_data import TokenizedUserData
-from userdp.engine.data import Batch
+from userdp.engine.user_data import Batch
 from userdp.errors import UserError
 from userdp.fileio import write_atomic
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from userdp.data.tokenize import TokenizedStore
-from userdp.engine.data import Batch, UserData
+from userdp.engine.user_data import Batch, UserData
 from userdp.errors import UserError
 
 

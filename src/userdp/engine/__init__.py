@@ -18,13 +18,13 @@ from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg, FedSGD, NonPr
 from userdp.engine.bandmf import BandMF  # registers noise: bandmf
 from userdp.engine.batch_unit import BatchPerUnit  # registers per_unit: batch (the non-private baseline's)
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
-from userdp.engine.data import DelegatingUserData, TensorUserData, UserData
 from userdp.engine.ledger import PrivacyLedger
 from userdp.engine.loop import TrainConfig, TrainingInterrupted, TrainResult, train
 from userdp.engine.optimizers import SGD, Adafactor, Adam
+from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.private_loop import PrivateTraining, make_private
-from userdp.engine.record import PrivacyRecord
 from userdp.engine.run_options import RunOptions
+from userdp.engine.user_data import DelegatingUserData, TensorUserData, UserData
 
 __all__ = [
     "TrainingInterrupted",

@@ -30,8 +30,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from userdp.engine.data import UserData
 from userdp.engine.per_unit import fedavg_epoch_batches
+from userdp.engine.user_data import UserData
 from userdp.errors import UserError
 from userdp.registry import Registry
 from userdp.validation import MAX_EPOCHS, check_bool, check_fields, check_int, check_positive, check_rate, optional

@@ -26,7 +26,6 @@ from torch import nn
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.clipping import StepClipping
-from userdp.engine.data import UserData, compact_groups
 from userdp.engine.distributed import LocalCombiner
 from userdp.engine.distribution import DISTRIBUTIONS, read_shards
 from userdp.engine.ledger import JOURNAL, PrivacyLedger
@@ -37,11 +36,12 @@ from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_differ
 from userdp.engine.plugin_outputs import call as plugin_call
 from userdp.engine.plugin_outputs import check_finite_scalar, checked_cohort, checked_loss_fn
 from userdp.engine.precision import EXACT_FLOAT32, Precision
-from userdp.engine.record import PrivacyRecord
+from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
 from userdp.engine.run_record import run_record
 from userdp.engine.sampling import bucket_size
 from userdp.engine.sharding import shard_like
+from userdp.engine.user_data import UserData, compact_groups
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_callable, check_instance
 
@@ -154,7 +154,7 @@ class EngineRun:
         cfg = given_plan.config if given_plan is not None else config
         self.model, self.data, self.cfg = model, data, cfg
         self.algo = cfg.algorithm
-        # a user's masked mean gradient does not see its padding slots: trim them (engine.data.compact_groups)
+        # a user's masked mean gradient does not see its padding slots: trim them (engine.user_data.compact_groups)
         self._compact = self.algo.unit == "user" and self.algo.update == "gradient" and self.algo.records_per_unit > 1
         self.combiner = options.combiner or LocalCombiner()
         precision = Precision(cfg.precision)
@@ -633,7 +633,7 @@ class EngineRun:
 
     # ------------------------------------------------------------------ the record
     def record(self) -> PrivacyRecord:
-        """The run's privacy record as of now (:class:`~userdp.engine.record.PrivacyRecord`)."""
+        """The run's privacy record as of now (:class:`~userdp.engine.privacy_record.PrivacyRecord`)."""
         return run_record(self)
 
 
@@ -870,7 +870,7 @@ def _agree(run: EngineRun) -> None:
 
     Raises:
         UserError: this rank's engine config or unit count differ from rank 0's, or its data
-            (:meth:`~userdp.engine.data.UserData.fingerprint`: which user is which, and each
+            (:meth:`~userdp.engine.user_data.UserData.fingerprint`: which user is which, and each
             user's records) does.
     """
     comb = run.combiner

@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from userdp.engine.data import TensorUserData, UserData
 from userdp.engine.loop import start_run
 from userdp.engine.plan import TrainConfig
 from userdp.engine.private_loop import make_private
 from userdp.engine.run_options import RunOptions
 from userdp.engine.sharding import whole
+from userdp.engine.user_data import TensorUserData, UserData
 from userdp.errors import UserError
 
 #: the default relative tolerance: float32 sums of a few hundred terms, reordered

@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from userdp import accounting
-from userdp.engine.data import UserData
 from userdp.engine.loop import EngineRun, RunPlan, TrainConfig, start_run
-from userdp.engine.record import PrivacyRecord
+from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.run_options import RunOptions, run_options
+from userdp.engine.user_data import UserData
 from userdp.errors import UserError
 from userdp.validation import check_instance
 

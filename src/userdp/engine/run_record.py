@@ -11,7 +11,7 @@ import torch
 from userdp import accounting
 from userdp.engine.chacha import tail_delta
 from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, source_class
-from userdp.engine.record import PrivacyRecord
+from userdp.engine.privacy_record import PrivacyRecord
 
 
 def _cfg_dict(obj) -> Any:

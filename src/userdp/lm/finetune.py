@@ -27,7 +27,6 @@ from userdp.engine.ledger import JOURNAL
 from userdp.engine.sharding import gathered_model
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, write_atomic
-from userdp.launch import JobStopped, World, translate
 from userdp.lm import config as C
 from userdp.lm import models
 from userdp.lm.job_context import JobContext, JobData, Launch
@@ -41,6 +40,7 @@ from userdp.lm.starting_model import float32_for_sharding, get_tokenizer_and_mod
 from userdp.lm.tensorboard_log import check_available
 from userdp.lm.training import train_model
 from userdp.progress import shown as bars_shown
+from userdp.world import JobStopped, World, translate
 
 
 def _check_resumable(rd: RunDir, resume_dir: str) -> bool:
@@ -119,7 +119,7 @@ def run(
     Raises:
         UserError: bad configuration or data, a damaged run directory, an unmet budget.
         KeyboardInterrupt: after Ctrl-C (the run can be resumed).
-        userdp.launch.PeerLost: another process of a torchrun job failed (the run can be resumed)."""
+        userdp.world.PeerLost: another process of a torchrun job failed (the run can be resumed)."""
     launch = launch or Launch()
     world, audit = launch.world or World(), launch.audit
     if not world.is_main:

@@ -18,7 +18,7 @@ class Launch:
     """How a job was launched, beyond its config: what ``userdp train`` (or ``userdp audit``) brings
     to :func:`userdp.lm.finetune.run`, and an API caller seldom needs.
 
-    ``world``: the job's processes (:func:`userdp.launch.init_world`; None: one process).
+    ``world``: the job's processes (:func:`userdp.world.init_world`; None: one process).
     ``plan_file``: a plan saved by ``userdp plan`` to apply (``--plan``).
     ``audit``: the empirical audit's hooks, needed when ``audit.canaries > 0``: a factory
     ``audit(audit_cfg, run_root, resume=, log=, steps_begun=)`` returning a session
@@ -35,7 +35,7 @@ class JobContext:
     found, on resume); ``combiner`` when the model is placed on its device; ``notes`` gather what
     the phases tell the report (the tokenizer folder, the chunk size's choice, ...)."""
 
-    world: Any  # userdp.launch.World: this process among the job's
+    world: Any  # userdp.world.World: this process among the job's
     log: Log
     progress: bool
     plan_file: str | None = None  # --plan

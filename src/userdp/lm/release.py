@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from userdp import plugins
-from userdp.engine.record import PrivacyRecord
+from userdp.engine.privacy_record import PrivacyRecord
 from userdp.fileio import atomic_dir, write_json, write_manifest
 from userdp.lm import config as C
 from userdp.lm import models

@@ -1,7 +1,7 @@
 """The privacy statement of a run (Ponomareva et al. 2023, §5.3.3), as JSON (``privacy.json``) and Markdown.
 
 The training job saves ``privacy.json`` (:mod:`userdp.lm.statement` fills it from the engine's
-:class:`~userdp.engine.record.PrivacyRecord`); ``build_report(run_dir)`` reads it back with the
+:class:`~userdp.engine.privacy_record.PrivacyRecord`); ``build_report(run_dir)`` reads it back with the
 resolved config and metrics, re-derives and verifies it, and returns the full statement;
 ``render_markdown`` prints it.
 Every field of the §8.3 checklist is present and non-empty; values that do not apply say so.

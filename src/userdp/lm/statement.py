@@ -1,4 +1,4 @@
-"""privacy.json's content: the engine's :class:`~userdp.engine.record.PrivacyRecord` and the LM
+"""privacy.json's content: the engine's :class:`~userdp.engine.privacy_record.PrivacyRecord` and the LM
 job's own facts (:class:`ReleaseFacts`), put into the statement's words once, at release.
 
 The statement's checklist (Ponomareva et al. 2023, §5.3.3; SPEC §8.3) is filled here from typed
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.noise import NOISE_MECHANISMS
 from userdp.engine.plugin_outputs import built_in, describe
-from userdp.engine.record import PrivacyRecord
+from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.sampling import SAMPLERS
 from userdp.errors import UserError
 from userdp.lm.plan_file import plan_median_epsilon

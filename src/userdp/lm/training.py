@@ -11,9 +11,9 @@ import time
 from safetensors.torch import save_file
 
 from userdp.engine import checkpoint as ckpt
-from userdp.engine.data import DelegatingUserData
 from userdp.engine.loop import TrainingInterrupted, train
 from userdp.engine.run_options import RunOptions
+from userdp.engine.user_data import DelegatingUserData
 from userdp.fileio import strict_dumps, write_atomic, write_json
 from userdp.lm import models
 from userdp.lm.job_context import JobContext, JobData
@@ -32,7 +32,7 @@ from userdp.progress import bar as progress_bar
 class _TokenCounter:
     """Wraps a UserData and counts the target tokens the engine pulls (for tokens/s).
 
-    The wrapper is a :class:`~userdp.engine.data.DelegatingUserData`: everything it does not
+    The wrapper is a :class:`~userdp.engine.user_data.DelegatingUserData`: everything it does not
     count (``bounded_records`` above all — ELS's D' under ranked selection) goes to the data."""
 
     def __init__(self, inner):

@@ -208,7 +208,7 @@ def plan_for_training(
 ) -> BudgetPlan:
     """What ``userdp plan`` and a config with ``plan: auto`` call.
 
-    ``data`` is the resolved training :class:`userdp.engine.data.UserData` (the users that will
+    ``data`` is the resolved training :class:`userdp.engine.user_data.UserData` (the users that will
     train; held-out users excluded), ``model`` the pretrained model in train mode (as it will be
     trained, e.g. with LoRA applied), ``loss_fn`` the engine's per-record loss, ``sample`` the users
     L(G) is estimated on (default ``NormSample()``: 128 users). Returns a :class:`BudgetPlan`;
