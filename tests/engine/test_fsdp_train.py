@@ -515,3 +515,94 @@ def test_banded_noise_under_sharding_trains_the_replicated_runs_model():
             for n, p in _model("gpt2").named_parameters()
         )
         assert moved > 1e-3  # the noise moved the model: the comparison is not of two untouched models
+
+
+def _sharded_bandmf_resume(folder: str, rank: int) -> dict:
+    """Both ranks: a seeded sharded BandMF run, uninterrupted; the same run stopped by a Ctrl-C on rank 0
+    after step 3 (saved, nothing lost) and resumed sharded; rank 0 keeps a copy of the checkpoint."""
+    import signal
+
+    import torch.distributed as dist
+
+    import userdp.engine.loop as loop
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.lm.models import causal_lm_loss
+
+    runs = []
+    init = loop.EngineRun.__init__
+
+    def keep(self, *args, **kw):
+        init(self, *args, **kw)
+        runs.append(self)
+
+    loop.EngineRun.__init__ = keep
+    cfg = _config("uls", "fsdp", sampling="cyclic_poisson", noise="bandmf", bands=3, checkpoint_every=4)
+    cfg = TrainConfig(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
+    ref_model = _model("gpt2")
+    ref = train(ref_model, _data(), causal_lm_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
+    ring = runs[-1].noise._slots[0].numel()
+    local = sum(p.to_local().numel() for p in runs[-1].params)
+    fired = []
+
+    def press(m):
+        if rank == 0 and m["step"] == 2 and not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    ckpt = f"{folder}/run"
+    try:
+        train(
+            _model("gpt2"),
+            _data(),
+            causal_lm_loss,
+            cfg,
+            RunOptions(checkpoint_dir=ckpt, callbacks=[press], combiner=TorchDistributedCombiner()),
+        )
+        stopped_at = None
+    except KeyboardInterrupt as exc:
+        stopped_at = getattr(exc, "steps", -1)
+    if rank == 0:
+        shutil.copytree(ckpt, f"{folder}/copy")
+    dist.barrier()
+    model = _model("gpt2")
+    res = train(
+        model,
+        _data(),
+        causal_lm_loss,
+        cfg,
+        RunOptions(checkpoint_dir=ckpt, resume=True, combiner=TorchDistributedCombiner()),
+    )
+    return {
+        "ref": _full(ref_model),
+        "resumed": _full(model),
+        "stopped_at": stopped_at,
+        "lost": res.record["steps_lost_to_crashes"],
+        "epsilon": (ref.epsilon, res.epsilon),
+        "ring": ring,
+        "local": local,
+        "whole": sum(p.numel() for p in runs[-1].params),
+    }
+
+
+@pytest.mark.slow
+def test_a_sharded_banded_run_keeps_its_shard_of_the_stream_and_resumes_it_anywhere(tmp_path):
+    """Under FSDP2 each rank keeps 1/W of BandMF's past noise vectors; a seeded run stopped after step 3
+    and resumed sharded ends bit for bit where the uninterrupted run does, and its checkpoint (the
+    vectors made whole) resumes on one unsharded process to the same model."""
+    from userdp.lm.models import causal_lm_loss
+
+    results = run_gloo_pair(functools.partial(_sharded_bandmf_resume, str(tmp_path)))
+    for rank in (0, 1):
+        got = results[rank]
+        assert got["stopped_at"] == 3 and got["lost"] == 0 and got["epsilon"][0] == got["epsilon"][1]
+        assert got["ring"] == got["local"] < 0.6 * got["whole"]  # this rank's shards only
+        for name, value in got["ref"].items():
+            np.testing.assert_array_equal(got["resumed"][name], value)
+    cfg = _config("uls", "none", sampling="cyclic_poisson", noise="bandmf", bands=3, checkpoint_every=4)
+    cfg = TrainConfig(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
+    model = _model("gpt2")
+    one = train(model, _data(), causal_lm_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path / "copy"), resume=True))
+    assert one.steps == 6 and one.record["steps_lost_to_crashes"] == 0
+    gap = max(float(np.abs(p.detach().numpy() - results[0]["ref"][n]).max()) for n, p in model.named_parameters())
+    assert gap < 1e-6, gap

@@ -87,11 +87,23 @@ class BandMF(IIDGaussian):
         self._held = 0  # past vectors held (fewer than b - 1 while a stream begins)
 
     # ------------------------------------------------------------------ the stream
+    @property
+    def correlated(self) -> bool:
+        """Whether the noise keeps state across steps (b > 1). A sharded run keeps that state on every
+        rank, for the rank's own shards (:meth:`userdp.engine.distribution.Sharded.release`): rank 0
+        reads :meth:`draws`, scatters each parameter's z, and every rank :meth:`combine`\ s its part."""
+        return self.bands > 1
+
+    def draws(self, numel: int, dtypes: Sequence[torch.dtype], device):
+        """This step's standard normals z_t, in order, as ``(offset, piece)`` (the main rank's source)."""
+        assert self.source is not None
+        return self.source.pieces(numel, dtypes, device)
+
     def _past(self, j: int) -> torch.Tensor:
         """w_{t-j}, flat (1 <= j <= held)."""
         return self._slots[(self._head - (j - 1)) % (self.bands - 1)]
 
-    def _combine(self, z: torch.Tensor, lo: int) -> torch.Tensor:
+    def combine(self, z: torch.Tensor, lo: int) -> torch.Tensor:
         """The piece ``[lo, lo + len(z))`` of w_t from the same piece of z_t (changed in place and
         returned): ``w = (z − Σ_j c_j w_{t−j}) / c_0``, written into the ring's next slot. Pieces
         are disjoint, so the pool's threads may combine them at once."""
@@ -103,7 +115,7 @@ class BandMF(IIDGaussian):
         self._slots[(self._head + 1) % (self.bands - 1)][lo:hi].copy_(z)
         return z
 
-    def _begin(self, numel: int, dtype: torch.dtype) -> None:
+    def begin(self, numel: int, dtype: torch.dtype) -> None:
         """The ring ready for a step over ``numel`` numbers (allocated at the first step: b − 1 flat
         host buffers of the draw's dtype)."""
         if not self._slots:
@@ -111,7 +123,8 @@ class BandMF(IIDGaussian):
         if self._slots[0].numel() != numel:
             raise UserError(f"the noise stream holds vectors of {self._slots[0].numel()} numbers, not {numel}")
 
-    def _advance(self) -> None:
+    def advance(self) -> None:
+        """The step's w_t is written: it becomes w_{t-1}."""
         self._head = (self._head + 1) % (self.bands - 1)
         self._held = min(self._held + 1, self.bands - 1)
 
@@ -127,14 +140,14 @@ class BandMF(IIDGaussian):
             return
         numel = sum(t.numel() for t in tensors)
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        self._begin(numel, dtype)
+        self.begin(numel, dtype)
         if isinstance(self.source, GaussianNoise):
-            self.source.add_(tensors, std, transform=self._combine)
+            self.source.add_(tensors, std, transform=self.combine)
         else:  # a device source (ChaCha on CUDA): one draw, combined, then added
             z = self.source.like([torch.empty(numel, dtype=dtype, device=tensors[0].device)], 1.0)[0]
             flats, offsets = flat_views(tensors)
-            add_piece(flats, offsets, self._combine(z, 0).mul_(float(std)), 0)
-        self._advance()
+            add_piece(flats, offsets, self.combine(z, 0).mul_(float(std)), 0)
+        self.advance()
 
     def pieces(self, numel: int, dtypes: Sequence[torch.dtype], std: float, device):
         """This step's noise in order, for a sharded step: the source's pieces of z_t, each combined
@@ -144,10 +157,10 @@ class BandMF(IIDGaussian):
             return
         dtype = torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
         assert self.source is not None  # the main rank's (the only one that reads the draw)
-        self._begin(int(numel), dtype)
+        self.begin(int(numel), dtype)
         for lo, z in self.source.pieces(numel, dtypes, device):
-            yield lo, self._combine(z, lo).mul_(float(std))
-        self._advance()
+            yield lo, self.combine(z, lo).mul_(float(std))
+        self.advance()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
@@ -167,10 +180,10 @@ class BandMF(IIDGaussian):
             raise UserError(f"the checkpoint's noise stream holds {len(past)} past steps, more than bands - 1")
         self._slots, self._head, self._held = [], -1, 0
         if past:
-            self._begin(past[0].numel(), past[0].dtype)
+            self.begin(past[0].numel(), past[0].dtype)
             for w in reversed(past):  # oldest first, as the steps wrote them
                 self._slots[(self._head + 1) % (self.bands - 1)].copy_(w)
-                self._advance()
+                self.advance()
 
     def to_record(self) -> dict:
         """What the privacy record says of the noise: the strategy, its coefficients and its norm."""

@@ -40,6 +40,7 @@ from userdp.engine.sharding import (
     reduce_scatter,
     save_shards,
     scatter_from_main,
+    shard_like,
     shard_model,
 )
 from userdp.errors import UserError
@@ -146,6 +147,14 @@ class Replicated:
             check_finite_release(sums, run.noise)
         return run.combiner.all_reduce_sum(sums)
 
+    def noise_state(self, run) -> dict:
+        """The noise mechanism's state for a seeded run's checkpoint (every rank that writes calls it)."""
+        return run.noise.state_dict()
+
+    def load_noise_state(self, run, state: dict) -> None:
+        """Restore :meth:`noise_state`'s output, whatever distribution wrote it."""
+        run.noise.load_state_dict(state)
+
     def share_initial_state(self, combiner, run) -> None:
         """Rank 0's initial values on every rank (e.g. a randomly initialised preset, LoRA's random A)."""
         broadcast_module_state(combiner, run.model, extra=run.master if run.master is not run.params else ())
@@ -217,6 +226,8 @@ class Sharded(Replicated):
         each parameter's noise to the ranks holding its shards."""
         if std <= 0:
             return sums
+        if getattr(run.noise, "correlated", False):
+            return _release_correlated(run, sums, std)
         main = run.combiner.rank == 0
         cursor = DrawCursor(run.noise.pieces(run._sum_numel, run._sum_dtypes, std, run.device)) if main else None
         for p, x in zip(run.params, sums, strict=True):
@@ -229,6 +240,21 @@ class Sharded(Replicated):
 
     def share_initial_state(self, combiner, run) -> None:  # done before sharding: the ranks now hold different shards
         pass
+
+    def noise_state(self, run) -> dict:
+        """A correlated mechanism's state made whole: each rank holds 1/W of each past noise vector, and
+        the checkpoint keeps whole vectors (every rank calls it: an all-gather per parameter), so that a
+        resume on any W, or on one process, lays them out its own way."""
+        state = run.noise.state_dict()
+        if getattr(run.noise, "correlated", False):
+            state["past"] = [_whole_flat(run.params, w) for w in state.get("past") or []]
+        return state
+
+    def load_noise_state(self, run, state: dict) -> None:
+        """Restore a whole state, each rank keeping its own shards of the past noise vectors."""
+        if getattr(run.noise, "correlated", False) and state.get("past"):
+            state = {**state, "past": [_local_flat(run.params, w) for w in state["past"]]}
+        run.noise.load_state_dict(state)
 
     def split_state(self, run, optimizer: dict) -> tuple[dict, dict]:
         """Each optimizer state laid out as its parameter (Adam's moments) replaced by
@@ -252,6 +278,54 @@ class Sharded(Replicated):
 
     def optimizer_state_like(self, optimizer: dict, held: list) -> dict:
         return optimizer_state_like(optimizer, held)
+
+
+def _release_correlated(run, sums: list, std: float) -> list:
+    """A correlated mechanism's step on the shards: rank 0 reads z_t in the replicated run's order and
+    scatters each parameter's part; every rank combines its shard of z_t with its own shards of the past
+    noise vectors (the mechanism's state, 1/W of it on each rank) and adds std times the result: the
+    numbers of the replicated run, coordinate by coordinate."""
+    noise = run.noise
+    main = run.combiner.rank == 0
+    cursor = DrawCursor(noise.draws(run._sum_numel, run._sum_dtypes, run.device)) if main else None
+    locals_ = [x.to_local() for x in sums]
+    noise.begin(
+        sum(t.numel() for t in locals_),
+        torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32,
+    )
+    lo = 0
+    for p, local in zip(run.params, locals_, strict=True):
+        full = cursor.take(p.numel(), local.dtype, local.device) if cursor is not None else None
+        z = scatter_from_main(full, p, local.dtype).reshape(-1)
+        local.add_(noise.combine(z, lo).mul_(float(std)).view_as(local))
+        lo += local.numel()
+    if cursor is not None:
+        cursor.finish()
+    noise.advance()
+    return sums
+
+
+def _whole_flat(params, local_flat: torch.Tensor) -> torch.Tensor:
+    """A vector laid out as ``params``' local shards, flat, made whole (every rank calls it)."""
+    from torch.distributed.tensor import DTensor
+
+    out, lo = [], 0
+    for p in params:
+        local = p.to_local()
+        piece = local_flat[lo : lo + local.numel()].view(local.shape).to(local.device)
+        out.append(
+            DTensor.from_local(piece, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor().cpu()
+        )
+        lo += local.numel()
+    return torch.cat([t.reshape(-1) for t in out])
+
+
+def _local_flat(params, whole_flat: torch.Tensor) -> torch.Tensor:
+    """This rank's local shards, flat, of a whole vector laid out as ``params``."""
+    out = []
+    for p, piece in zip(params, whole_flat.split([p.numel() for p in params]), strict=True):
+        out.append(shard_like(piece.view(p.shape), p).to_local().reshape(-1).cpu())
+    return torch.cat(out)
 
 
 def read_shards(run, st: dict, held: list) -> dict:

@@ -521,7 +521,7 @@ class EngineRun:
             "nonfinite_units": self.nonfinite_units,
         }
         if self.seeded:  # unseeded random states are secret: never written
-            st["noise"] = self.noise.state_dict()
+            st["noise"] = self.distribution.noise_state(self)  # every rank of a sharded run calls it
             st["torch_rng"] = torch.get_rng_state()
             perm = self.sampler_state.get("perm")
             st["sampler"] = {
@@ -592,7 +592,7 @@ class EngineRun:
                     f"cannot resume from {ckpt.path(self.dir)}: a seeded checkpoint of an older userdp "
                     "(its record draws used another generator); start the seeded run again"
                 )
-            self.noise.load_state_dict(st.get("noise") or {})
+            self.distribution.load_noise_state(self, st.get("noise") or {})
             torch.set_rng_state(st["torch_rng"])
             s = st["sampler"]
             if s["epoch"] is not None:

@@ -146,7 +146,7 @@ def fixed_bytes(
     its stacked groups (:data:`STACK_TRANSIENT_BYTES`), ``noise_vectors`` model-sized float32 noise
     vectors held on the host (4 B a trainable parameter each: the step's noise drawn while its sums
     are computed, :func:`userdp.engine.noise.draws_ahead`, and the past vectors a correlated
-    mechanism keeps across steps, BandMF's b − 1; on rank 0, whole, also in a sharded run), and with
+    mechanism keeps across steps, BandMF's b − 1; 1/W of them on each rank of a sharded run), and with
     ``low_precision`` (a bf16/fp16 autocast
     forward) the 2 B copy of each float32 weight matrix that autocast casts for its GEMMs and
     autograd keeps for the backward (0.23 GiB at gpt2-small, 0.66 GiB at gpt2-medium; on a sharded
@@ -183,7 +183,7 @@ def fixed_bytes(
             total / shards
             + gathered
             + casts
-            + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters + verify + ahead)
+            + 4 * (n * (1 + optimizer_states) / shards + 2 * largest + masters + verify + ahead / shards)
         )
     return int(total + casts + 4 * (n * (2 + optimizer_states) + masters + verify + ahead) + stacks)
 
