@@ -322,9 +322,12 @@ def _whole_flat(params, local_flat: torch.Tensor) -> torch.Tensor:
 
 def _local_flat(params, whole_flat: torch.Tensor) -> torch.Tensor:
     """This rank's local shards, flat, of a whole vector laid out as ``params``."""
+    from torch.distributed.tensor import DTensor
+
     out = []
     for p, piece in zip(params, whole_flat.split([p.numel() for p in params]), strict=True):
-        out.append(shard_like(piece.view(p.shape), p).to_local().reshape(-1).cpu())
+        shard = shard_like(piece.view(p.shape), p)
+        out.append((shard.to_local() if isinstance(shard, DTensor) else shard).reshape(-1).cpu())
     return torch.cat(out)
 
 
