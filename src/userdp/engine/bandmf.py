@@ -12,10 +12,11 @@ cancels in the running sum of updates the model is.
   the clip norm: the run is accounted as ceil(T/b) Poisson-subsampled Gaussians at q·b
   (:meth:`userdp.accounting.Mechanism.compositions`).
 * **Streaming.** ``w_t = (z_t − Σ_{j=1}^{b−1} c_j w_{t−j}) / c_0`` (back-substitution of
-  ``C w = z``): the state is the last b−1 noise vectors, model-sized, flat host buffers in the
-  draw's dtype (float32, float64 for float64 sums) in a ring; with the host source the recursion
-  runs inside the draw, a cache-sized piece at a time in its threads. b = 1 is i.i.d. noise, the same numbers as
-  :class:`~userdp.engine.noise.IIDGaussian` (it *is* that mechanism).
+  ``C w = z``): the state is the last b−1 noise vectors, model-sized, flat buffers on the sums'
+  device in the draw's dtype (float32, float64 for float64 sums) in a ring; with the host source
+  the recursion runs inside the draw, a cache-sized piece at a time in its threads. b = 1 is
+  i.i.d. noise, the same numbers as :class:`~userdp.engine.noise.IIDGaussian` (it *is* that
+  mechanism).
 * **State and checkpoints.** The b−1 vectors are noise: anyone who holds them and two released
   models could subtract them. They are saved with a seeded run's checkpoint (as the generator's
   state is: whoever holds the seed holds them anyway), so a resume continues the same stream bit
@@ -115,13 +116,16 @@ class BandMF(IIDGaussian):
         self._slots[(self._head + 1) % (self.bands - 1)][lo:hi].copy_(z)
         return z
 
-    def begin(self, numel: int, dtype: torch.dtype) -> None:
-        """The ring ready for a step over ``numel`` numbers (allocated at the first step: b − 1 flat
-        host buffers of the draw's dtype)."""
+    def begin(self, numel: int, dtype: torch.dtype, device="cpu") -> None:
+        """The ring ready for a step over ``numel`` numbers on ``device`` (the sums' device: on a GPU the
+        recursion never crosses to the host), allocated at the first step: b − 1 flat buffers of the
+        draw's dtype; a ring restored from a checkpoint moves there."""
         if not self._slots:
-            self._slots = [torch.zeros(numel, dtype=dtype) for _ in range(self.bands - 1)]
+            self._slots = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(self.bands - 1)]
         if self._slots[0].numel() != numel:
             raise UserError(f"the noise stream holds vectors of {self._slots[0].numel()} numbers, not {numel}")
+        if self._slots[0].device != torch.device(device):
+            self._slots = [t.to(device) for t in self._slots]
 
     def advance(self) -> None:
         """The step's w_t is written: it becomes w_{t-1}."""
@@ -140,7 +144,7 @@ class BandMF(IIDGaussian):
             return
         numel = sum(t.numel() for t in tensors)
         dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-        self.begin(numel, dtype)
+        self.begin(numel, dtype, tensors[0].device)
         if isinstance(self.source, GaussianNoise):
             self.source.add_(tensors, std, transform=self.combine)
         else:  # a device source (ChaCha on CUDA): one draw, combined, then added
@@ -166,7 +170,7 @@ class BandMF(IIDGaussian):
     def state_dict(self) -> dict:
         """The source's state and the stream's past vectors, newest first (seeded runs only: both
         are secret)."""
-        past = [self._past(j).clone() for j in range(1, self._held + 1)]
+        past = [self._past(j).cpu().clone() for j in range(1, self._held + 1)]
         return {**super().state_dict(), "past": past}
 
     def load_state_dict(self, state: dict) -> None:

@@ -289,10 +289,8 @@ def _release_correlated(run, sums: list, std: float) -> list:
     main = run.combiner.rank == 0
     cursor = DrawCursor(noise.draws(run._sum_numel, run._sum_dtypes, run.device)) if main else None
     locals_ = [x.to_local() for x in sums]
-    noise.begin(
-        sum(t.numel() for t in locals_),
-        torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32,
-    )
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
+    noise.begin(sum(t.numel() for t in locals_), wide, locals_[0].device)
     lo = 0
     for p, local in zip(run.params, locals_, strict=True):
         full = cursor.take(p.numel(), local.dtype, local.device) if cursor is not None else None

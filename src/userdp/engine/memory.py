@@ -144,7 +144,7 @@ def fixed_bytes(
     trainable parameter (Adam: 2), for ghost the first chunk's batch gradient (4 B a trainable
     parameter, held while the strategy checks its hooks against autograd) and the temporaries of
     its stacked groups (:data:`STACK_TRANSIENT_BYTES`), ``noise_vectors`` model-sized float32 noise
-    vectors held on the host (4 B a trainable parameter each: the step's noise drawn while its sums
+    vectors held (4 B a trainable parameter each: the step's noise drawn while its sums
     are computed, :func:`userdp.engine.noise.draws_ahead`, and the past vectors a correlated
     mechanism keeps across steps, BandMF's b − 1; 1/W of them on each rank of a sharded run), and with
     ``low_precision`` (a bf16/fp16 autocast
