@@ -83,15 +83,11 @@ def _full(model) -> dict:
     }
 
 
-def _sharded_runs(rank: int) -> dict:
-    from torch.distributed.tensor import DTensor
-
+def _keep_runs() -> list:
+    """The EngineRuns this (worker) process builds from now on, in order: their state after training."""
     import userdp.engine.loop as loop
-    from userdp.engine.distributed import TorchDistributedCombiner
-    from userdp.engine.sharding import gathered_model
-    from userdp.lm.models import causal_lm_loss
 
-    runs = []  # this process's EngineRuns, to measure the optimizer's state after training
+    runs: list = []
     init = loop.EngineRun.__init__
 
     def keep(self, *args, **kw):
@@ -99,6 +95,39 @@ def _sharded_runs(rank: int) -> dict:
         runs.append(self)
 
     loop.EngineRun.__init__ = keep
+    return runs
+
+
+def _copy_and_resume(folder: str, rank: int, ckpt: str, cfg):
+    """Rank 0 keeps a copy of the checkpoint in ``folder/copy``; then both ranks resume the run from
+    ``ckpt``, sharded: (the model, the result)."""
+    import torch.distributed as dist
+
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.lm.models import causal_lm_loss
+
+    if rank == 0:
+        shutil.copytree(ckpt, f"{folder}/copy")
+    dist.barrier()
+    model = _model("gpt2")
+    res = train(
+        model,
+        _data(),
+        causal_lm_loss,
+        cfg,
+        RunOptions(checkpoint_dir=ckpt, resume=True, combiner=TorchDistributedCombiner()),
+    )
+    return model, res
+
+
+def _sharded_runs(rank: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.sharding import gathered_model
+    from userdp.lm.models import causal_lm_loss
+
+    runs = _keep_runs()  # this process's EngineRuns, to measure the optimizer's state after training
     out = {}
     for kind in ("gpt2", "llama"):
         for algo in ("uls", "els"):
@@ -252,7 +281,6 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
 def _crash_and_resume(folder: str, rank: int) -> dict:
     """Both ranks: a sharded ULS run crashes after step 3 (checkpoint at step 2, step 3 begun), rank 0
     keeps a copy of the checkpoint, and the run resumes sharded on the two processes."""
-    import torch.distributed as dist
 
     from userdp.engine import checkpoint
     from userdp.engine.distributed import TorchDistributedCombiner
@@ -272,17 +300,7 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     except Crash:
         pass
     saved = checkpoint.load(ckpt) if rank == 0 else None
-    if rank == 0:
-        shutil.copytree(ckpt, f"{folder}/copy")
-    dist.barrier()
-    model = _model("gpt2")
-    res = train(
-        model,
-        _data(),
-        causal_lm_loss,
-        cfg,
-        RunOptions(checkpoint_dir=ckpt, resume=True, combiner=TorchDistributedCombiner()),
-    )
+    model, res = _copy_and_resume(folder, rank, ckpt, cfg)
     return {
         "params": _full(model),
         "steps": res.steps,
@@ -522,20 +540,10 @@ def _sharded_bandmf_resume(folder: str, rank: int) -> dict:
     after step 3 (saved, nothing lost) and resumed sharded; rank 0 keeps a copy of the checkpoint."""
     import signal
 
-    import torch.distributed as dist
-
-    import userdp.engine.loop as loop
     from userdp.engine.distributed import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
-    runs = []
-    init = loop.EngineRun.__init__
-
-    def keep(self, *args, **kw):
-        init(self, *args, **kw)
-        runs.append(self)
-
-    loop.EngineRun.__init__ = keep
+    runs = _keep_runs()
     cfg = _config("uls", "fsdp", sampling="cyclic_poisson", noise="bandmf", bands=3, checkpoint_every=4)
     cfg = TrainConfig(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
     ref_model = _model("gpt2")
@@ -562,17 +570,7 @@ def _sharded_bandmf_resume(folder: str, rank: int) -> dict:
         stopped_at = None
     except KeyboardInterrupt as exc:
         stopped_at = getattr(exc, "steps", -1)
-    if rank == 0:
-        shutil.copytree(ckpt, f"{folder}/copy")
-    dist.barrier()
-    model = _model("gpt2")
-    res = train(
-        model,
-        _data(),
-        causal_lm_loss,
-        cfg,
-        RunOptions(checkpoint_dir=ckpt, resume=True, combiner=TorchDistributedCombiner()),
-    )
+    model, res = _copy_and_resume(folder, rank, ckpt, cfg)
     return {
         "ref": _full(ref_model),
         "resumed": _full(model),

@@ -27,6 +27,19 @@ from userdp.lm.models import causal_lm_loss
 warnings.filterwarnings("ignore", module="transformers")
 
 
+def _own_loop(ds, privacy):
+    """The same run as ``make_private`` in a plain loop with SGD(0.2), as a script would write it:
+    (the model, the PrivateTraining)."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
+        for step in private:
+            opt.zero_grad()
+            step.backward()
+            opt.step()
+    return model, private
+
+
 @pytest.mark.parametrize(
     "algorithm", [ULS(group_size=2, sampling_rate=0.3), ELS(group_size=2, sampling_rate=0.15)], ids=["uls", "els"]
 )
@@ -41,13 +54,7 @@ def test_a_trainer_run_is_the_engines_own_loop_run(tmp_path, algorithm):
     trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="user")
     trainer.train()
 
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
-        for step in private:
-            opt.zero_grad()
-            step.backward()
-            opt.step()
+    model, private = _own_loop(ds, privacy)
 
     assert trainer.state.global_step == 4
     assert [h["units"] for h in trainer._private.history] == [h["units"] for h in private.history]
@@ -544,13 +551,7 @@ def test_banded_noise_over_user_groups_runs_under_the_trainer_as_in_the_engine(t
     )
     trainer = PrivateTrainer(model=_model(), args=_args(tmp_path), train_dataset=ds, privacy=privacy, user_field="user")
     trainer.train()
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
-        for step in private:
-            opt.zero_grad()
-            step.backward()
-            opt.step()
+    model, private = _own_loop(ds, privacy)
     for a, b in zip(trainer.model.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-6)
     assert trainer.epsilon() == pytest.approx(private.epsilon(), rel=1e-12)

@@ -57,7 +57,7 @@ from userdp.accounting.events import (
     split_pure_dp,
     uls_step_event,
 )
-from userdp.accounting.mechanism import MAX_BANDS, Mechanism, UnitSampling
+from userdp.accounting.mechanism import MAX_BANDS, Mechanism, UnitSampling, cycle_compositions
 
 # backend internals that the tests inspect (the PLD cache and the vectorized PLDs)
 from userdp.accounting.pld import (  # noqa: F401
@@ -81,6 +81,7 @@ __all__ = [
     "register_accountant",
     "get_accountant",
     "MAX_BANDS",
+    "cycle_compositions",
     "Mechanism",
     "UnitSampling",
     "els_step_event",

@@ -54,6 +54,13 @@ SAMPLINGS = ("poisson", "fixed_size", "shuffle", "cyclic_poisson")
 UNITS = ("record", "user")
 
 
+def cycle_compositions(steps: int, bands: int) -> int:
+    """How many times ``steps`` steps compose the step event when users are sampled in a cycle of
+    ``bands`` groups: a user takes part in one step of each cycle begun, ceil(steps / bands) (steps
+    itself for one band). The one count the mechanism, the ledger, the run plan and the report use."""
+    return -(-int(steps) // int(bands))
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitSampling:
     """What a training step samples: its ``unit`` (``record``: ELS, one user owns up to
@@ -208,8 +215,7 @@ class Mechanism:
         ``steps`` itself, except for ``uls_cyclic``, where a user takes part in at most
         ceil(steps / b) of them (one step of each cycle of b). The count of a prefix of the run is
         the count of its own steps, so a run that stops early has spent what its steps spent."""
-        t = self.steps if steps is None else int(steps)
-        return -(-t // self.bands)
+        return cycle_compositions(self.steps if steps is None else steps, self.bands)
 
     def event(self) -> dpe.DpEvent:
         """The whole run's DpEvent: :meth:`step_event` composed :meth:`compositions` times."""

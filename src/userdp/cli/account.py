@@ -171,7 +171,8 @@ def describe(m: dict[str, Any]) -> str:
         b = m["bands"]
         sampling = (
             f"cyclic Poisson sampling of users in {b} groups (each group at rate {m['sampling_rate'] * b:.6g} in "
-            f"one step of every {b}; {-(-m['steps'] // b)} compositions; the same with banded MF noise)"
+            f"one step of every {b}; {accounting.cycle_compositions(m['steps'], b)} compositions; the same with "
+            "banded MF noise)"
         )
     else:
         sampling = f"fixed cohorts of {m['cohort_size']} of {m['users']} users without replacement"

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from userdp.engine.flat import add_piece, flat_views
-from userdp.engine.noise import NOISE_MECHANISMS, GaussianNoise, IIDGaussian
+from userdp.engine.noise import NOISE_MECHANISMS, GaussianNoise, IIDGaussian, draw_dtype
 from userdp.errors import UserError
 
 
@@ -143,7 +143,7 @@ class BandMF(IIDGaussian):
             super().add_noise(tensors, std)
             return
         numel = sum(t.numel() for t in tensors)
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        dtype = draw_dtype(t.dtype for t in tensors)
         self.begin(numel, dtype, tensors[0].device)
         if isinstance(self.source, GaussianNoise):
             self.source.add_(tensors, std, transform=self.combine)
@@ -159,7 +159,7 @@ class BandMF(IIDGaussian):
         if self.bands == 1:
             yield from super().pieces(numel, dtypes, std, device)
             return
-        dtype = torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
+        dtype = draw_dtype(dtypes)
         assert self.source is not None  # the main rank's (the only one that reads the draw)
         self.begin(int(numel), dtype)
         for lo, z in self.source.pieces(numel, dtypes, device):

@@ -29,6 +29,7 @@ from userdp.engine import checkpoint as ckpt
 from userdp.engine.contraction import defers_zeroing
 from userdp.engine.distributed import broadcast_module_state
 from userdp.engine.flat import DrawCursor
+from userdp.engine.noise import draw_dtype
 from userdp.engine.plugin_outputs import call as plugin_call
 from userdp.engine.plugin_outputs import check_finite_release
 from userdp.engine.sharding import (
@@ -289,8 +290,7 @@ def _release_correlated(run, sums: list, std: float) -> list:
     main = run.combiner.rank == 0
     cursor = DrawCursor(noise.draws(run._sum_numel, run._sum_dtypes, run.device)) if main else None
     locals_ = [x.to_local() for x in sums]
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in locals_) else torch.float32
-    noise.begin(sum(t.numel() for t in locals_), wide, locals_[0].device)
+    noise.begin(sum(t.numel() for t in locals_), draw_dtype(t.dtype for t in locals_), locals_[0].device)
     lo = 0
     for p, local in zip(run.params, locals_, strict=True):
         full = cursor.take(p.numel(), local.dtype, local.device) if cursor is not None else None

@@ -359,7 +359,7 @@ class PrivacyLedger:
 
     def compositions(self, steps: int) -> int:
         """How many times the step event composes over ``steps`` steps: ceil(steps / b)."""
-        return -(-int(steps) // self.bands)
+        return accounting.cycle_compositions(steps, self.bands)
 
     # ---------------------------------------------------------------- journal lifecycle
     def start_journal(self) -> None:

@@ -317,9 +317,14 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _draw_dtype(dtypes) -> type:
+def draw_dtype(dtypes) -> torch.dtype:
     """The dtype a draw is made in: float64 where any of the tensors is float64, else float32."""
-    return np.float64 if any(d == torch.float64 for d in dtypes) else np.float32
+    return torch.float64 if any(d == torch.float64 for d in dtypes) else torch.float32
+
+
+def _draw_dtype(dtypes) -> type:
+    """:func:`draw_dtype` as numpy's (the host generator draws in it)."""
+    return np.float64 if draw_dtype(dtypes) == torch.float64 else np.float32
 
 
 def _blocks(total: int) -> np.ndarray:

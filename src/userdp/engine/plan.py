@@ -361,7 +361,7 @@ class RunPlan:
     def compositions(self, steps: int) -> int:
         """How many times the step event composes over ``steps`` steps (``steps`` but for cyclic
         sampling: ceil(steps / b), :meth:`userdp.accounting.Mechanism.compositions`)."""
-        return -(-int(steps) // self.cycle)
+        return accounting.cycle_compositions(steps, self.cycle)
 
     def make_noise(self, source):
         """The run's noise mechanism over its keyed ``source`` (a banded one gets the run's bands)."""

@@ -134,7 +134,7 @@ def verify_epsilon(rec: dict, path: Path) -> None:
         )
     steps = getattr(event, "count", None)
     taken = rec.get("steps_taken")
-    if steps is not None and taken is not None and int(steps) != -(-int(taken) // _bands(rec, path)):
+    if steps is not None and taken is not None and int(steps) != A.cycle_compositions(taken, _bands(rec, path)):
         raise UserError(f"{path}: the DpEvent composes {steps} steps but steps_taken says {taken}")
 
 
@@ -270,12 +270,11 @@ def _journal_steps(rec: dict, header: dict, begun: int, rd: RunDir) -> tuple:
         step_event, bands = journal_event(header["event"])
     except (KeyError, TypeError, ValueError):
         raise UserError(f"{rd.checkpoints / JOURNAL}: its header names no step event") from None
-    if _bands(rec, rd.privacy) != bands:
-        raise UserError(
-            f"{rd.privacy}: its cycle of {_bands(rec, rd.privacy)} bands is not the {bands} the ledger journal records"
-        )
+    stated = _bands(rec, rd.privacy)
+    if stated != bands:
+        raise UserError(f"{rd.privacy}: its cycle of {stated} bands is not the {bands} the ledger journal records")
     check_correlated_noise(rec, bands, rd.privacy)
-    return step_event, -(-begun // bands)
+    return step_event, A.cycle_compositions(begun, bands)
 
 
 def _event_numbers(event: object, key: str) -> list[float]:
