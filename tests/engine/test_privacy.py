@@ -212,6 +212,26 @@ def test_ledger_refuses_a_step_past_the_budget():
     assert led.epsilon_upper_bound() >= led.epsilon() - 1e-9
 
 
+def test_a_run_far_inside_its_budget_steps_without_searching_for_the_most_steps(monkeypatch):
+    """A fixed sigma under a loose target took 22 s of PLD search before its first step: the ledger
+    now admits a step once twice the steps asked for fit, and searches only near the budget,
+    where its answer is the search's to the step."""
+    ev = accounting.uls_step_event(1.5, 0.1)
+    searches = []
+    search = accounting.max_steps
+    monkeypatch.setattr(accounting, "max_steps", lambda *a, **k: searches.append(1) or search(*a, **k))
+    far = PrivacyLedger(ev, 1e-5, target_epsilon=50.0)
+    for _ in range(20):
+        far.record_step()
+    assert searches == [] and far.spent == 20
+    near_target = accounting.epsilon(accounting.compose(ev, 12), 1e-5, "pld")
+    near = PrivacyLedger(ev, 1e-5, target_epsilon=near_target)
+    with pytest.raises(BudgetExceededError):
+        for _ in range(100):
+            near.record_step()
+    assert near.spent == near.max_steps() == 12 and len(searches) == 1
+
+
 @pytest.mark.slow
 def test_train_stops_before_the_budget():
     data = user_data([3] * 50, d=2)

@@ -450,6 +450,15 @@ class PrivacyLedger:
         want = self.spent + n
         if self._safe is not None and want <= self._safe:
             return True
+        if self._max_steps is None:
+            # A run far inside its budget (a fixed sigma under a loose target) need not search for
+            # the most steps that fit (seconds to a minute of PLD at large T): epsilon grows with
+            # steps, so when twice the steps asked for fit, every count up to it does. Doubling
+            # keeps the evaluations to a logarithm of the steps; near the budget the search runs once.
+            probe = 2 * want
+            if self.epsilon(steps=probe) <= self.target_epsilon:
+                self._safe = probe
+                return True
         return want <= self.max_steps()
 
     def record_step(self) -> int:
