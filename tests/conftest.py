@@ -16,6 +16,30 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+HEAVY_TIER = (
+    "the heavy tier (runs of 8 s or more: several processes, a harness, statistical power, a whole "
+    "pipeline; each names the test that keeps its property in this run): python -m pytest -q -n auto --heavy"
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--heavy",
+        action="store_true",
+        help="also run the heavy tier (tests marked heavy: over 8 s each on 2 cores; CI's 10 minutes leave them out)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heavy tier is skipped, with its reason and the command that runs it, unless --heavy."""
+    if config.getoption("--heavy"):
+        return
+    skip = pytest.mark.skip(reason=HEAVY_TIER)
+    for item in items:
+        if item.get_closest_marker("heavy"):
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     """One folder for the whole session, every xdist worker (they inherit the environment): what the
     tests build once and share (tests/_lm_corpus.py: the tiny pretrained model)."""

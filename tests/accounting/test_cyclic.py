@@ -4,8 +4,6 @@ the mechanism, calibration, the ledger and ``userdp account``; b = 1 is today's 
 
 import json
 import math
-import subprocess
-import sys
 
 import dp_accounting
 import pytest
@@ -13,6 +11,7 @@ from dp_accounting import dp_event as dpe
 from dp_accounting.pld import pld_privacy_accountant
 
 from userdp import accounting
+from userdp.cli import main as cli
 from userdp.engine.ledger import PrivacyLedger, journal_event
 from userdp.errors import UserError
 
@@ -86,30 +85,29 @@ def test_the_record_of_a_cycle_names_its_bands_and_the_others_read_as_before():
     ).epsilon(DELTA)
 
 
-def _account(*extra):
+def _account(capsys, *extra):
+    """``userdp account`` in this process: (exit code, stdout, stderr)."""
     args = ["--mechanism", "uls", "--noise-multiplier", "1.0", "--users", "1170", "--cohort-size", "64"]
-    return subprocess.run(
-        [sys.executable, "-m", "userdp", "account", *args, "--steps", "100", *extra],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    code = cli(["account", *args, "--steps", "100", *extra])
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_userdp_account_takes_bands():
-    out = _account("--bands", "4", "--json")
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+def _last_json(text: str) -> dict:
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_userdp_account_takes_bands(capsys):
+    code, out, err = _account(capsys, "--bands", "4", "--json")
+    assert code == 0, err
+    got = _last_json(out)
     want = accounting.Mechanism("uls_cyclic", 1.0, 100, sampling_rate=64 / 1170, bands=4)
     assert got["epsilon"] == pytest.approx(want.epsilon(got["delta"]), rel=1e-9) and got["bands"] == 4
-    plain = json.loads(_account("--json").stdout.strip().splitlines()[-1])
-    one = json.loads(_account("--bands", "1", "--json").stdout.strip().splitlines()[-1])
+    plain = _last_json(_account(capsys, "--json")[1])
+    one = _last_json(_account(capsys, "--bands", "1", "--json")[1])
     assert one["epsilon"] == plain["epsilon"]
-    bad = _account("--bands", "40")
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "use at most 18 bands" in bad.stderr
-    els = subprocess.run(
-        [sys.executable, "-m", "userdp", "account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate",
-         "0.01", "--steps", "10", "--delta", "1e-6", "--bands", "2"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert els.returncode == 2 and "--bands applies to --mechanism uls" in els.stderr
+    code, _, err = _account(capsys, "--bands", "40")
+    assert code == 2 and err.count("\n") == 1 and "use at most 18 bands" in err
+    code = cli(["account", "--mechanism", "els", "--noise-multiplier", "1", "--sampling-rate", "0.01", "--steps",
+                "10", "--delta", "1e-6", "--bands", "2"])  # fmt: skip
+    assert code == 2 and "--bands applies to --mechanism uls" in capsys.readouterr().err

@@ -81,6 +81,9 @@ def test_truncated_bound_holds_against_exact_one_step_divergences(budget):
     assert needed
 
 
+@pytest.mark.heavy(
+    counterpart="tests/accounting/test_calibration.py::test_els_calibration_reaches_below_the_old_pld_guard"
+)
 @pytest.mark.slow
 def test_els_calibration_goes_below_the_old_guard():
     """Blogs ELS at B = 8, ε = 8 (G = 11, p = 8 / 43,578, T = 80) sat on σ = 0.05·G = 0.55, below

@@ -64,6 +64,7 @@ def _audit(tmp_path, overrides, fault=None, times=16):
     return s, json.loads((tmp_path / "run" / "privacy.json").read_text())
 
 
+@pytest.mark.heavy(counterpart="tests/audit/test_audit_e2e.py::test_audit_json_secrets_and_report")
 @pytest.mark.slow
 def test_a_non_private_run_is_caught_with_a_large_bound(tmp_path):
     s, priv = _audit(tmp_path, LOSS + NONPRIVATE)
@@ -74,6 +75,7 @@ def test_a_non_private_run_is_caught_with_a_large_bound(tmp_path):
     assert a["seeded"] is True
 
 
+@pytest.mark.heavy(counterpart="tests/audit/test_bounds.py::test_the_bound_is_valid_for_an_eps_dp_mechanism")
 @pytest.mark.slow
 def test_a_correct_run_at_epsilon_1_stays_below_1(tmp_path):
     s, priv = _audit(tmp_path, LOSS + COHORT + ["privacy.epsilon=1"])
@@ -83,6 +85,7 @@ def test_a_correct_run_at_epsilon_1_stays_below_1(tmp_path):
     assert "broken_build" not in priv["engine_record"]
 
 
+@pytest.mark.heavy(counterpart="tests/audit/test_audit_e2e.py::test_audit_json_secrets_and_report")
 @pytest.mark.slow
 def test_a_build_without_noise_is_caught(tmp_path):
     s, priv = _audit(tmp_path, LOSS + COHORT + ["privacy.epsilon=1"], fault="noise_off")
@@ -94,6 +97,7 @@ def test_a_build_without_noise_is_caught(tmp_path):
     assert "must not be relied on" in report
 
 
+@pytest.mark.heavy(counterpart="tests/audit/test_bounds.py::test_the_bound_is_valid_for_an_eps_dp_mechanism")
 @pytest.mark.slow
 def test_gradient_canaries_keep_a_correct_run_below_its_epsilon(tmp_path):
     _, priv = _audit(tmp_path, COHORT + ["privacy.epsilon=1"])
@@ -103,6 +107,7 @@ def test_gradient_canaries_keep_a_correct_run_below_its_epsilon(tmp_path):
     assert a["epsilon_lower_bound"] < 1.0 and not a["mechanism_caught"]
 
 
+@pytest.mark.heavy(counterpart="tests/audit/test_audit_e2e.py::test_audit_json_secrets_and_report")
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["clipping_off", "user_counted_g_times"])
 def test_gradient_canaries_catch_a_wrong_sensitivity(tmp_path, fault):

@@ -14,6 +14,9 @@ from _paths import REPO
 SE = Path(os.environ.get("USERDP_SHARED_DATA", REPO.parent / "shared" / "data")) / "stackexchange"
 
 
+@pytest.mark.heavy(
+    counterpart="tests/benchmarks/test_bench_tradeoffs.py::test_repeats_merge_only_when_the_hyperparameters_match"
+)
 @pytest.mark.slow
 @pytest.mark.skipif(not SE.is_dir(), reason=f"needs the shared Stack Exchange data at {SE}")
 def test_quick_rows_epsilons_and_figures(tmp_path):

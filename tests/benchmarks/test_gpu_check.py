@@ -30,6 +30,9 @@ def _rows(tmp_path):
     return [json.loads(x) for x in p.read_text().splitlines()] if p.is_file() else []
 
 
+@pytest.mark.heavy(
+    counterpart="tests/benchmarks/test_gpu_check.py::test_the_preparation_in_docs_names_the_command_and_the_wheels_the_box_lacks"
+)
 def test_a_missing_package_is_one_line_naming_the_wheel_within_seconds(tmp_path):
     """The box has no dp-accounting: the preflight says so and which wheel to carry, exit 3."""
     block = tmp_path / "block"
@@ -51,6 +54,9 @@ def test_a_missing_package_is_one_line_naming_the_wheel_within_seconds(tmp_path)
     assert not _rows(tmp_path)
 
 
+@pytest.mark.heavy(
+    counterpart="tests/benchmarks/test_gpu_check.py::test_the_preparation_in_docs_names_the_command_and_the_wheels_the_box_lacks"
+)
 def test_a_failing_and_a_hanging_part_leave_the_other_rows_and_no_process(tmp_path):
     """env forced to fail, chacha forced to hang (with a child of its own): both recorded, the
     tests part still runs and writes its row, and the hung part's child is gone (process group)."""
@@ -102,6 +108,9 @@ def test_the_preparation_in_docs_names_the_command_and_the_wheels_the_box_lacks(
     assert "/.whl/" in (REPO / ".gitignore").read_text()
 
 
+@pytest.mark.heavy(
+    counterpart="tests/benchmarks/test_bench_scale.py::test_the_in_process_comparison_runs_a_checkout_and_leaves_the_noise_out"
+)
 @pytest.mark.slow
 def test_the_whole_check_runs_end_to_end_on_the_cpu(tmp_path):
     # every part but steps-medium, which is steps-small's code on a larger model (its processes are

@@ -103,6 +103,9 @@ def _weights(run_dir):
     return load_file(str(f))
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_fsdp.py::test_ghost_norms_and_clipped_sums_of_a_fully_sharded_model_are_the_unsharded_models"
+)
 @pytest.mark.slow
 @needs_torchrun
 def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path, monkeypatch, capsys):
@@ -149,6 +152,9 @@ def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path, monkeypatc
     assert priv["compute"]["sharding"] == "fsdp"
 
 
+@pytest.mark.heavy(
+    counterpart="tests/e2e/test_torchrun.py::test_two_processes_give_one_processs_parameters_for_uls_els_and_fedavg"
+)
 @pytest.mark.slow
 @needs_torchrun
 def test_torchrun_train_matches_one_process_and_rank_0_alone_writes(tmp_path, monkeypatch, capsys):
@@ -248,6 +254,9 @@ def test_train_nproc_refuses_a_bad_input_before_any_process_starts(tmp_path, mon
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.heavy(
+    counterpart="tests/e2e/test_torchrun.py::test_train_nproc_refuses_a_bad_input_before_any_process_starts"
+)
 @pytest.mark.slow
 @needs_torchrun
 def test_a_bad_input_found_by_the_workers_ends_the_job_in_one_line_exit_2(tmp_path):
@@ -353,6 +362,9 @@ def _begun_and_committed(run):
     return begun, json.loads((run / "checkpoints" / "MANIFEST.json").read_text())["step"]
 
 
+@pytest.mark.heavy(
+    counterpart="tests/guarantee/test_guarantee_lm.py::test_crash_before_the_first_checkpoint_resumes_with_begun_steps_counted"
+)
 @pytest.mark.slow
 @needs_torchrun
 def test_killed_processes_end_the_job_and_resumes_count_every_step_once(tmp_path, monkeypatch, capsys):

@@ -247,6 +247,9 @@ print(words_equal, worst, float(far.min()), float(far.median()), status, kernel 
 """
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_chacha.py::test_a_triton_kernel_that_is_missing_or_wrong_falls_back_and_says_why"
+)
 def test_the_triton_kernel_draws_the_eager_keystream_and_normals_and_is_taken_first():
     """The hand-written CUDA kernel (engine/chacha_triton.py), run by Triton's interpreter on the
     CPU: its keystream is RFC 8439's block and the tensor code's bit for bit, at the first counters

@@ -208,6 +208,9 @@ def _sharded_runs(rank: int) -> dict:
     return out
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_fsdp.py::test_ghost_norms_and_clipped_sums_of_a_fully_sharded_model_are_the_unsharded_models"
+)
 @pytest.mark.slow
 def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
     from userdp.lm.models import causal_lm_loss
@@ -318,6 +321,9 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     }
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_fsdp_train.py::test_banded_noise_under_sharding_trains_the_replicated_runs_model"
+)
 @pytest.mark.slow
 def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
     """The checkpoint of a sharded run holds each rank's shards (torch.distributed.checkpoint files,
@@ -400,6 +406,9 @@ def _own_loop(rank: int) -> dict:
     return {"own": _full(mine), "engine": _full(engine)}
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_fsdp_train.py::test_a_sharded_step_divides_by_a_public_constant_whatever_the_cohorts_size"
+)
 def test_a_loop_of_its_own_around_a_model_the_caller_sharded():
     """make_private with sharding='fsdp' on a model the caller passed through fully_shard: its shards
     are kept (not overwritten by rank 0's), its own optimizer steps them, and the released updates
@@ -583,6 +592,9 @@ def _sharded_bandmf_resume(folder: str, rank: int) -> dict:
     }
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_fsdp_train.py::test_banded_noise_under_sharding_trains_the_replicated_runs_model"
+)
 @pytest.mark.slow
 def test_a_sharded_banded_run_keeps_its_shard_of_the_stream_and_resumes_it_anywhere(tmp_path):
     """Under FSDP2 each rank keeps 1/W of BandMF's past noise vectors; a seeded run stopped after step 3

@@ -201,8 +201,20 @@ def _run(name: str, tmp_path) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the test
+# the sharded run's property in one process: a distribution in one file gives the replicated sum
+SHARDED_COUNTERPART = (
+    "tests/engine/test_distribution.py::test_a_distribution_in_one_file_releases_the_replicated_runs_sum"
+)
+
+
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith("sharded") else n for n in sorted(RUNS)]
+    "name",
+    [
+        pytest.param(n, marks=[pytest.mark.slow, pytest.mark.heavy(counterpart=SHARDED_COUNTERPART)])
+        if n.startswith("sharded")
+        else n
+        for n in sorted(RUNS)
+    ],
 )
 def test_a_seeded_run_gives_the_recorded_model_ledger_and_record(name, tmp_path):
     if name == "sharded_fsdp_2_ranks" and not torch.distributed.is_available():

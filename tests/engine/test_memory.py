@@ -212,7 +212,21 @@ def test_a_sharded_rank_counts_its_share_of_weights_gradient_and_states_and_two_
     assert chunk8 > chunk1 and info["shards"] == 8  # the room a rank saves goes to the chunk
 
 
-@pytest.mark.parametrize("shape,users,group,seq", [("gpt2-small", 8, 4, 64), ("gpt2-medium", 4, 2, 128)])
+@pytest.mark.parametrize(
+    "shape,users,group,seq",
+    [
+        ("gpt2-small", 8, 4, 64),
+        pytest.param(
+            "gpt2-medium",
+            4,
+            2,
+            128,
+            marks=pytest.mark.heavy(
+                counterpart="tests/engine/test_memory.py::test_the_estimate_covers_a_ghost_chunks_live_bytes_counted_op_by_op[gpt2-small-8-4-64]"
+            ),
+        ),
+    ],
+)
 def test_the_estimate_covers_a_ghost_chunks_live_bytes_counted_op_by_op(shape, users, group, seq):
     """Issue 35: on an H100 the estimate read 0.78-0.83x the CUDA peak. ``benchmarks/bench_memory.py``
     counts a ghost chunk's live bytes op by op on fake tensors under bf16 autocast, and read the same

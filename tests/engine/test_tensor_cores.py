@@ -505,6 +505,9 @@ print(all(same), bad.tolist() == [False, True, False], contraction.FUSED_CHECKED
 """
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_tensor_cores.py::test_a_fused_operand_kernel_that_differs_is_not_used_and_is_warned_about"
+)
 def test_the_fused_operand_kernel_gives_the_torch_passes_sums_bit_for_bit():
     """The Triton kernel that builds the clipped sum's operand in one pass (engine/split_triton.py:
     [hi | lo], and the rounded operand), run by Triton's interpreter on the CPU inside a whole ghost
@@ -579,6 +582,9 @@ print(L.FUSED_CHECKED.get("cpu"), len(calls), len(ln), worst < 1e-5, rest,
 """
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_tensor_cores.py::test_a_layer_norm_kernel_that_differs_is_not_used_and_is_warned_about"
+)
 def test_the_fused_layer_norm_kernel_gives_the_torch_passes_gradients():
     """The Triton kernel for a LayerNorm's per-unit gradients (engine/layer_norm_triton.py), run by
     Triton's interpreter on the CPU inside a whole bf16 ghost chunk: its run-time check passes, it
@@ -661,6 +667,9 @@ print(contraction.GRAMS_CHECKED.get("cpu"), len(calls), same_norms, close, insid
 """
 
 
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_tensor_cores.py::test_a_gram_kernel_that_differs_is_not_used_and_is_warned_about"
+)
 def test_the_fused_gram_kernel_gives_the_torch_passes_norms_and_keeps_units_within_c():
     """The Triton kernel for a ghost norm's Gram-pair reductions (engine/gram_triton.py), run by
     Triton's interpreter on the CPU inside whole bf16 ghost chunks on tensor cores with the rounded

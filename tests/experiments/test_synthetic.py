@@ -268,6 +268,7 @@ def test_quick_settings_are_reduced_and_valid():
     assert list(sweeps) == ["within_user_variance"] and q.num_users <= 1000
 
 
+@pytest.mark.heavy(counterpart="tests/experiments/test_synthetic.py::test_cli_mean_estimation_json_rows")
 @pytest.mark.slow
 def test_mean_estimation_quick_runs_as_docs_experiments_md_shows(capsys):
     # it always failed: --quick's check ran after the defaults were filled in (issue 26)

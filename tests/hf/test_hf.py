@@ -189,6 +189,7 @@ torch.save({{"params": [p.detach() for p in trainer.model.parameters()], "epsilo
 """
 
 
+@pytest.mark.heavy(counterpart="tests/hf/test_hf.py::test_a_trainer_run_is_the_engines_own_loop_run")
 @pytest.mark.slow
 def test_a_trainer_script_under_torchrun_is_the_one_process_run(tmp_path):
     """The same script on two processes (torchrun, gloo): every process draws the same cohorts,

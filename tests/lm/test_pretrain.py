@@ -2,6 +2,7 @@
 part-way continues from its last checkpoint, bit for bit what an uninterrupted one computes, and
 says how long it will take."""
 
+import pytest
 import torch
 from _paths import TESTS
 
@@ -71,6 +72,9 @@ get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, print, progress=False, d
 """
 
 
+@pytest.mark.heavy(
+    counterpart="tests/lm/test_pretrain.py::test_an_interrupted_pretraining_continues_from_its_checkpoint_bit_for_bit"
+)
 def test_two_runs_that_need_one_pretrained_model_pretrain_it_once(tmp_path):
     """Two processes started together (two runs, tuning trials) that want the same pretrained model:
     one pretrains it, the other waits for its lock and loads what it saved."""

@@ -9,7 +9,8 @@ from test_import_structure import SRC, _imports, _resolve
 
 
 def _is_slow(decorators) -> bool:
-    return any("slow" in ast.unparse(d) for d in decorators)
+    """Marked slow, or heavy (the heavy tier is skipped unless --heavy)."""
+    return any("slow" in (u := ast.unparse(d)) or "heavy" in u for d in decorators)
 
 
 def _fast_imports() -> tuple[set[str], int]:
@@ -21,7 +22,7 @@ def _fast_imports() -> tuple[set[str], int]:
         module_slow = any(
             isinstance(n, ast.Assign)
             and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
-            and "slow" in ast.unparse(n.value)
+            and ("slow" in (u := ast.unparse(n.value)) or "heavy" in u)
             for n in tree.body
         )
         funcs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]

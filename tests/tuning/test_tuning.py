@@ -159,6 +159,9 @@ def _seed_with_trials(k_wanted, count):
     raise AssertionError
 
 
+@pytest.mark.heavy(
+    counterpart="tests/tuning/test_tuning.py::test_on_public_tunes_on_public_data_and_touches_the_private_data_once"
+)
 @pytest.mark.slow
 def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, capsys):
     tmp, cfg, space = tiny
@@ -351,6 +354,9 @@ def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, 
     assert s["best"]["params"] == plan["trials"][plan["final"]["index"]]["params"]
 
 
+@pytest.mark.heavy(
+    counterpart="tests/tuning/test_tuning.py::test_on_public_tunes_on_public_data_and_touches_the_private_data_once"
+)
 @pytest.mark.slow
 def test_trials_share_one_private_cache_in_the_tuning_directory(tiny, monkeypatch):
     """Issue 28 (1): with output.cache: run every trial re-read and re-tokenized the private file;
