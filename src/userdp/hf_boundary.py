@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from userdp.engine.ledger import JOURNAL
+from userdp.engine.journal import JOURNAL
 from userdp.errors import UserError
 from userdp.validation import MAX_STEPS, check_int, check_positive
 

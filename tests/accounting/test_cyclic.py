@@ -12,7 +12,8 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from userdp import accounting
 from userdp.cli import main as cli
-from userdp.engine.ledger import PrivacyLedger, journal_event
+from userdp.engine.journal import journal_event
+from userdp.engine.ledger import PrivacyLedger
 from userdp.errors import UserError
 
 DELTA = 1e-6

@@ -10,7 +10,7 @@ from _paths import REPO
 
 from userdp import accounting
 from userdp.engine import ELS, SGD, ULS, Adam, FedAvg, FlatClip, RunOptions, TrainConfig, make_private, train
-from userdp.engine.ledger import JOURNAL, steps_begun
+from userdp.engine.journal import JOURNAL, steps_begun
 from userdp.errors import UserError
 
 from _engine_helpers import MLP, Mean, ce_loss, mlp_data, sq_loss, user_data

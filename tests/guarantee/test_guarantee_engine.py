@@ -19,7 +19,7 @@ from userdp import accounting
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TensorUserData, TrainConfig, train
 from userdp.engine import checkpoint as ckpt
 from userdp.engine import noise as noise_mod
-from userdp.engine.ledger import JOURNAL
+from userdp.engine.journal import JOURNAL
 from userdp.engine.loop import EngineRun
 from userdp.errors import UserError
 

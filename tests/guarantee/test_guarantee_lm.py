@@ -19,7 +19,7 @@ from userdp import accounting
 from userdp import accounting as A
 from userdp.cli import main as cli
 from userdp.engine import checkpoint as ckpt
-from userdp.engine.ledger import JOURNAL
+from userdp.engine.journal import JOURNAL
 from userdp.engine.user_data import TensorUserData
 
 from _lm_corpus import write_tiny_run

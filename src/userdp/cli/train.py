@@ -13,7 +13,7 @@ from userdp.audit.session import AuditSession
 from userdp.cli import argtypes as A
 from userdp.cli import jsonout
 from userdp.devices import resolve_device
-from userdp.engine.ledger import JOURNAL
+from userdp.engine.journal import JOURNAL
 from userdp.errors import UserError, say
 from userdp.lm import config as C
 from userdp.lm.finetune import run

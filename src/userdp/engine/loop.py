@@ -28,7 +28,8 @@ from userdp.engine.algorithms import UnitTable
 from userdp.engine.clipping import StepClipping
 from userdp.engine.distributed import LocalCombiner
 from userdp.engine.distribution import DISTRIBUTIONS, read_shards
-from userdp.engine.ledger import JOURNAL, PrivacyLedger
+from userdp.engine.journal import JOURNAL
+from userdp.engine.ledger import PrivacyLedger
 from userdp.engine.model_lint import buffer_versions, check_release, mixing_modules
 from userdp.engine.noise import ENTROPY_BITS, os_entropy, source_for
 from userdp.engine.per_unit import make_per_unit

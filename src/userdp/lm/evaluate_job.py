@@ -10,7 +10,7 @@ from userdp.caches import cache_in, private_cache_for
 from userdp.data.sources import detect_format
 from userdp.data.tokenize import load_tokenizer
 from userdp.devices import resolve_device
-from userdp.engine.ledger import JOURNAL, journal_header
+from userdp.engine.journal import JOURNAL, journal_header
 from userdp.errors import UserError
 from userdp.fileio import MANIFEST, is_owned, verify_manifest, write_json
 from userdp.lm import config as C

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from userdp.engine.ledger import HEAD, JOURNAL
+from userdp.engine.journal import HEAD, JOURNAL
 from userdp.errors import UserError
 from userdp.lm.report import write_report
 from userdp.lm.run_dir import BUNDLE_EVIDENCE, existing_run_dir

@@ -24,7 +24,7 @@ from userdp.accounting import private_selection as TG
 from userdp.accounting.rdp import step_rdp
 from userdp.engine.bandmf import bsr_coefficients
 from userdp.engine.chacha import ChaChaNoise, tail_delta
-from userdp.engine.ledger import JOURNAL, check_cited, journal_event, read_chain, steps_begun
+from userdp.engine.journal import JOURNAL, check_cited, journal_event, read_chain, steps_begun
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from userdp.engine.ledger import JOURNAL, check_cited, read_chain
+from userdp.engine.journal import JOURNAL, check_cited, read_chain
 from userdp.errors import UserError
 from userdp.fileio import MANIFEST, sha256_file, verify_manifest, write_json
 from userdp.lm import config as C
