@@ -6,7 +6,7 @@ no data), run under bf16 autocast with float32 weights, as a GPU run is, and wit
 strategy's device path (the tensor-core contractions, aligned rows, the bad units always zeroed:
 :func:`device_path`). :class:`LiveBytes` counts the bytes of each storage an op makes, from the op
 until the storage is freed (a weak reference's finalizer), and keeps the peak with the op and the
-frames it was reached at, overall and inside the norm phase (``_norm2`` and the stacks' ``norm2``).
+frames it was reached at, overall and inside the norm phase (``parameter_norm2`` and the stacks' ``norm2``).
 The weights, made before, are counted on neither side.
 
 What it is not: a CUDA run. CPU autocast's op lists stand in for CUDA's (both cast the GEMMs and
@@ -42,10 +42,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import userdp.engine.contraction as contraction  # noqa: E402
-import userdp.engine.ghost as ghost_mod  # noqa: E402
 from userdp.engine.algorithms import ELS, ULS  # noqa: E402
 from userdp.engine.clipping import FlatClip, StepClipping  # noqa: E402
 from userdp.engine.ghost import GhostPerUnit  # noqa: E402
+from userdp.engine.ghost import factors as ghost_factors  # noqa: E402
 from userdp.engine.precision import Precision  # noqa: E402
 from userdp.lm.models import causal_lm_loss  # noqa: E402
 
@@ -55,7 +55,7 @@ SHAPES = {
     "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16),
 }
 #: the frames whose ops count as the norm phase
-NORM_PHASE = ("_norm2", "norm2")
+NORM_PHASE = ("parameter_norm2", "norm2")
 
 
 class LiveBytes(TorchDispatchMode):
@@ -104,7 +104,7 @@ def device_path():
     with (
         mock.patch.object(contraction, "TC_DEVICES", (*contraction.TC_DEVICES, "cpu")),
         mock.patch.object(contraction, "must_zero", lambda bad, lazy=False: not lazy),
-        mock.patch.dict(ghost_mod._COEFFICIENTS, clear=True),
+        mock.patch.dict(ghost_factors._COEFFICIENTS, clear=True),
     ):  # its tensors belong to one fake mode
         yield
 

@@ -29,9 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import userdp.engine.contraction as contraction  # noqa: E402
-import userdp.engine.ghost as ghost_mod  # noqa: E402
 from userdp.engine.algorithms import ULS  # noqa: E402
 from userdp.engine.clipping import FlatClip, StepClipping  # noqa: E402
+from userdp.engine.ghost import bound as ghost_bound  # noqa: E402
+from userdp.engine.ghost import strategy as ghost_strategy  # noqa: E402
 from userdp.engine.precision import Precision  # noqa: E402
 from userdp.lm import models  # noqa: E402
 
@@ -60,24 +61,24 @@ def bound_over_estimate(model: torch.nn.Module, ids: torch.Tensor, operand: str)
     """``[m]``: each unit's flat clip bound over its flat norm estimate, one ghost chunk, bf16 autocast,
     tensor cores emulated, the clipped sum's operand ``operand``."""
     seen = {}
-    real = ghost_mod._bounded_norms
+    real = ghost_bound.bounded_norms
 
     def spy(parts, m):
         seen["est"], seen["up"] = real(parts, m)
         return seen["est"], seen["up"]
 
     m, g, _ = ids.shape
-    saved = contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms
-    contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms = "on", operand, spy
+    saved = contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_bound.bounded_norms
+    contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_bound.bounded_norms = "on", operand, spy
     try:
-        ghost_mod.GhostPerUnit(model, models.causal_lm_loss, ULS(g, 0.5), Precision("bfloat16")).clipped_sum(
+        ghost_strategy.GhostPerUnit(model, models.causal_lm_loss, ULS(g, 0.5), Precision("bfloat16")).clipped_sum(
             {"input_ids": ids, "labels": ids.clone()},
             torch.ones(m, g),
             torch.ones(m),
             StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32),
         )
     finally:
-        contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_mod._bounded_norms = saved
+        contraction.TENSOR_CORES, contraction.SUM_OPERAND, ghost_bound.bounded_norms = saved
     return (seen["up"] ** 2).sum(1).sqrt() / (seen["est"] ** 2).sum(1).sqrt()
 
 

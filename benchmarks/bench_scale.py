@@ -145,11 +145,11 @@ def _worker(a) -> dict:
         import contextlib
 
         import userdp.engine.contraction as contraction_mod
-        import userdp.engine.ghost as ghost_mod
         import userdp.engine.per_unit as per_unit_mod
+        from userdp.engine.ghost import strategy as ghost_strategy
         from userdp.engine.precision import _fp32_handles
 
-        ghost_mod.exact_float32 = per_unit_mod.exact_float32 = contextlib.nullcontext
+        ghost_strategy.exact_float32 = per_unit_mod.exact_float32 = contextlib.nullcontext
         contraction_mod.TENSOR_CORES = "off"
         for h in _fp32_handles():
             h.fp32_precision = "tf32"

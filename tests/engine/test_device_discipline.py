@@ -190,9 +190,9 @@ def test_the_cpu_configuration_of_a_ghost_chunk_is_held_to_its_op_count(monkeypa
     import sys
 
     import userdp.engine.contraction as contraction
-    import userdp.engine.ghost as ghost_mod
+    from userdp.engine.ghost import stacks as ghost_stacks
 
-    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "off")
+    monkeypatch.setattr(ghost_stacks, "STACK_FACTORS", "off")
     monkeypatch.setattr(contraction, "TENSOR_CORES", "off")
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:

@@ -17,6 +17,8 @@ from userdp.engine import TrainConfig, contraction, train
 from userdp.engine.algorithms import ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip, StepClipping
 from userdp.engine.ghost import GHOST_LAYERS, GROUP_ELEMENTS, GhostPerUnit
+from userdp.engine.ghost import factors as ghost_factors
+from userdp.engine.ghost import stacks as ghost_stacks
 from userdp.engine.optimizers import SGD
 from userdp.engine.per_unit import VmapPerUnit, make_per_unit, resolve_per_unit
 from userdp.engine.precision import Precision
@@ -298,17 +300,16 @@ def test_a_unit_with_a_nonfinite_gradient_contributes_zero(monkeypatch, build, c
     """A NaN in one unit's input makes every one of its factors non-finite: the unit is zeroed
     (masked_fill, not a multiply by 0) and the others' sums are as without it. In ``_Deep`` the
     unit sits inside stacked groups (the three hidden weights; the biases)."""
-    import userdp.engine.ghost as ghost_mod
 
-    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    monkeypatch.setattr(ghost_stacks, "STACK_FACTORS", "on")
     seen = []
-    real = ghost_mod._FactorStack.__init__
+    real = ghost_stacks.FactorStack.__init__
 
     def spy(self, members, factored):
         seen.append(len(members))
         real(self, members, factored)
 
-    monkeypatch.setattr(ghost_mod._FactorStack, "__init__", spy)
+    monkeypatch.setattr(ghost_stacks.FactorStack, "__init__", spy)
     torch.manual_seed(0)
     model = build().double()
     batch, mask = _mlp_chunk()
@@ -496,10 +497,9 @@ def test_bf16_factors_kept_narrow_give_bit_identical_norms_and_sums(monkeypatch,
     covers Conv1D, the tied wte/lm_head (an embedding's index factor with a dense one: the cross
     terms) and LayerNorm; LoRA covers nn.Linear; ``materialize`` forces every use to be
     materialized (mixed ghost clipping's other branch) instead of kept as Gram matrices."""
-    import userdp.engine.ghost as ghost_mod
 
     if materialize:
-        monkeypatch.setattr(ghost_mod.Factored, "tokens", property(lambda self: 10**9))
+        monkeypatch.setattr(ghost_factors.Factored, "tokens", property(lambda self: 10**9))
 
     model = _gpt2()
     if lora:
@@ -509,7 +509,7 @@ def test_bf16_factors_kept_narrow_give_bit_identical_norms_and_sums(monkeypatch,
     w = torch.tensor([1.0, 0.5, 2.0])
 
     def run(keep, clip):
-        monkeypatch.setattr(ghost_mod, "KEEP_NARROW", keep)
+        monkeypatch.setattr(ghost_factors, "KEEP_NARROW", keep)
         g = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("bfloat16"))
         out = g.clipped_sum(batch, mask, w, StepClipping(clip, clip.initial_state(), torch.float32))
         return out, g.last_choice
@@ -538,8 +538,6 @@ def test_the_cpu_zeroes_factors_only_when_a_unit_is_bad(monkeypatch, build):
     the same sums. With a NaN unit every factor is still zeroed."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import userdp.engine.ghost as ghost_mod
-
     class Count(TorchDispatchMode):
         def __init__(self):
             super().__init__()
@@ -549,7 +547,7 @@ def test_the_cpu_zeroes_factors_only_when_a_unit_is_bad(monkeypatch, build):
             self.fills += func.overloadpacket in (torch.ops.aten.masked_fill, torch.ops.aten.masked_fill_)
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    monkeypatch.setattr(ghost_stacks, "STACK_FACTORS", "on")
     torch.manual_seed(0)
     model = build().double()
     w = torch.ones(5, dtype=F64)
@@ -625,10 +623,9 @@ def test_ghost_norms_and_sums_are_the_same_under_sdpa_as_under_eager_attention()
 def _grouped_and_alone(monkeypatch, model, loss, algo, batch, mask, w, clip, acc, precision=None):
     """The strategy's output with same-shaped parameters stacked (the default) and one parameter at a
     time (``GROUP_ELEMENTS = 0``), and the group sizes each run formed."""
-    import userdp.engine.ghost as ghost_mod
 
     sizes = {}
-    real_f, real_v = ghost_mod._factor_groups, ghost_mod._vector_groups
+    real_f, real_v = ghost_stacks.factor_groups, ghost_stacks.vector_groups
 
     def spy(name, real):
         def f(*a):
@@ -638,12 +635,12 @@ def _grouped_and_alone(monkeypatch, model, loss, algo, batch, mask, w, clip, acc
 
         return f
 
-    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")  # the CPU keeps one layer at a time by default
-    monkeypatch.setattr(ghost_mod, "_factor_groups", spy("factor", real_f))
-    monkeypatch.setattr(ghost_mod, "_vector_groups", spy("vector", real_v))
+    monkeypatch.setattr(ghost_stacks, "STACK_FACTORS", "on")  # the CPU keeps one layer at a time by default
+    monkeypatch.setattr(ghost_stacks, "factor_groups", spy("factor", real_f))
+    monkeypatch.setattr(ghost_stacks, "vector_groups", spy("vector", real_v))
     runs = []
     for elements in (GROUP_ELEMENTS, 0):
-        monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", elements)
+        monkeypatch.setattr(ghost_stacks, "GROUP_ELEMENTS", elements)
         sizes.clear()
         out = GhostPerUnit(model, loss, algo, precision).clipped_sum(
             batch, mask, w, StepClipping(clip, clip.initial_state(), acc)
@@ -711,19 +708,18 @@ def test_stacked_groups_are_split_to_bound_their_temporaries(monkeypatch):
     """A group never holds more than GROUP_ELEMENTS in its largest temporary: a smaller cap splits
     the groups (more, smaller stacks; a group of one is not stacked at all) and the result does not
     change. Tiny GPT-2's 128-vectors (LayerNorms, biases) take m·128 elements each."""
-    import userdp.engine.ghost as ghost_mod
 
     model = _gpt2().double()
     batch, mask = _lm_chunk(m=3, seed=13)
     w = torch.ones(3, dtype=F64)
     clip = FlatClip(0.5)
     sizes = []
-    real = ghost_mod._vector_groups
-    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
-    monkeypatch.setattr(ghost_mod, "_vector_groups", lambda *a: sizes.append([len(g) for g in real(*a)]) or real(*a))
+    real = ghost_stacks.vector_groups
+    monkeypatch.setattr(ghost_stacks, "STACK_FACTORS", "on")
+    monkeypatch.setattr(ghost_stacks, "vector_groups", lambda *a: sizes.append([len(g) for g in real(*a)]) or real(*a))
     outs = []
     for cap in (GROUP_ELEMENTS, 2 * 3 * 128, 1):  # unbounded here; two 128-vectors a group; none
-        monkeypatch.setattr(ghost_mod, "GROUP_ELEMENTS", cap)
+        monkeypatch.setattr(ghost_stacks, "GROUP_ELEMENTS", cap)
         outs.append(
             GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5)).clipped_sum(
                 batch, mask, w, StepClipping(clip, clip.initial_state(), F64)
@@ -738,8 +734,7 @@ def test_stacked_groups_are_split_to_bound_their_temporaries(monkeypatch):
 def test_the_cpu_keeps_one_layer_at_a_time_and_the_gpu_stand_in_stacks():
     """Stacking saves launches, which the CPU does not have (there it measured slower): by default
     only CUDA and the meta device stack factors."""
-    import userdp.engine.ghost as ghost_mod
 
-    assert ghost_mod.STACK_FACTORS == "auto"
-    assert not ghost_mod._stack_factors(torch.device("cpu"))
-    assert ghost_mod._stack_factors(torch.device("meta")) and ghost_mod._stack_factors(torch.device("cuda"))
+    assert ghost_stacks.STACK_FACTORS == "auto"
+    assert not ghost_stacks.stack_factors(torch.device("cpu"))
+    assert ghost_stacks.stack_factors(torch.device("meta")) and ghost_stacks.stack_factors(torch.device("cuda"))

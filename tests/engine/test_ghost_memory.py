@@ -27,6 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from userdp.engine.algorithms import ULS
 from userdp.engine.clipping import FlatClip, StepClipping
 from userdp.engine.ghost import Factored, GhostPerUnit
+from userdp.engine.ghost import grams as ghost_grams
 
 from _engine_helpers import WidestOutput
 
@@ -68,7 +69,7 @@ def test_the_norms_of_a_tied_weight_take_no_float32_copy_of_the_heads_factor():
     assert emb.narrow and head.narrow
 
     with WidestOutput((torch.float32, torch.float64)) as widest:
-        value, err, mag, _ = GhostPerUnit._norm2(None, [emb, head])
+        value, err, mag, _ = ghost_grams.parameter_norm2(None, [emb, head])
     assert value.shape == err.shape == mag.shape == (m,)
     assert widest.widest < m * t * vocab
 
@@ -88,12 +89,12 @@ def test_the_norms_of_a_tied_weight_do_not_depend_on_the_order_of_its_terms():
     def uses():
         return [Factored(ids, ye, vocab, index=True, dtype=torch.float64), Factored(xh, yh, vocab, dtype=torch.float64)]
 
-    value, err, _, _ = GhostPerUnit._norm2(None, uses())
+    value, err, _, _ = ghost_grams.parameter_norm2(None, uses())
     emb, head = uses()
     exact = (emb.materialize() + head.materialize()).pow(2).sum((1, 2))
     torch.testing.assert_close(value, exact, rtol=1e-12, atol=0)
     assert bool(((value - exact).abs() <= err + 1e-12 * exact).all())
-    value_r, err_r, _, _ = GhostPerUnit._norm2(None, uses()[::-1])
+    value_r, err_r, _, _ = ghost_grams.parameter_norm2(None, uses()[::-1])
     torch.testing.assert_close(value_r, value, rtol=1e-12, atol=0)
 
 

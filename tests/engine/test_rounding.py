@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from userdp.engine import ghost as ghost_mod
 from userdp.engine.clipping import FlatClip, StepClipping
+from userdp.engine.ghost import bound as ghost_bound
+from userdp.engine.ghost import strategy as ghost_strategy
 from userdp.engine.rounding import gamma, round_down_to, unit_roundoff
 from userdp.errors import UserError
 
@@ -49,15 +50,15 @@ def test_the_bound_costs_an_honest_gpt2_user_under_one_percent_of_its_clip():
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=512, n_positions=64).train()
     ids = torch.randint(0, 512, (4, 4, 32))
-    st = ghost_mod.GhostPerUnit(model, models.causal_lm_loss, type("A", (), {"update": "gradient"})())
+    st = ghost_strategy.GhostPerUnit(model, models.causal_lm_loss, type("A", (), {"update": "gradient"})())
     seen = {}
-    real = ghost_mod._bounded_norms
+    real = ghost_bound.bounded_norms
 
     def spy(parts, m):
         seen["est"], seen["up"] = real(parts, m)
         return seen["est"], seen["up"]
 
-    ghost_mod._bounded_norms = spy
+    ghost_bound.bounded_norms = spy
     try:
         st.clipped_sum(
             {"input_ids": ids, "labels": ids.clone()},
@@ -66,7 +67,7 @@ def test_the_bound_costs_an_honest_gpt2_user_under_one_percent_of_its_clip():
             StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32),
         )
     finally:
-        ghost_mod._bounded_norms = real
+        ghost_bound.bounded_norms = real
     est, up = seen["est"], seen["up"]
     ratio = (up**2).sum(1).sqrt() / (est**2).sum(1).sqrt()
     assert (ratio >= 1.0).all()

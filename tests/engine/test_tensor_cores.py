@@ -20,11 +20,16 @@ import torch
 from _paths import REPO
 
 import userdp.engine.contraction as contraction
-import userdp.engine.ghost as ghost_mod
+from userdp.engine import rounding as rounding_mod
 from userdp.engine.algorithms import ULS
 from userdp.engine.clipping import FlatClip, PerLayerClip, StepClipping
 from userdp.engine.contraction import mm32, round_down_bf16, split_bf16
 from userdp.engine.ghost import GhostPerUnit
+from userdp.engine.ghost import bound as ghost_bound
+from userdp.engine.ghost import capture as ghost_capture
+from userdp.engine.ghost import factors as ghost_factors
+from userdp.engine.ghost import grams as ghost_grams
+from userdp.engine.ghost import layers as ghost_layers
 from userdp.engine.precision import Precision, _fp32_handles, exact_float32
 from userdp.lm import models
 from userdp.lm.models import causal_lm_loss
@@ -144,13 +149,13 @@ def test_the_float32_contractions_run_with_tf32_pinned_off(monkeypatch):
     handles = _fp32_handles()
     assert handles, "this torch has per-backend fp32_precision"
     seen = []
-    real = ghost_mod._inner
+    real = ghost_grams.inner
 
     def spy(a, b):
         seen.append([h.fp32_precision for h in handles])
         return real(a, b)
 
-    monkeypatch.setattr(ghost_mod, "_inner", spy)
+    monkeypatch.setattr(ghost_grams, "inner", spy)
     before = [h.fp32_precision for h in handles]
     try:
         for h in handles:
@@ -179,8 +184,8 @@ def test_meta_runs_the_cuda_contractions():
 def _narrow_flags(monkeypatch, lora: bool, capture_rounding: bool) -> tuple[list, dict]:
     monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     if not capture_rounding:  # the capture as it was before issue 35: float32 inputs kept float32
-        monkeypatch.setattr(ghost_mod, "AUTOCAST_GEMM_LAYERS", set())
-        monkeypatch.setattr(ghost_mod, "_register_transformers_layers", lambda: None)
+        monkeypatch.setattr(ghost_capture, "AUTOCAST_GEMM_LAYERS", set())
+        monkeypatch.setattr(ghost_layers, "register_transformers_layers", lambda: None)
     torch.manual_seed(0)
     model = models.build_preset("tiny", vocab_size=256, n_positions=32).train()
     if lora:
@@ -192,7 +197,7 @@ def _narrow_flags(monkeypatch, lora: bool, capture_rounding: bool) -> tuple[list
 
 def test_without_capture_rounding_the_layernorm_fed_gemms_fall_off_the_tensor_cores(monkeypatch):
     """What the test below guards against (the code before issue 35)."""
-    ghost_mod._register_transformers_layers()
+    ghost_layers.register_transformers_layers()
     _, narrow = _narrow_flags(monkeypatch, False, capture_rounding=False)
     slow = {n for n, flags in narrow.items() if not all(flags)}
     assert any(n.endswith("c_attn.weight") for n in slow) and any(n.endswith("c_fc.weight") for n in slow)
@@ -293,12 +298,12 @@ def _adversarial_contribution(monkeypatch, fold: bool) -> float:
         monkeypatch.setattr(contraction, "operand_roundoff", lambda narrow: 0.0)
     t, w = 64, 8
     y = torch.tensor([1.265625, -1.3046875] * (t // 2)).view(1, t, 1).repeat(1, 1, w).to(BF16)
-    f = ghost_mod.Factored(torch.ones(1, t, w, dtype=BF16), y, w, dtype=torch.float32, tc=True)
-    value, err = ghost_mod._inner(f, f)
+    f = ghost_factors.Factored(torch.ones(1, t, w, dtype=BF16), y, w, dtype=torch.float32, tc=True)
+    value, err = ghost_grams.inner(f, f)
     mag, smag = f.magnitude()
     r = contraction.operand_roundoff(f.narrow)
-    bound = ghost_mod._Bound(value, err, mag * smag, t, f.u, None, r, [f.spread_term()] if r else None)
-    _, upper = ghost_mod._bounded_norms([bound], 1)
+    bound = ghost_bound.Bound(value, err, mag * smag, t, f.u, None, r, [f.spread_term()] if r else None)
+    _, upper = ghost_bound.bounded_norms([bound], 1)
     c = round_down_bf16((1.0 / upper[:, 0]).clamp(max=1.0).float())
     s = contraction.clipped_contraction(f.x, f.y, c, True, torch.float32)
     return float(torch.linalg.vector_norm(s.double()))
@@ -312,8 +317,8 @@ def test_the_spread_bounds_what_any_bounded_operand_error_can_add(monkeypatch):
     monkeypatch.setattr(contraction, "SUM_OPERAND", "rounded")
     m, t, wx, wy = 3, 32, 256, 48
     x, y = _bf16(m, t, wx, seed=21), _bf16(m, t, wy, seed=22)
-    f = ghost_mod.Factored(x, y, wx, dtype=torch.float32, tc=True)
-    ghost_mod._inner(f, f)
+    f = ghost_factors.Factored(x, y, wx, dtype=torch.float32, tc=True)
+    ghost_grams.inner(f, f)
     spread = f.spread()
     xd, yd = x.double(), y.double()
     b = (xd.norm(dim=2) * yd.norm(dim=2)).sum(1)
@@ -339,8 +344,8 @@ def _spread_by_hand(f) -> torch.Tensor:
     rx, ry, sx, sy = f.row_norms()
     t = int(rx.shape[1])
     rxd = rx.double() * sx
-    gxn = ghost_mod.gamma(int(f.x.shape[-1]), f.u)
-    rows = f._gx_rows.double() * (1.0 + ghost_mod.gamma(t + 2, 2.0**-23)) + gxn * rxd * rxd.sum(1, keepdim=True)
+    gxn = rounding_mod.gamma(int(f.x.shape[-1]), f.u)
+    rows = f._gx_rows.double() * (1.0 + rounding_mod.gamma(t + 2, 2.0**-23)) + gxn * rxd * rxd.sum(1, keepdim=True)
     yf = (ry.double() * sy).pow(2).sum(1)
     return torch.minimum(b, (rows.amax(1) * yf).sqrt() * (1.0 + 2.0**-40))
 
@@ -357,14 +362,14 @@ def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
     for i, (t, wx, wy, own_gram) in enumerate(
         [(8, 64, 16, True), (8, 32, 48, True), (5, 64, 8, True), (8, 16, 16, False)]
     ):
-        f = ghost_mod.Factored(
+        f = ghost_factors.Factored(
             _bf16(m, t, wx, seed=40 + i), _bf16(m, t, wy, seed=50 + i), wx, dtype=torch.float32, tc=True
         )
         if own_gram:
-            ghost_mod._inner(f, f)  # keeps the Gram's row sums
+            ghost_grams.inner(f, f)  # keeps the Gram's row sums
         uses.append(f)
     per_param = [[uses[0].spread_term(), uses[3].spread_term()], [], [uses[1].spread_term(), uses[2].spread_term()]]
-    got = ghost_mod._spreads(per_param, m)
+    got = ghost_factors.spreads(per_param, m)
     want = [
         _spread_by_hand(uses[0]) + _spread_by_hand(uses[3]),
         torch.zeros(m, dtype=torch.float64),
@@ -372,14 +377,14 @@ def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
     ]
     for g, w in zip(got, want, strict=True):
         assert torch.allclose(g, w, rtol=1e-15, atol=0)
-    assert bool((_spread_by_hand(uses[1]) < ghost_mod.Factored.magnitude(uses[1])[0].double()).all())  # not B alone
+    assert bool((_spread_by_hand(uses[1]) < ghost_factors.Factored.magnitude(uses[1])[0].double()).all())  # not B alone
     # a stack of two members (2·m units of one use) split back: each member's own spread
     x = torch.cat([uses[0].x, uses[0].x.flip(0)])
     y = torch.cat([uses[0].y, uses[0].y.flip(0)])
-    flat = ghost_mod.Factored(x, y, 64, dtype=torch.float32, tc=True)
-    ghost_mod._inner(flat, flat)
+    flat = ghost_factors.Factored(x, y, 64, dtype=torch.float32, tc=True)
+    ghost_grams.inner(flat, flat)
     members = flat.spread_term().split(2)
-    both = ghost_mod._spreads([[members[0]], [members[1]]], m)
+    both = ghost_factors.spreads([[members[0]], [members[1]]], m)
     assert torch.allclose(both[0], _spread_by_hand(uses[0]), rtol=1e-6)
     assert torch.allclose(both[1], _spread_by_hand(uses[0]).flip(0), rtol=1e-6)
 
@@ -442,15 +447,17 @@ def test_the_tied_heads_cross_gram_gathers_before_it_upcasts(monkeypatch):
     monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
     m, t, vocab = 3, 16, 1001
     ids = torch.randint(0, vocab, (m, t), generator=torch.Generator().manual_seed(1))
-    emb = ghost_mod.Factored(ids, _bf16(m, t, 8, seed=2), vocab, index=True, dtype=torch.float32, tc=True)
-    head = ghost_mod.Factored(_bf16(m, t, vocab, seed=3), _bf16(m, t, 8, seed=4), vocab, dtype=torch.float32, tc=True)
+    emb = ghost_factors.Factored(ids, _bf16(m, t, 8, seed=2), vocab, index=True, dtype=torch.float32, tc=True)
+    head = ghost_factors.Factored(
+        _bf16(m, t, vocab, seed=3), _bf16(m, t, 8, seed=4), vocab, dtype=torch.float32, tc=True
+    )
 
     with WidestOutput((torch.float32,)) as widest:
-        g = ghost_mod._x_gram(emb, head)
+        g = ghost_grams.x_gram(emb, head)
     assert widest.widest < m * t * vocab  # no float32 copy of the head's factor
     ref = head.x.float()[torch.arange(m)[:, None, None], torch.arange(t)[None, None, :], ids[:, :, None]]
     assert g.dtype == torch.float32 and torch.equal(g, ref)
-    assert torch.equal(ghost_mod._x_gram(head, emb), ref.transpose(1, 2))
+    assert torch.equal(ghost_grams.x_gram(head, emb), ref.transpose(1, 2))
 
 
 def _interpreted(probe: str, timeout: int) -> list[str]:

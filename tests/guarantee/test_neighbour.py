@@ -11,7 +11,8 @@ import torch
 from _neighbours import ADVERSARIES, Reg, builder, cancelling, honest, reg_loss
 
 from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TrainConfig, contraction
-from userdp.engine import ghost as ghost_mod
+from userdp.engine.ghost import bound as ghost_bound
+from userdp.engine.ghost import stacks as ghost_stacks
 from userdp.engine.loop import EngineRun
 from userdp.engine.neighbour import join, neighbour_gap
 
@@ -43,13 +44,13 @@ def test_cancelling_records_cannot_buy_more_than_c_under_the_default_strategy(bi
 
 def test_without_the_bound_the_cancelling_user_reaches_3x_c(monkeypatch):
     """The construction of issue 34 (C1) against the estimate alone: the test above would fail."""
-    monkeypatch.setattr(ghost_mod, "BOUND", False)
+    monkeypatch.setattr(ghost_bound, "BOUND", False)
     gap = neighbour_gap(builder(), honest(), cancelling(3e4), reg_loss, config(per_unit="ghost"))
     assert gap.ratio > 2.0
 
 
 def test_cancelling_records_in_float64_and_in_a_stack_of_layers(monkeypatch):
-    monkeypatch.setattr(ghost_mod, "STACK_FACTORS", "on")
+    monkeypatch.setattr(ghost_stacks, "STACK_FACTORS", "on")
     data64 = honest(dtype=torch.float64)
     gap = neighbour_gap(
         builder(dtype=torch.float64), data64, cancelling(1e9, torch.float64), reg_loss, config(per_unit="ghost")

@@ -13,7 +13,6 @@ LIMIT = 80
 LONG = {
     "userdp/lm/report.py:render_markdown": 204,
     "userdp/lm/statement.py:privacy_record": 174,
-    "userdp/engine/ghost.py:clipped_sum": 170,
     "userdp/data/store.py:build_store": 156,
     "userdp/lm/training.py:train_model": 125,
     "userdp/cli/train.py:main": 121,

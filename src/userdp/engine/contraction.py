@@ -60,7 +60,7 @@ GRAMS_CHECKED: dict = {}  # device type -> True, or why the kernel is not used
 #: the clipped sum's operand on tensor cores. "rounded" (the default): ``c_u · y`` rounded to bf16, one
 #: bf16 GEMM (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, moves the unit's sum
 #: by at most 2^-8 · c_u · spread (:meth:`userdp.engine.ghost.Factored.spread`), which the clip factor's
-#: bound adds (``ghost._bounded_norms``), so a unit still adds at most C; the price, a clip factor ~0.65%
+#: bound adds (``ghost.bound.bounded_norms``), so a unit still adds at most C; the price, a clip factor ~0.65%
 #: lower for a clipped unit (``benchmarks/bench_operand.py``). "split": ``[hi | lo]``, which is
 #: ``c_u · y`` exactly, at twice the FLOPs (the roofline count, ``benchmarks/bench_traffic.py``: a
 #: gpt2-small ghost chunk 1.35x a non-private forward and backward with it, 1.26x rounded).
@@ -271,7 +271,7 @@ def gram_pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y:
     """``(v, qy, qx, sx)`` ``[m, Ta]``, per row t of a Gram pair ``[m, Ta, Tb]``: ``Σ_s Gx_ts Gy_ts``,
     ``Σ_s |Gy_ts| rb_x_s``, ``Σ_s |Gx_ts| rb_y_s`` and (``row_sums``; else None) ``Σ_s |Gx_ts|``, in the
     Grams' dtype: what a ghost norm and its rounding bound are summed from
-    (:func:`userdp.engine.ghost._inner`). One Triton kernel where :data:`FUSED_GRAMS` allows it and it
+    (:func:`userdp.engine.ghost.grams.inner`). One Triton kernel where :data:`FUSED_GRAMS` allows it and it
     has matched :func:`torch_pair_rows` on this device type; else torch's passes. Any order of
     these sums is covered by the bound (each term moves through fewer additions than it has terms)."""
     if gx.dtype == torch.float32 and _grams_kernel_allowed(gx.device):

@@ -3,7 +3,7 @@
 Why by hand: each pair of Gram matrices ``Gx``, ``Gy`` (``[m, Ta, Tb]`` float32) gives a unit's
 squared norm ``Σ_ts Gx⊙Gy`` and, for its proven rounding bound, two quadratic forms of the
 absolute Grams, ``raᵀ|Gy|rb`` and ``raᵀ|Gx|rb`` (and, with the rounded operand, ``|Gx|``'s row
-sums): :func:`userdp.engine.ghost._inner`. In torch that is a batched dot over the rows, two
+sums): :func:`userdp.engine.ghost.grams.inner`. In torch that is a batched dot over the rows, two
 ``abs`` copies and two batched products: nine passes over Gram-sized arrays per pair, 3.7 ms of a
 gpt2-small ghost chunk and 7 ms of a gpt2-medium one by the roofline count
 (``benchmarks/bench_traffic.py``). This kernel reads each Gram once and writes, per row ``t``, the
@@ -11,7 +11,7 @@ four row sums; torch then takes the sums over rows (a few ``[m, Ta]`` kernels).
 
 The rounding bound does not depend on the order of these float32 sums (any summation of n terms
 moves each term through at most n - 1 additions), so the bound of docs/guarantee.md holds for the
-kernel's sums as for torch's. :func:`userdp.engine.ghost._inner` uses it on CUDA once it has matched
+kernel's sums as for torch's. :func:`userdp.engine.ghost.grams.inner` uses it on CUDA once it has matched
 the torch passes on test inputs (once per process; else a warning and the torch passes); on a CPU,
 tests run it under ``TRITON_INTERPRET=1``.
 """
