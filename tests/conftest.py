@@ -17,7 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 HEAVY_TIER = (
-    "the heavy tier (runs of 8 s or more: several processes, a harness, statistical power, a whole "
+    "the heavy tier (runs of 6 s or more: several processes, a harness, statistical power, a whole "
     "pipeline; each names the test that keeps its property in this run): python -m pytest -q -n auto --heavy"
 )
 
@@ -26,7 +26,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--heavy",
         action="store_true",
-        help="also run the heavy tier (tests marked heavy: over 8 s each on 2 cores; CI's 10 minutes leave them out)",
+        help="also run the heavy tier (tests marked heavy: 6 s or more each on 2 cores; CI's 10 minutes leave them out)",
     )
 
 

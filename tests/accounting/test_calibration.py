@@ -109,6 +109,9 @@ def test_large_T_calibration_stays_within_one_percent():
     assert fine(sigma) <= eps < fine(sigma / 1.01)
 
 
+@pytest.mark.heavy(
+    counterpart="tests/accounting/test_calibration.py::test_els_calibration_reaches_below_the_old_pld_guard"
+)
 @pytest.mark.slow
 def test_els_calibration_converges_where_epsilon_falls_off_a_cliff():
     """ELS with G = 11 at p = 0.0016 over 6 steps: epsilon drops from 4 to 0.1 between sigma 1.09

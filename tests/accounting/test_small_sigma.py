@@ -91,7 +91,21 @@ def test_rdp_at_small_sigma_does_not_flood_the_log(caplog):
     assert logging.getLogger("absl").filters == []  # the filter is scoped to our RDP calls
 
 
-@pytest.mark.parametrize("steps", [1, 2, 9, 100, 3000])
+@pytest.mark.parametrize(
+    "steps",
+    [
+        1,
+        2,
+        9,
+        100,
+        pytest.param(
+            3000,
+            marks=pytest.mark.heavy(
+                counterpart="tests/accounting/test_small_sigma.py::test_the_fast_self_composition_equals_dp_accounting[100]"
+            ),
+        ),
+    ],
+)
 def test_the_fast_self_composition_equals_dp_accounting(steps):
     """pld.self_compose (one numpy expression for the 40 Chernoff bounds) gives dp_accounting's
     self_compose bit for bit: the ULS step and an ELS mixture, at the ledger's and the report's grids."""

@@ -91,6 +91,7 @@ def test_audit_json_secrets_and_report(tiny, capsys):
     assert "## 8. Empirical audit" in md and a["statement"] in md
 
 
+@pytest.mark.heavy(counterpart="tests/audit/test_audit_e2e.py::test_audit_json_secrets_and_report")
 @pytest.mark.slow
 def test_an_interrupted_audit_resumes_with_the_same_canaries(tiny, monkeypatch, capsys):
     tmp, cfg = tiny
@@ -177,6 +178,7 @@ def test_a_leftover_secrets_file_is_refused_and_a_failed_start_leaves_none(tiny,
     assert not (tmp / "run3.audit-secrets.json").exists() and not (tmp / "run3").exists()
 
 
+@pytest.mark.heavy(counterpart="tests/audit/test_audit_e2e.py::test_audit_json_secrets_and_report")
 @pytest.mark.slow
 def test_combine_pools_the_canaries_of_separate_runs(tiny, capsys):
     tmp, cfg = tiny

@@ -126,6 +126,7 @@ def test_html_to_text():
     assert html_to_text("plain   text") == "plain text"
 
 
+@pytest.mark.heavy(counterpart="tests/data/test_stackexchange.py::test_records_users_and_counted_drops")
 @pytest.mark.shared_data
 @pytest.mark.slow
 def test_shared_dump_near_measured_counts(tmp_path, shared_data):

@@ -63,6 +63,9 @@ def _torchrun(n, args, tmp_path, **kw):
 
 
 # ----------------------------------------------------------------------------- the engine, 2 processes
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_distribution.py::test_a_distribution_in_one_file_releases_the_replicated_runs_sum"
+)
 @pytest.mark.slow
 @needs_torchrun
 def test_two_processes_give_one_processs_parameters_for_uls_els_and_fedavg(tmp_path):
@@ -153,7 +156,7 @@ def test_lora_on_a_sharded_base_is_the_one_process_lora_run(tmp_path, monkeypatc
 
 
 @pytest.mark.heavy(
-    counterpart="tests/e2e/test_torchrun.py::test_two_processes_give_one_processs_parameters_for_uls_els_and_fedavg"
+    counterpart="tests/engine/test_distribution.py::test_a_distribution_in_one_file_releases_the_replicated_runs_sum"
 )
 @pytest.mark.slow
 @needs_torchrun
