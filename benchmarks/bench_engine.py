@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from userdp.engine import ELS, SGD, ULS, FlatClip, TensorUserData, TrainConfig
-from userdp.engine.loop import EngineRun
+from userdp.engine.run import EngineRun
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore")

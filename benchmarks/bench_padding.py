@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import gpt2_setup, nonprivate_step  # noqa: E402
 
 from userdp.engine import SGD, ULS, FlatClip, TensorUserData, TrainConfig  # noqa: E402
-from userdp.engine.loop import EngineRun  # noqa: E402
+from userdp.engine.run import EngineRun  # noqa: E402
 
 warnings.filterwarnings("ignore")
 REPO = Path(__file__).resolve().parents[1]

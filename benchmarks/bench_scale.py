@@ -131,8 +131,8 @@ def _worker(a) -> dict:
     import torch
 
     from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig
-    from userdp.engine.loop import EngineRun
     from userdp.engine.precision import Precision
+    from userdp.engine.run import EngineRun
     from userdp.lm.models import causal_lm_loss
 
     torch.set_num_threads(a.threads)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from userdp.engine import ULS, Adam, FedAvg, FlatClip, TensorUserData, TrainConfig, train
-from userdp.engine import loop as loop_mod
+from userdp.engine import run as loop_mod
 from userdp.engine.user_data import compact_groups
 
 from _engine_helpers import MLP, ce_loss, mlp_data

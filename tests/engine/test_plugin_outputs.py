@@ -162,7 +162,7 @@ def test_the_neighbour_test_catches_a_duplicating_sampler_without_the_boundary(m
 
     with pytest.raises(UserError, match="more than once"):
         neighbour_gap(build, data, attacker, sq_loss, cfg)
-    import userdp.engine.loop as L
+    import userdp.engine.run as L
 
     monkeypatch.setattr(L, "checked_cohort", lambda ids, n, s: np.asarray(ids, dtype=np.int64))
     gap = neighbour_gap(build, data, attacker, sq_loss, cfg)

@@ -24,8 +24,8 @@ from userdp.engine import (
     TrainConfig,
     train,
 )
-from userdp.engine.loop import EngineRun
 from userdp.engine.privacy_record import PrivacyRecord
+from userdp.engine.run import EngineRun
 from userdp.engine.sampling import Poisson, bucket_size
 from userdp.errors import BudgetExceededError, UserError
 

@@ -20,7 +20,7 @@ from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TensorUse
 from userdp.engine import checkpoint as ckpt
 from userdp.engine import noise as noise_mod
 from userdp.engine.journal import JOURNAL
-from userdp.engine.loop import EngineRun
+from userdp.engine.run import EngineRun
 from userdp.errors import UserError
 
 from _engine_helpers import Crash, Mean, crash_at, sq_loss, user_data

@@ -13,8 +13,8 @@ from _neighbours import ADVERSARIES, Reg, builder, cancelling, honest, reg_loss
 from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TrainConfig, contraction
 from userdp.engine.ghost import bound as ghost_bound
 from userdp.engine.ghost import stacks as ghost_stacks
-from userdp.engine.loop import EngineRun
 from userdp.engine.neighbour import join, neighbour_gap
+from userdp.engine.run import EngineRun
 
 from _engine_helpers import run_gloo_pair
 

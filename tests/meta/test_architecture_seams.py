@@ -21,8 +21,8 @@ from userdp.engine import noise as noise_mod
 from userdp.engine import per_unit as per_unit_mod
 from userdp.engine.clipping import per_tensor_norms
 from userdp.engine.ledger import PrivacyLedger
-from userdp.engine.loop import EngineRun
 from userdp.engine.plan import PERFORMANCE_FIELDS, make_plan, privacy_repr
+from userdp.engine.run import EngineRun
 from userdp.errors import UserError
 from userdp.validation import check_choice, check_int, check_rate
 

@@ -16,7 +16,7 @@ LONG = {
     "userdp/data/store.py:build_store": 156,
     "userdp/lm/training.py:train_model": 125,
     "userdp/cli/train.py:main": 121,
-    "userdp/engine/loop.py:__init__": 110,
+    "userdp/engine/run.py:__init__": 110,
     "userdp/lm/config.py:validate": 108,
     "userdp/lm/starting_model.py:get_tokenizer_and_model": 105,
     "userdp/lm/pretrain.py:train_lm": 100,

@@ -421,7 +421,7 @@ class IIDGaussian:
         """This step's noise as :meth:`add_noise` would add it to ``numel`` numbers of ``dtypes``,
         as ``(offset, piece)`` in increasing order, each piece scaled by ``std`` (as :meth:`add_noise`
         scales it): a sharded step reads it one parameter at a time and scatters each parameter's
-        noise to its shards (:meth:`userdp.engine.loop.EngineRun.release`). Only where there is a
+        noise to its shards (:meth:`userdp.engine.run.EngineRun.release`). Only where there is a
         source (the main rank)."""
         for lo, z in self.source.pieces(numel, dtypes, device):
             yield lo, z.mul_(float(std))

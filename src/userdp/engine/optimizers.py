@@ -128,3 +128,30 @@ def _fused(params) -> dict:
 
 
 Optimizer = SGD | Adam | Adafactor
+
+
+def own_optimizer(optimizer: torch.optim.Optimizer, params: list, master: list) -> torch.optim.Optimizer:
+    """The caller's optimizer (make_private), checked: it must step exactly the trainable
+    parameters the engine privatizes, and they must be float32 or wider (with narrower weights the
+    engine steps float32 masters of its own, which a caller's optimizer does not hold).
+
+    Raises:
+        UserError: the optimizer holds other tensors, misses a trainable parameter, or the
+            parameters are float16/bfloat16."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UserError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if master is not params:
+        raise UserError(
+            "make_private: the model's trainable parameters are float16/bfloat16; keep float32 "
+            "weights and set TrainConfig(precision='bfloat16') for mixed precision, or use train(), "
+            "which steps float32 master weights"
+        )
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    mine = {id(p) for p in params}
+    if {id(p) for p in held} != mine or len(held) != len(mine):
+        raise UserError(
+            f"make_private: the optimizer must hold exactly the model's {len(mine)} trainable "
+            f"parameters (it holds {len(held)} tensors, {len({id(p) for p in held} & mine)} of them "
+            "trainable parameters of the model)"
+        )
+    return optimizer

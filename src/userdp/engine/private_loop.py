@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from userdp import accounting
-from userdp.engine.loop import EngineRun, RunPlan, TrainConfig, start_run
+from userdp.engine.loop import RunPlan, TrainConfig, start_run
 from userdp.engine.privacy_record import PrivacyRecord
+from userdp.engine.run import EngineRun
 from userdp.engine.run_options import RunOptions, run_options
 from userdp.engine.user_data import UserData
 from userdp.errors import UserError

@@ -1,5 +1,5 @@
 """The privacy record of a run as of now (:func:`run_record`): what
-:meth:`userdp.engine.loop.EngineRun.record` returns, built from the run's plan, ledger and state."""
+:meth:`userdp.engine.run.EngineRun.record` returns, built from the run's plan, ledger and state."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def run_record(run) -> PrivacyRecord:
-    """The privacy record of ``run`` (an :class:`~userdp.engine.loop.EngineRun`) as of now."""
+    """The privacy record of ``run`` (an :class:`~userdp.engine.run.EngineRun`) as of now."""
     cfg, plan = run.cfg, run.plan
     eps = run.ledger.epsilon()
     total = run.ledger.total_event()
