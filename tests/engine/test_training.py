@@ -158,6 +158,7 @@ def test_fedsgd_with_lr_eta_equals_uls_step():
     assert torch.allclose(a.theta, b.theta, atol=1e-6)
 
 
+@pytest.mark.heavy(counterpart="tests/engine/test_clipping.py::test_adaptive_quantile_toy_fig1")
 @pytest.mark.slow
 def test_adaptive_clipping_tracks_the_quantile_of_lognormal_norms():
     """A8: unit norms log-normal(0, 0.5); C converges near their gamma-quantile despite count noise."""

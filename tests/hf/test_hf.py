@@ -458,6 +458,7 @@ def test_an_adversarial_author_moves_the_trainers_released_sum_by_at_most_its_bo
     assert gap.ratio > 0.1 and gap.within(), f"{adversary}: {gap.ratio:.4f} x the bound"  # drawn, and bounded
 
 
+@pytest.mark.heavy(counterpart="tests/engine/test_privacy.py::test_engine_cohorts_are_poisson_and_buckets_pad")
 def test_the_trainers_cohorts_are_poisson_at_the_sampling_rate(tmp_path):
     """Each Trainer step is a Poisson cohort of users at the privacy config's rate, not the Trainer's
     batch (a constant 8 rows): over 100 seeded steps the cohort sizes have Binomial(30, 0.3)'s mean and

@@ -160,7 +160,7 @@ def _seed_with_trials(k_wanted, count):
 
 
 @pytest.mark.heavy(
-    counterpart="tests/tuning/test_tuning.py::test_on_public_tunes_on_public_data_and_touches_the_private_data_once"
+    counterpart="tests/tuning/test_tuning.py::test_total_epsilon_against_direct_conversion_and_against_one_run"
 )
 @pytest.mark.slow
 def test_an_interrupted_tuning_run_resumes_without_redrawing(tiny, monkeypatch, capsys):
@@ -260,6 +260,9 @@ def test_bad_tune_input_is_one_line_and_exit_2(tiny, capsys):
         assert needle in err[-1] and err[-1].startswith("userdp: error:"), (argv, err)
 
 
+@pytest.mark.heavy(
+    counterpart="tests/tuning/test_tuning.py::test_total_epsilon_against_direct_conversion_and_against_one_run"
+)
 @pytest.mark.slow
 def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, capsys):
     tmp, cfg, space = tiny
@@ -355,7 +358,7 @@ def test_on_public_tunes_on_public_data_and_touches_the_private_data_once(tiny, 
 
 
 @pytest.mark.heavy(
-    counterpart="tests/tuning/test_tuning.py::test_on_public_tunes_on_public_data_and_touches_the_private_data_once"
+    counterpart="tests/tuning/test_tuning.py::test_total_epsilon_against_direct_conversion_and_against_one_run"
 )
 @pytest.mark.slow
 def test_trials_share_one_private_cache_in_the_tuning_directory(tiny, monkeypatch):
