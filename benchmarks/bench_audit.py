@@ -7,7 +7,7 @@
 
 Each scenario is one audited `userdp train` of the embedded default (Shakespeare, tiny GPT, ULS,
 100 steps, cohort 64) with K canary users, run in this process; the broken builds patch the engine
-with :func:`userdp.audit.faults.broken_build` while the accountant still claims the target epsilon.
+with :func:`userdp.audit.faults.broken_session` while the accountant still claims the target epsilon.
 A build is *caught* when the audited lower bound exceeds the accounted epsilon. Every score is
 computed in each run; the bound is the configured score's (``--score``, default the library's),
 and the bounds the other scores would have given, had they been chosen before training, are
@@ -23,7 +23,6 @@ import json
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 # (name, overrides, fault, times)
@@ -40,14 +39,16 @@ QUICK = {"nonprivate", "eps=1", "eps=1, noise off"}
 
 
 def _run(overrides, out: Path, fault, times):
-    from userdp.audit.faults import broken_build
+    from userdp.audit.faults import broken_session
+    from userdp.audit.session import AuditSession
     from userdp.lm import config as C
     from userdp.lm.finetune import run
+    from userdp.lm.job_context import Launch
 
     cfg = C.load_config(None, overrides)
     t0 = time.perf_counter()
-    with broken_build(fault, times) if fault else nullcontext():
-        s = run(cfg, output=str(out), progress=False, log=lambda m: None)
+    session = broken_session(fault, times) if fault else AuditSession
+    s = run(cfg, output=str(out), progress=False, log=lambda m: None, launch=Launch(audit=session))
     return s, time.perf_counter() - t0
 
 

@@ -116,11 +116,9 @@ def test_gradient_canaries_go_through_clipping_like_any_unit():
     """One SGD step on the mean model (no noise): an included gradient canary moves its own
     coordinate by exactly C/den (its update of norm 100 C is clipped to C); with clipping off,
     by 100 C/den. Real users' records carry audit_on = 0 and are unchanged by the canary term."""
-    import contextlib
-
     from userdp import engine as E
     from userdp.audit.canaries import GradientCanaries, gradient_canary_loss
-    from userdp.audit.faults import broken_build
+    from userdp.audit.faults import broken_train_plan
 
     from _engine_helpers import Mean, linear_loss
 
@@ -150,8 +148,7 @@ def test_gradient_canaries_go_through_clipping_like_any_unit():
             per_unit="vmap",
         )
         model = Mean(d)
-        with broken_build(fault) if fault else contextlib.nullcontext():
-            E.train(model, data, loss, cfg)
+        E.train(model, data, loss, broken_train_plan(cfg, data, fault) if fault else cfg)
         return model.theta.detach().numpy()
 
     den = 3 + len(inc)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from userdp import engine as E
-from userdp.audit.faults import broken_build
+from userdp.audit.faults import broken_plan, broken_train_plan
+from userdp.engine.noise import IIDGaussian
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, linear_loss, user_data
@@ -23,11 +24,7 @@ def _step(fault=None, times=3):
         delta=1e-5,
     )
     model = Mean(4)
-    if fault:
-        with broken_build(fault, times):
-            res = E.train(model, data, linear_loss, cfg)
-    else:
-        res = E.train(model, data, linear_loss, cfg)
+    res = E.train(model, data, linear_loss, broken_train_plan(cfg, data, fault, times) if fault else cfg)
     return model.theta.detach().double().numpy(), res.record, data
 
 
@@ -51,11 +48,27 @@ def test_each_fault_changes_exactly_what_it_names():
     assert np.allclose(counted - noise, 3 * clipped.sum(0) / den, atol=1e-5)
 
 
-def test_faults_are_undone_after_the_block():
+def test_a_fault_is_a_part_of_one_runs_plan_and_patches_no_engine_class():
+    """The broken parts live in one run's plan: the engine's classes are untouched, a run beside a
+    broken one is the intact run bit for bit, and a fault the plan cannot carry is refused."""
+    noise_before, clip_before = IIDGaussian.add_noise, E.FlatClip.factors_from_norms
     before, _, _ = _step()
-    with pytest.raises(RuntimeError), broken_build("noise_off"):
-        raise RuntimeError("inside")
-    after, rec, _ = _step()
+    for fault in ("noise_off", "clipping_off", "user_counted_g_times"):
+        _step(fault)
+    after, rec, data = _step()
     assert np.array_equal(before, after) and "broken_build" not in rec
-    with pytest.raises(UserError, match="unknown fault"), broken_build("gravity_off"):
-        pass
+    assert IIDGaussian.add_noise is noise_before and E.FlatClip.factors_from_norms is clip_before
+    cfg = E.TrainConfig(algorithm=E.ULS(group_size=1, sampling_rate=1.0), steps=1, noise_multiplier=2.0, delta=1e-5)
+    with pytest.raises(UserError, match="unknown fault"):
+        broken_train_plan(cfg, data, "gravity_off")
+    per_layer = E.TrainConfig(
+        algorithm=E.ULS(group_size=1, sampling_rate=1.0),
+        steps=1,
+        noise_multiplier=2.0,
+        delta=1e-5,
+        clipping=E.PerLayerClip(1.0),
+    )
+    with pytest.raises(UserError, match="breaks flat clipping"):
+        broken_train_plan(per_layer, data, "clipping_off")
+    plan = broken_train_plan(cfg, data, "noise_off")
+    assert plan.broken_build == "noise_off" and plan.step_event == broken_plan(plan, "clipping_off").step_event

@@ -27,7 +27,7 @@ import json
 
 import pytest
 
-from userdp.audit.faults import broken_build
+from userdp.audit.faults import broken_session
 from userdp.audit.session import AuditSession
 from userdp.lm import config as C
 from userdp.lm.finetune import run
@@ -52,15 +52,8 @@ NONPRIVATE = ["training.algorithm=nonprivate", "training.cohort_size=17"]  # ~ q
 
 def _audit(tmp_path, overrides, fault=None, times=16):
     cfg = C.load_config(None, AUDIT + overrides)
-    if fault:
-        with broken_build(fault, times):
-            s = run(
-                cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession)
-            )
-    else:
-        s = run(
-            cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=AuditSession)
-        )
+    session = broken_session(fault, times) if fault else AuditSession
+    s = run(cfg, output=str(tmp_path / "run"), progress=False, log=lambda m: None, launch=Launch(audit=session))
     return s, json.loads((tmp_path / "run" / "privacy.json").read_text())
 
 

@@ -1,75 +1,121 @@
-"""Deliberately broken builds, to prove that the audit can catch one (issue: an audit that cannot
-catch a broken mechanism proves nothing).
+"""Deliberately broken builds, to prove that the audit can catch one (an audit that cannot catch a
+broken mechanism proves nothing).
 
-:func:`broken_build` patches the engine *inside a ``with`` block only*, so that a run claims the
-epsilon of the intact mechanism while doing something else:
+A fault is a broken *part* handed to the run's plan, never a patch of an engine class: a
+:class:`BrokenPlan` gives the run a noise mechanism or a clipping strategy that does something else
+than the config says, while the plan's mechanism, its sensitivity and so the accounted epsilon stay
+the intact build's:
 
-* ``noise_off`` — no noise is added to the clipped sum;
-* ``clipping_off`` — per-unit updates are not clipped (the sensitivity the accountant assumes is false);
-* ``user_counted_g_times`` — every sampled unit's clipped update is added ``times`` times (a user
-  whose G records were each treated as a unit: sensitivity ``times * C``).
+* ``noise_off``: a noise mechanism that adds nothing to the clipped sum;
+* ``clipping_off``: a flat clipping that does not clip (the sensitivity the accountant assumes is false);
+* ``user_counted_g_times``: a flat clipping whose every factor is ``times`` times the true one, so
+  each sampled unit's clipped update is added ``times`` times (a user whose G records were each
+  treated as a unit: sensitivity ``times * C``).
 
-Every run made under a fault carries ``"broken_build": <fault>`` in its engine record (and so in
-``privacy.json``). Used by the tests and ``benchmarks/bench_audit.py``; never by the CLI.
+The plan names its fault (``RunPlan.broken_build``), and the run's record, and so ``privacy.json``,
+carries ``"broken_build": <fault>``. :func:`broken_plan` breaks a plan for :func:`userdp.engine.train`;
+:func:`broken_session` gives ``userdp train``'s job an audit session that breaks the job's plan
+(``Launch(audit=broken_session(fault))``). Used by the tests and ``benchmarks/bench_audit.py``;
+never by the CLI.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import dataclasses
 
 import torch
 
-from userdp.engine import clipping, loop, noise
+from userdp.audit.session import AuditSession
+from userdp.engine.clipping import FlatClip
+from userdp.engine.noise import IIDGaussian
+from userdp.engine.plan import RunPlan, TrainConfig, make_plan
+from userdp.engine.user_data import UserData
 from userdp.errors import UserError
 
 FAULTS = ("noise_off", "clipping_off", "user_counted_g_times")
 
 
-@contextmanager
-def broken_build(fault: str, times: int = 8):
-    """Run the ``with`` block on a broken engine (see the module docstring).
+class SilentGaussian(IIDGaussian):
+    """i.i.d. Gaussian noise that adds nothing (``noise_off``): its draws are made as the intact
+    mechanism's are, and dropped."""
 
-    Args:
-        fault: one of :data:`FAULTS`.
-        times: how often ``user_counted_g_times`` counts each unit.
+    def add_noise(self, tensors, std) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Unclipped(FlatClip):
+    """Flat clipping that does not clip (``clipping_off``): every factor is 1, the norms as reported."""
+
+    def factors_from_norms(self, tn: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        f, norms = super().factors_from_norms(tn, state)
+        return torch.ones_like(f), norms
+
+
+@dataclasses.dataclass(frozen=True)
+class CountedTimes(FlatClip):
+    """Flat clipping whose factors are ``times`` times the true ones (``user_counted_g_times``)."""
+
+    times: int = 8
+
+    def factors_from_norms(self, tn: torch.Tensor, state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        f, norms = super().factors_from_norms(tn, state)
+        return f * float(self.times), norms
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokenPlan(RunPlan):
+    """A run plan whose parts are broken as its ``broken_build`` names (see the module docstring);
+    everything it accounts (mechanism, sensitivity, epsilon) is the intact plan's."""
+
+    times: int = 8
+
+    def make_noise(self, source):
+        if self.broken_build == "noise_off":
+            return SilentGaussian(source)
+        return super().make_noise(source)
+
+    @property
+    def clipping(self):
+        base = self.config.clipping
+        if self.broken_build == "clipping_off":
+            return Unclipped(base.norm, base.normalized)
+        if self.broken_build == "user_counted_g_times":
+            return CountedTimes(base.norm, base.normalized, times=self.times)
+        return base
+
+
+def broken_plan(plan: RunPlan, fault: str, times: int = 8) -> BrokenPlan:
+    """``plan`` with the part ``fault`` names broken (see the module docstring).
 
     Raises:
-        UserError: an unknown fault.
-    """
+        UserError: an unknown fault, or one the plan cannot carry (``noise_off`` breaks i.i.d.
+            Gaussian noise; the clipping faults break flat clipping)."""
     if fault not in FAULTS:
         raise UserError(f"unknown fault {fault!r} (one of {', '.join(FAULTS)})")
-    saved = []
+    if fault == "noise_off" and plan.noise_mechanism is not IIDGaussian:
+        raise UserError(f"fault noise_off breaks i.i.d. Gaussian noise, not {plan.noise_mechanism.__name__}")
+    if fault != "noise_off" and type(plan.config.clipping) is not FlatClip:
+        raise UserError(f"fault {fault} breaks flat clipping, not {type(plan.config.clipping).__name__}")
+    fields = {f.name: getattr(plan, f.name) for f in dataclasses.fields(RunPlan)}
+    return BrokenPlan(**{**fields, "broken_build": fault}, times=int(times))
 
-    def patch(owner, name, value):
-        saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
 
-    record = loop.EngineRun.record
+def broken_train_plan(config: TrainConfig, data: UserData, fault: str, times: int = 8) -> BrokenPlan:
+    """The plan :func:`userdp.engine.train` makes of ``config`` on ``data``, broken by ``fault``
+    (its units counted as the engine counts them: users, or |D'| for ELS)."""
+    algorithm = config.algorithm
+    units = algorithm.count_units(data.sizes(), getattr(algorithm, "group_size", 1))
+    return broken_plan(make_plan(config, num_users=data.num_users, num_units=units), fault, times)
 
-    def marked_record(self):
-        return record(self).replace(broken_build=fault)
 
-    patch(loop.EngineRun, "record", marked_record)
-    if fault == "noise_off":
-        patch(noise.IIDGaussian, "add_noise", lambda self, tensors, std: None)
-    elif fault == "clipping_off":
-        flat = clipping.FlatClip.factors_from_norms
+def broken_session(fault: str, times: int = 8) -> type[AuditSession]:
+    """An audit session for ``Launch(audit=...)`` that hands the job's plan the broken part."""
+    if fault not in FAULTS:
+        raise UserError(f"unknown fault {fault!r} (one of {', '.join(FAULTS)})")
 
-        def unclipped(self, tn, state):
-            f, norms = flat(self, tn, state)
-            return torch.ones_like(f), norms
+    class BrokenSession(AuditSession):
+        def plan(self, plan: RunPlan) -> RunPlan:
+            return broken_plan(plan, fault, times)
 
-        patch(clipping.FlatClip, "factors_from_norms", unclipped)
-    else:
-        clipped_sum = loop.EngineRun.clipped_sum
-
-        def counted(self, ids, n_chunks=None, lazy=False):  # every unit's clipped update added `times` times
-            sums, stats = clipped_sum(self, ids, n_chunks, lazy)
-            return [s.mul_(float(times)) for s in sums], stats
-
-        patch(loop.EngineRun, "clipped_sum", counted)
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
+    return BrokenSession

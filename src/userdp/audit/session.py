@@ -159,6 +159,11 @@ class AuditSession:
         """Whether the canaries are gradient-space canaries (``audit.score: gradient``)."""
         return self.cfg.score == "gradient"
 
+    def plan(self, plan):
+        """The run plan the job trains by: ``plan`` itself (the audit's own tests hand it a broken
+        part here: :func:`userdp.audit.faults.broken_session`)."""
+        return plan
+
     def loss(self, loss_fn):
         """The training loss: ``loss_fn`` itself, or with the gradient canaries' term."""
         if not self.gradient:

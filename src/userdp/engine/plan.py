@@ -279,6 +279,7 @@ class RunPlan:
         noise_mechanism: the noise mechanism's class (``config.noise`` looked up once in
             :data:`~userdp.engine.noise.NOISE_MECHANISMS`); the run instantiates it over its
             keyed source.
+        broken_build: None, or the audit's deliberately broken part (:mod:`userdp.audit.faults`).
 
     The clipping strategy and the algorithm are the config's own frozen parts (:attr:`clipping`,
     :attr:`algorithm`); the settings that change how the run computes, not what it releases, are
@@ -300,6 +301,7 @@ class RunPlan:
     safe_steps: int | None
     sampler: Any
     noise_mechanism: type
+    broken_build: str | None = None
 
     # ---------------------------------------------------------------- what the plan says
     @property
@@ -309,13 +311,12 @@ class RunPlan:
 
     @property
     def clipping(self):
-        """The clipping strategy."""
+        """The clipping strategy the run clips by."""
         return self.config.clipping
 
     @property
     def performance(self) -> dict:
-        """The performance settings (:data:`PERFORMANCE_FIELDS`): how the run computes, not what it
-        releases."""
+        """The performance settings (:data:`PERFORMANCE_FIELDS`): how the run computes, not what it releases."""
         return {name: getattr(self.config, name) for name in PERFORMANCE_FIELDS}
 
     @property
@@ -374,8 +375,7 @@ class RunPlan:
 
     # ---------------------------------------------------------------- new plans
     def with_noise_multiplier(self, noise_multiplier: float, *, safe_steps: int | None = None) -> RunPlan:
-        """The same plan at another (accounted) noise multiplier; adaptive clipping's split is
-        redone.
+        """The same plan at another (accounted) noise multiplier; adaptive clipping's split is redone.
 
         Raises:
             UserError: adaptive clipping's count noise cannot support that multiplier.

@@ -174,7 +174,7 @@ class EngineRun:
             self.ledger.attach_journal(self.dir, context)
         for event in cfg.prior_events:  # released before the first step: counted first, against the budget
             self.ledger.spend_event(event)  # (a resumed run's checkpoint restores the same, with its steps)
-        self.clip_state = cfg.clipping.initial_state()
+        self.clip_state = self.plan.clipping.initial_state()
         # the config's optimizer, or the caller's own (make_private): it steps the trainable parameters
         self.external_optimizer = optimizer is not None
         self.optimizer = _optimizer(cfg, optimizer, self.params, self.master)
@@ -280,11 +280,11 @@ class EngineRun:
         stats = torch.zeros(7, dtype=torch.float64, device=self.device)  # read once a step, in run_step
         c_now = float(self.clip_state["clip_norm"])
         reproject = (
-            cfg.clipping.reproject_bounds(self.clip_state, len(self.params))
+            self.plan.clipping.reproject_bounds(self.clip_state, len(self.params))
             if getattr(algo, "reproject", False)
             else None
         )
-        clip = StepClipping(cfg.clipping, self.clip_state, acc, reproject, lazy_zeroing=lazy)
+        clip = StepClipping(self.plan.clipping, self.clip_state, acc, reproject, lazy_zeroing=lazy)
         if self._compact:  # users of like record counts share a chunk, so little padding is left to compute
             ids = ids[np.argsort(np.minimum(self.data.sizes()[self.table.users[ids]], algo.group_size), kind="stable")]
         chunks = [ids[s : s + cfg.chunk_size] for s in range(0, len(ids), cfg.chunk_size)]
@@ -419,10 +419,10 @@ class EngineRun:
         and the metrics get the step's time and the epsilon spent."""
         cfg, plan = self.cfg, self.plan
         self.step += 1
-        if cfg.clipping.adaptive:
+        if self.plan.clipping.adaptive:
             noisy = 0.5 + noisy_centered / plan.expected_units
             metrics["noisy_fraction_unclipped"] = noisy
-            self.clip_state = cfg.clipping.update(self.clip_state, noisy)
+            self.clip_state = self.plan.clipping.update(self.clip_state, noisy)
         dt = time.perf_counter() - t0
         metrics["step_time"] = dt
         metrics["units_per_s"] = metrics["units"] / dt if dt > 0 else float("nan")

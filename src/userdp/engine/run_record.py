@@ -122,6 +122,7 @@ def run_record(run) -> PrivacyRecord:
             "this count is computed on the private data and is NOT privatized"
         ),
         counts_treated_as_public=_public_counts(run),
+        broken_build=plan.broken_build,
         **when,
     )
 

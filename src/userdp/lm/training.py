@@ -72,7 +72,7 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
             statement of the steps spent written to the run directory)."""
     rd, world, log, audit, notes, prep = ctx.rd, ctx.world, ctx.log, ctx.audit, ctx.notes, data.prep
     main, engine_resume, progress, train_data = ctx.main, ctx.engine_resume, ctx.progress, data.train
-    plan = job.engine  # the frozen run plan the engine trains by
+    plan = job.engine if audit is None else audit.plan(job.engine)  # the frozen run plan the engine trains by
     private = plan.private
     steps = plan.config.steps
     counter = _TokenCounter(train_data)
