@@ -26,14 +26,12 @@ def _heavy_marks() -> list[tuple[str, str, str | None, bool]]:
             if isinstance(t, ast.Name)
         }
         for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")):
-            whole = {id(c) for d in fn.decorator_list for c in ast.walk(d) if HEAVY.search(ast.unparse(d))}
             for d in fn.decorator_list:
                 for call in (c for c in ast.walk(d) if isinstance(c, ast.Call) and HEAVY.search(ast.unparse(c.func))):
                     kw = {k.arg: k.value for k in call.keywords}
                     cp = kw.get("counterpart")
                     value = cp.value if isinstance(cp, ast.Constant) else consts.get(getattr(cp, "id", None))
-                    on_function = d is call and id(call) in whole
-                    found.append((str(f.relative_to(REPO)), fn.name, value, on_function))
+                    found.append((str(f.relative_to(REPO)), fn.name, value, d is call))
         for n in tree.body:  # a module-wide mark would hide a whole file from CI
             if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets):
                 assert not HEAVY.search(ast.unparse(n.value)), f"{f}: a whole module in the heavy tier"

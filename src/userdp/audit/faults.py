@@ -85,14 +85,19 @@ class BrokenPlan(RunPlan):
         return base
 
 
+def _check_fault(fault: str) -> None:
+    """Raises: UserError: ``fault`` is not one of :data:`FAULTS`."""
+    if fault not in FAULTS:
+        raise UserError(f"unknown fault {fault!r} (one of {', '.join(FAULTS)})")
+
+
 def broken_plan(plan: RunPlan, fault: str, times: int = 8) -> BrokenPlan:
     """``plan`` with the part ``fault`` names broken (see the module docstring).
 
     Raises:
         UserError: an unknown fault, or one the plan cannot carry (``noise_off`` breaks i.i.d.
             Gaussian noise; the clipping faults break flat clipping)."""
-    if fault not in FAULTS:
-        raise UserError(f"unknown fault {fault!r} (one of {', '.join(FAULTS)})")
+    _check_fault(fault)
     if fault == "noise_off" and plan.noise_mechanism is not IIDGaussian:
         raise UserError(f"fault noise_off breaks i.i.d. Gaussian noise, not {plan.noise_mechanism.__name__}")
     if fault != "noise_off" and type(plan.config.clipping) is not FlatClip:
@@ -110,9 +115,9 @@ def broken_train_plan(config: TrainConfig, data: UserData, fault: str, times: in
 
 
 def broken_session(fault: str, times: int = 8) -> type[AuditSession]:
-    """An audit session for ``Launch(audit=...)`` that hands the job's plan the broken part."""
-    if fault not in FAULTS:
-        raise UserError(f"unknown fault {fault!r} (one of {', '.join(FAULTS)})")
+    """An audit session for ``Launch(audit=...)`` that hands the job's plan the broken part (an
+    unknown fault is refused here, before the job starts)."""
+    _check_fault(fault)
 
     class BrokenSession(AuditSession):
         def plan(self, plan: RunPlan) -> RunPlan:

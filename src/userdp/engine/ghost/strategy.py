@@ -211,16 +211,17 @@ class GhostPerUnit:
         """
         m = mask.shape[0]
         acc_dtype = clip.acc_dtype
+        tc = cx.tensor_cores(self.params[0].device)  # one choice for the chunk's factors and its clip factors
         chunk = self._backward(batch, mask, weights, acc_dtype)
         # every contraction of norms and sums in IEEE float32, whatever the caller's TF32 setting
         with exact_float32():
-            parts = self._factor(chunk, m, acc_dtype, stack=sink is None)
+            parts = self._factor(chunk, m, acc_dtype, tc=tc, stack=sink is None)
             est, upper = self._bounds(parts, m, acc_dtype)
             if chunk.check:
                 self._verify(parts.seen, parts.dense, parts.factored, chunk.batch_grads, chunk.scale, chunk.group)
             chunk.batch_grads = None
             parts.release_stacked()
-            factors = _ClipFactors.of(est, upper, weights, clip, cx.tensor_cores(self.params[0].device))
+            factors = _ClipFactors.of(est, upper, weights, clip, tc)
             sums = self._sums(parts, factors, sink)
             return sums, factors.norms, chunk.unit_loss, factors.bad
 
@@ -260,13 +261,13 @@ class GhostPerUnit:
                 batch_grads[j] = g
         return _Chunk(n, unit_loss.detach(), captures, out_grads, batch_grads, check, group, scale)
 
-    def _factor(self, chunk: _Chunk, m: int, acc_dtype, *, stack: bool) -> _Parts:
+    def _factor(self, chunk: _Chunk, m: int, acc_dtype, *, tc: bool, stack: bool) -> _Parts:
         """The layers' stage: each captured call's handler turns its inputs and output gradient into its
         parameters' parts (factored uses, materialized gradients); then per parameter the materialized
         part and the uses kept as ghosts (:meth:`_arrange`), and the same-shaped ones stacked
-        (``stack``: a sink takes the sums one parameter at a time, in order: no groups)."""
+        (``stack``: a sink takes the sums one parameter at a time, in order: no groups). ``tc``: the
+        factored uses are contracted on tensor cores."""
         n, scale = chunk.n, chunk.scale
-        tc = cx.tensor_cores(self.params[0].device)
         contrib: list[list] = [[] for _ in self.params]
         self.last_narrow = {}
         captures, out_grads = chunk.captures, chunk.out_grads
