@@ -40,6 +40,7 @@ def _rank(rank: int) -> dict:
     from userdp.engine.clipping import FlatClip
     from userdp.engine.ghost import GhostPerUnit
     from userdp.engine.precision import Precision
+    from userdp.engine.sharding import GatheredCoverage
     from userdp.lm.models import causal_lm_loss
 
     plain, sharded = _plain_and_sharded()
@@ -48,9 +49,10 @@ def _rank(rank: int) -> dict:
     batch, mask = {"input_ids": ids, "labels": ids.clone()}, torch.ones(4, 2)
     out = {}
     for name, model in (("plain", plain), ("sharded", sharded)):
-        st = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
+        coverage = GatheredCoverage if name == "sharded" else None  # the distribution's part
+        st = GhostPerUnit(model, causal_lm_loss, ULS(2, 0.5), Precision("float32"), coverage=coverage)
         if name == "sharded":
-            st._verified = True  # the coverage check of DTensor gradients is the next step (module docstring)
+            st.coverage.unchecked = []  # the coverage check of DTensor gradients is the next test
         per_unit = []
         for u in range(4 if name == "sharded" else 0):  # each unit alone: its clipped contribution
             w = torch.zeros(4)
@@ -93,7 +95,7 @@ def _sink_rank(rank: int) -> dict:
     from userdp.engine.clipping import FlatClip
     from userdp.engine.ghost import GhostPerUnit
     from userdp.engine.precision import Precision
-    from userdp.engine.sharding import reduce_scatter
+    from userdp.engine.sharding import GatheredCoverage, reduce_scatter
     from userdp.lm.models import causal_lm_loss
 
     plain, sharded = _plain_and_sharded()
@@ -104,18 +106,19 @@ def _sink_rank(rank: int) -> dict:
     )
     for x in ref:
         dist.all_reduce(x)  # the replicated run's total, whole
-    st = GhostPerUnit(sharded, causal_lm_loss, ULS(2, 0.5), Precision("float32"))
+    st = GhostPerUnit(sharded, causal_lm_loss, ULS(2, 0.5), Precision("float32"), coverage=GatheredCoverage)
     params = list(st.params)
     order, sizes, shards = [], [], {}
     groups, verified = [], []  # the coverage check's groups (a share of the model a chunk)
-    pick = st._check_group
+    pick = st.coverage.start
 
-    def recorded():
-        g = pick()
-        groups.append(sorted(g))
-        return g
+    def recorded(weights):
+        check = pick(weights)
+        if check is not None:
+            groups.append(sorted(check.group))
+        return check
 
-    st._check_group = recorded
+    st.coverage.start = recorded
 
     def sink(j, x):
         order.append(j)
@@ -125,7 +128,7 @@ def _sink_rank(rank: int) -> dict:
     sums, norms, _, _ = st.clipped_sum(
         batch, mask, w, StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32), sink=sink
     )
-    verified.append(st._verified)
+    verified.append(st.coverage.verified)
     for chunk in range(1, 4):  # more chunks: the coverage check goes on, a share at a time
         more = torch.randint(0, 64, (4, 2, 12), generator=torch.Generator().manual_seed(100 * rank + chunk))
         st.clipped_sum(
@@ -134,7 +137,7 @@ def _sink_rank(rank: int) -> dict:
             w,
             StepClipping(FlatClip(0.5), {"clip_norm": 0.5}, torch.float32),
         )
-        verified.append(st._verified)
+        verified.append(st.coverage.verified)
     gap = 0.0
     for j, r in enumerate(ref):  # this rank's rows of the whole total
         local = shards[j].to_local()
@@ -146,7 +149,7 @@ def _sink_rank(rank: int) -> dict:
         "groups": groups,
         "verified": verified,
         "group_sizes": [sum(params[j].numel() for j in g) for g in groups],
-        "budget": st._check_budget,
+        "budget": st.coverage._budget,
         "largest": max(p.numel() for p in params),
         "returned": sums,
         "order": order,

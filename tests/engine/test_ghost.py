@@ -368,7 +368,7 @@ def test_a_parameter_used_outside_its_layer_is_refused():
     st = GhostPerUnit(model, ce_loss, ULS(4, 0.5))
     args = (batch, mask, torch.ones(5, dtype=F64), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, F64))
     st.clipped_sum(*args)
-    assert not st._verified
+    assert not st.coverage.verified
     with pytest.raises(UserError, match="lin.weight.*vmap"):
         st.clipped_sum(*args)
 
@@ -396,10 +396,10 @@ def test_a_unit_whose_records_cancel_does_not_refuse_the_model():
         idx[i, : len(r)] = r
     batch = {k: v[idx] for k, v in data.tensors.items()}
     st.clipped_sum(batch, mask, torch.ones(len(units)), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
-    assert st._mismatches == 1 and not st._verified  # this chunk's sums are off by more than the tolerance
+    assert st._mismatches == 1 and not st.coverage.verified  # this chunk's sums are off by more than the tolerance
     clean = {k: v[idx[1:]] for k, v in data.tensors.items()}  # the honest users alone
     st.clipped_sum(clean, mask[1:], torch.ones(3), StepClipping(FlatClip(1.0), {"clip_norm": 1.0}, torch.float32))
-    assert st._verified  # the clean chunk verified the coverage: no refusal
+    assert st.coverage.verified  # the clean chunk verified the coverage: no refusal
 
 
 class _Broadcast(nn.Module):

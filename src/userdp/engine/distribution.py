@@ -29,11 +29,13 @@ from userdp.engine import checkpoint as ckpt
 from userdp.engine.contraction import defers_zeroing
 from userdp.engine.distributed import broadcast_module_state
 from userdp.engine.flat import DrawCursor
+from userdp.engine.ghost.coverage import Coverage
 from userdp.engine.noise import draw_dtype
 from userdp.engine.plugin_outputs import call as plugin_call
 from userdp.engine.plugin_outputs import check_finite_release
 from userdp.engine.sharding import (
     check_shardable,
+    GatheredCoverage,
     chunks_per_rank,
     is_sharded,
     load_shards,
@@ -101,6 +103,8 @@ class Replicated:
 
     name = "none"
     holds_shards = False
+    #: the ghost strategy's coverage-check part: the whole parameters are the tensors in use
+    coverage = Coverage
 
     def check(self, config, model: torch.nn.Module, combiner) -> None:
         """Refuse, before anything is written, a model or a job this distribution cannot train."""
@@ -183,6 +187,7 @@ class Sharded(Replicated):
 
     name = "fsdp"
     holds_shards = True
+    coverage = GatheredCoverage  # the forward uses the gathered tensors, not the shards
 
     def check(self, config, model: torch.nn.Module, combiner) -> None:
         check_shardable(config, model, combiner)

@@ -261,9 +261,9 @@ class AutoPerUnit:
     in use and ``fallback_reason`` why vmap was chosen (None while ghost serves).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, algorithm, precision: Precision | None = None):
+    def __init__(self, model: nn.Module, loss_fn: LossFn, algorithm, precision: Precision | None = None, coverage=None):
         self._args = (model, loss_fn, algorithm, precision)
-        self._inner = GhostPerUnit(model, loss_fn, algorithm, precision)
+        self._inner = GhostPerUnit(model, loss_fn, algorithm, precision, coverage)
         self.names, self.params = self._inner.names, self._inner.params
         self.fallback_reason: str | None = None
 
@@ -289,17 +289,21 @@ class AutoPerUnit:
 
 
 def make_per_unit(
-    name: str, model: nn.Module, loss_fn: LossFn, algorithm, precision: Precision | None = None
+    name: str, model: nn.Module, loss_fn: LossFn, algorithm, precision: Precision | None = None, coverage=None
 ) -> PerUnitStrategy:
-    """The per-unit strategy called ``name`` (``auto``: :func:`resolve_per_unit`).
+    """The per-unit strategy called ``name`` (``auto``: :func:`resolve_per_unit`). ``coverage``: the
+    ghost strategy's coverage-check part, as the distribution holds the model (None: the whole
+    parameters', :class:`userdp.engine.ghost.coverage.Coverage`).
 
     Raises:
         UserError: an unknown name (the message lists the registered ones), or a strategy that
             cannot serve the algorithm (ghost with FedAvg).
     """
     if resolve_per_unit(name, algorithm) == "ghost" and name == "auto":
-        return AutoPerUnit(model, loss_fn, algorithm, precision)
+        return AutoPerUnit(model, loss_fn, algorithm, precision, coverage)
     name = resolve_per_unit(name, algorithm)
+    if name == "ghost":
+        return GhostPerUnit(model, loss_fn, algorithm, precision, coverage)
     return PER_UNIT_STRATEGIES.lookup(name)(model, loss_fn, algorithm, precision)
 
 

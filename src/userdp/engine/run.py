@@ -95,7 +95,9 @@ class EngineRun:
         # the distribution part: how the model is held, the sums accumulate and the noise is released
         self.distribution = DISTRIBUTIONS.lookup(cfg.sharding)()
         self.distribution.prepare(cfg, model, self.combiner)
-        self.per_unit = make_per_unit(self.distribution.per_unit(cfg.per_unit), model, loss_fn, self.algo, precision)
+        self.per_unit = make_per_unit(
+            self.distribution.per_unit(cfg.per_unit), model, loss_fn, self.algo, precision, self.distribution.coverage
+        )
         self._mixing = mixing_modules(model)  # checked again at every release
         self.params = self.per_unit.params
         self.device = self.params[0].device

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from userdp.engine.ghost.coverage import Check, Coverage
+from userdp.engine.ghost.factors import GhostUnsupported
 from userdp.errors import UserError
 from userdp.fileio import sha256_file
 
@@ -274,3 +276,51 @@ def gathered_model(model: nn.Module) -> nn.Module:
         plain.tie_weights()  # tied weights (GPT-2's head) are one tensor again, as in the trained model
     plain.train(model.training)
     return plain
+
+
+class GatheredCoverage(Coverage):
+    """The coverage check on a sharded model: the parameters are DTensor shards and the forward uses
+    the whole tensors FSDP2 gathers, so autograd's batch gradient is taken with respect to the
+    gathered tensors the hooks saw in use (autograd gives None for the shards), each mapped back to
+    the parameter it stands for. A rank compares a group of at most 1/W of the model at a time (the
+    whole batch gradients of that group), so the check never holds the model's whole gradient; a
+    padding chunk (no unit in it) proves nothing and checks nothing; a parameter no hook saw has no
+    gathered tensor to compare and is refused."""
+
+    def __init__(self, params: list, layers: list):
+        super().__init__(params, layers)
+        index = {id(p): j for j, p in enumerate(params)}
+        # (layer, attribute) -> the parameter's index: while a module is unsharded its attribute holds
+        # the gathered tensor (the root's stays so from its forward to its backward)
+        self._owner = {
+            (id(mod), n): index[id(p)] for mod in layers for n, p in mod.named_parameters(recurse=False) if id(p) in index
+        }
+        self._in_use: list = []  # (module, name, tensor in use) while a checked forward runs
+        world = params[0].device_mesh.size()  # a DTensor's mesh
+        self._budget = max(max(p.numel() for p in params), math.ceil(sum(p.numel() for p in params) / world))
+
+    def saw(self, module) -> None:
+        if not self.verified:
+            self._in_use.extend((module, n, t) for n, t in module.named_parameters(recurse=False) if t.requires_grad)
+
+    def start(self, weights: torch.Tensor) -> Check | None:
+        in_use, self._in_use = self._in_use, []
+        if self.verified or not bool(weights.any()):
+            return None
+        group: set[int] = set()
+        size = 0
+        for j in self.unchecked:
+            n = self.params[j].numel()
+            if group and size + n > self._budget:
+                break
+            group.add(j)
+            size += n
+        seen = {id(t): (mod, a, t) for mod, a, t in in_use}.values()
+        picked = [(self._owner[(id(mod), a)], t) for mod, a, t in seen if self._owner.get((id(mod), a)) in group]
+        return Check(group, [t for _, t in picked], [j for j, _ in picked])
+
+    def unseen(self, name: str) -> None:
+        raise GhostUnsupported(
+            f"sharding=fsdp: parameter {name!r} is trainable but not used through the forward of a layer "
+            "that owns it; freeze it (requires_grad=False) or use sharding: none"
+        )

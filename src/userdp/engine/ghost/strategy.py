@@ -13,6 +13,7 @@ from torch import nn
 from userdp.engine import contraction as cx
 from userdp.engine.clipping import StepClipping
 from userdp.engine.ghost import bound, grams, layers, stacks
+from userdp.engine.ghost.coverage import Check, Coverage
 from userdp.engine.ghost.capture import Capture, autocast_operand_dtype, captured, narrowable
 from userdp.engine.ghost.factors import Factored, GhostUnsupported
 from userdp.engine.ghost.layers import GHOST_LAYERS, LayerHandler, per_unit_vjp
@@ -20,7 +21,6 @@ from userdp.engine.ghost.sums import weighted_sum
 from userdp.engine.model_lint import lint_model, trainable_parameters
 from userdp.engine.precision import Precision, exact_float32
 from userdp.engine.rounding import round_down_to, unit_roundoff
-from userdp.engine.sharding import is_sharded
 from userdp.errors import UserError
 
 
@@ -35,8 +35,7 @@ class _Chunk:
     captures: list | None
     out_grads: list | None
     batch_grads: list | None
-    check: bool
-    group: set
+    check: Check | None
     scale: float
 
 
@@ -110,7 +109,7 @@ class GhostPerUnit:
 
     name = "ghost"
 
-    def __init__(self, model: nn.Module, loss_fn, algorithm, precision: Precision | None = None):
+    def __init__(self, model: nn.Module, loss_fn, algorithm, precision: Precision | None = None, coverage=None):
         lint_model(model)
         if algorithm.update != "gradient":
             raise GhostUnsupported(
@@ -123,34 +122,10 @@ class GhostPerUnit:
         self.names, self.params = trainable_parameters(model)
         self._index = {id(p): j for j, p in enumerate(self.params)}
         self._layers = [mod for mod in model.modules() if any(p.requires_grad for p in mod.parameters(recurse=False))]
-        # (layer, attribute) -> the parameter's index: under FSDP2 the attribute holds a gathered tensor
-        # while the module is unsharded (the root's stays so from its forward to its backward)
-        self._owner = {
-            (id(mod), n): self._index[id(p)]
-            for mod in self._layers
-            for n, p in mod.named_parameters(recurse=False)
-            if id(p) in self._index
-        }
         self.fallback_layers = sorted({type(mod).__name__ for mod in self._layers if type(mod) not in GHOST_LAYERS})
-        self._verified = False
         self._mismatches = 0  # first-chunk checks whose sums differed from autograd's (_verify)
-        # FSDP2 (engine.sharding): the parameters are DTensor shards and the forward uses the
-        # unsharded tensors FSDP gathers, so the first-chunk check differentiates with respect to
-        # those (what the hooks saw in use), not the shards (autograd gives None for those)
-        self._sharded = is_sharded(self.params)
-        self._in_use: list = []  # (module, name, tensor in use) while a checked forward runs
-        # the parameters whose coverage is still to check (_verify): all on the first chunk; a sharded
-        # rank checks them a group of at most 1/W of the model at a time (a whole batch gradient of
-        # each in the group), so the check never holds the model's whole gradient
-        self._unchecked: list[int] = list(range(len(self.params)))
-        self._check_budget = (
-            max(
-                max(p.numel() for p in self.params),
-                math.ceil(sum(p.numel() for p in self.params) / self.params[0].device_mesh.size()),  # type: ignore[attr-defined]  # a DTensor's
-            )
-            if self._sharded
-            else None
-        )
+        # the coverage check's part (the distribution's: it knows which tensors the forward uses)
+        self.coverage = (coverage or Coverage)(self.params, self._layers)
         self.last_choice: dict[str, str] = {}  # parameter -> "ghost" | "materialized" (last chunk)
         #: parameter -> for each dense (GEMM) use in the last chunk, whether it took the bf16 tensor-core path
         self.last_narrow: dict[str, list[bool]] = {}
@@ -170,8 +145,7 @@ class GhostPerUnit:
                     "not a tensor: use training.per_unit: vmap"
                 )
             captures.append(Capture(mod, tuple(captured(a) for a in args), out))
-            if self._sharded and not self._verified:
-                self._in_use.extend((mod, n, t) for n, t in mod.named_parameters(recurse=False) if t.requires_grad)
+            self.coverage.saw(mod)
 
         def cast_first(mod, args):
             # a float32 input of an autocast GEMM layer is cast here, as autocast would cast it inside the
@@ -217,8 +191,8 @@ class GhostPerUnit:
         with exact_float32():
             parts = self._factor(chunk, m, acc_dtype, tc=tc, stack=sink is None)
             est, upper = self._bounds(parts, m, acc_dtype)
-            if chunk.check:
-                self._verify(parts.seen, parts.dense, parts.factored, chunk.batch_grads, chunk.scale, chunk.group)
+            if chunk.check is not None:
+                self._verify(parts.seen, parts.dense, parts.factored, chunk.batch_grads, chunk.scale, chunk.check)
             chunk.batch_grads = None
             parts.release_stacked()
             factors = _ClipFactors.of(est, upper, weights, clip, tc)
@@ -239,27 +213,14 @@ class GhostPerUnit:
         unit_loss = (lm * mk).sum(1) / mk.sum(1).clamp(min=1.0)
         scale = self.precision.loss_scale
         outs = [c.edge for c in captures if c.edge is not None]
-        # the first chunk (with a unit in it: a sharded rank's padding chunk proves nothing) checks coverage
-        check = not self._verified and (not self._sharded or bool(weights.any()))
-        group = self._check_group() if check else set()
-        in_use = list({id(t): (mod, a, t) for mod, a, t in self._in_use}.values()) if check and self._sharded else []
-        self._in_use = []
-        in_use = [(mod, a, t) for mod, a, t in in_use if self._owner.get((id(mod), a)) in group]
-        wrt = [t for _, _, t in in_use] if self._sharded else [self.params[j] for j in sorted(group)]
+        check = self.coverage.start(weights)  # the first chunks compare the units' sums with autograd's
+        wrt = check.wrt if check is not None else []
         grads = torch.autograd.grad(unit_loss.sum() * scale, outs + wrt, allow_unused=True)
-        delivered, checked = iter(grads[: len(outs)]), grads[len(outs) :]
+        delivered = iter(grads[: len(outs)])
         out_grads = [None if c.edge is None else next(delivered) for c in captures]
         del delivered
-        batch_grads: list = [None] * len(self.params)  # the checked group's batch gradients (on this rank)
-        if self._sharded:  # each gathered tensor's gradient is its (sharded) parameter's batch gradient
-            for (mod, attr, _), g in zip(in_use, checked, strict=True):
-                j = self._owner[(id(mod), attr)]
-                if g is not None:
-                    batch_grads[j] = g if batch_grads[j] is None else batch_grads[j] + g
-        else:
-            for j, g in zip(sorted(group), checked, strict=True):
-                batch_grads[j] = g
-        return _Chunk(n, unit_loss.detach(), captures, out_grads, batch_grads, check, group, scale)
+        batch_grads = self.coverage.batch_grads(check, grads[len(outs) :])
+        return _Chunk(n, unit_loss.detach(), captures, out_grads, batch_grads, check, scale)
 
     def _factor(self, chunk: _Chunk, m: int, acc_dtype, *, tc: bool, stack: bool) -> _Parts:
         """The layers' stage: each captured call's handler turns its inputs and output gradient into its
@@ -388,41 +349,23 @@ class GhostPerUnit:
             self.last_choice[name] = "ghost" if fs and d is None else ("mixed" if fs else "materialized")
         return dense, factored
 
-    def _check_group(self) -> set:
-        """The parameters this chunk's coverage check compares: every one still unchecked, or on a
-        sharded rank the next of them up to :attr:`_check_budget` numbers (at least one)."""
-        if self._check_budget is None:
-            return set(self._unchecked)
-        group: set[int] = set()
-        size = 0
-        for j in self._unchecked:
-            n = self.params[j].numel()
-            if group and size + n > self._check_budget:
-                break
-            group.add(j)
-            size += n
-        return group
-
-    def _verify(self, seen, dense, factored, batch_grads, scale, group: set) -> None:
+    def _verify(self, seen, dense, factored, batch_grads, scale, check: Check) -> None:
         """First chunks: every parameter the loss uses must be seen by a hook, and the units'
         gradients must add up to autograd's batch gradient (checked on the first chunk whose values
-        are finite; ``group``: the parameters compared on this chunk, :meth:`_check_group`). A
+        are finite; ``check``: the parameters compared on this chunk, from the coverage part). A
         parameter used outside its layers' forward would otherwise be missing from its norms and from
         the sum alike: the sensitivity bound still holds for what is summed (both come from the same
         factors), but the update would silently lack that use. (A sharded run's later groups are
         compared on later chunks, maybe of later steps: a model that fails one trains those steps
         without that use, then stops with the error; its privacy is the same.)"""
+        group = check.group
         tol = self.precision.verify_tolerance
         complete = True
         for j, (name, p, d, fs, bg, used) in enumerate(
             zip(self.names, self.params, dense, factored, batch_grads, seen, strict=True)
         ):
-            if not used and self._sharded:  # its gathered tensor was never seen: no gradient to compare
-                raise GhostUnsupported(
-                    f"sharding=fsdp: parameter {name!r} is trainable but not used through the "
-                    "forward of a layer that owns it; freeze it (requires_grad=False) or use "
-                    "sharding: none"
-                )
+            if not used:
+                self.coverage.unseen(name)  # where there is no gradient to compare, the part refuses it
             if j not in group:
                 continue
             if not used and bg is not None:  # structural: no layer's hook saw a parameter the loss uses
@@ -454,6 +397,4 @@ class GhostPerUnit:
                         "training.per_unit: vmap"
                     )
                 break
-        if complete:
-            self._unchecked = [j for j in self._unchecked if j not in group]
-        self._verified = not self._unchecked
+        self.coverage.finish(check, complete)
