@@ -36,8 +36,8 @@ def noise_alone(numel: int, bands: int, reps: int) -> tuple[float, float]:
     """(independent, BandMF) median seconds of one step's noise added to zeros of ``numel``."""
     import torch
 
-    from userdp.engine.bandmf import BandMF
-    from userdp.engine.noise import GaussianNoise, IIDGaussian
+    from userdp.engine.noise.bandmf import BandMF
+    from userdp.engine.noise.gaussian import GaussianNoise, IIDGaussian
 
     iid, mf = IIDGaussian(GaussianNoise(1, seeded=True)), BandMF(GaussianNoise(1, seeded=True), bands=bands)
     target = [torch.zeros(numel)]
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     from bench_scale import _random_batch, _setup
 
     from userdp.engine import SGD, ULS, FlatClip, RunOptions, TrainConfig
-    from userdp.engine.bandmf import BandMF
-    from userdp.engine.loop import start_run
+    from userdp.engine.noise.bandmf import BandMF
+    from userdp.engine.run.loop import start_run
     from userdp.lm.models import causal_lm_loss
 
     torch.set_num_threads(a.threads)

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     import torch
     from bench_scale import _random_batch, _setup
 
-    import userdp.engine.loop as loop
+    import userdp.engine.run.loop as loop
     from userdp.engine import ELS, SGD, ULS, FlatClip, TrainConfig
     from userdp.lm.models import causal_lm_loss
 

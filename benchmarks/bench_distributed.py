@@ -49,9 +49,9 @@ def _worker(a) -> None:
 
     from userdp import world as launch
     from userdp.engine import SGD, ULS, Adam, FlatClip, TensorUserData, TrainConfig, train
-    from userdp.engine import loop as engine_loop
-    from userdp.engine.distributed import combiner_for
-    from userdp.engine.noise import source_for
+    from userdp.engine.distributed.processes import combiner_for
+    from userdp.engine.noise.gaussian import source_for
+    from userdp.engine.run import loop as engine_loop
     from userdp.lm import models
 
     world = launch.init_world(a.device)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from userdp.engine import ELS, SGD, ULS, FlatClip, TensorUserData, TrainConfig
-from userdp.engine.run import EngineRun
+from userdp.engine.run.step import EngineRun
 
 logging.getLogger("absl").setLevel(logging.ERROR)
 warnings.filterwarnings("ignore")

@@ -144,7 +144,7 @@ def sides(model: torch.nn.Module, algorithm: str, users: int, group: int, seq: i
     params = [p for p in model.parameters() if p.requires_grad]
     algo = (ULS if algorithm == "uls" else ELS)(group_size=group, sampling_rate=0.5)
     st = GhostPerUnit(model, causal_lm_loss, algo, Precision("bfloat16"))
-    st._verified, st._unchecked = True, []  # the first chunk's coverage check (once a run) is not the step's
+    st.coverage.unchecked = []  # the first chunk's coverage check (once a run) is not the step's
 
     def nonprivate():
         flat = torch.zeros(records, seq, dtype=torch.long)

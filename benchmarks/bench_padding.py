@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import gpt2_setup, nonprivate_step  # noqa: E402
 
 from userdp.engine import SGD, ULS, FlatClip, TensorUserData, TrainConfig  # noqa: E402
-from userdp.engine.run import EngineRun  # noqa: E402
+from userdp.engine.run.step import EngineRun  # noqa: E402
 
 warnings.filterwarnings("ignore")
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def uls_step(model, data, loss_fn, G, M, chunk, compact: bool):
         track_epsilon=False,
     )
     run = EngineRun(model, data, loss_fn, cfg)
-    run._compact = compact  # False: the padded chunks of before
+    run.chunks.compact = compact  # False: the padded chunks of before
     return run.run_step
 
 

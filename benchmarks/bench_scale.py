@@ -132,7 +132,7 @@ def _worker(a) -> dict:
 
     from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig
     from userdp.engine.precision import Precision
-    from userdp.engine.run import EngineRun
+    from userdp.engine.run.step import EngineRun
     from userdp.lm.models import causal_lm_loss
 
     torch.set_num_threads(a.threads)
@@ -493,7 +493,7 @@ def preload() -> None:
     import torch  # noqa: F401
     from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401  (lazy modules: loaded now)
 
-    import userdp.engine.loop  # noqa: F401
+    import userdp.engine.run.loop  # noqa: F401
     import userdp.lm.models  # noqa: F401
 
 

@@ -31,7 +31,7 @@ def noise_seconds(numel: int, threads: int, reps: int = 3) -> float:
     import torch
 
     sys.path.insert(0, str(HERE.parent / "src"))
-    from userdp.engine.noise import GaussianNoise
+    from userdp.engine.noise.gaussian import GaussianNoise
 
     torch.set_num_threads(threads)
     src = GaussianNoise(1, seeded=True)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from userdp import world as launch
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TrainConfig, train
-from userdp.engine.distributed import combiner_for
+from userdp.engine.distributed.processes import combiner_for
 from userdp.engine.user_data import DelegatingUserData
 
 from _engine_helpers import MLP, ce_loss, mlp_data

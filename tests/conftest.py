@@ -72,7 +72,9 @@ def isolated_registries():
     plugin, directly or through `userdp --plugin`, must not leave its names to the tests after)."""
     from userdp import plugins
     from userdp.accounting import accountants
-    from userdp.engine import algorithms, distribution, noise, per_unit, sampling
+    from userdp.engine import algorithms, per_unit, sampling
+    from userdp.engine.distributed import distribution
+    from userdp.engine.noise import gaussian as noise
 
     registries = (
         algorithms.ALGORITHMS,

@@ -233,7 +233,7 @@ def test_a_registered_sampler_must_declare_its_accounting(isolated_registries):
 
 
 def test_the_float64_noise_mechanism_adds_gaussian_noise_of_the_asked_std(isolated_registries):
-    from userdp.engine.noise import GaussianNoise, make_noise
+    from userdp.engine.noise.gaussian import GaussianNoise, make_noise
 
     _load_example("float64_noise.py")
     mech = make_noise("iid_gaussian_float64", GaussianNoise.from_seed(3))

@@ -161,7 +161,7 @@ def part_env(a) -> None:
 def part_chacha(a) -> None:
     import torch
 
-    from userdp.engine.chacha import ChaChaNoise, compile_kernel
+    from userdp.engine.noise.chacha import ChaChaNoise, compile_kernel
 
     dev = torch.device(a.device)
     t0 = time.perf_counter()

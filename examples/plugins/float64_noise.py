@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
 
 
 class Float64Gaussian(IIDGaussian):

@@ -1,7 +1,7 @@
 """A new distribution in one file: three ranks' work, dealt out in one process.
 
 A distribution decides how a step's clipped sums accumulate and how the noised sum reaches every
-rank (userdp.engine.distribution). This one stands in for a data-parallel job of three ranks
+rank (userdp.engine.distributed.distribution). This one stands in for a data-parallel job of three ranks
 without starting any: the step's chunks are dealt to three partial sums in turn (as three ranks
 would each sum their share), the step's one noise draw is added to the first partial sum only (as
 rank 0 adds it before the all-reduce), and the partial sums are added in rank order (the
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from userdp.engine.distribution import DISTRIBUTIONS, Replicated
+from userdp.engine.distributed.distribution import DISTRIBUTIONS, Replicated
 from userdp.engine.plugin_outputs import call as plugin_call
 from userdp.engine.plugin_outputs import check_finite_release
 

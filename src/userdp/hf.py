@@ -48,10 +48,10 @@ import yaml
 from transformers import Trainer
 
 from userdp.engine import PrivacyRecord, TensorUserData, TrainConfig, make_private
-from userdp.engine.distributed import combiner_for
+from userdp.engine.distributed.processes import combiner_for
 from userdp.engine.plan import privacy_repr
 from userdp.engine.private_loop import PrivateTraining
-from userdp.engine.run_options import RunOptions
+from userdp.engine.run.options import RunOptions
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.hf_boundary import (

@@ -11,7 +11,8 @@ compute on GPUs, gloo on CPUs), gives each its device (``cuda:LOCAL_RANK``), and
 * **rank 0 first** — work whose result is cached on disk (the user store, the tokenizer, public
   pretraining, tokenization, the plan) runs on rank 0 while the others wait, then the others
   read the cache (:meth:`World.main_first`); a failure on rank 0 is reported to them at once;
-* **the training step** — split by units, combined by :class:`~userdp.engine.distributed.TorchDistributedCombiner`.
+* **the training step** — split by units, combined by
+  :class:`~userdp.engine.distributed.processes.TorchDistributedCombiner`.
 
 A dead process ends the job: torchrun stops the others (SIGTERM, which :func:`init_world` turns
 into :class:`JobStopped`), and a collective whose peer is gone fails at once (or after the

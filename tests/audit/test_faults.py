@@ -6,7 +6,7 @@ import pytest
 
 from userdp import engine as E
 from userdp.audit.faults import broken_plan, broken_train_plan
-from userdp.engine.noise import IIDGaussian
+from userdp.engine.noise.gaussian import IIDGaussian
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, linear_loss, user_data

@@ -54,7 +54,7 @@ def test_the_in_process_comparison_runs_a_checkout_and_leaves_the_noise_out(caps
         import bench_cpu_step
     finally:
         sys.path.pop(0)
-    import userdp.engine.noise as noise_mod
+    import userdp.engine.noise.gaussian as noise_mod
 
     drawn = []
     monkeypatch.setattr(noise_mod.GaussianNoise, "add_", lambda self, t, std: drawn.append(1) or t)

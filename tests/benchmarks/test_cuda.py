@@ -16,7 +16,7 @@ CUDA = torch.device("cuda") if torch.cuda.is_available() else None
 
 
 def test_chacha_on_cuda_draws_the_cpu_keystream_and_compiles():
-    from userdp.engine.chacha import ChaChaNoise, chacha20_blocks, compile_kernel
+    from userdp.engine.noise.chacha import ChaChaNoise, chacha20_blocks, compile_kernel
 
     key, nonce = list(range(8)), [1, 2, 3]
     assert torch.equal(chacha20_blocks(key, nonce, 5, 64, CUDA).cpu(), chacha20_blocks(key, nonce, 5, 64, "cpu"))
@@ -28,8 +28,8 @@ def test_chacha_on_cuda_draws_the_cpu_keystream_and_compiles():
 
 
 def test_the_triton_kernel_draws_the_cpu_keystream_and_normals():
-    from userdp.engine import chacha as CH
-    from userdp.engine import chacha_triton as T
+    from userdp.engine.noise import chacha as CH
+    from userdp.engine.noise import chacha_triton as T
 
     fixed = torch.tensor(
         [*CH._CONSTANTS, *[0xFFFFFFFF - i for i in range(8)], 0, 0xFFFFFFFF, 0x80000000, 2], dtype=torch.int64

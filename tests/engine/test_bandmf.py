@@ -1,4 +1,4 @@
-"""Banded matrix-factorization noise over cyclic-Poisson user groups (userdp.engine.bandmf,
+"""Banded matrix-factorization noise over cyclic-Poisson user groups (userdp.engine.noise.bandmf,
 userdp.engine.sampling.CyclicPoisson): the strategy the run used is b-banded with column norm 1,
 b = 1 is today's independent noise bit for bit, the noise has the covariance C⁻¹C⁻ᵀ, a user takes
 part only in the steps of its group, its group is its own, a seeded resume continues the stream,
@@ -26,10 +26,10 @@ from userdp.engine import (
     TrainConfig,
     train,
 )
-from userdp.engine.bandmf import BandMF, bsr_coefficients, max_column_norm, strategy_matrix
-from userdp.engine.loop import start_run
 from userdp.engine.neighbour import neighbour_gap
-from userdp.engine.noise import GaussianNoise
+from userdp.engine.noise.bandmf import BandMF, bsr_coefficients, max_column_norm, strategy_matrix
+from userdp.engine.noise.gaussian import GaussianNoise
+from userdp.engine.run.loop import start_run
 from userdp.engine.sampling import CyclicPoisson
 from userdp.errors import UserError
 from userdp.keyed_hash import keyed_uniforms
@@ -83,7 +83,7 @@ def test_the_strategy_the_run_used_is_banded_lower_triangular_with_column_norm_o
         assert np.array_equal(c, bsr_coefficients(bands)) and np.all(np.diff(c) <= 0) and c[0] > 0
         assert run.record()["correlated_noise"]["max_column_norm"] == pytest.approx(1.0, abs=1e-12)
     finally:
-        run._loader.shutdown(wait=True)
+        run.chunks.close()
 
 
 def test_bsr_is_the_square_root_of_the_prefix_sum_matrix_before_it_is_banded():
@@ -134,7 +134,7 @@ def test_a_user_takes_part_only_in_the_steps_of_its_own_group():
         assert np.array_equal(groups, want[run.table.users])  # a keyed hash of the user's own id
         seen: dict[int, list[int]] = {}
         for step in range(40):
-            ids = run.sampler.sample(run.n_units, run.rate, step, run._cohort_rng(step), run.sampler_state)
+            ids = run.sampler.sample(run.n_units, run.rate, step, run.chunks.cohort_rng(step), run.sampler_state)
             assert np.all(groups[ids] == step % bands)
             for u in ids:
                 seen.setdefault(int(u), []).append(step)
@@ -142,7 +142,7 @@ def test_a_user_takes_part_only_in_the_steps_of_its_own_group():
         assert min(gaps) >= bands and all(g % bands == 0 for g in gaps)  # participations b apart
         assert len(seen) == 60  # at q·b = 1 every user takes part, each in its group's steps
     finally:
-        run._loader.shutdown(wait=True)
+        run.chunks.close()
 
 
 def test_one_user_moves_no_other_users_group_or_draws_wherever_it_sits():

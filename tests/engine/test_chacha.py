@@ -11,8 +11,8 @@ import torch
 from scipy import stats
 
 from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
-from userdp.engine import noise as noise_mod
-from userdp.engine.chacha import ChaChaNoise, chacha20_blocks
+from userdp.engine.noise import gaussian as noise_mod
+from userdp.engine.noise.chacha import ChaChaNoise, chacha20_blocks
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, sq_loss, user_data
@@ -136,7 +136,7 @@ def test_the_engine_draws_from_chacha_where_the_device_says_so(monkeypatch):
 def test_the_noise_kernel_is_built_with_the_run_and_a_fallback_says_why(monkeypatch):
     """Issue 27 (5): compiled and checked when the run is built; a compile failure or a compiled
     kernel that differs from the eager one falls back to eager and says so (never a bare pass)."""
-    from userdp.engine import chacha as CH
+    from userdp.engine.noise import chacha as CH
 
     kernel, status = CH.compile_kernel(torch.device("cpu"))
     assert kernel is CH._slab_eager and status.startswith("eager (cpu")
@@ -171,7 +171,7 @@ def _libm_like(fn):
 def _one_flipped_bit(fn):
     """A compiled kernel whose integer part is wrong in one bit of one block (what the ulp bound
     must still catch: ChaCha's avalanche moves that block's normals by O(1))."""
-    from userdp.engine import chacha as CH
+    from userdp.engine.noise import chacha as CH
 
     def kernel(ctr, fixed):
         words = CH._words(ctr, fixed)
@@ -185,7 +185,7 @@ def test_the_compiled_kernel_is_held_to_an_ulp_bound_on_the_normals_and_exact_wo
     """Issue 35: the normals within NORMALS_ULPS of eager (a compiler's libm differs by an ulp or
     two: accepted), while a wrong bit in the integer part is refused; a build past its time
     limit goes on eager and says so."""
-    from userdp.engine import chacha as CH
+    from userdp.engine.noise import chacha as CH
 
     monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: _libm_like(fn))
     assert CH.compile_kernel(torch.device("cpu"), force=True)[1] == "compiled"
@@ -214,7 +214,7 @@ def test_the_compiled_kernel_is_held_to_an_ulp_bound_on_the_normals_and_exact_wo
 
 
 def test_the_fused_slab_kernel_draws_what_the_block_function_and_transform_draw():
-    from userdp.engine import chacha as CH
+    from userdp.engine.noise import chacha as CH
 
     g = CH.ChaChaNoise(99, seeded=True)
     key, nonce = g._key, (0, 0, CH._VECTOR)
@@ -225,8 +225,8 @@ def test_the_fused_slab_kernel_draws_what_the_block_function_and_transform_draw(
 
 _TRITON_PROBE = r"""
 import sys, torch
-from userdp.engine import chacha as CH
-from userdp.engine import chacha_triton as T
+from userdp.engine.noise import chacha as CH
+from userdp.engine.noise import chacha_triton as T
 fixed = torch.arange(7, 7 + 16 * 977, 977, dtype=torch.int64)
 top = torch.tensor([*CH._CONSTANTS, *[0xFFFFFFFF - i for i in range(8)], 0, 0xFFFFFFFF, 0x80000000, 2], dtype=torch.int64)
 rfc = CH._fixed_words(KEY, NONCE, torch.device("cpu"))
@@ -251,7 +251,7 @@ print(words_equal, worst, float(far.min()), float(far.median()), status, kernel 
     counterpart="tests/engine/test_chacha.py::test_a_triton_kernel_that_is_missing_or_wrong_falls_back_and_says_why"
 )
 def test_the_triton_kernel_draws_the_eager_keystream_and_normals_and_is_taken_first():
-    """The hand-written CUDA kernel (engine/chacha_triton.py), run by Triton's interpreter on the
+    """The hand-written CUDA kernel (engine/noise/chacha_triton.py), run by Triton's interpreter on the
     CPU: its keystream is RFC 8439's block and the tensor code's bit for bit, at the first counters
     and at the last ones with every key word near 2^32 (uint32 wrap-around, the logical shifts); a
     one-bit change of the key moves every normal by O(1); compile_kernel takes it first.
@@ -284,7 +284,7 @@ def test_the_triton_kernel_draws_the_eager_keystream_and_normals_and_is_taken_fi
 def test_a_triton_kernel_that_is_missing_or_wrong_falls_back_and_says_why(monkeypatch):
     import types
 
-    from userdp.engine import chacha as CH
+    from userdp.engine.noise import chacha as CH
 
     monkeypatch.setattr(CH.torch, "compile", lambda fn, **kw: lambda ctr, fixed: fn(ctr, fixed))  # gets it right
     monkeypatch.setattr(CH, "chacha_triton", None)  # no triton (the CPU wheel of torch)
@@ -292,7 +292,7 @@ def test_a_triton_kernel_that_is_missing_or_wrong_falls_back_and_says_why(monkey
     kernel, status = CH.compile_kernel(torch.device("cpu"), force=True, triton=True)
     assert status.startswith("compiled (the Triton kernel refused: no triton") and kernel is not CH._slab_eager
 
-    fake = types.ModuleType("userdp.engine.chacha_triton")
+    fake = types.ModuleType("userdp.engine.noise.chacha_triton")
     fake.slab = _one_flipped_bit(CH._slab_eager)  # one wrong bit in the integer part
     monkeypatch.setattr(CH, "chacha_triton", fake)
     monkeypatch.setattr(CH, "CHECK_BLOCKS", 4096)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from userdp.engine import ULS, Adam, FedAvg, FlatClip, TensorUserData, TrainConfig, train
-from userdp.engine import run as loop_mod
+from userdp.engine.run import cohort
 from userdp.engine.user_data import compact_groups
 
 from _engine_helpers import MLP, ce_loss, mlp_data
@@ -45,15 +45,15 @@ def _run(per_unit, monkeypatch, trim, algorithm=None):
     model = MLP().double()
     widths = []
     if not trim:
-        monkeypatch.setattr(loop_mod, "compact_groups", lambda b, m: (b, m))
-    real = loop_mod.EngineRun._load
+        monkeypatch.setattr(cohort, "compact_groups", lambda b, m: (b, m))
+    real = cohort.Chunks.load
 
     def spy(self, cid, step):
         out = real(self, cid, step)
         widths.append(out[1].shape[-1])
         return out
 
-    monkeypatch.setattr(loop_mod.EngineRun, "_load", spy)
+    monkeypatch.setattr(cohort.Chunks, "load", spy)
     cfg = TrainConfig(
         algorithm=algorithm or ULS(8, 0.5),
         steps=3,

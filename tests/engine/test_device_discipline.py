@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from userdp.engine import ELS, ULS, RunOptions, TrainConfig, train
-from userdp.engine import noise as N
 from userdp.engine.algorithms import FedAvg
-from userdp.engine.chacha import ChaChaNoise
 from userdp.engine.clipping import FlatClip, PerLayerClip
+from userdp.engine.noise import gaussian as N
+from userdp.engine.noise.chacha import ChaChaNoise
 from userdp.engine.user_data import TensorUserData
 
 _SYNCS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)

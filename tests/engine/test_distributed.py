@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from userdp.engine import SGD, ULS, FlatClip, RunOptions, TrainConfig, train
-from userdp.engine.distributed import TorchDistributedCombiner
+from userdp.engine.distributed.processes import TorchDistributedCombiner
 
 from _engine_helpers import Mean, sq_loss, user_data
 from _engine_helpers import run_ranks as _run_ranks

@@ -1,4 +1,4 @@
-"""The distribution part (userdp.engine.distribution): the loop asks it how the sums accumulate
+"""The distribution part (userdp.engine.distributed.distribution): the loop asks it how the sums accumulate
 and how the noised sum is released, and branches on none of it; a new distribution is one file
 (examples/plugins/three_way_split.py, three ranks' partial sums dealt out in one process) that a
 run takes by name, releases the replicated run's sum and passes the neighbour test."""
@@ -13,7 +13,7 @@ from _paths import REPO
 
 from userdp import plugins
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
-from userdp.engine.distribution import DISTRIBUTIONS, Replicated, Sharded
+from userdp.engine.distributed.distribution import DISTRIBUTIONS, Replicated, Sharded
 from userdp.engine.neighbour import neighbour_gap
 from userdp.errors import UserError
 

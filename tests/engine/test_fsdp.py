@@ -38,9 +38,9 @@ def _plain_and_sharded():
 def _rank(rank: int) -> dict:
     from userdp.engine import ULS
     from userdp.engine.clipping import FlatClip
+    from userdp.engine.distributed.sharding import GatheredCoverage
     from userdp.engine.ghost import GhostPerUnit
     from userdp.engine.precision import Precision
-    from userdp.engine.sharding import GatheredCoverage
     from userdp.lm.models import causal_lm_loss
 
     plain, sharded = _plain_and_sharded()
@@ -93,9 +93,9 @@ def _sink_rank(rank: int) -> dict:
 
     from userdp.engine import ULS
     from userdp.engine.clipping import FlatClip
+    from userdp.engine.distributed.sharding import GatheredCoverage, reduce_scatter
     from userdp.engine.ghost import GhostPerUnit
     from userdp.engine.precision import Precision
-    from userdp.engine.sharding import GatheredCoverage, reduce_scatter
     from userdp.lm.models import causal_lm_loss
 
     plain, sharded = _plain_and_sharded()

@@ -85,7 +85,7 @@ def _full(model) -> dict:
 
 def _keep_runs() -> list:
     """The EngineRuns this (worker) process builds from now on, in order: their state after training."""
-    import userdp.engine.loop as loop
+    import userdp.engine.run.loop as loop
 
     runs: list = []
     init = loop.EngineRun.__init__
@@ -103,7 +103,7 @@ def _copy_and_resume(folder: str, rank: int, ckpt: str, cfg):
     ``ckpt``, sharded: (the model, the result)."""
     import torch.distributed as dist
 
-    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
     if rank == 0:
@@ -123,8 +123,8 @@ def _copy_and_resume(folder: str, rank: int, ckpt: str, cfg):
 def _sharded_runs(rank: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from userdp.engine.distributed import TorchDistributedCombiner
-    from userdp.engine.sharding import gathered_model
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
+    from userdp.engine.distributed.sharding import gathered_model
     from userdp.lm.models import causal_lm_loss
 
     runs = _keep_runs()  # this process's EngineRuns, to measure the optimizer's state after training
@@ -187,7 +187,7 @@ def _sharded_runs(rank: int) -> dict:
                     "training": plain.training,
                 }
     # a noise mechanism that cannot read its draw a parameter at a time (no pieces()) cannot be scattered
-    from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+    from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
 
     class Whole(IIDGaussian):
         name = "whole_only"
@@ -286,7 +286,7 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     keeps a copy of the checkpoint, and the run resumes sharded on the two processes."""
 
     from userdp.engine import checkpoint
-    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
     cfg = _config("uls", "fsdp", checkpoint_every=2)
@@ -373,7 +373,7 @@ def _own_loop(rank: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from userdp.engine import make_private
-    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
     cfg = TrainConfig(
@@ -459,8 +459,8 @@ def test_a_quantized_base_is_refused_for_sharding_in_one_line():
 
 
 def _sharded_normalisation(rank: int) -> dict:
-    from userdp.engine.distributed import TorchDistributedCombiner
-    from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
+    from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
     from userdp.lm.models import causal_lm_loss
 
     class Ones(IIDGaussian):
@@ -513,7 +513,7 @@ def test_a_sharded_step_divides_by_a_public_constant_whatever_the_cohorts_size()
 
 
 def _sharded_bandmf(rank: int) -> dict:
-    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
     out = {}
@@ -549,7 +549,7 @@ def _sharded_bandmf_resume(folder: str, rank: int) -> dict:
     after step 3 (saved, nothing lost) and resumed sharded; rank 0 keeps a copy of the checkpoint."""
     import signal
 
-    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
     runs = _keep_runs()

@@ -166,7 +166,7 @@ def run_trainer(tmp_path) -> dict:
 def _sharded_rank(rank: int) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
     model = _tiny_gpt2()

@@ -9,8 +9,8 @@ import pytest
 import torch
 from _neighbours import ADVERSARIES, builder, honest, reg_loss
 
-import userdp.engine.distribution as distribution_mod
-import userdp.engine.loop as loop_mod
+import userdp.engine.distributed.distribution as distribution_mod
+import userdp.engine.run.loop as loop_mod
 from userdp.engine import ULS, FlatClip, TrainConfig, contraction
 from userdp.engine.neighbour import join, neighbour_gap, released_sum
 

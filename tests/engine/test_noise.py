@@ -14,8 +14,8 @@ import tracemalloc
 import pytest
 import torch
 
-from userdp.engine import chacha
-from userdp.engine import noise as noise_mod
+from userdp.engine.noise import chacha
+from userdp.engine.noise import gaussian as noise_mod
 from userdp.errors import UserError
 
 SHAPES = [(3, 1000, 70), (17,), (0,), (5000, 51), (123_457,)]
@@ -248,7 +248,7 @@ def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, s
     """A sharded step reads the step's one draw a parameter at a time (``pieces`` through a
     ``DrawCursor``) to scatter each parameter's noise to its shards: the numbers are those ``add_``
     adds, rounded alike, and the generator stands where a whole draw leaves it."""
-    from userdp.engine.flat import DrawCursor
+    from userdp.engine.noise.flat import DrawCursor
 
     monkeypatch.setattr(noise_mod, "_PIECE", 1000)  # pieces cut across tensors and stream blocks
     monkeypatch.setattr(chacha, "_SLAB_BLOCKS", 1001)

@@ -12,7 +12,7 @@ import torch
 from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
 from userdp.engine import plugin_outputs as P
 from userdp.engine.neighbour import neighbour_gap
-from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
 from userdp.engine.sampling import SAMPLERS, Poisson
 from userdp.errors import UserError
 
@@ -162,7 +162,7 @@ def test_the_neighbour_test_catches_a_duplicating_sampler_without_the_boundary(m
 
     with pytest.raises(UserError, match="more than once"):
         neighbour_gap(build, data, attacker, sq_loss, cfg)
-    import userdp.engine.run as L
+    import userdp.engine.run.step as L
 
     monkeypatch.setattr(L, "checked_cohort", lambda ids, n, s: np.asarray(ids, dtype=np.int64))
     gap = neighbour_gap(build, data, attacker, sq_loss, cfg)

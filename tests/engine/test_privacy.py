@@ -25,7 +25,7 @@ from userdp.engine import (
     train,
 )
 from userdp.engine.privacy_record import PrivacyRecord
-from userdp.engine.run import EngineRun
+from userdp.engine.run.step import EngineRun
 from userdp.engine.sampling import Poisson, bucket_size
 from userdp.errors import BudgetExceededError, UserError
 

@@ -14,7 +14,7 @@ from userdp.accounting import private_selection as PS
 from userdp.accounting.selection import TrialCount
 from userdp.engine import ELS, ULS, RunOptions, TrainConfig, train
 from userdp.engine.algorithms import UnitTable
-from userdp.engine.chacha import TAIL_MASS_PER_PAIR, _normals_from_blocks, tail_delta
+from userdp.engine.noise.chacha import TAIL_MASS_PER_PAIR, _normals_from_blocks, tail_delta
 from userdp.engine.plan import make_plan
 from userdp.errors import UserError
 
@@ -135,8 +135,8 @@ def test_chacha_radius_is_bounded_where_the_tail_constant_says():
 
 @pytest.mark.slow
 def test_a_chacha_run_adds_its_tail_to_the_stated_delta(monkeypatch):
-    from userdp.engine import noise as N
-    from userdp.engine.chacha import ChaChaNoise
+    from userdp.engine.noise import gaussian as N
+    from userdp.engine.noise.chacha import ChaChaNoise
 
     monkeypatch.setitem(N.DEVICE_SOURCES, "cpu", ChaChaNoise)
     cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=3, noise_multiplier=1.0, delta=1e-5, track_epsilon=False)

@@ -18,9 +18,9 @@ from scipy.special import logsumexp
 from userdp import accounting
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TensorUserData, TrainConfig, train
 from userdp.engine import checkpoint as ckpt
-from userdp.engine import noise as noise_mod
 from userdp.engine.journal import JOURNAL
-from userdp.engine.run import EngineRun
+from userdp.engine.noise import gaussian as noise_mod
+from userdp.engine.run.step import EngineRun
 from userdp.errors import UserError
 
 from _engine_helpers import Crash, Mean, crash_at, sq_loss, user_data

@@ -14,7 +14,7 @@ from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TrainConfig,
 from userdp.engine.ghost import bound as ghost_bound
 from userdp.engine.ghost import stacks as ghost_stacks
 from userdp.engine.neighbour import join, neighbour_gap
-from userdp.engine.run import EngineRun
+from userdp.engine.run.step import EngineRun
 
 from _engine_helpers import run_gloo_pair
 
@@ -109,14 +109,16 @@ def test_an_added_user_moves_no_other_users_membership(algorithm):
             assert np.array_equal(big.table.records[:n], small.table.records)
         drawn = 0
         for step in range(25):
-            a = small.sampler.sample(small.n_units, small.rate, step, small._cohort_rng(step), small.sampler_state)
-            b = big.sampler.sample(big.n_units, big.rate, step, big._cohort_rng(step), big.sampler_state)
+            a = small.sampler.sample(
+                small.n_units, small.rate, step, small.chunks.cohort_rng(step), small.sampler_state
+            )
+            b = big.sampler.sample(big.n_units, big.rate, step, big.chunks.cohort_rng(step), big.sampler_state)
             assert np.array_equal(np.sort(a), np.sort(b[b < n])), f"step {step}: the others' cohort moved"
             drawn += len(a)
         assert 0.3 * 25 * n < drawn < 0.7 * 25 * n  # sampled at q = 0.5, not all or none
     finally:
         for run in (small, big):
-            run._loader.shutdown(wait=True)
+            run.chunks.close()
 
 
 @pytest.mark.parametrize("adversary", ["repeated", "many_records", "cancelling_many"])
@@ -153,7 +155,7 @@ TWO_RANK_CASES = [
 
 def _gloo_rank(rank: int) -> list:
     """One of two gloo processes: the neighbour gap of each two-rank case (run_gloo_pair)."""
-    from userdp.engine.distributed import TorchDistributedCombiner
+    from userdp.engine.distributed.processes import TorchDistributedCombiner
 
     out = []
     for algorithm, per_unit, adversary, sharding in TWO_RANK_CASES:

@@ -27,7 +27,7 @@ from _paths import REPO
 
 from userdp.cli import main as cli
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TrainConfig, make_private, train
-from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
 
 from _engine_helpers import Mean, run_ranks, user_data
 from _lm_corpus import write_tiny_run
@@ -140,7 +140,7 @@ def test_a_tuning_plan_names_its_trial_folders_at_random():
 
 
 ZERO_SUM_PLUGIN = '''
-from userdp.engine.noise import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
 
 
 class ZeroSum(IIDGaussian):

@@ -17,12 +17,12 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 from userdp import accounting
 from userdp.engine import ELS, ULS, AdaptiveClip, FedAvg, FlatClip, PerLayerClip, RunOptions, TrainConfig, train
 from userdp.engine import checkpoint as ckpt
-from userdp.engine import noise as noise_mod
 from userdp.engine import per_unit as per_unit_mod
 from userdp.engine.clipping import per_tensor_norms
 from userdp.engine.ledger import PrivacyLedger
+from userdp.engine.noise import gaussian as noise_mod
 from userdp.engine.plan import PERFORMANCE_FIELDS, make_plan, privacy_repr
-from userdp.engine.run import EngineRun
+from userdp.engine.run.step import EngineRun
 from userdp.errors import UserError
 from userdp.validation import check_choice, check_int, check_rate
 

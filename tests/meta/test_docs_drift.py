@@ -25,9 +25,12 @@ SEAMS = {
         "userdp.engine.clipping:PerLayerClip",
         "userdp.engine.clipping:AdaptiveClip",
     ],
-    "noise mechanism": ["userdp.engine.noise:IIDGaussian", "userdp.engine.bandmf:BandMF"],
+    "noise mechanism": ["userdp.engine.noise.gaussian:IIDGaussian", "userdp.engine.noise.bandmf:BandMF"],
     "ledger": ["userdp.engine.ledger:PrivacyLedger"],
-    "distribution": ["userdp.engine.distribution:Replicated", "userdp.engine.distribution:Sharded"],
+    "distribution": [
+        "userdp.engine.distributed.distribution:Replicated",
+        "userdp.engine.distributed.distribution:Sharded",
+    ],
     "algorithm": ["userdp.engine.algorithms:ELS", "userdp.engine.algorithms:ULS", "userdp.engine.algorithms:FedAvg"],
 }
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from userdp import accounting
-from userdp.engine.bandmf import bsr_coefficients, strategy_matrix
+from userdp.engine.noise.bandmf import bsr_coefficients, strategy_matrix
 from userdp.planning import choose_bands, prefix_noise
 
 

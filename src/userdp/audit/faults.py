@@ -27,7 +27,7 @@ import torch
 
 from userdp.audit.session import AuditSession
 from userdp.engine.clipping import FlatClip
-from userdp.engine.noise import IIDGaussian
+from userdp.engine.noise.gaussian import IIDGaussian
 from userdp.engine.plan import RunPlan, TrainConfig, make_plan
 from userdp.engine.user_data import UserData
 from userdp.errors import UserError

@@ -15,15 +15,15 @@ or, in the caller's own loop (docs/engine.md, "Your own loop")::
 
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
 from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg, FedSGD, NonPrivate, register_algorithm
-from userdp.engine.bandmf import BandMF  # registers noise: bandmf
 from userdp.engine.batch_unit import BatchPerUnit  # registers per_unit: batch (the non-private baseline's)
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.ledger import PrivacyLedger
-from userdp.engine.loop import TrainConfig, TrainingInterrupted, TrainResult, train
+from userdp.engine.noise.bandmf import BandMF  # registers noise: bandmf
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.private_loop import PrivateTraining, make_private
-from userdp.engine.run_options import RunOptions
+from userdp.engine.run.loop import TrainConfig, TrainingInterrupted, TrainResult, train
+from userdp.engine.run.options import RunOptions
 from userdp.engine.user_data import DelegatingUserData, TensorUserData, UserData
 
 __all__ = [

@@ -18,7 +18,7 @@ load checks every file against the manifest and refuses a mismatch, naming the f
 
 A sharded run (``sharding: fsdp``) adds a folder of ``torch.distributed.checkpoint`` files,
 ``shards-<step>/``: every rank writes its own shards of the weights and the optimizer's states there
-(:func:`userdp.engine.sharding.save_shards`), under the pending name ``.shards-<step>.pending/``; each
+(:func:`userdp.engine.distributed.sharding.save_shards`), under the pending name ``.shards-<step>.pending/``; each
 file is listed in the manifest like the others (``shards-<step>/__0_0.distcp``, ...), the folder is
 switched in with the files, and the previous step's folder is removed after the commit.
 

@@ -43,7 +43,7 @@ class StepClipping:
     bounds during local SGD (``reproject``, or None).
 
     ``lazy_zeroing``: the caller reads the chunk's ``bad`` flags and, where a unit was bad, computes
-    the chunk again with it False before anything is released (:meth:`userdp.engine.run.EngineRun.release`).
+    the chunk again with it False before anything is released (:meth:`userdp.engine.run.step.EngineRun.release`).
     A strategy may then leave a bad unit's rows unzeroed on a device, where zeroing them is a pass
     over every factor and knowing whether any unit is bad would wait for the device
     (:func:`userdp.engine.contraction.must_zero`); the sums are NaN when such a unit reached them.

@@ -1,6 +1,6 @@
 """What the host machine offers the engine now: its free physical memory. One reading, shared by
 the memory model (:mod:`userdp.engine.memory`, the chunk size) and the noise
-(:mod:`userdp.engine.noise`, whether a step's draw is made ahead), which must agree on it."""
+(:mod:`userdp.engine.noise.gaussian`, whether a step's draw is made ahead), which must agree on it."""
 
 from __future__ import annotations
 

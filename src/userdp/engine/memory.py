@@ -23,7 +23,7 @@ width d, h heads, feed-forward width f and vocabulary V, in the forward's dtype 
 Fixed, whatever the chunk: the weights; two float32 model-sized buffers (the step's running sum
 and the chunk's partial sum being added to it; the noise is streamed into the sum in 4 MB pieces
 and the sum becomes the optimizer's gradient in place); on a CPU, where the host source draws a
-step's noise while its sums are computed, a third (:func:`userdp.engine.noise.draws_ahead`);
+step's noise while its sums are computed, a third (:func:`userdp.engine.noise.gaussian.draws_ahead`);
 float32 master weights where the parameters are narrower; under a bf16/fp16 autocast forward,
 autocast's 2 B copy of each float32 weight matrix, which autograd keeps for the backward; and the
 optimizer state. The model is deliberately simple; the chosen chunk is reported, and a cap given
@@ -44,10 +44,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from userdp.engine.distributed.sharding import gathered_blocks
 from userdp.engine.ghost import GROUP_ELEMENTS
 from userdp.engine.host import free_host_bytes
-from userdp.engine.noise import GaussianNoise, draws_ahead, source_class
-from userdp.engine.sharding import gathered_blocks
+from userdp.engine.noise.gaussian import GaussianNoise, draws_ahead, source_class
 from userdp.errors import UserError
 
 MAX_AUTO_CHUNK = 256
@@ -145,7 +145,7 @@ def fixed_bytes(
     parameter, held while the strategy checks its hooks against autograd) and the temporaries of
     its stacked groups (:data:`STACK_TRANSIENT_BYTES`), ``noise_vectors`` model-sized float32 noise
     vectors held (4 B a trainable parameter each: the step's noise drawn while its sums
-    are computed, :func:`userdp.engine.noise.draws_ahead`, and the past vectors a correlated
+    are computed, :func:`userdp.engine.noise.gaussian.draws_ahead`, and the past vectors a correlated
     mechanism keeps across steps, BandMF's b − 1; 1/W of them on each rank of a sharded run), and with
     ``low_precision`` (a bf16/fp16 autocast
     forward) the 2 B copy of each float32 weight matrix that autocast casts for its GEMMs and
@@ -153,7 +153,7 @@ def fixed_bytes(
     rank too, for every block: autocast casts each gathered weight, and the backward keeps the cast
     after FSDP has freed the gathered float32 tensor).
 
-    ``shards``: W of a sharded run (``sharding: fsdp``, :mod:`userdp.engine.sharding`), per rank: 1/W
+    ``shards``: W of a sharded run (``sharding: fsdp``, :mod:`userdp.engine.distributed.sharding`), per rank: 1/W
     of the weights, of the running sums (which become the released gradient) and of the optimizer's
     states, plus the two largest blocks gathered whole at once (FSDP gathers the next block while one
     computes) and two copies of the largest parameter (the one whole sum a rank holds while it is

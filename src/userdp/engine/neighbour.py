@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from userdp.engine.loop import start_run
+from userdp.engine.distributed.sharding import whole
 from userdp.engine.plan import TrainConfig
 from userdp.engine.private_loop import make_private
-from userdp.engine.run_options import RunOptions
-from userdp.engine.sharding import whole
+from userdp.engine.run.loop import start_run
+from userdp.engine.run.options import RunOptions
 from userdp.engine.user_data import TensorUserData, UserData
 from userdp.errors import UserError
 
@@ -92,7 +92,7 @@ def released_sum(
         # one user owns up to group_sensitivity units (ELS: G records, each clipped to C)
         return _released(run), float(run._sensitivity()) * float(getattr(run.algo, "group_sensitivity", 1))
     finally:
-        run._loader.shutdown(wait=True)
+        run.chunks.close()
 
 
 def _released(run) -> list[torch.Tensor]:

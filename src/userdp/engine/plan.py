@@ -26,8 +26,8 @@ from userdp.accounting.split import update_noise_multiplier
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
 from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
-from userdp.engine.distribution import DISTRIBUTIONS
-from userdp.engine.noise import NOISE_MECHANISMS
+from userdp.engine.distributed.distribution import DISTRIBUTIONS
+from userdp.engine.noise.gaussian import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
@@ -71,17 +71,17 @@ class TrainConfig:
     (without replacement, replace-one, RDP) or "shuffle" (fixed batches; no amplification).
     ``per_unit``: the per-unit strategy ("auto" or a name in
     :data:`~userdp.engine.per_unit.PER_UNIT_STRATEGIES`); ``noise``: the noise mechanism (a name
-    in :data:`~userdp.engine.noise.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
+    in :data:`~userdp.engine.noise.gaussian.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
     ``precision``: the autocast dtype of the per-unit forward and backward (``float32``,
     ``bfloat16``, ``float16``; norms, sums and noise stay float32, see
     :mod:`userdp.engine.precision`). ``sharding``: ``"none"`` (every rank holds the whole model)
     or ``"fsdp"`` (FSDP2: each rank of a torchrun job holds 1/W of the parameters, gradients and
-    optimizer state; :mod:`userdp.engine.sharding`). ``prior_events``: ``dp_accounting`` DpEvents released about
-    the same people before training (e.g. the DP median that chose G): the ledger counts them before
-    the first step, against ``target_epsilon`` like the steps, and a calibrated sigma leaves room
-    for them; the journal is bound to them (they are a privacy setting). ``bands``: b, the cycle of
+    optimizer state; :mod:`userdp.engine.distributed.sharding`). ``prior_events``: ``dp_accounting``
+    DpEvents released about the same people before training (e.g. the DP median that chose G): the
+    ledger counts them before the first step, against ``target_epsilon`` like the steps, and a
+    calibrated sigma leaves room for them; the journal is bound to them (they are a privacy setting). ``bands``: b, the cycle of
     ``sampling="cyclic_poisson"`` (users in b groups, a user's steps b apart; ULS and DP-FedAvg) and
-    the band count of ``noise="bandmf"`` (:mod:`userdp.engine.bandmf`), which needs that sampler.
+    the band count of ``noise="bandmf"`` (:mod:`userdp.engine.noise.bandmf`), which needs that sampler.
 
     Raises:
         UserError: a value out of range or a combination that cannot be accounted.
@@ -277,7 +277,7 @@ class RunPlan:
         sampler: the sampler that draws each step's cohort (``config.sampling`` looked up once
             in :data:`~userdp.engine.sampling.SAMPLERS`; a plugin's declares its accounting).
         noise_mechanism: the noise mechanism's class (``config.noise`` looked up once in
-            :data:`~userdp.engine.noise.NOISE_MECHANISMS`); the run instantiates it over its
+            :data:`~userdp.engine.noise.gaussian.NOISE_MECHANISMS`); the run instantiates it over its
             keyed source.
         broken_build: None, or the audit's deliberately broken part (:mod:`userdp.audit.faults`).
 

@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from userdp import accounting
-from userdp.engine.loop import RunPlan, TrainConfig, start_run
 from userdp.engine.privacy_record import PrivacyRecord
-from userdp.engine.run import EngineRun
-from userdp.engine.run_options import RunOptions, run_options
+from userdp.engine.run.loop import RunPlan, TrainConfig, start_run
+from userdp.engine.run.options import RunOptions, run_options
+from userdp.engine.run.step import EngineRun
 from userdp.engine.user_data import UserData
 from userdp.errors import UserError
 from userdp.validation import check_instance
@@ -156,7 +156,7 @@ class PrivateTraining:
         self._run.save()
 
     def close(self) -> None:
-        self._run._loader.shutdown(wait=True)
+        self._run.chunks.close()
 
     def __enter__(self) -> PrivateTraining:
         return self
@@ -185,10 +185,10 @@ def make_private(
         loss_fn: ``loss_fn(model, batch) -> Tensor[n]``, one loss per record (as for ``train``).
         config: the run's :class:`TrainConfig` (algorithm, steps, clipping, noise or target
             epsilon, delta, sampler, seed), or a :class:`RunPlan` made from it for this data.
-        options: a :class:`~userdp.engine.run_options.RunOptions` (None: one process, in memory):
+        options: a :class:`~userdp.engine.run.options.RunOptions` (None: one process, in memory):
             its ``checkpoint_dir`` is where the ledger's journal and the checkpoints go (every
             ``config.checkpoint_every`` steps and at the end); ``resume`` continues the run in it;
-            ``combiner`` names the job's processes (:mod:`userdp.engine.distributed`, e.g.
+            ``combiner`` names the job's processes (:mod:`userdp.engine.distributed.processes`, e.g.
             ``TorchDistributedCombiner()`` under torchrun). Every rank runs the same loop over its
             share of each cohort; the noisy sum is all-reduced, so every rank's optimizer steps the
             same gradient and rank 0 alone keeps the journal and checkpoints. Its hooks (callbacks,

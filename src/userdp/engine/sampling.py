@@ -10,7 +10,7 @@
 * :class:`CyclicPoisson` — users split into b groups by a keyed hash of each user's own id; step
   t Poisson-samples group t mod b at rate q·b (the expected cohort stays q·N). A user takes part
   only in steps of its group, b apart: what banded matrix-factorization noise needs
-  (:mod:`userdp.engine.bandmf`), accounted as ceil(T/b) compositions
+  (:mod:`userdp.engine.noise.bandmf`), accounted as ceil(T/b) compositions
   (:meth:`userdp.accounting.Mechanism.compositions`).
 
 Variable cohort sizes keep vectorization by padding each chunk of units to one of a few bucket

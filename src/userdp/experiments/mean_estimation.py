@@ -27,7 +27,7 @@ from torch import nn
 
 from userdp import accounting
 from userdp.engine import ELS, SGD, ULS, FlatClip, TrainConfig, train
-from userdp.engine.run_options import RunOptions
+from userdp.engine.run.options import RunOptions
 from userdp.engine.user_data import TensorUserData
 from userdp.errors import UserError
 from userdp.planning import els_group_size, els_noise_multiplier, uls_noise_multiplier

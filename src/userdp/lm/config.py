@@ -36,11 +36,11 @@ from userdp.accounting.accountants import ACCOUNTANTS
 from userdp.accounting.events import MAX_TARGET_EPSILON
 from userdp.accounting.mechanism import MAX_BANDS
 from userdp.engine.algorithms import ALGORITHMS
-from userdp.engine.distribution import DISTRIBUTIONS
-from userdp.engine.noise import NOISE_MECHANISMS
+from userdp.engine.distributed.distribution import DISTRIBUTIONS
+from userdp.engine.distributed.sharding import unshardable
+from userdp.engine.noise.gaussian import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.sampling import SAMPLERS
-from userdp.engine.sharding import unshardable
 from userdp.errors import UserError
 from userdp.fileio import read_input, unclaimable
 from userdp.lm.presets import PRESETS

@@ -98,7 +98,7 @@ def summarize(users: np.ndarray, nll: np.ndarray, cnt: np.ndarray) -> dict:
 def evaluate_lm(model, data, users: Sequence[int] | None = None, batch_size: int = 64, combiner=None) -> dict:
     """Loss and perplexity over the users of ``data`` (a UserData of held-out users).
 
-    ``combiner`` (:mod:`userdp.engine.distributed`): with several processes each scores every
+    ``combiner`` (:mod:`userdp.engine.distributed.processes`): with several processes each scores every
     ``world_size``-th record and one all-reduce gives every rank the whole result."""
     u, r = _pairs(data, users)
     if combiner is None or combiner.world_size == 1:

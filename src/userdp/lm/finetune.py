@@ -23,8 +23,8 @@ from pathlib import Path
 from userdp.caches import cache_in, private_cache_for
 from userdp.devices import resolve_device
 from userdp.engine import checkpoint as ckpt
+from userdp.engine.distributed.sharding import gathered_model
 from userdp.engine.journal import JOURNAL
-from userdp.engine.sharding import gathered_model
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, write_atomic
 from userdp.lm import config as C

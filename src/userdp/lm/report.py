@@ -22,9 +22,9 @@ from userdp import accounting as A
 from userdp.accounting import event_to_dict
 from userdp.accounting import private_selection as TG
 from userdp.accounting.rdp import step_rdp
-from userdp.engine.bandmf import bsr_coefficients
-from userdp.engine.chacha import ChaChaNoise, tail_delta
 from userdp.engine.journal import JOURNAL, check_cited, journal_event, read_chain, steps_begun
+from userdp.engine.noise.bandmf import bsr_coefficients
+from userdp.engine.noise.chacha import ChaChaNoise, tail_delta
 from userdp.errors import UserError
 from userdp.fileio import write_atomic, write_json
 from userdp.lm import config as C

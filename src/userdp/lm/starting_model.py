@@ -18,7 +18,7 @@ from filelock import FileLock, Timeout
 from userdp.caches import cache_root, fingerprint
 from userdp.data.tokenize import PublicText, load_tokenizer, train_bpe
 from userdp.devices import describe
-from userdp.engine.distributed import broadcast_module_state, combiner_for
+from userdp.engine.distributed.processes import broadcast_module_state, combiner_for
 from userdp.errors import UserError
 from userdp.fileio import atomic_dir, make_dir, owned_dir
 from userdp.lm import config as C

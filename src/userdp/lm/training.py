@@ -11,8 +11,8 @@ import time
 from safetensors.torch import save_file
 
 from userdp.engine import checkpoint as ckpt
-from userdp.engine.loop import TrainingInterrupted, train
-from userdp.engine.run_options import RunOptions
+from userdp.engine.run.loop import TrainingInterrupted, train
+from userdp.engine.run.options import RunOptions
 from userdp.engine.user_data import DelegatingUserData
 from userdp.fileio import strict_dumps, write_atomic, write_json
 from userdp.lm import models

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from userdp import accounting
-from userdp.engine.bandmf import bsr_coefficients
+from userdp.engine.noise.bandmf import bsr_coefficients
 from userdp.errors import UserError
 
 #: the band counts tried (each calibrated once: about a second with the PLD accountant)

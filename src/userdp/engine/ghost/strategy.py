@@ -13,8 +13,8 @@ from torch import nn
 from userdp.engine import contraction as cx
 from userdp.engine.clipping import StepClipping
 from userdp.engine.ghost import bound, grams, layers, stacks
-from userdp.engine.ghost.coverage import Check, Coverage
 from userdp.engine.ghost.capture import Capture, autocast_operand_dtype, captured, narrowable
+from userdp.engine.ghost.coverage import Check, Coverage
 from userdp.engine.ghost.factors import Factored, GhostUnsupported
 from userdp.engine.ghost.layers import GHOST_LAYERS, LayerHandler, per_unit_vjp
 from userdp.engine.ghost.sums import weighted_sum
@@ -174,7 +174,7 @@ class GhostPerUnit:
         ``sink``: None, or ``sink(j, s)`` called with each parameter's sum ``s`` as soon as it is
         formed, in the order of the parameters, one at a time (no stacked groups): a sharded step
         reduce-scatters it there, so no rank holds more than one parameter's whole sum at a time
-        (:mod:`userdp.engine.sharding`). The returned sums are then None.
+        (:mod:`userdp.engine.distributed.sharding`). The returned sums are then None.
 
         Returns:
             (sums, norms, losses, bad) as :meth:`userdp.engine.per_unit.PerUnit.clipped_sum`.

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
 
+from userdp.engine.distributed.sharding import whole
 from userdp.engine.ghost.factors import GhostUnsupported
 from userdp.engine.model_lint import BUFFER_CHANGED, mutates_captured
-from userdp.engine.sharding import whole
 from userdp.errors import UserError
 
 

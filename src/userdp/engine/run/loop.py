@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from userdp.engine import checkpoint as ckpt
-from userdp.engine.distributed import LocalCombiner
-from userdp.engine.distribution import DISTRIBUTIONS
+from userdp.engine.distributed.distribution import DISTRIBUTIONS
+from userdp.engine.distributed.processes import LocalCombiner
 from userdp.engine.journal import JOURNAL
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, TrainConfig, config_difference, make_plan, privacy_repr  # noqa: F401  (re-exported)
 from userdp.engine.plugin_outputs import checked_loss_fn
 from userdp.engine.privacy_record import PrivacyRecord
-from userdp.engine.run import EngineRun
-from userdp.engine.run_options import RunOptions, run_options
+from userdp.engine.run.options import RunOptions, run_options
+from userdp.engine.run.step import EngineRun
 from userdp.engine.user_data import UserData
 from userdp.errors import BudgetExceededError, UserError
 from userdp.validation import check_callable, check_instance
@@ -103,7 +103,7 @@ def train(
 
     ``loss_fn(model, batch) -> Tensor[n]``: one loss per record (vmappable).
 
-    ``options``: a :class:`~userdp.engine.run_options.RunOptions` (None: one process, in memory):
+    ``options``: a :class:`~userdp.engine.run.options.RunOptions` (None: one process, in memory):
     its ``checkpoint_dir`` with ``checkpoint_every`` > 0 gets atomic checkpoints (also at the end);
     ``resume=True`` continues from one — or, after a crash before the first checkpoint, from step 0
     with the steps the journal records as begun counted. Each of its ``callbacks`` receives the
@@ -143,7 +143,7 @@ def train(
     try:
         return _train_loop(run, options)
     finally:
-        run._loader.shutdown(wait=True)
+        run.chunks.close()
 
 
 def start_run(
@@ -227,7 +227,7 @@ def _check_one_step_fits(run: EngineRun) -> None:
 def _check_run_arguments(model, data, loss_fn, config) -> None:
     """The engine's boundary for :func:`train` and ``make_private``: each argument of the right
     kind, named in one line, before anything is built from it (the options are checked
-    by :class:`~userdp.engine.run_options.RunOptions` itself).
+    by :class:`~userdp.engine.run.options.RunOptions` itself).
 
     Raises:
         UserError: the first argument that is wrong."""

@@ -40,9 +40,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from userdp.engine.chacha import ChaChaNoise
-from userdp.engine.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.engine.host import free_host_bytes
+from userdp.engine.noise.chacha import ChaChaNoise
+from userdp.engine.noise.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
 from userdp.registry import Registry
 
@@ -156,7 +156,7 @@ class GaussianNoise:
 
         ``transform(z, lo) -> tensor``: a correlated mechanism's map from the standard normals of
         ``[lo, lo + len(z))`` (a host float tensor it may change in place) to the noise of those
-        coordinates before ``std`` scales it (:class:`userdp.engine.bandmf.BandMF`); called once per
+        coordinates before ``std`` scales it (:class:`userdp.engine.noise.bandmf.BandMF`); called once per
         piece, from the pool's threads, on disjoint pieces. None: the normals themselves.
 
         Returns:
@@ -204,7 +204,7 @@ class GaussianNoise:
         """The standard normals :meth:`add_` would draw over ``total`` numbers of ``dtypes``, as
         ``(offset, piece)`` in increasing order (host tensors of at most ``_PIECE``, unscaled): the
         same numbers from the same streams, read in order instead of in parallel, for a sharded step
-        (:class:`userdp.engine.flat.DrawCursor`). Read it to the end: the streams then stand where
+        (:class:`userdp.engine.noise.flat.DrawCursor`). Read it to the end: the streams then stand where
         :meth:`add_` leaves them. ``device`` is not used (host draws)."""
         dtype = _draw_dtype(dtypes)
         pending = self._take_pending(int(total), dtype)
@@ -373,7 +373,7 @@ DEVICE_SOURCES: dict = {"cuda": ChaChaNoise}
 
 def source_for(device, key_material: int, *, seeded: bool):
     """The keyed noise source for parameters on ``device``: ChaCha20 computed on the device for
-    CUDA (:mod:`userdp.engine.chacha`: no host draw, no copy), numpy's PCG64 in parallel host
+    CUDA (:mod:`userdp.engine.noise.chacha`: no host draw, no copy), numpy's PCG64 in parallel host
     threads elsewhere (faster on a CPU). Both are keyed by the same ≥ 128-bit material."""
     return source_class(device)(key_material, seeded=seeded)
 
@@ -421,7 +421,7 @@ class IIDGaussian:
         """This step's noise as :meth:`add_noise` would add it to ``numel`` numbers of ``dtypes``,
         as ``(offset, piece)`` in increasing order, each piece scaled by ``std`` (as :meth:`add_noise`
         scales it): a sharded step reads it one parameter at a time and scatters each parameter's
-        noise to its shards (:meth:`userdp.engine.run.EngineRun.release`). Only where there is a
+        noise to its shards (:meth:`userdp.engine.run.step.EngineRun.release`). Only where there is a
         source (the main rank)."""
         for lo, z in self.source.pieces(numel, dtypes, device):
             yield lo, z.mul_(float(std))

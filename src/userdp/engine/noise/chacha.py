@@ -30,12 +30,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from userdp.engine.flat import add_piece, check_wide, flat_views, zeros_for_noise
+from userdp.engine.noise.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
 
 _NO_TRITON: str | None = None  # why the Triton kernel cannot be imported here
 try:  # the CUDA kernel is written in Triton, which CUDA builds of torch bring (the CPU wheel does not)
-    from userdp.engine import chacha_triton
+    from userdp.engine.noise import chacha_triton
 except Exception as exc:  # noqa: BLE001 - a missing or broken triton: the kernel's status says why
     chacha_triton, _NO_TRITON = None, f"no triton: {type(exc).__name__}: {str(exc)[:120]}"
 
@@ -128,7 +128,7 @@ def normals_error(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_slab(device: torch.device) -> tuple:
-    """``(kernel, None)`` when the hand-written Triton kernel (:mod:`userdp.engine.chacha_triton`)
+    """``(kernel, None)`` when the hand-written Triton kernel (:mod:`userdp.engine.noise.chacha_triton`)
     builds and passes :func:`_check_compiled` on ``device``; else ``(None, why not)``."""
     if chacha_triton is None:
         return None, _NO_TRITON
@@ -163,7 +163,7 @@ def compile_kernel(
     device: torch.device, *, force: bool = False, timeout: float | None = None, triton: bool | None = None
 ) -> tuple:
     """``(kernel, status)``: the slab kernel on CUDA is the hand-written Triton kernel
-    (:mod:`userdp.engine.chacha_triton`), else :func:`_slab_eager` fused by ``torch.compile``
+    (:mod:`userdp.engine.noise.chacha_triton`), else :func:`_slab_eager` fused by ``torch.compile``
     (eagerly it is about 2,000 small kernels a slab: 0.42 s against 0.016 s for 124M normals on an
     H100), each used only after its normals matched the eager function's within
     :data:`NORMALS_ULPS` on a test input; the eager function elsewhere. Built once per process and
@@ -266,7 +266,7 @@ def _normals_from_blocks(blocks: torch.Tensor) -> torch.Tensor:
 class ChaChaNoise:
     """i.i.d. N(0, std²) noise drawn on the parameters' device from ChaCha20 keyed by 256 bits.
 
-    The same interface as :class:`userdp.engine.noise.GaussianNoise` (``like``, ``scalar``,
+    The same interface as :class:`userdp.engine.noise.gaussian.GaussianNoise` (``like``, ``scalar``,
     ``state_dict``): the noise mechanism does not know which source it has.
 
     Args:
@@ -340,7 +340,7 @@ class ChaChaNoise:
     def pieces(self, total: int, dtypes: Sequence[torch.dtype], device):
         """The float64 standard normals :meth:`add_` would draw over ``total`` numbers, as
         ``(offset, slab)`` in increasing order, computed on ``device``: one draw (one nonce), for a
-        sharded step (:class:`userdp.engine.flat.DrawCursor`)."""
+        sharded step (:class:`userdp.engine.noise.flat.DrawCursor`)."""
         return self._slabs(int(total), device, _VECTOR)
 
     def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:

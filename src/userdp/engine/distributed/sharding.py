@@ -12,7 +12,7 @@ weights for its forward and backward only. The private step is unchanged in what
   clipped sum over as soon as it is formed (its ``sink``), so a rank holds its shard's running total
   (1/W of the model, float32) and one parameter's whole sum at a time, never the model's whole sums.
 - **The noise is drawn once for the whole vector**, on rank 0, in the replicated run's order and
-  with its numbers, one parameter at a time (:class:`userdp.engine.flat.DrawCursor`), and each
+  with its numbers, one parameter at a time (:class:`userdp.engine.noise.flat.DrawCursor`), and each
   parameter's noise is scattered to its shards (:func:`scatter_from_main`): the shards of the noise
   are one draw whatever W, and the key never leaves rank 0.
 - **Every rank runs the same number of forward and backward passes** (FSDP's gathers are
@@ -293,7 +293,10 @@ class GatheredCoverage(Coverage):
         # (layer, attribute) -> the parameter's index: while a module is unsharded its attribute holds
         # the gathered tensor (the root's stays so from its forward to its backward)
         self._owner = {
-            (id(mod), n): index[id(p)] for mod in layers for n, p in mod.named_parameters(recurse=False) if id(p) in index
+            (id(mod), n): index[id(p)]
+            for mod in layers
+            for n, p in mod.named_parameters(recurse=False)
+            if id(p) in index
         }
         self._in_use: list = []  # (module, name, tensor in use) while a checked forward runs
         world = params[0].device_mesh.size()  # a DTensor's mesh

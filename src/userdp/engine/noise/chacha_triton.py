@@ -1,14 +1,14 @@
 """The ChaCha20 noise slab as one hand-written Triton kernel (CUDA): blocks -> float64 normals.
 
-Why by hand: ``torch.compile`` of the tensor-level block function (:mod:`userdp.engine.chacha`)
+Why by hand: ``torch.compile`` of the tensor-level block function (:mod:`userdp.engine.noise.chacha`)
 realizes dozens of int64 intermediates a slab and splits it into five kernels; on an H100 that
 was 0.020 s per 124M normals and 0.055 s per 355M (the noise was a quarter of gpt2-medium's DP
 overhead; benchmarks/README.md). Here each program lane holds one block's 16 state words as
 uint32 registers through the 20 rounds and writes the block's eight normals, the same
-arithmetic as :func:`userdp.engine.chacha._normals_from_blocks` step for step: nothing but the
+arithmetic as :func:`userdp.engine.noise.chacha._normals_from_blocks` step for step: nothing but the
 normals touches memory. No maintained library offers this (docs/engine.md, "Noise").
 
-It is used only after :func:`userdp.engine.chacha._check_compiled` finds its normals within
+It is used only after :func:`userdp.engine.noise.chacha._check_compiled` finds its normals within
 ``NORMALS_ULPS`` of the eager tensor code on 65,536 blocks (libdevice's log/sin/cos against
 libm: an ulp or two; a wrong bit in the integer part moves a block's normals by O(1)). Importing
 this module needs ``triton`` (it comes with CUDA builds of torch); on a CPU, tests run the same
@@ -217,7 +217,7 @@ def _on(device: torch.device):
 
 
 def slab(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
-    """The kernel behind :func:`userdp.engine.chacha._slab_eager`'s signature: ``ctr`` the block
+    """The kernel behind :func:`userdp.engine.noise.chacha._slab_eager`'s signature: ``ctr`` the block
     counters (int64, below 2^32), ``fixed`` the 16 input words (int64); returns
     ``8 * len(ctr)`` float64 normals on ``ctr``'s device."""
     return _launch(ctr, fixed, False)
@@ -225,5 +225,5 @@ def slab(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
 
 def blocks(ctr: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
     """The same kernel's keystream: ``[len(ctr), 16]`` int64 words, as
-    :func:`userdp.engine.chacha._words` returns them (tests)."""
+    :func:`userdp.engine.noise.chacha._words` returns them (tests)."""
     return _launch(ctr, fixed, True).view(-1, 16)

@@ -15,7 +15,7 @@ cancels in the running sum of updates the model is.
   ``C w = z``): the state is the last b−1 noise vectors, model-sized, flat buffers on the sums'
   device in the draw's dtype (float32, float64 for float64 sums) in a ring; with the host source
   the recursion runs inside the draw, a cache-sized piece at a time in its threads. b = 1 is
-  i.i.d. noise, the same numbers as :class:`~userdp.engine.noise.IIDGaussian` (it *is* that
+  i.i.d. noise, the same numbers as :class:`~userdp.engine.noise.gaussian.IIDGaussian` (it *is* that
   mechanism).
 * **State and checkpoints.** The b−1 vectors are noise: anyone who holds them and two released
   models could subtract them. They are saved with a seeded run's checkpoint (as the generator's
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from userdp.engine.flat import add_piece, flat_views
-from userdp.engine.noise import NOISE_MECHANISMS, GaussianNoise, IIDGaussian, draw_dtype
+from userdp.engine.noise.flat import add_piece, flat_views
+from userdp.engine.noise.gaussian import NOISE_MECHANISMS, GaussianNoise, IIDGaussian, draw_dtype
 from userdp.errors import UserError
 
 
@@ -91,7 +91,7 @@ class BandMF(IIDGaussian):
     @property
     def correlated(self) -> bool:
         """Whether the noise keeps state across steps (b > 1). A sharded run keeps that state on every
-        rank, for the rank's own shards (:meth:`userdp.engine.distribution.Sharded.release`): rank 0
+        rank, for the rank's own shards (:meth:`userdp.engine.distributed.distribution.Sharded.release`): rank 0
         reads :meth:`draws`, scatters each parameter's z, and every rank :meth:`combine`\ s its part."""
         return self.bands > 1
 

@@ -1,5 +1,5 @@
 """The privacy record of a run as of now (:func:`run_record`): what
-:meth:`userdp.engine.run.EngineRun.record` returns, built from the run's plan, ledger and state."""
+:meth:`userdp.engine.run.step.EngineRun.record` returns, built from the run's plan, ledger and state."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from userdp import accounting
-from userdp.engine.chacha import tail_delta
-from userdp.engine.noise import ENTROPY_BITS, GaussianNoise, source_class
+from userdp.engine.noise.chacha import tail_delta
+from userdp.engine.noise.gaussian import ENTROPY_BITS, GaussianNoise, source_class
 from userdp.engine.privacy_record import PrivacyRecord
 
 
@@ -40,11 +40,40 @@ def _optimizer_record(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def run_record(run) -> PrivacyRecord:
-    """The privacy record of ``run`` (an :class:`~userdp.engine.run.EngineRun`) as of now."""
+    """The privacy record of ``run`` (an :class:`~userdp.engine.run.step.EngineRun`) as of now."""
     cfg, plan = run.cfg, run.plan
     eps = run.ledger.epsilon()
     total = run.ledger.total_event()
-    when = {}  # the fields that apply to some runs only
+    return PrivacyRecord(
+        **_sampling_and_noise(run),
+        clipping=_cfg_dict(cfg.clipping),
+        final_clip_norm=float(run.clip_state["clip_norm"]),
+        optimizer=_optimizer_record(run.optimizer) if run.external_optimizer else _cfg_dict(cfg.optimizer),
+        accountant=cfg.accountant,
+        steps_applied=run.step,
+        steps_accounted=run.ledger.spent,
+        steps_lost_to_crashes=run.ledger.lost_steps,
+        epsilon=eps,
+        delta=run.delta,
+        delta_rule=plan.delta_rule,
+        target_epsilon=cfg.target_epsilon,
+        calibrated=cfg.noise_multiplier is None,
+        step_event=accounting.event_to_dict(plan.step_event) if plan.private else None,
+        adjacency=plan.mechanism.adjacency if plan.private else None,
+        dp_event_total=accounting.event_to_dict(total) if total is not None else None,
+        journal=run.ledger.journal.cite() if run.ledger.journal is not None else None,
+        **_how_run(run),
+        counts_treated_as_public=_public_counts(run),
+        broken_build=plan.broken_build,
+        **_when(run, eps),
+    )
+
+
+def _when(run, eps: float) -> dict:
+    """The record's fields that apply to some runs only: the noise's tail, a warning, the
+    comparison epsilons of a sampling that is not Poisson, the cycle, a correlated noise's state."""
+    cfg, plan = run.cfg, run.plan
+    when = {}
     when["noise_tail"] = _noise_tail(run, eps)
     if not plan.private:
         when["warning"] = "noise_multiplier = 0: this run is NOT differentially private (epsilon = inf)"
@@ -66,7 +95,13 @@ def run_record(run) -> PrivacyRecord:
             "adjacency (RDP); epsilon_no_amplification holds without amplification"
         )
     when["correlated_noise"] = getattr(run.noise, "to_record", lambda: None)()
-    return PrivacyRecord(
+    return when
+
+
+def _sampling_and_noise(run) -> dict:
+    """The record's unit, sampler and noise fields."""
+    cfg, plan = run.cfg, run.plan
+    return dict(
         algorithm=_cfg_dict(run.algo),
         unit=plan.unit,
         num_users=int(run.data.num_users),
@@ -84,22 +119,14 @@ def run_record(run) -> PrivacyRecord:
         noise_multiplier=run.noise_multiplier,
         update_noise_multiplier=run.update_z,
         count_noise_stddev=plan.count_stddev,
-        clipping=_cfg_dict(cfg.clipping),
-        final_clip_norm=float(run.clip_state["clip_norm"]),
-        optimizer=_optimizer_record(run.optimizer) if run.external_optimizer else _cfg_dict(cfg.optimizer),
-        accountant=cfg.accountant,
-        steps_applied=run.step,
-        steps_accounted=run.ledger.spent,
-        steps_lost_to_crashes=run.ledger.lost_steps,
-        epsilon=eps,
-        delta=run.delta,
-        delta_rule=plan.delta_rule,
-        target_epsilon=cfg.target_epsilon,
-        calibrated=cfg.noise_multiplier is None,
-        step_event=accounting.event_to_dict(plan.step_event) if plan.private else None,
-        adjacency=plan.mechanism.adjacency if plan.private else None,
-        dp_event_total=accounting.event_to_dict(total) if total is not None else None,
-        journal=run.ledger.journal.cite() if run.ledger.journal is not None else None,
+    )
+
+
+def _how_run(run) -> dict:
+    """The record's fields on how the run was computed: its keying, noise generator, precision,
+    per-unit strategy and the units whose update was not finite."""
+    cfg = run.cfg
+    return dict(
         seeded=run.seeded,
         randomness=(
             "seeded by the user (seed given): sampling and noise are reproducible by whoever "
@@ -121,9 +148,6 @@ def run_record(run) -> PrivacyRecord:
             "units whose update was Inf/NaN contributed zero (sensitivity stays <= C); "
             "this count is computed on the private data and is NOT privatized"
         ),
-        counts_treated_as_public=_public_counts(run),
-        broken_build=plan.broken_build,
-        **when,
     )
 
 

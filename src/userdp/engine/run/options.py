@@ -24,7 +24,7 @@ class RunOptions:
 
     ``checkpoint_dir``: where the ledger's journal and the checkpoints go (None: the ledger lives
     in memory only); ``resume``: continue the run in it. ``combiner``: the job's processes
-    (:mod:`userdp.engine.distributed`; None: one process). ``journal_context``: facts (e.g. config
+    (:mod:`userdp.engine.distributed.processes`; None: one process). ``journal_context``: facts (e.g. config
     and data fingerprints) the journal is bound to; a resume with other facts is refused.
     ``callbacks``: each gets every step's metrics dict. ``checkpoint_extra(run) -> {name:
     writer(path)}``: files committed with each checkpoint as one unit (:mod:`userdp.engine.checkpoint`).

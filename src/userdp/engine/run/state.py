@@ -1,4 +1,4 @@
-"""A run's checkpoint: what is saved of an :class:`~userdp.engine.run.EngineRun` (never an unseeded
+"""A run's checkpoint: what is saved of an :class:`~userdp.engine.run.step.EngineRun` (never an unseeded
 run's random state), how it is restored, and how a seeded run resumed after steps it began is keyed
 anew; and the keys a run starts from (:func:`seeds`)."""
 
@@ -12,10 +12,10 @@ import torch
 
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
-from userdp.engine.distribution import read_shards
-from userdp.engine.noise import ENTROPY_BITS, os_entropy, source_for
+from userdp.engine.distributed.distribution import read_shards
+from userdp.engine.distributed.sharding import shard_like
+from userdp.engine.noise.gaussian import ENTROPY_BITS, os_entropy, source_for
 from userdp.engine.plan import config_difference, privacy_repr
-from userdp.engine.sharding import shard_like
 from userdp.errors import UserError
 
 POOL = ENTROPY_BITS // 32
@@ -35,7 +35,7 @@ def seeds(seed: int | None, combiner, device="cpu"):
     amplification the accountant assumes); the noise source is keyed by a separate 256 bits of
     OS entropy on the main rank only (the noise is drawn there, once per step). Seeded: all of
     them derive from the seed, reproducibly. The data key (which records a sampled user's
-    unit draws) is the same on every rank: see :meth:`EngineRun._unit_rng`.
+    unit draws) is the same on every rank: see :meth:`userdp.engine.run.cohort.Chunks.unit_rng`.
     """
     if seed is None:
         words = torch.tensor(np.frombuffer(os.urandom(ENTROPY_BITS // 8), dtype=np.int64).copy())
@@ -52,6 +52,16 @@ def seeds(seed: int | None, combiner, device="cpu"):
         noise = source_for(device, int.from_bytes(c.generate_state(8, np.uint32).tobytes(), "little"), seeded=True)
         torch_seed = int(d.generate_state(1, np.uint64)[0] >> 1)
     return material, noise, torch_seed
+
+
+def fresh_sampler_state(run) -> dict:
+    """The sampler's state at the start of a run (a cyclic sampler's groups: a keyed hash of each
+    unit's user id, from the data, never saved)."""
+    initial = getattr(run.sampler, "initial_state", None)
+    if initial is None:
+        return {}
+    keys = run.data.user_keys()
+    return initial([keys[int(u)] for u in run.table.users], run.plan.cycle)
 
 
 def checkpoint_state(run) -> tuple[dict, dict]:
@@ -171,9 +181,9 @@ def rekey(run, begun: int) -> None:
     material = int.from_bytes(
         hashlib.sha256(f"{int(run.cfg.seed)}:resume:{int(begun)}".encode()).digest()[:16], "little"
     )
-    run._data_key, source, torch_seed = seeds(material, run.combiner, run.device)
+    run.chunks.data_key, source, torch_seed = seeds(material, run.combiner, run.device)
     run.noise = run.plan.make_noise(source)
     run.noise.init(run.master)
     torch.manual_seed(torch_seed)
-    run.sampler_state = run._fresh_sampler_state()
+    run.sampler_state = fresh_sampler_state(run)
     run.rekeyed_at = int(begun)

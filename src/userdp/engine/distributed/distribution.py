@@ -27,15 +27,10 @@ import torch
 
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.contraction import defers_zeroing
-from userdp.engine.distributed import broadcast_module_state
-from userdp.engine.flat import DrawCursor
-from userdp.engine.ghost.coverage import Coverage
-from userdp.engine.noise import draw_dtype
-from userdp.engine.plugin_outputs import call as plugin_call
-from userdp.engine.plugin_outputs import check_finite_release
-from userdp.engine.sharding import (
-    check_shardable,
+from userdp.engine.distributed.processes import broadcast_module_state
+from userdp.engine.distributed.sharding import (
     GatheredCoverage,
+    check_shardable,
     chunks_per_rank,
     is_sharded,
     load_shards,
@@ -46,6 +41,11 @@ from userdp.engine.sharding import (
     shard_like,
     shard_model,
 )
+from userdp.engine.ghost.coverage import Coverage
+from userdp.engine.noise.flat import DrawCursor
+from userdp.engine.noise.gaussian import draw_dtype
+from userdp.engine.plugin_outputs import call as plugin_call
+from userdp.engine.plugin_outputs import check_finite_release
 from userdp.errors import UserError
 from userdp.registry import Registry
 
@@ -180,7 +180,7 @@ class Replicated:
 
 
 class Sharded(Replicated):
-    """FSDP2 (:mod:`userdp.engine.sharding`): each rank holds 1/W of every parameter; each
+    """FSDP2 (:mod:`userdp.engine.distributed.sharding`): each rank holds 1/W of every parameter; each
     parameter's clipped sum is reduce-scattered to its shards as it is formed; every rank runs as
     many chunks as the rank with the most units (FSDP's gathers are collectives); the noise is
     drawn once on rank 0, in the replicated run's order, a parameter at a time, and scattered."""
@@ -228,14 +228,14 @@ class Sharded(Replicated):
     def release(self, run, sums: list, std: float) -> list:
         """Add the step's one noise draw to the shards of the totals (DTensors; every rank calls
         this): rank 0 reads the draw in the replicated run's order, a parameter at a time
-        (:class:`userdp.engine.flat.DrawCursor`: the same numbers as ``add_noise``), and scatters
+        (:class:`userdp.engine.noise.flat.DrawCursor`: the same numbers as ``add_noise``), and scatters
         each parameter's noise to the ranks holding its shards."""
         if std <= 0:
             return sums
         if getattr(run.noise, "correlated", False):
             return _release_correlated(run, sums, std)
         main = run.combiner.rank == 0
-        cursor = DrawCursor(run.noise.pieces(run._sum_numel, run._sum_dtypes, std, run.device)) if main else None
+        cursor = DrawCursor(run.noise.pieces(run.sum_numel, run.sum_dtypes, std, run.device)) if main else None
         for p, x in zip(run.params, sums, strict=True):
             local = x.to_local()
             full = cursor.take(p.numel(), local.dtype, local.device) if cursor is not None else None
@@ -293,7 +293,7 @@ def _release_correlated(run, sums: list, std: float) -> list:
     numbers of the replicated run, coordinate by coordinate."""
     noise = run.noise
     main = run.combiner.rank == 0
-    cursor = DrawCursor(noise.draws(run._sum_numel, run._sum_dtypes, run.device)) if main else None
+    cursor = DrawCursor(noise.draws(run.sum_numel, run.sum_dtypes, run.device)) if main else None
     locals_ = [x.to_local() for x in sums]
     noise.begin(sum(t.numel() for t in locals_), draw_dtype(t.dtype for t in locals_), locals_[0].device)
     lo = 0
