@@ -171,7 +171,7 @@ def test_a_resume_may_change_performance_settings_but_not_privacy_ones(tiny, mon
 def test_a_fixed_sigma_run_makes_one_run_plan_and_resolves_its_device_once(tiny, monkeypatch):
     # it made up to 5 (issue 26): the budget check and the engine now read the same plan
     import userdp.engine.plan as P
-    import userdp.engine.run.step as L
+    import userdp.engine.run.build as L
     import userdp.lm.job_plan as J
 
     calls = []

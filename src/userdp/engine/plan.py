@@ -79,9 +79,9 @@ class TrainConfig:
     optimizer state; :mod:`userdp.engine.distributed.sharding`). ``prior_events``: ``dp_accounting``
     DpEvents released about the same people before training (e.g. the DP median that chose G): the
     ledger counts them before the first step, against ``target_epsilon`` like the steps, and a
-    calibrated sigma leaves room for them; the journal is bound to them (they are a privacy setting). ``bands``: b, the cycle of
-    ``sampling="cyclic_poisson"`` (users in b groups, a user's steps b apart; ULS and DP-FedAvg) and
-    the band count of ``noise="bandmf"`` (:mod:`userdp.engine.noise.bandmf`), which needs that sampler.
+    calibrated sigma leaves room for them; the journal is bound to them (they are a privacy
+    setting). ``bands``: b, the cycle of ``sampling="cyclic_poisson"`` (users in b groups, a user's
+    steps b apart) and the band count of ``noise="bandmf"`` (:mod:`~userdp.engine.noise.bandmf`).
 
     Raises:
         UserError: a value out of range or a combination that cannot be accounted.

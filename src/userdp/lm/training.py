@@ -135,9 +135,7 @@ def train_model(job: JobPlan, model, data: JobData, ctx: JobContext):
         """The LM files committed with each engine checkpoint, as one unit."""
         eps = run.ledger.epsilon_upper_bound()
         files = {"ledger.json": lambda path: _write_ledger_summary(path, run.step, run.ledger.spent, eps)}
-        if (
-            not run.distribution.holds_shards
-        ):  # a sharded run's weights are in the checkpoint's shards (docs/scaling.md)
+        if not run.distribution.every_rank_writes:  # else the weights are in each rank's part (docs/scaling.md)
             files["model.safetensors"] = lambda path: _save_weights(model, path, run.step, eps)
         return files
 

@@ -102,7 +102,8 @@ class Replicated:
     rank gets the whole noised sum."""
 
     name = "none"
-    holds_shards = False
+    #: whether every rank writes its own part of a checkpoint (else the main rank alone writes)
+    every_rank_writes = False
     #: the ghost strategy's coverage-check part: the whole parameters are the tensors in use
     coverage = Coverage
 
@@ -186,7 +187,7 @@ class Sharded(Replicated):
     drawn once on rank 0, in the replicated run's order, a parameter at a time, and scattered."""
 
     name = "fsdp"
-    holds_shards = True
+    every_rank_writes = True
     coverage = GatheredCoverage  # the forward uses the gathered tensors, not the shards
 
     def check(self, config, model: torch.nn.Module, combiner) -> None:
@@ -334,7 +335,28 @@ def _local_flat(params, whole_flat: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-def read_shards(run, st: dict, held: list) -> dict:
+def read_params(run, st: dict, held: list) -> dict:
+    """A checkpoint's weights read into ``run``'s masters (in place) and its optimizer state (returned),
+    laid out as this run holds them, whatever layout wrote them: a sharded run's shards
+    (:func:`_read_shards`) or whole tensors (each rank keeping its shard of them where sharded).
+
+    Raises:
+        UserError: a whole saved tensor of another shape than the model's parameter."""
+    if st.get("shards") is not None:
+        return _read_shards(run, st, held)
+    for name, m, v in zip(run.per_unit.names, run.master, st["params"], strict=True):
+        if tuple(v.shape) != tuple(m.shape):
+            raise UserError(
+                f"cannot resume from {ckpt.path(run.dir)}: parameter {name} has shape "
+                f"{tuple(v.shape)} there and {tuple(m.shape)} in this model"
+            )
+    with torch.no_grad():
+        for m, v in zip(run.master, st["params"], strict=True):
+            m.copy_(shard_like(v, m))
+    return run.distribution.optimizer_state_like(st["optimizer"], held)
+
+
+def _read_shards(run, st: dict, held: list) -> dict:
     """Read a sharded checkpoint's shards into ``run``'s masters (in place) and its optimizer states
     (returned: ``st["optimizer"]`` with each :data:`userdp.engine.checkpoint.IN_SHARDS` filled),
     whatever the run's layout: sharded on any W, or whole (``torch.distributed.checkpoint``

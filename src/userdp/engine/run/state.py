@@ -12,8 +12,7 @@ import torch
 
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
-from userdp.engine.distributed.distribution import read_shards
-from userdp.engine.distributed.sharding import shard_like
+from userdp.engine.distributed.distribution import read_params
 from userdp.engine.noise.gaussian import ENTROPY_BITS, os_entropy, source_for
 from userdp.engine.plan import config_difference, privacy_repr
 from userdp.errors import UserError
@@ -107,7 +106,7 @@ def save(run, extra=None):
     if not run.dir:
         return
     main = run.combiner.rank == 0
-    if not (main or run.distribution.holds_shards):
+    if not (main or run.distribution.every_rank_writes):
         return
     st, tensors = checkpoint_state(run)
     shards = run.distribution.save_shards(run, st, tensors)  # every rank its own, then one commit
@@ -125,22 +124,9 @@ def restore(run, st: dict):
     if st["param_names"] != run.per_unit.names:
         raise UserError(f"cannot resume from {ckpt.path(run.dir)}: the model's trainable parameters differ")
     held = _held(run)
-    optimizer = st["optimizer"]
-    from_shards = st.get("shards") is not None
-    if from_shards:  # a sharded run's: its shards, read into this run's layout
-        optimizer = read_shards(run, st, held)
-    else:
-        for name, m, v in zip(run.per_unit.names, run.master, st["params"], strict=True):
-            if tuple(v.shape) != tuple(m.shape):
-                raise UserError(
-                    f"cannot resume from {ckpt.path(run.dir)}: parameter {name} has shape "
-                    f"{tuple(v.shape)} there and {tuple(m.shape)} in this model"
-                )
-        optimizer = run.distribution.optimizer_state_like(optimizer, held)
+    optimizer = read_params(run, st, held)  # into this run's layout, whatever layout wrote it
     with torch.no_grad():
-        for i, (p, m) in enumerate(zip(run.params, run.master, strict=True)):
-            if not from_shards:
-                m.copy_(shard_like(st["params"][i], m))  # a shard of the whole saved tensor where sharded
+        for p, m in zip(run.params, run.master, strict=True):
             if m is not p:
                 p.copy_(m)
         bufs = dict(run.model.named_buffers())

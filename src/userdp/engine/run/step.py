@@ -15,12 +15,11 @@ from userdp.engine.clipping import StepClipping
 from userdp.engine.model_lint import buffer_versions, check_release
 from userdp.engine.plugin_outputs import call as plugin_call
 from userdp.engine.plugin_outputs import check_finite_scalar, checked_cohort
-from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.run import state as run_state
 from userdp.engine.run.build import accumulation_dtype, build_optimizer, build_run
 from userdp.engine.run.cohort import to_device, to_host
 from userdp.engine.run.options import RunOptions, run_options
-from userdp.engine.run.record import run_record
+from userdp.engine.run.record import PrivacyRecord, run_record
 
 
 class EngineRun:
