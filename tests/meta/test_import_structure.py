@@ -34,6 +34,7 @@ LAYERS = {
     "userdp.hf_boundary": 6,  # the Trainer's inputs, checked (the engine's journal name among them)
     "userdp.hf_trl": 7,  # TRL's SFTTrainer on userdp.hf
     "userdp.hf_plan": 7,  # planning over a Trainer's dataset, on userdp.hf
+    "userdp.hf_inputs": 7,  # a `userdp train` run's inputs for a Trainer, by the LM job's phases
     # --nproc: the CLI's process starter (its workers run the CLI again); it reads devices via launch
     "userdp.cli": 7,
     "userdp.launcher": 7,
