@@ -13,8 +13,9 @@
   (:mod:`userdp.engine.noise.bandmf`), accounted as ceil(T/b) compositions
   (:meth:`userdp.accounting.Mechanism.compositions`).
 
-Variable cohort sizes keep vectorization by padding each chunk of units to one of a few bucket
-sizes (:func:`bucket_size`): the padding units carry mask 0 and contribute nothing.
+On a device, a chunk of units is padded to one of a few bucket sizes (:func:`bucket_size`), so a
+run's chunks take a few shapes whatever its cohorts; on a CPU it is computed as it is
+(:func:`userdp.engine.run.cohort.padded_size`). Padding units carry mask 0 and contribute nothing.
 """
 
 from __future__ import annotations

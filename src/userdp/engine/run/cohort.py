@@ -46,6 +46,17 @@ def to_host(stats: torch.Tensor) -> torch.Tensor:
         raise
 
 
+def padded_size(n: int, chunk_size: int, device: torch.device) -> int:
+    """The units a chunk of ``n`` is computed as. On a CPU, ``n``: a padding unit is computed in full
+    (a cohort of 20 padded to a bucket of 32 cost 1.6× its step; ``benchmarks/bench_hf.py``). On
+    other devices a bucket (:func:`~userdp.engine.sampling.bucket_size`: a power of two up to the
+    chunk size), so that a run's chunks take a few shapes whatever its Poisson cohorts. Padding
+    units carry mask 0 and contribute exactly nothing. How long a chunk takes depends on its real
+    units on a CPU, on its bucket elsewhere, as a step's depends on its count of chunks: the step's
+    time is not released (only the private diagnostics hold it)."""
+    return int(n) if device.type == "cpu" else bucket_size(n, chunk_size)
+
+
 def bounding_rng(data_key: int) -> np.random.Generator:
     """The generator of the run's one-time contribution bounding (ELS's D'): keyed by the data
     key alone and used for nothing else, so the cohort draws are the same whether or not a user
@@ -97,7 +108,7 @@ class Chunks:
         return [ids[s : s + self.chunk_size] for s in range(0, len(ids), self.chunk_size)]
 
     def load(self, cid: np.ndarray, step: int):
-        """One chunk's batch and mask, padded to its bucket size, on the device."""
+        """One chunk's batch and mask, padded as the device wants it (:func:`padded_size`), on the device."""
         if self.algo.random_load:  # one draw per unit, from the unit's own generator
             parts = [
                 self.algo.load(self.data, self.table, cid[i : i + 1], self.unit_rng(step, u)) for i, u in enumerate(cid)
@@ -108,7 +119,7 @@ class Chunks:
             batch, mask = self.algo.load(self.data, self.table, cid, None)
         if self.compact:
             batch, mask = compact_groups(batch, mask)
-        batch, mask = _pad(batch, mask, bucket_size(len(cid), self.chunk_size))
+        batch, mask = _pad(batch, mask, padded_size(len(cid), self.chunk_size, self.device))
         batch = {n: to_device(v, self.device) for n, v in batch.items()}
         return batch, to_device(mask.to(self.dtype), self.device)
 
