@@ -44,7 +44,7 @@ def build_run(run, model, data, loss_fn, config: TrainConfig | RunPlan, options:
     if not isinstance(data, UserData):
         raise UserError(f"data must be a userdp.engine.UserData, got {type(data).__name__}")
     given_plan = config if isinstance(config, RunPlan) else None
-    cfg = given_plan.config if given_plan is not None else config
+    cfg: TrainConfig = config.config if isinstance(config, RunPlan) else config
     run.model, run.data, run.cfg, run.algo = model, data, cfg, cfg.algorithm
     run.combiner = options.combiner or LocalCombiner()
     run.dir = options.checkpoint_dir

@@ -7,6 +7,7 @@ checkpoint is :mod:`userdp.engine.run.state`."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,13 +18,28 @@ from userdp.engine.plugin_outputs import call as plugin_call
 from userdp.engine.plugin_outputs import check_finite_scalar, checked_cohort
 from userdp.engine.run import state as run_state
 from userdp.engine.run.build import accumulation_dtype, build_optimizer, build_run
-from userdp.engine.run.cohort import to_device, to_host
+from userdp.engine.run.cohort import Chunks, to_device, to_host
 from userdp.engine.run.options import RunOptions, run_options
 from userdp.engine.run.record import PrivacyRecord, run_record
 
 
 class EngineRun:
     """State of one training run (kept small: everything here is saved in a checkpoint)."""
+
+    # what :func:`~userdp.engine.run.build.build_run` gives a run, once, before its first step
+    model: Any
+    data: Any
+    cfg: Any  # its TrainConfig
+    algo: Any  # its algorithm (ELS, ULS, FedAvg, ...)
+    plan: Any  # its RunPlan
+    combiner: Any
+    distribution: Any
+    per_unit: Any
+    chunks: Chunks  # the cohort's generators and the chunks' loading
+    sampler: Any
+    noise: Any
+    ledger: Any
+    optimizer: torch.optim.Optimizer
 
     def __init__(
         self,
