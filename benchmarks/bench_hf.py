@@ -6,6 +6,7 @@ all measured in this run, each in its own process (its peak memory its own).
     python benchmarks/bench_hf.py            # a small GPT-2, ULS G = 4, ~20 users a step; ~2 min on 2 cores
     python benchmarks/bench_hf.py --json
     python benchmarks/bench_hf.py --quick     # a smoke check (benchmarks/run.py --quick)
+    python benchmarks/bench_hf.py --modes nonprivate_sft,private_sft   # TRL's SFTTrainer, both sides
 
 Time per step is the median over the timed steps of a run, then over ``--repeat`` interleaved runs (the first, warm-up step excluded); peak memory is
 the process's peak resident set over the timed steps (Linux VmHWM after a reset).
@@ -30,7 +31,7 @@ from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's
 
 from userdp.engine import RunOptions
 
-MODES = ("nonprivate_trainer", "engine_train", "own_loop", "private_trainer")
+MODES = ("nonprivate_trainer", "engine_train", "own_loop", "private_trainer", "nonprivate_sft", "private_sft")
 
 
 def _worker(mode: str, a) -> dict:
@@ -138,6 +139,8 @@ def _worker(mode: str, a) -> dict:
             dataclasses.replace(privacy, optimizer=SGD(0.01)),
             RunOptions(callbacks=[tick]),
         )
+    elif mode in ("nonprivate_sft", "private_sft"):  # TRL's SFTTrainer, its defaults kept (gradient checkpointing)
+        _sft(mode, model, ds, privacy, args, Clock())
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         with make_private(model, opt, UserRecords(ds, "user"), causal_lm_loss, privacy) as private:
@@ -153,6 +156,56 @@ def _worker(mode: str, a) -> dict:
     return {"mode": mode, "s_per_step": statistics.median(timed), "steps_timed": len(timed), "peak_bytes": _peak_rss()}
 
 
+def _sft(mode: str, model, ds, privacy, args, clock) -> None:
+    """A TRL ``SFTTrainer`` step (non-private, over the same records a step) or a
+    ``PrivateSFTTrainer`` one, on the pre-tokenized rows (TRL tokenizes nothing), with a word-level
+    tokenizer of the model's vocabulary and the Trainer rows' settings (bf16 off on both sides)."""
+    import trl
+    from tokenizers import Tokenizer
+    from tokenizers import models as tm
+    from transformers import PreTrainedTokenizerFast
+
+    from userdp.hf_trl import PrivateSFTTrainer
+
+    vocab = {f"w{i}": i for i in range(512)}
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(tm.WordLevel(vocab, unk_token="w0")), eos_token="w1", unk_token="w0", pad_token="w0"
+    )
+    keep = {
+        k: getattr(args, k)
+        for k in (
+            "output_dir",
+            "report_to",
+            "save_strategy",
+            "use_cpu",
+            "optim",
+            "learning_rate",
+            "lr_scheduler_type",
+            "disable_tqdm",
+            "logging_steps",
+            "max_grad_norm",
+            "max_steps",
+            "per_device_train_batch_size",
+            "dataloader_drop_last",
+        )
+    }
+    cfg = trl.SFTConfig(**keep, bf16=False, max_length=None)
+    if mode == "nonprivate_sft":
+        trl.SFTTrainer(
+            model=model, args=cfg, train_dataset=ds.remove_columns(["user"]), processing_class=tok, callbacks=[clock]
+        ).train()
+    else:
+        PrivateSFTTrainer(
+            model=model,
+            args=cfg,
+            train_dataset=ds,
+            processing_class=tok,
+            privacy=privacy,
+            user_field="user",
+            callbacks=[clock],
+        ).train()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--users", type=int, default=200)
@@ -166,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="interleaved repetitions of the three modes (median)")
     ap.add_argument("--quick", action="store_true", help="a smoke check: 4 steps, one repetition")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--modes", default=",".join(MODES[:4]), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.quick:
@@ -173,13 +227,16 @@ def main(argv=None) -> int:
     if a.worker:
         print(json.dumps(_worker(a.worker, a)))
         return 0
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        ap.error(f"--modes: comma-separated, of {', '.join(MODES)} (got {a.modes!r})")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     worker_argv = [
         f"--{k.replace('_', '-')}={getattr(a, k)}"
         for k in ("users", "records", "cohort", "seq_len", "width", "layers", "steps", "threads")
     ]
     for _ in range(max(1, a.repeat)):  # interleaved: every mode once a round
-        for mode in MODES:
+        for mode in modes:
             res = subprocess.run(
                 [sys.executable, __file__, "--worker", mode, *worker_argv], capture_output=True, text=True
             )
@@ -201,17 +258,37 @@ def main(argv=None) -> int:
             "peak_bytes": statistics.median(r["peak_bytes"] for r in ok),
             "repeats": len(ok),
         }
-    own, hf, plain, eng = rows["own_loop"], rows["private_trainer"], rows["nonprivate_trainer"], rows["engine_train"]
-    if all("s_per_step" in r for r in rows.values()):
-        hf["time_vs_engine_train"] = hf["s_per_step"] / eng["s_per_step"]
-        hf["memory_vs_engine_train"] = hf["peak_bytes"] / eng["peak_bytes"]
-        hf["time_vs_own_loop"] = hf["s_per_step"] / own["s_per_step"]
-        hf["memory_vs_own_loop"] = hf["peak_bytes"] / own["peak_bytes"]
-        hf["time_vs_nonprivate_trainer"] = hf["s_per_step"] / plain["s_per_step"]
-        hf["memory_vs_nonprivate_trainer"] = hf["peak_bytes"] / plain["peak_bytes"]
+    _ratios(rows)
     if a.json:
         print(json.dumps(list(rows.values())))
         return 0
+    _print(rows, a)
+    return 0
+
+
+def _ratios(rows: dict) -> None:
+    """Each private entry point's time and peak memory against its baselines, where both ran."""
+
+    def ok(*names):
+        return all(n in rows and "s_per_step" in rows[n] for n in names)
+
+    if ok("private_sft", "nonprivate_sft"):
+        sft, plain_sft = rows["private_sft"], rows["nonprivate_sft"]
+        sft["time_vs_nonprivate_sft"] = sft["s_per_step"] / plain_sft["s_per_step"]
+        sft["memory_vs_nonprivate_sft"] = sft["peak_bytes"] / plain_sft["peak_bytes"]
+    if not ok("own_loop", "private_trainer", "nonprivate_trainer", "engine_train"):
+        return
+    own, hf, plain, eng = rows["own_loop"], rows["private_trainer"], rows["nonprivate_trainer"], rows["engine_train"]
+    hf["time_vs_engine_train"] = hf["s_per_step"] / eng["s_per_step"]
+    hf["memory_vs_engine_train"] = hf["peak_bytes"] / eng["peak_bytes"]
+    hf["time_vs_own_loop"] = hf["s_per_step"] / own["s_per_step"]
+    hf["memory_vs_own_loop"] = hf["peak_bytes"] / own["peak_bytes"]
+    hf["time_vs_nonprivate_trainer"] = hf["s_per_step"] / plain["s_per_step"]
+    hf["memory_vs_nonprivate_trainer"] = hf["peak_bytes"] / plain["peak_bytes"]
+
+
+def _print(rows: dict, a) -> None:
+    hf = rows.get("private_trainer", {})
     for r in rows.values():
         if "error" in r:
             print(f"{r['mode']:20s} error: {r['error']}")
@@ -220,6 +297,12 @@ def main(argv=None) -> int:
                 f"{r['mode']:20s} {r['s_per_step']:.3f} s/step [{r['s_per_step_min']:.3f}-{r['s_per_step_max']:.3f}]  "
                 f"peak {r['peak_bytes'] / 2**20:.0f} MiB"
             )
+    if "time_vs_nonprivate_sft" in rows.get("private_sft", {}):
+        sft = rows["private_sft"]
+        print(
+            f"PrivateSFTTrainer vs a non-private SFTTrainer step over the same records: "
+            f"{sft['time_vs_nonprivate_sft']:.2f}x time, {sft['memory_vs_nonprivate_sft']:.2f}x memory"
+        )
     if "time_vs_engine_train" in hf:
         print(
             f"PrivateTrainer vs engine.train (the loop `userdp train` runs): {hf['time_vs_engine_train']:.2f}x time, "
@@ -236,7 +319,6 @@ def main(argv=None) -> int:
         f"{a.records}), GPT-2 {a.layers} layers x {a.width}; {a.threads} torch thread(s); median of {a.repeat} "
         "interleaved repetitions [min-max]"
     )
-    return 0
 
 
 if __name__ == "__main__":
