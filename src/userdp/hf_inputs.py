@@ -62,11 +62,17 @@ def trainer_inputs(run_dir: str | Path, log=lambda msg: None) -> TrainerInputs:
     """The inputs of the ``userdp train`` run in ``run_dir`` (a new or finished run's directory).
 
     Raises:
-        UserError: ``run_dir`` is not a run directory of ``userdp train`` (no ``config.yaml``)."""
+        UserError: ``run_dir`` is not a run directory of ``userdp train`` (no ``config.yaml``), or
+            is an audit's (its canary users are not rebuilt)."""
     rd = RunDir(Path(run_dir))
     if not rd.config.is_file():
         raise UserError(f"{run_dir}: no config.yaml here (give the run directory `userdp train` made)")
     cfg = C.load_config(rd.config)
+    if cfg.audit.canaries:
+        raise UserError(
+            f"{run_dir}: an audit run (audit.canaries: {cfg.audit.canaries}) trained on canary users "
+            "as well, which are not rebuilt here; give a training run's directory"
+        )
     device = resolve_device(cfg.model.device)
     prep = prepare_data(cfg.data, log)
     tok, model, notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, False, device=device)

@@ -68,3 +68,13 @@ def test_the_datasets_rows_are_the_runs_records_in_the_runs_user_order():
 def test_a_folder_that_is_not_a_run_directory_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="no config.yaml"):
         trainer_inputs(tmp_path)
+
+
+def test_an_audit_runs_directory_is_refused_in_one_line(tmp_path):
+    # its canary users trained beside the data: a Trainer given the data alone would not reproduce it
+    cfg, _ = write_tiny_run(tmp_path, "  seed: 3\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.read_text().rstrip("\n") + "\naudit:\n  canaries: 4\n")
+    with pytest.raises(UserError, match="audit run"):
+        trainer_inputs(run)
