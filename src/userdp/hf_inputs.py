@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from userdp.devices import resolve_device
@@ -94,12 +95,12 @@ def records_dataset(data, user_field: str = USER_FIELD):
     which numbers authors in sorted order, numbers them as the data does)."""
     from datasets import Dataset
 
-    sizes = data.sizes()
+    sizes = np.asarray(data.sizes(), dtype=np.int64)
+    users = np.repeat(np.arange(len(sizes)), sizes)  # every record once, user by user
+    records = np.arange(len(users)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    batch = data.gather(users, records)
     width = len(str(len(sizes)))
-    users, ids, labels = [], [], []
-    for u, k in enumerate(sizes):
-        batch = data.gather(torch.full((int(k),), u).numpy(), torch.arange(int(k)).numpy())
-        users += [f"{u:0{width}d}"] * int(k)
-        ids += batch["input_ids"].tolist()
-        labels += batch["labels"].tolist()
-    return Dataset.from_dict({user_field: users, "input_ids": ids, "labels": labels})
+    names = [f"{u:0{width}d}" for u in users]
+    return Dataset.from_dict(
+        {user_field: names, "input_ids": batch["input_ids"].tolist(), "labels": batch["labels"].tolist()}
+    )

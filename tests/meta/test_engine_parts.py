@@ -41,30 +41,43 @@ def test_the_step_module_imports_at_most_eight_of_userdps_modules():
     assert not names & {"make_plan", "make_per_unit", "DISTRIBUTIONS", "PrivacyLedger", "seeds"}
 
 
+def _sharding_names(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each place in ``tree`` that names how a model is held."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            name = node.id
+        elif isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.alias):
+            name = node.name
+        elif isinstance(node, ast.Constant) and node.value == "fsdp":
+            name = "fsdp"
+        else:
+            continue
+        if name in SHARDING_NAMES or name == "fsdp":
+            found.append((getattr(node, "lineno", 0), name))
+    return found
+
+
 def test_only_the_distribution_part_names_how_a_model_is_held():
     found = []
     for path in sorted(ENGINE.rglob("*.py")):
         if "distributed" in path.relative_to(ENGINE).parts:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            name = (
-                node.id
-                if isinstance(node, ast.Name)
-                else node.attr
-                if isinstance(node, ast.Attribute)
-                else node.name
-                if isinstance(node, ast.alias)
-                else None
-            )
-            if name in SHARDING_NAMES or (isinstance(node, ast.Constant) and node.value == "fsdp"):
-                found.append(f"{path.relative_to(ENGINE)}:{node.lineno}: {name or node.value}")
+        found += [
+            f"{path.relative_to(ENGINE)}:{line}: {name}" for line, name in _sharding_names(ast.parse(path.read_text()))
+        ]
     assert not found, found
 
 
-def test_the_rule_sees_a_branch_on_sharding(tmp_path):
-    # the check above is not vacuous: the branch the ghost strategy held before it was a part
-    tree = ast.parse("if is_sharded(self.params):\n    pass\n")
-    assert any(isinstance(n, ast.Name) and n.id in SHARDING_NAMES for n in ast.walk(tree))
+def test_the_rule_sees_a_branch_on_sharding():
+    # the rule above is not vacuous: the branches the ghost strategy held before its coverage check
+    # was a part, and a config compared by name
+    code = (
+        "if is_sharded(self.params):\n    n = self.params[0].device_mesh.size()\nif cfg.sharding == 'fsdp':\n    pass\n"
+    )
+    assert {name for _, name in _sharding_names(ast.parse(code))} == {"is_sharded", "device_mesh", "fsdp"}
 
 
 def test_no_part_imports_the_run_that_composes_it():
