@@ -37,17 +37,19 @@ def noise_alone(numel: int, bands: int, reps: int) -> tuple[float, float]:
     import torch
 
     from userdp.engine.noise.bandmf import BandMF
-    from userdp.engine.noise.gaussian import GaussianNoise, IIDGaussian
+    from userdp.engine.noise.gaussian import GaussianNoise
+    from userdp.engine.noise.mechanism import IIDGaussian
 
     iid, mf = IIDGaussian(GaussianNoise(1, seeded=True)), BandMF(GaussianNoise(1, seeded=True), bands=bands)
     target = [torch.zeros(numel)]
+    states = {"iid": None, "mf": mf.init(numel, torch.float32, "cpu")}
     for _ in range(bands):  # the ring full: every step from here reads b - 1 past vectors
-        mf.add_noise(target, 1.0)
+        target, states["mf"] = mf.update(target, states["mf"], 1.0)
     times: dict[str, list[float]] = {"iid": [], "mf": []}
     for _ in range(reps):
         for k, mech in (("iid", iid), ("mf", mf)):
             t0 = time.perf_counter()
-            mech.add_noise(target, 1.0)
+            target, states[k] = mech.update(target, states[k], 1.0)
             times[k].append(time.perf_counter() - t0)
     return _median(times["iid"]), _median(times["mf"])
 
@@ -104,6 +106,7 @@ def main(argv=None) -> int:
         run = start_run(model, data, causal_lm_loss, cfg, RunOptions())
         if b > 1:
             run.noise = BandMF(run.noise.source, bands=b)
+            run.noise_state = run.distribution.noise_init(run)
         steps[f"b{b}"] = run.run_step
     for _ in range(max(bands)):  # untimed: the first-chunk checks, the allocator, BandMF's ring filled
         for f in steps.values():

@@ -92,8 +92,8 @@ def main(argv=None) -> int:
         )
         run = run_class(model, data, causal_lm_loss, cfg, None, None)
         if a.no_noise:
-            run.noise.add_noise = lambda *args, **kw: None
-            run.noise.begin_step = lambda *args, **kw: None  # no draw ahead either (where it exists)
+            run.noise.update = lambda sums, state, std: (sums, state)
+            run.noise.begin_step = lambda *args, **kw: None  # no draw ahead either
         steps[alg] = run.run_step
     for f in steps.values():  # once untimed: the ghost strategy's first-chunk check, the allocator
         f()

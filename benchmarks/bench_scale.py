@@ -260,11 +260,13 @@ def _worker(a) -> dict:
         if per is not None:
             extra["estimated_bytes"] = fixed_bytes(model, optimizer_states=0, low_precision=narrow) + units * per
         z = [torch.zeros_like(p, dtype=torch.float32) for p in run.params]
-        run.noise.add_noise(z, 1.0)  # once untimed (a compiled device generator compiles here)
+        run.noise.update(z, None, 1.0)  # once untimed (a compiled device generator compiles here)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        run.noise.add_noise(z, 1.0)  # the noise draw alone (part of every DP step): PCG64 on the host, ChaCha20 on CUDA
+        run.noise.update(
+            z, None, 1.0
+        )  # the noise draw alone (part of every DP step): PCG64 on the host, ChaCha20 on CUDA
         if device.type == "cuda":
             torch.cuda.synchronize()
         extra["noise_s"] = time.perf_counter() - t0

@@ -74,7 +74,7 @@ def isolated_registries():
     from userdp.accounting import accountants
     from userdp.engine import algorithms, per_unit, sampling
     from userdp.engine.distributed import distribution
-    from userdp.engine.noise import gaussian as noise
+    from userdp.engine.noise import mechanism as noise
 
     registries = (
         algorithms.ALGORITHMS,

@@ -233,12 +233,14 @@ def test_a_registered_sampler_must_declare_its_accounting(isolated_registries):
 
 
 def test_the_float64_noise_mechanism_adds_gaussian_noise_of_the_asked_std(isolated_registries):
-    from userdp.engine.noise.gaussian import GaussianNoise, make_noise
+    from userdp.engine.noise.gaussian import GaussianNoise
+    from userdp.engine.noise.mechanism import make_noise
 
     _load_example("float64_noise.py")
     mech = make_noise("iid_gaussian_float64", GaussianNoise.from_seed(3))
     t = torch.zeros(200_000)
-    mech.add_noise([t], 2.5)
+    got, state = mech.update([t], mech.init(t.numel(), torch.float32, "cpu"), 2.5)
+    assert got[0] is t and state is None
     assert t.dtype == torch.float32 and abs(float(t.mean())) < 0.03  # sd of the mean: 0.0056
     assert abs(float(t.std()) - 2.5) < 0.02  # sd of the sd: 0.004
 
@@ -264,6 +266,24 @@ def test_a_plugin_sampler_and_noise_mechanism_run_through_userdp_train(tmp_path,
     assert priv["sampler_assumed"] == "poisson_users"  # accounted as Poisson, as it declares
     assert 0 < priv["epsilon"] <= 8.0 and not priv["sampling_warning"]
     assert {str(EXAMPLES / "geometric_poisson.py"), str(EXAMPLES / "float64_noise.py")} <= set(priv["plugins"])
+
+
+@pytest.mark.slow
+def test_a_plugin_noise_mechanism_with_state_across_steps_runs_through_userdp_train(tmp_path, tiny, monkeypatch):
+    monkeypatch.setenv("USERDP_CACHE", str(tiny[0] / "cache"))
+    monkeypatch.setenv("USERDP_BANDED_COEFFICIENTS", "1,0.6")
+    plugin = str(EXAMPLES / "banded_coefficients.py")
+    sets = ["--set", "privacy.sampler=cyclic_poisson", "--set", "privacy.noise=banded_coefficients"]
+    out, priv = _train(tmp_path, tiny[1], "--plugin", plugin, *sets, "--set", "privacy.bands=2")
+    eng = priv["engine_record"]
+    assert eng["noise_mechanism"] == "banded_coefficients" and eng["cycle"]["bands"] == 2 and plugin in priv["plugins"]
+    assert eng["correlated_noise"]["coefficients"] == pytest.approx([1 / math.hypot(1, 0.6), 0.6 / math.hypot(1, 0.6)])
+    assert priv["dp_event"]["count"] == -(-priv["steps_taken"] // 2)  # accounted as BandMF: one event per cycle
+    assert main(["report", str(out), "--plugin", plugin]) == 0
+    # what the accounting assumes of a plugin's coefficients is checked: b of them, column norm at most 1
+    eng["correlated_noise"]["coefficients"] = [1.0, 0.6]
+    (out / "privacy.json").write_text(json.dumps(priv))
+    assert main(["report", str(out), "--plugin", plugin]) == 2
 
 
 # ------------------------------------------------------------------------------ a distribution

@@ -58,7 +58,9 @@ class ThreeWaySplit(Replicated):
     def release(self, run, sums, std):
         first, *rest = sums
         if std > 0:  # rank 0 alone adds the step's one draw, before the all-reduce
-            plugin_call("noise mechanism", run.noise, run.noise.add_noise, first, std)
+            first, run.noise_state = plugin_call(
+                "noise mechanism", run.noise, run.noise.update, first, run.noise_state, std
+            )
             check_finite_release(first, run.noise)
         for partial in rest:  # the all-reduce, in rank order
             for total, x in zip(first, partial, strict=True):

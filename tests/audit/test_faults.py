@@ -6,7 +6,7 @@ import pytest
 
 from userdp import engine as E
 from userdp.audit.faults import broken_plan, broken_train_plan
-from userdp.engine.noise.gaussian import IIDGaussian
+from userdp.engine.noise.mechanism import IIDGaussian
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, linear_loss, user_data
@@ -51,13 +51,13 @@ def test_each_fault_changes_exactly_what_it_names():
 def test_a_fault_is_a_part_of_one_runs_plan_and_patches_no_engine_class():
     """The broken parts live in one run's plan: the engine's classes are untouched, a run beside a
     broken one is the intact run bit for bit, and a fault the plan cannot carry is refused."""
-    noise_before, clip_before = IIDGaussian.add_noise, E.FlatClip.factors_from_norms
+    noise_before, clip_before = (IIDGaussian.update, IIDGaussian.filter), E.FlatClip.factors_from_norms
     before, _, _ = _step()
     for fault in ("noise_off", "clipping_off", "user_counted_g_times"):
         _step(fault)
     after, rec, data = _step()
     assert np.array_equal(before, after) and "broken_build" not in rec
-    assert IIDGaussian.add_noise is noise_before and E.FlatClip.factors_from_norms is clip_before
+    assert (IIDGaussian.update, IIDGaussian.filter) == noise_before and E.FlatClip.factors_from_norms is clip_before
     cfg = E.TrainConfig(algorithm=E.ULS(group_size=1, sampling_rate=1.0), steps=1, noise_multiplier=2.0, delta=1e-5)
     with pytest.raises(UserError, match="unknown fault"):
         broken_train_plan(cfg, data, "gravity_off")

@@ -108,10 +108,11 @@ def test_the_noise_has_covariance_c_inverse_c_inverse_transposed():
     over 40,000 coordinates every entry of the sample covariance is within 6 standard errors."""
     steps, bands, d, std = 6, 3, 40_000, 2.0
     noise = BandMF(GaussianNoise.from_seed(17), bands=bands)
+    state = noise.init(d, torch.float32, "cpu")
     draws = []
     for _ in range(steps):
         sums = [torch.zeros(d // 2), torch.zeros(d // 2)]
-        noise.add_noise(sums, std)
+        sums, state = noise.update(sums, state, std)
         draws.append(torch.cat(sums).double().numpy())
     X = np.stack(draws)  # [T, d]
     Cinv = np.linalg.inv(strategy_matrix(noise.coefficients, steps))
@@ -279,12 +280,17 @@ def test_the_draw_combined_in_pieces_whole_or_read_in_order_gives_the_same_numbe
     shapes = [(700, 1500), (3,), (1 << 20,)]  # over a million numbers: the draw is split among threads
     fused, whole, ordered = (BandMF(GaussianNoise.from_seed(5), bands=3) for _ in range(3))
     whole.source = _DeviceLike(whole.source)
+    numel = sum(int(np.prod(s)) for s in shapes)
+    states = [m.init(numel, torch.float32, "cpu") for m in (fused, whole, ordered)]
     for _ in range(4):
         a = [torch.zeros(s) for s in shapes]
         b = [torch.zeros(s) for s in shapes]
-        fused.add_noise(a, 0.5)
-        whole.add_noise(b, 0.5)
-        numel = sum(t.numel() for t in a)
-        c = torch.cat([z for _, z in ordered.pieces(numel, [torch.float32], 0.5, "cpu")])
+        a, states[0] = fused.update(a, states[0], 0.5)
+        b, states[1] = whole.update(b, states[1], 0.5)
+        # as a sharded step composes it: the draw read in order, each piece filtered, then advanced
+        c = torch.cat(
+            [ordered.filter(z, lo, states[2]).mul_(0.5) for lo, z in ordered.draws(numel, [torch.float32], "cpu")]
+        )
+        states[2] = ordered.advance(states[2])
         flat = torch.cat([t.reshape(-1) for t in a])
         assert torch.equal(flat, torch.cat([t.reshape(-1) for t in b])) and torch.equal(flat, c)

@@ -15,6 +15,7 @@ from userdp import plugins
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
 from userdp.engine.distributed.distribution import DISTRIBUTIONS, Replicated, Sharded
 from userdp.engine.neighbour import neighbour_gap
+from userdp.engine.noise.mechanism import IIDGaussian
 from userdp.errors import UserError
 
 from _engine_helpers import MLP, ce_loss, mlp_data
@@ -61,13 +62,21 @@ def test_the_built_in_distributions_differ_only_in_the_stages_they_override():
     assert r.draws_ahead() and not s.draws_ahead()  # a model-sized buffer a sharded rank must not hold
     assert not s.lazy_zeroing(torch.device("cpu")) and not r.lazy_zeroing(torch.device("cpu"))
 
-    class NoPieces:
+    class WholeUpdate(IIDGaussian):  # a mechanism of its own update: where the model is whole only
+        def update(self, sums, state, std):
+            return sums, state
+
+    class Old:  # the contract before 0.9: its add_noise would never be called
         def add_noise(self, tensors, std):
             pass
 
-    r.check_noise(NoPieces())
-    with pytest.raises(UserError, match="has no pieces"):
-        s.check_noise(NoPieces())
+    r.check_noise(WholeUpdate(None))
+    s.check_noise(IIDGaussian(None))
+    with pytest.raises(UserError, match="overrides update"):
+        s.check_noise(WholeUpdate(None))
+    for dist in (r, s):
+        with pytest.raises(UserError, match=r"Old defines add_noise\(\), the contract before userdp 0.9"):
+            dist.check_noise(Old())
     with pytest.raises(UserError, match=r"sharding must be one of none, fsdp"):
         _config(sharding="fsdb")
 

@@ -11,12 +11,15 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from _paths import REPO
 
 from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, RunOptions, TrainConfig, checkpoint, train
 from userdp.engine.user_data import TensorUserData
 from userdp.errors import UserError
 
 from _engine_helpers import Crash, crash_at, run_gloo_pair
+
+PLUGIN_DIR = REPO / "examples" / "plugins"
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (gloo)")
 
@@ -186,12 +189,14 @@ def _sharded_runs(rank: int) -> dict:
                     "tied": plain.lm_head.weight is plain.get_input_embeddings().weight,
                     "training": plain.training,
                 }
-    # a noise mechanism that cannot read its draw a parameter at a time (no pieces()) cannot be scattered
-    from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
+    # a noise mechanism that overrides the whole update (not the coordinate-wise filter) cannot be scattered
+    from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
 
     class Whole(IIDGaussian):
         name = "whole_only"
-        pieces = None
+
+        def update(self, sums, state, std):
+            return sums, state
 
     NOISE_MECHANISMS.register(Whole)
     try:
@@ -202,9 +207,9 @@ def _sharded_runs(rank: int) -> dict:
             TrainConfig(**{**_config("uls", "fsdp").__dict__, "noise": "whole_only"}),
             RunOptions(combiner=TorchDistributedCombiner()),
         )
-        out["no_pieces"] = None
+        out["own_update"] = None
     except UserError as exc:
-        out["no_pieces"] = str(exc)
+        out["own_update"] = str(exc)
     return out
 
 
@@ -217,8 +222,8 @@ def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
 
     results = run_gloo_pair(_sharded_runs)
     for rank in (0, 1):  # refused in one line, before any step
-        msg = results[rank]["no_pieces"]
-        assert msg is not None and "\n" not in msg and "has no pieces()" in msg and "sharding='none'" in msg
+        msg = results[rank]["own_update"]
+        assert msg is not None and "\n" not in msg and "overrides update()" in msg and "sharding='none'" in msg
     for kind in ("gpt2", "llama"):
         for algo in ("uls", "els"):
             model = _model(kind)
@@ -460,14 +465,15 @@ def test_a_quantized_base_is_refused_for_sharding_in_one_line():
 
 def _sharded_normalisation(rank: int) -> dict:
     from userdp.engine.distributed.processes import TorchDistributedCombiner
-    from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
+    from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
     from userdp.lm.models import causal_lm_loss
 
     class Ones(IIDGaussian):
-        name = "ones_pieces_for_test"
+        name = "ones_filter_for_test"
+        filtered = True
 
-        def pieces(self, numel, dtypes, std, device):
-            yield 0, torch.ones(numel)
+        def filter(self, z, lo, state):  # noise of std·1 in every coordinate, on every rank's shards
+            return z.fill_(1.0)
 
     NOISE_MECHANISMS.register(Ones, name=Ones.name, replace=True)
 
@@ -512,14 +518,18 @@ def test_a_sharded_step_divides_by_a_public_constant_whatever_the_cohorts_size()
         np.testing.assert_array_equal(value, got[1]["params"][name])
 
 
-def _sharded_bandmf(rank: int) -> dict:
+def _sharded_bandmf(rank: int, noise: str = "bandmf") -> dict:
+    from userdp import plugins
     from userdp.engine.distributed.processes import TorchDistributedCombiner
     from userdp.lm.models import causal_lm_loss
 
+    if noise == "banded_coefficients":  # a plugin's mechanism, written coordinate by coordinate
+        os.environ["USERDP_BANDED_COEFFICIENTS"] = "1,0.6"
+        plugins.load(str(PLUGIN_DIR / "banded_coefficients.py"), source="--plugin")
     out = {}
     for sharding in ("none", "fsdp"):
         model = _model("gpt2")
-        cfg = _config("uls", sharding, sampling="cyclic_poisson", noise="bandmf", bands=2)
+        cfg = _config("uls", sharding, sampling="cyclic_poisson", noise=noise, bands=2)
         cfg = TrainConfig(**{**cfg.__dict__, "steps": 4, "optimizer": SGD(0.5)})
         res = train(model, _data(), causal_lm_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
         out[sharding] = {"params": _full(model), "epsilon": res.epsilon, "units": [h["units"] for h in res.history]}
@@ -528,8 +538,20 @@ def _sharded_bandmf(rank: int) -> dict:
 
 def test_banded_noise_under_sharding_trains_the_replicated_runs_model():
     """BandMF's stream read in order, a parameter at a time, and scattered to the shards: the sharded
-    run's model is the replicated run's (rank 0 keeps the ring whole; docs/algorithms.md)."""
-    results = run_gloo_pair(_sharded_bandmf)
+    run's model is the replicated run's (each rank filters its shards with its part of the stream)."""
+    _check_sharded_banded(run_gloo_pair(_sharded_bandmf))
+
+
+@pytest.mark.heavy(
+    counterpart="tests/engine/test_banded_coefficients.py::test_the_bsr_coefficients_by_hand_are_bandmf_bit_for_bit"
+)
+def test_a_plugin_mechanism_with_state_runs_sharded_with_no_other_change():
+    """examples/plugins/banded_coefficients.py (one file: init, filter, advance, its own state) under
+    FSDP2 trains the replicated run's model: the sharded release composes any such mechanism."""
+    _check_sharded_banded(run_gloo_pair(functools.partial(_sharded_bandmf, noise="banded_coefficients")))
+
+
+def _check_sharded_banded(results: dict) -> None:
     for rank in (0, 1):
         got = results[rank]
         assert got["fsdp"]["units"] == got["none"]["units"] and got["fsdp"]["epsilon"] == got["none"]["epsilon"]
@@ -557,7 +579,7 @@ def _sharded_bandmf_resume(folder: str, rank: int) -> dict:
     cfg = TrainConfig(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
     ref_model = _model("gpt2")
     ref = train(ref_model, _data(), causal_lm_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
-    ring = runs[-1].noise._slots[0].numel()
+    ring = runs[-1].noise_state.slots[0].numel()
     local = sum(p.to_local().numel() for p in runs[-1].params)
     fired = []
 

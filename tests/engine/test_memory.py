@@ -106,7 +106,7 @@ def test_banded_noise_buffers_are_counted_per_rank(gpt2, monkeypatch):
     """BandMF keeps b − 1 model-sized float32 vectors across steps: chunk_size: auto counts them,
     whole on a replicated run and 1/W of them on each rank of a sharded one, and `userdp train`'s
     shape asks the noise mechanism how many (noise_buffers)."""
-    from userdp.engine.noise.gaussian import noise_buffers
+    from userdp.engine.noise.mechanism import noise_buffers
 
     monkeypatch.setattr(noise, "PREFETCH", "off")
     n = sum(p.numel() for p in gpt2.parameters() if p.requires_grad)

@@ -16,6 +16,8 @@ import torch
 
 from userdp.engine.noise import chacha
 from userdp.engine.noise import gaussian as noise_mod
+from userdp.engine.noise.gaussian import draw_dtype
+from userdp.engine.noise.mechanism import IIDGaussian
 from userdp.errors import UserError
 
 SHAPES = [(3, 1000, 70), (17,), (0,), (5000, 51), (123_457,)]
@@ -74,11 +76,11 @@ def test_the_host_draw_holds_a_piece_not_the_model(monkeypatch):
 
 def test_the_mechanism_adds_nothing_without_a_source_or_noise():
     sums = [torch.ones(5)]
-    noise_mod.IIDGaussian(None).add_noise(sums, 3.0)
-    noise_mod.IIDGaussian(noise_mod.GaussianNoise(1, seeded=True)).add_noise(sums, 0.0)
+    assert IIDGaussian(None).update(sums, None, 3.0) == (sums, None)
+    IIDGaussian(noise_mod.GaussianNoise(1, seeded=True)).update(sums, None, 0.0)
     assert torch.equal(sums[0], torch.ones(5))
-    noise_mod.IIDGaussian(noise_mod.GaussianNoise(1, seeded=True)).add_noise(sums, 3.0)
-    assert not torch.equal(sums[0], torch.ones(5))
+    got, state = IIDGaussian(noise_mod.GaussianNoise(1, seeded=True)).update(sums, None, 3.0)
+    assert got is sums and state is None and not torch.equal(sums[0], torch.ones(5))
 
 
 def _numel_dtypes(tensors):
@@ -254,18 +256,19 @@ def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, s
     monkeypatch.setattr(chacha, "_SLAB_BLOCKS", 1001)
     monkeypatch.setattr(noise_mod, "PREFETCH", "on")
     whole, by_tensor = source(41, seeded=True), source(41, seeded=True)
-    mech = noise_mod.IIDGaussian(by_tensor)
+    mech = IIDGaussian(by_tensor)
     tensors = _tensors(wide=True)
     want = whole.like(tensors, 0.3)
     numel, dtypes = _numel_dtypes(tensors)
     if ahead and source is noise_mod.GaussianNoise:
         assert by_tensor.prefetch(numel, dtypes)  # drawn while the sums were computed: the same numbers
-    cursor = DrawCursor(mech.pieces(numel, dtypes, 0.3, "cpu"))
-    got = [cursor.take(t.numel(), t.dtype, "cpu").view(t.shape) for t in tensors]
+    cursor = DrawCursor(mech.draws(numel, dtypes, "cpu"))  # what a sharded step reads and scatters
+    dt = draw_dtype(dtypes)  # read in the draw's dtype, scaled, then rounded as add_piece rounds it
+    got = [cursor.take(t.numel(), dt, "cpu").mul_(0.3).to(t.dtype).view(t.shape) for t in tensors]
     cursor.finish()
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(want, got, strict=True))
     assert torch.equal(whole.like(tensors, 1.0)[0], by_tensor.like(tensors, 1.0)[0])  # the next draw, alike
-    short = DrawCursor(mech.pieces(numel, dtypes, 0.3, "cpu"))
+    short = DrawCursor(mech.draws(numel, dtypes, "cpu"))
     short.take(numel - 1, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match="not read to its end"):
         short.finish()

@@ -12,7 +12,7 @@ import torch
 from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
 from userdp.engine import plugin_outputs as P
 from userdp.engine.neighbour import neighbour_gap
-from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
 from userdp.engine.sampling import SAMPLERS, Poisson
 from userdp.errors import UserError
 
@@ -92,9 +92,10 @@ class _Noise(IIDGaussian):
 
     write = None
 
-    def add_noise(self, tensors, std):
-        for t in tensors:
+    def update(self, sums, state, std):
+        for t in sums:
             type(self).write(t)
+        return sums, state
 
 
 @pytest.mark.parametrize(

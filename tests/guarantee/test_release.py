@@ -27,7 +27,7 @@ from _paths import REPO
 
 from userdp.cli import main as cli
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TrainConfig, make_private, train
-from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
 
 from _engine_helpers import Mean, run_ranks, user_data
 from _lm_corpus import write_tiny_run
@@ -140,7 +140,7 @@ def test_a_tuning_plan_names_its_trial_folders_at_random():
 
 
 ZERO_SUM_PLUGIN = '''
-from userdp.engine.noise.gaussian import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
 
 
 class ZeroSum(IIDGaussian):
@@ -148,9 +148,10 @@ class ZeroSum(IIDGaussian):
 
     name = "zero_sum_for_test"
 
-    def add_noise(self, tensors, std):
-        for t in tensors:
+    def update(self, sums, state, std):
+        for t in sums:
             t.zero_()
+        return sums, state
 
 
 if ZeroSum.name not in NOISE_MECHANISMS:
@@ -234,9 +235,10 @@ class _OnesSum(IIDGaussian):
 
     name = "ones_sum_for_test"
 
-    def add_noise(self, tensors, std):
-        for t in tensors:
+    def update(self, sums, state, std):
+        for t in sums:
             t.fill_(1.0)
+        return sums, state
 
 
 def _zero_grad_loss(model, batch):

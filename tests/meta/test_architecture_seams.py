@@ -20,7 +20,7 @@ from userdp.engine import checkpoint as ckpt
 from userdp.engine import per_unit as per_unit_mod
 from userdp.engine.clipping import per_tensor_norms
 from userdp.engine.ledger import PrivacyLedger
-from userdp.engine.noise import gaussian as noise_mod
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
 from userdp.engine.plan import PERFORMANCE_FIELDS, make_plan, privacy_repr
 from userdp.engine.run.step import EngineRun
 from userdp.errors import UserError
@@ -272,17 +272,26 @@ def test_clipping_consumes_norms_alone(clip):
 
 
 # ------------------------------------------------------------------------------ noise mechanisms
-def test_a_registered_noise_mechanism_gets_the_std_on_the_sum(tmp_path):
+def test_a_registered_noise_mechanism_gets_the_std_on_the_sum_and_its_state_across_steps(tmp_path):
     asked = []
 
-    class Recording(noise_mod.IIDGaussian):
+    class Recording(IIDGaussian):
+        """A transform whose state (the steps it noised) is the run's, passed in and returned."""
+
         name = "recording"
 
-        def add_noise(self, tensors, std):
-            asked.append(std)
-            return super().add_noise(tensors, std)
+        def init(self, numel, dtype, device):
+            return {"steps": 0, "numel": numel}
 
-    noise_mod.NOISE_MECHANISMS["recording"] = Recording
+        def update(self, sums, state, std):
+            asked.append((std, dict(state)))
+            sums, _ = super().update(sums, None, std)
+            return sums, {**state, "steps": state["steps"] + 1}
+
+        def state_dict(self, state):
+            return {**super().state_dict(state), "steps": state["steps"]}
+
+    NOISE_MECHANISMS["recording"] = Recording
     try:
         cfg = TrainConfig(
             algorithm=ULS(2, 0.5),
@@ -297,11 +306,13 @@ def test_a_registered_noise_mechanism_gets_the_std_on_the_sum(tmp_path):
         res = train(Mean(3), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path)))
         # the noise goes on the clipped SUM (on rank 0, before the all-reduce): std z * C; the noised
         # sum is then divided by the fixed denominator q * N = 10
-        assert asked == [pytest.approx(2.0 * 0.5)] * 2 and res.steps == 2
+        assert [a[0] for a in asked] == [pytest.approx(2.0 * 0.5)] * 2 and res.steps == 2
+        assert [a[1] for a in asked] == [{"steps": 0, "numel": 3}, {"steps": 1, "numel": 3}]  # each step's state
         st = ckpt.load(str(tmp_path))
         assert st["noise"]["source"] is not None  # seeded: the mechanism's state travels with the checkpoint
+        assert st["noise"]["steps"] == 2
     finally:
-        noise_mod.NOISE_MECHANISMS.pop("recording")
+        NOISE_MECHANISMS.pop("recording")
 
 
 # ------------------------------------------------------------------------------ the example algorithm
@@ -353,7 +364,7 @@ def test_the_plan_holds_its_parts_and_the_run_uses_them():
     )
     plan = make_plan(cfg, num_users=40, num_units=40)
     assert isinstance(plan.sampler, sampler) and plan.accounted_sampling == "poisson"
-    assert plan.noise_mechanism is noise_mod.NOISE_MECHANISMS.lookup("iid_gaussian_float64")
+    assert plan.noise_mechanism is NOISE_MECHANISMS.lookup("iid_gaussian_float64")
     assert plan.performance["chunk_size"] == 8 and set(plan.performance) == set(PERFORMANCE_FIELDS)
     assert privacy_repr(cfg) == privacy_repr(dataclasses.replace(cfg, chunk_size=64, per_unit="vmap"))
     run = EngineRun(Mean(2), data, sq_loss, plan)

@@ -25,7 +25,7 @@ SEAMS = {
         "userdp.engine.clipping:PerLayerClip",
         "userdp.engine.clipping:AdaptiveClip",
     ],
-    "noise mechanism": ["userdp.engine.noise.gaussian:IIDGaussian", "userdp.engine.noise.bandmf:BandMF"],
+    "noise mechanism": ["userdp.engine.noise.mechanism:IIDGaussian", "userdp.engine.noise.bandmf:BandMF"],
     "ledger": ["userdp.engine.ledger:PrivacyLedger"],
     "distribution": [
         "userdp.engine.distributed.distribution:Replicated",

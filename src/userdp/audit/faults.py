@@ -27,7 +27,7 @@ import torch
 
 from userdp.audit.session import AuditSession
 from userdp.engine.clipping import FlatClip
-from userdp.engine.noise.gaussian import IIDGaussian
+from userdp.engine.noise.mechanism import IIDGaussian
 from userdp.engine.plan import RunPlan, TrainConfig, make_plan
 from userdp.engine.user_data import UserData
 from userdp.errors import UserError
@@ -37,10 +37,13 @@ FAULTS = ("noise_off", "clipping_off", "user_counted_g_times")
 
 class SilentGaussian(IIDGaussian):
     """i.i.d. Gaussian noise that adds nothing (``noise_off``): its draws are made as the intact
-    mechanism's are, and dropped."""
+    mechanism's are, and filtered to zero (under every distribution: the filter is what a sharded
+    step applies to each rank's shards too)."""
 
-    def add_noise(self, tensors, std) -> None:
-        return None
+    filtered = True
+
+    def filter(self, z, lo, state):
+        return z.zero_()
 
 
 @dataclasses.dataclass(frozen=True)

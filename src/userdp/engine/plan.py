@@ -27,7 +27,7 @@ from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
 from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.distributed.distribution import DISTRIBUTIONS
-from userdp.engine.noise.gaussian import NOISE_MECHANISMS
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.precision import PRECISIONS
@@ -71,7 +71,7 @@ class TrainConfig:
     (without replacement, replace-one, RDP) or "shuffle" (fixed batches; no amplification).
     ``per_unit``: the per-unit strategy ("auto" or a name in
     :data:`~userdp.engine.per_unit.PER_UNIT_STRATEGIES`); ``noise``: the noise mechanism (a name
-    in :data:`~userdp.engine.noise.gaussian.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
+    in :data:`~userdp.engine.noise.mechanism.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
     ``precision``: the autocast dtype of the per-unit forward and backward (``float32``,
     ``bfloat16``, ``float16``; norms, sums and noise stay float32, see
     :mod:`userdp.engine.precision`). ``sharding``: ``"none"`` (every rank holds the whole model)
@@ -277,7 +277,7 @@ class RunPlan:
         sampler: the sampler that draws each step's cohort (``config.sampling`` looked up once
             in :data:`~userdp.engine.sampling.SAMPLERS`; a plugin's declares its accounting).
         noise_mechanism: the noise mechanism's class (``config.noise`` looked up once in
-            :data:`~userdp.engine.noise.gaussian.NOISE_MECHANISMS`); the run instantiates it over its
+            :data:`~userdp.engine.noise.mechanism.NOISE_MECHANISMS`); the run instantiates it over its
             keyed source.
         broken_build: None, or the audit's deliberately broken part (:mod:`userdp.audit.faults`).
 

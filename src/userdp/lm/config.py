@@ -38,7 +38,7 @@ from userdp.accounting.mechanism import MAX_BANDS
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.distributed.distribution import DISTRIBUTIONS
 from userdp.engine.distributed.sharding import unshardable
-from userdp.engine.noise.gaussian import NOISE_MECHANISMS
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS
 from userdp.engine.per_unit import PER_UNIT_STRATEGIES
 from userdp.engine.sampling import SAMPLERS
 from userdp.errors import UserError

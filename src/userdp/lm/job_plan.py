@@ -18,7 +18,7 @@ from userdp import engine as E
 from userdp.devices import resolve_precision
 from userdp.engine.algorithms import ALGORITHMS
 from userdp.engine.memory import RunShape, auto_chunk_size
-from userdp.engine.noise.gaussian import noise_buffers
+from userdp.engine.noise.mechanism import noise_buffers
 from userdp.engine.plan import SAMPLER_MODE, RunPlan, make_plan
 from userdp.engine.sampling import accounted_as
 from userdp.errors import UserError

@@ -140,17 +140,24 @@ def verify_epsilon(rec: dict, path: Path) -> None:
 
 def check_correlated_noise(rec: dict, bands: int, path: Path) -> None:
     """A record's banded noise is the strategy its bands make (re-derived, not read), and the noise
-    of a cyclic run whose noise is banded has the journal's bands.
+    of a cyclic run whose noise is banded has the journal's bands. A plugin's banded mechanism brings
+    its own coefficients, which the code cannot re-derive: what the accounting assumes of them is
+    checked instead (b of them, the first not 0, so C is b-banded and invertible, with column norm
+    at most 1); the statement says userdp does not verify a plugin's claim.
 
     Raises:
         UserError: naming the file, when its strategy or coefficients are not the ones the code uses."""
-    noise = (rec.get("engine_record") or {}).get("correlated_noise")
+    engine = rec.get("engine_record") or {}
+    noise = engine.get("correlated_noise")
     if noise is None:
         return
     try:
-        want = bsr_coefficients(bands)
-        ok = int(noise["bands"]) == bands and np.allclose(noise["coefficients"], want, rtol=0, atol=1e-15)
-    except (KeyError, TypeError, ValueError):
+        c = np.asarray(noise["coefficients"], dtype=np.float64)
+        if engine.get("noise_mechanism") == "bandmf":
+            ok = int(noise["bands"]) == bands and np.allclose(c, bsr_coefficients(bands), rtol=0, atol=1e-15)
+        else:
+            ok = int(noise["bands"]) == bands == c.size and c[0] != 0 and float(np.linalg.norm(c)) <= 1 + 1e-12
+    except (KeyError, TypeError, ValueError, IndexError):
         ok = False
     if not ok:
         raise UserError(

@@ -14,7 +14,7 @@ import platform
 from dataclasses import dataclass
 
 from userdp.engine.algorithms import ALGORITHMS
-from userdp.engine.noise.gaussian import NOISE_MECHANISMS
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS
 from userdp.engine.plugin_outputs import built_in, describe
 from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.sampling import SAMPLERS

@@ -44,6 +44,7 @@ from userdp.engine.distributed.sharding import (
 from userdp.engine.ghost.coverage import Coverage
 from userdp.engine.noise.flat import DrawCursor
 from userdp.engine.noise.gaussian import draw_dtype
+from userdp.engine.noise.mechanism import IIDGaussian, check_contract
 from userdp.engine.plugin_outputs import call as plugin_call
 from userdp.engine.plugin_outputs import check_finite_release
 from userdp.errors import UserError
@@ -125,6 +126,14 @@ class Replicated:
 
     def check_noise(self, noise) -> None:
         """Refuse, before any step, a noise mechanism this distribution cannot release with."""
+        check_contract(noise)
+
+    def noise_init(self, run):
+        """The noise mechanism's state, on the rank that adds the draw (the main rank: the others hold
+        none), over the whole sum."""
+        if run.combiner.rank != 0:
+            return None
+        return run.noise.init(run.sum_numel, draw_dtype(run.sum_dtypes), run.device)
 
     def draws_ahead(self) -> bool:
         """Whether the main rank's host source may draw a step's noise while its sums are computed
@@ -149,17 +158,19 @@ class Replicated:
         """The step's noised sums on every rank: rank 0 adds one draw of N(0, std²) (in place; a
         plugin's release must be finite), then the sums are all-reduced."""
         if run.combiner.rank == 0 and std > 0:  # std is proportional to the noise multiplier: 0 when non-private
-            plugin_call("noise mechanism", run.noise, run.noise.add_noise, sums, std)
+            sums, run.noise_state = plugin_call(
+                "noise mechanism", run.noise, run.noise.update, sums, run.noise_state, std
+            )
             check_finite_release(sums, run.noise)
         return run.combiner.all_reduce_sum(sums)
 
     def noise_state(self, run) -> dict:
         """The noise mechanism's state for a seeded run's checkpoint (every rank that writes calls it)."""
-        return run.noise.state_dict()
+        return run.noise.state_dict(run.noise_state)
 
     def load_noise_state(self, run, state: dict) -> None:
         """Restore :meth:`noise_state`'s output, whatever distribution wrote it."""
-        run.noise.load_state_dict(state)
+        run.noise_state = run.noise.load_state(state, run.noise_state)
 
     def share_initial_state(self, combiner, run) -> None:
         """Rank 0's initial values on every rank (e.g. a randomly initialised preset, LoRA's random A)."""
@@ -208,11 +219,19 @@ class Sharded(Replicated):
         pass
 
     def check_noise(self, noise) -> None:
-        if not callable(getattr(noise, "pieces", None)):
+        check_contract(noise)
+        own = type(noise).update is not IIDGaussian.update
+        if own or not all(callable(getattr(noise, m, None)) for m in ("filter", "advance", "draws")):
             raise UserError(
-                f"sharding='fsdp': the noise mechanism {type(noise).__name__} has no pieces() (its "
-                "draw read in order, one parameter at a time, to scatter to the shards); use sharding='none'"
+                f"sharding='fsdp': the noise mechanism {type(noise).__name__} "
+                + ("overrides update()" if own else "has no filter(), advance() or draws()")
+                + " (a sharded step scatters the draw and filters each rank's shards); use sharding='none'"
             )
+
+    def noise_init(self, run):
+        """Every rank holds the state of its own shards' coordinates."""
+        held = [x.to_local() for x in run.params]
+        return run.noise.init(sum(t.numel() for t in held), draw_dtype(run.sum_dtypes), run.device)
 
     def draws_ahead(self) -> bool:  # a model-sized buffer; the shards' noise is read a parameter at a time
         return False
@@ -227,41 +246,47 @@ class Sharded(Replicated):
         return _ShardSums(params, dtype_of, acc)
 
     def release(self, run, sums: list, std: float) -> list:
-        """Add the step's one noise draw to the shards of the totals (DTensors; every rank calls
-        this): rank 0 reads the draw in the replicated run's order, a parameter at a time
-        (:class:`userdp.engine.noise.flat.DrawCursor`: the same numbers as ``add_noise``), and scatters
-        each parameter's noise to the ranks holding its shards."""
+        """Add the step's noise to the shards of the totals (DTensors; every rank calls this): rank 0
+        reads the source's draw in the replicated run's order, a parameter at a time
+        (:class:`userdp.engine.noise.flat.DrawCursor`: the same numbers as the replicated ``update``),
+        and scatters each parameter's normals to the ranks holding its shards; every rank filters its
+        shards' normals with its own part of the mechanism's state and adds ``std`` times them: the
+        numbers of the replicated run, coordinate by coordinate."""
         if std <= 0:
             return sums
-        if getattr(run.noise, "correlated", False):
-            return _release_correlated(run, sums, std)
+        noise, dtype = run.noise, draw_dtype(run.sum_dtypes)
         main = run.combiner.rank == 0
-        cursor = DrawCursor(run.noise.pieces(run.sum_numel, run.sum_dtypes, std, run.device)) if main else None
+        cursor = DrawCursor(noise.draws(run.sum_numel, run.sum_dtypes, run.device)) if main else None
+        lo = 0
         for p, x in zip(run.params, sums, strict=True):
             local = x.to_local()
-            full = cursor.take(p.numel(), local.dtype, local.device) if cursor is not None else None
-            local.add_(scatter_from_main(full, p, local.dtype))
+            full = cursor.take(p.numel(), dtype, local.device) if cursor is not None else None
+            z = scatter_from_main(full, p, dtype).reshape(-1)  # the draw's dtype, as the replicated run's
+            w = noise.filter(z, lo, run.noise_state).mul_(float(std))
+            local.add_(w.to(local.dtype).view_as(local))  # rounded as add_piece rounds it
+            lo += local.numel()
         if cursor is not None:
             cursor.finish()
+        run.noise_state = noise.advance(run.noise_state)
         return sums
 
     def share_initial_state(self, combiner, run) -> None:  # done before sharding: the ranks now hold different shards
         pass
 
     def noise_state(self, run) -> dict:
-        """A correlated mechanism's state made whole: each rank holds 1/W of each past noise vector, and
-        the checkpoint keeps whole vectors (every rank calls it: an all-gather per parameter), so that a
-        resume on any W, or on one process, lays them out its own way."""
-        state = run.noise.state_dict()
-        if getattr(run.noise, "correlated", False):
-            state["past"] = [_whole_flat(run.params, w) for w in state.get("past") or []]
+        """The noise mechanism's state made whole: each rank holds its shards' part of each past noise
+        vector, and the checkpoint keeps whole vectors (every rank calls it: an all-gather per
+        parameter), so that a resume on any W, or on one process, lays them out its own way."""
+        state = run.noise.state_dict(run.noise_state)
+        if state.get("past"):
+            state["past"] = [_whole_flat(run.params, w) for w in state["past"]]
         return state
 
     def load_noise_state(self, run, state: dict) -> None:
         """Restore a whole state, each rank keeping its own shards of the past noise vectors."""
-        if getattr(run.noise, "correlated", False) and state.get("past"):
+        if state.get("past"):
             state = {**state, "past": [_local_flat(run.params, w) for w in state["past"]]}
-        run.noise.load_state_dict(state)
+        run.noise_state = run.noise.load_state(state, run.noise_state)
 
     def split_state(self, run, optimizer: dict) -> tuple[dict, dict]:
         """Each optimizer state laid out as its parameter (Adam's moments) replaced by
@@ -285,28 +310,6 @@ class Sharded(Replicated):
 
     def optimizer_state_like(self, optimizer: dict, held: list) -> dict:
         return optimizer_state_like(optimizer, held)
-
-
-def _release_correlated(run, sums: list, std: float) -> list:
-    """A correlated mechanism's step on the shards: rank 0 reads z_t in the replicated run's order and
-    scatters each parameter's part; every rank combines its shard of z_t with its own shards of the past
-    noise vectors (the mechanism's state, 1/W of it on each rank) and adds std times the result: the
-    numbers of the replicated run, coordinate by coordinate."""
-    noise = run.noise
-    main = run.combiner.rank == 0
-    cursor = DrawCursor(noise.draws(run.sum_numel, run.sum_dtypes, run.device)) if main else None
-    locals_ = [x.to_local() for x in sums]
-    noise.begin(sum(t.numel() for t in locals_), draw_dtype(t.dtype for t in locals_), locals_[0].device)
-    lo = 0
-    for p, local in zip(run.params, locals_, strict=True):
-        full = cursor.take(p.numel(), local.dtype, local.device) if cursor is not None else None
-        z = scatter_from_main(full, p, local.dtype).reshape(-1)
-        local.add_(noise.combine(z, lo).mul_(float(std)).view_as(local))
-        lo += local.numel()
-    if cursor is not None:
-        cursor.finish()
-    noise.advance()
-    return sums
 
 
 def _whole_flat(params, local_flat: torch.Tensor) -> torch.Tensor:

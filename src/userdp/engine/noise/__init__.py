@@ -6,14 +6,14 @@ Two layers (each module's docstring says what it holds):
   (or by the user's seed, reproducibly): :class:`~.gaussian.GaussianNoise` on the host (numpy's
   PCG64DXSM), :class:`~.chacha.ChaChaNoise` on a device (ChaCha20 in torch ops, or the Triton
   kernel of :mod:`~.chacha_triton`); :func:`~.gaussian.source_for` picks one for the device;
-- a **mechanism**, registered in :data:`~.gaussian.NOISE_MECHANISMS` (``TrainConfig.noise``
-  names it): the noise a step adds, from the source and its own state across steps.
-  Its contract: ``init(params)`` once; per step ``add_noise(sums, std)`` (in place, on the
-  main rank) or ``pieces(numel, dtypes, std, device)`` (the same draw read in order, for a
-  distribution that scatters it); ``state_dict`` / ``load_state_dict`` (checkpointed for seeded
-  runs only, never released); ``correlated`` where its state spans steps. A mechanism whose
-  accounting is not i.i.d. Gaussian declares its own DpEvent (:class:`~.bandmf.BandMF`).
-  A new mechanism is one file here plus a test (docs/engine.md).
+- a **mechanism** (:mod:`~.mechanism`), registered in :data:`~.mechanism.NOISE_MECHANISMS`
+  (``TrainConfig.noise`` names it): a stateful transform of the sum over the source, whose state
+  the run holds. Its contract: ``init(numel, dtype, device) -> state``; per step
+  ``update(sums, state, std) -> (sums, state)`` (on the main rank of a replicated model), or, where a
+  distribution scatters the draw, ``filter(z, lo, state) -> w`` on each rank's coordinates then
+  ``advance(state) -> state``; ``state_dict(state)`` / ``load_state(saved, state)`` (checkpointed for
+  seeded runs only, never released). A mechanism whose accounting is not i.i.d. Gaussian declares
+  its own (:class:`~.bandmf.BandMF`). A new mechanism is one file plus a test (docs/engine.md).
 
 :mod:`~.flat` lays a draw over a list of tensors as one flat vector.
 """

@@ -15,7 +15,7 @@ cancels in the running sum of updates the model is.
   ``C w = z``): the state is the last b−1 noise vectors, model-sized, flat buffers on the sums'
   device in the draw's dtype (float32, float64 for float64 sums) in a ring; with the host source
   the recursion runs inside the draw, a cache-sized piece at a time in its threads. b = 1 is
-  i.i.d. noise, the same numbers as :class:`~userdp.engine.noise.gaussian.IIDGaussian` (it *is* that
+  i.i.d. noise, the same numbers as :class:`~userdp.engine.noise.mechanism.IIDGaussian` (it *is* that
   mechanism).
 * **State and checkpoints.** The b−1 vectors are noise: anyone who holds them and two released
   models could subtract them. They are saved with a seeded run's checkpoint (as the generator's
@@ -27,14 +27,15 @@ cancels in the running sum of updates the model is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from userdp.engine.noise.flat import add_piece, flat_views
-from userdp.engine.noise.gaussian import NOISE_MECHANISMS, GaussianNoise, IIDGaussian, draw_dtype
+from userdp.engine.noise.gaussian import GaussianNoise
+from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian, NoiseState
 from userdp.errors import UserError
 
 
@@ -61,8 +62,32 @@ def max_column_norm(coefficients: Sequence[float], steps: int) -> float:
     return float(np.linalg.norm(strategy_matrix(coefficients, steps), axis=0).max())
 
 
+@dataclasses.dataclass
+class Stream:
+    """BandMF's state: the past noise vectors, flat, in a ring of b − 1 slots (``head`` holds w_{t-1},
+    the slot after it the oldest, w_{t-b+1}, read for the last time while w_t overwrites it), and how
+    many are held (fewer than b − 1 while a stream begins). Secret: checkpointed for a seeded run only."""
+
+    slots: list[torch.Tensor]
+    head: int = -1
+    held: int = 0
+
+    def past(self, j: int) -> torch.Tensor:
+        """w_{t-j}, flat (1 <= j <= held)."""
+        return self.slots[(self.head - (j - 1)) % len(self.slots)]
+
+    def next_slot(self) -> torch.Tensor:
+        """The slot w_t is written into (the oldest vector's)."""
+        return self.slots[(self.head + 1) % len(self.slots)]
+
+    def advanced(self) -> Stream:
+        """The stream once w_t is written: it becomes w_{t-1}."""
+        return Stream(self.slots, (self.head + 1) % len(self.slots), min(self.held + 1, len(self.slots)))
+
+
 class BandMF(IIDGaussian):
-    """b-banded matrix-factorization noise over a keyed i.i.d. source (see the module docstring).
+    """b-banded matrix-factorization noise over a keyed i.i.d. source (see the module docstring): a
+    filter of the source's normals, coordinate by coordinate, whose state is a :class:`Stream`.
 
     Args:
         source: the keyed generator of the standard normals z_t (None on ranks that draw none).
@@ -81,113 +106,66 @@ class BandMF(IIDGaussian):
         super().__init__(source)
         self.bands = int(bands)
         self.coefficients = bsr_coefficients(self.bands)
-        # the past noise vectors, flat, in a ring of b - 1 slots: slot `_head` holds w_{t-1}, the
-        # slot after it the oldest (w_{t-b+1}, read for the last time while w_t overwrites it)
-        self._slots: list[torch.Tensor] = []
-        self._head = -1
-        self._held = 0  # past vectors held (fewer than b - 1 while a stream begins)
 
-    # ------------------------------------------------------------------ the stream
     @property
-    def correlated(self) -> bool:
-        """Whether the noise keeps state across steps (b > 1). A sharded run keeps that state on every
-        rank, for the rank's own shards (:meth:`userdp.engine.distributed.distribution.Sharded.release`): rank 0
-        reads :meth:`draws`, scatters each parameter's z, and every rank :meth:`combine`\ s its part."""
+    def filtered(self) -> bool:  # type: ignore[override]
+        """b = 1 is i.i.d. noise: the draw is added as it is made."""
         return self.bands > 1
 
-    def draws(self, numel: int, dtypes: Sequence[torch.dtype], device):
-        """This step's standard normals z_t, in order, as ``(offset, piece)`` (the main rank's source)."""
-        assert self.source is not None
-        return self.source.pieces(numel, dtypes, device)
+    def init(self, numel: int, dtype: torch.dtype, device) -> NoiseState:
+        """b − 1 zero vectors of ``numel`` numbers of the draw's ``dtype`` on the sums' ``device`` (on a
+        GPU the recursion never crosses to the host); none for b = 1."""
+        if self.bands == 1:
+            return None
+        return Stream([torch.zeros(int(numel), dtype=dtype, device=device) for _ in range(self.bands - 1)])
 
-    def _past(self, j: int) -> torch.Tensor:
-        """w_{t-j}, flat (1 <= j <= held)."""
-        return self._slots[(self._head - (j - 1)) % (self.bands - 1)]
-
-    def combine(self, z: torch.Tensor, lo: int) -> torch.Tensor:
+    def filter(self, z: torch.Tensor, lo: int, state: Stream | None) -> torch.Tensor:
         """The piece ``[lo, lo + len(z))`` of w_t from the same piece of z_t (changed in place and
         returned): ``w = (z − Σ_j c_j w_{t−j}) / c_0``, written into the ring's next slot. Pieces
-        are disjoint, so the pool's threads may combine them at once."""
+        are disjoint, so the pool's threads may filter them at once."""
+        if state is None:
+            return z
         hi = lo + z.numel()
         c = self.coefficients
-        for j in range(1, self._held + 1):
-            z.add_(self._past(j)[lo:hi].to(z.device, z.dtype), alpha=-float(c[j]))
+        for j in range(1, state.held + 1):
+            z.add_(state.past(j)[lo:hi].to(z.device, z.dtype), alpha=-float(c[j]))
         z.div_(float(c[0]))
-        self._slots[(self._head + 1) % (self.bands - 1)][lo:hi].copy_(z)
+        state.next_slot()[lo:hi].copy_(z)
         return z
 
-    def begin(self, numel: int, dtype: torch.dtype, device="cpu") -> None:
-        """The ring ready for a step over ``numel`` numbers on ``device`` (the sums' device: on a GPU the
-        recursion never crosses to the host), allocated at the first step: b − 1 flat buffers of the
-        draw's dtype; a ring restored from a checkpoint moves there."""
-        if not self._slots:
-            self._slots = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(self.bands - 1)]
-        if self._slots[0].numel() != numel:
-            raise UserError(f"the noise stream holds vectors of {self._slots[0].numel()} numbers, not {numel}")
-        if self._slots[0].device != torch.device(device):
-            self._slots = [t.to(device) for t in self._slots]
-
-    def advance(self) -> None:
+    def advance(self, state: NoiseState) -> NoiseState:
         """The step's w_t is written: it becomes w_{t-1}."""
-        self._head = (self._head + 1) % (self.bands - 1)
-        self._held = min(self._held + 1, self.bands - 1)
-
-    # ------------------------------------------------------------------ the mechanism
-    def add_noise(self, tensors: Sequence[torch.Tensor], std: float) -> None:
-        """Add ``std · w_t`` to the sums, in place (b = 1: exactly :class:`IIDGaussian`'s draw). With
-        a host source the recursion runs inside the draw, a piece at a time in the pool's threads
-        (no model-sized temporary); another source's draw is combined whole."""
-        if self.source is None or std <= 0:
-            return
-        if self.bands == 1:
-            super().add_noise(tensors, std)
-            return
-        numel = sum(t.numel() for t in tensors)
-        dtype = draw_dtype(t.dtype for t in tensors)
-        self.begin(numel, dtype, tensors[0].device)
-        if isinstance(self.source, GaussianNoise):
-            self.source.add_(tensors, std, transform=self.combine)
-        else:  # a device source (ChaCha on CUDA): one draw, combined, then added
-            z = self.source.like([torch.empty(numel, dtype=dtype, device=tensors[0].device)], 1.0)[0]
-            flats, offsets = flat_views(tensors)
-            add_piece(flats, offsets, self.combine(z, 0).mul_(float(std)), 0)
-        self.advance()
-
-    def pieces(self, numel: int, dtypes: Sequence[torch.dtype], std: float, device):
-        """This step's noise in order, for a sharded step: the source's pieces of z_t, each combined
-        into w_t and scaled (the main rank keeps the whole ring, on the host)."""
-        if self.bands == 1:
-            yield from super().pieces(numel, dtypes, std, device)
-            return
-        dtype = draw_dtype(dtypes)
-        assert self.source is not None  # the main rank's (the only one that reads the draw)
-        self.begin(int(numel), dtype)
-        for lo, z in self.source.pieces(numel, dtypes, device):
-            yield lo, self.combine(z, lo).mul_(float(std))
-        self.advance()
+        if state is None:
+            return None
+        return state.advanced()
 
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
+    def state_dict(self, state: Stream | None) -> dict:
         """The source's state and the stream's past vectors, newest first (seeded runs only: both
         are secret)."""
-        past = [self._past(j).cpu().clone() for j in range(1, self._held + 1)]
-        return {**super().state_dict(), "past": past}
+        past = [state.past(j).cpu().clone() for j in range(1, state.held + 1)] if state is not None else []
+        return {**super().state_dict(state), "past": past}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output: the stream continues where it was saved.
+    def load_state(self, saved: dict, state: NoiseState) -> NoiseState:
+        """Restore :meth:`state_dict`'s output into ``state``: the stream continues where it was saved.
 
         Raises:
-            UserError: a saved stream of more past vectors than b − 1."""
-        super().load_state_dict(state)
-        past = [t.reshape(-1) for t in (state.get("past") or [])]
+            UserError: a saved stream of more past vectors than b − 1, or of vectors of another length."""
+        super().load_state(saved, state)
+        past = [t.reshape(-1) for t in (saved.get("past") or [])]
         if len(past) > self.bands - 1:
             raise UserError(f"the checkpoint's noise stream holds {len(past)} past steps, more than bands - 1")
-        self._slots, self._head, self._held = [], -1, 0
-        if past:
-            self.begin(past[0].numel(), past[0].dtype)
-            for w in reversed(past):  # oldest first, as the steps wrote them
-                self._slots[(self._head + 1) % (self.bands - 1)].copy_(w)
-                self.advance()
+        if state is None:
+            return None
+        if any(w.numel() != state.slots[0].numel() for w in past):
+            raise UserError(
+                f"the checkpoint's noise stream holds vectors of another length than {state.slots[0].numel()}"
+            )
+        stream = Stream(state.slots)
+        for w in reversed(past):  # oldest first, as the steps wrote them
+            stream.next_slot().copy_(w)
+            stream = stream.advanced()
+        return stream
 
     def to_record(self) -> dict:
         """What the privacy record says of the noise: the strategy, its coefficients and its norm."""

@@ -18,17 +18,9 @@ The noise is the privacy mechanism, so its generator is keyed like a secret:
   begins and made beside its computation (:meth:`GaussianNoise.prefetch`): the same numbers,
   added once or dropped, never saved.
 
-Two layers, so that correlated-noise mechanisms (DP-FTRL's tree aggregation, matrix
-factorization) are one new class and no change to the loop:
-
-* the *source* (:class:`GaussianNoise`): the keyed generator of i.i.d. standard normals;
-* the *mechanism* (:class:`IIDGaussian`, registered in :data:`NOISE_MECHANISMS`): what noise a
-  step adds to the released update, from the source and the mechanism's own state
-  (``init`` / ``noise`` / ``state_dict``; jax_privacy's ``noise_addition`` transforms have the
-  same shape). Its state is checkpointed with the ledger — for seeded runs only, since an
-  unseeded run's generator state is its secret key. A correlated mechanism must also bring its
-  own DpEvent (the accountant sees the mechanism, not the loop); i.i.d. Gaussian noise is what
-  :class:`userdp.accounting.Mechanism` describes.
+This module is the *source*: the keyed generator of i.i.d. standard normals. What a step adds
+from it (i.i.d. noise, or noise correlated across steps) is the *mechanism*, a stateful transform
+of the sum (:mod:`userdp.engine.noise.mechanism`).
 """
 
 from __future__ import annotations
@@ -44,7 +36,6 @@ from userdp.engine.host import free_host_bytes
 from userdp.engine.noise.chacha import ChaChaNoise
 from userdp.engine.noise.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
-from userdp.registry import Registry
 
 ENTROPY_BITS = 256
 _POOL_WORDS = ENTROPY_BITS // 32
@@ -381,79 +372,3 @@ def source_for(device, key_material: int, *, seeded: bool):
 def source_class(device) -> type:
     """The class :func:`source_for` uses on ``device``."""
     return DEVICE_SOURCES.get(torch.device(device).type, GaussianNoise)
-
-
-class IIDGaussian:
-    """Independent N(0, std^2 I) noise every step: the mechanism DP-SGD and DP-FedAvg account.
-
-    Args:
-        source: the keyed generator (None on ranks that do not draw noise; only the main rank
-            draws, once per step for the whole sum).
-    """
-
-    name = "iid_gaussian"
-
-    def __init__(self, source: GaussianNoise | None):
-        self.source = source
-
-    def init(self, params: Sequence[torch.Tensor]) -> None:
-        """Prepare for a run over ``params`` (i.i.d. noise keeps no per-parameter state)."""
-
-    def begin_step(self, numel: int, dtypes: Sequence[torch.dtype]) -> None:
-        """The step's sums (``numel`` numbers of ``dtypes``) are about to be computed: a host source
-        begins drawing their noise in its threads meanwhile (:meth:`GaussianNoise.prefetch`; on a
-        CPU the draw of a 124M-parameter model's noise is a quarter of a small step). Optional for a
-        mechanism: the loop calls it where it exists; one whose :meth:`add_noise` adds to other
-        tensors than the sums overrides it (or draws anew: a draw of another layout is dropped)."""
-        prefetch = getattr(self.source, "prefetch", None)
-        if prefetch is not None:
-            prefetch(numel, dtypes)
-
-    def add_noise(self, tensors: Sequence[torch.Tensor], std: float) -> None:
-        """Add this step's noise to the clipped sums ``tensors``, in place (``std`` is on the scale
-        of the sum; the loop adds it to rank 0's partial sum before the all-reduce, then divides
-        by the denominator). The sums are float32 or float64; the noise never passes through a
-        narrower type. Nothing is added where there is no source or ``std`` is 0."""
-        if self.source is not None and std > 0:
-            self.source.add_(tensors, std)
-
-    def pieces(self, numel: int, dtypes: Sequence[torch.dtype], std: float, device):
-        """This step's noise as :meth:`add_noise` would add it to ``numel`` numbers of ``dtypes``,
-        as ``(offset, piece)`` in increasing order, each piece scaled by ``std`` (as :meth:`add_noise`
-        scales it): a sharded step reads it one parameter at a time and scatters each parameter's
-        noise to its shards (:meth:`userdp.engine.run.step.EngineRun.release`). Only where there is a
-        source (the main rank)."""
-        for lo, z in self.source.pieces(numel, dtypes, device):
-            yield lo, z.mul_(float(std))
-
-    def scalar(self, std: float) -> float:
-        """One N(0, std^2) draw for a scalar query (adaptive clipping's count); 0 without a source."""
-        return self.source.scalar(std) if (self.source is not None and std) else 0.0
-
-    def state_dict(self) -> dict:
-        """The mechanism's state for a checkpoint: the source's state (seeded runs only)."""
-        return {"source": self.source.state_dict() if self.source is not None else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
-        if self.source is not None and state.get("source") is not None:
-            self.source.load_state_dict(state["source"])
-
-
-#: name -> mechanism class; ``TrainConfig.noise`` picks one
-NOISE_MECHANISMS: Registry = Registry("noise", {"iid_gaussian": IIDGaussian})
-
-
-def noise_buffers(name: str, bands: int) -> int:
-    """Model-sized vectors the mechanism called ``name`` keeps across steps with ``bands`` (its class's
-    ``buffers(bands)``; 0 for i.i.d. noise and for a plugin that does not say)."""
-    return int(getattr(NOISE_MECHANISMS.lookup(name), "buffers", lambda bands: 0)(bands))
-
-
-def make_noise(name: str, source: GaussianNoise | None) -> IIDGaussian:
-    """The noise mechanism called ``name`` over ``source``.
-
-    Raises:
-        UserError: an unknown name (the message lists the registered ones).
-    """
-    return NOISE_MECHANISMS.lookup(name)(source)

@@ -124,13 +124,14 @@ def _plan(cfg: TrainConfig, given: RunPlan | None, data, table) -> RunPlan:
 
 def _noise(run, source) -> None:
     """The plan's noise mechanism over this run's keyed source, checked by the distribution; what
-    it is added to each step (the sums, one per trainable parameter, in float32+); the device
+    it is added to each step (the sums, one per trainable parameter, in float32+); its state where
+    the distribution keeps it; the device
     kernel built (compiled, checked) now, not in step 1, its status recorded (no silent eager)."""
     run.noise = run.plan.make_noise(source)
-    run.noise.init(run.master)
     run.distribution.check_noise(run.noise)
     run.sum_numel = sum(p.numel() for p in run.params)
     run.sum_dtypes = sorted({accumulation_dtype(p.dtype) for p in run.params}, key=str)
+    run.noise_state = run.distribution.noise_init(run)  # held by the run, checkpointed, never released
     prepare = getattr(source, "prepare", None)
     if prepare is not None:
         run.noise_kernel = prepare(run.device)

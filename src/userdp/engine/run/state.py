@@ -169,7 +169,7 @@ def rekey(run, begun: int) -> None:
     )
     run.chunks.data_key, source, torch_seed = seeds(material, run.combiner, run.device)
     run.noise = run.plan.make_noise(source)
-    run.noise.init(run.master)
+    run.noise_state = run.distribution.noise_init(run)  # a fresh stream: the past vectors were of the old key
     torch.manual_seed(torch_seed)
     run.sampler_state = fresh_sampler_state(run)
     run.rekeyed_at = int(begun)

@@ -37,7 +37,8 @@ class EngineRun:
     per_unit: Any
     chunks: Chunks  # the cohort's generators and the chunks' loading
     sampler: Any
-    noise: Any
+    noise: Any  # its noise mechanism (a transform: init / update)
+    noise_state: Any  # the mechanism's state across steps (checkpointed for a seeded run, never released)
     ledger: Any
     optimizer: torch.optim.Optimizer
 
@@ -138,7 +139,7 @@ class EngineRun:
         check_release(self.model, self.mixing, None)  # a caller's loop may have called model.train()
         self.ledger.record_step()  # before anything of this step can be seen (on every rank: before its all-reduce)
         main = comb.rank == 0
-        if main and plan.update_noise_multiplier > 0 and hasattr(self.noise, "begin_step") and dist.draws_ahead():
+        if main and plan.update_noise_multiplier > 0 and dist.draws_ahead():
             # the noise depends on nothing of the step's data: a host source may draw it while the sums are computed
             self.noise.begin_step(self.sum_numel, self.sum_dtypes)
         versions = buffer_versions(self.model)
