@@ -64,13 +64,18 @@ def test_noise_is_never_added_below_float32(source):
 def test_the_host_draw_holds_a_piece_not_the_model(monkeypatch):
     monkeypatch.setattr(noise_mod, "_PIECE", 1 << 14)  # 64 KB per thread at most
     sums = [torch.zeros(1 << 21), torch.zeros(1 << 21)]  # 16 MB of float32 sums
+    source = noise_mod.GaussianNoise(9, seeded=True)
+    source.add_([torch.zeros(1 << 20)], 1.0)  # the kernel compiled, each stream's word buffer made
+    held = [s._held.nbytes for s in source._streams]
     tracemalloc.start()  # numpy reports its buffers to tracemalloc
     try:
-        noise_mod.GaussianNoise(9, seeded=True).add_(sums, 1.0)
+        source.add_(sums, 1.0)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert peak < 2 << 20, peak  # a flat draw of the sums would be 16 MB; 16 streams' pieces are ≤ 1 MB
+    # each stream keeps one buffer of words, a piece's (never the model's), whatever the draw
+    assert [s._held.nbytes for s in source._streams] == held and max(held) < 160 << 10, held
     assert float(torch.cat(sums).std()) == pytest.approx(1.0, rel=0.01)
 
 

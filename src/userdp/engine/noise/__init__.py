@@ -3,8 +3,9 @@
 Two layers (each module's docstring says what it holds):
 
 - a **source**: a keyed generator of i.i.d. standard normals, keyed by ≥ 128 bits of OS entropy
-  (or by the user's seed, reproducibly): :class:`~.gaussian.GaussianNoise` on the host (numpy's
-  PCG64DXSM), :class:`~.chacha.ChaChaNoise` on a device (ChaCha20 in torch ops, or the Triton
+  (or by the user's seed, reproducibly): :class:`~.gaussian.GaussianNoise` on the host (AES-256-CTR
+  words, :mod:`~.aes`, through numpy's ziggurat compiled, :mod:`~.ziggurat`),
+  :class:`~.chacha.ChaChaNoise` on a device (ChaCha20 in torch ops, or the Triton
   kernel of :mod:`~.chacha_triton`); :func:`~.gaussian.source_for` picks one for the device;
 - a **mechanism** (:mod:`~.mechanism`), registered in :data:`~.mechanism.NOISE_MECHANISMS`
   (``TrainConfig.noise`` names it): a stateful transform of the sum over the source, whose state

@@ -2,8 +2,9 @@
 
 The noise is the privacy mechanism, so its generator is keyed like a secret:
 
-* :class:`GaussianNoise` draws from numpy's ``PCG64DXSM`` (128-bit state, 128-bit stream
-  increment) keyed through a ``SeedSequence`` whose pool holds 256 bits. Unseeded runs fill
+* :class:`GaussianNoise` draws numpy's float32 ziggurat from AES-256 in counter mode
+  (:mod:`~userdp.engine.noise.aes`, :mod:`~userdp.engine.noise.ziggurat`), keyed through a
+  ``SeedSequence`` whose pool holds 256 bits. Unseeded runs fill
   it from 256 bits of ``os.urandom``; that key is never written anywhere (a checkpoint of an
   unseeded run holds no generator state, and a resumed run draws a fresh key).
 * torch's generators are **not** used for noise: the CPU generator keeps only the low 32 bits
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from userdp.engine.host import free_host_bytes
+from userdp.engine.noise import aes
 from userdp.engine.noise.chacha import ChaChaNoise
 from userdp.engine.noise.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
@@ -103,19 +105,19 @@ class GaussianNoise:
     """
 
     algorithm = (
-        "numpy PCG64DXSM (128-bit state + 128-bit increment) via a 256-bit SeedSequence pool; "
-        f"{_STREAMS} independent child streams fill fixed blocks of each draw, in parallel threads"
+        f"{aes.ALGORITHM}; keys from a 256-bit SeedSequence pool; {_STREAMS} child streams (each its own "
+        "AES key) fill fixed blocks of each draw, in parallel threads; scalars: numpy PCG64DXSM"
     )
 
     def __init__(self, key_material: int, *, seeded: bool):
         self.seeded = bool(seeded)
         root = _seed_sequence(key_material, spawn_key=(0x6E6F697365,))
         self._gen = np.random.Generator(np.random.PCG64DXSM(root))  # scalars
-        # A large draw (a 124M-parameter model's noise is 124M normals: 2.4 s on one core here) is
-        # split into _STREAMS fixed blocks, each filled by its own child generator (SeedSequence
-        # children are independent streams of the same 256-bit key). numpy releases the GIL while
-        # filling, so the blocks run in parallel; the numbers do not depend on the thread count.
-        self._streams = [np.random.Generator(np.random.PCG64DXSM(c)) for c in root.spawn(_STREAMS)]
+        # A large draw (a 124M-parameter model's noise is 124M normals) is split into _STREAMS fixed
+        # blocks, each filled by its own child stream (SeedSequence children of the same 256-bit key
+        # give each an AES key of its own: engine/noise/aes.py). The cipher and the ziggurat release the
+        # GIL while filling, so the blocks run in parallel; the numbers do not depend on the thread count.
+        self._streams = [aes.CipherStream(c) for c in root.spawn(_STREAMS)]
         self._pending: _Pending | None = None
 
     @classmethod
@@ -261,7 +263,7 @@ class GaussianNoise:
         self._drop_pending()  # drawn ahead but not added (a step that added no noise): the state is past it
         return {
             "scalar": dict(self._gen.bit_generator.state),
-            "streams": [dict(g.bit_generator.state) for g in self._streams],
+            "streams": [g.state for g in self._streams],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -277,7 +279,7 @@ class GaussianNoise:
         self._drop_pending()  # drawn from the state being replaced
         self._gen.bit_generator.state = state["scalar"]
         for g, st in zip(self._streams, state["streams"], strict=True):
-            g.bit_generator.state = st
+            g.state = st
 
 
 def _mapped(z: torch.Tensor, lo: int, transform) -> torch.Tensor:
@@ -323,7 +325,7 @@ def _blocks(total: int) -> np.ndarray:
     return np.linspace(0, total, _STREAMS + 1).astype(np.int64)
 
 
-def _fill(gen: np.random.Generator, out: np.ndarray, dtype) -> None:
+def _fill(gen: aes.CipherStream, out: np.ndarray, dtype) -> None:
     """``out`` filled with standard normals from ``gen``, a piece at a time as :meth:`GaussianNoise.add_`
     draws them (the same numbers: a stream's draws do not depend on how they are split)."""
     for lo in range(0, out.size, _PIECE):

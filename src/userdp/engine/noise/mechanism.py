@@ -41,7 +41,6 @@ from userdp.engine.noise.gaussian import GaussianNoise, draw_dtype
 from userdp.errors import UserError
 from userdp.registry import Registry
 
-
 #: a mechanism's state across steps (its own type: None for i.i.d. noise, BandMF's ``Stream``, a
 #: plugin's dict): held by the run, passed in and returned, never released
 NoiseState = Any
