@@ -182,9 +182,10 @@ def test_a_plugin_per_unit_strategy_runs_through_userdp_train_and_matches_vmap(t
     out_vmap, _ = _train(tmp_path / "vmap", tiny[1], "--set", "training.per_unit=vmap")
     a, b = (load_file(str(o / "model" / "model.safetensors")) for o in (out_loop, out_vmap))
     assert a.keys() == b.keys()
-    # the same seed: the same cohorts, records and noise; only the order of float32 sums differs
+    # the same seed: the same cohorts, records and noise; only the order of float32 sums differs, which
+    # Adam's division by sqrt(v) carries to ~1e-6 in a weight near 0 after 4 steps (2.5e-6 seen once)
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     metrics = [json.loads(line) for line in (out_loop / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 4
 

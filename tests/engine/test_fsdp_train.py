@@ -234,12 +234,14 @@ def test_a_sharded_run_trains_one_processs_model_and_holds_half_of_it():
                 assert got["kinds"] == ["DTensor"] and got["steps"] == ref.steps == 3
                 assert got["epsilon"] == ref.epsilon
                 diff = max(float(np.abs(got["params"][n] - want[n].numpy()).max()) for n in want)
-                # float32 sums in another order, which Adam amplifies where a gradient is tiny: the
-                # replicated W = 2 run differs from one process as much (1.4e-5 measured); per-rank noise
-                # or record draws would move the parameters by ~lr = 1e-2
-                assert diff < 5e-5, (kind, algo, rank, diff)
+                # float32 sums in another order, which Adam amplifies where a noised gradient is near 0
+                # (how near depends on the draw: 1.4e-5 measured with numpy's generator, 9.3e-5 with
+                # the AES one); per-rank noise or record draws would move the parameters by ~lr = 1e-2
+                assert diff < 5e-4, (kind, algo, rank, diff)
                 same = max(float(np.abs(got["params"][n] - got["replicated"][n]).max()) for n in want)
-                assert same < 1e-6, (kind, algo, rank, same)  # sharded = replicated, the same sums' order
+                # sharded = replicated W = 2 to float32 (reduce-scatter and all-reduce add the ranks' sums
+                # alike, but Adam still carries the last bit where a noised gradient is near 0: 1.5e-6 seen)
+                assert same < 1e-5, (kind, algo, rank, same)
                 # each rank holds about half of the parameters (FSDP pads dim 0 to W) and of Adam's moments
                 assert 0.45 * got["whole"] <= got["local"] <= 0.55 * got["whole"], got["local"]
                 assert got["adam_local"] == 2 * got["local"]  # Adam's two moments, sharded like the parameters

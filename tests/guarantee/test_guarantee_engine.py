@@ -137,9 +137,11 @@ def _bf16_run(data, sigma, seed=3, init=100.0, d=4096):
         track_epsilon=False,
     )
     run = EngineRun(model, data, sq_loss, cfg)
-    before = run.master[0].detach().clone()
+    run.before = run.master[0].detach().clone()
     run.run_step()
-    return before - run.master[0].detach(), run
+    # the release: the noised sum over the public denominator, as the optimizer got it (float32). The
+    # master weights' difference (at 100, ulp 7.6e-6) would add the optimizer's rounding to it
+    return run.master[0].grad.detach().clone(), run
 
 
 def test_bf16_model_noise_std_matches_sigma_c_over_denominator():
@@ -153,6 +155,8 @@ def test_bf16_model_noise_std_matches_sigma_c_over_denominator():
     got = float(released.double().std())
     assert abs(got / want - 1) < 0.03
     assert run.record()["precision"]["master_weights"] == "float32"
+    # and the float32 master weights took it (lr 1), to their spacing at 100 (7.6e-6)
+    torch.testing.assert_close(run.before - run.master[0].detach(), released, rtol=0, atol=8e-6)
 
 
 def test_bf16_model_one_adversarial_user_moves_the_release_by_at_most_c_over_denominator():

@@ -8,7 +8,7 @@ summed gradients with autograd's batch gradient (:meth:`GhostPerUnit._verify`). 
 gradient is reached depends on how the model is held, which the distribution part decides and
 hands to the strategy: :class:`Coverage` is the whole-parameter check (every parameter at once,
 gradients with respect to the parameters themselves); a distribution whose parameters are not
-the tensors the forward uses overrides it (:class:`userdp.engine.distributed.processes.sharding.GatheredCoverage`).
+the tensors the forward uses overrides it (:class:`userdp.engine.distributed.sharding.GatheredCoverage`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ is used twice and the numbers do not depend on how a draw is split into pieces.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
@@ -29,6 +31,7 @@ ALGORITHM = (
     "float64 draws: numpy PCG64DXSM's ziggurat"
 )
 _BLOCK = 16
+_LABEL = b"userdp host noise stream, AES-256-CTR key\x00"
 _WORDS = _BLOCK // 4
 _PIECE = 1 << 15  # normals a piece: its words and normals stay in the core's cache
 _SPARE = 16  # a piece reads 1/16 more words than normals, plus 64: it needs ~2.2% more (its rejects)
@@ -45,7 +48,9 @@ class CipherStream:
 
     def __init__(self, seed: np.random.SeedSequence):
         key_seq, wide_seq = seed.spawn(2)
-        self._key = key_seq.generate_state(8, np.uint32).tobytes()  # 256 bits
+        # 256 bits of the key material's child, through SHA-256 (a SeedSequence mixes seeds well, but
+        # is no cryptographic key derivation): the streams' AES keys are unrelated to each other
+        self._key = hashlib.sha256(_LABEL + key_seq.generate_state(8, np.uint32).tobytes()).digest()
         self._wide = np.random.Generator(np.random.PCG64DXSM(wide_seq))
         self._seek(0)
 
