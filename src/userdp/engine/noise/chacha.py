@@ -282,6 +282,8 @@ class ChaChaNoise:
 
     #: the Gaussian mass the bounded radius drops, per pair of normals (:func:`tail_delta`)
     tail_mass_per_pair = TAIL_MASS_PER_PAIR
+    #: the largest |z| a draw can give: Box-Muller's radius, sqrt(-2 ln u1) with u1 >= 2^-86
+    max_normal = {"float64": math.sqrt(2 * 86 * math.log(2))}
 
     def __init__(self, key_material: int, *, seeded: bool):
         ss = np.random.SeedSequence(int(key_material), spawn_key=(0x63686163,), pool_size=8)

@@ -26,6 +26,7 @@ of the sum (:mod:`userdp.engine.noise.mechanism`).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from userdp.engine.host import free_host_bytes
-from userdp.engine.noise import aes
+from userdp.engine.noise import aes, ziggurat
 from userdp.engine.noise.chacha import ChaChaNoise
 from userdp.engine.noise.flat import add_piece, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
@@ -108,6 +109,12 @@ class GaussianNoise:
         f"{aes.ALGORITHM}; keys from a 256-bit SeedSequence pool; {_STREAMS} child streams (each its own "
         "AES key) fill fixed blocks of each draw, in parallel threads; scalars: numpy PCG64DXSM"
     )
+
+    #: the largest |z| a draw of each dtype can give (its sampler's support): float32, the ziggurat's
+    #: 85-bit tail; float64, numpy's float64 ziggurat, whose tail uniforms have 53 bits (an attempt at x
+    #: is accepted with probability exp(-x²/2) >= 2^-53). tests/guarantee/test_noise_tails.py holds each
+    #: to what δ carries
+    max_normal = {"float32": ziggurat.TAIL_MAX, "float64": ziggurat.R + math.sqrt(2 * 53 * math.log(2))}
 
     def __init__(self, key_material: int, *, seeded: bool):
         self.seeded = bool(seeded)
