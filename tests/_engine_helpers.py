@@ -1,6 +1,8 @@
 """Shared tiny models and data for the engine tests."""
 
+import contextlib
 import os
+import signal
 import socket
 import threading
 
@@ -184,6 +186,30 @@ def crash_at(step: int):
             raise Crash()
 
     return cb
+
+
+def ctrl_c_at(step: int):
+    """A training callback that presses Ctrl-C (SIGINT to this process) once, when step ``step`` is
+    done: the engine's deferred handler lets that step finish and be saved, then the run stops."""
+    fired = []
+
+    def cb(m):
+        if m["step"] == step and not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    return cb
+
+
+@contextlib.contextmanager
+def sigint_raises():
+    """Inside the block SIGINT raises KeyboardInterrupt (a known handler first: under a background
+    shell SIGINT starts out ignored); the handler before it is restored after."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class WidestOutput(TorchDispatchMode):

@@ -5,9 +5,6 @@ covariance C⁻¹C⁻ᵀ of those; a seeded resume continues its stream; its bad
 tests/engine/test_fsdp_train.py::test_a_plugin_mechanism_with_state_runs_sharded_with_no_other_change;
 through `userdp train --plugin`: tests/test_plugins.py.)"""
 
-import os
-import signal
-
 import numpy as np
 import pytest
 import torch
@@ -20,7 +17,7 @@ from userdp.engine.noise.gaussian import GaussianNoise
 from userdp.engine.noise.mechanism import NOISE_MECHANISMS
 from userdp.errors import UserError
 
-from _engine_helpers import MLP, ce_loss, mlp_data
+from _engine_helpers import MLP, ce_loss, ctrl_c_at, mlp_data, sigint_raises
 
 PLUGIN = REPO / "examples" / "plugins" / "banded_coefficients.py"
 
@@ -101,19 +98,8 @@ def test_a_seeded_resume_continues_its_stream_bit_for_bit(banded, tmp_path):
     banded("1,0.6,0.3")
     cfg = _cfg("banded_coefficients", steps=9, checkpoint_every=4)
     ref, r_ref = _trained(cfg)
-    fired = []
-
-    def press_ctrl_c(m):
-        if m["step"] == 5 and not fired:
-            fired.append(True)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            _trained(cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c]))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with sigint_raises(), pytest.raises(KeyboardInterrupt):
+        _trained(cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[ctrl_c_at(5)]))
     model, r = _trained(cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     assert r.steps == 9 and r.record["steps_lost_to_crashes"] == 0 and r.epsilon == r_ref.epsilon
     for x, y in zip(ref.parameters(), model.parameters(), strict=True):

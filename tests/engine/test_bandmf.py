@@ -5,8 +5,6 @@ part only in the steps of its group, its group is its own, a seeded resume conti
 and every combination that is not accounted is one line."""
 
 import dataclasses
-import os
-import signal
 
 import numpy as np
 import pytest
@@ -34,7 +32,7 @@ from userdp.engine.sampling import CyclicPoisson
 from userdp.errors import UserError
 from userdp.keyed_hash import keyed_uniforms
 
-from _engine_helpers import MLP, ce_loss, mlp_data
+from _engine_helpers import MLP, ce_loss, ctrl_c_at, mlp_data, sigint_raises
 
 
 def _data(n_users=40, per_user=3, seed=6):
@@ -201,19 +199,8 @@ def test_a_seeded_resume_continues_the_same_noise_stream_bit_for_bit(tmp_path):
     the uninterrupted one does: the b − 1 past noise vectors were checkpointed with the stream's key."""
     cfg = _cfg(bands=3, steps=9, rate=0.3, checkpoint_every=4)
     ref, r_ref = _trained(cfg)
-    fired = []
-
-    def press_ctrl_c(m):
-        if m["step"] == 5 and not fired:
-            fired.append(True)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            _trained(cfg, options=RunOptions(checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c]))
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with sigint_raises(), pytest.raises(KeyboardInterrupt):
+        _trained(cfg, options=RunOptions(checkpoint_dir=str(tmp_path), callbacks=[ctrl_c_at(5)]))
     torch.manual_seed(0)
     model = MLP()
     r = train(model, _data(), ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))

@@ -27,7 +27,19 @@ from userdp.engine import (
 from userdp.engine.per_unit import PerUnit
 from userdp.errors import UserError
 
-from _engine_helpers import MLP, Crash, Mean, ce_loss, crash_at, linear_loss, mlp_data, sq_loss, user_data
+from _engine_helpers import (
+    MLP,
+    Crash,
+    Mean,
+    ce_loss,
+    crash_at,
+    ctrl_c_at,
+    linear_loss,
+    mlp_data,
+    sigint_raises,
+    sq_loss,
+    user_data,
+)
 
 
 def _manual_user_avg_gd(model, data, steps, lr):
@@ -338,26 +350,14 @@ def test_callbacks_get_metrics_and_loss_fn_shape_is_checked():
 def test_ctrl_c_finishes_the_step_saves_it_and_resume_loses_nothing(tmp_path):
     """SIGINT mid-run (before any periodic checkpoint): the step in flight completes, a checkpoint
     is written, and an unseeded resume continues with no step lost or counted twice."""
-    import os
     import signal
 
     data = mlp_data([3, 5, 2, 7] * 10, seed=7)
     cfg = _resume_cfg(None, ULS(3, 0.3))  # unseeded: a lost step would be counted as spent
-    fired = []
-
-    def press_ctrl_c(m):
-        if m["step"] == 2 and not fired:
-            fired.append(True)
-            os.kill(os.getpid(), signal.SIGINT)  # delivered to the engine's deferred handler
-
-    # a known handler first: under a background shell SIGINT starts out ignored (SIG_IGN)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    with sigint_raises():  # the press is delivered to the engine's deferred handler
         with pytest.raises(KeyboardInterrupt) as info:
-            train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[press_ctrl_c]))
+            train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[ctrl_c_at(2)]))
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handler restored
-    finally:
-        signal.signal(signal.SIGINT, previous)
     assert info.value.record["stopped"] == "interrupted" and info.value.steps == 2
     r = train(MLP(), data, ce_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), resume=True))
     assert r.steps == 10 and r.record["steps_accounted"] == 10 and r.record["steps_lost_to_crashes"] == 0
