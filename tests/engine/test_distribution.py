@@ -77,6 +77,14 @@ def test_the_built_in_distributions_differ_only_in_the_stages_they_override():
     for dist in (r, s):
         with pytest.raises(UserError, match=r"Old defines add_noise\(\), the contract before userdp 0.9"):
             dist.check_noise(Old())
+
+    class Bare:  # duck-typed, without the methods the run calls: refused now, not inside a step
+        def update(self, sums, state, std):
+            return sums, state
+
+    for dist in (r, s):
+        with pytest.raises(UserError, match=r"Bare has no init, begin_step, scalar, state_dict, load_state\(\)"):
+            dist.check_noise(Bare())
     with pytest.raises(UserError, match=r"sharding must be one of none, fsdp"):
         _config(sharding="fsdb")
 

@@ -219,7 +219,7 @@ class Sharded(Replicated):
         pass
 
     def check_noise(self, noise) -> None:
-        check_contract(noise)
+        super().check_noise(noise)
         own = type(noise).update is not IIDGaussian.update
         if own or not all(callable(getattr(noise, m, None)) for m in ("filter", "advance", "draws")):
             raise UserError(

@@ -147,9 +147,14 @@ def make_noise(name: str, source: Any) -> IIDGaussian:
     return NOISE_MECHANISMS.lookup(name)(source)
 
 
+#: what the run calls on every mechanism (a subclass of :class:`IIDGaussian` inherits them all)
+CONTRACT = ("init", "update", "begin_step", "scalar", "state_dict", "load_state")
+
+
 def check_contract(noise: Any) -> None:
-    """Refuse a mechanism written to the contract before 0.9 (``add_noise`` / ``pieces``, state in the
-    object): its methods would never be called, and the run would add another noise than it says.
+    """Refuse, before any step, a mechanism written to the contract before 0.9 (``add_noise`` /
+    ``pieces``, state in the object: its methods would never be called, and the run would add another
+    noise than it says), or one that lacks a method the run calls (it would fail inside a step).
 
     Raises:
         UserError: naming the mechanism and the methods it should define instead."""
@@ -159,4 +164,10 @@ def check_contract(noise: Any) -> None:
             f"the noise mechanism {type(noise).__name__} defines {' and '.join(old)}(), the contract before "
             "userdp 0.9: define update(sums, state, std) -> (sums, state), or filter(z, lo, state) and "
             "advance(state) (userdp.engine.noise.mechanism)"
+        )
+    missing = [m for m in CONTRACT if not callable(getattr(noise, m, None))]
+    if missing:
+        raise UserError(
+            f"the noise mechanism {type(noise).__name__} has no {', '.join(missing)}(): subclass "
+            "userdp.engine.noise.mechanism.IIDGaussian, which defines the contract"
         )
