@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from userdp.engine.performance import Performance
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -98,8 +100,7 @@ def main(argv=None) -> int:
         seed=0,
         sampling="fixed_size",
         accountant="rdp",
-        chunk_size=m,
-        track_epsilon=False,
+        performance=Performance(chunk_size=m, track_epsilon=False),
     )
     steps = {"nonprivate": nonprivate}
     for b in (1, *bands):

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from userdp.engine.performance import Performance
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -86,9 +88,7 @@ def main(argv=None) -> int:
             seed=0,
             sampling=sampling,
             accountant=acc,
-            chunk_size=m if alg == "uls" else m * g,
-            track_epsilon=False,
-            per_unit="auto",
+            performance=Performance(chunk_size=m if alg == "uls" else m * g, track_epsilon=False, per_unit="auto"),
         )
         run = run_class(model, data, causal_lm_loss, cfg, None, None)
         if a.no_noise:

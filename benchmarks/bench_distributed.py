@@ -41,6 +41,7 @@ warnings.filterwarnings("ignore")
 from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
 
 from userdp.engine import RunOptions
+from userdp.engine.performance import Performance
 
 
 def _worker(a) -> None:
@@ -85,12 +86,10 @@ def _worker(a) -> None:
         noise_multiplier=1.0,
         delta=1e-6,
         seed=1,
-        chunk_size=a.chunk,
-        track_epsilon=False,
         accountant="rdp",
-        per_unit=a.per_unit,
-        precision=a.dtype,
-        sharding=a.sharding,
+        performance=Performance(
+            chunk_size=a.chunk, track_epsilon=False, per_unit=a.per_unit, precision=a.dtype, sharding=a.sharding
+        ),
     )
     if a.optimizer == "adam":
         cfg = TrainConfig(**{**cfg.__dict__, "optimizer": Adam(1e-3)})

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from userdp.engine import ELS, SGD, ULS, FlatClip, TensorUserData, TrainConfig
+from userdp.engine.performance import Performance
 from userdp.engine.run.step import EngineRun
 
 logging.getLogger("absl").setLevel(logging.ERROR)
@@ -130,8 +131,7 @@ def engine_step(model, data, loss_fn, algo, chunk):
         seed=0,
         sampling=sampling,
         accountant=acc,
-        chunk_size=chunk,
-        track_epsilon=False,
+        performance=Performance(chunk_size=chunk, track_epsilon=False),
     )
     run = EngineRun(model, data, loss_fn, cfg)
     return run.run_step

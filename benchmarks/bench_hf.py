@@ -30,6 +30,7 @@ warnings.filterwarnings("ignore")
 from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
 
 from userdp.engine import RunOptions
+from userdp.engine.performance import Performance
 
 MODES = ("nonprivate_trainer", "engine_train", "own_loop", "private_trainer", "nonprivate_sft", "private_sft")
 
@@ -74,7 +75,7 @@ def _worker(mode: str, a) -> dict:
         noise_multiplier=1.0,
         delta=1e-5,
         seed=0,
-        track_epsilon=False,
+        performance=Performance(track_epsilon=False),
     )
     times: list[float] = []
 

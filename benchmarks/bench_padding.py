@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import gpt2_setup, nonprivate_step  # noqa: E402
 
 from userdp.engine import SGD, ULS, FlatClip, TensorUserData, TrainConfig  # noqa: E402
+from userdp.engine.performance import Performance
 from userdp.engine.run.step import EngineRun  # noqa: E402
 
 warnings.filterwarnings("ignore")
@@ -70,8 +71,7 @@ def uls_step(model, data, loss_fn, G, M, chunk, compact: bool):
         seed=0,
         sampling="fixed_size",
         accountant="rdp",
-        chunk_size=chunk,
-        track_epsilon=False,
+        performance=Performance(chunk_size=chunk, track_epsilon=False),
     )
     run = EngineRun(model, data, loss_fn, cfg)
     run.chunks.compact = compact  # False: the padded chunks of before

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from userdp.engine.performance import Performance
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -115,8 +117,7 @@ def main(argv=None) -> int:
                     noise_multiplier=sigma_of_m(m),
                     delta=delta,
                     seed=args.seed,
-                    track_epsilon=False,
-                    chunk_size=16,
+                    performance=Performance(track_epsilon=False, chunk_size=16),
                 ),
             )
             t_train_total += time.time() - t1

@@ -38,6 +38,8 @@ import sys
 import time
 import warnings
 
+from userdp.engine.performance import Performance
+
 warnings.filterwarnings("ignore")
 
 
@@ -243,10 +245,12 @@ def _worker(a) -> dict:
             seed=0,
             sampling=sampling,
             accountant=acc,
-            chunk_size=chunk if a.algorithm != "els" else chunk * G,
-            track_epsilon=False,
-            per_unit=a.per_unit,
-            precision=a.dtype,
+            performance=Performance(
+                chunk_size=chunk if a.algorithm != "els" else chunk * G,
+                track_epsilon=False,
+                per_unit=a.per_unit,
+                precision=a.dtype,
+            ),
         )
         run = EngineRun(model, data, causal_lm_loss, cfg)
         step = run.run_step

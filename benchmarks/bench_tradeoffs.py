@@ -275,8 +275,7 @@ def train_eval(
         delta=None,
         accountant=c.accountant,
         seed=None,
-        chunk_size=16,
-        track_epsilon=False,
+        performance=E.Performance(chunk_size=16, track_epsilon=False),
     )
     torch.manual_seed(seed)
     if algo == "nonprivate":  # records sampled from all of the data, no clipping, no noise, its own lr

@@ -28,6 +28,7 @@ from userdp.engine import (
     train,
 )
 from userdp.engine.aggregation import ClippedDenominator
+from userdp.engine.performance import Performance
 
 
 class MLP(nn.Module):
@@ -70,7 +71,7 @@ CASES = {
 
 
 def run(name):
-    kw = dict(steps=6, noise_multiplier=1.1, seed=1234, optimizer=SGD(0.5), chunk_size=8)
+    kw = dict(steps=6, noise_multiplier=1.1, seed=1234, optimizer=SGD(0.5), performance=Performance(chunk_size=8))
     kw.update(CASES[name])
     model = MLP()
     res = train(model, data(), loss, TrainConfig(**kw))

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 from userdp import world as launch
-from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TrainConfig, train
+from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, train
 from userdp.engine.distributed.processes import combiner_for
 from userdp.engine.user_data import DelegatingUserData
 
-from _engine_helpers import MLP, ce_loss, mlp_data
+from _engine_helpers import MLP, ce_loss, mlp_data, train_config
 
 SIZES = [3, 1, 5, 2, 8, 4, 6, 7] * 3  # G = 2 < most sizes: each step draws records at random
 
@@ -33,9 +33,9 @@ def configs():
         accountant="rdp",
     )
     return {
-        "uls": TrainConfig(algorithm=ULS(2, 0.5), **common),
-        "els": TrainConfig(algorithm=ELS(2, 0.3), **common),
-        "fedavg": TrainConfig(algorithm=FedAvg(2, 0.5, local_epochs=2, local_lr=0.3), **common),
+        "uls": train_config(algorithm=ULS(2, 0.5), **common),
+        "els": train_config(algorithm=ELS(2, 0.3), **common),
+        "fedavg": train_config(algorithm=FedAvg(2, 0.5, local_epochs=2, local_lr=0.3), **common),
     }
 
 

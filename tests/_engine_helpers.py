@@ -1,6 +1,7 @@
 """Shared tiny models and data for the engine tests."""
 
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -11,7 +12,17 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from userdp.engine import TensorUserData
+from userdp.engine import Performance, TensorUserData, TrainConfig
+from userdp.engine.performance import PERFORMANCE_FIELDS
+
+
+def train_config(**kw) -> TrainConfig:
+    """A TrainConfig from flat keywords, as the tests' tables write them: the performance ones
+    (chunk_size, per_unit, precision, sharding, checkpoint_every, track_epsilon) go into its
+    Performance, over ``performance`` if that is given too (``{**cfg.__dict__, "chunk_size": 8}``)."""
+    perf = {k: kw.pop(k) for k in PERFORMANCE_FIELDS if k in kw}
+    base = kw.pop("performance", Performance())
+    return TrainConfig(**kw, performance=dataclasses.replace(base, **perf))
 
 
 class Mean(nn.Module):

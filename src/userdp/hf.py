@@ -84,13 +84,14 @@ REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         "fp16",
         bool,
         "float16 loss scaling is not proven safe with per-user clipping; use "
-        "TrainConfig(precision='bfloat16') (norms, sums and noise stay float32) or float32",
+        "TrainConfig(performance=Performance(precision='bfloat16')) (norms, sums and noise stay float32) or float32",
     ),
     (
         "mixed_precision",
         lambda v: v not in (None, "no"),
         "the Trainer's accelerator would run the model under its own "
-        "autocast (set here by bf16/fp16 or ACCELERATE_MIXED_PRECISION): use TrainConfig(precision='bfloat16')",
+        "autocast (set here by bf16/fp16 or ACCELERATE_MIXED_PRECISION): use "
+        "TrainConfig(performance=Performance(precision='bfloat16'))",
     ),
     (
         "torch_compile",
@@ -139,7 +140,7 @@ def set_aside_bf16(args, privacy: TrainConfig):
     """``(args, note)``: arguments asking for the Trainer's bf16 autocast (``TrainingArguments.bf16``,
     on by default in TRL's ``SFTConfig``) as a copy with it off, and the note that says so; or
     ``(args, None)``. One rule for every entry point: mixed precision is the engine's
-    (``TrainConfig(precision=...)``), under which norms, sums and noise stay float32."""
+    (``Performance(precision=...)``), under which norms, sums and noise stay float32."""
     if not getattr(args, "bf16", False):
         return args, None
     args = copy.copy(args)
@@ -148,7 +149,8 @@ def set_aside_bf16(args, privacy: TrainConfig):
         args.mixed_precision = "no"
     return args, (
         f"{type(args).__name__}.bf16=True set aside: mixed precision is the engine's "
-        f"(TrainConfig(precision=...), here {privacy.precision!r}); norms, sums and noise stay float32"
+        f"(TrainConfig(performance=Performance(precision=...)), here {privacy.performance.precision!r}); "
+        "norms, sums and noise stay float32"
     )
 
 
@@ -538,7 +540,7 @@ class PrivateTrainer(Trainer):
             compute={
                 "driver": "transformers.Trainer (userdp.hf.PrivateTrainer)",
                 "device": str(self.args.device),
-                "chunk_size": cfg.chunk_size,
+                "chunk_size": cfg.performance.chunk_size,
                 "processes": {
                     "world_size": self.args.world_size,
                     "backend": dist.get_backend() if self.args.world_size > 1 else None,

@@ -20,7 +20,7 @@ noised update, the ledger, the run directory that ``userdp report`` verifies). W
   (and drops the user column), so one sequence would carry several people's text.
 * ``padding_free`` is refused for the same reason (one flattened batch row across records).
 * ``bf16`` (on by default in ``SFTConfig``) is set aside and said, as by ``PrivateTrainer``
-  (:func:`userdp.hf.set_aside_bf16`): mixed precision is ``TrainConfig(precision="bfloat16")``'s.
+  (:func:`userdp.hf.set_aside_bf16`): mixed precision is ``Performance(precision="bfloat16")``'s.
 * ``model`` given as a name must be a local folder: userdp downloads nothing.
 """
 

@@ -15,7 +15,7 @@ from userdp.engine import ULS, TrainConfig, train
 from userdp.engine.plan import privacy_repr
 from userdp.errors import UserError
 
-from _engine_helpers import Mean, sq_loss, user_data
+from _engine_helpers import Mean, sq_loss, train_config, user_data
 
 DELTA = 1e-5
 
@@ -96,7 +96,7 @@ def test_train_counts_the_prior_first_and_against_the_target():
 )
 def test_a_bad_prior_is_one_line_naming_it(kwargs, match):
     with pytest.raises(UserError, match=match):
-        TrainConfig(algorithm=ULS(2, 0.1), steps=5, delta=DELTA, **kwargs)
+        train_config(algorithm=ULS(2, 0.1), steps=5, delta=DELTA, **kwargs)
 
 
 def test_the_ledger_states_the_prior_before_the_first_step():

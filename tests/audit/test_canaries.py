@@ -9,6 +9,7 @@ import torch
 from scipy import stats
 
 from userdp.audit.canaries import Canaries, WithCanaries, new_seed, ordinary_token_ids
+from userdp.engine.performance import Performance
 from userdp.engine.user_data import TensorUserData
 from userdp.errors import UserError
 
@@ -145,7 +146,7 @@ def test_gradient_canaries_go_through_clipping_like_any_unit():
             noise_multiplier=1.0,
             seed=0,
             delta=1e-5,
-            per_unit="vmap",
+            performance=Performance(per_unit="vmap"),
         )
         model = Mean(d)
         E.train(model, data, loss, broken_train_plan(cfg, data, fault) if fault else cfg)

@@ -33,14 +33,14 @@ _FULL_DISK = textwrap.dedent("""
     import json, resource, signal, sys
     import numpy as np, torch
     from torch import nn
-    from userdp.engine import ULS, RunOptions, TrainConfig, TensorUserData, train
+    from userdp.engine import ULS, Performance, RunOptions, TrainConfig, TensorUserData, train
     from userdp.errors import UserError
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
     x = torch.randn(24, 64, generator=torch.Generator().manual_seed(0))
     data = TensorUserData({"x": x}, np.arange(0, 25, 4))
     loss = lambda m, b: (m(b["x"]) ** 2).sum(-1)
-    cfg = TrainConfig(ULS(2, 0.5), steps=4, noise_multiplier=1.0, delta=1e-3, seed=3, checkpoint_every=2)
+    cfg = TrainConfig(ULS(2, 0.5), steps=4, noise_multiplier=1.0, delta=1e-3, seed=3, performance=Performance(checkpoint_every=2))
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (8192, hard))  # the journal fits; a 16 KB checkpoint does not
     torch.manual_seed(0)

@@ -36,6 +36,8 @@ from userdp.engine import (
 )
 from userdp.errors import UserError
 
+from _engine_helpers import train_config
+
 
 def _data(users: int = 6, per: int = 3) -> TensorUserData:
     g = torch.Generator().manual_seed(0)
@@ -55,7 +57,7 @@ def _loss(model, batch):
 def _cfg(**over):
     kw = dict(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=1.0, delta=1e-3, seed=1)
     kw.update(over)
-    return TrainConfig(**kw)
+    return train_config(**kw)
 
 
 _OPTIONS = (
@@ -407,7 +409,7 @@ def _small_data():
 
 def _cfg(**kw):
     base = dict(algorithm=ULS(2, 0.5), steps=2, clipping=FlatClip(1.0), noise_multiplier=1.0, delta=1e-5)
-    return TrainConfig(**{**base, **kw})
+    return train_config(**{**base, **kw})
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from userdp.engine.clipping import StepClipping
+from userdp.engine.performance import Performance
 
 from _engine_helpers import bf16_lm_chunk
 
@@ -94,10 +95,8 @@ def test_a_training_step_on_cuda_uses_fused_optimizers_and_records_its_kernels()
         steps=2,
         noise_multiplier=1.0,
         delta=1e-5,
-        track_epsilon=False,
         optimizer=Adam(1e-3),
-        precision="bfloat16",
-        chunk_size=4,
+        performance=Performance(track_epsilon=False, precision="bfloat16", chunk_size=4),
     )
     rec = train(model, data, models.causal_lm_loss, cfg).record
     assert rec["per_unit"]["strategy"] == "ghost"

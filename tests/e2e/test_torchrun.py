@@ -24,6 +24,7 @@ import torch
 from _paths import TESTS
 
 from userdp.engine import SGD, ULS, FlatClip, RunOptions, TrainConfig, train
+from userdp.engine.performance import Performance
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, sq_loss, user_data
@@ -458,8 +459,8 @@ def test_a_rank_whose_config_differs_from_rank_0s_is_refused():
             noise_multiplier=1.0,
             delta=1e-5,
             seed=1,
-            track_epsilon=False,
             accountant="rdp",
+            performance=Performance(track_epsilon=False),
         )
         try:
             train(Mean(4), user_data([3] * 8, d=4), sq_loss, cfg, RunOptions(combiner=_ThreadCombiner(r, 2, shared)))
@@ -488,9 +489,8 @@ def test_units_draw_the_same_records_whatever_the_chunking():
             noise_multiplier=1.0,
             delta=1e-5,
             seed=9,
-            chunk_size=c,
-            track_epsilon=False,
             accountant="rdp",
+            performance=Performance(chunk_size=c, track_epsilon=False),
         )
         for c in (1, 5)
     ]

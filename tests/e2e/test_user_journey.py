@@ -18,6 +18,7 @@ from userdp import accounting as A
 from userdp.cli import main as cli
 from userdp.engine import RunOptions
 from userdp.engine.ledger import PrivacyLedger
+from userdp.engine.performance import Performance
 from userdp.fileio import owned_dir
 
 from _records import engine_record
@@ -276,7 +277,9 @@ def test_train_announces_the_mechanism_before_the_first_step(tmp_path, capsys):
         Mean(3),
         user_data([2] * 20),
         sq_loss,
-        TrainConfig(algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0, delta=1e-5, track_epsilon=False),
+        TrainConfig(
+            algorithm=ULS(2, 0.2), steps=2, target_epsilon=5.0, delta=1e-5, performance=Performance(track_epsilon=False)
+        ),
         RunOptions(on_start=seen.append, callbacks=[lambda m: seen.append("step")]),
     )
     info = seen[0]

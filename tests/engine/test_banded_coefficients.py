@@ -17,7 +17,7 @@ from userdp.engine.noise.gaussian import GaussianNoise
 from userdp.engine.noise.mechanism import NOISE_MECHANISMS
 from userdp.errors import UserError
 
-from _engine_helpers import MLP, ce_loss, ctrl_c_at, mlp_data, sigint_raises
+from _engine_helpers import MLP, ce_loss, ctrl_c_at, mlp_data, sigint_raises, train_config
 
 PLUGIN = REPO / "examples" / "plugins" / "banded_coefficients.py"
 
@@ -38,7 +38,7 @@ def _data(n_users=40, per_user=3):
 
 
 def _cfg(noise: str, bands=3, steps=7, **kw) -> TrainConfig:
-    return TrainConfig(
+    return train_config(
         algorithm=ULS(group_size=2, sampling_rate=0.3),
         steps=steps,
         noise_multiplier=1.0,

@@ -21,7 +21,6 @@ from userdp.engine import (
     FlatClip,
     RunOptions,
     TensorUserData,
-    TrainConfig,
     train,
 )
 from userdp.engine.neighbour import neighbour_gap
@@ -32,7 +31,7 @@ from userdp.engine.sampling import CyclicPoisson
 from userdp.errors import UserError
 from userdp.keyed_hash import keyed_uniforms
 
-from _engine_helpers import MLP, ce_loss, ctrl_c_at, mlp_data, sigint_raises
+from _engine_helpers import MLP, ce_loss, ctrl_c_at, mlp_data, sigint_raises, train_config
 
 
 def _data(n_users=40, per_user=3, seed=6):
@@ -43,7 +42,7 @@ def _data(n_users=40, per_user=3, seed=6):
 
 
 def _cfg(bands=4, noise="bandmf", sampling="cyclic_poisson", steps=8, seed=3, rate=0.2, **kw):
-    return TrainConfig(
+    return train_config(
         algorithm=kw.pop("algorithm", ULS(group_size=2, sampling_rate=rate)),
         steps=steps,
         noise_multiplier=1.0,

@@ -13,6 +13,7 @@ from userdp.engine import ULS, Adam, FlatClip, NonPrivate, TensorUserData, Train
 from userdp.engine.batch_unit import UNCLIPPED, BatchPerUnit
 from userdp.engine.clipping import StepClipping
 from userdp.engine.per_unit import make_per_unit, resolve_per_unit
+from userdp.engine.performance import Performance
 from userdp.errors import UserError
 
 from _engine_helpers import MLP, ce_loss, mlp_data
@@ -31,10 +32,8 @@ def _train(per_unit, clip=UNCLIPPED):
         noise_multiplier=0.0,
         optimizer=Adam(1e-2),
         seed=5,
-        chunk_size=3,
-        per_unit=per_unit,
-        track_epsilon=False,
         clipping=FlatClip(clip),
+        performance=Performance(chunk_size=3, per_unit=per_unit, track_epsilon=False),
     )
     res = train(model, data, ce_loss, cfg)
     return [p.detach().clone() for p in model.parameters()], res
@@ -138,8 +137,8 @@ def test_a_private_algorithm_is_refused_with_batch():
         noise_multiplier=1.0,
         clipping=FlatClip(1.0),
         optimizer=Adam(1e-2),
-        per_unit="batch",
         delta=1e-5,
+        performance=Performance(per_unit="batch"),
     )
     with pytest.raises(UserError, match="per_unit: batch"):
         train(MLP(), mlp_data(SIZES), ce_loss, cfg)

@@ -13,6 +13,7 @@ from scipy import stats
 from userdp.engine import SGD, ULS, FlatClip, TrainConfig, train
 from userdp.engine.noise import gaussian as noise_mod
 from userdp.engine.noise.chacha import ChaChaNoise, chacha20_blocks
+from userdp.engine.performance import Performance
 from userdp.errors import UserError
 
 from _engine_helpers import Mean, sq_loss, user_data
@@ -121,8 +122,8 @@ def test_the_engine_draws_from_chacha_where_the_device_says_so(monkeypatch):
         noise_multiplier=2.0,
         delta=1e-5,
         seed=4,
-        track_epsilon=False,
         accountant="rdp",
+        performance=Performance(track_epsilon=False),
     )
     models = [Mean(20_000), Mean(20_000)]
     for m in models:  # every update clipped to ~0: the step is the noise alone, std z*C/(qN) = 2e-9/10

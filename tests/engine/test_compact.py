@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from userdp.engine import ULS, Adam, FedAvg, FlatClip, TensorUserData, TrainConfig, train
+from userdp.engine.performance import Performance
 from userdp.engine.run import cohort
 from userdp.engine.user_data import compact_groups
 
@@ -62,9 +63,7 @@ def _run(per_unit, monkeypatch, trim, algorithm=None):
         optimizer=Adam(1e-2),
         seed=11,
         delta=1e-5,
-        chunk_size=4,
-        per_unit=per_unit,
-        track_epsilon=False,
+        performance=Performance(chunk_size=4, per_unit=per_unit, track_epsilon=False),
     )
     data = mlp_data(SIZES)
     train(model, TensorUserData({"x": data.tensors["x"].double(), "y": data.tensors["y"]}, data.offsets), ce_loss, cfg)

@@ -21,6 +21,7 @@ from userdp.engine.algorithms import FedAvg
 from userdp.engine.clipping import FlatClip, PerLayerClip
 from userdp.engine.noise import gaussian as N
 from userdp.engine.noise.chacha import ChaChaNoise
+from userdp.engine.performance import Performance
 from userdp.engine.user_data import TensorUserData
 
 _SYNCS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default)
@@ -115,11 +116,8 @@ def test_a_step_syncs_once_and_never_copies_to_the_device_blockingly(
         steps=3,
         noise_multiplier=1.0,
         delta=1e-5,
-        track_epsilon=False,
-        chunk_size=4,
-        per_unit=per_unit,
         clipping=clip,
-        precision=precision,
+        performance=Performance(track_epsilon=False, chunk_size=4, per_unit=per_unit, precision=precision),
     )
     mode = DeviceDiscipline()
     per_step = []

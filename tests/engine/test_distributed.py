@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from userdp.engine import SGD, ULS, FlatClip, RunOptions, TrainConfig, train
 from userdp.engine.distributed.processes import TorchDistributedCombiner
+from userdp.engine.performance import Performance
 
 from _engine_helpers import Mean, sq_loss, user_data
 from _engine_helpers import run_ranks as _run_ranks
@@ -31,9 +32,8 @@ def _cfg():
         noise_multiplier=1.3,
         delta=1e-5,
         seed=17,
-        chunk_size=4,
-        track_epsilon=False,
         accountant="rdp",
+        performance=Performance(chunk_size=4, track_epsilon=False),
     )
 
 
@@ -82,9 +82,8 @@ def test_one_writer_and_a_shared_count_after_a_crash(tmp_path):
         optimizer=SGD(0.5),
         noise_multiplier=1.3,
         delta=1e-5,
-        chunk_size=4,
-        track_epsilon=False,
         accountant="rdp",
+        performance=Performance(chunk_size=4, track_epsilon=False),
     )
 
     def run_all(resume, crash_at=None):

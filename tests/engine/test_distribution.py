@@ -12,13 +12,13 @@ from _neighbours import ADVERSARIES, builder, honest, reg_loss
 from _paths import REPO
 
 from userdp import plugins
-from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig, train
+from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, train
 from userdp.engine.distributed.distribution import DISTRIBUTIONS, Replicated, Sharded
 from userdp.engine.neighbour import neighbour_gap
 from userdp.engine.noise.mechanism import IIDGaussian
 from userdp.errors import UserError
 
-from _engine_helpers import MLP, ce_loss, mlp_data
+from _engine_helpers import MLP, ce_loss, mlp_data, train_config
 
 EXAMPLE = REPO / "examples" / "plugins" / "three_way_split.py"
 
@@ -36,7 +36,7 @@ def _config(algorithm="uls", sharding="none", **kw):
         chunk_size=2,
         sharding=sharding,
     )
-    return TrainConfig(**{**base, **kw})
+    return train_config(**{**base, **kw})
 
 
 def test_no_engine_module_but_the_distribution_decides_by_the_sharding():

@@ -1,4 +1,4 @@
-"""Issue 37: ``TrainConfig(sharding="fsdp")`` trains a fully sharded model (FSDP2, two gloo
+"""Issue 37: ``Performance(sharding="fsdp")`` trains a fully sharded model (FSDP2, two gloo
 processes on this CPU) to the model one unsharded process trains from the same seed, for ULS and
 ELS, on a tiny GPT-2 (tied head) and a tiny Llama (RMSNorm, rotary, untied head); each rank holds
 half of every parameter and of Adam's state; one adversarial user moves the released sum by at most
@@ -14,10 +14,11 @@ import torch
 from _paths import REPO
 
 from userdp.engine import ELS, SGD, ULS, Adam, FlatClip, RunOptions, TrainConfig, checkpoint, train
+from userdp.engine.performance import Performance
 from userdp.engine.user_data import TensorUserData
 from userdp.errors import UserError
 
-from _engine_helpers import Crash, crash_at, run_gloo_pair
+from _engine_helpers import Crash, crash_at, run_gloo_pair, train_config
 
 PLUGIN_DIR = REPO / "examples" / "plugins"
 
@@ -60,7 +61,7 @@ def _data(sizes=SIZES, seed=3, adversary=False):
 
 def _config(algo: str, sharding: str, **kw):
     algorithm = ULS(2, 0.5) if algo == "uls" else ELS(2, 0.4)
-    return TrainConfig(
+    return train_config(
         algorithm=algorithm,
         steps=3,
         clipping=FlatClip(0.5),
@@ -68,10 +69,8 @@ def _config(algo: str, sharding: str, **kw):
         noise_multiplier=1.0,
         delta=1e-5,
         seed=11,
-        chunk_size=2,
-        track_epsilon=False,
         accountant="rdp",
-        sharding=sharding,
+        performance=Performance(chunk_size=2, track_epsilon=False, sharding=sharding),
         **kw,
     )
 
@@ -204,7 +203,7 @@ def _sharded_runs(rank: int) -> dict:
             _model("gpt2"),
             _data(),
             causal_lm_loss,
-            TrainConfig(**{**_config("uls", "fsdp").__dict__, "noise": "whole_only"}),
+            train_config(**{**_config("uls", "fsdp").__dict__, "noise": "whole_only"}),
             RunOptions(combiner=TorchDistributedCombiner()),
         )
         out["own_update"] = None
@@ -275,8 +274,8 @@ def test_what_the_sharded_step_does_not_do_is_refused_in_one_line(tmp_path, chan
             noise_multiplier=1.0,
             delta=1e-5,
             seed=1,
-            sharding="fsdp",
             accountant="rdp",
+            performance=Performance(sharding="fsdp"),
         )
     ckpt = str(tmp_path / "ckpt")
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -297,7 +296,7 @@ def _crash_and_resume(folder: str, rank: int) -> dict:
     from userdp.lm.models import causal_lm_loss
 
     cfg = _config("uls", "fsdp", checkpoint_every=2)
-    cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
+    cfg = train_config(**{**cfg.__dict__, "steps": 5})
     ckpt = f"{folder}/ckpt"
     try:
         train(
@@ -342,7 +341,7 @@ def test_a_sharded_checkpoint_resumes_sharded_and_on_one_process(tmp_path):
     results = run_gloo_pair(functools.partial(_crash_and_resume, str(tmp_path)))
     model = _model("gpt2")
     cfg = _config("uls", "none", checkpoint_every=2)
-    cfg = TrainConfig(**{**cfg.__dict__, "steps": 5})
+    cfg = train_config(**{**cfg.__dict__, "steps": 5})
     shutil.copytree(tmp_path / "copy", tmp_path / "damaged")
     one = train(model, _data(), causal_lm_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path / "copy"), resume=True))
     want = {n: p.detach().numpy() for n, p in model.named_parameters()}
@@ -391,10 +390,8 @@ def _own_loop(rank: int) -> dict:
         noise_multiplier=1.0,
         delta=1e-5,
         seed=11,
-        chunk_size=2,
-        track_epsilon=False,
         accountant="rdp",
-        sharding="fsdp",
+        performance=Performance(chunk_size=2, track_epsilon=False, sharding="fsdp"),
     )
     mine = _model("gpt2")
     for block in mine.transformer.h:
@@ -408,7 +405,7 @@ def _own_loop(rank: int) -> dict:
             step.backward()
             opt.step()
     engine = _model("gpt2")
-    sgd = TrainConfig(**{**cfg.__dict__, "optimizer": SGD(0.05)})
+    sgd = train_config(**{**cfg.__dict__, "optimizer": SGD(0.05)})
     train(engine, _data(), causal_lm_loss, sgd, RunOptions(combiner=TorchDistributedCombiner()))
     return {"own": _full(mine), "engine": _full(engine)}
 
@@ -493,11 +490,9 @@ def _sharded_normalisation(rank: int) -> dict:
             noise_multiplier=1.0,
             delta=1e-5,
             seed=seed,
-            chunk_size=2,
-            track_epsilon=False,
             accountant="rdp",
-            sharding="fsdp",
             noise=Ones.name,
+            performance=Performance(chunk_size=2, track_epsilon=False, sharding="fsdp"),
         )
         res = train(model, _data(), zero_grad_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
         out[seed] = {"units": [h["units"] for h in res.history], "params": _full(model)}
@@ -532,7 +527,7 @@ def _sharded_bandmf(rank: int, noise: str = "bandmf") -> dict:
     for sharding in ("none", "fsdp"):
         model = _model("gpt2")
         cfg = _config("uls", sharding, sampling="cyclic_poisson", noise=noise, bands=2)
-        cfg = TrainConfig(**{**cfg.__dict__, "steps": 4, "optimizer": SGD(0.5)})
+        cfg = train_config(**{**cfg.__dict__, "steps": 4, "optimizer": SGD(0.5)})
         res = train(model, _data(), causal_lm_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
         out[sharding] = {"params": _full(model), "epsilon": res.epsilon, "units": [h["units"] for h in res.history]}
     return out
@@ -578,7 +573,7 @@ def _sharded_bandmf_resume(folder: str, rank: int) -> dict:
 
     runs = _keep_runs()
     cfg = _config("uls", "fsdp", sampling="cyclic_poisson", noise="bandmf", bands=3, checkpoint_every=4)
-    cfg = TrainConfig(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
+    cfg = train_config(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
     ref_model = _model("gpt2")
     ref = train(ref_model, _data(), causal_lm_loss, cfg, RunOptions(combiner=TorchDistributedCombiner()))
     ring = runs[-1].noise_state.slots[0].numel()
@@ -634,7 +629,7 @@ def test_a_sharded_banded_run_keeps_its_shard_of_the_stream_and_resumes_it_anywh
         for name, value in got["ref"].items():
             np.testing.assert_array_equal(got["resumed"][name], value)
     cfg = _config("uls", "none", sampling="cyclic_poisson", noise="bandmf", bands=3, checkpoint_every=4)
-    cfg = TrainConfig(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
+    cfg = train_config(**{**cfg.__dict__, "algorithm": ULS(2, 0.3), "steps": 6, "optimizer": SGD(0.5)})
     model = _model("gpt2")
     one = train(model, _data(), causal_lm_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path / "copy"), resume=True))
     assert one.steps == 6 and one.record["steps_lost_to_crashes"] == 0

@@ -21,6 +21,7 @@ from userdp.engine.ghost import factors as ghost_factors
 from userdp.engine.ghost import stacks as ghost_stacks
 from userdp.engine.optimizers import SGD
 from userdp.engine.per_unit import VmapPerUnit, make_per_unit, resolve_per_unit
+from userdp.engine.performance import Performance
 from userdp.engine.precision import Precision
 from userdp.errors import UserError
 from userdp.lm import models
@@ -446,8 +447,7 @@ def test_training_with_ghost_matches_training_with_vmap():
             optimizer=SGD(0.5),
             noise_multiplier=1.0,
             seed=11,
-            chunk_size=3,
-            per_unit=name,
+            performance=Performance(chunk_size=3, per_unit=name),
         )
         res = train(model, _double(data), ce_loss, cfg)
         out[name] = (torch.cat([p.detach().flatten() for p in model.parameters()]), res.epsilon)

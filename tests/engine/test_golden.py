@@ -46,7 +46,7 @@ from userdp.engine import (
     train,
 )
 
-from _engine_helpers import MLP, ce_loss, mlp_data, run_gloo_pair
+from _engine_helpers import MLP, ce_loss, mlp_data, run_gloo_pair, train_config
 
 GOLDEN = TESTS / "engine" / "golden_runs.json"
 #: record fields that name the machine or the library versions, not the run
@@ -110,7 +110,7 @@ def _config(algorithm, **kw) -> TrainConfig:
         chunk_size=2,
         accountant="rdp",
     )
-    return TrainConfig(**{**base, **kw})
+    return train_config(**{**base, **kw})
 
 
 def _tokens(seed=3) -> TensorUserData:
@@ -161,7 +161,7 @@ def run_trainer(tmp_path) -> dict:
     from userdp.hf import PrivateTrainer
 
     privacy = _config(ULS(group_size=2, sampling_rate=0.3), steps=4)
-    privacy = TrainConfig(**{**privacy.__dict__, "chunk_size": 8})
+    privacy = train_config(**{**privacy.__dict__, "chunk_size": 8})
     trainer = PrivateTrainer(
         model=hf_model(), args=hf_args(tmp_path), train_dataset=hf_dataset(), privacy=privacy, user_field="user"
     )

@@ -13,6 +13,7 @@ import userdp.engine.distributed.distribution as distribution_mod
 import userdp.engine.run.loop as loop_mod
 from userdp.engine import ULS, FlatClip, TrainConfig, contraction
 from userdp.engine.neighbour import join, neighbour_gap, released_sum
+from userdp.engine.performance import Performance
 
 
 def _as_on_a_device(monkeypatch) -> list:
@@ -39,8 +40,7 @@ def _config(seed=11):
         noise_multiplier=1.0,
         clipping=FlatClip(1.0),
         seed=seed,
-        per_unit="ghost",
-        checkpoint_every=0,
+        performance=Performance(per_unit="ghost", checkpoint_every=0),
     )
 
 

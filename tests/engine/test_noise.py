@@ -18,6 +18,7 @@ from userdp.engine.noise import chacha
 from userdp.engine.noise import gaussian as noise_mod
 from userdp.engine.noise.gaussian import draw_dtype
 from userdp.engine.noise.mechanism import IIDGaussian
+from userdp.engine.performance import Performance
 from userdp.errors import UserError
 
 SHAPES = [(3, 1000, 70), (17,), (0,), (5000, 51), (123_457,)]
@@ -223,7 +224,7 @@ def test_a_seeded_run_is_the_same_with_its_noise_drawn_ahead(monkeypatch, own_lo
         noise_multiplier=1.3,
         delta=1e-4,
         seed=11,
-        chunk_size=4,
+        performance=Performance(chunk_size=4),
     )
     fills = []
     real_fill = noise_mod._fill

@@ -16,7 +16,7 @@ from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
 from userdp.engine.sampling import SAMPLERS, Poisson
 from userdp.errors import UserError
 
-from _engine_helpers import Mean, sq_loss, user_data
+from _engine_helpers import Mean, sq_loss, train_config, user_data
 
 pytestmark = pytest.mark.usefixtures("isolated_registries")
 
@@ -64,7 +64,7 @@ def _config(**kw):
         track_epsilon=False,
         accountant="rdp",
     )
-    return TrainConfig(**{**base, **kw})
+    return train_config(**{**base, **kw})
 
 
 @pytest.mark.parametrize("case", list(BAD_COHORTS))

@@ -24,6 +24,7 @@ from userdp.engine import (
     TrainConfig,
     train,
 )
+from userdp.engine.performance import Performance
 from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.run.step import EngineRun
 from userdp.engine.sampling import Poisson, bucket_size
@@ -47,9 +48,8 @@ def _pre_noise_sum(model, data, loss, algo, clip, seed=0):
         noise_multiplier=1.0,
         delta=1e-5,
         seed=seed,
-        chunk_size=16,
-        track_epsilon=False,
         accountant="rdp",
+        performance=Performance(chunk_size=16, track_epsilon=False),
     )
     run = EngineRun(model, data, loss, cfg)
     sums, stats_ = run.clipped_sum(np.arange(run.n_units))  # every unit in the cohort: worst case
@@ -124,8 +124,8 @@ def test_noise_std_per_coordinate_is_sigma_c_over_denominator(normalized):
         noise_multiplier=sigma,
         delta=1e-5,
         seed=123,
-        track_epsilon=False,
         accountant="rdp",
+        performance=Performance(track_epsilon=False),
     )
     res = train(m, data, zero_loss, cfg)
     noise = -m.theta.detach().double()
@@ -150,8 +150,8 @@ def test_clipped_denominator_noise_scale():
         delta=1e-5,
         seed=5,
         denominator=ClippedDenominator(0.5),
-        track_epsilon=False,
         accountant="rdp",
+        performance=Performance(track_epsilon=False),
     )
     train(m, data, zero_loss, cfg)
     assert m.theta.detach().std().item() == pytest.approx(2 * sigma * C / (q * N * 0.5), rel=0.03)
@@ -187,9 +187,8 @@ def test_engine_cohorts_are_poisson_and_buckets_pad():
             noise_multiplier=1.0,
             delta=1e-5,
             seed=3,
-            chunk_size=8,
-            track_epsilon=False,
             accountant="rdp",
+            performance=Performance(chunk_size=8, track_epsilon=False),
         ),
     )
     units = np.array([h["units"] for h in res.history])
@@ -247,7 +246,7 @@ def test_train_stops_before_the_budget():
             delta=1e-5,
             seed=0,
             accountant="rdp",
-            track_epsilon=False,
+            performance=Performance(track_epsilon=False),
         ),
     )
     assert res.stopped == "budget" and 0 < res.steps < 10000
@@ -273,7 +272,7 @@ def test_calibrated_sigma_meets_target_and_adaptive_split():
             seed=0,
             clipping=AdaptiveClip(),
             accountant="rdp",
-            track_epsilon=False,
+            performance=Performance(track_epsilon=False),
         ),
     )
     assert res.epsilon <= 3.0 and res.epsilon > 2.8
@@ -313,7 +312,7 @@ def test_shuffle_and_fixed_size_records_say_so():
                 seed=0,
                 sampling=sampling,
                 accountant=acc,
-                track_epsilon=False,
+                performance=Performance(track_epsilon=False),
             ),
         )
         r = res.record
@@ -335,7 +334,12 @@ def test_shuffle_and_fixed_size_records_say_so():
 def test_seed_is_recorded_and_unseeded_runs_differ():
     data = user_data([2] * 30, d=3)
     cfg = TrainConfig(
-        algorithm=ULS(2, 0.3), steps=3, noise_multiplier=1.0, delta=1e-5, accountant="rdp", track_epsilon=False
+        algorithm=ULS(2, 0.3),
+        steps=3,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        accountant="rdp",
+        performance=Performance(track_epsilon=False),
     )
     a, b = Mean(3), Mean(3)
     ra = train(a, data, sq_loss, cfg)
@@ -353,7 +357,12 @@ def test_batchnorm_in_training_mode_is_refused():
     data = user_data([2] * 10, d=3)
     loss = lambda m, b: m(b["x"]).sum(-1)
     cfg = TrainConfig(
-        algorithm=ULS(2, 0.5), steps=1, noise_multiplier=1.0, delta=1e-5, track_epsilon=False, accountant="rdp"
+        algorithm=ULS(2, 0.5),
+        steps=1,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        accountant="rdp",
+        performance=Performance(track_epsilon=False),
     )
     with pytest.raises(UserError, match="BatchNorm1d"):
         train(model, data, loss, cfg)

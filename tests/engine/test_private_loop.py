@@ -13,7 +13,7 @@ from userdp.engine import ELS, SGD, ULS, Adam, FedAvg, FlatClip, RunOptions, Tra
 from userdp.engine.journal import JOURNAL, steps_begun
 from userdp.errors import UserError
 
-from _engine_helpers import MLP, Mean, ce_loss, mlp_data, sq_loss, user_data
+from _engine_helpers import MLP, Mean, ce_loss, mlp_data, sq_loss, train_config, user_data
 
 SIZES = np.random.default_rng(3).integers(1, 9, 60)
 
@@ -30,7 +30,7 @@ def _cfg(algorithm, optimizer, **kw):
         chunk_size=4,
     )
     base.update(kw)
-    return TrainConfig(**base)
+    return train_config(**base)
 
 
 def _own_loop(model, optimizer, data, cfg, **kw):
@@ -92,7 +92,7 @@ def test_the_update_is_noisy_and_a_different_seed_gives_another_model():
         torch.manual_seed(0)
         m = MLP()
         opt = torch.optim.SGD(m.parameters(), lr=0.2)
-        _own_loop(m, opt, data, TrainConfig(**{**cfg.__dict__, "seed": seed}))
+        _own_loop(m, opt, data, train_config(**{**cfg.__dict__, "seed": seed}))
         models.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
     assert not torch.equal(models[0], models[1])
 

@@ -25,6 +25,7 @@ from userdp.engine import (
     train,
 )
 from userdp.engine.per_unit import PerUnit
+from userdp.engine.performance import Performance
 from userdp.errors import UserError
 
 from _engine_helpers import (
@@ -38,6 +39,7 @@ from _engine_helpers import (
     mlp_data,
     sigint_raises,
     sq_loss,
+    train_config,
     user_data,
 )
 
@@ -70,8 +72,7 @@ def test_sigma0_no_clipping_uls_is_gradient_descent_on_user_averaged_loss():
         optimizer=SGD(lr=0.3),
         noise_multiplier=0.0,
         seed=0,
-        chunk_size=4,
-        track_epsilon=False,
+        performance=Performance(chunk_size=4, track_epsilon=False),
     )
     res = train(a, data, ce_loss, cfg)
     _manual_user_avg_gd(b, data, 5, 0.3)
@@ -165,8 +166,8 @@ def test_fedsgd_with_lr_eta_equals_uls_step():
     common = dict(
         steps=3, clipping=FlatClip(0.5), noise_multiplier=0.7, delta=1e-5, seed=9, track_epsilon=False, accountant="rdp"
     )
-    train(a, data, sq_loss, TrainConfig(algorithm=ULS(4, 0.6), optimizer=SGD(0.4), **common))
-    train(b, data, sq_loss, TrainConfig(algorithm=FedSGD(4, 0.6), optimizer=SGD(0.4), **common))
+    train(a, data, sq_loss, train_config(algorithm=ULS(4, 0.6), optimizer=SGD(0.4), **common))
+    train(b, data, sq_loss, train_config(algorithm=FedSGD(4, 0.6), optimizer=SGD(0.4), **common))
     assert torch.allclose(a.theta, b.theta, atol=1e-6)
 
 
@@ -194,9 +195,8 @@ def test_adaptive_clipping_tracks_the_quantile_of_lognormal_norms():
                 noise_multiplier=1.0,
                 delta=1e-6,
                 seed=1,
-                chunk_size=128,
-                track_epsilon=False,
                 accountant="rdp",
+                performance=Performance(chunk_size=128, track_epsilon=False),
             ),
         )
         tail = np.array([h["clip_norm"] for h in res.history[-60:]])
@@ -221,8 +221,8 @@ def test_optimizers_consume_the_private_gradient_and_learn(opt):
             noise_multiplier=0.5,
             delta=1e-5,
             seed=0,
-            track_epsilon=False,
             accountant="rdp",
+            performance=Performance(track_epsilon=False),
         ),
     )
     assert float((m.theta.detach() - 2.0).abs().max()) < 0.4
@@ -238,10 +238,8 @@ def _resume_cfg(seed, algo):
         noise_multiplier=0.6,
         delta=1e-5,
         seed=seed,
-        checkpoint_every=3,
-        track_epsilon=True,
         accountant="rdp",
-        chunk_size=8,
+        performance=Performance(checkpoint_every=3, track_epsilon=True, chunk_size=8),
     )
 
 
@@ -311,7 +309,13 @@ def test_crash_before_the_first_checkpoint_still_counts(tmp_path):
 def test_resume_refuses_a_different_config(tmp_path):
     data = user_data([2] * 20, d=2)
     cfg = TrainConfig(
-        algorithm=ULS(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, seed=0, accountant="rdp", track_epsilon=False
+        algorithm=ULS(2, 0.3),
+        steps=2,
+        noise_multiplier=1.0,
+        delta=1e-5,
+        seed=0,
+        accountant="rdp",
+        performance=Performance(track_epsilon=False),
     )
     train(Mean(2), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path)))
     with pytest.raises(UserError, match="different config"):

@@ -15,6 +15,7 @@ from userdp.accounting.selection import TrialCount
 from userdp.engine import ELS, ULS, RunOptions, TrainConfig, train
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.noise.chacha import TAIL_MASS_PER_PAIR, _normals_from_blocks, tail_delta
+from userdp.engine.performance import Performance
 from userdp.engine.plan import make_plan
 from userdp.errors import UserError
 
@@ -68,7 +69,9 @@ def test_an_algorithm_whose_units_weigh_more_than_one_is_refused_before_a_step(t
             t = super().units(data, rng)
             return UnitTable(t.users, weights=np.full(len(t.users), 2.0))
 
-    cfg = TrainConfig(algorithm=Heavy(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=Heavy(2, 0.3), steps=2, noise_multiplier=1.0, delta=1e-5, performance=Performance(track_epsilon=False)
+    )
     seen = []
     with pytest.raises(UserError, match="unit weights"):
         train(Mean(4), user_data([3] * 10, d=4), sq_loss, cfg, RunOptions(callbacks=[seen.append]))
@@ -139,7 +142,9 @@ def test_a_chacha_run_adds_its_tail_to_the_stated_delta(monkeypatch):
     from userdp.engine.noise.chacha import ChaChaNoise
 
     monkeypatch.setitem(N.DEVICE_SOURCES, "cpu", ChaChaNoise)
-    cfg = TrainConfig(algorithm=ULS(2, 0.3), steps=3, noise_multiplier=1.0, delta=1e-5, track_epsilon=False)
+    cfg = TrainConfig(
+        algorithm=ULS(2, 0.3), steps=3, noise_multiplier=1.0, delta=1e-5, performance=Performance(track_epsilon=False)
+    )
     rec = train(Mean(4), user_data([3] * 10, d=4), sq_loss, cfg).record
     nt = rec["noise_tail"]
     assert nt["coordinates"] == 4 and nt["steps"] == 3
@@ -167,9 +172,8 @@ def test_a_seeded_run_resumed_after_a_crash_never_reuses_its_noise(tmp_path):
         steps=6,
         noise_multiplier=2.0,
         delta=1e-5,
-        checkpoint_every=2,
-        track_epsilon=False,
         seed=7,
+        performance=Performance(checkpoint_every=2, track_epsilon=False),
     )
     whole = train(Mean(4), data, sq_loss, cfg)
     with pytest.raises(Crash):

@@ -20,10 +20,11 @@ from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TensorUse
 from userdp.engine import checkpoint as ckpt
 from userdp.engine.journal import JOURNAL
 from userdp.engine.noise import gaussian as noise_mod
+from userdp.engine.performance import Performance
 from userdp.engine.run.step import EngineRun
 from userdp.errors import UserError
 
-from _engine_helpers import Crash, Mean, crash_at, sq_loss, user_data
+from _engine_helpers import Crash, Mean, crash_at, sq_loss, train_config, user_data
 
 
 # ------------------------------------------------------------------------------ item 1: the key
@@ -66,7 +67,13 @@ def test_unseeded_checkpoint_holds_no_generator_state(tmp_path):
         Mean(4),
         data,
         sq_loss,
-        TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=3.0, delta=1e-5, track_epsilon=False),
+        TrainConfig(
+            algorithm=ULS(2, 0.5),
+            steps=2,
+            noise_multiplier=3.0,
+            delta=1e-5,
+            performance=Performance(track_epsilon=False),
+        ),
         RunOptions(checkpoint_dir=str(tmp_path)),
     )
     st = ckpt.load(str(tmp_path))
@@ -134,7 +141,7 @@ def _bf16_run(data, sigma, seed=3, init=100.0, d=4096):
         clipping=FlatClip(1.0),
         optimizer=SGD(1.0),
         accountant="rdp",
-        track_epsilon=False,
+        performance=Performance(track_epsilon=False),
     )
     run = EngineRun(model, data, sq_loss, cfg)
     run.before = run.master[0].detach().clone()
@@ -180,7 +187,11 @@ def test_bf16_model_one_adversarial_user_moves_the_release_by_at_most_c_over_den
 def test_published_event_composes_exactly_the_counted_steps_after_a_crash(tmp_path):
     data = user_data([3] * 30, d=4)
     cfg = TrainConfig(
-        algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4, track_epsilon=False
+        algorithm=ULS(2, 0.3),
+        steps=8,
+        noise_multiplier=2.0,
+        delta=1e-5,
+        performance=Performance(checkpoint_every=4, track_epsilon=False),
     )
     with pytest.raises(Crash):
         train(Mean(4), data, sq_loss, cfg, RunOptions(checkpoint_dir=str(tmp_path), callbacks=[crash_at(6)]))
@@ -228,7 +239,7 @@ def _cfg(**kw):
         algorithm=ULS(2, 0.3), steps=8, noise_multiplier=2.0, delta=1e-5, checkpoint_every=4, track_epsilon=False
     )
     base.update(kw)
-    return TrainConfig(**base)
+    return train_config(**base)
 
 
 def _crashed_run(tmp_path, crash=6, **kw):

@@ -10,13 +10,14 @@ import pytest
 import torch
 from _neighbours import ADVERSARIES, Reg, builder, cancelling, honest, reg_loss
 
-from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, TrainConfig, contraction
+from userdp.engine import ELS, ULS, FedAvg, FlatClip, PerLayerClip, contraction
 from userdp.engine.ghost import bound as ghost_bound
 from userdp.engine.ghost import stacks as ghost_stacks
 from userdp.engine.neighbour import join, neighbour_gap
+from userdp.engine.performance import Performance
 from userdp.engine.run.step import EngineRun
 
-from _engine_helpers import run_gloo_pair
+from _engine_helpers import run_gloo_pair, train_config
 
 
 def config(algorithm="uls", g=2, per_unit="ghost", clip=None, seed=11, rate=1.0, **kw):
@@ -25,13 +26,13 @@ def config(algorithm="uls", g=2, per_unit="ghost", clip=None, seed=11, rate=1.0,
         "els": ELS(group_size=g, sampling_rate=rate),
         "fedavg": FedAvg(group_size=g, sampling_rate=rate),
     }[algorithm]
-    return TrainConfig(
+    return train_config(
         algorithm=algo,
         steps=1,
         noise_multiplier=1.0,
         clipping=clip or FlatClip(1.0),
         seed=seed,
-        per_unit=per_unit,
+        performance=Performance(per_unit=per_unit),
         **kw,
     )
 

@@ -28,6 +28,7 @@ from _paths import REPO
 from userdp.cli import main as cli
 from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, RunOptions, TrainConfig, make_private, train
 from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
+from userdp.engine.performance import Performance
 
 from _engine_helpers import Mean, run_ranks, user_data
 from _lm_corpus import write_tiny_run
@@ -271,8 +272,8 @@ def test_the_sum_is_divided_by_a_public_constant_whatever_the_cohorts_size(isola
             delta=1e-5,
             seed=seed,
             noise=_OnesSum.name,
-            track_epsilon=False,
             accountant="rdp",
+            performance=Performance(track_epsilon=False),
         )
         if path == "train":
             model = Mean(4)

@@ -14,9 +14,11 @@ from _hf_helpers import hf_dataset as _dataset
 from _hf_helpers import hf_model as _model
 from datasets import Dataset, IterableDataset
 
-from userdp.engine import ULS, FedAvg, FlatClip, TrainConfig
+from userdp.engine import ULS, FedAvg, FlatClip
 from userdp.errors import UserError
 from userdp.hf import PrivateTrainer
+
+from _engine_helpers import train_config
 
 warnings.filterwarnings("ignore", module="transformers")
 
@@ -29,7 +31,7 @@ def _privacy(**kw):
         noise_multiplier=1.0,
         delta=1e-4,
     )
-    return TrainConfig(**{**base, **kw})
+    return train_config(**{**base, **kw})
 
 
 def _rows(**columns):

@@ -21,7 +21,8 @@ from userdp.engine import per_unit as per_unit_mod
 from userdp.engine.clipping import per_tensor_norms
 from userdp.engine.ledger import PrivacyLedger
 from userdp.engine.noise.mechanism import NOISE_MECHANISMS, IIDGaussian
-from userdp.engine.plan import PERFORMANCE_FIELDS, make_plan, privacy_repr
+from userdp.engine.performance import Performance
+from userdp.engine.plan import make_plan, privacy_repr
 from userdp.engine.run.step import EngineRun
 from userdp.errors import UserError
 from userdp.validation import check_choice, check_int, check_rate
@@ -236,14 +237,22 @@ def test_a_registered_per_unit_strategy_is_chosen_by_configuration():
                 model,
                 data,
                 ce_loss,
-                TrainConfig(algorithm=ULS(3, 0.4), steps=3, noise_multiplier=1.0, seed=5, per_unit=name, chunk_size=4),
+                TrainConfig(
+                    algorithm=ULS(3, 0.4),
+                    steps=3,
+                    noise_multiplier=1.0,
+                    seed=5,
+                    performance=Performance(per_unit=name, chunk_size=4),
+                ),
             )
             out[name] = torch.cat([p.detach().flatten() for p in model.parameters()])
         assert calls and torch.equal(out["vmap"], out["counting"])
     finally:
         per_unit_mod.PER_UNIT_STRATEGIES.pop("counting")
     with pytest.raises(UserError, match="per_unit must be one of"):
-        TrainConfig(algorithm=ULS(3, 0.4), steps=3, noise_multiplier=1.0, per_unit="ghost-not-yet")
+        TrainConfig(
+            algorithm=ULS(3, 0.4), steps=3, noise_multiplier=1.0, performance=Performance(per_unit="ghost-not-yet")
+        )
 
 
 @pytest.mark.parametrize(
@@ -345,6 +354,24 @@ def test_user_errors_are_value_errors_that_name_the_parameter():
     assert check_choice("pld", "accountant", accounting.ACCOUNTANTS) == "pld"
 
 
+def test_the_performance_settings_are_one_object_outside_the_config_and_the_yaml_names_them_too():
+    """Issue 59: how a run computes is a Performance apart from what it releases (no tuple of names
+    inside TrainConfig): not a TrainConfig field of its own, not in its equality or repr, and the
+    YAML's performance keys (those a ``--resume --set`` may change) name each of its settings."""
+    from userdp.engine.performance import PERFORMANCE_FIELDS
+    from userdp.lm.config import PERFORMANCE_KEYS
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    assert not names & set(PERFORMANCE_FIELDS) and "performance" in names
+    field = next(f for f in dataclasses.fields(TrainConfig) if f.name == "performance")
+    assert not field.compare and not field.repr
+    assert set(PERFORMANCE_FIELDS) - {"track_epsilon"} <= set(PERFORMANCE_KEYS["training"])
+    with pytest.raises(UserError, match="performance"):
+        TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=1.0, performance={"chunk_size": 8})
+    with pytest.raises(UserError, match="chunk_size"):
+        Performance(chunk_size=0)
+
+
 def test_the_plan_holds_its_parts_and_the_run_uses_them():
     """make_plan resolves the sampler and the noise mechanism once (a plugin's included); the run
     draws with the plan's sampler and adds the plan's noise; the performance settings stand apart
@@ -360,13 +387,16 @@ def test_the_plan_holds_its_parts_and_the_run_uses_them():
         seed=0,
         sampling="poisson_geometric",
         noise="iid_gaussian_float64",
-        chunk_size=8,
+        performance=Performance(chunk_size=8),
     )
     plan = make_plan(cfg, num_users=40, num_units=40)
     assert isinstance(plan.sampler, sampler) and plan.accounted_sampling == "poisson"
     assert plan.noise_mechanism is NOISE_MECHANISMS.lookup("iid_gaussian_float64")
-    assert plan.performance["chunk_size"] == 8 and set(plan.performance) == set(PERFORMANCE_FIELDS)
-    assert privacy_repr(cfg) == privacy_repr(dataclasses.replace(cfg, chunk_size=64, per_unit="vmap"))
+    assert plan.performance == Performance(chunk_size=8)
+    other = dataclasses.replace(cfg, performance=Performance(chunk_size=64, per_unit="vmap", track_epsilon=False))
+    assert privacy_repr(cfg) == privacy_repr(other) and cfg == other  # outside the journal's binding and equality
+    assert "chunk_size" not in privacy_repr(cfg) and "8" not in privacy_repr(cfg).split("seed=0")[-1]
+    assert privacy_repr(cfg) != privacy_repr(dataclasses.replace(cfg, steps=3))
     run = EngineRun(Mean(2), data, sq_loss, plan)
     assert run.sampler is plan.sampler and type(run.noise) is plan.noise_mechanism
     res = train(Mean(2), data, sq_loss, plan)

@@ -20,6 +20,7 @@ from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.ledger import PrivacyLedger
 from userdp.engine.noise.bandmf import BandMF  # registers noise: bandmf
 from userdp.engine.optimizers import SGD, Adafactor, Adam
+from userdp.engine.performance import Performance
 from userdp.engine.privacy_record import PrivacyRecord
 from userdp.engine.private_loop import PrivateTraining, make_private
 from userdp.engine.run.loop import TrainConfig, TrainingInterrupted, TrainResult, train
@@ -33,6 +34,7 @@ __all__ = [
     "train",
     "RunOptions",
     "TrainConfig",
+    "Performance",
     "TrainResult",
     "PrivacyRecord",
     "make_private",

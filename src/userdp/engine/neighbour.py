@@ -134,7 +134,7 @@ def neighbour_gap(
     if added is not None and added.num_users != 1:
         raise UserError(f"neighbour_gap: added must hold exactly one user, it holds {added.num_users}")
     bigger = data if added is None else join(data, added)
-    config = replace(config, checkpoint_every=0)
+    config = replace(config, performance=replace(config.performance, checkpoint_every=0))
     s0, sens0 = released_sum(build_model(), data, loss_fn, config, combiner=combiner, entry=entry)
     s1, sens1 = released_sum(build_model(), bigger, loss_fn, config, combiner=combiner, entry=entry)
     diff = math.sqrt(sum(float(((a - b) ** 2).sum()) for a, b in zip(s1, s0, strict=True)))

@@ -143,7 +143,7 @@ def own_optimizer(optimizer: torch.optim.Optimizer, params: list, master: list) 
     if master is not params:
         raise UserError(
             "make_private: the model's trainable parameters are float16/bfloat16; keep float32 "
-            "weights and set TrainConfig(precision='bfloat16') for mixed precision, or use train(), "
+            "weights and set Performance(precision='bfloat16') for mixed precision, or use train(), "
             "which steps float32 master weights"
         )
     held = [p for g in optimizer.param_groups for p in g["params"]]

@@ -9,7 +9,7 @@ flat norms, losses and a flag of the units whose update was not finite (they con
 How the per-unit norms are obtained is the strategy's business: :class:`VmapPerUnit`
 materializes each unit's update with torch.func (functional_call + grad + vmap over units); a
 ghost-norm strategy computes norms from activations and output gradients instead. Strategies are
-registered by name in :data:`PER_UNIT_STRATEGIES` and chosen by ``TrainConfig.per_unit``.
+registered by name in :data:`PER_UNIT_STRATEGIES` and chosen by ``Performance.per_unit``.
 
 A unit's loss is the masked mean of its per-record losses, so users with fewer than G records
 and padding units (mask all 0, used to round a chunk up to a bucket size) are exact. The
@@ -235,7 +235,7 @@ def zero_nonfinite(
 VmapPerUnit = PerUnit
 
 
-#: name -> strategy class; ``TrainConfig.per_unit`` picks one ("auto": see :func:`resolve_per_unit`)
+#: name -> strategy class; ``Performance.per_unit`` picks one ("auto": see :func:`resolve_per_unit`)
 PER_UNIT_STRATEGIES: Registry = Registry("per_unit", {"vmap": VmapPerUnit, "ghost": GhostPerUnit})
 
 

@@ -16,7 +16,7 @@ multiplier (:meth:`RunPlan.with_noise_multiplier`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dp_accounting import dp_event as dpe
@@ -26,17 +26,13 @@ from userdp.accounting.split import update_noise_multiplier
 from userdp.engine.aggregation import ClippedDenominator, FixedDenominator
 from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
-from userdp.engine.distributed.distribution import DISTRIBUTIONS
 from userdp.engine.noise.mechanism import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
-from userdp.engine.per_unit import PER_UNIT_STRATEGIES
-from userdp.engine.precision import PRECISIONS
+from userdp.engine.performance import Performance
 from userdp.engine.sampling import accounted_as, get_sampler
 from userdp.errors import UserError
 from userdp.validation import (
     MAX_STEPS,
-    check_bool,
-    check_choice,
     check_fields,
     check_fraction,
     check_instance,
@@ -69,14 +65,11 @@ class TrainConfig:
     (epsilon = inf; refused together with a target). ``delta`` None -> N^-1.1.
     ``sampling``: "poisson" (default, as accounted), or on explicit request "fixed_size"
     (without replacement, replace-one, RDP) or "shuffle" (fixed batches; no amplification).
-    ``per_unit``: the per-unit strategy ("auto" or a name in
-    :data:`~userdp.engine.per_unit.PER_UNIT_STRATEGIES`); ``noise``: the noise mechanism (a name
-    in :data:`~userdp.engine.noise.mechanism.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
-    ``precision``: the autocast dtype of the per-unit forward and backward (``float32``,
-    ``bfloat16``, ``float16``; norms, sums and noise stay float32, see
-    :mod:`userdp.engine.precision`). ``sharding``: ``"none"`` (every rank holds the whole model)
-    or ``"fsdp"`` (FSDP2: each rank of a torchrun job holds 1/W of the parameters, gradients and
-    optimizer state; :mod:`userdp.engine.distributed.sharding`). ``prior_events``: ``dp_accounting``
+    ``noise``: the noise mechanism (a name in
+    :data:`~userdp.engine.noise.mechanism.NOISE_MECHANISMS`); ``accountant``: a registered accountant;
+    ``performance``: how the run computes (:class:`~userdp.engine.performance.Performance`: chunk
+    size, per-unit strategy, precision, distribution, checkpoint cadence), outside the config's
+    equality and ``repr`` and so outside what a run's journal is bound to. ``prior_events``: ``dp_accounting``
     DpEvents released about the same people before training (e.g. the DP median that chose G): the
     ledger counts them before the first step, against ``target_epsilon`` like the steps, and a
     calibrated sigma leaves room for them; the journal is bound to them (they are a privacy
@@ -97,16 +90,11 @@ class TrainConfig:
     accountant: str = "pld"
     sampling: str = "poisson"
     denominator: FixedDenominator | ClippedDenominator = FixedDenominator()
-    chunk_size: int = 64
     seed: int | None = None
-    checkpoint_every: int = 0
-    track_epsilon: bool = True
-    per_unit: str = "auto"
     noise: str = "iid_gaussian"
-    precision: str = "float32"
     prior_events: tuple = ()
-    sharding: str = "none"
     bands: int = 1
+    performance: Performance = field(default=Performance(), compare=False, repr=False)
 
     def __post_init__(self):
         # the one boundary of the engine's config: every field's type and range, converted in
@@ -139,13 +127,8 @@ class TrainConfig:
             delta=(optional(check_fraction), "delta"),
             accountant=(check_string, "accountant"),
             sampling=(check_string, "sampling"),
-            chunk_size=(check_int, "chunk_size"),
             seed=(optional(check_int), "seed", 0),
-            checkpoint_every=(check_int, "checkpoint_every", 0),
-            track_epsilon=(check_bool, "track_epsilon"),
-            per_unit=(check_string, "per_unit"),
             noise=(check_string, "noise"),
-            precision=(check_string, "precision"),
             bands=(check_int, "bands", 1, accounting.MAX_BANDS),
         )
         if not isinstance(self.prior_events, (tuple, list)):
@@ -163,11 +146,8 @@ class TrainConfig:
             raise UserError("noise_multiplier=0 is non-private: it cannot meet a target epsilon")
         sampling = accounted_as(self.sampling)  # a registered sampler states its accounting (else refused)
         accounting.get_accountant(self.accountant)
-        if self.per_unit != "auto":
-            PER_UNIT_STRATEGIES.lookup(self.per_unit)
         NOISE_MECHANISMS.lookup(self.noise)
-        check_choice(self.precision, "precision", PRECISIONS)
-        DISTRIBUTIONS.lookup(self.sharding)  # none, fsdp, or a plugin's distribution
+        check_instance(self.performance, "performance", (Performance,), "a Performance (userdp.engine.performance)")
         if sampling == "fixed_size" and self.accountant != "rdp":
             raise UserError("sampling='fixed_size' is accounted with RDP (replace-one): set accountant='rdp'")
         if isinstance(self.denominator, ClippedDenominator) and self.clipping.adaptive:
@@ -211,16 +191,11 @@ def _check_bands(config: TrainConfig, sampling: str) -> None:
         )
 
 
-#: TrainConfig fields that change how a run computes, not what it releases: a resumed run may
-#: change them (the journal and the checkpoint are bound to the other fields, :func:`privacy_repr`)
-PERFORMANCE_FIELDS = ("chunk_size", "per_unit", "precision", "checkpoint_every", "track_epsilon", "sharding")
-
-
 def privacy_repr(config: TrainConfig) -> str:
-    """``repr`` of ``config`` with its performance fields at their defaults: what a run's ledger
-    journal and checkpoints are bound to."""
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name in PERFORMANCE_FIELDS}
-    return repr(dataclasses.replace(config, **defaults))
+    """``repr`` of ``config``: what a run's ledger journal and checkpoints are bound to. Its
+    :class:`~userdp.engine.performance.Performance` is not in it (a resume may change how the run
+    computes, nothing else)."""
+    return repr(config)
 
 
 def config_difference(saved: str, current: str) -> str:
@@ -315,9 +290,9 @@ class RunPlan:
         return self.config.clipping
 
     @property
-    def performance(self) -> dict:
-        """The performance settings (:data:`PERFORMANCE_FIELDS`): how the run computes, not what it releases."""
-        return {name: getattr(self.config, name) for name in PERFORMANCE_FIELDS}
+    def performance(self) -> Performance:
+        """How the run computes, not what it releases (:class:`~userdp.engine.performance.Performance`)."""
+        return self.config.performance
 
     @property
     def accountant(self) -> str:

@@ -87,10 +87,10 @@ class PrivateTraining:
     def __iter__(self) -> Iterator[PrivateStep]:
         """The steps, ``config.steps`` of them (fewer when the next would pass the target
         epsilon: :attr:`stopped` is then ``"budget"``). With a ``checkpoint_dir``, a checkpoint is
-        written after every ``config.checkpoint_every``-th step and at the end — after the loop's
+        written after every ``config.performance.checkpoint_every``-th step and at the end — after the loop's
         body, so after the caller's ``optimizer.step()``."""
         run = self._run
-        every = run.cfg.checkpoint_every if run.dir else 0
+        every = run.cfg.performance.checkpoint_every if run.dir else 0
         try:
             while run.step < run.cfg.steps:
                 if not run.ledger.allows(1):  # the next step would pass the target: stop before it
@@ -178,7 +178,7 @@ def make_private(
 
     Args:
         model: the model; its parameters with ``requires_grad`` are the ones trained (float32 or
-            wider: mixed precision is ``config.precision``).
+            wider: mixed precision is ``config.performance.precision``).
         optimizer: the caller's ``torch.optim`` optimizer over exactly those parameters; it only
             ever sees the privatized gradient. ``config.optimizer`` is not used.
         data: the user-partitioned data (:class:`userdp.engine.UserData`).
@@ -187,7 +187,7 @@ def make_private(
             epsilon, delta, sampler, seed), or a :class:`RunPlan` made from it for this data.
         options: a :class:`~userdp.engine.run.options.RunOptions` (None: one process, in memory):
             its ``checkpoint_dir`` is where the ledger's journal and the checkpoints go (every
-            ``config.checkpoint_every`` steps and at the end); ``resume`` continues the run in it;
+            ``config.performance.checkpoint_every`` steps and at the end); ``resume`` continues the run in it;
             ``combiner`` names the job's processes (:mod:`userdp.engine.distributed.processes`, e.g.
             ``TorchDistributedCombiner()`` under torchrun). Every rank runs the same loop over its
             share of each cohort; the noisy sum is all-reduced, so every rank's optimizer steps the

@@ -27,6 +27,7 @@ from torch import nn
 
 from userdp import accounting
 from userdp.engine import ELS, SGD, ULS, FlatClip, TrainConfig, train
+from userdp.engine.performance import Performance
 from userdp.engine.run.options import RunOptions
 from userdp.engine.user_data import TensorUserData
 from userdp.errors import UserError
@@ -236,8 +237,7 @@ def train_once(
             delta=delta,
             accountant=config.accountant,
             seed=seed,
-            track_epsilon=False,
-            chunk_size=256,
+            performance=Performance(track_epsilon=False, chunk_size=256),
         ),
         RunOptions(callbacks=(_average,) if n_avg > 0 else ()),
     )

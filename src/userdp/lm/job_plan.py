@@ -79,11 +79,13 @@ def engine_config(cfg: C.RunConfig, num_units_hint: int, device: torch.device, p
         noise=p.noise,
         bands=p.bands,
         seed=t.seed,
-        chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
-        checkpoint_every=t.checkpoint_every,
-        per_unit=t.per_unit,
-        precision=precision,
-        sharding=t.sharding,
+        performance=E.Performance(
+            chunk_size=t.chunk_size or 8,  # auto: resolved before training (resolve_chunk_size)
+            checkpoint_every=t.checkpoint_every,
+            per_unit=t.per_unit,
+            precision=precision,
+            sharding=t.sharding,
+        ),
     )
     if not algo.private:
         kw["noise_multiplier"] = 0.0

@@ -2,7 +2,7 @@
 processes of a ``torch.distributed`` job (docs/scaling.md).
 
 - :mod:`~.distribution`: the contract (:class:`~.distribution.Replicated`) and its variants,
-  registered in :data:`~.distribution.DISTRIBUTIONS` (``TrainConfig.sharding`` names one): how
+  registered in :data:`~.distribution.DISTRIBUTIONS` (``Performance.sharding`` names one): how
   the model is held, how each rank's clipped sums accumulate, how many chunks each rank runs,
   where the one noise draw is made and how the noised sums reach every rank, how the
   checkpoint's state is laid out, and which coverage-check part the ghost strategy uses;

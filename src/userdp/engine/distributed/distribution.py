@@ -1,5 +1,5 @@
 """How a step's work and its release are shared out across the processes of a job: the
-*distribution* part of a run (``TrainConfig.sharding`` names it; docs/scaling.md).
+*distribution* part of a run (``Performance.sharding`` names it; docs/scaling.md).
 
 A distribution decides, for a step whose cohort every rank has drawn alike:
 
@@ -375,5 +375,5 @@ def _read_shards(run, st: dict, held: list) -> dict:
     return opt
 
 
-#: ``TrainConfig.sharding`` (and ``training.sharding``) -> the distribution class; plugins register more
+#: ``Performance.sharding`` (and ``training.sharding``) -> the distribution class; plugins register more
 DISTRIBUTIONS: Registry = Registry("sharding", {"none": Replicated, "fsdp": Sharded})

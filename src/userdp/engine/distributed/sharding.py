@@ -1,6 +1,6 @@
 """Fully sharded training (FSDP2, ``torch.distributed.fsdp.fully_shard``; docs/scaling.md).
 
-Under ``TrainConfig(sharding="fsdp")`` each of the W ranks of a ``torch.distributed`` job holds
+Under ``Performance(sharding="fsdp")`` each of the W ranks of a ``torch.distributed`` job holds
 1/W of every parameter, of its gradient and of the optimizer's state: FSDP2 gathers a block's
 weights for its forward and backward only. The private step is unchanged in what it releases:
 
@@ -102,7 +102,7 @@ def check_shardable(config, model: nn.Module, combiner) -> None:
 
     Raises:
         UserError: naming the setting."""
-    why = unshardable(config.algorithm.update, config.per_unit)
+    why = unshardable(config.algorithm.update, config.performance.per_unit)
     if why:
         raise UserError(f"sharding='fsdp': {why}; use sharding='none' (or ULS/ELS with per_unit='auto' or 'ghost')")
     if any(p.requires_grad and p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters()):

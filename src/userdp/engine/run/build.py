@@ -58,7 +58,7 @@ def build_run(run, model, data, loss_fn, config: TrainConfig | RunPlan, options:
     # with more than G records consumes draws, so sharing the cohort's stream would let one
     # added user move every later cohort (its membership must be its own draws alone)
     run.table = run.algo.units(data, bounding_rng(data_key))
-    run.chunks = Chunks(run.algo, data, run.table, run.params[0], cfg.chunk_size, data_key)
+    run.chunks = Chunks(run.algo, data, run.table, run.params[0], cfg.performance.chunk_size, data_key)
     run.plan = _plan(cfg, given_plan, data, run.table)
     run.sampler = run.plan.sampler
     run.sampler_state = fresh_sampler_state(run)
@@ -73,11 +73,12 @@ def build_run(run, model, data, loss_fn, config: TrainConfig | RunPlan, options:
 def _hold_model(run, model, loss_fn, cfg: TrainConfig) -> None:
     """The distribution part (how the model is held, the sums accumulate and the noise is released),
     the per-unit strategy it trains with, and the weights the optimizer steps."""
-    precision = Precision(cfg.precision)
-    run.distribution = DISTRIBUTIONS.lookup(cfg.sharding)()
+    perf = cfg.performance
+    precision = Precision(perf.precision)
+    run.distribution = DISTRIBUTIONS.lookup(perf.sharding)()
     run.distribution.prepare(cfg, model, run.combiner)
     run.per_unit = make_per_unit(
-        run.distribution.per_unit(cfg.per_unit), model, loss_fn, run.algo, precision, run.distribution.coverage
+        run.distribution.per_unit(perf.per_unit), model, loss_fn, run.algo, precision, run.distribution.coverage
     )
     run.mixing = mixing_modules(model)  # checked again at every release
     run.params = run.per_unit.params
@@ -92,7 +93,7 @@ def _hold_model(run, model, loss_fn, cfg: TrainConfig) -> None:
         run.master = run.params
     run.distribution.check_params(run.params)
     run.precision = {
-        "autocast": cfg.precision,
+        "autocast": cfg.performance.precision,
         "model": sorted({str(p.dtype).replace("torch.", "") for p in run.params}),
         "master_weights": "float32" if run.master is not run.params else "the model's own",
         "norms_sums_noise": sorted({str(accumulation_dtype(p.dtype)).replace("torch.", "") for p in run.params}),

@@ -166,7 +166,7 @@ def start_run(
     checkpoint_dir, resume = options.checkpoint_dir, options.resume
     comb = options.combiner or LocalCombiner()
     cfg = config.config if isinstance(config, RunPlan) else config
-    DISTRIBUTIONS.lookup(cfg.sharding)().check(cfg, model, comb)  # refused before anything is written
+    DISTRIBUTIONS.lookup(cfg.performance.sharding)().check(cfg, model, comb)  # refused before anything is written
     journal = os.path.join(checkpoint_dir, JOURNAL) if checkpoint_dir else None
     # one writer: the main rank alone checks for (and then starts) the journal; the other ranks
     # would race it. A refusal there ends the main rank, and the others with it (docs/scaling.md).
@@ -293,7 +293,11 @@ def _train_loop(run: EngineRun, options: RunOptions) -> TrainResult:
                 raise TrainingInterrupted(
                     f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}", rec, run.step
                 )
-            if checkpoint_dir and config.checkpoint_every and run.step % config.checkpoint_every == 0:
+            if (
+                checkpoint_dir
+                and config.performance.checkpoint_every
+                and run.step % config.performance.checkpoint_every == 0
+            ):
                 run.save(checkpoint_extra)
     if checkpoint_dir:
         run.save(checkpoint_extra)

@@ -139,7 +139,7 @@ def _how_run(run) -> dict:
         precision=run.precision,
         per_unit={
             "strategy": run.per_unit.name,
-            "requested": cfg.per_unit,
+            "requested": cfg.performance.per_unit,
             "fallback_reason": getattr(run.per_unit, "fallback_reason", None),
             "device": str(run.device),
         },

@@ -161,7 +161,9 @@ class EngineRun:
             self.sampler,
         )
         mine = ids[comb.rank :: comb.world_size]
-        n_chunks = dist.chunks(len(ids), comb.world_size, cfg.chunk_size)  # (a floor: FSDP's gathers pair up)
+        n_chunks = dist.chunks(
+            len(ids), comb.world_size, cfg.performance.chunk_size
+        )  # (a floor: FSDP's gathers pair up)
         # on a device the strategy may skip zeroing bad units' rows (a pass over every factor), and the
         # step's one sync says whether any unit was bad: then the sums may hold NaN, and are computed
         # again, zeroing, before anything of them is used
@@ -216,7 +218,7 @@ class EngineRun:
         dt = time.perf_counter() - t0
         metrics["step_time"] = dt
         metrics["units_per_s"] = metrics["units"] / dt if dt > 0 else float("nan")
-        if cfg.track_epsilon:
+        if cfg.performance.track_epsilon:
             metrics["epsilon_spent"] = self.ledger.epsilon_upper_bound()
         if self.ledger.journal is not None:  # a record of this step that binds the journal's length
             metrics["journal"] = self.ledger.journal.cite()
