@@ -96,8 +96,8 @@ def released_sum(
 
 
 def _released(run) -> list[torch.Tensor]:
-    """The step's released sum, float64: ``.grad`` times the public denominator, whole (a sharded
-    run's gradients are DTensor shards: gathered, on every rank)."""
+    """The step's released sum, float64: ``.grad`` times the public denominator, whole (gathered
+    on every rank where the distribution left each rank part of them, as DTensors)."""
     den = float(run.last_denominator)
     return [whole(m.grad).detach().double() * den for m in run.master]
 

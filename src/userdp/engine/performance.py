@@ -2,7 +2,7 @@
 
 :class:`Performance` holds the choices that change a run's speed, memory and where its numbers are
 computed, never its mechanism: the chunk of units a per-unit pass takes, the per-unit strategy, the
-autocast precision, the distribution (replicated or sharded), the checkpoint cadence and whether
+autocast precision, the distribution (replicated, or split over ranks), the checkpoint cadence and whether
 epsilon is recomputed each step for the progress line. It rides on the
 :class:`~userdp.engine.plan.TrainConfig` (``TrainConfig(..., performance=Performance(chunk_size=8))``)
 but outside its equality and its ``repr``: a run's ledger journal and checkpoints are bound to the

@@ -64,8 +64,8 @@ The package, one part a concern (each module's docstring says what it holds):
 - :mod:`~.bound`: the proven upper bound on what a unit adds, from which its clip factor comes;
 - :mod:`~.sums`: one parameter's clipped, weighted sum;
 - :mod:`~.coverage`: which parameters a first chunk compares with autograd's batch gradient, and
-  with respect to which tensors (the distribution hands the strategy its own: a sharded model's
-  forward uses gathered tensors, not its parameters);
+  with respect to which tensors (the distribution hands the strategy its own: where the model is
+  split over ranks, the forward uses gathered tensors, not its parameters);
 - :mod:`~.strategy`: :class:`GhostPerUnit`, the composition of the above for one chunk.
 """
 

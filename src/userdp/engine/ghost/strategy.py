@@ -172,8 +172,8 @@ class GhostPerUnit:
         gradient updates only).
 
         ``sink``: None, or ``sink(j, s)`` called with each parameter's sum ``s`` as soon as it is
-        formed, in the order of the parameters, one at a time (no stacked groups): a sharded step
-        reduce-scatters it there, so no rank holds more than one parameter's whole sum at a time
+        formed, in the order of the parameters, one at a time (no stacked groups): a distribution that
+        splits the model reduce-scatters it there, so no rank holds more than one parameter's whole sum at a time
         (:mod:`userdp.engine.distributed.sharding`). The returned sums are then None.
 
         Returns:
@@ -355,7 +355,7 @@ class GhostPerUnit:
         are finite; ``check``: the parameters compared on this chunk, from the coverage part). A
         parameter used outside its layers' forward would otherwise be missing from its norms and from
         the sum alike: the sensitivity bound still holds for what is summed (both come from the same
-        factors), but the update would silently lack that use. (A sharded run's later groups are
+        factors), but the update would silently lack that use. (Where the model is split over ranks, later groups are
         compared on later chunks, maybe of later steps: a model that fails one trains those steps
         without that use, then stops with the error; its privacy is the same.)"""
         group = check.group

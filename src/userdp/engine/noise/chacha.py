@@ -342,7 +342,7 @@ class ChaChaNoise:
     def pieces(self, total: int, dtypes: Sequence[torch.dtype], device):
         """The float64 standard normals :meth:`add_` would draw over ``total`` numbers, as
         ``(offset, slab)`` in increasing order, computed on ``device``: one draw (one nonce), for a
-        sharded step (:class:`userdp.engine.noise.flat.DrawCursor`)."""
+        distribution that scatters the draw (:class:`userdp.engine.noise.flat.DrawCursor`)."""
         return self._slabs(int(total), device, _VECTOR)
 
     def like(self, tensors: Sequence[torch.Tensor], std: float) -> list[torch.Tensor]:

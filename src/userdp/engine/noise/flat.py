@@ -59,8 +59,8 @@ def zeros_for_noise(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 class DrawCursor:
     """Reads one flat draw given as ``(offset, piece)`` in increasing order (a source's ``pieces``)
     ``n`` numbers at a time: :meth:`take` returns the next ``n`` as one tensor, each number rounded
-    to ``dtype`` as :func:`add_piece` rounds it before adding. What a sharded step scatters, one
-    parameter at a time, so that no model-sized noise buffer exists."""
+    to ``dtype`` as :func:`add_piece` rounds it before adding. What a distribution that scatters
+    the draw reads, one parameter at a time, so that no model-sized noise buffer exists."""
 
     def __init__(self, pieces):
         self._pieces = iter(pieces)

@@ -203,9 +203,9 @@ class GaussianNoise:
     def pieces(self, total: int, dtypes: Sequence[torch.dtype], device=None):
         """The standard normals :meth:`add_` would draw over ``total`` numbers of ``dtypes``, as
         ``(offset, piece)`` in increasing order (host tensors of at most ``_PIECE``, unscaled): the
-        same numbers from the same streams, read in order instead of in parallel, for a sharded step
-        (:class:`userdp.engine.noise.flat.DrawCursor`). Read it to the end: the streams then stand where
-        :meth:`add_` leaves them. ``device`` is not used (host draws)."""
+        same numbers from the same streams, read in order instead of in parallel, for a distribution
+        that scatters the draw (:class:`userdp.engine.noise.flat.DrawCursor`). Read it to the end: the
+        streams then stand where :meth:`add_` leaves them. ``device`` is not used (host draws)."""
         dtype = _draw_dtype(dtypes)
         pending = self._take_pending(int(total), dtype)
         if pending is not None:  # drawn ahead: those numbers, in order

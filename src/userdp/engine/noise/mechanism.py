@@ -6,7 +6,7 @@ checkpoint keeps it for a seeded run only, and nothing released carries it. The 
 :class:`IIDGaussian` implements and every mechanism inherits):
 
 * ``init(numel, dtype, device) -> state``: the state over the ``numel`` coordinates this rank noises
-  (the whole sum where the model is replicated, the rank's shards where it is sharded), in the draw's
+  (the whole sum where the model is replicated, the rank's own parts where the distribution splits it), in the draw's
   dtype on the sums' device; None for a mechanism with no state across steps.
 * ``update(sums, state, std) -> (sums, state)``: this step's noise, ``std`` times the unit-scale
   noise, added to the clipped ``sums`` (in place, float32 or wider), and the next state. The default
@@ -14,12 +14,13 @@ checkpoint keeps it for a seeded run only, and nothing released carries it. The 
 * ``filter(z, lo, state) -> w`` and ``advance(state) -> state``: the mechanism coordinate by
   coordinate: the unit-scale noise of coordinates ``[lo, lo + len(z))`` from the same coordinates'
   standard normals and the state (the identity for i.i.d. noise; may change ``z`` in place), and the
-  state once every piece of a step is filtered. A distribution that scatters the draw (a sharded
-  model) composes the step from these on each rank's own coordinates, so a mechanism written this way
-  runs under every distribution; one that overrides ``update`` instead runs where the model is whole.
+  state once every piece of a step is filtered. A distribution that scatters the draw (one whose
+  ranks each hold part of the model) composes the step from these on each rank's own coordinates,
+  so a mechanism written this way runs under every distribution; one that overrides ``update``
+  instead runs where the model is whole.
 * ``state_dict(state) -> dict`` / ``load_state(saved, state) -> state``: the saved form, whose
-  ``"past"`` entry (if any) lists flat vectors over the coordinates, newest first (a sharded run
-  saves them whole and restores each rank's part), beside the source's ``"source"`` state.
+  ``"past"`` entry (if any) lists flat vectors over the coordinates, newest first (a distribution that
+  splits the model saves them whole and restores each rank's part), beside the source's ``"source"`` state.
 * ``begin_step(numel, dtypes)``: a step's sums are about to be computed (a host source may draw
   meanwhile); ``scalar(std)``: one draw for a scalar query; ``to_record()``: what the privacy
   record says of a mechanism that is not i.i.d. Gaussian (None for it).

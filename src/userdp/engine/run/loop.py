@@ -265,13 +265,14 @@ def _agree(run: EngineRun) -> None:
             "their records (every process must number the same people alike; ids pseudonymised "
             "with Python's hash() are salted per process: use a keyed hash such as hashlib.blake2b)"
         )
-    # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank (a sharded
-    # run did so before sharding: its ranks now hold different shards)
+    # e.g. a randomly initialised preset or LoRA's random A: rank 0's values on every rank (a distribution
+    # that splits the model did so before splitting it: its ranks now hold different parts)
     run.distribution.share_initial_state(comb, run)
 
 
 def _train_loop(run: EngineRun, options: RunOptions) -> TrainResult:
     config, checkpoint_dir, checkpoint_extra = run.cfg, options.checkpoint_dir, options.checkpoint_extra
+    every = config.performance.checkpoint_every
     stopped = "completed"
     with _DeferredInterrupt(enabled=bool(checkpoint_dir)) as interrupt:
         while run.step < config.steps:
@@ -293,11 +294,7 @@ def _train_loop(run: EngineRun, options: RunOptions) -> TrainResult:
                 raise TrainingInterrupted(
                     f"interrupted after step {run.step}; checkpoint saved in {checkpoint_dir}", rec, run.step
                 )
-            if (
-                checkpoint_dir
-                and config.performance.checkpoint_every
-                and run.step % config.performance.checkpoint_every == 0
-            ):
+            if checkpoint_dir and every and run.step % every == 0:
                 run.save(checkpoint_extra)
     if checkpoint_dir:
         run.save(checkpoint_extra)

@@ -64,10 +64,11 @@ def fresh_sampler_state(run) -> dict:
 
 
 def checkpoint_state(run) -> tuple[dict, dict]:
-    """(the checkpoint's state, a sharded run's shards by name). A sharded run's weights and
+    """(the checkpoint's state, the parts each rank writes, by name). Where the distribution splits
+    the model (``every_rank_writes``), its weights and
     per-parameter optimizer states are not in the state (``params`` None, each such state
     :data:`userdp.engine.checkpoint.IN_SHARDS`) but in the shards (``param/NAME``,
-    ``optim/INDEX/KEY``: each rank's, for ``torch.distributed.checkpoint``); ``{}`` when not sharded."""
+    ``optim/INDEX/KEY``: each rank's, for ``torch.distributed.checkpoint``); ``{}`` when the model is whole."""
     optimizer, shards = run.distribution.split_state(run, run.optimizer.state_dict())
     st = {
         "step": run.step,
@@ -85,7 +86,7 @@ def checkpoint_state(run) -> tuple[dict, dict]:
         "nonfinite_units": run.nonfinite_units,
     }
     if run.seeded:  # unseeded random states are secret: never written
-        st["noise"] = run.distribution.noise_state(run)  # every rank of a sharded run calls it
+        st["noise"] = run.distribution.noise_state(run)  # every rank calls it (each may hold part)
         st["torch_rng"] = torch.get_rng_state()
         perm = run.sampler_state.get("perm")
         st["sampler"] = {
@@ -101,8 +102,8 @@ def _held(run) -> list:
 
 def save(run, extra=None):
     """Write the checkpoint (and the caller's ``extra`` files, committed with it as one unit).
-    A sharded run's ranks each write their shards first (a collective: every rank calls this),
-    then rank 0 commits them with the rest."""
+    Where every rank writes (``every_rank_writes``), the ranks each write their parts first (a
+    collective: every rank calls this), then rank 0 commits them with the rest."""
     if not run.dir:
         return
     main = run.combiner.rank == 0

@@ -71,8 +71,8 @@ class EngineRun:
     # ------------------------------------------------------------------ one step
     def clipped_sum(self, ids: np.ndarray, n_chunks: int | None = None, lazy: bool = False):
         """Per-unit updates of ``ids``, clipped and summed; plus statistics. No noise. ``n_chunks``:
-        run at least that many chunks, the extra ones of zero weight (a sharded step). ``lazy``: the
-        strategy may leave bad units' rows unzeroed on a device
+        run at least that many chunks, the extra ones of zero weight (the distribution's floor).
+        ``lazy``: the strategy may leave bad units' rows unzeroed on a device
         (:attr:`~userdp.engine.clipping.StepClipping.lazy_zeroing`); the caller then reads the last
         statistic (bad units, padding included) and computes the sums again where it is not 0."""
         algo = self.algo
@@ -161,9 +161,7 @@ class EngineRun:
             self.sampler,
         )
         mine = ids[comb.rank :: comb.world_size]
-        n_chunks = dist.chunks(
-            len(ids), comb.world_size, cfg.performance.chunk_size
-        )  # (a floor: FSDP's gathers pair up)
+        n_chunks = dist.chunks(len(ids), comb.world_size, cfg.performance.chunk_size)  # a floor (the distribution's)
         # on a device the strategy may skip zeroing bad units' rows (a pass over every factor), and the
         # step's one sync says whether any unit was bad: then the sums may hold NaN, and are computed
         # again, zeroing, before anything of them is used
@@ -226,7 +224,7 @@ class EngineRun:
 
     # ------------------------------------------------------------------ checkpoints (engine/run/state.py)
     def state(self) -> tuple[dict, dict]:
-        """(the checkpoint's state, a sharded run's shards): :func:`userdp.engine.run.state.checkpoint_state`."""
+        """(the checkpoint's state, the parts each rank writes): :func:`userdp.engine.run.state.checkpoint_state`."""
         return run_state.checkpoint_state(self)
 
     def save(self, extra=None):

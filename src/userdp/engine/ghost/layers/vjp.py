@@ -18,7 +18,7 @@ def per_unit_vjp(mod: nn.Module, inputs: tuple, gout: torch.Tensor, m: int, dtyp
     ``torch.func`` (vmap over units of the layer's VJP at the captured inputs), materialized."""
     names = [n for n, p in mod.named_parameters(recurse=False) if p.requires_grad]
     n = gout.shape[0]
-    # a sharded parameter (FSDP2: a DTensor once the forward has resharded it) is gathered whole for
+    # a parameter split over ranks (FSDP2: a DTensor once the forward has resharded it) is gathered for
     # the layer's VJP: an all-gather that every rank runs, the handlers going in the same order on each
     params = {k: whole(getattr(mod, k)).detach() for k in names}
     split = []
