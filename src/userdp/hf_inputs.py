@@ -76,15 +76,15 @@ def trainer_inputs(run_dir: str | Path, log=lambda msg: None) -> TrainerInputs:
         )
     device = resolve_device(cfg.model.device)
     prep = prepare_data(cfg.data, log)
-    tok, model, notes = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, False, device=device)
+    tok, model, _ = get_tokenizer_and_model(cfg.tokenizer, cfg.model, prep, log, False, device=device)
     world = World()
-    model, device, _ = place_model(cfg.model, model, world, notes, log, device=device)
+    model, _, _ = place_model(cfg.model, model, world, log, device=device)
     seq_len, selection = cfg.tokenizer.seq_len, cfg.training.selection
     train_data, _ = build_datasets(prep, tok, seq_len=seq_len, selection=selection, log=log, model=model)
     ctx = JobContext(world=world, log=log, progress=False, resume_dir=str(rd.root), rd=rd)
     cfg, plan = planned_config(cfg, ctx, prep, train_data, model)  # the run's saved plan: nothing planned anew
-    cfg, _ = resolve_chunk_size(cfg, model, device, rd, log, world.world_size)  # the run's saved choice
-    job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan, device)
+    chunk_size, _ = resolve_chunk_size(cfg, model, device, rd, log, world.world_size)  # the run's saved choice
+    job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan, device, chunk_size=chunk_size)
     dataset = records_dataset(train_data)
     return TrainerInputs(model=model, tokenizer=tok, train_dataset=dataset, privacy=job.engine.config)
 

@@ -433,17 +433,17 @@ def test_a_bfloat16_checkpoint_is_widened_for_sharding_and_said():
     from userdp.lm.starting_model import float32_for_sharding
 
     model = _model("gpt2").to(torch.bfloat16)
-    notes, said = {}, []
-    out = float32_for_sharding(model, notes, said.append)
-    assert out is model and {p.dtype for p in model.parameters()} == {torch.float32}
+    said: list = []
+    notes = float32_for_sharding(model, said.append)  # in place; returns the notes it adds
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert "bfloat16 trainable weights were widened to float32" in notes["weights_widened"] and len(said) == 1
-    notes2, said2 = {}, []
-    float32_for_sharding(_model("gpt2"), notes2, said2.append)  # float32 already: nothing to say
+    said2: list = []
+    notes2 = float32_for_sharding(_model("gpt2"), said2.append)  # float32 already: nothing to say
     assert notes2 == {} and said2 == []
     frozen = _model("gpt2").to(torch.bfloat16)
     frozen.lm_head.weight.requires_grad_(False)  # tied: the embedding too
     frozen.transformer.h[0].mlp.c_fc.weight.requires_grad_(False)
-    float32_for_sharding(frozen, {}, said2.append)
+    float32_for_sharding(frozen, said2.append)
     assert frozen.transformer.h[0].mlp.c_fc.weight.dtype == torch.bfloat16  # a frozen weight stays narrow
     assert frozen.transformer.h[0].mlp.c_proj.weight.dtype == torch.float32
 

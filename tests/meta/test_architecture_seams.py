@@ -131,6 +131,42 @@ def test_lm_budget_check_honours_the_sampler(tmp_path):
         check_budget(shuffled, 32, 32)
 
 
+def test_resolve_takes_the_chunk_as_a_value_and_makes_the_one_plan_its_budget_check_asks(tmp_path, monkeypatch):
+    """Issue 59, property 6: the chunk choice is a value ``resolve`` takes; the budget check asks the
+    plan ``resolve`` makes (one mechanism plan, then its Performance); the job context is frozen and
+    a phase adds to it by returning a new one."""
+    import torch
+
+    from userdp.lm import config as C
+    from userdp.lm import job_plan as JP
+    from userdp.lm.job_context import JobContext
+
+    from _lm_corpus import tiny_config, write_tiny_corpus
+
+    data, public = write_tiny_corpus(tmp_path)
+    (tmp_path / "c.yaml").write_text(tiny_config(data, public, privacy_extra="  noise_multiplier: 3.0\n"))
+    cfg = C.load_config(str(tmp_path / "c.yaml"), ["privacy.epsilon=5", "training.chunk_size=auto"])
+    with pytest.raises(TypeError):
+        JP.resolve(cfg, 32, 32)  # no chunk, no plan: the auto choice must have been made
+    asked = []
+    real = JP.check_plan_budget
+    monkeypatch.setattr(JP, "check_plan_budget", lambda c, plan, prior=(): asked.append(plan) or real(c, plan, prior))
+    job = JP.resolve(cfg, 32, 32, None, torch.device("cpu"), chunk_size=4)
+    assert job.engine.performance.chunk_size == 4 and job.training.chunk_size == 4
+    assert len(asked) == 1 and asked[0].mechanism is job.engine.mechanism  # the same plan, not a second one
+    assert asked[0].config == job.engine.config  # they differ in the Performance alone
+    tight = C.load_config(str(tmp_path / "c.yaml"), ["privacy.epsilon=0.01"])
+    with pytest.raises(UserError, match="spend epsilon"):
+        JP.resolve(tight, 32, 32, None, torch.device("cpu"), chunk_size=4)
+    ctx = JobContext(world=None, log=print, progress=False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.device = torch.device("cpu")  # type: ignore[misc]
+    later = ctx.noted(chunk_size={"chunk_size": 4}).noted(sample="a note")
+    assert dict(later.notes) == {"chunk_size": {"chunk_size": 4}, "sample": "a note"} and dict(ctx.notes) == {}
+    with pytest.raises(TypeError):
+        later.notes["x"] = 1  # type: ignore[index]
+
+
 # ------------------------------------------------------------------------------ accountants
 def test_a_registered_accountant_is_used_everywhere_by_name():
     ORDERS = _plugin("integer_rdp").ORDERS

@@ -154,14 +154,13 @@ def _run_top(cfg, output: str | None, audit_hooks: Callable | None, ctx: JobCont
             if world.is_main:
                 _keep_performance_changes(rd, cfg, log)
         engine_resume = world.broadcast_object(checked)
-        ctx.rd, ctx.engine_resume = rd, engine_resume
-        ctx.audit = _audit_session(audit_hooks, cfg, rd, True, log, steps_begun=engine_resume)
-        return _run(cfg, ctx)
+        audit = _audit_session(audit_hooks, cfg, rd, True, log, steps_begun=engine_resume)
+        return _run(cfg, ctx.with_(rd=rd, engine_resume=engine_resume, audit=audit))
     if not world.is_main:  # rank 0 makes the run directory; the others use it
         with world.main_first("creating the run directory"):
             pass
-        ctx.rd = RunDir(Path(world.broadcast_object(None)))  # made by rank 0 (its config.yaml comes with the plan)
-        return _run(cfg, ctx)
+        made = RunDir(Path(world.broadcast_object(None)))  # made by rank 0 (its config.yaml comes with the plan)
+        return _run(cfg, ctx.with_(rd=made))
     target = Path(output or cfg.output.dir) if (output or cfg.output.dir) else None
     existed = target is not None and target.is_dir()
     rd = audit = None
@@ -171,8 +170,7 @@ def _run_top(cfg, output: str | None, audit_hooks: Callable | None, ctx: JobCont
             audit = _audit_session(audit_hooks, cfg, rd, False, log)
             rd.write_state(status="starting", started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
         world.broadcast_object(str(rd.root.resolve()))
-        ctx.rd, ctx.audit = rd, audit
-        return _run(cfg, ctx)
+        return _run(cfg, ctx.with_(rd=rd, audit=audit))
     except BaseException:
         if rd is not None and not (rd.checkpoints / JOURNAL).exists():  # no step began: nothing to keep
             shutil.rmtree(rd.root, ignore_errors=True)
@@ -210,8 +208,7 @@ def _run(cfg: C.RunConfig, ctx: JobContext) -> dict | None:
 def _run_job(cfg: C.RunConfig, ctx: JobContext) -> dict | None:
     """The phases, in order (see the module docstring)."""
     rd, world, log = ctx.rd, ctx.world, ctx.log
-    ctx.t_start = time.time()
-    ctx.device = resolve_device(cfg.model.device)  # once, before any data is read
+    ctx = ctx.with_(t_start=time.time(), device=resolve_device(cfg.model.device))  # once, before any data is read
     if ctx.audit is not None and ctx.audit.gradient and cfg.training.per_unit != "vmap":
         # the gradient canaries' loss term uses a weight directly: only vmap's per-unit gradients
         # see it. Settled from the config alone, before the data, so config.yaml says what runs
@@ -230,31 +227,33 @@ def _run_job(cfg: C.RunConfig, ctx: JobContext) -> dict | None:
         check_budget(cfg, prep.train_subset.num_users, num_units(cfg, prep.train_subset))
     # 2. the tokenizer and the starting model
     with world.main_first("building the tokenizer and the model"):
-        tok, model, ctx.notes = get_tokenizer_and_model(
+        tok, model, notes = get_tokenizer_and_model(
             cfg.tokenizer, cfg.model, prep, log, ctx.progress, device=ctx.device
         )
     if prep.sample_note:  # what a sample whose rate depends on N leaves of the guarantee: the report states it
-        ctx.notes["sample"] = prep.sample_note
-    model, device, ctx.combiner = place_model(cfg.model, model, world, ctx.notes, log, device=ctx.device)
+        notes = {**notes, "sample": prep.sample_note}
+    model, combiner, placed = place_model(cfg.model, model, world, log, device=ctx.device)
+    ctx = ctx.with_(combiner=combiner).noted(notes, **placed)
+    device = ctx.device
     if cfg.training.sharding == "fsdp":
-        model = float32_for_sharding(model, ctx.notes, log)
+        ctx = ctx.noted(float32_for_sharding(model, log))
     with world.main_first("tokenizing the data"):
         train_data, eval_data = build_datasets(
             prep, tok, seq_len=cfg.tokenizer.seq_len, selection=cfg.training.selection, log=log, model=model
         )
     if train_data.data_touch is not None:  # a non-private touch of the data: the report states it
-        ctx.notes["data_touch"] = train_data.data_touch
+        ctx = ctx.noted(data_touch=train_data.data_touch)
     # 3. the plan: its choices, the audit's canaries (before any step), the chunk size, the run plan
     cfg, plan = planned_config(cfg, ctx, prep, train_data, model)
     audit = ctx.audit
     if audit is not None:  # canary users join the training data (docs/audit.md)
         train_data = audit.attach(train_data, eval_data, tok, model, cfg)
     with world.main_first("choosing the chunk size"):  # rank 0's choice, saved, is every rank's
-        cfg, chunk_info = resolve_chunk_size(cfg, model, device, rd, log, world.world_size)
+        chunk_size, chunk_info = resolve_chunk_size(cfg, model, device, rd, log, world.world_size)
     if chunk_info:
-        ctx.notes["chunk_size"] = chunk_info
+        ctx = ctx.noted(chunk_size=chunk_info)
     # the job plan: the sections the later phases read and the one run plan (budget checked)
-    job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan, device)
+    job = resolve(cfg, train_data.num_users, num_units(cfg, train_data), plan, device, chunk_size=chunk_size)
     data = JobData(prep=prep, tok=tok, train=train_data, eval=eval_data)
     if ctx.main:
         with atomic_dir(rd.tokenizer, keep_existing=False) as tmp:

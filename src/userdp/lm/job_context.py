@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from userdp.lm.prepare import Log, Prepared
@@ -29,11 +31,14 @@ class Launch:
     audit: Any = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class JobContext:
-    """One job's surroundings. ``rd`` and ``audit`` are set when the run directory is made (or
-    found, on resume); ``combiner`` when the model is placed on its device; ``notes`` gather what
-    the phases tell the report (the tokenizer folder, the chunk size's choice, ...)."""
+    """One job's surroundings, frozen: a phase that adds to them returns what it adds, and the job
+    goes on with a new context (:meth:`with_`, :meth:`noted`), so each field is set once and a phase
+    cannot change what an earlier one read. ``rd`` and ``audit`` come when the run directory is made
+    (or found, on resume); ``device`` before the data; ``combiner`` when the model is placed on its
+    device; ``notes`` are what the phases tell the report (the tokenizer folder, the chunk size's
+    choice, ...), read-only."""
 
     world: Any  # userdp.world.World: this process among the job's
     log: Log
@@ -45,13 +50,22 @@ class JobContext:
     engine_resume: bool = False  # the engine has a checkpoint to continue from
     combiner: Any = None  # sums across processes (None: one process)
     device: Any = None  # torch.device: model.device, resolved once before any data is read
-    notes: dict = dataclasses.field(default_factory=dict)
+    notes: Mapping[str, Any] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
     t_start: float = dataclasses.field(default_factory=time.time)
 
     @property
     def main(self) -> bool:
         """Whether this process writes (rank 0, or the only one)."""
         return self.world.is_main
+
+    def with_(self, **fields) -> JobContext:
+        """This context with ``fields`` set (what a phase adds)."""
+        return dataclasses.replace(self, **fields)
+
+    def noted(self, notes: Mapping[str, Any] | None = None, **more) -> JobContext:
+        """This context with ``notes`` and ``more`` added to its notes (a later note of the same name
+        replaces an earlier one)."""
+        return dataclasses.replace(self, notes=MappingProxyType({**self.notes, **(notes or {}), **more}))
 
 
 @dataclasses.dataclass(frozen=True)

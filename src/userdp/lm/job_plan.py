@@ -1,6 +1,7 @@
 """Phase 3 of ``userdp train``: the plan. The LM config's training and privacy sections become
 the engine's frozen :class:`~userdp.engine.plan.TrainConfig`, and with the data's counts one
-:class:`~userdp.engine.plan.RunPlan` (:func:`run_plan`, made once per config and counts): the
+:class:`~userdp.engine.plan.RunPlan` (:func:`resolve`: :func:`mechanism_plan`'s, made once per
+privacy settings and counts, with the run's :class:`~userdp.engine.performance.Performance`): the
 budget check asks it, and the engine trains by it. The algorithm is the registered class the
 config names (:func:`algorithm_of`); nothing here compares its name."""
 
@@ -101,14 +102,15 @@ def num_units(cfg: C.RunConfig, data) -> int:
     return algorithm_of(cfg).count_units(data.sizes(), cfg.training.group_size)
 
 
-def run_plan(cfg: C.RunConfig, num_users: int, num_units: int, device: torch.device, prior: tuple = ()) -> RunPlan:
-    """The engine's plan for ``cfg`` on data with these counts (calibrated when the config gives a
-    target and no sigma). The mechanism is made once per privacy settings and counts
-    (:func:`mechanism_plan`), so the budget check and the engine read the same plan instead of
-    making more; the performance settings — an ``auto`` chunk size before it is resolved, the
-    per-unit strategy, the precision (on ``device``, see :func:`engine_config`) — are this config's own."""
-    base = mechanism_plan(cfg, num_users, num_units, prior)
-    return dataclasses.replace(base, config=engine_config(cfg, num_units, device, prior))
+def with_performance(base: RunPlan, cfg: C.RunConfig, num_units: int, device, prior: tuple = ()) -> RunPlan:
+    """``base`` (a :func:`mechanism_plan`) with ``cfg``'s performance settings: an ``auto`` chunk
+    size before it is resolved, the per-unit strategy, the precision (on ``device``, see
+    :func:`engine_config`). The config it then holds differs from ``base``'s in its
+    :class:`~userdp.engine.performance.Performance` alone (checked: the journal is bound to the rest)."""
+    config = engine_config(cfg, num_units, device, prior)
+    if config != base.config:  # equality leaves the Performance out
+        raise AssertionError("a run plan's privacy settings differ from its mechanism plan's")
+    return dataclasses.replace(base, config=config)
 
 
 def mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> RunPlan:
@@ -141,20 +143,27 @@ def _mechanism_plan(cfg: C.RunConfig, num_users: int, num_units: int, prior: tup
 _NEUTRAL_DEVICE = torch.device("cpu")
 
 
-def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> str | None:
+def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple = ()) -> None:
     """Refuse up front a fixed sigma whose configured steps, after the ``prior`` events (a plan's DP
-    median), pass the target epsilon.
+    median), pass the target epsilon: :func:`check_plan_budget` on :func:`mechanism_plan`'s plan.
 
-    The figure comes from the run plan the engine will use (the same mechanism, sampler and
-    delta), so it cannot disagree with the ledger.
+    Raises:
+        UserError: the configured steps would spend more than ``privacy.epsilon``.
+    """
+    check_plan_budget(cfg, mechanism_plan(cfg, num_users, num_units, prior), prior)
+
+
+def check_plan_budget(cfg: C.RunConfig, plan: RunPlan, prior: tuple = ()) -> None:
+    """Refuse a fixed sigma whose configured steps, after the ``prior`` events, pass the target
+    epsilon. The figure comes from ``plan``, the run plan the engine will use (the same mechanism,
+    sampler and delta), so it cannot disagree with the ledger.
 
     Raises:
         UserError: the configured steps would spend more than ``privacy.epsilon``.
     """
     p, t = cfg.privacy, cfg.training
     if not algorithm_of(cfg).private or p.noise_multiplier is None:
-        return None
-    plan = mechanism_plan(cfg, num_users, num_units, prior)  # the engine's (once)
+        return
     eps = accounting.epsilon(
         accounting.compose_after(prior, plan.step_event, plan.compositions(t.steps)), plan.delta, p.accountant
     )
@@ -166,7 +175,6 @@ def check_budget(cfg: C.RunConfig, num_users: int, num_units: int, prior: tuple 
             f"delta = {plan.delta:.3g}; lower training.steps, raise privacy.noise_multiplier, or drop it "
             "to calibrate sigma to the target"
         )
-    return None
 
 
 @dataclass(frozen=True)
@@ -201,16 +209,21 @@ class JobPlan:
         return SAMPLER_MODE[(accounted_as(self.privacy.sampler), self.algorithm.unit)]
 
 
-def resolve(cfg: C.RunConfig, num_users: int, num_units: int, plan: dict | None = None, device=None) -> JobPlan:
-    """The job plan of a resolved config (plan applied, chunk size fixed) on data with these
-    counts, run on ``device``: the budget checked and the one run plan made (:func:`run_plan`).
+def resolve(
+    cfg: C.RunConfig, num_users: int, num_units: int, plan: dict | None = None, device=None, *, chunk_size: int
+) -> JobPlan:
+    """The job plan of a config with its plan applied, on data with these counts, run on ``device``
+    with ``chunk_size`` units a call (:func:`resolve_chunk_size`'s choice): the one run plan made,
+    its budget checked on that plan, and the sections the later phases read.
 
     Raises:
         UserError: the cohort does not fit the units, or a fixed sigma passes the budget."""
+    cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, chunk_size=int(chunk_size)))
     prior = median_events(plan, "the plan")  # spent before the first step: the ledger counts it first
-    check_budget(cfg, num_users, num_units, prior)
+    base = mechanism_plan(cfg, num_users, num_units, prior)  # the one plan: its budget, then its run
+    check_plan_budget(cfg, base, prior)
     return JobPlan(
-        engine=run_plan(cfg, num_users, num_units, device, prior),
+        engine=with_performance(base, cfg, num_units, device, prior),
         training=cfg.training,
         privacy=cfg.privacy,
         seq_len=cfg.tokenizer.seq_len,
@@ -225,14 +238,15 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = s
     """``training.chunk_size: auto`` -> the largest power-of-two chunk that fits the memory cap
     (:func:`userdp.engine.memory.auto_chunk_size`; per rank, with ``training.sharding: fsdp`` over
     ``world_size`` processes), saved in the run directory so that a resume uses the same one.
-    Returns the config with the chunk fixed and the choice (None when fixed).
+    Returns ``(chunk_size, choice)``: the value :func:`resolve` takes, and the record of an ``auto``
+    choice for the report (None when the config fixed it).
 
     Raises:
         UserError: one unit does not fit the cap.
     """
     t = cfg.training
     if t.chunk_size is not None:
-        return cfg, None
+        return int(t.chunk_size), None
 
     saved = rd.root / "chunk_size.json"
     if saved.is_file():
@@ -262,4 +276,4 @@ def resolve_chunk_size(cfg: C.RunConfig, model, device, rd: RunDir, log: Log = s
         f"chunk size: auto -> {info['chunk_size']} units per call (cap {info['memory_cap_bytes'] / 2**30:.1f} GiB, "
         f"{info['cap_source']}; about {(per or 0) / 2**20:.0f} MiB per unit)"
     )
-    return dataclasses.replace(cfg, training=dataclasses.replace(t, chunk_size=int(info["chunk_size"]))), info
+    return int(info["chunk_size"]), info

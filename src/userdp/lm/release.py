@@ -6,6 +6,7 @@ derived from the verified statement."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from userdp import plugins
 from userdp.engine.privacy_record import PrivacyRecord
@@ -22,14 +23,14 @@ from userdp.lm.statement import ReleaseFacts, privacy_record
 from userdp.lm.tensorboard_log import Scalars
 
 
-def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: dict) -> dict:
+def privacy_json(job: JobPlan, record: PrivacyRecord, num_records: int, notes: Mapping) -> dict:
     """privacy.json's content: the engine's record and the job's facts (:mod:`userdp.lm.statement`).
     The published DpEvent is the ledger's own (every step counted, lost steps included), so that
     epsilon recomputed from it is the reported epsilon."""
     return privacy_record(record, release_facts(job, num_records, notes))
 
 
-def release_facts(job: JobPlan, num_records: int, notes: dict) -> ReleaseFacts:
+def release_facts(job: JobPlan, num_records: int, notes: Mapping) -> ReleaseFacts:
     """The job's facts for its statement (known once the model and the data are built, before the
     first step: the journal binds their scope, :func:`userdp.lm.statement.statement_scope`)."""
     t, p, plan = job.training, job.privacy, job.plan

@@ -201,15 +201,17 @@ def get_tokenizer_and_model(
     return tok, model, notes
 
 
-def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_log, *, device: torch.device):
+def place_model(m: C.ModelConfig, model, world, log: Log = stderr_log, *, device: torch.device):
     """The model as training uses it (the config's ``model`` section): LoRA applied when
     configured, on ``device`` (``model.device`` as the job resolved it, once), rank 0's weights on
-    every process, linted; returns (model, device, combiner)."""
+    every process, linted; returns (model, combiner, notes): the notes it adds for the report (the
+    device, and the processes of a job of several)."""
     if m.lora.enabled:
         lc = m.lora
         model = models.apply_lora(model, models.LoraSpec(lc.rank, lc.alpha, lc.target_modules))
     model.to(device)
     combiner = combiner_for(world.distributed)
+    notes: dict = {}
     if world.distributed:  # a random initialisation (a preset without pretraining, LoRA's A): rank 0's
         broadcast_module_state(combiner, model)
         notes["processes"] = {"world_size": world.world_size, "backend": world.backend}
@@ -217,24 +219,25 @@ def place_model(m: C.ModelConfig, model, world, notes: dict, log: Log = stderr_l
     log(f"device: {notes['device']}")
     model.train()
     models.lint_model(model)
-    return model, device, combiner
+    return model, combiner, notes
 
 
-def float32_for_sharding(model, notes: dict, log: Log = stderr_log):
+def float32_for_sharding(model, log: Log = stderr_log) -> dict:
     """The model with float32 trainable weights, for ``training.sharding: fsdp`` (the sharded step trains
     float32 parameters: it builds no sharded float32 masters of narrower weights). A checkpoint saved in
-    bfloat16 loads as bfloat16 (transformers' ``dtype="auto"``): it is widened here, said in the log and
-    in the report's notes. Returns the model (changed in place)."""
+    bfloat16 loads as bfloat16 (transformers' ``dtype="auto"``): it is widened here (in place), said in
+    the log and in the notes returned for the report (``{}``: nothing was widened)."""
     params = [p for p in model.parameters() if p.requires_grad and p.dtype in (torch.float16, torch.bfloat16)]
     narrow = sorted({str(p.dtype).replace("torch.", "") for p in params})
     if narrow:
         with torch.no_grad():
             for p in params:  # the trainable ones: a frozen base (LoRA's) may stay narrow, FSDP2 shards it so
                 p.data = p.data.float()
-        notes["weights_widened"] = (
+        widened = (
             f"the model's {'/'.join(narrow)} trainable weights were widened to float32 for "
             "training.sharding: fsdp (4 bytes a parameter, sharded; the released model "
             "is float32)"
         )
-        log(f"sharding: {notes['weights_widened']}")
-    return model
+        log(f"sharding: {widened}")
+        return {"weights_widened": widened}
+    return {}
