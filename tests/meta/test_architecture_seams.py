@@ -406,6 +406,14 @@ def test_the_performance_settings_are_one_object_outside_the_config_and_the_yaml
         TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=1.0, performance={"chunk_size": 8})
     with pytest.raises(UserError, match="chunk_size"):
         Performance(chunk_size=0)
+    # a 0.9 call names where its setting went, in one line (not an unexpected-keyword TypeError)
+    with pytest.raises(UserError, match=r"performance=Performance\(chunk_size=8, per_unit='vmap'\)") as info:
+        TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=1.0, chunk_size=8, per_unit="vmap")
+    assert "\n" not in str(info.value)
+    cfg = TrainConfig(algorithm=ULS(2, 0.5), steps=2, noise_multiplier=1.0)
+    with pytest.raises(UserError, match="since userdp 0.10"):
+        dataclasses.replace(cfg, sharding="fsdp")
+    assert dataclasses.replace(cfg, steps=3).steps == 3 and isinstance(cfg, TrainConfig)
 
 
 def test_the_plan_holds_its_parts_and_the_run_uses_them():

@@ -28,7 +28,7 @@ from userdp.engine.algorithms import ALGORITHMS, ELS, ULS, FedAvg
 from userdp.engine.clipping import AdaptiveClip, FlatClip, PerLayerClip
 from userdp.engine.noise.mechanism import NOISE_MECHANISMS
 from userdp.engine.optimizers import SGD, Adafactor, Adam
-from userdp.engine.performance import Performance
+from userdp.engine.performance import PERFORMANCE_FIELDS, Performance
 from userdp.engine.sampling import accounted_as, get_sampler
 from userdp.errors import UserError
 from userdp.validation import (
@@ -54,8 +54,24 @@ SAMPLER_MODE = {
 }
 
 
+class _RefusesMovedSettings(type):
+    """TrainConfig's metaclass: a 0.9 setting now in :class:`~userdp.engine.performance.Performance`
+    (``TrainConfig(chunk_size=8)``, or ``dataclasses.replace(config, chunk_size=8)``) is refused in
+    one line that says where it went, instead of an unexpected-keyword TypeError."""
+
+    def __call__(cls, *args, **kwargs):
+        moved = [k for k in kwargs if k in PERFORMANCE_FIELDS]
+        if moved:
+            given = ", ".join(f"{k}={kwargs[k]!r}" for k in moved)
+            raise UserError(
+                f"{', '.join(moved)}: a performance setting, a field of Performance since userdp 0.10: "
+                f"TrainConfig(..., performance=Performance({given}))"
+            )
+        return super().__call__(*args, **kwargs)
+
+
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(metaclass=_RefusesMovedSettings):
     """Everything that defines a run (and its guarantee).
 
     Give either ``noise_multiplier`` (sigma; with adaptive clipping this is the *effective*
