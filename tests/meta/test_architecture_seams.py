@@ -145,7 +145,8 @@ def test_resolve_takes_the_chunk_as_a_value_and_makes_the_one_plan_its_budget_ch
 
     data, public = write_tiny_corpus(tmp_path)
     (tmp_path / "c.yaml").write_text(tiny_config(data, public, privacy_extra="  noise_multiplier: 3.0\n"))
-    cfg = C.load_config(str(tmp_path / "c.yaml"), ["privacy.epsilon=5", "training.chunk_size=auto"])
+    rdp = "privacy.accountant=rdp"  # the property is the plan's, whichever accountant (RDP: milliseconds)
+    cfg = C.load_config(str(tmp_path / "c.yaml"), ["privacy.epsilon=5", "training.chunk_size=auto", rdp])
     with pytest.raises(TypeError):
         JP.resolve(cfg, 32, 32)  # no chunk, no plan: the auto choice must have been made
     asked = []
@@ -155,7 +156,7 @@ def test_resolve_takes_the_chunk_as_a_value_and_makes_the_one_plan_its_budget_ch
     assert job.engine.performance.chunk_size == 4 and job.training.chunk_size == 4
     assert len(asked) == 1 and asked[0].mechanism is job.engine.mechanism  # the same plan, not a second one
     assert asked[0].config == job.engine.config  # they differ in the Performance alone
-    tight = C.load_config(str(tmp_path / "c.yaml"), ["privacy.epsilon=0.01"])
+    tight = C.load_config(str(tmp_path / "c.yaml"), ["privacy.epsilon=0.01", rdp])
     with pytest.raises(UserError, match="spend epsilon"):
         JP.resolve(tight, 32, 32, None, torch.device("cpu"), chunk_size=4)
     ctx = JobContext(world=None, log=print, progress=False)
