@@ -25,8 +25,6 @@ import sys
 import time
 from pathlib import Path
 
-from userdp.engine.performance import Performance
-
 HERE = Path(__file__).resolve().parent
 
 
@@ -74,6 +72,7 @@ def main(argv=None) -> int:
 
     from userdp.engine import SGD, ULS, FlatClip, RunOptions, TrainConfig
     from userdp.engine.noise.bandmf import BandMF
+    from userdp.engine.performance import Performance
     from userdp.engine.run.loop import start_run
     from userdp.lm.models import causal_lm_loss
 

@@ -41,7 +41,6 @@ warnings.filterwarnings("ignore")
 from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
 
 from userdp.engine import RunOptions
-from userdp.engine.performance import Performance
 
 
 def _worker(a) -> None:
@@ -52,6 +51,7 @@ def _worker(a) -> None:
     from userdp.engine import SGD, ULS, Adam, FlatClip, TensorUserData, TrainConfig, train
     from userdp.engine.distributed.processes import combiner_for
     from userdp.engine.noise.gaussian import source_for
+    from userdp.engine.performance import Performance
     from userdp.engine.run import loop as engine_loop
     from userdp.lm import models
 

@@ -30,7 +30,6 @@ warnings.filterwarnings("ignore")
 from bench_scale import _peak_rss, _reset_peak_rss  # noqa: E402  (this folder's: peak RSS since a reset)
 
 from userdp.engine import RunOptions
-from userdp.engine.performance import Performance
 
 MODES = ("nonprivate_trainer", "engine_train", "own_loop", "private_trainer", "nonprivate_sft", "private_sft")
 
@@ -42,6 +41,7 @@ def _worker(mode: str, a) -> dict:
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from userdp.engine import SGD, ULS, FlatClip, TrainConfig, make_private, train
+    from userdp.engine.performance import Performance
     from userdp.hf import PrivateTrainer, UserRecords
     from userdp.lm.models import causal_lm_loss
 

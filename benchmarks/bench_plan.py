@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from userdp.engine.performance import Performance
-
 HERE = Path(__file__).resolve().parent
 
 
@@ -62,6 +60,7 @@ def main(argv=None) -> int:
     from userdp import planning
     from userdp.cli.plan import resolve_training
     from userdp.engine import ULS, Adam, FlatClip, TrainConfig, train
+    from userdp.engine.performance import Performance
     from userdp.lm.evaluate import evaluate_lm
 
     def log(msg):

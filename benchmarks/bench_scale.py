@@ -38,8 +38,6 @@ import sys
 import time
 import warnings
 
-from userdp.engine.performance import Performance
-
 warnings.filterwarnings("ignore")
 
 
@@ -133,6 +131,7 @@ def _worker(a) -> dict:
     import torch
 
     from userdp.engine import ELS, SGD, ULS, FedAvg, FlatClip, TrainConfig
+    from userdp.engine.performance import Performance
     from userdp.engine.precision import Precision
     from userdp.engine.run.step import EngineRun
     from userdp.lm.models import causal_lm_loss
