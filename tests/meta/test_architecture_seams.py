@@ -415,6 +415,13 @@ def test_the_performance_settings_are_one_object_outside_the_config_and_the_yaml
     with pytest.raises(UserError, match="since userdp 0.10"):
         dataclasses.replace(cfg, sharding="fsdp")
     assert dataclasses.replace(cfg, steps=3).steps == 3 and isinstance(cfg, TrainConfig)
+    # a checkpoint of 0.9 carries its performance settings in the config's repr: its resume is
+    # refused as a 0.9 run (resume it there), not as "a different config"
+    from userdp.engine.plan import held_performance
+
+    old = privacy_repr(cfg)[:-1] + ", chunk_size=64, checkpoint_every=0, track_epsilon=True, per_unit='auto')"
+    assert held_performance(old) and not held_performance(privacy_repr(cfg))
+    assert not held_performance(privacy_repr(dataclasses.replace(cfg, steps=3)))
 
 
 def test_the_plan_holds_its_parts_and_the_run_uses_them():

@@ -228,6 +228,13 @@ def config_difference(saved: str, current: str) -> str:
     )
 
 
+def held_performance(saved: str) -> bool:
+    """Whether a :func:`privacy_repr` string read from a checkpoint was written by userdp 0.9 or
+    earlier, whose ``TrainConfig`` held the performance settings as its own fields (``chunk_size=64,
+    ...``): such a run resumes under the version that wrote it, not this one."""
+    return any(name in PERFORMANCE_FIELDS for name in _repr_fields(saved))
+
+
 def _repr_fields(text: str) -> dict[str, str]:
     """``TrainConfig(a=1, b=X(c=2))`` -> ``{"a": "1", "b": "X(c=2)"}`` (top-level fields only)."""
     start = text.find("(")

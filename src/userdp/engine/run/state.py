@@ -14,7 +14,7 @@ from userdp.engine import checkpoint as ckpt
 from userdp.engine.algorithms import UnitTable
 from userdp.engine.distributed.distribution import read_params
 from userdp.engine.noise.gaussian import ENTROPY_BITS, os_entropy, source_for
-from userdp.engine.plan import config_difference, privacy_repr
+from userdp.engine.plan import config_difference, held_performance, privacy_repr
 from userdp.errors import UserError
 
 POOL = ENTROPY_BITS // 32
@@ -116,6 +116,12 @@ def save(run, extra=None):
 
 
 def restore(run, st: dict):
+    if st["config"] != privacy_repr(run.cfg) and held_performance(st["config"]):
+        raise UserError(
+            f"cannot resume from {ckpt.path(run.dir)}: it was written by userdp 0.9 or earlier, whose "
+            "TrainConfig held the performance settings (now a Performance beside it, outside what the "
+            "journal is bound to); resume it with the version that wrote it, or start a new run"
+        )
     if st["config"] != privacy_repr(run.cfg):
         raise UserError(
             f"cannot resume from {ckpt.path(run.dir)}: it was written with a different config "
