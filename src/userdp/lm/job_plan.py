@@ -103,10 +103,11 @@ def num_units(cfg: C.RunConfig, data) -> int:
 
 
 def with_performance(base: RunPlan, cfg: C.RunConfig, num_units: int, device, prior: tuple = ()) -> RunPlan:
-    """``base`` (a :func:`mechanism_plan`) with ``cfg``'s performance settings: an ``auto`` chunk
-    size before it is resolved, the per-unit strategy, the precision (on ``device``, see
-    :func:`engine_config`). The config it then holds differs from ``base``'s in its
-    :class:`~userdp.engine.performance.Performance` alone (checked: the journal is bound to the rest)."""
+    """``base`` (a :func:`mechanism_plan`) with ``cfg``'s performance settings: the chunk size
+    (:func:`resolve` fixes it first), the per-unit strategy, the precision (on ``device``, see
+    :func:`engine_config`), the distribution and the checkpoint cadence. The config it then holds
+    differs from ``base``'s in its :class:`~userdp.engine.performance.Performance` alone (checked:
+    the journal is bound to the rest)."""
     config = engine_config(cfg, num_units, device, prior)
     if config != base.config:  # equality leaves the Performance out
         raise AssertionError("a run plan's privacy settings differ from its mechanism plan's")

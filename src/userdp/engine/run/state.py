@@ -116,16 +116,17 @@ def save(run, extra=None):
 
 
 def restore(run, st: dict):
-    if st["config"] != privacy_repr(run.cfg) and held_performance(st["config"]):
+    saved, here = st["config"], privacy_repr(run.cfg)
+    if saved != here and held_performance(saved):
         raise UserError(
             f"cannot resume from {ckpt.path(run.dir)}: it was written by userdp 0.9 or earlier, whose "
             "TrainConfig held the performance settings (now a Performance beside it, outside what the "
             "journal is bound to); resume it with the version that wrote it, or start a new run"
         )
-    if st["config"] != privacy_repr(run.cfg):
+    if saved != here:
         raise UserError(
             f"cannot resume from {ckpt.path(run.dir)}: it was written with a different config "
-            f"({config_difference(st['config'], privacy_repr(run.cfg))}; only performance "
+            f"({config_difference(saved, here)}; only performance "
             "settings may change: chunk size, per-unit strategy, precision, checkpoint cadence)"
         )
     if st["param_names"] != run.per_unit.names:
