@@ -48,6 +48,7 @@ import bench_memory  # noqa: E402
 from bench_ops import VIEW_OPS  # noqa: E402
 
 import userdp.engine.contraction as contraction  # noqa: E402
+import userdp.engine.ghost.grams as grams  # noqa: E402
 import userdp.engine.layer_norm_grads as layer_norm_grads  # noqa: E402
 
 #: H100 SXM peaks: HBM3 bytes/s, bf16 tensor-core and float32 SIMT FLOP/s (dense)
@@ -224,12 +225,12 @@ def _on_cuda(traffic: Traffic, without: tuple = ()):
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(contraction, "fused_operand", _triton_operand(traffic)))
     if "gram" in without:
-        stack.enter_context(mock.patch.object(contraction, "FUSED_GRAMS", "off"))
+        stack.enter_context(mock.patch.object(grams, "FUSED_GRAMS", "off"))
     if "layer_norm" in without:
         stack.enter_context(mock.patch.object(layer_norm_grads, "FUSED_LAYER_NORM", "off"))
-    if contraction.gram_triton is not None and "gram" not in without:
-        stack.enter_context(mock.patch.object(contraction, "_grams_kernel_allowed", lambda device: True))
-        stack.enter_context(mock.patch.object(contraction.gram_triton, "_pair_kernel", _GramKernel(traffic)))
+    if grams.gram_triton is not None and "gram" not in without:
+        stack.enter_context(mock.patch.object(grams, "_grams_kernel_allowed", lambda device: True))
+        stack.enter_context(mock.patch.object(grams.gram_triton, "_pair_kernel", _GramKernel(traffic)))
     if layer_norm_grads.layer_norm_triton is not None and "layer_norm" not in without:
         stack.enter_context(mock.patch.object(layer_norm_grads, "_fused_allowed", lambda device: True))
         stack.enter_context(

@@ -146,9 +146,9 @@ def test_the_gram_and_layer_norm_kernels_pass_their_checks_and_give_the_torch_pa
     """The Gram-pair reductions (engine/gram_triton.py) and a LayerNorm's per-unit gradients
     (engine/layer_norm_triton.py) pass their run-time checks here, at the step's own sizes too, and a
     ghost chunk's norms and sums with them agree with the torch passes' (float32 summation order)."""
-    from userdp.engine import contraction as C
     from userdp.engine import gram_triton
     from userdp.engine import layer_norm_grads as L
+    from userdp.engine.ghost import grams as C
     from userdp.lm import models
 
     assert C.check_gram_kernel(CUDA) is True

@@ -300,9 +300,9 @@ def _adversarial_contribution(monkeypatch, fold: bool) -> float:
     y = torch.tensor([1.265625, -1.3046875] * (t // 2)).view(1, t, 1).repeat(1, 1, w).to(BF16)
     f = ghost_factors.Factored(torch.ones(1, t, w, dtype=BF16), y, w, dtype=torch.float32, tc=True)
     value, err = ghost_grams.inner(f, f)
-    mag, smag = f.magnitude()
+    mag, smag = ghost_grams.magnitude(f)
     r = contraction.operand_roundoff(f.narrow)
-    bound = ghost_bound.Bound(value, err, mag * smag, t, f.u, None, r, [f.spread_term()] if r else None)
+    bound = ghost_bound.Bound(value, err, mag * smag, t, f.u, None, r, [ghost_grams.spread_term(f)] if r else None)
     _, upper = ghost_bound.bounded_norms([bound], 1)
     c = round_down_bf16((1.0 / upper[:, 0]).clamp(max=1.0).float())
     s = contraction.clipped_contraction(f.x, f.y, c, True, torch.float32)
@@ -310,7 +310,7 @@ def _adversarial_contribution(monkeypatch, fold: bool) -> float:
 
 
 def test_the_spread_bounds_what_any_bounded_operand_error_can_add(monkeypatch):
-    """Factored.spread bounds ``‖Σ_t x_t ⊗ e_t‖`` for every ``|e_t| <= |y_t|``: it is at least
+    """grams.spread bounds ``‖Σ_t x_t ⊗ e_t‖`` for every ``|e_t| <= |y_t|``: it is at least
     ``‖X‖₂ ‖Y‖_F`` (computed exactly here) where that is below B, and at least what random-sign and
     aligned errors add; on rows that point apart it is well below B (the bound it tightens)."""
     monkeypatch.setattr(contraction, "TENSOR_CORES", "on")
@@ -319,7 +319,7 @@ def test_the_spread_bounds_what_any_bounded_operand_error_can_add(monkeypatch):
     x, y = _bf16(m, t, wx, seed=21), _bf16(m, t, wy, seed=22)
     f = ghost_factors.Factored(x, y, wx, dtype=torch.float32, tc=True)
     ghost_grams.inner(f, f)
-    spread = f.spread()
+    spread = ghost_grams.spread(f)
     xd, yd = x.double(), y.double()
     b = (xd.norm(dim=2) * yd.norm(dim=2)).sum(1)
     spectral = torch.linalg.matrix_norm(xd, ord=2) * yd.reshape(m, -1).norm(dim=1)
@@ -336,12 +336,12 @@ def test_the_spread_bounds_what_any_bounded_operand_error_can_add(monkeypatch):
 
 
 def _spread_by_hand(f) -> torch.Tensor:
-    """Factored.spread's formula for one use, written out (the reference for the batched form)."""
-    mag, smag = f.magnitude()
+    """grams.spread's formula for one use, written out (the reference for the batched form)."""
+    mag, smag = ghost_grams.magnitude(f)
     b = mag.double() * (smag * (1.0 + 2.0**-40))
     if f._gx_rows is None:
         return b
-    rx, ry, sx, sy = f.row_norms()
+    rx, ry, sx, sy = ghost_grams.row_norms(f)
     t = int(rx.shape[1])
     rxd = rx.double() * sx
     gxn = rounding_mod.gamma(int(f.x.shape[-1]), f.u)
@@ -368,7 +368,11 @@ def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
         if own_gram:
             ghost_grams.inner(f, f)  # keeps the Gram's row sums
         uses.append(f)
-    per_param = [[uses[0].spread_term(), uses[3].spread_term()], [], [uses[1].spread_term(), uses[2].spread_term()]]
+    per_param = [
+        [ghost_grams.spread_term(uses[0]), ghost_grams.spread_term(uses[3])],
+        [],
+        [ghost_grams.spread_term(uses[1]), ghost_grams.spread_term(uses[2])],
+    ]
     got = ghost_factors.spreads(per_param, m)
     want = [
         _spread_by_hand(uses[0]) + _spread_by_hand(uses[3]),
@@ -377,13 +381,13 @@ def test_a_chunks_spreads_taken_together_are_each_uses_own(monkeypatch):
     ]
     for g, w in zip(got, want, strict=True):
         assert torch.allclose(g, w, rtol=1e-15, atol=0)
-    assert bool((_spread_by_hand(uses[1]) < ghost_factors.Factored.magnitude(uses[1])[0].double()).all())  # not B alone
+    assert bool((_spread_by_hand(uses[1]) < ghost_grams.magnitude(uses[1])[0].double()).all())  # not B alone
     # a stack of two members (2·m units of one use) split back: each member's own spread
     x = torch.cat([uses[0].x, uses[0].x.flip(0)])
     y = torch.cat([uses[0].y, uses[0].y.flip(0)])
     flat = ghost_factors.Factored(x, y, 64, dtype=torch.float32, tc=True)
     ghost_grams.inner(flat, flat)
-    members = flat.spread_term().split(2)
+    members = ghost_grams.spread_term(flat).split(2)
     both = ghost_factors.spreads([[members[0]], [members[1]]], m)
     assert torch.allclose(both[0], _spread_by_hand(uses[0]), rtol=1e-6)
     assert torch.allclose(both[1], _spread_by_hand(uses[0]).flip(0), rtol=1e-6)
@@ -644,6 +648,7 @@ _GRAM_PROBE = r"""
 import torch
 from userdp.engine import contraction
 from userdp.engine import gram_triton as K
+from userdp.engine.ghost import grams
 from userdp.engine.clipping import FlatClip
 from userdp.lm import models
 from _engine_helpers import bf16_lm_chunk
@@ -660,7 +665,7 @@ clip = FlatClip(0.05)
 out = {}
 inside = True
 for mode in ("off", "on"):
-    contraction.FUSED_GRAMS = mode
+    grams.FUSED_GRAMS = mode
     run = lambda w: bf16_lm_chunk(model, ids, clip, w)[1]
     sums, norms, _, _ = run(torch.ones(4))
     out[mode] = (sums, norms)
@@ -670,7 +675,7 @@ for mode in ("off", "on"):
         inside = inside and float(torch.sqrt(sum((x.double() ** 2).sum() for x in s))) <= 0.05
 same_norms = bool(torch.allclose(out["on"][1], out["off"][1], rtol=1e-5))
 close = all(torch.allclose(a, b, rtol=1e-3, atol=1e-7) for a, b in zip(out["on"][0], out["off"][0]))
-print(contraction.GRAMS_CHECKED.get("cpu"), len(calls), same_norms, close, inside)
+print(grams.GRAMS_CHECKED.get("cpu"), len(calls), same_norms, close, inside)
 """
 
 
@@ -695,22 +700,22 @@ def test_a_gram_kernel_that_differs_is_not_used_and_is_warned_about(monkeypatch)
     fake = types.ModuleType("userdp.engine.gram_triton")
 
     def low(gx, gy, rb_x, rb_y, row_sums):  # the torch row sums, one |Gy| form 0.1% low: a bound too small
-        v, qy, qx, sx = contraction.torch_pair_rows(gx, gy, rb_x, rb_y, row_sums)
+        v, qy, qx, sx = ghost_grams.torch_pair_rows(gx, gy, rb_x, rb_y, row_sums)
         qy = qy.clone()
         qy[0, 0] *= 0.999
         return v, qy, qx, sx
 
     fake.pair_rows = low
-    monkeypatch.setattr(contraction, "gram_triton", fake)
-    monkeypatch.setattr(contraction, "FUSED_GRAMS", "on")
-    monkeypatch.setattr(contraction, "GRAMS_CHECKED", {})
+    monkeypatch.setattr(ghost_grams, "gram_triton", fake)
+    monkeypatch.setattr(ghost_grams, "FUSED_GRAMS", "on")
+    monkeypatch.setattr(ghost_grams, "GRAMS_CHECKED", {})
     gx, gy = torch.randn(2, 4, 6), torch.randn(2, 4, 6)
     rb = torch.rand(2, 6)
-    ref = contraction.torch_pair_rows(gx, gy, rb, rb, True)
+    ref = ghost_grams.torch_pair_rows(gx, gy, rb, rb, True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # decided once
-            got = contraction.gram_pair_rows(gx, gy, rb, rb, True)
+            got = ghost_grams.gram_pair_rows(gx, gy, rb, rb, True)
             assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert len(caught) == 1 and "|Gy| form differs from torch's" in str(caught[0].message)
 
@@ -751,16 +756,16 @@ def test_the_gram_kernel_gate_holds_a_kernel_to_the_proofs_budget_not_twice_gamm
     def kernel_off_by(fraction):
         def pair_rows(gx, gy, rbx, rby, sums):
             m, ta, tb = gy.shape
-            want = contraction.torch_pair_rows(gx, gy, rbx, rby, sums)
+            want = ghost_grams.torch_pair_rows(gx, gy, rbx, rby, sums)
             scales = ((gx * gy).abs().sum(-1), want[1], want[2], want[3])
-            slack = fraction * contraction.gram_row_budget(ta, tb)
+            slack = fraction * ghost_grams.gram_row_budget(ta, tb)
             return tuple(None if w is None else w + slack * s for w, s in zip(want, scales, strict=True))
 
         return types.SimpleNamespace(pair_rows=pair_rows)
 
-    assert 1.5 * contraction.gram_row_budget(20, 300) < 2 * 300 * 2.0**-24  # the old slack let it through
-    monkeypatch.setattr(contraction, "gram_triton", kernel_off_by(1.5))
-    verdict = contraction.check_gram_kernel(torch.device("cpu"))
+    assert 1.5 * ghost_grams.gram_row_budget(20, 300) < 2 * 300 * 2.0**-24  # the old slack let it through
+    monkeypatch.setattr(ghost_grams, "gram_triton", kernel_off_by(1.5))
+    verdict = ghost_grams.check_gram_kernel(torch.device("cpu"))
     assert isinstance(verdict, str) and "differs from torch's" in verdict
-    monkeypatch.setattr(contraction, "gram_triton", kernel_off_by(0.5))
-    assert contraction.check_gram_kernel(torch.device("cpu")) is True
+    monkeypatch.setattr(ghost_grams, "gram_triton", kernel_off_by(0.5))
+    assert ghost_grams.check_gram_kernel(torch.device("cpu")) is True

@@ -14,13 +14,11 @@ how those products are computed, and nothing of what they mean:
   (:func:`fused_operand`);
 * the rows of a wide factor stored aligned for the tensor cores' fast GEMMs (:func:`aligned_rows`),
   and the bad units' rows zeroed in their own layout (:func:`zero_rows`, :func:`must_zero`), or
-  left to a redo of the step where it zeroes lazily (:func:`defers_zeroing`);
-* a ghost norm's Gram-pair reductions, the norm's and its bound's row sums
-  (:func:`gram_pair_rows`: torch's passes, or one Triton kernel, :mod:`userdp.engine.gram_triton`).
+  left to a redo of the step where it zeroes lazily (:func:`defers_zeroing`).
 
-The switches (:data:`TENSOR_CORES`, :data:`FUSED_SPLIT`, :data:`FUSED_GRAMS`, :data:`SUM_OPERAND`) are read at each
-call,
-so tests and benchmarks set them here.
+(A ghost norm's Gram-pair row sums and their kernel are the Gram stage's:
+:func:`userdp.engine.ghost.grams.gram_pair_rows`.) The switches (:data:`TENSOR_CORES`,
+:data:`FUSED_SPLIT`, :data:`SUM_OPERAND`) are read at each call, so tests and benchmarks set them here.
 """
 
 from __future__ import annotations
@@ -30,11 +28,11 @@ from torch.nn import functional as F
 
 from userdp.engine import kernel_gate
 
-NO_TRITON: str | None = None  # why the Triton kernels cannot be imported here
+NO_TRITON: str | None = None  # why the Triton kernel cannot be imported here
 try:  # the CUDA kernels are written in Triton, which CUDA builds of torch bring (the CPU wheel does not)
-    from userdp.engine import gram_triton, split_triton
+    from userdp.engine import split_triton
 except Exception as exc:  # noqa: BLE001 - a missing or broken triton: the warning says why
-    gram_triton = split_triton = None
+    split_triton = None
     NO_TRITON = f"no triton: {type(exc).__name__}: {str(exc)[:120]}"
 
 
@@ -51,15 +49,9 @@ TC_DEVICES = ("cuda", "meta")
 FUSED_SPLIT = "auto"
 FUSED_CHECKED: dict = {}  # device type -> True, or why the kernel is not used
 
-#: where a ghost norm's Gram-pair reductions (:func:`gram_pair_rows`) run as one Triton kernel
-#: (:mod:`userdp.engine.gram_triton`): "auto" on CUDA, "off" never, "on" on any device (tests, under
-#: Triton's interpreter); used once it has matched the torch passes (checked once per process).
-FUSED_GRAMS = "auto"
-GRAMS_CHECKED: dict = {}  # device type -> True, or why the kernel is not used
-
 #: the clipped sum's operand on tensor cores. "rounded" (the default): ``c_u · y`` rounded to bf16, one
 #: bf16 GEMM (a weight gradient's FLOPs); each entry's rounding, at most 2^-8 of it, moves the unit's sum
-#: by at most 2^-8 · c_u · spread (:meth:`userdp.engine.ghost.Factored.spread`), which the clip factor's
+#: by at most 2^-8 · c_u · spread (:func:`userdp.engine.ghost.grams.spread`), which the clip factor's
 #: bound adds (``ghost.bound.bounded_norms``), so a unit still adds at most C; the price, a clip factor ~0.65%
 #: lower for a clipped unit (``benchmarks/bench_operand.py``). "split": ``[hi | lo]``, which is
 #: ``c_u · y`` exactly, at twice the FLOPs (the roofline count, ``benchmarks/bench_traffic.py``: a
@@ -265,70 +257,3 @@ def operand_roundoff(narrow: bool) -> float:
     on tensor cores with the rounded operand, else 0 (the split operand and the float paths are
     exact products; an embedding's sum adds ``c_u · y`` in float32, exactly)."""
     return ROUNDED_OPERAND_U if narrow and SUM_OPERAND == "rounded" else 0.0
-
-
-def gram_pair_rows(gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor, row_sums: bool) -> tuple:
-    """``(v, qy, qx, sx)`` ``[m, Ta]``, per row t of a Gram pair ``[m, Ta, Tb]``: ``Σ_s Gx_ts Gy_ts``,
-    ``Σ_s |Gy_ts| rb_x_s``, ``Σ_s |Gx_ts| rb_y_s`` and (``row_sums``; else None) ``Σ_s |Gx_ts|``, in the
-    Grams' dtype: what a ghost norm and its rounding bound are summed from
-    (:func:`userdp.engine.ghost.grams.inner`). One Triton kernel where :data:`FUSED_GRAMS` allows it and it
-    has matched :func:`torch_pair_rows` on this device type; else torch's passes. Any order of
-    these sums is covered by the bound (each term moves through fewer additions than it has terms)."""
-    if gx.dtype == torch.float32 and _grams_kernel_allowed(gx.device):
-        got = gram_triton.pair_rows(gx.contiguous(), gy.contiguous(), rb_x, rb_y, row_sums)
-        if got is not None:
-            return got
-    return torch_pair_rows(gx, gy, rb_x, rb_y, row_sums)
-
-
-def torch_pair_rows(
-    gx: torch.Tensor, gy: torch.Tensor, rb_x: torch.Tensor, rb_y: torch.Tensor, row_sums: bool
-) -> tuple:
-    """:func:`gram_pair_rows` by torch's passes: a batched dot per row, the absolute Grams and two
-    batched products with the row vectors."""
-    m, ta, tb = gy.shape
-    v = torch.bmm(gx.reshape(m * ta, 1, tb), gy.reshape(m * ta, tb, 1)).view(m, ta)
-    gx_abs = gx.abs()
-    qy = torch.bmm(gy.abs(), rb_x.to(gy.dtype).unsqueeze(2)).view(m, ta)
-    qx = torch.bmm(gx_abs, rb_y.to(gx.dtype).unsqueeze(2)).view(m, ta)
-    return v, qy, qx, (gx_abs.sum(-1) if row_sums else None)
-
-
-def _grams_kernel_allowed(device: torch.device) -> bool:
-    return kernel_gate.allowed(FUSED_GRAMS, GRAMS_CHECKED, device, check_gram_kernel, "the fused Gram-pair kernel")
-
-
-def gram_row_budget(ta: int, tb: int) -> float:
-    """gamma_{Ta+Tb} = n u / (1 - n u) for n = Ta + Tb and float32's unit roundoff u = 2^-24: the
-    relative rounding the proven norm bound budgets for one row of a Gram pair's sums."""
-    n = (ta + tb) * 2.0**-24
-    return n / (1.0 - n)
-
-
-def check_gram_kernel(device: torch.device) -> bool | str:
-    """True when the Triton kernel's row sums match :func:`torch_pair_rows`' on test Grams (entries
-    of both signs, several row and column blocks, a cross pair of two token counts, with and without
-    the row sums), each within the rounding budget the norm bound's proof allows a row,
-    gamma_{Ta+Tb} of the row's absolute terms in float32 (twice gamma_Tb, the rounding either
-    side may carry, is looser when Ta < Tb: the gate holds a kernel to the proof's budget, not to
-    what the difference of two roundings could reach); else why not."""
-    if gram_triton is None:
-        return NO_TRITON
-    g = torch.Generator().manual_seed(0)
-    for m, ta, tb, sums in ((3, 20, 300, True), (2, 7, 5, False), (4, 33, 256, True)):
-        gx = (torch.randn(m, ta, tb, generator=g) * 4).to(device)
-        gy = (torch.randn(m, ta, tb, generator=g) * 0.25).to(device)
-        rbx = torch.rand(m, tb, generator=g).to(device)
-        rby = torch.rand(m, tb, generator=g).to(device)
-        got = gram_triton.pair_rows(gx, gy, rbx, rby, sums)
-        if got is None:
-            return f"it refused Grams of shape {(m, ta, tb)}"
-        want = torch_pair_rows(gx, gy, rbx, rby, sums)
-        slack = gram_row_budget(ta, tb)
-        scales = ((gx * gy).abs().sum(-1), want[1], want[2], want[3])
-        for name, a, b, scale in zip(("dot", "|Gy| form", "|Gx| form", "|Gx| row sum"), got, want, scales, strict=True):
-            if (a is None) != (b is None):
-                return f"its {name} is {'missing' if a is None else 'extra'}"
-            if a is not None and not bool(((a - b).abs() <= slack * scale + 1e-30).all()):
-                return f"its {name} differs from torch's on {(m, ta, tb)}"
-    return True

@@ -36,6 +36,16 @@ def gamma(n: int, u: float) -> float:
     return nu / (1.0 - nu)
 
 
+def root_slack(n: int, u: float) -> float:
+    """The factor a root of an n-term sum of squares may be low by (gamma_n, the root, the division)."""
+    return root_slack_of(gamma(n, u))
+
+
+def root_slack_of(g: float) -> float:
+    """:func:`root_slack` for a sum whose relative rounding is at most ``g``."""
+    return ((1.0 + 2.0**-20) / (1.0 - g)) ** 0.5
+
+
 def round_down_to(c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``c`` (float64, >= 0) in ``dtype``, never rounded up: a clip factor rounded up would let a
     unit past C by half an ulp."""

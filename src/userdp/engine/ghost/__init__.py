@@ -58,9 +58,13 @@ The package, one part a concern (each module's docstring says what it holds):
 - :mod:`~.capture`: what the forward's hooks keep of a layer call;
 - :mod:`~.layers`: one file a layer type, registered by decorator (``GHOST_LAYERS``), and the
   ``torch.func`` fallback;
-- :mod:`~.factors`: a parameter's use kept as its two factors, laid out by unit;
-- :mod:`~.grams`: the squared per-unit norms from the Gram matrices and their rounding bounds;
-- :mod:`~.stacks`: parameters of one shape stacked, so a group takes a few kernels;
+- :mod:`~.factors`: a parameter's use kept as its two factors, laid out by unit, with its rounding
+  constants;
+- :mod:`~.grams`: the Gram stage: a parameter's squared per-unit norms from the Gram matrices, the
+  rows' norms, magnitudes and spreads their rounding bound reads, the Gram pairs' row sums (and
+  their Triton kernel's gate), and the parameter's :class:`~.bound.Bound`;
+- :mod:`~.stacks`: parameters of one shape stacked, so a group takes a few kernels (its members'
+  bounds at once);
 - :mod:`~.bound`: the proven upper bound on what a unit adds, from which its clip factor comes;
 - :mod:`~.sums`: one parameter's clipped, weighted sum;
 - :mod:`~.coverage`: which parameters a first chunk compares with autograd's batch gradient, and

@@ -29,7 +29,7 @@ class Bound:
     entries (:data:`~userdp.engine.contraction.ROUNDED_OPERAND_U` for the rounded tensor-core operand, else 0:
     exact) and
     ``spread`` what that rounding is a share of: the terms of the uses whose operand is rounded, their
-    :meth:`Factored.spread` summed (:func:`spreads`; needed when ``operand`` is not 0)."""
+    :func:`~userdp.engine.ghost.grams.spread` summed (:func:`spreads`; needed when ``operand`` is not 0)."""
 
     value: torch.Tensor
     err: torch.Tensor | None
@@ -49,7 +49,7 @@ def bounded_norms(parts: list, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     rounding of the unit's own terms in the sum (a K-term contraction perturbs each term by at most
     gamma_K, and a rounded operand's terms are at most 1 + r times the exact ones; an operand entry
     rounded to bf16 moves by at most r = 2^-8 of itself, which moves the unit's sum by at most
-    r · spread, :meth:`Factored.spread`).
+    r · spread, :func:`~userdp.engine.ghost.grams.spread`).
     All parameters at once: a few kernels per chunk, not a few per parameter."""
     value = torch.stack([b.value for b in parts], dim=1).clamp(min=0)
     est = value.sqrt()

@@ -1,6 +1,7 @@
 """A parameter's use in a chunk, kept as its two factors (:class:`Factored`: unit u's gradient is
-``Σ_t x[u,t] ⊗ y[u,t]``), the captured tensors laid out by unit (:func:`by_units`), and the rounding
-terms the proven bound reads from them (:class:`SpreadTerm`, :func:`spreads`, :func:`root_slack`).
+``Σ_t x[u,t] ⊗ y[u,t]``) with its rounding constants (:attr:`Factored.gamma_x`, ...), the captured
+tensors laid out by unit (:func:`by_units`), and the spread terms the proven bound reads
+(:class:`SpreadTerm`, :func:`spreads`; :mod:`~userdp.engine.ghost.grams` computes them).
 The package docstring (:mod:`userdp.engine.ghost`) gives the method."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from userdp.engine import contraction as cx
-from userdp.engine.rounding import gamma, unit_roundoff
+from userdp.engine.rounding import gamma, root_slack, unit_roundoff
 from userdp.errors import UserError
 
 
@@ -35,10 +36,12 @@ class Factored:
     dtype: torch.dtype | None = None
     #: contract bf16 ``x``/``y`` on tensor cores (float32 accumulation) instead of upcasting first
     tc: bool = False
-    #: cached upper bounds on the rows' norms (:meth:`row_norms`) and on the magnitude (:meth:`magnitude`)
+    #: cached upper bounds on the rows' norms and on the magnitude
+    #: (:func:`~userdp.engine.ghost.grams.row_norms`, :func:`~userdp.engine.ghost.grams.magnitude`)
     _rows: tuple | None = field(default=None, repr=False, compare=False)
     _mag: tuple[torch.Tensor, float] | None = field(default=None, repr=False, compare=False)
-    #: ``Σ_s |Ĝx_ts|`` ``[m, T]``, kept from the use's own Gram where the rounded operand needs it (:meth:`spread`)
+    #: ``Σ_s |Ĝx_ts|`` ``[m, T]``, kept from the use's own Gram where the rounded operand needs it
+    #: (:func:`~userdp.engine.ghost.grams.spread_term`)
     _gx_rows: torch.Tensor | None = field(default=None, repr=False, compare=False)
     #: units whose rows of ``y`` count as zero in :meth:`weighted_sum` (:meth:`zero_units`)
     bad: torch.Tensor | None = field(default=None, repr=False, compare=False)
@@ -57,7 +60,7 @@ class Factored:
     def rounds_operand(self) -> bool:
         """This use's clipped sum takes the rounded tensor-core operand (a dense use on tensor cores
         with :data:`~userdp.engine.contraction.SUM_OPERAND` "rounded"), whose rounding the norm's
-        bound takes in through :meth:`spread`; an embedding's sum is exact."""
+        bound takes in through its spread (:func:`~userdp.engine.ghost.grams.spread`); an embedding's sum is exact."""
         return not self.index and cx.operand_roundoff(self.narrow) > 0
 
     @property
@@ -69,51 +72,28 @@ class Factored:
         """The unit roundoff of this use's contractions (:func:`~userdp.engine.rounding.unit_roundoff`)."""
         return unit_roundoff(self.compute_dtype, self.narrow)
 
-    def row_norms(self) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-        """``(rx, ry, sx, sy)``: the rows' computed norms ``[m, T]`` in the Grams' dtype and the factors
-        by which they may be low: ``|x_t| <= sx rx_t``, ``|y_t| <= sy ry_t`` (a one-hot row has norm 1).
-        Taken from the diagonals of the use's own Gram matrices when :func:`inner` formed them (no
-        extra pass over the factors), else from one pass; the factors cover the rounding of the
-        squared norms (gamma_n relative: the terms are squares) and of the root. Python floats, so
-        applying them costs no kernel."""
-        if self._rows is None:
-            y = self.fy()
-            ry, sy = (y * y).sum(-1).sqrt(), root_slack(int(y.shape[-1]) + 1, 2.0**-23)
-            if self.index:
-                rx, sx = torch.ones_like(ry), 1.0
-            else:
-                x = self.fx()
-                rx, sx = (x * x).sum(-1).sqrt(), root_slack(int(x.shape[-1]) + 1, 2.0**-23)
-            self._rows = (rx, ry, sx, sy)
-        return self._rows
+    @property
+    def gamma_x(self) -> float:
+        """gamma_X of a product over this use's x rows at its own unit roundoff (width X); 0 for
+        one-hot rows, whose products are exact."""
+        return 0.0 if self.index else gamma(int(self.x.shape[-1]), self.u)
 
-    def magnitude(self) -> tuple[torch.Tensor, float]:
-        """``(B, s)``: ``Σ_t |x_t| |y_t| <= s B`` per unit (``[m]``), which bounds the Frobenius norm
-        of every partial sum of the unit's per-token terms: the scale of every rounding error in its
-        norm and its sum. One batched dot; ``s`` covers the rows' factors and its own rounding."""
-        if self._mag is None:
-            rx, ry, sx, sy = self.row_norms()
-            t = rx.shape[1]
-            self._mag = (torch.bmm(rx.unsqueeze(1), ry.unsqueeze(2)).view(-1), sx * sy * (1.0 + gamma(t + 2, 2.0**-23)))
-        return self._mag
+    @property
+    def gamma_y(self) -> float:
+        """gamma_Y of a product over this use's y rows at its own unit roundoff (width Y)."""
+        return gamma(int(self.y.shape[-1]), self.u)
 
-    def spread(self) -> torch.Tensor:
-        """``[m]`` float64: an upper bound on ``‖Σ_t x_t ⊗ e_t‖`` per unit for any ``e_t`` with
-        ``|e_t| <= |y_t|`` elementwise: the scale of the rounded operand's error (which is at most
-        2^-8 · c_u · |y_t| an entry). It is ``‖X‖₂ ‖E‖_F <= ‖X‖₂ ‖Y‖_F`` with ``‖X‖₂² = λ_max(Gx)``
-        bounded by Gershgorin (the largest row sum of ``|Gx|``, from the computed Gram plus its
-        rounding, gamma_X |x_t||x_s| an entry), or ``B = Σ_t |x_t||y_t|`` (Cauchy-Schwarz on each
-        token) where that is smaller: up to sqrt(T) below B when the unit's inputs point apart.
-        Every computed term is inflated by the factor it may be low by. (:func:`spreads` computes
-        a chunk's spreads together, from :meth:`spread_term`.)"""
-        return spreads([[self.spread_term()]], int(self.y.shape[0]))[0]
+    @property
+    def row_slack(self) -> tuple[float, float]:
+        """``(sx, sy)``: the factors by which the rows' norms, computed in one pass over the factors
+        in float32, may be low (gamma_n of the squares, the root; a one-hot row's norm is 1, exactly)."""
+        sy = root_slack(int(self.y.shape[-1]) + 1, 2.0**-23)
+        return (1.0 if self.index else root_slack(int(self.x.shape[-1]) + 1, 2.0**-23)), sy
 
-    def spread_term(self) -> SpreadTerm:
-        """What :meth:`spread` is computed from: this use's magnitude, rows' norms and, after its
-        own Gram (:func:`inner`), the row sums of ``|Gx|`` (None: B alone)."""
-        mag, smag = self.magnitude()
-        rx, ry, sx, sy = self.row_norms()
-        return SpreadTerm(mag, smag, rx, ry, sx, sy, self._gx_rows, gamma(int(self.x.shape[-1]), self.u))
+    @property
+    def token_slack(self) -> float:
+        """The factor a T-term float32 sum of this use's per-token products may be low by."""
+        return 1.0 + gamma(self.tokens + 2, 2.0**-23)
 
     def fx(self) -> torch.Tensor:
         """``x`` in the compute dtype (token ids as they are)."""
@@ -175,7 +155,7 @@ class Factored:
 
 @dataclass
 class SpreadTerm:
-    """One rounded use's share of its parameter's spread (:meth:`Factored.spread`): ``mag`` ``[m]``
+    """One rounded use's share of its parameter's spread (:func:`~userdp.engine.ghost.grams.spread`): ``mag`` ``[m]``
     the computed ``Σ_t |x_t||y_t|`` (low by at most the factor ``smag``), ``rx``/``ry`` ``[m, T]`` the
     rows' computed norms (low by at most ``sx``/``sy``), ``gx_rows`` ``[m, T]`` the row sums of the
     computed ``|Gx|`` (None: the spread is B), ``gxn`` gamma_X of that Gram."""
@@ -211,7 +191,7 @@ class SpreadTerm:
 
 
 def spreads(per_param: list[list[SpreadTerm]], m: int) -> torch.Tensor:
-    """``[P, m]`` float64: per parameter, the sum of its terms' spreads (:meth:`Factored.spread`),
+    """``[P, m]`` float64: per parameter, the sum of its terms' spreads (:func:`~userdp.engine.ghost.grams.spread`),
     all of a chunk's uses at once: a dozen kernels per token count, not a dozen per use (49 uses at
     gpt2-small). A parameter without terms gets 0."""
     terms = [(j, t) for j, ts in enumerate(per_param) for t in ts]
@@ -239,15 +219,6 @@ def spreads(per_param: list[list[SpreadTerm]], m: int) -> torch.Tensor:
         index = coefficients(tuple(j for j, _ in members), device, torch.long)
         out.index_add_(0, index, val)
     return out
-
-
-def root_slack(n: int, u: float) -> float:
-    """The factor a root of an n-term sum of squares may be low by (gamma_n, the root, the division)."""
-    return root_slack_of(gamma(n, u))
-
-
-def root_slack_of(g: float) -> float:
-    return ((1.0 + 2.0**-20) / (1.0 - g)) ** 0.5
 
 
 _COEFFICIENTS: dict = {}

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 from userdp.engine import contraction as cx
-from userdp.engine.ghost import grams
+from userdp.engine.ghost import bound, grams
 from userdp.engine.ghost.factors import Factored
+from userdp.engine.rounding import unit_roundoff
 
 #: the most elements a stacked group's largest temporary may hold (64 MB in float32): groups form where
 #: a chunk's per-layer kernels are small (launch-bound), and a chunk whose layers are big enough to
@@ -104,9 +105,23 @@ class FactorStack:
             self.tc,
         )
         value, err = grams.inner(flat, flat)
-        mag, smag = flat.magnitude()
-        spread = flat.spread_term().split(k) if flat.rounds_operand else None
+        mag, smag = grams.magnitude(flat)
+        spread = grams.spread_term(flat).split(k) if flat.rounds_operand else None
         return value.view(k, m), err.view(k, m), (mag * smag).view(k, m), spread
+
+    def bounds(self) -> list[bound.Bound]:
+        """Each member's norm and what bounds a unit's contribution to its sum
+        (:class:`~userdp.engine.ghost.bound.Bound`), from :meth:`norm2`: the clipped sum contracts
+        m·T terms at the stack's unit roundoff, its operand rounded as
+        :func:`~userdp.engine.contraction.operand_roundoff` says."""
+        value, err, mag, spread = self.norm2()
+        k_len = int(self.x.shape[1]) * int(self.y.shape[2])
+        u = unit_roundoff(self.dtype or self.y.dtype, self.narrow)
+        r = cx.operand_roundoff(self.narrow)
+        return [
+            bound.Bound(value[i], err[i], mag[i], k_len, u, None, r, None if spread is None else [spread[i]])
+            for i in range(len(self.members))
+        ]
 
     def weighted_sums(self, c: torch.Tensor, bad: torch.Tensor | None) -> torch.Tensor:
         """``[k, X, Y]``: each member's ``Σ_u c[u, member] · (unit u's gradient)``, units ``bad`` zeroed

@@ -271,20 +271,11 @@ class GhostPerUnit:
             for i, j in enumerate(g):
                 per_param[j] = bound.Bound(sq[:, i], None, None, 0, u_dense, size[:, i])
         for st in parts.stacks:
-            value, err, mag, spread = st.norm2()  # [k, m]
-            k_len = m * int(st.y.shape[2])
-            u = unit_roundoff(st.dtype or st.y.dtype, st.narrow)
-            r = cx.operand_roundoff(st.narrow)
-            for i, j in enumerate(st.members):
-                per_param[j] = bound.Bound(value[i], err[i], mag[i], k_len, u, None, r, [spread[i]] if r else None)
+            for j, b in zip(st.members, st.bounds(), strict=True):
+                per_param[j] = b
         for j, (d, fs) in enumerate(zip(parts.dense, parts.factored, strict=True)):
             if per_param[j] is None:
-                value, err, mag, spread = grams.parameter_norm2(d, fs)
-                size = torch.linalg.vector_norm(d.reshape(m, -1), dim=1, dtype=torch.float64) if d is not None else None
-                k_len = max((m * x.tokens for x in fs), default=0)
-                u = max([x.u for x in fs] + [u_dense])
-                r = cx.ROUNDED_OPERAND_U if spread else 0.0
-                per_param[j] = bound.Bound(value, err, mag, k_len, u, size, r, spread)
+                per_param[j] = grams.parameter_bound(d, fs, m, u_dense)
         return bound.bounded_norms(per_param, m)
 
     def _sums(self, parts: _Parts, factors: _ClipFactors, sink) -> list | None:
