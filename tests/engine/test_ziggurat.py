@@ -49,6 +49,66 @@ def test_the_tail_reaches_beyond_numpys_bound():
     assert abs(theirs[0]) == pytest.approx(ziggurat.NUMPY_MAX, rel=1e-6)
 
 
+def _by_hand(words: np.ndarray, n: int) -> np.ndarray:
+    """The algorithm of the module docstring in plain Python, one word at a time (85-bit tail): the
+    reference the compiled kernel, which works a block of words at a time, is held to."""
+    k, w, f = ziggurat.K, ziggurat.W, ziggurat.F
+    r32, scale = np.float32(ziggurat.R), np.float32(1.0 / 16777216.0)
+    out, p = np.empty(n, np.float32), 0
+
+    def uniform(a, b, c):  # 85 bits, in float64, never 0
+        hi = float((int(a) >> 5) * 67108864 + (int(b) >> 6))
+        return (hi + (float(c) + 0.5) / 4294967296.0) / 9007199254740992.0
+
+    for i in range(n):
+        while True:
+            r = int(words[p])
+            p += 1
+            layer, rabs = r & 0xFF, (r >> 9) & 0x7FFFFF
+            x = np.float32(np.float32(rabs) * w[layer])
+            x = -x if r & 0x100 else x
+            if rabs < k[layer]:
+                out[i] = x
+                break
+            if layer == 0:
+                while True:
+                    x64 = -np.log(uniform(*words[p : p + 3])) / float(r32)
+                    y64 = -np.log(uniform(*words[p + 3 : p + 6]))
+                    p += 6
+                    if y64 + y64 > x64 * x64:
+                        v = np.float32(float(r32) + x64)
+                        out[i] = -v if (rabs >> 8) & 1 else v
+                        break
+                break
+            u = np.float32(np.float32(int(words[p]) >> 8) * scale)
+            p += 1
+            if float(np.float32((f[layer - 1] - f[layer]) * u + f[layer])) < np.exp(-0.5 * float(x) * float(x)):
+                out[i] = x
+                break
+    return out
+
+
+def test_a_block_boundary_inside_a_slow_path_changes_no_number():
+    """The kernel takes its words a block at a time (its values and flags kept in cache), and a slow
+    path may read past its block. Words built so that the tail and a wedge begin at the last words
+    of blocks, and so that a block begins inside a slow path, give the plain, one-word-at-a-time
+    algorithm's numbers, bit for bit, and its count of words used."""
+    block = ziggurat_kernel.BLOCK
+    words = np.random.PCG64DXSM(7).random_raw(2 * block).view(np.uint32)[: 3 * block + 3000].copy()
+    tail = np.uint32(int(ziggurat.K[0]) << 9)  # layer 0, rejected by the fast path: the tail
+    wedge = np.uint32((int(ziggurat.K[200]) << 9) | 200)  # layer 200 at its fast path's bound: the wedge
+    words[block - 1] = tail  # six uniform words in the next block
+    words[2 * block - 1] = wedge  # its uniform is the next block's first word
+    words[2 * block - 3] = tail  # a block that begins three words into a tail's uniforms
+    n = 3 * block - 200
+    got = np.empty(n, np.float32)
+    used = ziggurat.fill(words, got, scratch=ziggurat.scratch())
+    want = _by_hand(words, n)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert used == ziggurat.fill(words, np.empty(n, np.float32))  # its own scratch: the same
+    assert np.abs(got).max() > ziggurat.R  # the tail was drawn
+
+
 def test_the_tables_are_the_ziggurats():
     assert ziggurat.K[1] == 0 and ziggurat.F[0] == 1.0 and np.all(np.diff(ziggurat.F) < 0)
     assert np.all(np.diff(ziggurat.W[1:]) > 0) and ziggurat.W[-1] * (1 << 23) == pytest.approx(ziggurat.R, rel=1e-6)

@@ -3,7 +3,9 @@
 The host source's streams (:class:`userdp.engine.noise.gaussian.GaussianNoise`) draw from this: a
 256-bit key from the source's key material (its ``SeedSequence`` child: never stored for an unseeded
 run), the block counter from 0, 16 bytes a block, encrypted by OpenSSL through ``cryptography`` (AES-NI
-on every x86-64 CPU of the last decade; ARMv8's crypto extensions likewise). A counter-mode cipher is
+on every x86-64 CPU of the last decade; ARMv8's crypto extensions likewise; ``cryptography`` 50 and
+later release the GIL while it encrypts, so the source's threads do so at once: before, they took
+turns). A counter-mode cipher is
 a pseudorandom function of the counter under the key, so the words are unpredictable to anyone
 without the key, whatever else of the stream they see (a checkpoint of a seeded run holds the counter
 alone). :func:`userdp.engine.noise.ziggurat.fill` turns the words into float32 normals, numpy's
@@ -52,6 +54,7 @@ class CipherStream:
         # is no cryptographic key derivation): the streams' AES keys are unrelated to each other
         self._key = hashlib.sha256(_LABEL + key_seq.generate_state(8, np.uint32).tobytes()).digest()
         self._wide = np.random.Generator(np.random.PCG64DXSM(wide_seq))
+        self._scratch: tuple | None = None  # the kernel's (ziggurat.scratch), made on the first draw, reused
         self._seek(0)
 
     def _seek(self, at: int) -> None:
@@ -89,7 +92,9 @@ class CipherStream:
         for lo in range(0, out.size, _PIECE):
             piece = out[lo : lo + _PIECE]
             margin = piece.size // _SPARE + 64
-            while (used := ziggurat.fill(self._words(piece.size + margin), piece)) < 0:
+            if self._scratch is None:
+                self._scratch = ziggurat.scratch()
+            while (used := ziggurat.fill(self._words(piece.size + margin), piece, scratch=self._scratch)) < 0:
                 margin *= 4  # ran out (rare): the same words from the same position, and more of them
             self._at += used
         return out
