@@ -24,7 +24,9 @@ def test_over_pcg64s_words_it_is_numpys_standard_normal_bit_for_bit():
     assert (np.abs(out) > ziggurat.R).sum() > 20  # the tail beyond r was drawn (expected ~77)
     short = np.full(n, 7.0, np.float32)
     assert ziggurat.fill(words[: n - 1], short) == -1  # too few words: said, not guessed
-    assert ziggurat_kernel.fill(words[:10], short[:10], True) == 10  # the compiled kernel itself
+    assert (
+        ziggurat_kernel.fill(words[:10], short[:10], True, *ziggurat.new_scratch()) == 10
+    )  # the compiled kernel itself
     # the kernel the noise uses differs only in the tail: the same numbers up to the first normal beyond r
     ours = np.empty(n, np.float32)
     assert ziggurat.fill(words, ours) > 0
@@ -102,7 +104,7 @@ def test_a_block_boundary_inside_a_slow_path_changes_no_number():
     words[2 * block - 3] = tail  # a block that begins three words into a tail's uniforms
     n = 3 * block - 200
     got = np.empty(n, np.float32)
-    used = ziggurat.fill(words, got, scratch=ziggurat.scratch())
+    used = ziggurat.fill(words, got, scratch=ziggurat.new_scratch())
     want = _by_hand(words, n)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert used == ziggurat.fill(words, np.empty(n, np.float32))  # its own scratch: the same

@@ -54,7 +54,7 @@ class CipherStream:
         # is no cryptographic key derivation): the streams' AES keys are unrelated to each other
         self._key = hashlib.sha256(_LABEL + key_seq.generate_state(8, np.uint32).tobytes()).digest()
         self._wide = np.random.Generator(np.random.PCG64DXSM(wide_seq))
-        self._scratch: tuple | None = None  # the kernel's (ziggurat.scratch), made on the first draw, reused
+        self._scratch: tuple | None = None  # the kernel's (ziggurat.new_scratch), made on the first draw, reused
         self._seek(0)
 
     def _seek(self, at: int) -> None:
@@ -93,7 +93,7 @@ class CipherStream:
             piece = out[lo : lo + _PIECE]
             margin = piece.size // _SPARE + 64
             if self._scratch is None:
-                self._scratch = ziggurat.scratch()
+                self._scratch = ziggurat.new_scratch()
             while (used := ziggurat.fill(self._words(piece.size + margin), piece, scratch=self._scratch)) < 0:
                 margin *= 4  # ran out (rare): the same words from the same position, and more of them
             self._at += used

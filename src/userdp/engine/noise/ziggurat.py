@@ -84,7 +84,7 @@ def _kernel():
     return _KERNEL
 
 
-def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def new_scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What :func:`fill` works in (``scratch=``): a block's values, accept flags and reject positions
     (:data:`~userdp.engine.noise.ziggurat_kernel.BLOCK` words), kept by a stream and reused."""
     block = _kernel().BLOCK
@@ -97,8 +97,5 @@ def fill(words: np.ndarray, out: np.ndarray, numpy_tail: bool = False, scratch=N
     holds nothing of use: call again from the same position with more words). ``numpy_tail``: draw
     the tail as numpy does (24-bit uniforms: nothing beyond :data:`NUMPY_MAX`; for the test that this
     is numpy's algorithm) instead of from 85-bit uniforms (see the module docstring). ``scratch``:
-    from :func:`scratch` (None: the kernel allocates its own)."""
-    kernel = _kernel()
-    if scratch is None:
-        return int(kernel.fill(words, out, bool(numpy_tail)))
-    return int(kernel.fill_with(words, out, bool(numpy_tail), *scratch))
+    from :func:`new_scratch`, kept by the caller across calls (None: new for this call)."""
+    return int(_kernel().fill(words, out, bool(numpy_tail), *(new_scratch() if scratch is None else scratch)))

@@ -116,10 +116,11 @@ def _slow(words, p, numpy_tail):  # pragma: no cover - compiled
 
 
 @numba.njit(nogil=True, cache=True)
-def fill_with(words, out, numpy_tail, xs, acc, rej):  # pragma: no cover - compiled
-    """:func:`fill` with its scratch given: ``xs`` float32, ``acc`` uint8, ``rej`` int32, each of
-    :data:`BLOCK` elements (:func:`userdp.engine.noise.ziggurat.scratch`). The words are taken a block
-    at a time, so the block's values and flags stay in the core's cache however long the draw."""
+def fill(words, out, numpy_tail, xs, acc, rej):  # pragma: no cover - compiled
+    """:func:`userdp.engine.noise.ziggurat.fill` in its scratch: ``xs`` float32, ``acc`` uint8, ``rej``
+    int32, each of :data:`BLOCK` elements (:func:`userdp.engine.noise.ziggurat.new_scratch`). The
+    words are taken a block at a time, so the block's values and flags stay in the core's cache
+    however long the draw."""
     nw = words.shape[0]
     n = out.shape[0]
     i = p = 0
@@ -150,10 +151,3 @@ def fill_with(words, out, numpy_tail, xs, acc, rej):  # pragma: no cover - compi
             out[i] = v
             i += 1
     return p
-
-
-@numba.njit(nogil=True, cache=True)
-def fill(words, out, numpy_tail):  # pragma: no cover - compiled
-    """:func:`fill_with` on scratch of its own."""
-    xs, acc, rej = np.empty(BLOCK, np.float32), np.empty(BLOCK, np.uint8), np.empty(BLOCK, np.int32)
-    return fill_with(words, out, numpy_tail, xs, acc, rej)
