@@ -28,8 +28,9 @@ gives ``Generator.standard_normal(dtype=float32)`` bit for bit (tests/engine/tes
 kernel takes two passes over a block of words (:mod:`~userdp.engine.noise.ziggurat_kernel`): every
 word's fast-path value without a branch (vectorized), then the normals in order, a run of accepted
 words a copy and a rejected word the slow path; the same numbers as one pass that branches on every
-word, 1.6-2.5 ns a normal against that pass's 2.9-4.3 and numpy's 9.9 (one thread, interleaved in
-one process, this 2-core AMD EPYC).
+word. On words it has not seen, 2.0-2.5 ns a normal against numpy's 10.5-12.4 (one thread,
+interleaved in one process, this 2-core AMD EPYC: ``python benchmarks/bench_noise.py``); the same
+words again and again flatter it by 20-40% (a branch predictor learns where a block's rejects are).
 """
 
 from __future__ import annotations
