@@ -11,6 +11,7 @@ import os
 import threading
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -253,8 +254,10 @@ def test_a_seeded_run_is_the_same_with_its_noise_drawn_ahead(monkeypatch, own_lo
 
 
 @pytest.mark.parametrize("ahead", [False, True])
-@pytest.mark.parametrize("source", [noise_mod.GaussianNoise, chacha.ChaChaNoise])
-def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, source, ahead):
+@pytest.mark.parametrize(  # the host draw's float32 sums take the compiled add, float64 torch's
+    ("source", "wide"), [(noise_mod.GaussianNoise, False), (noise_mod.GaussianNoise, True), (chacha.ChaChaNoise, True)]
+)
+def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, source, ahead, wide):
     """A sharded step reads the step's one draw a parameter at a time (``pieces`` through a
     ``DrawCursor``) to scatter each parameter's noise to its shards: the numbers are those ``add_``
     adds, rounded alike, and the generator stands where a whole draw leaves it."""
@@ -265,7 +268,7 @@ def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, s
     monkeypatch.setattr(noise_mod, "PREFETCH", "on")
     whole, by_tensor = source(41, seeded=True), source(41, seeded=True)
     mech = IIDGaussian(by_tensor)
-    tensors = _tensors(wide=True)
+    tensors = _tensors(wide=wide)
     want = whole.like(tensors, 0.3)
     numel, dtypes = _numel_dtypes(tensors)
     if ahead and source is noise_mod.GaussianNoise:
@@ -280,3 +283,46 @@ def test_a_draw_read_in_order_a_tensor_at_a_time_is_the_same_draw(monkeypatch, s
     short.take(numel - 1, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match="not read to its end"):
         short.finish()
+
+
+def test_the_compiled_add_is_torchs_multiply_then_add_bit_for_bit():
+    """The host draw adds ``z · std`` to the sums in one compiled pass (add_kernel.scale_add); torch
+    multiplies in float32, rounds, adds and rounds again. A fused multiply-add, or a product kept in
+    float64, rounds once: on these numbers it differs from torch's in thousands of places, so the test
+    can tell them apart; the kernel differs in none."""
+    from userdp.engine.noise import add_kernel
+
+    gen = torch.Generator().manual_seed(3)
+    for std in (0.37, 0.1, 2.5e-3, 1234.5678):  # not 1.0: its products are exact, rounded or not
+        dst = torch.randn(200_003, generator=gen) * 0.01
+        z = torch.randn(200_003, generator=gen)
+        want = dst.clone().add_(z.clone().mul_(std))
+        got = dst.clone()
+        add_kernel.scale_add(got.numpy(), z.numpy(), np.float32(std))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        once = (dst.double() + z.double() * float(np.float32(std))).float()  # one rounding, as an FMA
+        assert int((once != want).sum()) > 1000
+
+
+def test_the_compiled_add_lands_where_torchs_does_and_leaves_the_normals_alone():
+    """``add_scaled`` over tensors of mixed dtypes, pieces cutting across them: the same sums as
+    ``add_piece`` of the scaled piece (torch's ops), and the piece of normals it read unchanged."""
+    from userdp.engine.noise.flat import add_piece, add_scaled, flat_views
+
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(70,), (3, 50), (1,), (400,)]
+    for z_dtype in (torch.float32, torch.float64):
+        tensors = [
+            torch.randn(s, generator=gen, dtype=torch.float64 if i == 2 else torch.float32)
+            for i, s in enumerate(shapes)
+        ]
+        ref = [t.clone() for t in tensors]
+        flats, offsets = flat_views(tensors)
+        ref_flats, _ = flat_views(ref)
+        z = torch.randn(offsets[-1], generator=gen, dtype=z_dtype).numpy()
+        kept = z.copy()
+        for lo, hi in ((0, 33), (33, 71), (71, 260), (260, offsets[-1])):
+            add_scaled(flats, offsets, z[lo:hi], 0.73, lo)
+            add_piece(ref_flats, offsets, torch.from_numpy(z[lo:hi].copy()).mul_(0.73), lo)
+        assert all(torch.equal(a, b) for a, b in zip(tensors, ref, strict=True))
+        assert np.array_equal(z, kept)

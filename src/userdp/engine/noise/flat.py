@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from importlib import import_module
 
+import numpy as np
 import torch
 
 
@@ -46,6 +48,36 @@ def add_piece(flats: Sequence[torch.Tensor], offsets: Sequence[int], z: torch.Te
         seg = flats[j][lo - offsets[j] : end - offsets[j]]
         seg.add_(z[lo - start : end - start].to(seg.device, dtype=seg.dtype))
         lo, j = end, j + 1
+
+
+def add_scaled(flats: Sequence[torch.Tensor], offsets: Sequence[int], z: np.ndarray, std: float, lo: int) -> None:
+    """:func:`add_piece` of ``torch.from_numpy(z).mul_(std)``, the same numbers, without changing ``z``:
+    where ``z`` and a tensor it covers are float32 and on the host, one compiled pass over the two
+    (:func:`userdp.engine.noise.add_kernel.scale_add`: the product rounded to float32, then the sum,
+    as torch rounds them); elsewhere (a float64 draw, a tensor on a device) torch's ops."""
+    hi, start = lo + z.size, lo
+    j = bisect.bisect_right(offsets, lo) - 1
+    scale = np.float32(std)  # what torch multiplies a float32 tensor by, for a Python float
+    while lo < hi:
+        end = min(hi, offsets[j + 1])
+        seg, piece = flats[j][lo - offsets[j] : end - offsets[j]], z[lo - start : end - start]
+        if z.dtype == np.float32 and seg.dtype == torch.float32 and seg.device.type == "cpu":
+            _add_kernel().scale_add(seg.detach().numpy(), piece, scale)
+        else:
+            seg.add_(torch.from_numpy(piece).mul(float(std)).to(seg.device, dtype=seg.dtype))
+        lo, j = end, j + 1
+
+
+_ADD_KERNEL = None
+
+
+def _add_kernel():
+    """:mod:`userdp.engine.noise.add_kernel` (numba), imported on the first host draw (once: a draw
+    calls it a piece at a time, from its threads)."""
+    global _ADD_KERNEL
+    if _ADD_KERNEL is None:
+        _ADD_KERNEL = import_module("userdp.engine.noise.add_kernel")
+    return _ADD_KERNEL
 
 
 def zeros_for_noise(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -37,7 +37,7 @@ import torch
 from userdp.engine.host import free_host_bytes
 from userdp.engine.noise import aes, ziggurat
 from userdp.engine.noise.chacha import ChaChaNoise
-from userdp.engine.noise.flat import add_piece, check_wide, flat_views, zeros_for_noise
+from userdp.engine.noise.flat import add_piece, add_scaled, check_wide, flat_views, zeros_for_noise
 from userdp.errors import UserError
 
 ENTROPY_BITS = 256
@@ -177,8 +177,7 @@ class GaussianNoise:
 
             def scaled(k: int) -> None:  # the same arithmetic as below: the piece times std, added in place
                 lo, hi = int(bounds[k]), int(bounds[k + 1])
-                piece = _mapped(torch.from_numpy(pending.buf[lo:hi]), lo, transform)
-                add_piece(flats, offsets, piece.mul_(float(std)), lo)
+                _add(flats, offsets, pending.buf[lo:hi], lo, std, transform)
 
             _for_each(scaled, range(_STREAMS))
             return tensors
@@ -189,7 +188,7 @@ class GaussianNoise:
             while lo < hi:
                 out = buf[: min(_PIECE, hi - lo)]
                 self._streams[k].standard_normal(out=out, dtype=dtype)
-                add_piece(flats, offsets, _mapped(torch.from_numpy(out), lo, transform).mul_(float(std)), lo)
+                _add(flats, offsets, out, lo, std, transform)
                 lo += out.size
 
         _for_each(fill, range(_STREAMS), parallel=total >= _PARALLEL_FROM)
@@ -289,10 +288,14 @@ class GaussianNoise:
             g.state = st
 
 
-def _mapped(z: torch.Tensor, lo: int, transform) -> torch.Tensor:
-    """The noise of a piece of standard normals ``z`` at offset ``lo``: ``z`` itself, or a correlated
-    mechanism's ``transform(z, lo)``."""
-    return z if transform is None else transform(z, lo)
+def _add(flats, offsets, z: np.ndarray, lo: int, std: float, transform) -> None:
+    """A piece of standard normals ``z`` at offset ``lo`` of the draw, times ``std``, added where it
+    lands: ``z`` itself (one compiled pass where it can: :func:`~userdp.engine.noise.flat.add_scaled`),
+    or a correlated mechanism's ``transform(z, lo)`` (which may change ``z``)."""
+    if transform is None:
+        add_scaled(flats, offsets, z, std, lo)
+    else:
+        add_piece(flats, offsets, transform(torch.from_numpy(z), lo).mul_(float(std)), lo)
 
 
 def draws_ahead(numel: int, itemsize: int = 4) -> bool:
