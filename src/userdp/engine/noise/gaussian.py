@@ -291,11 +291,13 @@ class GaussianNoise:
 def _add(flats, offsets, z: np.ndarray, lo: int, std: float, transform) -> None:
     """A piece of standard normals ``z`` at offset ``lo`` of the draw, times ``std``, added where it
     lands: ``z`` itself (one compiled pass where it can: :func:`~userdp.engine.noise.flat.add_scaled`),
-    or a correlated mechanism's ``transform(z, lo)`` (which may change ``z``)."""
-    if transform is None:
-        add_scaled(flats, offsets, z, std, lo)
+    or a correlated mechanism's ``transform(z, lo)`` (which may change ``z``), likewise where it is a
+    host tensor."""
+    w = z if transform is None else transform(torch.from_numpy(z), lo)
+    if isinstance(w, np.ndarray) or w.device.type == "cpu":
+        add_scaled(flats, offsets, w if isinstance(w, np.ndarray) else w.contiguous().numpy(), std, lo)
     else:
-        add_piece(flats, offsets, transform(torch.from_numpy(z), lo).mul_(float(std)), lo)
+        add_piece(flats, offsets, w.mul_(float(std)), lo)
 
 
 def draws_ahead(numel: int, itemsize: int = 4) -> bool:
