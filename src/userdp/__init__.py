@@ -4,4 +4,4 @@ The privacy unit is a user: every guarantee userdp prints is for adding or remov
 of one person's records. See README.md for the guarantee and its assumptions.
 """
 
-__version__ = "0.10.1"
+__version__ = "0.10.2"
