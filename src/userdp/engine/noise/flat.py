@@ -41,13 +41,8 @@ def add_piece(flats: Sequence[torch.Tensor], offsets: Sequence[int], z: torch.Te
     """Add ``z``, the piece ``[lo, lo + len(z))`` of one flat draw over the concatenation of
     ``flats``, into the tensors it covers (converted to each one's device and dtype: float32 or
     float64). The draws stream through such pieces, so no model-sized noise buffer exists."""
-    hi, start = lo + z.numel(), lo
-    j = bisect.bisect_right(offsets, lo) - 1
-    while lo < hi:
-        end = min(hi, offsets[j + 1])
-        seg = flats[j][lo - offsets[j] : end - offsets[j]]
-        seg.add_(z[lo - start : end - start].to(seg.device, dtype=seg.dtype))
-        lo, j = end, j + 1
+    for seg, a, b in _segments(flats, offsets, lo, z.numel()):
+        seg.add_(z[a:b].to(seg.device, dtype=seg.dtype))
 
 
 def add_scaled(flats: Sequence[torch.Tensor], offsets: Sequence[int], z: np.ndarray, std: float, lo: int) -> None:
@@ -55,16 +50,22 @@ def add_scaled(flats: Sequence[torch.Tensor], offsets: Sequence[int], z: np.ndar
     where ``z`` and a tensor it covers are float32 and on the host, one compiled pass over the two
     (:func:`userdp.engine.noise.add_kernel.scale_add`: the product rounded to float32, then the sum,
     as torch rounds them); elsewhere (a float64 draw, a tensor on a device) torch's ops."""
-    hi, start = lo + z.size, lo
-    j = bisect.bisect_right(offsets, lo) - 1
     scale = np.float32(std)  # what torch multiplies a float32 tensor by, for a Python float
+    for seg, a, b in _segments(flats, offsets, lo, z.size):
+        if z.dtype == np.float32 and seg.dtype == torch.float32 and seg.device.type == "cpu":
+            _add_kernel().scale_add(seg.detach().numpy(), z[a:b], scale)
+        else:
+            seg.add_(torch.from_numpy(z[a:b]).mul(float(std)).to(seg.device, dtype=seg.dtype))
+
+
+def _segments(flats: Sequence[torch.Tensor], offsets: Sequence[int], lo: int, n: int):
+    """Where the piece ``[lo, lo + n)`` of a flat draw lands: ``(segment, a, b)`` for each tensor it
+    covers, the segment a view of that tensor and ``[a, b)`` the piece's own positions there."""
+    hi, start = lo + n, lo
+    j = bisect.bisect_right(offsets, lo) - 1
     while lo < hi:
         end = min(hi, offsets[j + 1])
-        seg, piece = flats[j][lo - offsets[j] : end - offsets[j]], z[lo - start : end - start]
-        if z.dtype == np.float32 and seg.dtype == torch.float32 and seg.device.type == "cpu":
-            _add_kernel().scale_add(seg.detach().numpy(), piece, scale)
-        else:
-            seg.add_(torch.from_numpy(piece).mul(float(std)).to(seg.device, dtype=seg.dtype))
+        yield flats[j][lo - offsets[j] : end - offsets[j]], lo - start, end - start
         lo, j = end, j + 1
 
 

@@ -293,9 +293,12 @@ def _add(flats, offsets, z: np.ndarray, lo: int, std: float, transform) -> None:
     lands: ``z`` itself (one compiled pass where it can: :func:`~userdp.engine.noise.flat.add_scaled`),
     or a correlated mechanism's ``transform(z, lo)`` (which may change ``z``), likewise where it is a
     host tensor."""
-    w = z if transform is None else transform(torch.from_numpy(z), lo)
-    if isinstance(w, np.ndarray) or w.device.type == "cpu":
-        add_scaled(flats, offsets, w if isinstance(w, np.ndarray) else w.contiguous().numpy(), std, lo)
+    if transform is None:
+        add_scaled(flats, offsets, z, std, lo)
+        return
+    w = transform(torch.from_numpy(z), lo)
+    if w.device.type == "cpu":
+        add_scaled(flats, offsets, w.contiguous().numpy(), std, lo)
     else:
         add_piece(flats, offsets, w.mul_(float(std)), lo)
 
