@@ -39,17 +39,23 @@ def _open_uniform(a, b, c):  # pragma: no cover - compiled
     return (hi + (np.float64(c) + 0.5) / 4294967296.0) / 9007199254740992.0
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _word(r):  # pragma: no cover - compiled
+    """``(layer, rabs, x)`` of a word: 8 bits choose the layer, 1 bit the sign, 23 bits the position
+    ``rabs``; ``x = ± rabs · w[layer]``, the fast path's value (accepted where ``rabs < k[layer]``)."""
+    layer = np.int32(r & np.uint32(0xFF))
+    rabs = np.int32((r >> np.uint32(9)) & np.uint32(0x7FFFFF))
+    x = np.float32(rabs) * W[layer]
+    return layer, rabs, (-x if (r & np.uint32(0x100)) != 0 else x)  # negation sets the sign bit: -0.0 too
+
+
 @numba.njit(nogil=True, cache=True)
 def _fast_values(words, xs, acc):  # pragma: no cover - compiled
-    """For every word: 8 bits choose a layer, 1 bit the sign, 23 bits the position; ``xs[p]`` the value
-    ``± rabs · w[layer]``, ``acc[p]`` 1 where the fast path accepts it (``rabs < k[layer]``)."""
-    k, w = _K32, W
+    """For every word, as if a normal began at it: ``xs[p]`` its fast-path value (:func:`_word`),
+    ``acc[p]`` 1 where the fast path accepts it (no branch: the loop is vectorized)."""
+    k = _K32
     for p in range(words.shape[0]):
-        r = words[p]
-        layer = np.int32(r & np.uint32(0xFF))
-        rabs = np.int32((r >> np.uint32(9)) & np.uint32(0x7FFFFF))
-        x = np.float32(rabs) * w[layer]
-        xs[p] = -x if (r & np.uint32(0x100)) != 0 else x  # negation sets the sign bit: -0.0 too
+        layer, rabs, xs[p] = _word(words[p])
         acc[p] = np.uint8(rabs < k[layer])
 
 
@@ -74,21 +80,16 @@ def _slow(words, p, numpy_tail):  # pragma: no cover - compiled
     after the last it used; ``next`` is -1 where the words ran out. The wedge of layers 1-255 takes one
     more word; a rejected word starts over with the next word (fast path included); layer 0 takes
     the tail (two uniforms an attempt)."""
-    k, w, f, r32, inv_r32 = K, W, F, R32, INV_R32
+    k, f, r32, inv_r32 = _K32, F, R32, INV_R32
     nw = words.shape[0]
     scale = np.float32(1.0 / 16777216.0)
     while True:
         if p >= nw:
             return np.float32(0.0), -1
-        r = words[p]
+        layer, rabs, x = _word(words[p])
         p += 1
-        layer = r & 0xFF
-        rabs = (r >> 9) & 0x7FFFFF
-        x = np.float32(rabs) * w[layer]
         if rabs < k[layer]:  # the fast path, for a word after a rejected one
-            return (-x if (r & np.uint32(0x100)) != 0 else x), p
-        if (r >> 8) & 1:
-            x = -x
+            return x, p
         if layer == 0:  # the tail beyond r (Marsaglia's method): two uniforms an attempt
             while True:
                 if numpy_tail:  # numpy's: 24-bit uniforms, so no value beyond r + 24 ln 2 / r = 8.21
