@@ -255,8 +255,7 @@ def _grams_kernel_allowed(device: torch.device) -> bool:
 def gram_row_budget(ta: int, tb: int) -> float:
     """gamma_{Ta+Tb} = n u / (1 - n u) for n = Ta + Tb and float32's unit roundoff u = 2^-24: the
     relative rounding the proven norm bound budgets for one row of a Gram pair's sums."""
-    n = (ta + tb) * 2.0**-24
-    return n / (1.0 - n)
+    return gamma(ta + tb, 2.0**-24)
 
 
 def check_gram_kernel(device: torch.device) -> bool | str:
