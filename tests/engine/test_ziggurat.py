@@ -24,9 +24,8 @@ def test_over_pcg64s_words_it_is_numpys_standard_normal_bit_for_bit():
     assert (np.abs(out) > ziggurat.R).sum() > 20  # the tail beyond r was drawn (expected ~77)
     short = np.full(n, 7.0, np.float32)
     assert ziggurat.fill(words[: n - 1], short) == -1  # too few words: said, not guessed
-    assert (
-        ziggurat_kernel.fill(words[:10], short[:10], True, *ziggurat.new_scratch()) == 10
-    )  # the compiled kernel itself
+    compiled = ziggurat_kernel.fill(words[:10], short[:10], True, *ziggurat.new_scratch())
+    assert compiled == 10  # the compiled kernel itself
     # the kernel the noise uses differs only in the tail: the same numbers up to the first normal beyond r
     ours = np.empty(n, np.float32)
     assert ziggurat.fill(words, ours) > 0
